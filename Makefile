@@ -1,0 +1,42 @@
+# Every target creates the virtual environment when it is missing, so a fresh
+# machine with only Python needs nothing else: `make demo`, `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint typecheck unit bench bench-quick lock clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/rollpoint run examples/workplace.yaml --fresh --force
+
+lint: $(STAMP)
+	$(BIN)/ruff format --check src tests bench
+	$(BIN)/ruff check src tests bench
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+test: lint typecheck
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	$(BIN)/python -m bench.run
+
+bench-quick: $(STAMP)
+	$(BIN)/python -m bench.run --quick
+
+# Re-pin every dependency to what a fresh install resolves today.
+lock:
+	rm -rf /tmp/rollpoint-lock && $(PYTHON) -m venv /tmp/rollpoint-lock
+	/tmp/rollpoint-lock/bin/pip install --quiet -e '.[dev]'
+	/tmp/rollpoint-lock/bin/pip freeze --exclude-editable | grep -v '^-e' > constraints.txt
+
+clean:
+	rm -rf $(VENV)

@@ -1,0 +1,120 @@
+"""The run configuration: one YAML file, validated by pydantic, every key named on error.
+
+``load_config(path)`` is the only way the CLI reads a config; it turns every problem
+(unreadable file, bad YAML, unknown key, bad value) into a one-line :class:`ConfigError`
+that names the file and the key.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from rollpoint.protocol.episode import EnvironmentName
+from rollpoint.protocol.errors import ConfigError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class PolicyConfig(_Section):
+    base_url: str | None = None
+    """Any OpenAI-compatible URL (ending in /v1). None starts the built-in scripted policy."""
+    model: str = "scripted"
+    api_key: str | None = None
+    latency_ms: Annotated[float, Field(ge=0)] = 20.0
+    """Scripted policy only: time each call takes, in milliseconds."""
+    error_rate: Annotated[float, Field(ge=0, le=1)] = 0.05
+    """Scripted policy only: share of tool calls that are wrong or malformed."""
+    tokens_per_call: Annotated[int, Field(ge=1)] = 48
+    """Scripted policy only: completion tokens reported per call."""
+
+
+class TrainConfig(_Section):
+    batch_size: Annotated[int, Field(ge=1)] = 16
+    """Rollouts per train step; rounded up to whole prompt groups."""
+    checkpoint_every_steps: Annotated[int, Field(ge=1)] | None = None
+    step_seconds: Annotated[float, Field(ge=0)] = 0.0
+    """Built-in trainer only: time a train step takes (simulated work)."""
+
+
+class SnapshotConfig(_Section):
+    every_seconds: Annotated[float, Field(gt=0)] | None = None
+    """Take a snapshot this often; None takes them only at train checkpoints."""
+    keep: Annotated[int, Field(ge=1)] = 3
+    deadline_seconds: Annotated[float, Field(gt=0)] = 10.0
+    allow_restart_only: bool = False
+    store: str | None = None
+    """A path or fsspec URL; None keeps snapshots under <workdir>/snapshots."""
+
+
+class RunConfig(_Section):
+    workdir: Path = Path("runs/demo")
+    environment: EnvironmentName = "workplace"
+    tasks: Annotated[int, Field(ge=1)] | None = 32
+    """Number of synthetic tasks; ignored when ``dataset`` is given."""
+    dataset: Path | None = None
+    """A JSONL file of task rows ({task_id, environment, prompt, params})."""
+    group_size: Annotated[int, Field(ge=1, le=1024)] = 4
+    max_turns: Annotated[int, Field(ge=1, le=1024)] = 8
+    replicas: Annotated[int, Field(ge=1, le=64)] = 2
+    concurrency: Annotated[int, Field(ge=1)] = 32
+    """Episodes in flight at once, across all replicas."""
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    snapshot: SnapshotConfig = Field(default_factory=SnapshotConfig)
+    runtime: Literal["embedded"] = "embedded"
+    seed: int = 0
+    host: str = "127.0.0.1"
+    allow_remote_bind: bool = False
+    """Listening on anything but loopback needs this set on purpose."""
+    row_timeout_seconds: Annotated[float, Field(gt=0)] = 300.0
+    """Give up on one row after this long (time paused by a snapshot not counted)."""
+
+    @model_validator(mode="after")
+    def _check(self) -> RunConfig:
+        if self.dataset is None and self.tasks is None:
+            raise ValueError("give either 'tasks' or 'dataset'")
+        if not self.allow_remote_bind and self.host not in ("127.0.0.1", "localhost", "::1"):
+            raise ValueError(
+                f"host {self.host!r} is not loopback; set allow_remote_bind: true to listen on it"
+            )
+        return self
+
+
+def _format_validation_error(source: str, exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    loc = ".".join(str(p) for p in err["loc"]) or "<top level>"
+    if err["type"] == "extra_forbidden":
+        return f"{source}: unknown key '{loc}'"
+    more = f" (and {len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
+    return f"{source}: key '{loc}': {err['msg']}{more}"
+
+
+def parse_config(data: object, *, source: str = "config") -> RunConfig:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping of keys at the top level")
+    try:
+        return RunConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation_error(source, exc)) from None
+
+
+def load_config(path: Path) -> RunConfig:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read config: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{path}: not valid YAML{where}") from None
+    return parse_config(data, source=str(path))

@@ -1,0 +1,60 @@
+"""FastAPI application factory shared by every rollpoint server.
+
+Owns: JSON rendering (orjson), the error envelope (every :class:`RollpointError` becomes
+``{"error": {code, message, retryable}}`` with its status; a malformed body becomes a 422
+whose message names the field), and ``GET /healthz``. Servers add their own routes.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+
+from rollpoint.protocol.errors import RollpointError
+
+log = logging.getLogger(__name__)
+
+
+class JsonResponse(Response):
+    media_type = "application/json"
+
+    def render(self, content: Any) -> bytes:
+        return orjson.dumps(content)
+
+
+def error_response(err: RollpointError) -> JsonResponse:
+    return JsonResponse(err.to_wire(), status_code=err.status)
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    errors = exc.errors()
+    if not errors:
+        return "invalid request"
+    first = errors[0]
+    loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or "body"
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    return f"invalid field '{loc}': {first.get('msg', 'invalid')}{more}"
+
+
+def create_app(title: str, **kwargs: Any) -> FastAPI:
+    app = FastAPI(title=title, default_response_class=JsonResponse, **kwargs)
+
+    @app.exception_handler(RollpointError)
+    async def _rollpoint_error(_: Request, exc: RollpointError) -> Response:
+        return error_response(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(_: Request, exc: RequestValidationError) -> Response:
+        body = {"error": {"code": "bad_request", "message": _validation_message(exc), "retryable": False}}
+        return JsonResponse(body, status_code=422)
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok", "service": title}
+
+    return app

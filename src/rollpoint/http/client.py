@@ -1,0 +1,139 @@
+"""The client transport seam: one reused aiohttp session per process for the data plane.
+
+Every outbound call of rollpoint (agent → model, agent → tools, model → engine,
+trainer → agent streams, coordinator → participants) goes through :class:`HttpClient`,
+so tests and the fault injector see the same code paths as production. Errors come back
+typed: a peer's refusal is rebuilt from its envelope (:func:`error_from_wire`); a peer
+that is down, times out or answers garbage is a :class:`TransportError`.
+
+Why aiohttp and not httpx on the data plane: measured on a 2-core machine, a FastAPI
+proxy hop at 32 concurrent calls did 1,114 calls/s with aiohttp and 250 calls/s with httpx.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import aiohttp
+import orjson
+
+from rollpoint.protocol.errors import TransportError, error_from_wire
+
+
+class HttpClient:
+    """A thin, typed wrapper over one :class:`aiohttp.ClientSession`.
+
+    Create it inside a running event loop; close it with :meth:`aclose`.
+    """
+
+    def __init__(
+        self,
+        *,
+        token: str | None = None,
+        timeout_s: float = 300.0,
+        connect_timeout_s: float = 5.0,
+        limit: int = 0,
+    ) -> None:
+        self._token = token
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s)
+        # limit=0: no pool cap; concurrency is bounded by the callers (dispatcher, gate).
+        self._session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=limit, ttl_dns_cache=300),
+            timeout=self._timeout,
+            json_serialize=lambda o: orjson.dumps(o).decode(),
+        )
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        return self._session
+
+    def _headers(self, headers: Mapping[str, str] | None) -> dict[str, str]:
+        out = {"content-type": "application/json"}
+        if self._token:
+            out["authorization"] = f"Bearer {self._token}"
+        if headers:
+            out.update(headers)
+        return out
+
+    async def request_json(
+        self,
+        method: str,
+        url: str,
+        *,
+        body: Any = None,
+        headers: Mapping[str, str] | None = None,
+        timeout_s: float | None = None,
+    ) -> Any:
+        """Send ``body`` as JSON and return the decoded JSON reply; raise typed errors."""
+        data = orjson.dumps(body) if body is not None else None
+        timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s is not None else None
+        try:
+            async with self._session.request(
+                method, url, data=data, headers=self._headers(headers), timeout=timeout
+            ) as resp:
+                raw = await resp.read()
+                status = resp.status
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            raise TransportError(f"{method} {url}: {type(exc).__name__}: {exc}") from None
+        try:
+            decoded = orjson.loads(raw) if raw else None
+        except orjson.JSONDecodeError:
+            if status >= 400:
+                raise error_from_wire(status, raw[:200].decode(errors="replace"), peer=url) from None
+            raise TransportError(f"{method} {url}: reply is not JSON") from None
+        if status >= 400:
+            raise error_from_wire(status, decoded, peer=url)
+        return decoded
+
+    async def post_json(self, url: str, body: Any, **kw: Any) -> Any:
+        return await self.request_json("POST", url, body=body, **kw)
+
+    async def get_json(self, url: str, **kw: Any) -> Any:
+        return await self.request_json("GET", url, **kw)
+
+    async def stream_ndjson(
+        self,
+        url: str,
+        body: Any,
+        *,
+        headers: Mapping[str, str] | None = None,
+        timeout_s: float | None = None,
+    ) -> AsyncIterator[Any]:
+        """POST ``body`` and yield each JSON line of the reply as it arrives."""
+        timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=5.0)
+        try:
+            async with self._session.post(
+                url, data=orjson.dumps(body), headers=self._headers(headers), timeout=timeout
+            ) as resp:
+                if resp.status >= 400:
+                    raw = await resp.read()
+                    try:
+                        decoded: Any = orjson.loads(raw)
+                    except orjson.JSONDecodeError:
+                        decoded = raw[:200].decode(errors="replace")
+                    raise error_from_wire(resp.status, decoded, peer=url)
+                # readline-based iteration: aiohttp buffers partial lines for us.
+                while True:
+                    line = await resp.content.readline()
+                    if not line:
+                        break
+                    line = line.strip()
+                    if not line:
+                        continue
+                    try:
+                        yield orjson.loads(line)
+                    except orjson.JSONDecodeError:
+                        raise TransportError(f"POST {url}: stream line is not JSON") from None
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            raise TransportError(f"POST {url}: {type(exc).__name__}: {exc}") from None
+
+    async def aclose(self) -> None:
+        await self._session.close()
+
+    async def __aenter__(self) -> HttpClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

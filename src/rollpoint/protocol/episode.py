@@ -1,0 +1,137 @@
+"""Wire models of the data plane: tasks, ``/run`` rows and their results, tool calls.
+
+Trainer → agent: ``POST /run`` with a :class:`RunRequest` (one or more rows of one prompt
+group). The agent streams back one :class:`RowResult` per row as NDJSON, in the order
+the rows finish: :class:`RunReply` (finished), :class:`RowFailure` (this row failed; its
+siblings keep going) or :class:`RowRefused` (admission closed: the row never ran, keep
+its identity and send it again when the gate reopens).
+
+Agent → resources: ``POST /episodes/start``, ``POST /tools/{name}`` with a :class:`ToolCall`,
+``POST /episodes/verify``. Agent → model: OpenAI chat completions with the episode headers
+of :mod:`rollpoint.protocol.ids`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, JsonValue
+
+from rollpoint.protocol.ids import EpisodeId, Identifier
+from rollpoint.protocol.model_base import StrictModel
+
+EnvironmentName = Literal["workplace", "blackjack", "math"]
+
+
+class TaskRow(StrictModel):
+    """One dataset row: what the episode is asked to do, and what its verifier needs."""
+
+    task_id: Identifier
+    environment: EnvironmentName
+    prompt: str
+    """The user message that opens the episode."""
+    params: dict[str, JsonValue] = Field(default_factory=dict)
+    """Environment-specific parameters (the verifier's expectations, a game seed)."""
+
+
+class RunRow(StrictModel):
+    """One row of a prompt group, sent to an agent to play one episode."""
+
+    task: TaskRow
+    group_id: Identifier
+    row: Annotated[int, Field(ge=0)]
+    episode: EpisodeId
+    max_turns: Annotated[int, Field(ge=1, le=1024)] = 8
+
+
+class RunRequest(StrictModel):
+    rows: Annotated[list[RunRow], Field(min_length=1, max_length=4096)]
+
+
+class ModelCall(StrictModel):
+    """One policy call of an episode, as the agent saw it."""
+
+    turn: int
+    attempt: int
+    """The attempt that made the call: calls before a restore keep their old attempt."""
+    response: dict[str, JsonValue]
+    """The assistant message the policy returned (OpenAI format)."""
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    policy_version: int = 0
+    latency_s: float = 0.0
+
+
+class RunReply(StrictModel):
+    kind: Literal["finished"] = "finished"
+    episode: EpisodeId
+    task_id: Identifier
+    group_id: Identifier
+    row: int
+    reward: float
+    messages: list[dict[str, JsonValue]]
+    """The whole transcript in OpenAI chat format."""
+    model_calls: list[ModelCall]
+    turns: int
+    finish_reason: Literal["final", "max_turns"]
+
+
+class RowFailure(StrictModel):
+    kind: Literal["failed"] = "failed"
+    episode: EpisodeId
+    group_id: Identifier
+    row: int
+    code: str
+    message: str
+    transport: bool
+    """True when the failure came from the plumbing (a peer down, a timeout): worth a fresh
+    re-send. False for a data failure (the task itself is bad), which fails the group."""
+
+
+class RowRefused(StrictModel):
+    kind: Literal["refused"] = "refused"
+    episode: EpisodeId
+    group_id: Identifier
+    row: int
+    reason: str
+
+
+RowResult = Annotated[RunReply | RowFailure | RowRefused, Field(discriminator="kind")]
+
+
+class EpisodeStart(StrictModel):
+    """Agent → resources: create (or find) the episode's environment state."""
+
+    episode: EpisodeId
+    task: TaskRow
+
+
+class ToolCall(StrictModel):
+    """Agent → resources: one tool call of one turn.
+
+    ``(episode.rollout_id, turn, call_index)`` is the idempotency key: the same key
+    returns the first result and never applies a side effect twice.
+    """
+
+    episode: EpisodeId
+    turn: Annotated[int, Field(ge=0)]
+    call_index: Annotated[int, Field(ge=0)]
+    arguments: str
+    """The raw JSON argument string the model produced (it may be malformed)."""
+
+
+class ToolResult(StrictModel):
+    content: str
+    is_error: bool = False
+    replayed: bool = False
+    """True when this key was seen before and the stored first result was returned."""
+
+
+class VerifyRequest(StrictModel):
+    episode: EpisodeId
+    final_message: str | None = None
+
+
+class VerifyReply(StrictModel):
+    reward: float
+    detail: dict[str, Any] = Field(default_factory=dict)

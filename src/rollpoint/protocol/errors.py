@@ -1,0 +1,174 @@
+"""The one error tree of rollpoint, and its mapping to HTTP.
+
+Every error raised on purpose is a :class:`RollpointError`. Each carries a stable
+``code`` (what a client switches on), an HTTP ``status`` (used when it crosses the
+wire) and ``retryable`` (whether trying the same thing again later can help)::
+
+    RollpointError
+    ├── ConfigError                 config_invalid           (user input, CLI exit 2)
+    ├── LaunchError                 launch_failed            (a server could not start)
+    ├── TransportError              transport_error          retryable (peer down, garbage reply)
+    ├── ProtocolError               a peer refused a request; the status says why
+    │   ├── BadRequestError         400 bad_request
+    │   ├── UnauthorizedError       401 unauthorized
+    │   ├── NotFoundError           404 not_found
+    │   ├── InvalidPhaseError       409 invalid_phase
+    │   ├── CheckpointConflictError 409 checkpoint_conflict
+    │   ├── StaleCheckpointError    409 stale_checkpoint
+    │   ├── StaleAttemptError       409 stale_attempt
+    │   ├── AdmissionClosedError    409 admission_closed       retryable
+    │   ├── DeadlineExceededError   409 deadline_exceeded      retryable
+    │   └── InvalidCheckpointStateError 422 invalid_checkpoint_state
+    ├── EpisodeError                episode_failed           (a bad rollout is data, not a crash)
+    ├── SnapshotError               snapshot_failed          retryable (one failed save)
+    └── RestoreError                restore_refused          (a restore that cannot be exact)
+
+On the wire every refusal is ``{"error": {"code", "message", "retryable"}}`` with the
+error's status; :func:`error_from_wire` turns it back into the same class.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+
+class RollpointError(Exception):
+    """Base of every error rollpoint raises on purpose."""
+
+    code: ClassVar[str] = "internal"
+    status: ClassVar[int] = 500
+    retryable: ClassVar[bool] = False
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def to_wire(self) -> dict[str, Any]:
+        return {"error": {"code": self.code, "message": self.message, "retryable": self.retryable}}
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Errors cross process boundaries (Ray, multiprocessing): keep them picklable.
+        return (type(self), (self.message,))
+
+
+class ConfigError(RollpointError):
+    code = "config_invalid"
+    status = 400
+
+
+class LaunchError(RollpointError):
+    code = "launch_failed"
+
+
+class TransportError(RollpointError):
+    """The peer could not be reached, or answered something that is not our protocol."""
+
+    code = "transport_error"
+    status = 502
+    retryable = True
+
+
+class ProtocolError(RollpointError):
+    """A peer understood the request and refused it."""
+
+    code = "protocol_error"
+    status = 400
+
+
+class BadRequestError(ProtocolError):
+    code = "bad_request"
+    status = 400
+
+
+class UnauthorizedError(ProtocolError):
+    code = "unauthorized"
+    status = 401
+
+
+class NotFoundError(ProtocolError):
+    code = "not_found"
+    status = 404
+
+
+class InvalidPhaseError(ProtocolError):
+    code = "invalid_phase"
+    status = 409
+
+
+class CheckpointConflictError(ProtocolError):
+    code = "checkpoint_conflict"
+    status = 409
+
+
+class StaleCheckpointError(ProtocolError):
+    code = "stale_checkpoint"
+    status = 409
+
+
+class StaleAttemptError(ProtocolError):
+    code = "stale_attempt"
+    status = 409
+
+
+class AdmissionClosedError(ProtocolError):
+    code = "admission_closed"
+    status = 409
+    retryable = True
+
+
+class DeadlineExceededError(ProtocolError):
+    code = "deadline_exceeded"
+    status = 409
+    retryable = True
+
+
+class InvalidCheckpointStateError(ProtocolError):
+    code = "invalid_checkpoint_state"
+    status = 422
+
+
+class EpisodeError(RollpointError):
+    """An episode could not be played (bad task, verifier failure): data, not a crash."""
+
+    code = "episode_failed"
+    status = 422
+
+
+class SnapshotError(RollpointError):
+    code = "snapshot_failed"
+    retryable = True
+
+
+class RestoreError(RollpointError):
+    code = "restore_refused"
+
+
+def _all_subclasses(cls: type[RollpointError]) -> list[type[RollpointError]]:
+    out: list[type[RollpointError]] = []
+    for sub in cls.__subclasses__():
+        out.append(sub)
+        out.extend(_all_subclasses(sub))
+    return out
+
+
+def error_class_for(code: str) -> type[RollpointError]:
+    """The error class that owns ``code`` (``ProtocolError`` for codes we do not know)."""
+    for cls in _all_subclasses(RollpointError):
+        if cls.code == code:
+            return cls
+    return ProtocolError
+
+
+def error_from_wire(status: int, body: Any, *, peer: str) -> RollpointError:
+    """Rebuild the typed error a peer sent; anything off-protocol is a TransportError."""
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and isinstance(err.get("code"), str):
+            cls = error_class_for(err["code"])
+            return cls(f"{peer}: {err.get('message', '')}")
+        detail = body.get("detail")
+        if status == 422 and detail is not None:
+            return BadRequestError(f"{peer}: invalid request: {detail}")
+    if 400 <= status < 500:
+        return ProtocolError(f"{peer}: HTTP {status}: {str(body)[:200]}")
+    return TransportError(f"{peer}: HTTP {status}: {str(body)[:200]}")

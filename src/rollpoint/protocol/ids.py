@@ -1,0 +1,66 @@
+"""Identities: episodes, rollouts, attempts, checkpoints, and the headers that carry them.
+
+- ``task_id``: a dataset row. ``group_id`` + ``row``: one sample of a prompt group.
+- ``rollout_id``: one episode from its first turn; a fresh re-send gets a new one.
+- ``attempt``: how many times this same episode was continued after a restore.
+  ``r7#0`` is rollout r7, attempt 0; after a restore it continues as ``r7#1``.
+- Tool idempotency key ``(rollout_id, turn, call_index)`` is stable across attempts,
+  so a continued episode never repeats a side effect applied before the cut.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+from typing import Annotated
+
+from pydantic import Field, StringConstraints
+
+from rollpoint.protocol.model_base import StrictModel
+
+IDENTIFIER_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]*$"
+_IDENTIFIER_RE = re.compile(IDENTIFIER_PATTERN)
+
+Identifier = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=IDENTIFIER_PATTERN)]
+"""A name safe in URLs, file names and logs: ``[A-Za-z0-9][A-Za-z0-9._:-]*``, at most 128 chars."""
+
+CheckpointId = Identifier
+
+# Headers the agent sets on every model call so the model server can file it by episode.
+HEADER_ROLLOUT_ID = "x-rollpoint-rollout-id"
+HEADER_ATTEMPT = "x-rollpoint-attempt"
+HEADER_TURN = "x-rollpoint-turn"
+
+
+def is_identifier(value: str) -> bool:
+    return len(value) <= 128 and _IDENTIFIER_RE.match(value) is not None
+
+
+def new_rollout_id() -> str:
+    """A fresh rollout id: unique across runs and restarts, short enough to read in logs."""
+    return "r" + uuid.uuid4().hex[:16]
+
+
+class EpisodeId(StrictModel):
+    """One try of one episode: a rollout id and its attempt number."""
+
+    rollout_id: Identifier
+    attempt: Annotated[int, Field(ge=0)] = 0
+
+    @property
+    def key(self) -> str:
+        """The compact form used in logs, file records and dict keys: ``r7#0``."""
+        return f"{self.rollout_id}#{self.attempt}"
+
+    @classmethod
+    def from_key(cls, key: str) -> EpisodeId:
+        rollout_id, sep, attempt = key.rpartition("#")
+        if not sep or not attempt.isdigit():
+            raise ValueError(f"not an episode key (want 'rollout#attempt'): {key!r}")
+        return cls(rollout_id=rollout_id, attempt=int(attempt))
+
+    def next_attempt(self) -> EpisodeId:
+        return EpisodeId(rollout_id=self.rollout_id, attempt=self.attempt + 1)
+
+    def __str__(self) -> str:
+        return self.key

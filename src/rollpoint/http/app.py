@@ -50,7 +50,13 @@ def create_app(title: str, **kwargs: Any) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, exc: RequestValidationError) -> Response:
-        body = {"error": {"code": "bad_request", "message": _validation_message(exc), "retryable": False}}
+        body = {
+            "error": {
+                "code": "bad_request",
+                "message": _validation_message(exc),
+                "retryable": False,
+            }
+        }
         return JsonResponse(body, status_code=422)
 
     @app.get("/healthz")

@@ -12,7 +12,6 @@ proxy hop at 32 concurrent calls did 1,114 calls/s with aiohttp and 250 calls/s 
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
@@ -75,13 +74,15 @@ class HttpClient:
             ) as resp:
                 raw = await resp.read()
                 status = resp.status
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise TransportError(f"{method} {url}: {type(exc).__name__}: {exc}") from None
         try:
             decoded = orjson.loads(raw) if raw else None
         except orjson.JSONDecodeError:
             if status >= 400:
-                raise error_from_wire(status, raw[:200].decode(errors="replace"), peer=url) from None
+                raise error_from_wire(
+                    status, raw[:200].decode(errors="replace"), peer=url
+                ) from None
             raise TransportError(f"{method} {url}: reply is not JSON") from None
         if status >= 400:
             raise error_from_wire(status, decoded, peer=url)
@@ -126,7 +127,7 @@ class HttpClient:
                         yield orjson.loads(line)
                     except orjson.JSONDecodeError:
                         raise TransportError(f"POST {url}: stream line is not JSON") from None
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise TransportError(f"POST {url}: {type(exc).__name__}: {exc}") from None
 
     async def aclose(self) -> None:

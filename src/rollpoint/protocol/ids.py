@@ -21,7 +21,9 @@ from rollpoint.protocol.model_base import StrictModel
 IDENTIFIER_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]*$"
 _IDENTIFIER_RE = re.compile(IDENTIFIER_PATTERN)
 
-Identifier = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=IDENTIFIER_PATTERN)]
+Identifier = Annotated[
+    str, StringConstraints(min_length=1, max_length=128, pattern=IDENTIFIER_PATTERN)
+]
 """A name safe in URLs, file names and logs: ``[A-Za-z0-9][A-Za-z0-9._:-]*``, at most 128 chars."""
 
 CheckpointId = Identifier

@@ -70,6 +70,8 @@ class RunConfig(_Section):
     runtime: Literal["embedded"] = "embedded"
     seed: int = 0
     host: str = "127.0.0.1"
+    base_port: Annotated[int, Field(ge=1, le=65000)] | None = None
+    """Fixed ports from this one up (policy, then 3 per replica); None picks free ports."""
     allow_remote_bind: bool = False
     """Listening on anything but loopback needs this set on purpose."""
     row_timeout_seconds: Annotated[float, Field(gt=0)] = 300.0

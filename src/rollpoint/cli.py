@@ -1,0 +1,211 @@
+"""The ``rollpoint`` command: run a job, serve environment servers, inspect a run.
+
+Owns user-facing I/O only: argument parsing, rich progress and tables, and turning every
+:class:`RollpointError` into one red line and a non-zero exit (2 for bad input).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Annotated, Any, TypeVar
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from rollpoint import __version__
+from rollpoint.config import RunConfig, load_config
+from rollpoint.protocol.episode import TaskRow
+from rollpoint.protocol.errors import ConfigError, RollpointError
+
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="Checkpoint and recover in-flight agent rollouts.",
+)
+console = Console(stderr=True)
+out = Console()
+
+T = TypeVar("T")
+
+ConfigArg = Annotated[Path, typer.Argument(help="The run's YAML config.", show_default=False)]
+
+
+def _run_async(make: Callable[[], Awaitable[T]]) -> T:
+    """Run a coroutine; SIGTERM cancels it like Ctrl-C does, so cleanup always runs."""
+
+    async def _main() -> T:
+        task = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        if task is not None:
+            loop.add_signal_handler(signal.SIGTERM, task.cancel)
+        return await make()
+
+    return asyncio.run(_main())
+
+
+def _fail(exc: RollpointError) -> typer.Exit:
+    console.print(f"[bold red]error:[/] {exc.message}", highlight=False, soft_wrap=True)
+    return typer.Exit(code=2 if isinstance(exc, ConfigError) else 1)
+
+
+def load_tasks_for(config: RunConfig) -> list[TaskRow]:
+    from rollpoint.envs import get_environment, load_tasks
+
+    if config.dataset is not None:
+        tasks = load_tasks(config.dataset)
+        wrong = [t.task_id for t in tasks if t.environment != config.environment]
+        if wrong:
+            raise ConfigError(
+                f"{config.dataset}: task {wrong[0]} is for another environment than '{config.environment}'"
+            )
+        return tasks
+    assert config.tasks is not None
+    return get_environment(config.environment).make_tasks(config.tasks, config.seed)
+
+
+def prepare_workdir(workdir: Path, *, fresh: bool, force: bool) -> None:
+    """Refuse to mix two runs' outputs: a used workdir needs --fresh (and --force to wipe it)."""
+    used = workdir.exists() and any(workdir.iterdir())
+    if fresh and used:
+        if not force:
+            raise ConfigError(f"workdir {workdir} is not empty; --fresh needs --force to delete it")
+        shutil.rmtree(workdir)
+    elif used and (workdir / "train_data.jsonl").exists():
+        raise ConfigError(
+            f"workdir {workdir} holds a previous run and has no snapshot to resume; "
+            "pass --fresh --force to start over"
+        )
+    workdir.mkdir(parents=True, exist_ok=True)
+
+
+async def _run_job(config: RunConfig) -> Any:
+    from rollpoint.runtime.embedded import EmbeddedRuntime
+    from rollpoint.trainer.trainer_loop import Trainer
+
+    tasks = load_tasks_for(config)
+    total = len(tasks) * config.group_size
+    with console.status(f"starting {config.replicas} replica(s) of '{config.environment}'…"):
+        runtime = EmbeddedRuntime(config)
+        deployment = await runtime.start()
+    try:
+        console.print(
+            f"[green]servers up[/]: {config.replicas} replica(s), policy at {deployment.policy_url}",
+            highlight=False,
+        )
+        trainer = Trainer(config, deployment, tasks)
+        columns = (
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn(
+                "turns {task.fields[turns]} · reward {task.fields[reward]:.3f} · steps {task.fields[steps]}"
+            ),
+            TimeElapsedColumn(),
+        )
+        with Progress(*columns, console=console, transient=False) as progress:
+            bar = progress.add_task("episodes", total=total, turns=0, reward=0.0, steps=0)
+            job = asyncio.create_task(trainer.run())
+            while not job.done():
+                await asyncio.wait({job}, timeout=0.25)
+                s = trainer.stats
+                progress.update(
+                    bar,
+                    completed=s.episodes_finished,
+                    turns=s.turns,
+                    reward=s.reward_mean,
+                    steps=s.train_steps,
+                )
+                dead = runtime.group.dead()
+                if dead and not job.done():
+                    job.cancel()
+                    child = dead[0]
+                    raise RollpointError(
+                        f"{child.spec.name} exited unexpectedly (code {child.process.returncode}); "
+                        f"see {child.log_path}"
+                    )
+            return job.result()
+    finally:
+        await runtime.stop()
+
+
+@app.command()
+def run(
+    config_path: ConfigArg,
+    fresh: Annotated[bool, typer.Option("--fresh", help="Start over instead of resuming.")] = False,
+    force: Annotated[
+        bool, typer.Option("--force", help="With --fresh: delete a non-empty workdir.")
+    ] = False,
+) -> None:
+    """Run a job to the end on the embedded runtime."""
+    try:
+        config = load_config(config_path)
+        prepare_workdir(config.workdir, fresh=fresh, force=force)
+        _setup_logging(config.workdir)
+        summary = _run_async(lambda: _run_job(config))
+    except RollpointError as exc:
+        raise _fail(exc) from None
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted[/]; servers stopped")
+        raise typer.Exit(code=130) from None
+    table = Table(title="run finished", show_header=False)
+    for key, value in summary.model_dump().items():
+        table.add_row(key, f"{value:.3f}" if isinstance(value, float) else str(value))
+    out.print(table)
+
+
+@app.command()
+def serve(config_path: ConfigArg) -> None:
+    """Start only the environment servers and print their URLs (bring your own trainer)."""
+    from rollpoint.runtime.embedded import EmbeddedRuntime
+
+    async def _serve() -> None:
+        async with EmbeddedRuntime(config) as runtime:
+            assert runtime.deployment is not None
+            table = Table(title=f"rollpoint servers ({config.environment})")
+            for col in ("replica", "model", "agent", "resources"):
+                table.add_column(col)
+            for r in runtime.deployment.replicas:
+                table.add_row(r.name, r.model_url, r.agent_url, r.resources_url)
+            out.print(table)
+            out.print(f"policy: {runtime.deployment.policy_url}")
+            console.print("serving; Ctrl-C to stop")
+            await asyncio.Event().wait()
+
+    try:
+        config = load_config(config_path)
+        config.workdir.mkdir(parents=True, exist_ok=True)
+        _run_async(_serve)
+    except RollpointError as exc:
+        raise _fail(exc) from None
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        console.print("stopped")
+
+
+@app.command()
+def version() -> None:
+    """Print the version."""
+    out.print(__version__)
+
+
+def _setup_logging(workdir: Path) -> None:
+    handler = logging.FileHandler(workdir / "rollpoint.log")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+
+
+def main() -> None:
+    try:
+        app()
+    except RollpointError as exc:  # pragma: no cover - commands catch their own
+        console.print(f"[bold red]error:[/] {exc.message}")
+        sys.exit(1)

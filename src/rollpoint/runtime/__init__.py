@@ -1,0 +1,1 @@
+"""Runtimes: the only place that knows about processes (embedded) or Ray actors."""

@@ -1,0 +1,133 @@
+"""Child server processes of one launcher: start them, learn their URLs, stop them all.
+
+Owns process lifetimes only. Each child gets a pipe on stdin that it watches (see
+:mod:`rollpoint.runtime.server_process`), so if this process dies — even by SIGKILL — the
+children notice EOF and exit within seconds. :meth:`ProcessGroup.stop` sends SIGTERM,
+waits, then SIGKILLs stragglers: no orphans on a normal exit, Ctrl-C or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rollpoint.protocol.errors import LaunchError
+from rollpoint.runtime.server_spec import ReadyLine, ServerSpec
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ChildServer:
+    spec: ServerSpec
+    process: asyncio.subprocess.Process
+    log_path: Path
+    url: str = ""
+    stderr_tail: deque[str] = field(default_factory=lambda: deque(maxlen=20))
+
+    @property
+    def alive(self) -> bool:
+        return self.process.returncode is None
+
+
+class ProcessGroup:
+    """The server processes one launcher started, in start order."""
+
+    def __init__(self, log_dir: Path, *, start_timeout_s: float = 60.0) -> None:
+        self._log_dir = log_dir
+        self._start_timeout_s = start_timeout_s
+        self.children: list[ChildServer] = []
+        self._pumps: list[asyncio.Task[None]] = []
+
+    async def start(self, specs: list[ServerSpec]) -> list[ChildServer]:
+        """Start every spec at once and wait until all report ready (or fail with the reason)."""
+        self._log_dir.mkdir(parents=True, exist_ok=True)
+        started = [await self._spawn(spec) for spec in specs]
+        await asyncio.gather(*(self._await_ready(child) for child in started))
+        return started
+
+    async def _spawn(self, spec: ServerSpec) -> ChildServer:
+        log_path = self._log_dir / f"{spec.name}.log"
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "rollpoint.runtime.server_process",
+            spec.model_dump_json(),
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=env,
+        )
+        child = ChildServer(spec=spec, process=process, log_path=log_path)
+        self.children.append(child)
+        self._pumps.append(asyncio.create_task(self._pump_stderr(child)))
+        return child
+
+    async def _pump_stderr(self, child: ChildServer) -> None:
+        """Copy the child's stderr to its log file, keeping a tail for error messages."""
+        assert child.process.stderr is not None
+        with child.log_path.open("ab") as out:
+            while line := await child.process.stderr.readline():
+                out.write(line)
+                out.flush()
+                child.stderr_tail.append(line.decode(errors="replace").rstrip())
+
+    async def _await_ready(self, child: ChildServer) -> None:
+        assert child.process.stdout is not None
+        try:
+            raw = await asyncio.wait_for(child.process.stdout.readline(), self._start_timeout_s)
+        except TimeoutError:
+            raise LaunchError(
+                f"{child.spec.name} did not start within {self._start_timeout_s:.0f}s (log: {child.log_path})"
+            ) from None
+        if not raw:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(child.process.wait(), 5)
+            await asyncio.sleep(0.05)  # let the stderr pump catch the last lines
+            reason = _last_error_line(child.stderr_tail) or f"exit code {child.process.returncode}"
+            raise LaunchError(
+                f"{child.spec.name} failed to start: {reason} (log: {child.log_path})"
+            )
+        child.url = ReadyLine.model_validate_json(raw).url
+
+    def dead(self) -> list[ChildServer]:
+        return [c for c in self.children if not c.alive]
+
+    async def stop(self, timeout_s: float = 5.0) -> None:
+        """SIGTERM every child, wait, SIGKILL what is left; safe to call twice."""
+        for child in self.children:
+            if child.alive:
+                with contextlib.suppress(ProcessLookupError):
+                    child.process.send_signal(signal.SIGTERM)
+        for child in self.children:
+            try:
+                await asyncio.wait_for(child.process.wait(), timeout_s)
+            except TimeoutError:
+                log.warning("%s ignored SIGTERM; killing it", child.spec.name)
+                with contextlib.suppress(ProcessLookupError):
+                    child.process.kill()
+                await child.process.wait()
+            if child.process.stdin is not None:
+                child.process.stdin.close()
+        for pump in self._pumps:
+            pump.cancel()
+        await asyncio.gather(*self._pumps, return_exceptions=True)
+        self._pumps.clear()
+
+
+def _last_error_line(tail: deque[str]) -> str:
+    for line in reversed(tail):
+        if line.startswith("error: "):
+            return line.removeprefix("error: ")
+    for line in reversed(tail):
+        if line.strip():
+            return line.strip()
+    return ""

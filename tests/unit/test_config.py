@@ -1,0 +1,68 @@
+"""The run config: every bad key or value is one line naming it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from rollpoint.config import load_config, parse_config
+from rollpoint.protocol.errors import ConfigError
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+@pytest.mark.parametrize("name", ["workplace.yaml", "blackjack.yaml", "math.yaml"])
+def test_every_example_config_loads(name: str) -> None:
+    config = load_config(EXAMPLES / name)
+    assert config.environment == name.removesuffix(".yaml")
+
+
+def test_defaults_match_the_documented_keys() -> None:
+    config = parse_config({})
+    assert (config.environment, config.group_size, config.replicas, config.runtime) == (
+        "workplace",
+        4,
+        2,
+        "embedded",
+    )
+    assert config.policy.base_url is None
+
+
+def test_unknown_top_level_key_is_named() -> None:
+    with pytest.raises(ConfigError, match=r"unknown key 'replica'"):
+        parse_config({"replica": 2}, source="job.yaml")
+
+
+def test_unknown_nested_key_is_named_with_its_path() -> None:
+    with pytest.raises(ConfigError, match=r"job.yaml: unknown key 'policy.modle'"):
+        parse_config({"policy": {"modle": "x"}}, source="job.yaml")
+
+
+def test_bad_value_names_the_key() -> None:
+    with pytest.raises(ConfigError, match=r"key 'group_size'"):
+        parse_config({"group_size": 0})
+
+
+def test_unknown_environment_is_named() -> None:
+    with pytest.raises(ConfigError, match=r"key 'environment'.*'workplace', 'blackjack' or 'math'"):
+        parse_config({"environment": "chess"})
+
+
+def test_non_loopback_host_needs_explicit_flag() -> None:
+    with pytest.raises(ConfigError, match="allow_remote_bind"):
+        parse_config({"host": "0.0.0.0"})
+    assert parse_config({"host": "0.0.0.0", "allow_remote_bind": True}).host == "0.0.0.0"
+
+
+def test_unreadable_and_invalid_yaml_files(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read config"):
+        load_config(tmp_path / "missing.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("tasks: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML at line"):
+        load_config(bad)
+    listy = tmp_path / "list.yaml"
+    listy.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping of keys"):
+        load_config(listy)

@@ -1,0 +1,49 @@
+"""Run the benchmark suite: ``python -m bench.run [--quick] [--only KEY ...] [--json]``."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Awaitable, Callable
+
+import orjson
+
+from bench import episode_throughput, model_overhead
+from bench.report import BenchResult, print_results, save_results
+
+Item = Callable[[bool], Awaitable[BenchResult]]
+
+ITEMS: dict[str, Item] = {
+    "model_overhead": lambda quick: model_overhead.run(calls=1500 if quick else 5000),
+    "episode_throughput": lambda quick: episode_throughput.run(tasks=32 if quick else 128),
+}
+
+
+async def _main(keys: list[str], quick: bool) -> list[BenchResult]:
+    results = []
+    for key in keys:
+        print(f"running {key}…", file=sys.stderr, flush=True)
+        results.append(await ITEMS[key](quick))
+    return results
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.run")
+    parser.add_argument("--quick", action="store_true", help="the subset that finishes in ~2 minutes")
+    parser.add_argument("--only", nargs="*", choices=sorted(ITEMS), help="run only these items")
+    parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    args = parser.parse_args(argv)
+    keys = args.only or list(ITEMS)
+    results = asyncio.run(_main(keys, args.quick))
+    path = save_results(results)
+    if args.json:
+        print(orjson.dumps({r.key: r.figures for r in results}).decode())
+    else:
+        print_results(results)
+        print(f"saved {path}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

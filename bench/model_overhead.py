@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import aiohttp
@@ -29,30 +30,36 @@ BODY = orjson.dumps(
 )
 
 
-async def _drive(url: str, calls: int, concurrency: int, *, episode_headers: bool) -> tuple[list[float], float]:
+async def _drive(
+    url: str, calls: int, concurrency: int, *, episode_headers: bool
+) -> tuple[list[float], float]:
     latencies: list[float] = []
-    counter = iter(range(calls))
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
 
-        async def worker(w: int) -> None:
+        async def worker(w: int, counter: Iterator[int]) -> None:
             for i in counter:
                 headers = {"content-type": "application/json"}
                 if episode_headers:
-                    headers |= {HEADER_ROLLOUT_ID: f"bench{w}", HEADER_ATTEMPT: "0", HEADER_TURN: str(i)}
+                    headers |= {
+                        HEADER_ROLLOUT_ID: f"bench{w}",
+                        HEADER_ATTEMPT: "0",
+                        HEADER_TURN: str(i),
+                    }
                 t0 = time.perf_counter()
-                async with session.post(f"{url}/v1/chat/completions", data=BODY, headers=headers) as resp:
+                async with session.post(
+                    f"{url}/v1/chat/completions", data=BODY, headers=headers
+                ) as resp:
                     await resp.read()
                     assert resp.status == 200, resp.status
                 latencies.append(time.perf_counter() - t0)
 
-        # Warm up connections and code paths before timing.
+        # Warm up connections and code paths before timing; workers share one counter.
         warm = iter(range(min(200, calls)))
-        counter, saved = warm, counter
-        await asyncio.gather(*(worker(w) for w in range(concurrency)))
+        await asyncio.gather(*(worker(w, warm) for w in range(concurrency)))
         latencies.clear()
-        counter = saved
+        timed = iter(range(calls))
         t0 = time.perf_counter()
-        await asyncio.gather(*(worker(w) for w in range(concurrency)))
+        await asyncio.gather(*(worker(w, timed) for w in range(concurrency)))
         elapsed = time.perf_counter() - t0
     return latencies, elapsed
 
@@ -62,10 +69,18 @@ async def run(calls: int = 3000, concurrency: int = 32) -> BenchResult:
         group = ProcessGroup(Path(tmp))
         try:
             (policy,) = await group.start(
-                [ServerSpec(kind="policy", name="policy", settings={"latency_ms": 0, "error_rate": 0})]
+                [
+                    ServerSpec(
+                        kind="policy", name="policy", settings={"latency_ms": 0, "error_rate": 0}
+                    )
+                ]
             )
             (model,) = await group.start(
-                [ServerSpec(kind="model", name="model", settings={"upstream_url": f"{policy.url}/v1"})]
+                [
+                    ServerSpec(
+                        kind="model", name="model", settings={"upstream_url": f"{policy.url}/v1"}
+                    )
+                ]
             )
             direct, direct_s = await _drive(policy.url, calls, concurrency, episode_headers=False)
             proxied, proxied_s = await _drive(model.url, calls, concurrency, episode_headers=True)
@@ -88,5 +103,9 @@ async def run(calls: int = 3000, concurrency: int = 32) -> BenchResult:
             "added_p99_ms": p99 - d99,
             "latency_ratio_p50": p50 / d50,
         },
-        params={"calls": calls, "concurrency": concurrency, "engine": "scripted policy, 0 ms latency"},
+        params={
+            "calls": calls,
+            "concurrency": concurrency,
+            "engine": "scripted policy, 0 ms latency",
+        },
     )

@@ -30,7 +30,9 @@ async def _main(keys: list[str], quick: bool) -> list[BenchResult]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.run")
-    parser.add_argument("--quick", action="store_true", help="the subset that finishes in ~2 minutes")
+    parser.add_argument(
+        "--quick", action="store_true", help="the subset that finishes in ~2 minutes"
+    )
     parser.add_argument("--only", nargs="*", choices=sorted(ITEMS), help="run only these items")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
     args = parser.parse_args(argv)

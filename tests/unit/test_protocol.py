@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from rollpoint.protocol import errors
-from rollpoint.protocol.episode import RunReply, RunRequest, RowFailure, RowRefused
+from rollpoint.protocol.episode import RowFailure, RowRefused, RunReply, RunRequest
 from rollpoint.protocol.ids import EpisodeId, is_identifier, new_rollout_id
 
 

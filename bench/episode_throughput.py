@@ -10,12 +10,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from rollpoint.trainer.trainer_loop import Trainer
-
 from bench.report import BenchResult
 from rollpoint.config import parse_config
 from rollpoint.envs import get_environment
 from rollpoint.runtime.embedded import EmbeddedRuntime
+from rollpoint.trainer.trainer_loop import Trainer
 
 
 async def run(tasks: int = 64, replicas: int = 2, concurrency: int = 64) -> BenchResult:

@@ -1,0 +1,173 @@
+"""``rollpoint run`` end to end: real server processes, the real trainer, and real kills."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import orjson
+import pytest
+import yaml
+
+from tests.support.processes import children_of, kill_all, wait_gone
+
+pytestmark = pytest.mark.integration
+
+
+def write_config(tmp_path: Path, **overrides: object) -> Path:
+    config: dict[str, object] = {
+        "workdir": str(tmp_path / "run"),
+        "environment": "workplace",
+        "tasks": 4,
+        "group_size": 2,
+        "max_turns": 8,
+        "replicas": 2,
+        "concurrency": 8,
+        "policy": {"latency_ms": 0, "error_rate": 0.1},
+        "train": {"batch_size": 4},
+    }
+    config.update(overrides)
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def rollpoint(*args: str, **kw: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "rollpoint", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        **kw,  # type: ignore[arg-type]
+    )
+
+
+def train_lines(workdir: Path) -> list[dict[str, object]]:
+    return [orjson.loads(line) for line in (workdir / "train_data.jsonl").read_bytes().splitlines()]
+
+
+@pytest.mark.parametrize(
+    ("environment", "replicas"), [("workplace", 2), ("blackjack", 1), ("math", 1)]
+)
+def test_run_trains_every_group_row_exactly_once(
+    tmp_path: Path, environment: str, replicas: int
+) -> None:
+    config = write_config(
+        tmp_path,
+        environment=environment,
+        replicas=replicas,
+        max_turns=8 if environment != "math" else 1,
+    )
+    result = rollpoint("run", str(config))
+    assert result.returncode == 0, result.stderr
+    lines = train_lines(tmp_path / "run")
+    assert len(lines) == 4 * 2
+    seen = Counter((line["group_id"], line["row"]) for line in lines)
+    assert set(seen.values()) == {1}
+    for line in lines:
+        for key in ("task_id", "rollout_id", "attempt", "reward", "messages", "train_step"):
+            assert key in line
+    if environment == "workplace":
+        # The scripted policy retries its wrong calls, so most rollouts earn full reward.
+        assert sum(float(line["reward"]) for line in lines) / len(lines) > 0.5  # type: ignore[arg-type]
+
+
+def test_run_refuses_to_mix_runs_in_one_workdir(tmp_path: Path) -> None:
+    config = write_config(tmp_path, environment="math", replicas=1, max_turns=1)
+    assert rollpoint("run", str(config)).returncode == 0
+    again = rollpoint("run", str(config))
+    assert again.returncode == 2
+    assert "--fresh --force" in again.stderr
+    fresh = rollpoint("run", str(config), "--fresh")
+    assert fresh.returncode == 2 and "needs --force" in fresh.stderr
+    assert rollpoint("run", str(config), "--fresh", "--force").returncode == 0
+
+
+def test_bad_config_is_one_line_naming_the_key(tmp_path: Path) -> None:
+    config = write_config(tmp_path, replica=3)
+    result = rollpoint("run", str(config))
+    assert result.returncode == 2
+    assert "unknown key 'replica'" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_unreachable_policy_url_fails_fast_naming_it(tmp_path: Path) -> None:
+    config = write_config(tmp_path, policy={"base_url": "http://127.0.0.1:9/v1"})
+    result = rollpoint("run", str(config))
+    assert result.returncode == 1
+    assert "http://127.0.0.1:9/v1 is not reachable" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_port_in_use_is_named_and_leaves_no_process(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        config = write_config(tmp_path, base_port=port)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "rollpoint", "run", str(config)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 1
+    assert f"port {port} on 127.0.0.1 is already in use" in stderr
+    assert children_of(proc.pid) == []
+
+
+def _start_long_run(tmp_path: Path) -> subprocess.Popen[str]:
+    config = write_config(tmp_path, tasks=64, policy={"latency_ms": 200, "error_rate": 0})
+    return subprocess.Popen(
+        [sys.executable, "-m", "rollpoint", "run", str(config)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _wait_for_servers(proc: subprocess.Popen[str], count: int, timeout_s: float = 60) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        kids = children_of(proc.pid)
+        if len(kids) >= count:
+            return kids
+        assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
+        time.sleep(0.1)
+    raise AssertionError(f"only {len(children_of(proc.pid))} of {count} servers started")
+
+
+def test_servers_exit_on_their_own_when_run_is_sigkilled(tmp_path: Path) -> None:
+    proc = _start_long_run(tmp_path)
+    servers = _wait_for_servers(proc, count=1 + 3 * 2)
+    try:
+        time.sleep(1.0)  # episodes in flight
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        leftover = wait_gone(servers, timeout_s=10)
+        assert leftover == [], f"servers outlived a SIGKILLed run: {leftover}"
+    finally:
+        kill_all(servers)
+
+
+def test_sigterm_stops_the_run_and_every_server(tmp_path: Path) -> None:
+    proc = _start_long_run(tmp_path)
+    servers = _wait_for_servers(proc, count=1 + 3 * 2)
+    try:
+        time.sleep(1.0)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=20)
+        assert proc.returncode != 0
+        assert wait_gone(servers, timeout_s=1) == []
+    finally:
+        kill_all(servers)

@@ -1,0 +1,31 @@
+"""The snapshot store: the only place in rollpoint that knows about files.
+
+- :mod:`~rollpoint.store.snapshot_store`: staging, publication, retention, verified reads
+- :mod:`~rollpoint.store.participant_state`: one participant's records and manifest
+- :mod:`~rollpoint.store.filesystem`: local folder or fsspec URL, and path containment
+- :mod:`~rollpoint.store.digest`: streaming sha256 of snapshot files
+"""
+
+from rollpoint.store.filesystem import resolve_inside
+from rollpoint.store.participant_state import (
+    read_participant_state,
+    verify_participant_state,
+    write_participant_state,
+)
+from rollpoint.store.snapshot_store import (
+    SnapshotStore,
+    SnapshotSummary,
+    Staging,
+    participant_subdir,
+)
+
+__all__ = [
+    "SnapshotStore",
+    "SnapshotSummary",
+    "Staging",
+    "participant_subdir",
+    "read_participant_state",
+    "resolve_inside",
+    "verify_participant_state",
+    "write_participant_state",
+]

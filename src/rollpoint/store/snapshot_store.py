@@ -1,0 +1,471 @@
+"""The snapshot store: staging, atomic publication, retention and verified reads.
+
+Owns the layout of a run's snapshot root (a local folder or an fsspec URL)::
+
+    <root>/staging/<snapshot_id>/            being written (local roots only)
+    <root>/snapshots/<snapshot_id>/          published once manifest.json is in it
+        manifest.json                        SnapshotManifest, written last
+        <files>                              ledger, TQ... (FileEntry digests in the manifest)
+        participants/<kind>/<instance>/      one participant's state (participant_state)
+    <root>/latest                            LatestPointer to the newest published snapshot
+
+Publication: on a local root, :meth:`SnapshotStore.publish` renames the staging folder
+into ``snapshots/`` (atomic) and then writes the manifest (temp file + rename); on an
+fsspec URL there is no cheap folder rename, so the snapshot is written in its final
+folder from the start (copy-free) and the manifest, one object put, is the publication
+point. Either way a folder without a manifest was never published and is never listed
+as valid. ``latest`` is moved after the manifest and is advisory: readers choose the
+newest snapshot that verifies, so a crash between the two loses nothing.
+
+It does not know what the trainer's files or the participants' records mean, nor when a
+snapshot is taken (the coordinator does). Every method does blocking I/O: call it from
+a worker thread in async code.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from rollpoint.protocol.errors import (
+    BadRequestError,
+    CheckpointConflictError,
+    ConfigError,
+    InvalidCheckpointStateError,
+    NotFoundError,
+    RollpointError,
+    SnapshotError,
+)
+from rollpoint.protocol.ids import is_identifier
+from rollpoint.protocol.manifest import (
+    SNAPSHOT_MANIFEST_VERSION,
+    FileEntry,
+    LatestPointer,
+    SnapshotManifest,
+    decode_document,
+    encode_document,
+    load_snapshot_manifest,
+)
+from rollpoint.protocol.model_base import StrictModel
+from rollpoint.protocol.participant import ParticipantKind
+from rollpoint.store.digest import digest_bytes, digest_file
+from rollpoint.store.filesystem import (
+    filesystem_for,
+    normalize_location,
+    normalize_relative,
+    resolve_inside,
+)
+from rollpoint.store.participant_state import MANIFEST_NAME, verify_participant_state
+from rollpoint.store.staging import (
+    PARTICIPANTS_DIR,
+    Staging,
+    StagingAction,
+    StagingRegistry,
+    participant_subdir,
+)
+
+__all__ = [
+    "LATEST_NAME",
+    "PARTICIPANTS_DIR",
+    "SNAPSHOTS_DIR",
+    "STAGING_DIR",
+    "SnapshotStore",
+    "SnapshotSummary",
+    "Staging",
+    "participant_subdir",
+    "resolve_inside",
+]
+
+log = logging.getLogger("rollpoint.store")
+
+STAGING_DIR = "staging"
+SNAPSHOTS_DIR = "snapshots"
+LATEST_NAME = "latest"
+
+_PROCESS_STARTED_AT = time.time()
+"""Folders last touched before this were left by an earlier process (a crash)."""
+
+
+class SnapshotSummary(StrictModel):
+    """One folder under ``snapshots/``: what it holds, or why it cannot be used."""
+
+    snapshot_id: str
+    path: str
+    valid: bool
+    reason: str | None = None
+    """Why the snapshot cannot be used (None when valid)."""
+    checkpoint_id: str | None = None
+    published_at: float | None = None
+    train_step: int | None = None
+    episodes: int | None = None
+    restarts: int | None = None
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    """A snapshot folder with a manifest file, loadable or not, for ordering."""
+
+    snapshot_id: str
+    order_time: float
+    manifest: SnapshotManifest | None
+    error: str | None
+
+
+class SnapshotStore:
+    """Snapshots of one run under ``root`` (a local path or an fsspec URL)."""
+
+    def __init__(self, root: str, keep: int = 3, *, clean_leftovers: bool = True) -> None:
+        """Open the store; ``clean_leftovers=False`` for read-only tools on a live run."""
+        if keep < 1:
+            raise ConfigError(f"snapshot retention must keep at least 1 snapshot, got {keep}")
+        self.root = normalize_location(root)
+        self.keep = keep
+        self._fs = filesystem_for(self.root)
+        self._stagings = StagingRegistry()
+        if clean_leftovers:
+            self._clean_leftovers()
+
+    # --- writing -----------------------------------------------------------------------
+
+    def begin(self, snapshot_id: str) -> Staging:
+        """Create the folder a new snapshot is written into."""
+        final = self.snapshot_dir(snapshot_id)
+        relative = f"{STAGING_DIR if self._fs.local else SNAPSHOTS_DIR}/{snapshot_id}"
+        path = self._fs.join(self.root, relative)
+        self._stagings.open(snapshot_id)
+        try:
+            if self._fs.exists(final) or self._fs.exists(path):
+                raise CheckpointConflictError(
+                    f"snapshot {snapshot_id} already exists or is being written in {self.root}"
+                )
+            self._fs.makedirs(path)
+        except BaseException:
+            self._stagings.forget(snapshot_id)
+            raise
+        return Staging(snapshot_id=snapshot_id, relative_dir=relative, path=path)
+
+    def write_file(self, staging: Staging, name: str, data: bytes) -> FileEntry:
+        """Write one trainer file (ledger, TQ) into the staging folder; return its entry."""
+        self._stagings.advance(staging, StagingAction.WRITE)
+        relative = normalize_relative(name)
+        if relative == MANIFEST_NAME or relative.startswith(f"{PARTICIPANTS_DIR}/"):
+            raise BadRequestError(f"file name {name!r} is reserved by the snapshot layout")
+        path = resolve_inside(staging.path, relative)
+        try:
+            self._fs.makedirs(path.rsplit("/", 1)[0])
+            self._fs.write_bytes(path, data)
+        except OSError as exc:
+            raise SnapshotError(f"cannot write {path}: {exc}") from None
+        digest = digest_bytes(data)
+        return FileEntry(path=relative, sha256=digest.sha256, bytes=digest.bytes)
+
+    def publish(self, staging: Staging, manifest: SnapshotManifest) -> SnapshotManifest:
+        """Publish the staged snapshot with ``manifest`` (stamped with ``published_at``).
+
+        A refused manifest leaves the staging open; a failed write removes it (as abort).
+        """
+        self._stagings.advance(staging, StagingAction.BEGIN_PUBLISH)
+        try:
+            self._check_publishable(staging, manifest)
+        except BaseException:
+            self._stagings.advance(staging, StagingAction.REFUSE)
+            raise
+        published = manifest.model_copy(update={"published_at": time.time()})
+        final = self.snapshot_dir(staging.snapshot_id)
+        moved = staging.path == final
+        try:
+            if not moved:
+                self._fs.makedirs(self._snapshots_root())
+                self._fs.rename(staging.path, final)
+                moved = True
+                self._fs.sync_dir(self._snapshots_root())
+            self._fs.publish_bytes(self._fs.join(final, MANIFEST_NAME), encode_document(published))
+        except OSError as exc:
+            self._fs.remove_tree(final if moved else staging.path)
+            self._stagings.advance(staging, StagingAction.FAIL)
+            raise SnapshotError(f"cannot publish snapshot {staging.snapshot_id}: {exc}") from None
+        self._stagings.advance(staging, StagingAction.FINISH)
+        log.info("published snapshot %s at %s", published.snapshot_id, final)
+        self._write_latest(published)
+        self._prune(protect=published.snapshot_id)
+        return published
+
+    def abort(self, staging: Staging) -> None:
+        """Remove a staging folder that will not be published (idempotent)."""
+        self._stagings.advance(staging, StagingAction.ABORT)
+        try:
+            self._fs.remove_tree(staging.path)
+        except OSError as exc:
+            log.warning("could not remove aborted staging folder %s: %s", staging.path, exc)
+
+    # --- reading -----------------------------------------------------------------------
+
+    def snapshot_dir(self, snapshot_id: str) -> str:
+        _check_snapshot_id(snapshot_id)
+        return self._fs.join(self.root, SNAPSHOTS_DIR, snapshot_id)
+
+    def load(self, snapshot_id: str) -> SnapshotManifest:
+        """The manifest of a published snapshot (its files are not verified: see verify)."""
+        path = self._fs.join(self.snapshot_dir(snapshot_id), MANIFEST_NAME)
+        try:
+            data = self._fs.read_bytes(path)
+        except FileNotFoundError:
+            raise NotFoundError(
+                f"snapshot {snapshot_id} is not published in {self.root} (no {path})"
+            ) from None
+        except OSError as exc:
+            raise InvalidCheckpointStateError(f"cannot read {path}: {exc}") from None
+        what = f"snapshot manifest {path}"
+        manifest = load_snapshot_manifest(decode_document(data, what), what)
+        if manifest.snapshot_id != snapshot_id:
+            raise InvalidCheckpointStateError(
+                f"{what} names snapshot {manifest.snapshot_id}, but lives in folder {snapshot_id}"
+            )
+        return manifest
+
+    def verify(self, snapshot_id: str) -> SnapshotManifest:
+        """The manifest, once every file and participant state it names checks out."""
+        manifest = self.load(snapshot_id)
+        self._verify_contents(manifest)
+        return manifest
+
+    def read_file(self, snapshot_id: str, name: str) -> bytes:
+        """The bytes of one trainer file of a snapshot, checked against its digest."""
+        manifest = self.load(snapshot_id)
+        entry = manifest.files.get(name)
+        if entry is None:
+            known = ", ".join(sorted(manifest.files)) or "none"
+            raise NotFoundError(f"snapshot {snapshot_id} has no file {name!r} (it has: {known})")
+        path = self._inside(self.snapshot_dir(snapshot_id), entry.path)
+        try:
+            data = self._fs.read_bytes(path)
+        except FileNotFoundError:
+            raise InvalidCheckpointStateError(f"snapshot file {path} is missing") from None
+        except OSError as exc:
+            raise InvalidCheckpointStateError(f"cannot read {path}: {exc}") from None
+        _check_digest(path, digest_bytes(data).sha256, len(data), entry)
+        return data
+
+    def participant_dir(self, snapshot_id: str, kind: ParticipantKind | str, instance: str) -> str:
+        """The state folder of one participant of a published snapshot."""
+        manifest = self.load(snapshot_id)
+        for participant in manifest.participants:
+            if participant.kind == kind and participant.instance == instance:
+                path = self._inside(self.snapshot_dir(snapshot_id), participant.manifest_path)
+                return path.rpartition("/")[0]
+        known = ", ".join(f"{p.kind}/{p.instance}" for p in manifest.participants) or "none"
+        raise NotFoundError(
+            f"snapshot {snapshot_id} has no participant {kind}/{instance} (it has: {known})"
+        )
+
+    def list_snapshots(self, *, include_invalid: bool = False) -> list[SnapshotSummary]:
+        """Published snapshots that verify, newest first; with the others and why if asked."""
+        summaries = [self._summarize(name) for name in self._fs.listdir(self._snapshots_root())]
+        if not include_invalid:
+            summaries = [summary for summary in summaries if summary.valid]
+        summaries.sort(
+            key=lambda s: (
+                s.published_at if s.published_at is not None else float("-inf"),
+                s.snapshot_id,
+            ),
+            reverse=True,
+        )
+        return summaries
+
+    def latest(self) -> SnapshotManifest | None:
+        """The newest snapshot that verifies; a broken newer one is skipped with a warning."""
+        for candidate in self._candidates():
+            reason = candidate.error
+            if reason is None:
+                try:
+                    return self.verify(candidate.snapshot_id)
+                except RollpointError as exc:
+                    reason = exc.message
+            log.warning(
+                "snapshot %s in %s is unusable, falling back to the previous one: %s",
+                candidate.snapshot_id,
+                self.root,
+                reason,
+            )
+        return None
+
+    # --- internals ---------------------------------------------------------------------
+
+    def _snapshots_root(self) -> str:
+        return self._fs.join(self.root, SNAPSHOTS_DIR)
+
+    def _inside(self, folder: str, relative: str) -> str:
+        try:
+            return resolve_inside(folder, relative)
+        except BadRequestError as exc:
+            raise InvalidCheckpointStateError(f"snapshot manifest: {exc.message}") from None
+
+    def _check_publishable(self, staging: Staging, manifest: SnapshotManifest) -> None:
+        if manifest.snapshot_id != staging.snapshot_id:
+            raise BadRequestError(
+                f"manifest is for snapshot {manifest.snapshot_id}, staging is {staging.snapshot_id}"
+            )
+        if manifest.schema_version != SNAPSHOT_MANIFEST_VERSION:
+            raise BadRequestError(
+                f"a new manifest must have schema_version {SNAPSHOT_MANIFEST_VERSION}, "
+                f"got {manifest.schema_version}"
+            )
+        wanted = [entry.path for entry in manifest.files.values()]
+        wanted += [participant.manifest_path for participant in manifest.participants]
+        missing = [
+            relative
+            for relative in wanted
+            if not self._fs.exists(resolve_inside(staging.path, relative))
+        ]
+        if missing:
+            raise SnapshotError(
+                f"snapshot {staging.snapshot_id} names files its staging folder lacks: "
+                + ", ".join(missing)
+            )
+
+    def _verify_contents(self, manifest: SnapshotManifest) -> None:
+        folder = self.snapshot_dir(manifest.snapshot_id)
+        for name, entry in manifest.files.items():
+            self._verify_file(folder, name, entry)
+        for participant in manifest.participants:
+            manifest_path = self._inside(folder, participant.manifest_path)
+            directory, _, file_name = manifest_path.rpartition("/")
+            if file_name != MANIFEST_NAME:
+                raise InvalidCheckpointStateError(
+                    f"snapshot {manifest.snapshot_id}: participant {participant.instance} "
+                    f"manifest path {participant.manifest_path!r} does not end in {MANIFEST_NAME}"
+                )
+            verify_participant_state(
+                directory,
+                kind=participant.kind.value,
+                instance=participant.instance,
+                checkpoint_id=manifest.checkpoint_id,
+            )
+
+    def _verify_file(self, folder: str, name: str, entry: FileEntry) -> None:
+        path = self._inside(folder, entry.path)
+        try:
+            digest = digest_file(self._fs, path)
+        except FileNotFoundError:
+            raise InvalidCheckpointStateError(
+                f"snapshot file {name!r} ({path}) is missing"
+            ) from None
+        except OSError as exc:
+            raise InvalidCheckpointStateError(f"cannot read snapshot file {path}: {exc}") from None
+        _check_digest(path, digest.sha256, digest.bytes, entry)
+
+    def _summarize(self, name: str) -> SnapshotSummary:
+        path = self._fs.join(self._snapshots_root(), name)
+        manifest: SnapshotManifest | None = None
+        try:
+            manifest = self.load(name)
+            self._verify_contents(manifest)
+        except RollpointError as exc:
+            return _summary(name, path, manifest, exc.message)
+        return _summary(name, path, manifest, None)
+
+    def _candidates(self) -> list[_Candidate]:
+        """Folders holding a manifest file, newest first (published_at, else the file's time)."""
+        out: list[_Candidate] = []
+        for name in self._fs.listdir(self._snapshots_root()):
+            manifest_path = self._fs.join(self._snapshots_root(), name, MANIFEST_NAME)
+            if not self._fs.exists(manifest_path):
+                continue
+            try:
+                manifest = self.load(name)
+            except RollpointError as exc:
+                when = self._fs.modified(manifest_path) or 0.0
+                out.append(_Candidate(name, when, None, exc.message))
+                continue
+            out.append(_Candidate(name, manifest.published_at, manifest, None))
+        out.sort(key=lambda c: (c.order_time, c.snapshot_id), reverse=True)
+        return out
+
+    def _write_latest(self, manifest: SnapshotManifest) -> None:
+        pointer = LatestPointer(
+            snapshot_id=manifest.snapshot_id, published_at=manifest.published_at
+        )
+        try:
+            self._fs.publish_bytes(self._fs.join(self.root, LATEST_NAME), encode_document(pointer))
+        except OSError as exc:
+            # The manifest is the publication point; the pointer only helps operators.
+            log.warning(
+                "could not move %s to snapshot %s: %s", LATEST_NAME, manifest.snapshot_id, exc
+            )
+
+    def _prune(self, protect: str) -> None:
+        """Keep the ``keep`` newest loadable snapshots and the broken ones newer than them.
+
+        Digests are not checked here: that would read every byte at every publication.
+        """
+        candidates = self._candidates()
+        loadable = [c for c in candidates if c.manifest is not None]
+        kept = {c.snapshot_id for c in loadable[: self.keep]} | {protect}
+        oldest_kept = min(
+            (c.order_time for c in loadable if c.snapshot_id in kept), default=float("-inf")
+        )
+        for candidate in candidates:
+            if candidate.snapshot_id in kept:
+                continue
+            if candidate.manifest is None and candidate.order_time >= oldest_kept:
+                continue
+            path = self._fs.join(self._snapshots_root(), candidate.snapshot_id)
+            try:
+                self._fs.remove_tree(path)
+                log.info("pruned snapshot %s", candidate.snapshot_id)
+            except OSError as exc:
+                log.warning("could not prune snapshot %s (skipped): %s", path, exc)
+
+    def _clean_leftovers(self) -> None:
+        """Remove unpublished folders an earlier process left behind when it crashed."""
+        folders = [
+            self._fs.join(self.root, STAGING_DIR, name)
+            for name in self._fs.listdir(self._fs.join(self.root, STAGING_DIR))
+        ]
+        folders += [
+            self._fs.join(self._snapshots_root(), name)
+            for name in self._fs.listdir(self._snapshots_root())
+            if not self._fs.exists(self._fs.join(self._snapshots_root(), name, MANIFEST_NAME))
+        ]
+        for folder in folders:
+            try:
+                modified = self._fs.modified(folder)
+                if modified is None or modified >= _PROCESS_STARTED_AT:
+                    continue
+                self._fs.remove_tree(folder)
+                log.warning("removed unpublished folder %s left by an earlier process", folder)
+            except OSError as exc:
+                log.warning("could not remove leftover folder %s (skipped): %s", folder, exc)
+
+
+def _check_snapshot_id(snapshot_id: str) -> None:
+    if not is_identifier(snapshot_id):
+        raise BadRequestError(f"snapshot id {snapshot_id!r} is not a valid identifier")
+
+
+def _check_digest(path: str, sha256: str, size: int, entry: FileEntry) -> None:
+    if size != entry.bytes or sha256 != entry.sha256:
+        raise InvalidCheckpointStateError(
+            f"snapshot file {path} does not match the manifest (tampered or corrupt): "
+            f"{size} bytes sha256 {sha256[:16]}…, expected {entry.bytes} bytes "
+            f"sha256 {entry.sha256[:16]}…"
+        )
+
+
+def _summary(
+    name: str, path: str, manifest: SnapshotManifest | None, reason: str | None
+) -> SnapshotSummary:
+    if manifest is None:
+        return SnapshotSummary(snapshot_id=name, path=path, valid=False, reason=reason)
+    return SnapshotSummary(
+        snapshot_id=name,
+        path=path,
+        valid=reason is None,
+        reason=reason,
+        checkpoint_id=manifest.checkpoint_id,
+        published_at=manifest.published_at,
+        train_step=manifest.train_step,
+        episodes=len(manifest.episodes),
+        restarts=len(manifest.restarts),
+    )

@@ -1,0 +1,124 @@
+"""A snapshot being written: its handle, its folder layout and its lifecycle.
+
+Owns :class:`Staging` (what the coordinator writes through and hands to participants),
+where a participant's state goes inside a snapshot folder (:func:`participant_subdir`),
+and the one transition table of a staging's life::
+
+    open ──write──▶ open
+    open ──begin_publish──▶ publishing ──finish──▶ published
+                            publishing ──refuse──▶ open      (manifest refused, nothing moved)
+                            publishing ──fail────▶ aborted   (I/O failed, folder removed)
+    open ──abort──▶ aborted ──abort──▶ aborted
+
+It does not touch files: :mod:`rollpoint.store.snapshot_store` does, asking
+:class:`StagingRegistry` first.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from enum import StrEnum
+
+from rollpoint.protocol.errors import BadRequestError, CheckpointConflictError, InvalidPhaseError
+from rollpoint.protocol.ids import is_identifier
+from rollpoint.protocol.participant import ParticipantKind
+
+PARTICIPANTS_DIR = "participants"
+
+
+def participant_subdir(kind: ParticipantKind | str, instance: str) -> str:
+    """A participant's state folder relative to its snapshot folder: ``participants/<kind>/<instance>``."""
+    try:
+        participant_kind = ParticipantKind(kind)
+    except ValueError:
+        raise BadRequestError(f"unknown participant kind {kind!r}") from None
+    if not is_identifier(instance):
+        raise BadRequestError(f"instance {instance!r} is not a valid identifier")
+    return f"{PARTICIPANTS_DIR}/{participant_kind.value}/{instance}"
+
+
+@dataclass(frozen=True)
+class Staging:
+    """A snapshot being written; hand ``relative_dir`` to the participants."""
+
+    snapshot_id: str
+    relative_dir: str
+    """The staging folder relative to the store root (``staging/<id>`` or ``snapshots/<id>``)."""
+    path: str
+    """The staging folder as a local path or URL."""
+
+    @property
+    def participants_relative_dir(self) -> str:
+        """The ``dir`` of a commit: each participant writes into ``<it>/<kind>/<instance>``."""
+        return f"{self.relative_dir}/{PARTICIPANTS_DIR}"
+
+    def participant_dir(self, kind: ParticipantKind | str, instance: str) -> str:
+        """Where one participant writes its state for this snapshot (path or URL)."""
+        return f"{self.path}/{participant_subdir(kind, instance)}"
+
+
+class StagingState(StrEnum):
+    OPEN = "open"
+    """Being written: files and participant states may be added."""
+    PUBLISHING = "publishing"
+    """Its manifest is being checked and written; nothing else may touch it."""
+    PUBLISHED = "published"
+    """Its manifest is written: it is a snapshot now."""
+    ABORTED = "aborted"
+    """Removed; it will never be published."""
+
+
+class StagingAction(StrEnum):
+    WRITE = "write"
+    BEGIN_PUBLISH = "publish"
+    REFUSE = "refuse"
+    FINISH = "finish"
+    FAIL = "fail"
+    ABORT = "abort"
+
+
+_TRANSITIONS: dict[tuple[StagingState, StagingAction], StagingState] = {
+    (StagingState.OPEN, StagingAction.WRITE): StagingState.OPEN,
+    (StagingState.OPEN, StagingAction.BEGIN_PUBLISH): StagingState.PUBLISHING,
+    (StagingState.PUBLISHING, StagingAction.REFUSE): StagingState.OPEN,
+    (StagingState.PUBLISHING, StagingAction.FINISH): StagingState.PUBLISHED,
+    (StagingState.PUBLISHING, StagingAction.FAIL): StagingState.ABORTED,
+    (StagingState.OPEN, StagingAction.ABORT): StagingState.ABORTED,
+    (StagingState.ABORTED, StagingAction.ABORT): StagingState.ABORTED,
+}
+
+
+class StagingRegistry:
+    """The state of every staging one store opened; thread-safe."""
+
+    def __init__(self) -> None:
+        self._states: dict[str, StagingState] = {}
+        self._lock = threading.Lock()
+
+    def open(self, snapshot_id: str) -> None:
+        with self._lock:
+            if snapshot_id in self._states:
+                raise CheckpointConflictError(
+                    f"snapshot {snapshot_id} already exists or is being written "
+                    f"(this store opened it before: {self._states[snapshot_id].value})"
+                )
+            self._states[snapshot_id] = StagingState.OPEN
+
+    def forget(self, snapshot_id: str) -> None:
+        """Undo :meth:`open` when the folder could not be created."""
+        with self._lock:
+            self._states.pop(snapshot_id, None)
+
+    def advance(self, staging: Staging, action: StagingAction) -> StagingState:
+        """Apply ``action``, or refuse it with :class:`InvalidPhaseError` naming the state."""
+        with self._lock:
+            state = self._states.get(staging.snapshot_id)
+            new = None if state is None else _TRANSITIONS.get((state, action))
+            if new is None:
+                where = state.value if state is not None else "not open in this store"
+                raise InvalidPhaseError(
+                    f"cannot {action.value} staging {staging.snapshot_id}: it is {where}"
+                )
+            self._states[staging.snapshot_id] = new
+            return new

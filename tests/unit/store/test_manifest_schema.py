@@ -1,0 +1,211 @@
+"""Versioned on-disk documents: golden files of every schema version, migrations, refusals."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from rollpoint.protocol.errors import InvalidCheckpointStateError
+from rollpoint.protocol.manifest import (
+    SNAPSHOT_MANIFEST_VERSION,
+    LatestPointer,
+    ParticipantManifest,
+    SnapshotManifest,
+    decode_document,
+    encode_document,
+    load_latest_pointer,
+    load_participant_manifest,
+    load_snapshot_manifest,
+    load_versioned,
+    topology_fingerprint,
+)
+from rollpoint.protocol.model_base import StrictModel
+from rollpoint.protocol.participant import ParticipantKind
+
+GOLDEN = Path(__file__).resolve().parents[2] / "golden" / "manifest"
+
+
+def load_golden_snapshot(name: str) -> SnapshotManifest:
+    path = GOLDEN / name
+    what = f"snapshot manifest {path}"
+    return load_snapshot_manifest(decode_document(path.read_bytes(), what), what)
+
+
+def test_golden_v2_loads_and_reencodes_to_the_same_bytes() -> None:
+    manifest = load_golden_snapshot("snapshot_manifest_v2.json")
+
+    assert manifest.schema_version == SNAPSHOT_MANIFEST_VERSION == 2
+    assert len(manifest.participants) == 6
+    assert [e.turns_completed for e in manifest.episodes] == [3, 5, 0]
+    assert manifest.restarts[0].rollout_id == "r9e8d7c6b5a493827"
+    assert encode_document(manifest) == (GOLDEN / "snapshot_manifest_v2.json").read_bytes()
+
+
+def test_golden_v1_migrates_to_v2() -> None:
+    v1 = load_golden_snapshot("snapshot_manifest_v1.json")
+    v2 = load_golden_snapshot("snapshot_manifest_v2.json")
+
+    assert v1.schema_version == 2
+    assert v1.pause_seconds == pytest.approx(0.184)
+    assert v1.restarts == []
+    same_fields = v1.model_dump(exclude={"restarts", "pause_seconds"})
+    assert same_fields == v2.model_dump(exclude={"restarts", "pause_seconds"})
+
+
+def test_v1_document_carrying_v2_fields_is_refused_not_guessed() -> None:
+    with pytest.raises(InvalidCheckpointStateError) as info:
+        load_golden_snapshot("snapshot_manifest_v1_with_v2_fields.json")
+
+    assert "cannot migrate schema_version 1 to 2" in info.value.message
+    assert "pause_seconds" in info.value.message
+
+
+def test_newer_golden_is_refused_with_upgrade_advice() -> None:
+    with pytest.raises(InvalidCheckpointStateError) as info:
+        load_golden_snapshot("snapshot_manifest_v9_newer.json")
+
+    assert "snapshot_manifest_v9_newer.json" in info.value.message
+    assert (
+        "schema_version 9 is newer than this rollpoint understands (max 2); upgrade rollpoint"
+        in info.value.message
+    )
+
+
+def test_golden_without_schema_version_is_refused() -> None:
+    with pytest.raises(InvalidCheckpointStateError, match="has no schema_version"):
+        load_golden_snapshot("snapshot_manifest_no_version.json")
+
+
+def test_corrupt_golden_is_refused_naming_the_file() -> None:
+    with pytest.raises(InvalidCheckpointStateError) as info:
+        load_golden_snapshot("snapshot_manifest_corrupt.json")
+
+    assert "snapshot_manifest_corrupt.json is not valid JSON" in info.value.message
+
+
+def test_participant_manifest_and_latest_pointer_goldens_load() -> None:
+    participant_path = GOLDEN / "participant_manifest_v1.json"
+    participant = load_participant_manifest(orjson.loads(participant_path.read_bytes()), "p")
+    pointer = load_latest_pointer(
+        orjson.loads((GOLDEN / "latest_pointer_v1.json").read_bytes()), "l"
+    )
+
+    assert isinstance(participant, ParticipantManifest)
+    assert participant.kind is ParticipantKind.MODEL
+    assert participant.records_file == "records-b6fbd9c855e4f07c.jsonl"
+    assert pointer == LatestPointer(snapshot_id="snap-000042", published_at=1767225601.25)
+
+
+@pytest.mark.parametrize(
+    ("version", "message"),
+    [
+        ("2", "must be a positive integer, got '2'"),
+        (True, "must be a positive integer, got True"),
+        (0, "must be a positive integer, got 0"),
+        (None, "must be a positive integer, got None"),
+    ],
+)
+def test_schema_version_of_the_wrong_type_is_refused(version: object, message: str) -> None:
+    doc = orjson.loads((GOLDEN / "snapshot_manifest_v2.json").read_bytes())
+    doc["schema_version"] = version
+
+    with pytest.raises(InvalidCheckpointStateError, match=message):
+        load_snapshot_manifest(doc, "doc")
+
+
+def test_unknown_field_is_refused_naming_it() -> None:
+    doc = orjson.loads((GOLDEN / "snapshot_manifest_v2.json").read_bytes())
+    doc["surprise"] = 1
+
+    with pytest.raises(InvalidCheckpointStateError, match="doc: unknown field 'surprise'"):
+        load_snapshot_manifest(doc, "doc")
+
+
+def test_a_json_array_is_not_a_document() -> None:
+    with pytest.raises(InvalidCheckpointStateError, match="must be a JSON object, got list"):
+        decode_document(b"[1, 2]", "thing.json")
+
+
+class _Counter(StrictModel):
+    schema_version: int
+    value: int
+    history: list[int]
+
+
+def _v1_to_v2(doc: dict[str, Any]) -> dict[str, Any]:
+    doc["value"] = doc.pop("old_value")
+    doc["history"] = [1]
+    return doc
+
+
+def _v2_to_v3(doc: dict[str, Any]) -> dict[str, Any]:
+    doc["history"] = [*doc["history"], 2]
+    return doc
+
+
+def test_migrations_apply_step_by_step_in_order() -> None:
+    migrations = {1: _v1_to_v2, 2: _v2_to_v3}
+
+    from_v1 = load_versioned({"schema_version": 1, "old_value": 7}, _Counter, migrations, 3, "c")
+    from_v2 = load_versioned(
+        {"schema_version": 2, "value": 7, "history": [1]}, _Counter, migrations, 3, "c"
+    )
+
+    assert from_v1 == _Counter(schema_version=3, value=7, history=[1, 2])
+    assert from_v2 == from_v1
+
+
+def test_a_missing_migration_step_is_refused() -> None:
+    with pytest.raises(InvalidCheckpointStateError, match="no migration from 1 to 2"):
+        load_versioned({"schema_version": 1, "old_value": 7}, _Counter, {2: _v2_to_v3}, 3, "c")
+
+
+def test_a_failing_migration_is_refused_naming_the_step() -> None:
+    with pytest.raises(InvalidCheckpointStateError, match="cannot migrate schema_version 1 to 2"):
+        load_versioned({"schema_version": 1}, _Counter, {1: _v1_to_v2, 2: _v2_to_v3}, 3, "c")
+
+
+# --- topology fingerprint --------------------------------------------------------------
+
+
+def _deployment(features: list[str]) -> list[dict[str, Any]]:
+    return [
+        {
+            "kind": kind,
+            "name": kind,
+            "replica": f"replica-{r}",
+            "mode": "turn",
+            "features": features,
+        }
+        for r in range(2)
+        for kind in ("model", "agent", "resources")
+    ]
+
+
+def test_topology_fingerprint_ignores_features() -> None:
+    assert topology_fingerprint(_deployment([])) == topology_fingerprint(
+        _deployment(["ack_batch", "generation_cut"])
+    )
+
+
+def test_topology_fingerprint_ignores_listing_order() -> None:
+    participants = _deployment([])
+
+    assert topology_fingerprint(participants) == topology_fingerprint(participants[::-1])
+
+
+def test_topology_fingerprint_changes_when_a_participant_is_missing() -> None:
+    participants = _deployment([])
+
+    assert topology_fingerprint(participants) != topology_fingerprint(participants[:-1])
+
+
+def test_topology_fingerprint_changes_when_a_checkpoint_mode_changes() -> None:
+    participants = _deployment([])
+    changed = [dict(p) for p in participants]
+    changed[0]["mode"] = "restart_only"
+
+    assert topology_fingerprint(participants) != topology_fingerprint(changed)

@@ -1,0 +1,295 @@
+"""One participant's state on disk: round trip, retries, and every way a reader refuses it."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+import pytest
+
+from rollpoint.protocol.errors import (
+    BadRequestError,
+    CheckpointConflictError,
+    InvalidCheckpointStateError,
+)
+from rollpoint.protocol.manifest import ParticipantManifest, encode_document
+from rollpoint.protocol.participant import ParticipantKind
+from rollpoint.store.filesystem import filesystem_for
+from rollpoint.store.participant_state import (
+    MANIFEST_NAME,
+    read_participant_state,
+    verify_participant_state,
+    write_participant_state,
+)
+
+IDENTITY: dict[str, str] = {
+    "kind": "agent",
+    "instance": "agent-replica-0",
+    "checkpoint_id": "ckpt-1",
+}
+RECORDS: list[dict[str, Any]] = [
+    {
+        "rollout_id": "r1",
+        "attempt": 0,
+        "turn": 2,
+        "messages": [{"role": "user", "content": "héllo ✓"}],
+    },
+    {"rollout_id": "r2", "attempt": 1, "turn": 0, "messages": [], "reward": None},
+    {"rollout_id": "r3", "attempt": 0, "nested": {"a": [1, 2.5, True]}},
+]
+
+
+def _folder(location: str) -> str:
+    return f"{location}/participants/agent/agent-replica-0"
+
+
+def _write(location: str, records: list[dict[str, Any]] = RECORDS) -> ParticipantManifest:
+    return write_participant_state(_folder(location), records=records, **IDENTITY)
+
+
+def _path(location: str, name: str) -> str:
+    return f"{_folder(location)}/{name}"
+
+
+def _rewrite_manifest(location: str, **changes: Any) -> None:
+    fs = filesystem_for(location)
+    doc = orjson.loads(fs.read_bytes(_path(location, MANIFEST_NAME)))
+    doc.update(changes)
+    fs.write_bytes(_path(location, MANIFEST_NAME), orjson.dumps(doc))
+
+
+def test_round_trip_returns_the_records_and_a_manifest_that_describes_the_file(
+    location: str,
+) -> None:
+    written = _write(location)
+
+    manifest, records = read_participant_state(_folder(location), **IDENTITY)
+
+    assert records == RECORDS
+    assert manifest == written
+    data = filesystem_for(location).read_bytes(_path(location, manifest.records_file))
+    assert manifest.sha256 == hashlib.sha256(data).hexdigest()
+    assert manifest.records_file == f"records-{manifest.sha256[:16]}.jsonl"
+    assert (manifest.count, manifest.bytes) == (3, len(data))
+    assert data.count(b"\n") == 3
+    assert sorted(filesystem_for(location).listdir(_folder(location))) == sorted(
+        [MANIFEST_NAME, manifest.records_file]
+    )
+
+
+def test_empty_state_round_trips(location: str) -> None:
+    _write(location, [])
+
+    manifest, records = read_participant_state(_folder(location), **IDENTITY)
+
+    assert (records, manifest.count, manifest.bytes) == ([], 0, 0)
+
+
+def test_records_larger_than_one_write_chunk_and_read_block_round_trip(location: str) -> None:
+    big = [{"i": i, "text": "x" * (3000 + i % 17)} for i in range(6000)]
+
+    manifest = _write(location, big)
+    _, records = read_participant_state(_folder(location), **IDENTITY)
+
+    assert manifest.bytes > 16 << 20
+    assert records == big
+
+
+def test_retrying_the_same_commit_returns_the_existing_manifest(location: str) -> None:
+    first = _write(location)
+
+    again = _write(location)
+
+    assert again == first
+
+
+def test_a_different_commit_into_the_same_folder_is_a_conflict(location: str) -> None:
+    _write(location)
+
+    with pytest.raises(CheckpointConflictError, match="already holds a different commit"):
+        _write(location, RECORDS[:2])
+    with pytest.raises(CheckpointConflictError):
+        write_participant_state(
+            _folder(location),
+            kind="agent",
+            instance="agent-replica-0",
+            checkpoint_id="ckpt-2",
+            records=RECORDS,
+        )
+
+
+def test_missing_manifest_means_no_state_even_with_a_records_file(location: str) -> None:
+    _write(location)
+    filesystem_for(location).remove_file(_path(location, MANIFEST_NAME))
+
+    with pytest.raises(InvalidCheckpointStateError) as info:
+        read_participant_state(_folder(location), **IDENTITY)
+
+    assert f"no participant state in {_folder(location)}" in info.value.message
+    assert "manifest.json is missing" in info.value.message
+
+
+def test_wrong_checkpoint_id_is_refused_naming_both_ids(location: str) -> None:
+    _write(location)
+
+    with pytest.raises(InvalidCheckpointStateError) as info:
+        read_participant_state(
+            _folder(location), kind="agent", instance="agent-replica-0", checkpoint_id="ckpt-9"
+        )
+
+    assert _path(location, MANIFEST_NAME) in info.value.message
+    assert "checkpoint_id is 'ckpt-1', expected 'ckpt-9'" in info.value.message
+
+
+def test_wrong_kind_and_instance_are_both_named(location: str) -> None:
+    _write(location)
+
+    with pytest.raises(InvalidCheckpointStateError) as info:
+        read_participant_state(
+            _folder(location), kind="model", instance="model-replica-0", checkpoint_id="ckpt-1"
+        )
+
+    assert "kind is 'agent', expected 'model'" in info.value.message
+    assert "instance is 'agent-replica-0', expected 'model-replica-0'" in info.value.message
+
+
+def test_a_flipped_byte_is_reported_as_tampered_naming_the_records_file(
+    location: str, flip_byte: Callable[..., None]
+) -> None:
+    manifest = _write(location)
+    flip_byte(_path(location, manifest.records_file), offset=5)
+
+    for check in (read_participant_state, verify_participant_state):
+        with pytest.raises(InvalidCheckpointStateError) as info:
+            check(_folder(location), **IDENTITY)
+        assert f"records file {_path(location, manifest.records_file)}" in info.value.message
+        assert "tampered" in info.value.message
+
+
+def test_a_truncated_records_file_is_refused_by_its_size(location: str) -> None:
+    manifest = _write(location)
+    fs = filesystem_for(location)
+    path = _path(location, manifest.records_file)
+    fs.write_bytes(path, fs.read_bytes(path)[:-10])
+
+    with pytest.raises(InvalidCheckpointStateError, match="truncated or tampered"):
+        read_participant_state(_folder(location), **IDENTITY)
+
+
+def test_count_mismatch_is_refused(location: str) -> None:
+    _write(location)
+    _rewrite_manifest(location, count=4)
+
+    with pytest.raises(InvalidCheckpointStateError, match="holds 3 records, its manifest says 4"):
+        read_participant_state(_folder(location), **IDENTITY)
+
+
+def test_missing_records_file_is_refused(location: str) -> None:
+    manifest = _write(location)
+    filesystem_for(location).remove_file(_path(location, manifest.records_file))
+
+    with pytest.raises(InvalidCheckpointStateError, match="named by its manifest is missing"):
+        read_participant_state(_folder(location), **IDENTITY)
+
+
+def test_a_records_file_name_that_does_not_match_the_digest_is_refused(location: str) -> None:
+    _write(location)
+    _rewrite_manifest(location, records_file="records-0000000000000000.jsonl")
+
+    with pytest.raises(InvalidCheckpointStateError, match="but its digest makes it"):
+        read_participant_state(_folder(location), **IDENTITY)
+
+
+def test_a_records_file_path_in_the_manifest_is_refused(location: str) -> None:
+    _write(location)
+    _rewrite_manifest(location, records_file="../../../etc/passwd")
+
+    with pytest.raises(InvalidCheckpointStateError, match="records_file"):
+        read_participant_state(_folder(location), **IDENTITY)
+
+
+def _publish_raw(location: str, body: bytes) -> None:
+    """A records file and a manifest that matches it exactly, whatever the body holds."""
+    fs = filesystem_for(location)
+    sha256 = hashlib.sha256(body).hexdigest()
+    fs.makedirs(_folder(location))
+    fs.write_bytes(_path(location, f"records-{sha256[:16]}.jsonl"), body)
+    manifest = ParticipantManifest(
+        kind=ParticipantKind.AGENT,
+        instance="agent-replica-0",
+        checkpoint_id="ckpt-1",
+        records_file=f"records-{sha256[:16]}.jsonl",
+        sha256=sha256,
+        count=body.count(b"\n"),
+        bytes=len(body),
+        written_at=0.0,
+    )
+    fs.write_bytes(_path(location, MANIFEST_NAME), encode_document(manifest))
+
+
+def test_an_undecodable_line_is_refused_naming_its_number(location: str) -> None:
+    _publish_raw(location, b'{"a": 1}\n{"b": \n{"c": 3}\n')
+
+    with pytest.raises(InvalidCheckpointStateError, match="line 2 is not valid JSON"):
+        read_participant_state(_folder(location), **IDENTITY)
+
+
+def test_a_line_that_is_not_an_object_is_refused(location: str) -> None:
+    _publish_raw(location, b'{"a": 1}\n[1, 2]\n')
+
+    with pytest.raises(InvalidCheckpointStateError, match="line 2 is a JSON list, not an object"):
+        read_participant_state(_folder(location), **IDENTITY)
+
+
+def test_a_corrupt_manifest_is_refused_naming_it(location: str) -> None:
+    _write(location)
+    filesystem_for(location).write_bytes(_path(location, MANIFEST_NAME), b'{"schema_version": 1,')
+
+    with pytest.raises(InvalidCheckpointStateError) as info:
+        read_participant_state(_folder(location), **IDENTITY)
+
+    assert f"participant manifest {_path(location, MANIFEST_NAME)} is not valid JSON" in (
+        info.value.message
+    )
+
+
+def test_a_manifest_from_a_newer_rollpoint_is_refused(location: str) -> None:
+    _write(location)
+    _rewrite_manifest(location, schema_version=5)
+
+    with pytest.raises(InvalidCheckpointStateError, match="newer than this rollpoint"):
+        read_participant_state(_folder(location), **IDENTITY)
+
+
+def test_an_unencodable_record_publishes_nothing(location: str) -> None:
+    records: list[dict[str, Any]] = [{"ok": 1}, {"bad": {1, 2}}]
+
+    with pytest.raises(InvalidCheckpointStateError, match="record 1 cannot be encoded"):
+        _write(location, records)
+
+    assert filesystem_for(location).listdir(_folder(location)) == []
+
+
+@pytest.mark.parametrize(
+    ("kind", "instance", "checkpoint_id", "message"),
+    [
+        ("gpu", "agent-replica-0", "ckpt-1", "unknown participant kind 'gpu'"),
+        ("agent", "../escape", "ckpt-1", "instance '../escape' is not a valid identifier"),
+        ("agent", "agent-replica-0", "", "checkpoint id '' is not a valid identifier"),
+    ],
+)
+def test_bad_identity_is_refused_before_writing(
+    location: str, kind: str, instance: str, checkpoint_id: str, message: str
+) -> None:
+    with pytest.raises(BadRequestError, match=message):
+        write_participant_state(
+            _folder(location),
+            kind=kind,
+            instance=instance,
+            checkpoint_id=checkpoint_id,
+            records=RECORDS,
+        )
+
+    assert not filesystem_for(location).exists(_folder(location))

@@ -21,6 +21,7 @@ wire) and ``retryable`` (whether trying the same thing again later can help)::
     │   └── InvalidCheckpointStateError 422 invalid_checkpoint_state
     ├── EpisodeError                episode_failed           (a bad rollout is data, not a crash)
     ├── SnapshotError               snapshot_failed          retryable (one failed save)
+    ├── RunStalledError             run_stalled              (no row result for too long)
     └── RestoreError                restore_refused          (a restore that cannot be exact)
 
 On the wire every refusal is ``{"error": {"code", "message", "retryable"}}`` with the
@@ -141,6 +142,12 @@ class SnapshotError(RollpointError):
 
 class RestoreError(RollpointError):
     code = "restore_refused"
+
+
+class RunStalledError(RollpointError):
+    """No row result arrived for the stall timeout (snapshot pauses not counted)."""
+
+    code = "run_stalled"
 
 
 def _all_subclasses(cls: type[RollpointError]) -> list[type[RollpointError]]:

@@ -31,13 +31,21 @@ class TrainerMetrics:
             buckets=_PAUSE_BUCKETS,
         )
         self.prepare_seconds = Histogram(
-            "snapshot_prepare_seconds", "Staged prepare of every participant", registry=r, buckets=_PAUSE_BUCKETS
+            "snapshot_prepare_seconds",
+            "Staged prepare of every participant",
+            registry=r,
+            buckets=_PAUSE_BUCKETS,
         )
         self.commit_seconds = Histogram(
-            "snapshot_commit_seconds", "Commit of every participant", registry=r, buckets=_PAUSE_BUCKETS
+            "snapshot_commit_seconds",
+            "Commit of every participant",
+            registry=r,
+            buckets=_PAUSE_BUCKETS,
         )
         self.snapshots = Counter("snapshots_total", "Snapshots by outcome", ["outcome"], registry=r)
-        self.parked_sessions = Gauge("snapshot_parked_sessions", "Sessions saved by the last snapshot", registry=r)
+        self.parked_sessions = Gauge(
+            "snapshot_parked_sessions", "Sessions saved by the last snapshot", registry=r
+        )
         self.restarts = Counter(
             "snapshot_restarts_total", "In-flight episodes a snapshot could not capture", registry=r
         )

@@ -1,0 +1,39 @@
+"""The trainer side: recovery ledger, dispatch barrier, dispatcher, TQ, GRPO, the train loop.
+
+Everything here runs in the trainer process and reaches the environment only over HTTP
+(:class:`~rollpoint.http.client.HttpClient`). The snapshot coordinator composes these
+parts through a :class:`Trainer`'s ``ledger``, ``barrier``, ``tq`` and ``dispatcher``.
+"""
+
+from rollpoint.trainer.dispatch_barrier import DispatchBarrier
+from rollpoint.trainer.dispatcher import Dispatcher, GroupOutcome
+from rollpoint.trainer.finished_queue import FinishedQueue, GroupBatch
+from rollpoint.trainer.grpo import advantages_by_episode, group_advantages
+from rollpoint.trainer.ledger import (
+    LedgerMove,
+    LedgerRecord,
+    RecoveryLedger,
+    RolloutState,
+)
+from rollpoint.trainer.train_hooks import SimulatedTrainer, TrainHooks, TrainSample
+from rollpoint.trainer.trainer_loop import RunSummary, Trainer, TrainerStats
+
+__all__ = [
+    "DispatchBarrier",
+    "Dispatcher",
+    "FinishedQueue",
+    "GroupBatch",
+    "GroupOutcome",
+    "LedgerMove",
+    "LedgerRecord",
+    "RecoveryLedger",
+    "RolloutState",
+    "RunSummary",
+    "SimulatedTrainer",
+    "TrainHooks",
+    "TrainSample",
+    "Trainer",
+    "TrainerStats",
+    "advantages_by_episode",
+    "group_advantages",
+]

@@ -1,0 +1,378 @@
+"""The trainer loop: one run of async GRPO over the environment deployment.
+
+Owns the run's parts and how they meet: the ledger, the dispatch barrier, TQ and the
+dispatcher are built here (and exposed, so a snapshot coordinator can drive them); one
+task keeps the dispatcher fed with prompt groups, one trains on whole groups as TQ fills,
+and a stall watchdog fails the run when no row result arrives for too long (time paused
+by a snapshot not counted). Every train step calls the :class:`TrainHooks`, bumps the
+policy version on every model server, appends the consumed rollouts to
+``<workdir>/train_data.jsonl`` (fsync'd per step) and commits TQ.
+
+It does not take snapshots, restore, or write train checkpoints (later pieces compose
+with it through :attr:`Trainer.ledger`, :attr:`Trainer.tq` and :attr:`Trainer.barrier`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from rollpoint.config import RunConfig
+from rollpoint.http.client import HttpClient
+from rollpoint.protocol.deployment import Deployment
+from rollpoint.protocol.episode import RunReply, TaskRow
+from rollpoint.protocol.errors import (
+    ConfigError,
+    InvalidPhaseError,
+    RollpointError,
+    RunStalledError,
+)
+from rollpoint.protocol.model_base import StrictModel
+from rollpoint.trainer.dispatch_barrier import DispatchBarrier
+from rollpoint.trainer.dispatcher import Dispatcher, GroupOutcome
+from rollpoint.trainer.finished_queue import FinishedQueue, GroupBatch
+from rollpoint.trainer.grpo import advantages_by_episode
+from rollpoint.trainer.ledger import RecoveryLedger
+from rollpoint.trainer.train_hooks import SimulatedTrainer, TrainHooks, TrainSample
+
+log = logging.getLogger(__name__)
+
+TRAIN_DATA_FILE = "train_data.jsonl"
+STALL_REPORT_ROWS = 10
+
+
+@dataclass(frozen=True, slots=True)
+class TrainerStats:
+    """A point-in-time view of a run, for progress displays."""
+
+    episodes_finished: int
+    turns: int
+    reward_sum: float
+    train_steps: int
+    in_flight: int
+    failed_groups: int
+    groups_total: int
+    groups_trained: int
+    policy_version: int
+
+    @property
+    def reward_mean(self) -> float:
+        return self.reward_sum / self.episodes_finished if self.episodes_finished else 0.0
+
+
+class RunSummary(StrictModel):
+    episodes: int
+    turns: int
+    train_steps: int
+    failed_groups: dict[str, str]
+    """Group id → why it failed."""
+    mean_reward: float
+    elapsed_s: float
+
+
+def group_id_for(task_id: str) -> str:
+    return f"{task_id}-g0"
+
+
+class Trainer:
+    def __init__(
+        self,
+        config: RunConfig,
+        deployment: Deployment,
+        tasks: list[TaskRow],
+        *,
+        hooks: TrainHooks | None = None,
+        client: HttpClient | None = None,
+        stall_timeout_s: float = 600.0,
+    ) -> None:
+        _check_inputs(config, tasks, stall_timeout_s)
+        self.config = config
+        self.deployment = deployment
+        self.hooks: TrainHooks = hooks or SimulatedTrainer(config.train.step_seconds)
+        self.ledger = RecoveryLedger()
+        self.tq = FinishedQueue()
+        self.barrier = DispatchBarrier()
+        self.dispatcher: Dispatcher | None = None
+        """Built by :meth:`run` (it needs the running loop's HTTP client)."""
+        self.train_data_path: Path = config.workdir / TRAIN_DATA_FILE
+        self.last_metrics: dict[str, float] = {}
+        for task in tasks:
+            gid = group_id_for(task.task_id)
+            self.ledger.add_group(task, gid, config.group_size)
+            self.tq.expect_group(gid, config.group_size)
+        self._client = client
+        self._stall_timeout_s = stall_timeout_s
+        self._started = False
+        self._tq_changed = asyncio.Event()
+        self._dispatch_done = False
+        self._failed: dict[str, str] = {}
+        self._episodes = 0
+        self._turns = 0
+        self._reward_sum = 0.0
+        self._train_steps = 0
+        self._groups_trained = 0
+        self._policy_version = 0
+
+    @property
+    def stats(self) -> TrainerStats:
+        return TrainerStats(
+            episodes_finished=self._episodes,
+            turns=self._turns,
+            reward_sum=self._reward_sum,
+            train_steps=self._train_steps,
+            in_flight=self.ledger.in_flight_count(),
+            failed_groups=len(self._failed),
+            groups_total=len(self.ledger.group_ids()),
+            groups_trained=self._groups_trained,
+            policy_version=self._policy_version,
+        )
+
+    async def run(self) -> RunSummary:
+        """Play and train every group; return when each is trained or failed."""
+        if self._started:
+            raise InvalidPhaseError("trainer: run() was already called on this trainer")
+        self._started = True
+        started = time.monotonic()
+        self.config.workdir.mkdir(parents=True, exist_ok=True)
+        client = self._client or HttpClient()
+        try:
+            self.dispatcher = Dispatcher(
+                self.ledger,
+                self.deployment,
+                client,
+                concurrency=self.config.concurrency,
+                max_turns=self.config.max_turns,
+                row_timeout_s=self.config.row_timeout_seconds,
+                barrier=self.barrier,
+                on_reply=self._on_reply,
+            )
+            async with self.dispatcher:
+                await _supervise(
+                    main=[self._feed(self.dispatcher), self._train(client)],
+                    side=[self._watch_stall(self.dispatcher)],
+                )
+        finally:
+            if self._client is None:
+                await client.aclose()
+        return RunSummary(
+            episodes=self._episodes,
+            turns=self._turns,
+            train_steps=self._train_steps,
+            failed_groups=dict(self._failed),
+            mean_reward=self.stats.reward_mean,
+            elapsed_s=time.monotonic() - started,
+        )
+
+    # --- rollouts --------------------------------------------------------------------
+
+    async def _on_reply(self, reply: RunReply) -> None:
+        self.ledger.seal(reply.episode.rollout_id)
+        self.tq.put(reply)
+        self._episodes += 1
+        self._turns += reply.turns
+        self._reward_sum += reply.reward
+        self._tq_changed.set()
+
+    async def _feed(self, dispatcher: Dispatcher) -> None:
+        """Keep just enough groups running to saturate the dispatcher's row slots."""
+        window = math.ceil(self.config.concurrency / self.config.group_size) + 1
+        tickets = asyncio.Semaphore(window)
+        running: set[asyncio.Task[GroupOutcome]] = set()
+        errors: list[BaseException] = []
+
+        def finished(task: asyncio.Task[GroupOutcome]) -> None:
+            running.discard(task)
+            tickets.release()
+            if task.cancelled():
+                return
+            error = task.exception()
+            if error is not None:
+                errors.append(error)
+            else:
+                self._group_done(task.result())
+
+        try:
+            for gid in self.ledger.group_ids():
+                await tickets.acquire()
+                if errors:
+                    raise errors[0]
+                task = asyncio.create_task(dispatcher.run_group(gid), name=f"group-{gid}")
+                running.add(task)
+                task.add_done_callback(finished)
+            while running and not errors:
+                await asyncio.wait(set(running), return_when=asyncio.FIRST_EXCEPTION)
+            if errors:
+                raise errors[0]
+        finally:
+            leftover = list(running)
+            for task in leftover:
+                task.cancel()
+            await asyncio.gather(*leftover, return_exceptions=True)
+        self._dispatch_done = True
+        self._tq_changed.set()
+
+    def _group_done(self, outcome: GroupOutcome) -> None:
+        if outcome.failed is not None:
+            self._failed[outcome.group_id] = outcome.failed
+            self.tq.drop_group(outcome.group_id)
+            self._tq_changed.set()
+
+    # --- training --------------------------------------------------------------------
+
+    async def _train(self, client: HttpClient) -> None:
+        while True:
+            groups = await self._next_batch(self._train_steps + 1)
+            if not groups:
+                return
+            await self._train_step(client, self._train_steps + 1, groups)
+
+    async def _next_batch(self, step: int) -> list[GroupBatch]:
+        """Whole groups for ``step`` once a batch is ready (or the last, partial one)."""
+        batch_size = self.config.train.batch_size
+        while True:
+            if self.tq.ready_rollouts >= batch_size or (
+                self._dispatch_done and self.tq.ready_groups
+            ):
+                return self.tq.take_groups(batch_size, train_step=step)
+            if self._dispatch_done:
+                return []
+            self._tq_changed.clear()
+            await self._tq_changed.wait()
+
+    async def _train_step(self, client: HttpClient, step: int, groups: list[GroupBatch]) -> None:
+        advantages = advantages_by_episode(batch.replies for batch in groups)
+        samples = [
+            TrainSample.from_reply(
+                reply, advantage=advantages[reply.episode.key], group_size=batch.size
+            )
+            for batch in groups
+            for reply in batch.replies
+        ]
+        generated_by = self._policy_version
+        self.last_metrics = await self.hooks.train_step(step, samples)
+        self._policy_version += 1
+        await self._publish_policy_version(client, self._policy_version)
+        await asyncio.to_thread(self._append_train_data, step, samples, generated_by)
+        self.tq.commit(step)
+        self._train_steps = step
+        self._groups_trained += len(groups)
+        log.info(
+            "train step %d: %d rollouts from %d groups; %s",
+            step,
+            len(samples),
+            len(groups),
+            ", ".join(f"{k}={v:.4g}" for k, v in self.last_metrics.items()),
+        )
+
+    async def _publish_policy_version(self, client: HttpClient, version: int) -> None:
+        async def publish(name: str, model_url: str) -> None:
+            try:
+                await client.post_json(
+                    f"{model_url}/rollpoint/v1/policy_version", {"version": version}
+                )
+            except RollpointError as exc:
+                # The version only labels recorded calls; a replica that missed it must
+                # not stop training (the dispatcher copes with a replica that is down).
+                log.warning("could not set policy version %d on %s: %s", version, name, exc)
+
+        await asyncio.gather(*(publish(r.name, r.model_url) for r in self.deployment.replicas))
+
+    def _append_train_data(
+        self, step: int, samples: list[TrainSample], default_version: int
+    ) -> None:
+        lines = bytearray()
+        for s in samples:
+            # The oldest policy that wrote any turn of the episode: its staleness.
+            versions = [call.policy_version for call in s.model_calls]
+            lines += orjson.dumps(
+                {
+                    "task_id": s.task_id,
+                    "group_id": s.group_id,
+                    "row": s.row,
+                    "rollout_id": s.rollout_id,
+                    "attempt": s.attempt,
+                    "reward": s.reward,
+                    "advantage": s.advantage,
+                    "messages": s.messages,
+                    "train_step": step,
+                    "policy_version": min(versions, default=default_version),
+                    "turns": s.turns,
+                },
+                option=orjson.OPT_APPEND_NEWLINE,
+            )
+        with self.train_data_path.open("ab") as out:
+            out.write(lines)
+            out.flush()
+            os.fsync(out.fileno())
+
+    # --- stall watchdog --------------------------------------------------------------
+
+    async def _watch_stall(self, dispatcher: Dispatcher) -> None:
+        tick = min(1.0, self._stall_timeout_s / 10)
+        pulse = dispatcher.results_total
+        last_progress = self.barrier.pause_clock()
+        while True:
+            await asyncio.sleep(tick)
+            now = self.barrier.pause_clock()
+            if dispatcher.results_total != pulse or dispatcher.in_flight_rows == 0:
+                pulse = dispatcher.results_total
+                last_progress = now
+            elif now - last_progress >= self._stall_timeout_s:
+                raise RunStalledError(self._stall_message(now - last_progress))
+
+    def _stall_message(self, quiet_s: float) -> str:
+        rows = self.ledger.in_flight()
+        shown = ", ".join(r.describe() for r in rows[:STALL_REPORT_ROWS])
+        more = f" and {len(rows) - STALL_REPORT_ROWS} more" if len(rows) > STALL_REPORT_ROWS else ""
+        return (
+            f"no row result for {quiet_s:.0f}s (snapshot pauses not counted); "
+            f"{len(rows)} rows in flight: {shown}{more}"
+        )
+
+
+def _check_inputs(config: RunConfig, tasks: list[TaskRow], stall_timeout_s: float) -> None:
+    if not tasks:
+        raise ConfigError("trainer: no tasks to run")
+    ids = [t.task_id for t in tasks]
+    duplicates = sorted(tid for tid, n in Counter(ids).items() if n > 1)
+    if duplicates:
+        raise ConfigError(f"trainer: task ids appear more than once: {duplicates[:5]}")
+    too_long = [tid for tid in ids if len(group_id_for(tid)) > 128]
+    if too_long:
+        raise ConfigError(f"trainer: task id too long for a group id: {too_long[0][:40]}...")
+    if config.group_size > config.concurrency:
+        raise ConfigError(
+            f"trainer: group_size {config.group_size} is larger than concurrency "
+            f"{config.concurrency}: a group could never be sent"
+        )
+    if stall_timeout_s <= 0:
+        raise ConfigError(f"trainer: stall_timeout_s must be > 0, got {stall_timeout_s}")
+
+
+async def _supervise(main: list[Any], side: list[Any]) -> None:
+    """Run ``main`` to completion with ``side`` alongside; the first error stops all."""
+    main_tasks = {asyncio.create_task(c) for c in main}
+    side_tasks = {asyncio.create_task(c) for c in side}
+    try:
+        waiting = set(main_tasks)
+        while waiting:
+            done, _ = await asyncio.wait(waiting | side_tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                error = task.exception()
+                if error is not None:
+                    raise error
+                waiting.discard(task)
+    finally:
+        everything = main_tasks | side_tasks
+        for task in everything:
+            task.cancel()
+        await asyncio.gather(*everything, return_exceptions=True)

@@ -1,0 +1,1 @@
+"""The environment side: the participant SDK (fence, control routes) and the gym servers."""

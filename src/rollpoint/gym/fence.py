@@ -1,0 +1,687 @@
+"""The checkpoint fence: one participant's phase machine, lease, replays and retire marks.
+
+Owns everything a control verb does to a participant apart from the participant's own
+state: which verb is legal in which phase (one transition table, :data:`TRANSITIONS`,
+applied by :func:`next_phase`), which checkpoint id is active, the ids already resumed
+(the last 64: a late call naming one is stale), the recorded replies that make prepare,
+commit and restore replayable, the lease that reopens a participant whose coordinator
+went away, and the retire marks every data-plane route checks with one call
+(:meth:`Fence.check_attempt`). It does not own the participant's state (the
+:class:`~rollpoint.gym.participant.Participant` hooks), the wire shapes
+(:mod:`rollpoint.protocol.control`), the routes (:mod:`rollpoint.gym.control_routes`) or
+the file format (:mod:`rollpoint.store.participant_state`)::
+
+    idle --prepare--> preparing --ready--> prepared --commit--> committed
+    idle --restore--> restored
+    preparing|prepared|committed|restored --resume|lease_expired--> idle
+    preparing|restored --failed--> idle      (a hook failed; the id is not spent)
+
+Admission follows the phase, in one place (:meth:`Fence._move`): it is closed when the
+phase leaves idle and opened when it returns, so it is open iff the phase is idle.
+
+One :class:`asyncio.Lock` serialises every transition. Two waits run outside it so the
+participant keeps answering: prepare's wait for readiness, and commit's export + write
+(a task per checkpoint id, so a concurrent or repeated commit awaits the same result).
+A refused call raises before it changes anything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, TypeVar
+
+from pydantic import JsonValue
+
+from rollpoint.gym.participant import Participant
+from rollpoint.protocol.control import (
+    MAX_REPORTED_BLOCKERS,
+    PROTOCOL_VERSION,
+    AckReply,
+    AckRequest,
+    CommitReply,
+    CommitRequest,
+    ForgetReply,
+    ForgetRequest,
+    Phase,
+    PrepareReply,
+    PrepareRequest,
+    Readiness,
+    RenewReply,
+    RenewRequest,
+    RestoreReply,
+    RestoreRequest,
+    ResumeReply,
+    ResumeRequest,
+    RetireReply,
+    RetireRequest,
+    StatusReply,
+    Verb,
+)
+from rollpoint.protocol.errors import (
+    CheckpointConflictError,
+    ConfigError,
+    DeadlineExceededError,
+    InvalidCheckpointStateError,
+    InvalidPhaseError,
+    RestoreError,
+    RollpointError,
+    SnapshotError,
+    StaleAttemptError,
+    StaleCheckpointError,
+)
+from rollpoint.protocol.ids import EpisodeId, is_identifier
+from rollpoint.store.filesystem import resolve_inside
+from rollpoint.store.participant_state import read_participant_state, write_participant_state
+
+log = logging.getLogger(__name__)
+
+REMEMBERED_RESUMED_IDS = 64
+_WAIT_SLICE_S = 1.0
+"""Longest single wait on the participant while preparing (a resume is noticed this fast)."""
+_REOPEN_RETRY_S = 1.0
+"""After a failed reopen on lease expiry, try again this much later."""
+
+T = TypeVar("T")
+
+
+class Event(StrEnum):
+    """Transitions no verb names: the fence makes them itself."""
+
+    READY = "ready"
+    """Every session reached a boundary while preparing."""
+    LEASE_EXPIRED = "lease_expired"
+    """Nobody renewed or resumed in time: reopen as if resumed."""
+    FAILED = "failed"
+    """A hook failed while preparing or restoring: reopen; the id may be tried again."""
+
+
+Step = Verb | Event
+
+_HELD = (Phase.PREPARING, Phase.PREPARED, Phase.COMMITTED, Phase.RESTORED)
+
+TRANSITIONS: dict[tuple[Phase, Step], Phase] = {
+    (Phase.IDLE, Verb.PREPARE): Phase.PREPARING,
+    (Phase.PREPARING, Verb.PREPARE): Phase.PREPARING,
+    (Phase.PREPARED, Verb.PREPARE): Phase.PREPARED,
+    (Phase.PREPARING, Event.READY): Phase.PREPARED,
+    (Phase.PREPARED, Verb.COMMIT): Phase.COMMITTED,
+    (Phase.COMMITTED, Verb.COMMIT): Phase.COMMITTED,
+    (Phase.IDLE, Verb.RESTORE): Phase.RESTORED,
+    (Phase.RESTORED, Verb.RESTORE): Phase.RESTORED,
+    (Phase.IDLE, Verb.RESUME): Phase.IDLE,
+    (Phase.PREPARING, Event.FAILED): Phase.IDLE,
+    (Phase.RESTORED, Event.FAILED): Phase.IDLE,
+    # Retiring stops episodes, whose last calls would wait on a closed gate: only
+    # while admission is open (idle) or before restored episodes started (restored).
+    (Phase.IDLE, Verb.RETIRE): Phase.IDLE,
+    (Phase.RESTORED, Verb.RETIRE): Phase.RESTORED,
+    (Phase.IDLE, Verb.FORGET): Phase.IDLE,
+    (Phase.RESTORED, Verb.FORGET): Phase.RESTORED,
+    **{(phase, Verb.RESUME): Phase.IDLE for phase in _HELD},
+    **{(phase, Event.LEASE_EXPIRED): Phase.IDLE for phase in _HELD},
+    **{(phase, Verb.RENEW): phase for phase in _HELD},
+    **{(phase, Verb.ACK): phase for phase in Phase},
+}
+
+
+def next_phase(phase: Phase, step: Step) -> Phase:
+    """The phase ``step`` leads to from ``phase``; :class:`InvalidPhaseError` if illegal."""
+    after = TRANSITIONS.get((phase, step))
+    if after is None:
+        valid = sorted(p.value for (p, s) in TRANSITIONS if s == step)
+        legal_in_idle = (Phase.IDLE, step) in TRANSITIONS
+        hint = "; resume first" if legal_in_idle and phase is not Phase.IDLE else ""
+        raise InvalidPhaseError(
+            f"{step} is not valid in phase {phase} (valid in: {', '.join(valid)}){hint}"
+        )
+    return after
+
+
+@dataclass(frozen=True)
+class ControlSettings:
+    """How a participant's control plane is set up; build one per server process."""
+
+    token: str = field(repr=False)
+    """Bearer token every control call must carry (see :func:`rollpoint.http.auth.load_token`)."""
+    snapshot_root: str
+    """Local folder or fsspec URL; commit and restore name folders relative to it."""
+    lease_grace_s: float = 2.0
+    """The lease lapses this long after the last deadline, then the participant reopens."""
+
+    def __post_init__(self) -> None:
+        if not self.token.strip():
+            raise ConfigError(
+                "no control token configured: set ROLLPOINT_CONTROL_TOKEN or pass a token file"
+            )
+        if not self.snapshot_root.strip():
+            raise ConfigError("snapshot_root is empty: give the folder snapshots are written to")
+        if not math.isfinite(self.lease_grace_s) or self.lease_grace_s < 0:
+            raise ConfigError(f"lease_grace_s must be >= 0 seconds, got {self.lease_grace_s}")
+
+
+@dataclass
+class _Write:
+    """One checkpoint's commit: exported once, stored until it succeeds."""
+
+    checkpoint_id: str
+    checkpoint_dir: str
+    """As the request named it (relative to the snapshot root)."""
+    directory: str
+    """The participant's own folder, resolved inside the snapshot root."""
+    scope: list[EpisodeId]
+    task: asyncio.Task[CommitReply] | None = None
+    records: list[dict[str, JsonValue]] | None = None
+    """Kept once exported, so a failed store is retried without exporting again."""
+
+    @property
+    def key(self) -> tuple[str, frozenset[str]]:
+        return self.directory, frozenset(e.key for e in self.scope)
+
+
+@dataclass(frozen=True)
+class _RestoreMemo:
+    key: tuple[str, str, frozenset[str]]
+    reply: RestoreReply
+
+
+class Fence:
+    """The control plane of one participant. Call :meth:`aclose` when the server stops."""
+
+    def __init__(
+        self,
+        participant: Participant,
+        settings: ControlSettings,
+        *,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._participant = participant
+        self._settings = settings
+        self._clock = clock
+        self._instance = f"{participant.name}-{participant.replica}"
+        if not is_identifier(self._instance):
+            raise ConfigError(
+                f"participant name {participant.name!r} and replica {participant.replica!r} "
+                "must be identifiers ([A-Za-z0-9][A-Za-z0-9._:-]*): they name its state folder"
+            )
+        self._lock = asyncio.Lock()
+        self._phase = Phase.IDLE
+        self._checkpoint_id: str | None = None
+        self._lease_expires_at: float | None = None
+        self._resumed: OrderedDict[str, None] = OrderedDict()
+        self._prepared: PrepareReply | None = None
+        self._write: _Write | None = None
+        self._restored: _RestoreMemo | None = None
+        self._marks: dict[str, int] = {}
+        self._lease_changed = asyncio.Event()
+        self._watcher: asyncio.Task[None] | None = None
+
+    # --- read side ---------------------------------------------------------------------
+
+    @property
+    def phase(self) -> Phase:
+        return self._phase
+
+    @property
+    def checkpoint_id(self) -> str | None:
+        return self._checkpoint_id
+
+    @property
+    def lease_expires_at(self) -> float | None:
+        return self._lease_expires_at
+
+    @property
+    def retire_marks(self) -> dict[str, int]:
+        return dict(self._marks)
+
+    def check_attempt(self, episode: EpisodeId) -> None:
+        """Refuse data-plane work of a retired attempt with :class:`StaleAttemptError`."""
+        mark = self._marks.get(episode.rollout_id)
+        if mark is not None and episode.attempt <= mark:
+            raise StaleAttemptError(
+                f"episode {episode.key} is retired (attempts up to {mark} of rollout "
+                f"{episode.rollout_id} are); a newer attempt owns it"
+            )
+
+    def status(self) -> StatusReply:
+        p = self._participant
+        return StatusReply(
+            kind=p.kind,
+            name=p.name,
+            replica=p.replica,
+            mode=p.mode,
+            protocol_version=PROTOCOL_VERSION,
+            features=list(p.features),
+            phase=self._phase,
+            checkpoint_id=self._checkpoint_id,
+            lease_expires_at=self._lease_expires_at,
+            counts=_call_hook("stats", p.stats),
+            retired_rollouts=len(self._marks),
+        )
+
+    # --- verbs -------------------------------------------------------------------------
+
+    async def prepare(self, req: PrepareRequest) -> PrepareReply:
+        cid = req.checkpoint_id
+        async with self._lock:
+            await self._reap_lease()
+            self._admit(Verb.PREPARE, cid)
+            if self._prepared is not None:
+                return self._prepared
+            self._check_deadline("prepare", cid, req.deadline_ts)
+            if self._phase is Phase.IDLE:
+                await self._move(Verb.PREPARE)
+                self._checkpoint_id = cid
+            self._extend_lease(req.deadline_ts)
+        try:
+            await self._wait_ready(cid, req.deadline_ts)
+        except Exception as exc:
+            async with self._lock:
+                if self._checkpoint_id == cid and self._phase is Phase.PREPARING:
+                    await self._move(Event.FAILED)
+            raise _hook_error("readiness wait", exc, RollpointError) from None
+        async with self._lock:
+            await self._reap_lease()
+            if self._checkpoint_id != cid:
+                raise StaleCheckpointError(f"checkpoint {cid} was resumed while prepare waited")
+            if self._prepared is not None:
+                return self._prepared
+            report = _wire_report(_call_hook("readiness", self._participant.readiness))
+            reply = PrepareReply(
+                phase=Phase.PREPARING,
+                checkpoint_id=cid,
+                report=report,
+                lease_expires_at=self._lease(),
+            )
+            if report.ready:
+                await self._move(Event.READY)
+                self._prepared = reply = reply.model_copy(update={"phase": Phase.PREPARED})
+            return reply
+
+    async def renew(self, req: RenewRequest) -> RenewReply:
+        async with self._lock:
+            await self._reap_lease()
+            self._admit(Verb.RENEW, req.checkpoint_id)
+            self._check_deadline("renew", req.checkpoint_id, req.deadline_ts)
+            self._extend_lease(req.deadline_ts)
+            return RenewReply(
+                phase=self._phase, checkpoint_id=req.checkpoint_id, lease_expires_at=self._lease()
+            )
+
+    async def commit(self, req: CommitRequest) -> CommitReply:
+        cid = req.checkpoint_id
+        directory = self._participant_dir(req.checkpoint_dir)
+        scope = sorted({e.key: e for e in req.episode_ids}.values(), key=lambda e: e.key)
+        async with self._lock:
+            await self._reap_lease()
+            self._admit(Verb.COMMIT, cid)
+            write = _Write(cid, req.checkpoint_dir, directory, scope)
+            task = self._start_write(write, req.deadline_ts)
+        if not task.done():
+            remaining = req.deadline_ts - self._clock()
+            try:
+                async with asyncio.timeout(max(remaining, 0.0)):
+                    await asyncio.shield(task)
+            except TimeoutError:
+                raise DeadlineExceededError(
+                    f"commit {cid}: the write outlived the deadline; it goes on, "
+                    "and a retry with the same dir and scope collects it"
+                ) from None
+        reply = task.result()
+        async with self._lock:
+            if self._checkpoint_id != cid:
+                raise StaleCheckpointError(f"checkpoint {cid} was resumed while committing")
+            if self._phase is Phase.PREPARED:
+                await self._move(Verb.COMMIT)
+        return reply
+
+    async def resume(self, req: ResumeRequest) -> ResumeReply:
+        cid = req.checkpoint_id
+        async with self._lock:
+            await self._reap_lease()
+            if cid in self._resumed or self._phase is Phase.IDLE:
+                # Nothing to reopen for this id; the phase reported is the current one
+                # (idle, unless another checkpoint started since).
+                self._remember(cid)
+                return ResumeReply(phase=self._phase, checkpoint_id=cid, idempotent=True)
+            self._admit(Verb.RESUME, cid)
+            await self._move(Verb.RESUME)
+            return ResumeReply(phase=Phase.IDLE, checkpoint_id=cid, idempotent=False)
+
+    async def restore(self, req: RestoreRequest) -> RestoreReply:
+        cid = req.checkpoint_id
+        source = req.source_checkpoint_id or cid
+        directory = self._participant_dir(req.checkpoint_dir)
+        scope = sorted({e.key: e for e in req.episode_ids}.values(), key=lambda e: e.key)
+        key = (directory, source, frozenset(e.key for e in scope))
+        async with self._lock:
+            await self._reap_lease()
+            self._admit(Verb.RESTORE, cid)
+            if self._restored is not None:
+                if self._restored.key != key:
+                    raise CheckpointConflictError(
+                        f"restore {cid} already installed another dir, source or scope"
+                    )
+                return self._restored.reply
+            self._check_deadline("restore", cid, req.deadline_ts)
+            try:
+                async with asyncio.timeout(max(req.deadline_ts - self._clock(), 0.0)):
+                    restored = await self._install(cid, source, directory, scope, req.deadline_ts)
+            except BaseException as exc:
+                if self._phase is Phase.RESTORED:
+                    await self._move(Event.FAILED)
+                if isinstance(exc, TimeoutError):
+                    raise DeadlineExceededError(
+                        f"restore {cid}: not done by the deadline"
+                    ) from None
+                if isinstance(exc, Exception):
+                    raise _hook_error("install", exc, RestoreError) from None
+                raise
+            # The saved attempts are superseded by their next ones: refuse them from now on.
+            self._raise_marks({e.rollout_id: e.attempt for e in scope})
+            reply = RestoreReply(
+                phase=self._phase,
+                checkpoint_id=cid,
+                source_checkpoint_id=source,
+                restored=restored,
+            )
+            self._restored = _RestoreMemo(key, reply)
+            return reply
+
+    async def retire(self, req: RetireRequest) -> RetireReply:
+        wanted: dict[str, int] = {}
+        for e in req.episode_ids:
+            wanted[e.rollout_id] = max(wanted.get(e.rollout_id, -1), e.attempt)
+        async with self._lock:
+            await self._reap_lease()
+            self._admit(Verb.RETIRE, None)
+            # Marks rise before the hook runs and stay risen if it fails: a retired
+            # attempt must never be served again, whatever happened to its work.
+            marks = self._raise_marks(wanted)
+            outcomes = _call_hook("retire", self._participant.retire, marks)
+            return RetireReply(marks=marks, outcomes=outcomes)
+
+    async def forget(self, req: ForgetRequest) -> ForgetReply:
+        async with self._lock:
+            await self._reap_lease()
+            self._admit(Verb.FORGET, None)
+            dropped = {r for r in req.rollout_ids if self._marks.pop(r, None) is not None}
+            known = _call_hook("forget", self._participant.forget, list(req.rollout_ids))
+            return ForgetReply(forgotten=sorted(dropped | set(known)))
+
+    async def ack(self, req: AckRequest) -> AckReply:
+        async with self._lock:
+            self._admit(Verb.ACK, None)
+            return AckReply(acked=_call_hook("ack", self._participant.ack, list(req.episode_ids)))
+
+    async def expire_lease_if_lapsed(self) -> bool:
+        """Reopen now if the lease has lapsed; True if it did. The lease task calls this;
+        a caller driving a fake clock may too."""
+        async with self._lock:
+            return await self._reap_lease()
+
+    async def aclose(self) -> None:
+        """Stop the lease task. The phase is left as is."""
+        if self._watcher is not None:
+            self._watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watcher
+            self._watcher = None
+
+    # --- transitions -------------------------------------------------------------------
+
+    def _admit(self, verb: Verb, checkpoint_id: str | None) -> Phase:
+        """Check ``verb`` for ``checkpoint_id`` may run now; change nothing."""
+        if checkpoint_id is not None:
+            if checkpoint_id in self._resumed:
+                raise StaleCheckpointError(
+                    f"checkpoint {checkpoint_id} was already resumed; "
+                    f"this {verb} comes from a stale coordinator"
+                )
+            if self._checkpoint_id is not None and self._checkpoint_id != checkpoint_id:
+                raise CheckpointConflictError(
+                    f"checkpoint {self._checkpoint_id} is active (phase {self._phase}); "
+                    f"{verb} for {checkpoint_id} refused"
+                )
+        return next_phase(self._phase, verb)
+
+    async def _move(self, step: Step) -> None:
+        """Apply ``step``; close or open admission when the phase leaves or returns to idle."""
+        before, after = self._phase, next_phase(self._phase, step)
+        if before is Phase.IDLE and after is not Phase.IDLE:
+            await self._close_admission()
+        elif before is not Phase.IDLE and after is Phase.IDLE:
+            await _await_hook("open_admission", self._participant.open_admission())
+            if step in (Verb.RESUME, Event.LEASE_EXPIRED) and self._checkpoint_id is not None:
+                self._remember(self._checkpoint_id)
+            self._checkpoint_id = None
+            self._lease_expires_at = None
+            self._prepared, self._write, self._restored = None, None, None
+            self._lease_changed.set()
+        self._phase = after
+
+    async def _close_admission(self) -> None:
+        try:
+            await self._participant.close_admission()
+        except Exception as exc:
+            with contextlib.suppress(Exception):
+                await self._participant.open_admission()
+            raise _hook_error("close_admission", exc, RollpointError) from None
+
+    def _raise_marks(self, wanted: dict[str, int]) -> dict[str, int]:
+        """Raise each rollout's mark to at least ``wanted``; return the marks now held."""
+        for rollout_id, attempt in wanted.items():
+            self._marks[rollout_id] = max(self._marks.get(rollout_id, -1), attempt)
+        return {rollout_id: self._marks[rollout_id] for rollout_id in wanted}
+
+    def _remember(self, checkpoint_id: str) -> None:
+        self._resumed[checkpoint_id] = None
+        self._resumed.move_to_end(checkpoint_id)
+        while len(self._resumed) > REMEMBERED_RESUMED_IDS:
+            self._resumed.popitem(last=False)
+
+    def _check_deadline(self, verb: str, checkpoint_id: str, deadline_ts: float) -> None:
+        late = self._clock() - deadline_ts
+        if late >= 0:
+            raise DeadlineExceededError(
+                f"{verb} {checkpoint_id}: deadline {deadline_ts:.3f} passed {late:.3f}s ago"
+            )
+
+    # --- prepare and commit ------------------------------------------------------------
+
+    async def _wait_ready(self, checkpoint_id: str, deadline_ts: float) -> None:
+        while self._checkpoint_id == checkpoint_id and self._phase is Phase.PREPARING:
+            remaining = deadline_ts - self._clock()
+            if remaining <= 0 or self._participant.readiness().ready:
+                return
+            await self._participant.wait_changed(min(remaining, _WAIT_SLICE_S))
+
+    def _start_write(self, wanted: _Write, deadline_ts: float) -> asyncio.Task[CommitReply]:
+        """The task writing ``wanted``: the running or finished one for the same dir and
+        scope, or a new one if the participant is still ready for it."""
+        cid, write = wanted.checkpoint_id, self._write
+        if write is not None and write.key != wanted.key:
+            raise CheckpointConflictError(
+                f"commit {cid} already went to {write.checkpoint_dir!r} with "
+                f"{len(write.scope)} episode(s); a retry must name the same dir and scope"
+            )
+        if write is not None and write.task is not None and not _failed(write.task):
+            return write.task
+        self._check_deadline("commit", cid, deadline_ts)
+        self._check_ready_for(cid, wanted.scope)
+        if write is None:
+            write = self._write = wanted
+        write.task = asyncio.create_task(self._export_and_store(write))
+        write.task.add_done_callback(_retrieve_failure)
+        self._extend_lease(deadline_ts)
+        return write.task
+
+    def _check_ready_for(self, cid: str, scope: list[EpisodeId]) -> None:
+        report = _call_hook("readiness", self._participant.readiness)
+        if not report.ready:
+            shown = ", ".join(report.blockers[:10])
+            raise InvalidPhaseError(
+                f"commit {cid}: participant is no longer ready to commit: "
+                f"{max(report.blocker_count, len(report.blockers))} blocker(s): {shown}; "
+                "resume and prepare again"
+            )
+        reported = list(report.restarts)
+        if self._prepared is not None:
+            reported.extend(self._prepared.report.restarts)
+        restarts = {e.key for e in reported} & {e.key for e in scope}
+        if restarts:
+            raise InvalidCheckpointStateError(
+                f"commit {cid}: the scope names episodes reported as restarts (they cannot "
+                f"be captured): {', '.join(sorted(restarts))}"
+            )
+
+    async def _export_and_store(self, write: _Write) -> CommitReply:
+        p = self._participant
+        if write.records is None:
+            write.records = await _await_hook("export", p.export(write.scope), SnapshotError)
+        store = asyncio.to_thread(
+            write_participant_state,
+            write.directory,
+            kind=p.kind.value,
+            instance=self._instance,
+            checkpoint_id=write.checkpoint_id,
+            records=write.records,
+        )
+        manifest = await _await_hook("state write", store, SnapshotError)
+        return CommitReply(
+            phase=Phase.COMMITTED,
+            checkpoint_id=write.checkpoint_id,
+            checkpoint_dir=write.checkpoint_dir,
+            state_dir=f"{p.kind.value}/{self._instance}",
+            episode_ids=write.scope,
+            manifest=manifest,
+        )
+
+    # --- restore -----------------------------------------------------------------------
+
+    async def _install(
+        self,
+        cid: str,
+        source: str,
+        directory: str,
+        scope: list[EpisodeId],
+        deadline_ts: float,
+    ) -> list[EpisodeId]:
+        read = asyncio.to_thread(
+            read_participant_state,
+            directory,
+            kind=self._participant.kind.value,
+            instance=self._instance,
+            checkpoint_id=source,
+        )
+        _, records = await _await_hook("state read", read, RestoreError)
+        await self._move(Verb.RESTORE)
+        self._checkpoint_id = cid
+        self._extend_lease(deadline_ts)
+        return await self._participant.install(records, scope)
+
+    # --- lease -------------------------------------------------------------------------
+
+    def _lease(self) -> float:
+        assert self._lease_expires_at is not None, "a non-idle phase always holds a lease"
+        return self._lease_expires_at
+
+    def _extend_lease(self, deadline_ts: float) -> None:
+        expires = deadline_ts + self._settings.lease_grace_s
+        if self._lease_expires_at is None or expires > self._lease_expires_at:
+            self._lease_expires_at = expires
+            self._lease_changed.set()
+        if self._watcher is None or self._watcher.done():
+            self._watcher = asyncio.create_task(self._watch_lease(), name="rollpoint-lease")
+
+    async def _reap_lease(self) -> bool:
+        """Under the lock: reopen if the lease lapsed. Every verb starts here, so a lapsed
+        lease counts as expired even before the lease task wakes up."""
+        expires = self._lease_expires_at
+        if self._phase is Phase.IDLE or expires is None or self._clock() < expires:
+            return False
+        cid, phase = self._checkpoint_id, self._phase
+        log.warning("lease expired; reopening (checkpoint %s, phase %s)", cid, phase)
+        try:
+            await self._move(Event.LEASE_EXPIRED)
+        except RollpointError:
+            log.exception("reopening after lease expiry failed; retrying shortly")
+            self._lease_expires_at = self._clock() + _REOPEN_RETRY_S
+            self._lease_changed.set()
+            return False
+        return True
+
+    async def _watch_lease(self) -> None:
+        while True:
+            self._lease_changed.clear()
+            expires = self._lease_expires_at
+            if expires is None:
+                await self._lease_changed.wait()
+                continue
+            delay = expires - self._clock()
+            if delay > 0:
+                # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancel
+                # that lands as the event fires, and aclose would wait forever.
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(delay):
+                        await self._lease_changed.wait()
+                continue
+            async with self._lock:
+                await self._reap_lease()
+
+    # --- paths -------------------------------------------------------------------------
+
+    def _participant_dir(self, checkpoint_dir: str) -> str:
+        """``<root>/<checkpoint_dir>/<kind>/<name>-<replica>``; 400 if it leaves the root."""
+        folder = resolve_inside(self._settings.snapshot_root, checkpoint_dir)
+        return resolve_inside(folder, f"{self._participant.kind.value}/{self._instance}")
+
+
+def _wire_report(report: Readiness) -> Readiness:
+    return report.model_copy(
+        update={
+            "blockers": report.blockers[:MAX_REPORTED_BLOCKERS],
+            "blocker_count": max(report.blocker_count, len(report.blockers)),
+        }
+    )
+
+
+def _failed(task: asyncio.Task[Any]) -> bool:
+    return task.done() and (task.cancelled() or task.exception() is not None)
+
+
+def _retrieve_failure(task: asyncio.Task[Any]) -> None:
+    # A write nobody awaits any more (its commit hit the deadline) must not log
+    # "exception was never retrieved"; its failure is reported to the next commit.
+    if not task.cancelled() and task.exception() is not None:
+        log.warning("checkpoint write failed: %s", task.exception())
+
+
+def _hook_error(hook: str, exc: Exception, cls: type[RollpointError]) -> RollpointError:
+    if isinstance(exc, RollpointError):
+        return exc
+    log.error("participant hook %s failed", hook, exc_info=exc)
+    return cls(f"participant {hook} failed: {type(exc).__name__}: {exc}")
+
+
+def _call_hook(hook: str, fn: Callable[..., T], *args: Any) -> T:
+    try:
+        return fn(*args)
+    except Exception as exc:
+        raise _hook_error(hook, exc, RollpointError) from None
+
+
+async def _await_hook(
+    hook: str, awaitable: Awaitable[T], cls: type[RollpointError] = RollpointError
+) -> T:
+    try:
+        return await awaitable
+    except Exception as exc:
+        raise _hook_error(hook, exc, cls) from None

@@ -1,0 +1,109 @@
+"""The hooks a server implements to take part in checkpoints: the :class:`Participant` protocol.
+
+Owns the contract between the fence (:mod:`rollpoint.gym.fence`, which runs the phase
+machine, the lease, replays and retire marks) and a server's own state: the model server
+(admission gate, call ledger), the agent server (sessions, finished replies) and the
+resources server (per-episode tool state). A server implements these hooks and nothing
+about phases, ids, deadlines or files: the fence decides when each hook runs and never
+calls two of them at once, except the read-only :meth:`Participant.readiness`,
+:meth:`Participant.stats` and :meth:`Participant.wait_changed`.
+
+Hooks that a verb calls, in order:
+
+- prepare → ``close_admission`` once, then ``readiness`` / ``wait_changed`` until ready
+  or the deadline.
+- commit → ``readiness`` (re-checked), ``export(scope)`` once per checkpoint.
+- resume, lease expiry, a failed prepare or restore → ``open_admission`` once.
+- restore → ``close_admission``, then ``install(records, scope)``.
+- retire / forget / ack → the hook of the same name.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from pydantic import JsonValue
+
+from rollpoint.protocol.control import Readiness, RetireOutcome, RetireOutcomeKind
+from rollpoint.protocol.ids import EpisodeId
+from rollpoint.protocol.participant import CheckpointMode, ParticipantKind
+
+__all__ = ["Participant", "Readiness", "RetireOutcome", "RetireOutcomeKind"]
+
+
+@runtime_checkable
+class Participant(Protocol):
+    """What the fence needs from a server. Attributes may be plain attributes or properties."""
+
+    @property
+    def kind(self) -> ParticipantKind: ...
+
+    @property
+    def name(self) -> str:
+        """The server's name, e.g. ``model``; with :attr:`replica` it names its state folder."""
+        ...
+
+    @property
+    def replica(self) -> str:
+        """The replica it belongs to, e.g. ``replica-0``."""
+        ...
+
+    @property
+    def mode(self) -> CheckpointMode: ...
+
+    @property
+    def features(self) -> tuple[str, ...]:
+        """Additive capabilities reported by status (ignored by topology fingerprints)."""
+        ...
+
+    async def close_admission(self) -> None:
+        """Stop taking new work: the model closes its gate (new calls wait, running calls
+        finish); an agent parks sessions at turn boundaries; resources freeze tool calls.
+        Return at once: the fence waits for readiness, not for this call."""
+        ...
+
+    async def open_admission(self) -> None:
+        """Undo :meth:`close_admission` (resume, lease expiry, a failed prepare or restore).
+        Must be safe to call when admission is already open."""
+        ...
+
+    def readiness(self) -> Readiness:
+        """The current report. Called often while preparing: keep it O(1)-ish (counters,
+        not scans over 100k sessions). Restarts (episodes a restart-only participant cannot
+        capture) must never count as blockers. The fence caps ``blockers`` on the wire."""
+        ...
+
+    # The timeout is part of the contract (a bounded wait), not a cancellation knob.
+    async def wait_changed(self, timeout: float) -> None:  # noqa: ASYNC109
+        """Return when readiness may have changed, or after ``timeout`` seconds, whichever
+        comes first (the fence waits on this instead of polling)."""
+        ...
+
+    async def export(self, scope: list[EpisodeId]) -> list[dict[str, JsonValue]]:
+        """The records of the episodes in ``scope`` (an agent adds its finished, unacked
+        replies). Called at most once per checkpoint, with admission closed."""
+        ...
+
+    async def install(
+        self, records: list[dict[str, JsonValue]], scope: list[EpisodeId]
+    ) -> list[EpisodeId]:
+        """Install the saved records of the episodes in ``scope``, all or nothing: on any
+        error raise and leave the state as it was. Returns the next attempts made ready."""
+        ...
+
+    def retire(self, marks: dict[str, int]) -> list[RetireOutcome]:
+        """Stop work of retired attempts: ``marks`` maps rollout_id → highest retired
+        attempt. One outcome per attempt found: cancelled, finished_unacked or unknown."""
+        ...
+
+    def forget(self, rollout_ids: list[str]) -> list[str]:
+        """Drop what is kept about these rollouts; return the ids that were known."""
+        ...
+
+    def ack(self, episodes: list[EpisodeId]) -> list[EpisodeId]:
+        """Release the finished replies of these episodes; return those that were held."""
+        ...
+
+    def stats(self) -> dict[str, int]:
+        """Counters shown by status (sessions, in flight, held replies...)."""
+        ...

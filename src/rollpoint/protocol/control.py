@@ -1,0 +1,251 @@
+"""Wire models of the checkpoint control plane: every verb a participant serves.
+
+Owns the request and reply shape of each control verb, the phase names, and the prepare
+report. It does not own the phase machine (that is :mod:`rollpoint.gym.fence`) nor the
+routes (:mod:`rollpoint.gym.control_routes`).
+
+Every participant (model, agent, resources server) serves the same verbs under
+:data:`CONTROL_PREFIX`, each guarded by a bearer token (401 ``unauthorized``). Deadlines
+are absolute Unix seconds shared across machines. Every non-idle phase holds a lease of
+``deadline_ts + grace``; when it lapses the participant reopens by itself, as if resumed.
+
+Each verb: phases before → after; replay rule; refusals (409 unless noted).
+
+- ``GET status``: any phase; read only.
+- ``POST prepare(checkpoint_id, deadline_ts)``: idle|preparing → prepared when ready, else
+  stays preparing at the deadline (admission closed: resume to abort). Replay while
+  prepared returns the recorded reply. invalid_phase, checkpoint_conflict,
+  stale_checkpoint, deadline_exceeded.
+- ``POST renew(checkpoint_id, deadline_ts)``: any non-idle phase → same; extends the lease.
+  invalid_phase (idle), checkpoint_conflict, stale_checkpoint, deadline_exceeded.
+- ``POST commit(checkpoint_id, deadline_ts, checkpoint_dir, episode_ids)``: prepared →
+  committed. Exported once per id: the same dir + scope returns the same result, another
+  dir or scope is checkpoint_conflict. invalid_phase (also when readiness regressed),
+  stale_checkpoint, deadline_exceeded, 400 bad_request (path outside the root), 422
+  invalid_checkpoint_state (a reported restart in the scope).
+- ``POST resume(checkpoint_id)``: non-idle → idle. A remembered id (the last 64) replies
+  ``idempotent: true``; in idle any id is remembered, so a late prepare is stale.
+  checkpoint_conflict.
+- ``POST restore(checkpoint_id, deadline_ts, checkpoint_dir, episode_ids)``: idle →
+  restored, all or nothing; the saved attempts get retire marks (their next attempts
+  continue, calls from the saved ones are refused as stale_attempt). Replay while restored with the same dir + scope returns the
+  recorded reply. invalid_phase, checkpoint_conflict, stale_checkpoint,
+  deadline_exceeded, 400 (path), 422 (records missing, corrupt or of another checkpoint).
+- ``POST retire(episode_ids)``: idle|restored → same; marks only rise. invalid_phase.
+- ``POST forget(rollout_ids)``: idle|restored → same; forgetting twice is a no-op.
+  invalid_phase.
+- ``POST ack(episode_ids)``: any phase → same; acking twice is a no-op.
+
+Every request is strict (an unknown or malformed field is a 422 naming the field) and a
+refused call changes nothing.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated
+
+from pydantic import Field, StringConstraints
+
+from rollpoint.protocol.ids import CheckpointId, EpisodeId, Identifier
+from rollpoint.protocol.manifest import ParticipantManifest
+from rollpoint.protocol.model_base import StrictModel
+from rollpoint.protocol.participant import CheckpointMode, ParticipantKind
+
+CONTROL_PREFIX = "/rollpoint/v1/checkpoint"
+PROTOCOL_VERSION = 1
+MAX_REPORTED_BLOCKERS = 100
+"""Blockers listed in a prepare report; ``blocker_count`` always carries the full count."""
+MAX_BATCH = 100_000
+"""Most episodes or rollouts one retire, forget or ack request may name."""
+
+DeadlineTs = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+"""Absolute Unix seconds (not a duration): the same instant on every machine."""
+CheckpointDir = Annotated[str, StringConstraints(min_length=1, max_length=1024)]
+"""Relative to the participant's snapshot root; absolute paths and ``..`` are refused (400)."""
+
+
+class Phase(StrEnum):
+    IDLE = "idle"
+    """Serving normally; admission open. The only phase without a lease."""
+    PREPARING = "preparing"
+    """Admission closed; waiting for every session to reach a turn boundary."""
+    PREPARED = "prepared"
+    """Ready: nothing moves until commit or resume."""
+    COMMITTED = "committed"
+    """The state of the scope is written; waiting for resume."""
+    RESTORED = "restored"
+    """Saved state installed; restored episodes wait for their next attempt until resume."""
+
+
+class Verb(StrEnum):
+    """The control verbs; each is also the last segment of its route."""
+
+    STATUS = "status"
+    PREPARE = "prepare"
+    RENEW = "renew"
+    COMMIT = "commit"
+    RESUME = "resume"
+    RESTORE = "restore"
+    RETIRE = "retire"
+    FORGET = "forget"
+    ACK = "ack"
+
+
+class RetireOutcomeKind(StrEnum):
+    CANCELLED = "cancelled"
+    """The attempt was still running and has been stopped: the next try starts."""
+    FINISHED_UNACKED = "finished_unacked"
+    """The attempt had finished; its stored reply can be fetched and sealed (no rerun)."""
+    UNKNOWN = "unknown"
+    """This participant never saw the attempt (or already forgot it)."""
+
+
+class RetireOutcome(StrictModel):
+    episode: EpisodeId
+    outcome: RetireOutcomeKind
+
+
+class Readiness(StrictModel):
+    """Whether a participant is at a cut, and what stands in the way: the prepare report."""
+
+    ready: bool
+    blockers: list[str] = Field(default_factory=list)
+    """Episode keys not yet at a boundary (capped at :data:`MAX_REPORTED_BLOCKERS` on the wire)."""
+    blocker_count: Annotated[int, Field(ge=0)] = 0
+    """How many episodes block, in full."""
+    restarts: list[EpisodeId] = Field(default_factory=list)
+    """In-flight episodes this participant cannot capture: they start over and never block."""
+    finished_unacked: list[EpisodeId] = Field(default_factory=list)
+    """Finished episodes whose replies were not acknowledged yet (exported at commit)."""
+    counts: dict[str, int] = Field(default_factory=dict)
+
+
+# --- requests ---------------------------------------------------------------------------
+
+
+class PrepareRequest(StrictModel):
+    checkpoint_id: CheckpointId
+    deadline_ts: DeadlineTs
+
+
+class RenewRequest(StrictModel):
+    checkpoint_id: CheckpointId
+    deadline_ts: DeadlineTs
+
+
+class CommitRequest(StrictModel):
+    checkpoint_id: CheckpointId
+    deadline_ts: DeadlineTs
+    checkpoint_dir: CheckpointDir
+    episode_ids: list[EpisodeId]
+    """The scope: in-flight episodes to save (never a reported restart). Order and
+    duplicates do not matter: a retry naming the same set is the same commit."""
+
+
+class ResumeRequest(StrictModel):
+    checkpoint_id: CheckpointId
+
+
+class RestoreRequest(StrictModel):
+    checkpoint_id: CheckpointId
+    """This restore's own id (what renew and resume name)."""
+    deadline_ts: DeadlineTs
+    checkpoint_dir: CheckpointDir
+    episode_ids: list[EpisodeId]
+    """The saved episodes to install (their saved attempts)."""
+    source_checkpoint_id: CheckpointId | None = None
+    """The checkpoint the records were committed under; defaults to ``checkpoint_id``.
+    Give a fresh ``checkpoint_id`` when the participant may have taken part in that save:
+    it remembers resumed ids and refuses them as stale."""
+
+
+class RetireRequest(StrictModel):
+    episode_ids: Annotated[list[EpisodeId], Field(min_length=1, max_length=MAX_BATCH)]
+    """Each rollout's mark rises to the highest attempt named for it."""
+
+
+class ForgetRequest(StrictModel):
+    rollout_ids: Annotated[list[Identifier], Field(min_length=1, max_length=MAX_BATCH)]
+
+
+class AckRequest(StrictModel):
+    episode_ids: Annotated[list[EpisodeId], Field(min_length=1, max_length=MAX_BATCH)]
+
+
+# --- replies ----------------------------------------------------------------------------
+
+
+class StatusReply(StrictModel):
+    kind: ParticipantKind
+    name: Identifier
+    replica: Identifier
+    mode: CheckpointMode
+    protocol_version: int
+    features: list[str]
+    """Additive capabilities; a topology fingerprint ignores them."""
+    phase: Phase
+    checkpoint_id: CheckpointId | None
+    lease_expires_at: float | None
+    """Absolute Unix seconds; None in idle."""
+    counts: dict[str, int]
+    retired_rollouts: int
+    """Rollouts holding a retire mark (retired and not yet forgotten)."""
+
+
+class PrepareReply(StrictModel):
+    phase: Phase
+    """``prepared`` when ready; ``preparing`` when the deadline passed first (admission
+    stays closed: resume to abort)."""
+    checkpoint_id: CheckpointId
+    report: Readiness
+    lease_expires_at: float
+
+
+class RenewReply(StrictModel):
+    phase: Phase
+    checkpoint_id: CheckpointId
+    lease_expires_at: float
+
+
+class CommitReply(StrictModel):
+    phase: Phase
+    checkpoint_id: CheckpointId
+    checkpoint_dir: str
+    """As the request named it, relative to the snapshot root."""
+    state_dir: str
+    """This participant's folder relative to ``checkpoint_dir``: ``<kind>/<name>-<replica>``."""
+    episode_ids: list[EpisodeId]
+    """The scope as committed (sorted, without duplicates)."""
+    manifest: ParticipantManifest
+
+
+class ResumeReply(StrictModel):
+    phase: Phase
+    """``idle`` after a resume that reopened; for an idempotent one, the current phase
+    (another checkpoint may have started since the named one ended)."""
+    checkpoint_id: CheckpointId
+    idempotent: bool
+    """True when there was nothing to reopen (already resumed, or idle)."""
+
+
+class RestoreReply(StrictModel):
+    phase: Phase
+    checkpoint_id: CheckpointId
+    source_checkpoint_id: CheckpointId
+    restored: list[EpisodeId]
+    """The next attempts made ready (``attempt + 1`` of each installed episode)."""
+
+
+class RetireReply(StrictModel):
+    marks: dict[str, int]
+    """rollout_id → highest retired attempt, after this call."""
+    outcomes: list[RetireOutcome]
+
+
+class ForgetReply(StrictModel):
+    forgotten: list[str]
+
+
+class AckReply(StrictModel):
+    acked: list[EpisodeId]

@@ -1,0 +1,135 @@
+"""The coordinator's side of the control protocol: one typed client per participant.
+
+Owns the calls only (URLs, bodies, reply parsing, per-call timeouts tied to the shared
+deadline). A peer's refusal comes back as its typed error; a peer that is down, too slow,
+or answers something that is not the protocol is a :class:`TransportError` naming it.
+The ordering of calls across participants is the coordinator's business.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from rollpoint.http.client import HttpClient
+from rollpoint.protocol.control import (
+    CONTROL_PREFIX,
+    AckReply,
+    AckRequest,
+    CommitReply,
+    CommitRequest,
+    ForgetReply,
+    ForgetRequest,
+    PrepareReply,
+    PrepareRequest,
+    RenewReply,
+    RenewRequest,
+    RestoreReply,
+    RestoreRequest,
+    ResumeReply,
+    ResumeRequest,
+    RetireReply,
+    RetireRequest,
+    StatusReply,
+)
+from rollpoint.protocol.errors import TransportError
+from rollpoint.protocol.ids import EpisodeId
+from rollpoint.protocol.participant import ParticipantKind
+
+R = TypeVar("R", bound=BaseModel)
+
+# A reply may arrive a little after the deadline it answers (network, scheduling).
+_REPLY_GRACE_S = 5.0
+
+
+@dataclass(frozen=True)
+class ParticipantAddress:
+    kind: ParticipantKind
+    replica: str
+    url: str
+    """The server's base URL; control routes live under ``CONTROL_PREFIX``."""
+
+    @property
+    def label(self) -> str:
+        return f"{self.kind}@{self.replica}"
+
+
+class ParticipantClient:
+    def __init__(self, address: ParticipantAddress, http: HttpClient, *, control_timeout_s: float = 30.0) -> None:
+        self.address = address
+        self._http = http
+        self._timeout_s = control_timeout_s
+        self._base = address.url.rstrip("/") + CONTROL_PREFIX
+
+    @property
+    def label(self) -> str:
+        return self.address.label
+
+    async def _call(self, verb: str, reply: type[R], body: BaseModel | None, deadline_ts: float | None) -> R:
+        timeout = self._timeout_s
+        if deadline_ts is not None:
+            timeout = max(0.5, deadline_ts - time.time() + _REPLY_GRACE_S)
+        payload: Any = body.model_dump(mode="json") if body is not None else None
+        method = "GET" if body is None else "POST"
+        try:
+            raw = await self._http.request_json(method, f"{self._base}/{verb}", body=payload, timeout_s=timeout)
+        except TransportError as exc:
+            raise TransportError(f"{self.label} {verb}: {exc.message}") from None
+        try:
+            return reply.model_validate(raw)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            raise TransportError(
+                f"{self.label} {verb}: reply is not the protocol ({'.'.join(map(str, first['loc']))}: {first['msg']})"
+            ) from None
+
+    async def status(self) -> StatusReply:
+        return await self._call("status", StatusReply, None, None)
+
+    async def prepare(self, checkpoint_id: str, deadline_ts: float) -> PrepareReply:
+        body = PrepareRequest(checkpoint_id=checkpoint_id, deadline_ts=deadline_ts)
+        return await self._call("prepare", PrepareReply, body, deadline_ts)
+
+    async def renew(self, checkpoint_id: str, deadline_ts: float) -> RenewReply:
+        body = RenewRequest(checkpoint_id=checkpoint_id, deadline_ts=deadline_ts)
+        return await self._call("renew", RenewReply, body, deadline_ts)
+
+    async def commit(
+        self, checkpoint_id: str, deadline_ts: float, checkpoint_dir: str, scope: list[EpisodeId]
+    ) -> CommitReply:
+        body = CommitRequest(
+            checkpoint_id=checkpoint_id, deadline_ts=deadline_ts, checkpoint_dir=checkpoint_dir, episode_ids=scope
+        )
+        return await self._call("commit", CommitReply, body, deadline_ts)
+
+    async def resume(self, checkpoint_id: str) -> ResumeReply:
+        return await self._call("resume", ResumeReply, ResumeRequest(checkpoint_id=checkpoint_id), None)
+
+    async def restore(
+        self,
+        checkpoint_id: str,
+        deadline_ts: float,
+        checkpoint_dir: str,
+        scope: list[EpisodeId],
+        source_checkpoint_id: str,
+    ) -> RestoreReply:
+        body = RestoreRequest(
+            checkpoint_id=checkpoint_id,
+            deadline_ts=deadline_ts,
+            checkpoint_dir=checkpoint_dir,
+            episode_ids=scope,
+            source_checkpoint_id=source_checkpoint_id,
+        )
+        return await self._call("restore", RestoreReply, body, deadline_ts)
+
+    async def retire(self, episodes: list[EpisodeId]) -> RetireReply:
+        return await self._call("retire", RetireReply, RetireRequest(episode_ids=episodes), None)
+
+    async def forget(self, rollout_ids: list[str]) -> ForgetReply:
+        return await self._call("forget", ForgetReply, ForgetRequest(rollout_ids=rollout_ids), None)
+
+    async def ack(self, episodes: list[EpisodeId]) -> AckReply:
+        return await self._call("ack", AckReply, AckRequest(episode_ids=episodes), None)

@@ -1,0 +1,162 @@
+"""The control routes over HTTP (in-process ASGI): auth, strict bodies, the error envelope."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from fastapi.routing import APIRoute
+
+from rollpoint.gym.control_routes import control_router
+from rollpoint.gym.fence import ControlSettings, Fence
+from rollpoint.http.app import create_app
+from rollpoint.protocol.control import CONTROL_PREFIX, Phase, Verb
+from tests.unit.gym.fake_participant import FakeParticipant
+
+TOKEN = "s3cret-token"
+AUTH = {"authorization": f"Bearer {TOKEN}"}
+
+
+@pytest.fixture
+def participant() -> FakeParticipant:
+    p = FakeParticipant()
+    p.state = {"r1#0": 4}
+    return p
+
+
+@pytest.fixture
+async def fence(participant: FakeParticipant, tmp_path: Path) -> AsyncIterator[Fence]:
+    f = Fence(participant, ControlSettings(token=TOKEN, snapshot_root=str(tmp_path)))
+    yield f
+    await f.aclose()
+
+
+@pytest.fixture
+async def client(fence: Fence, tmp_path: Path) -> AsyncIterator[httpx.AsyncClient]:
+    app = create_app("participant")
+    app.include_router(control_router(fence, ControlSettings(TOKEN, str(tmp_path))))
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://participant") as c:
+        yield c
+
+
+async def post(
+    client: httpx.AsyncClient, verb: str, body: Any, headers: dict[str, str] | None = None
+) -> httpx.Response:
+    return await client.post(f"{CONTROL_PREFIX}/{verb}", json=body, headers=AUTH | (headers or {}))
+
+
+def prepare_body(cid: str = "c1") -> dict[str, Any]:
+    return {"checkpoint_id": cid, "deadline_ts": time.time() + 5}
+
+
+def error_of(response: httpx.Response) -> dict[str, Any]:
+    error: dict[str, Any] = response.json()["error"]
+    return error
+
+
+def test_every_verb_is_mounted_under_the_versioned_prefix(fence: Fence, tmp_path: Path) -> None:
+    router = control_router(fence, ControlSettings(TOKEN, str(tmp_path)))
+    paths = {r.path for r in router.routes if isinstance(r, APIRoute)}
+    assert paths == {f"{CONTROL_PREFIX}/{verb}" for verb in Verb}
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [{}, {"authorization": "Bearer wrong"}, {"authorization": TOKEN}, {"authorization": "Basic x"}],
+)
+async def test_without_the_token_every_verb_is_401_and_nothing_changes(
+    client: httpx.AsyncClient, fence: Fence, participant: FakeParticipant, headers: dict[str, str]
+) -> None:
+    status = await client.get(f"{CONTROL_PREFIX}/status", headers=headers)
+    assert status.status_code == 401 and error_of(status)["code"] == "unauthorized"
+    reply = await client.post(f"{CONTROL_PREFIX}/prepare", json=prepare_body(), headers=headers)
+    assert reply.status_code == 401 and error_of(reply)["code"] == "unauthorized"
+    assert TOKEN not in reply.text
+    assert fence.phase is Phase.IDLE and participant.calls["close_admission"] == 0
+
+
+async def test_status_reports_the_participant(client: httpx.AsyncClient) -> None:
+    reply = await client.get(f"{CONTROL_PREFIX}/status", headers=AUTH)
+    assert reply.status_code == 200
+    body = reply.json()
+    assert body["kind"] == "agent" and body["phase"] == "idle"
+    assert body["protocol_version"] == 1 and body["counts"]["sessions"] == 1
+
+
+async def test_a_save_over_http_prepares_commits_and_resumes(
+    client: httpx.AsyncClient, fence: Fence, participant: FakeParticipant, tmp_path: Path
+) -> None:
+    prepared = await post(client, "prepare", prepare_body())
+    assert prepared.status_code == 200 and prepared.json()["phase"] == "prepared"
+    commit = prepare_body() | {"checkpoint_dir": "snap", "episode_ids": [{"rollout_id": "r1"}]}
+    committed = await post(client, "commit", commit)
+    assert committed.status_code == 200, committed.text
+    assert committed.json()["manifest"]["count"] == 1
+    assert (tmp_path / "snap" / "agent" / "agent-replica-0" / "manifest.json").exists()
+    resumed = await post(client, "resume", {"checkpoint_id": "c1"})
+    assert resumed.json() == {"phase": "idle", "checkpoint_id": "c1", "idempotent": False}
+    again = await post(client, "resume", {"checkpoint_id": "c1"})
+    assert again.json()["idempotent"] is True
+    assert participant.admission_open
+
+
+async def test_a_refusal_is_409_with_code_and_message(
+    client: httpx.AsyncClient, fence: Fence
+) -> None:
+    await post(client, "prepare", prepare_body("c1"))
+    reply = await post(client, "prepare", prepare_body("c2"))
+    assert reply.status_code == 409
+    assert error_of(reply)["code"] == "checkpoint_conflict" and "c1" in error_of(reply)["message"]
+    renew = await post(client, "renew", prepare_body("c1") | {"deadline_ts": time.time() - 1})
+    assert (renew.status_code, error_of(renew)["code"]) == (409, "deadline_exceeded")
+    assert fence.checkpoint_id == "c1"
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"checkpoint_id": "c1"}, "deadline_ts"),
+        ({"checkpoint_id": "../x", "deadline_ts": 1e10}, "checkpoint_id"),
+        ({"checkpoint_id": "c1", "deadline_ts": 1e10, "extra": 1}, "extra"),
+        ({"checkpoint_id": "c1", "deadline_ts": "soon"}, "deadline_ts"),
+    ],
+)
+async def test_malformed_bodies_are_422_naming_the_field_and_change_nothing(
+    client: httpx.AsyncClient,
+    fence: Fence,
+    participant: FakeParticipant,
+    body: dict[str, Any],
+    field: str,
+) -> None:
+    reply = await post(client, "prepare", body)
+    assert reply.status_code == 422 and field in error_of(reply)["message"]
+    assert fence.phase is Phase.IDLE and participant.calls["close_admission"] == 0
+
+
+async def test_a_path_outside_the_root_is_400_naming_it(
+    client: httpx.AsyncClient, fence: Fence, participant: FakeParticipant
+) -> None:
+    await post(client, "prepare", prepare_body())
+    commit = prepare_body() | {"checkpoint_dir": "../../etc", "episode_ids": []}
+    reply = await post(client, "commit", commit)
+    assert reply.status_code == 400
+    assert error_of(reply)["code"] == "bad_request" and "../../etc" in error_of(reply)["message"]
+    assert fence.phase is Phase.PREPARED and participant.calls["export"] == 0
+
+
+async def test_retire_forget_and_ack_over_http(
+    client: httpx.AsyncClient, fence: Fence, participant: FakeParticipant
+) -> None:
+    retired = await post(client, "retire", {"episode_ids": [{"rollout_id": "r1", "attempt": 1}]})
+    assert retired.json() == {"marks": {"r1": 1}, "outcomes": []}
+    empty = await post(client, "retire", {"episode_ids": []})
+    assert empty.status_code == 422 and "episode_ids" in error_of(empty)["message"]
+    forgot = await post(client, "forget", {"rollout_ids": ["r1"]})
+    assert forgot.json() == {"forgotten": ["r1"]}
+    acked = await post(client, "ack", {"episode_ids": [{"rollout_id": "r9"}]})
+    assert acked.json() == {"acked": []}

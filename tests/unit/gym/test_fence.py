@@ -1,0 +1,689 @@
+"""The fence: every legal transition, every refusal, replays, the lease and retire marks."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rollpoint.gym.fence import TRANSITIONS, ControlSettings, Fence, next_phase
+from rollpoint.protocol.control import (
+    MAX_REPORTED_BLOCKERS,
+    AckRequest,
+    CommitRequest,
+    ForgetRequest,
+    Phase,
+    PrepareRequest,
+    RenewRequest,
+    RestoreRequest,
+    ResumeRequest,
+    RetireOutcomeKind,
+    RetireRequest,
+    Verb,
+)
+from rollpoint.protocol.errors import (
+    BadRequestError,
+    CheckpointConflictError,
+    ConfigError,
+    DeadlineExceededError,
+    InvalidCheckpointStateError,
+    InvalidPhaseError,
+    RestoreError,
+    RollpointError,
+    SnapshotError,
+    StaleAttemptError,
+    StaleCheckpointError,
+)
+from rollpoint.protocol.ids import EpisodeId
+from rollpoint.store.participant_state import read_participant_state
+from tests.unit.gym.fake_participant import FakeParticipant
+
+E = EpisodeId.from_key
+
+
+@pytest.fixture
+def root(tmp_path: Path) -> Path:
+    return tmp_path / "snapshots"
+
+
+@pytest.fixture
+def participant() -> FakeParticipant:
+    p = FakeParticipant()
+    p.state = {"r1#0": 3, "r2#0": 1}
+    return p
+
+
+@pytest.fixture
+async def fence(participant: FakeParticipant, root: Path) -> AsyncIterator[Fence]:
+    f = Fence(participant, ControlSettings(token="t", snapshot_root=str(root), lease_grace_s=2.0))
+    yield f
+    await f.aclose()
+
+
+def soon(seconds: float = 5.0) -> float:
+    return time.time() + seconds
+
+
+def prepare(cid: str = "c1", deadline: float | None = None) -> PrepareRequest:
+    return PrepareRequest(checkpoint_id=cid, deadline_ts=deadline or soon())
+
+
+def commit(
+    cid: str = "c1", directory: str = "snap-1", scope: tuple[str, ...] = ("r1#0", "r2#0")
+) -> CommitRequest:
+    return CommitRequest(
+        checkpoint_id=cid,
+        deadline_ts=soon(),
+        checkpoint_dir=directory,
+        episode_ids=[E(k) for k in scope],
+    )
+
+
+def restore(
+    cid: str = "c1",
+    directory: str = "snap-1",
+    scope: tuple[str, ...] = ("r1#0", "r2#0"),
+    source: str | None = None,
+) -> RestoreRequest:
+    return RestoreRequest(
+        checkpoint_id=cid,
+        deadline_ts=soon(),
+        checkpoint_dir=directory,
+        episode_ids=[E(k) for k in scope],
+        source_checkpoint_id=source,
+    )
+
+
+def observable(fence: Fence, participant: FakeParticipant) -> dict[str, Any]:
+    return {
+        "phase": fence.phase,
+        "checkpoint_id": fence.checkpoint_id,
+        "lease": fence.lease_expires_at,
+        "marks": fence.retire_marks,
+        **participant.snapshot(),
+    }
+
+
+async def refused(
+    fence: Fence, participant: FakeParticipant, call: Any, error: type[RollpointError]
+) -> RollpointError:
+    """Run a call that must be refused with ``error`` and change nothing."""
+    before = observable(fence, participant)
+    with pytest.raises(error) as info:
+        await call
+    assert observable(fence, participant) == before
+    return info.value
+
+
+# --- the table --------------------------------------------------------------------------
+
+
+def test_table_only_leaves_idle_by_prepare_or_restore() -> None:
+    assert {s for (p, s), after in TRANSITIONS.items() if p is Phase.IDLE and after is not p} == {
+        Verb.PREPARE,
+        Verb.RESTORE,
+    }
+
+
+def test_illegal_step_names_the_valid_phases() -> None:
+    with pytest.raises(InvalidPhaseError, match=r"commit is not valid in phase idle.*prepared"):
+        next_phase(Phase.IDLE, Verb.COMMIT)
+
+
+def test_a_participant_whose_name_cannot_name_a_folder_is_refused() -> None:
+    with pytest.raises(ConfigError, match="must be identifiers"):
+        Fence(FakeParticipant(name="../up"), ControlSettings(token="t", snapshot_root="/tmp/x"))
+
+
+def test_settings_refuse_an_empty_token_and_a_negative_grace() -> None:
+    with pytest.raises(ConfigError, match="no control token configured"):
+        ControlSettings(token=" ", snapshot_root="/tmp/x")
+    with pytest.raises(ConfigError, match="lease_grace_s"):
+        ControlSettings(token="t", snapshot_root="/tmp/x", lease_grace_s=-1)
+    assert "secret" not in repr(ControlSettings(token="secret", snapshot_root="/tmp/x"))
+
+
+# --- prepare ----------------------------------------------------------------------------
+
+
+async def test_prepare_when_ready_closes_admission_and_holds_a_lease(
+    fence: Fence, participant: FakeParticipant
+) -> None:
+    deadline = soon()
+    reply = await fence.prepare(prepare(deadline=deadline))
+    assert reply.phase is Phase.PREPARED and reply.report.ready
+    assert fence.phase is Phase.PREPARED and fence.checkpoint_id == "c1"
+    assert not participant.admission_open
+    assert reply.lease_expires_at == fence.lease_expires_at == deadline + 2.0
+    status = fence.status()
+    assert (status.phase, status.checkpoint_id, status.lease_expires_at) == (
+        Phase.PREPARED,
+        "c1",
+        deadline + 2.0,
+    )
+
+
+async def test_prepare_replay_returns_the_recorded_reply(
+    fence: Fence, participant: FakeParticipant
+) -> None:
+    first = await fence.prepare(prepare())
+    again = await fence.prepare(prepare())
+    assert again == first
+    assert participant.calls["close_admission"] == 1
+
+
+async def test_prepare_not_ready_by_deadline_reports_capped_blockers_and_stays_closed(
+    fence: Fence, participant: FakeParticipant
+) -> None:
+    participant.set_blockers([f"r{i}#0" for i in range(150)])
+    reply = await fence.prepare(prepare(deadline=soon(0.05)))
+    assert reply.phase is Phase.PREPARING and not reply.report.ready
+    assert len(reply.report.blockers) == MAX_REPORTED_BLOCKERS
+    assert reply.report.blocker_count == 150
+    assert fence.phase is Phase.PREPARING and not participant.admission_open
+
+
+async def test_prepare_waits_for_readiness_instead_of_polling(
+    fence: Fence, participant: FakeParticipant
+) -> None:
+    participant.set_blockers(["r1#0"])
+    asyncio.get_running_loop().call_later(0.05, participant.set_blockers, [])
+    started = time.monotonic()
+    reply = await fence.prepare(prepare())
+    assert reply.phase is Phase.PREPARED
+    assert time.monotonic() - started < 1.0
+    assert participant.calls["wait_changed"] <= 3
+
+
+async def test_prepare_is_reentrant_while_preparing(
+    fence: Fence, participant: FakeParticipant
+) -> None:
+    participant.set_blockers(["r1#0"])
+    first = await fence.prepare(prepare(deadline=soon(0.02)))
+    assert first.phase is Phase.PREPARING
+    participant.set_blockers([])
+    second = await fence.prepare(prepare())
+    assert second.phase is Phase.PREPARED
+    assert participant.calls["close_admission"] == 1
+
+
+async def test_restarts_never_block_prepare(fence: Fence, participant: FakeParticipant) -> None:
+    participant.restarts = [E("r9#0")]
+    reply = await fence.prepare(prepare())
+    assert reply.phase is Phase.PREPARED
+    assert reply.report.restarts == [E("r9#0")]
+
+
+async def test_failed_close_admission_reopens_and_does_not_spend_the_id(
+    fence: Fence, participant: FakeParticipant
+) -> None:
+    participant.fail.add("close_admission")
+    with pytest.raises(RollpointError, match="close_admission failed"):
+        await fence.prepare(prepare())
+    assert fence.phase is Phase.IDLE and participant.admission_open
+    participant.fail.clear()
+    assert (await fence.prepare(prepare())).phase is Phase.PREPARED
+
+
+async def test_failed_readiness_wait_reopens(fence: Fence, participant: FakeParticipant) -> None:
+    participant.set_blockers(["r1#0"])
+    participant.fail.add("readiness")
+    with pytest.raises(RollpointError, match="readiness"):
+        await fence.prepare(prepare())
+    assert fence.phase is Phase.IDLE and participant.admission_open
+
+
+async def test_prepare_after_its_deadline_is_refused(
+    fence: Fence, participant: FakeParticipant
+) -> None:
+    await refused(
+        fence, participant, fence.prepare(prepare(deadline=soon(-1))), DeadlineExceededError
+    )
+
+
+async def test_prepare_of_another_id_is_a_conflict(
+    fence: Fence, participant: FakeParticipant
+) -> None:
+    await fence.prepare(prepare("c1"))
+    err = await refused(fence, participant, fence.prepare(prepare("c2")), CheckpointConflictError)
+    assert "c1" in err.message and err.status == 409
+
+
+async def test_resume_during_the_wait_makes_prepare_stale(
+    fence: Fence, participant: FakeParticipant
+) -> None:
+    participant.set_blockers(["r1#0"])
+    waiting = asyncio.create_task(fence.prepare(prepare(deadline=soon(0.3))))
+    await asyncio.sleep(0.02)
+    await fence.resume(ResumeRequest(checkpoint_id="c1"))
+    with pytest.raises(StaleCheckpointError):
+        await waiting
+    assert fence.phase is Phase.IDLE and participant.admission_open
+
+
+# --- resume and stale ids -------------------------------------------------------------------
+
+
+async def reach(phase: Phase, fence: Fence, participant: FakeParticipant, root: Path) -> str:
+    """Bring ``fence`` to ``phase``; return the active checkpoint id."""
+    if phase is Phase.RESTORED:
+        await committed_snapshot(root)
+        await fence.restore(restore("rs1", source="c1"))
+        return "rs1"
+    participant.set_blockers(["r1#0"] if phase is Phase.PREPARING else [])
+    await fence.prepare(prepare(deadline=soon(0.01 if phase is Phase.PREPARING else 5)))
+    if phase is Phase.COMMITTED:
+        await fence.commit(commit())
+    return "c1"
+
+
+@pytest.mark.parametrize(
+    "phase", [Phase.PREPARING, Phase.PREPARED, Phase.COMMITTED, Phase.RESTORED]
+)
+async def test_resume_reopens_from_every_held_phase(
+    fence: Fence, participant: FakeParticipant, root: Path, phase: Phase
+) -> None:
+    cid = await reach(phase, fence, participant, root)
+    assert fence.phase is phase and not participant.admission_open
+    reply = await fence.resume(ResumeRequest(checkpoint_id=cid))
+    assert reply.phase is Phase.IDLE and not reply.idempotent
+    assert fence.phase is Phase.IDLE and participant.admission_open
+    assert fence.lease_expires_at is None and fence.checkpoint_id is None
+    assert participant.calls["open_admission"] == participant.calls["close_admission"] == 1
+
+
+async def test_resumed_id_is_stale_and_resume_is_idempotent(
+    fence: Fence, participant: FakeParticipant
+) -> None:
+    await fence.prepare(prepare("c1"))
+    await fence.resume(ResumeRequest(checkpoint_id="c1"))
+    again = await fence.resume(ResumeRequest(checkpoint_id="c1"))
+    assert again.idempotent and again.phase is Phase.IDLE
+    await refused(fence, participant, fence.prepare(prepare("c1")), StaleCheckpointError)
+    await fence.prepare(prepare("c2"))
+    await refused(fence, participant, fence.commit(commit("c1")), StaleCheckpointError)
+    await refused(
+        fence,
+        participant,
+        fence.renew(RenewRequest(checkpoint_id="c1", deadline_ts=soon())),
+        StaleCheckpointError,
+    )
+
+
+async def test_resume_in_idle_remembers_the_id_so_a_late_prepare_is_stale(
+    fence: Fence, participant: FakeParticipant
+) -> None:
+    reply = await fence.resume(ResumeRequest(checkpoint_id="late"))
+    assert reply.idempotent and participant.calls["open_admission"] == 0
+    await refused(fence, participant, fence.prepare(prepare("late")), StaleCheckpointError)
+
+
+async def test_only_the_last_64_resumed_ids_are_remembered(fence: Fence) -> None:
+    for i in range(65):
+        await fence.resume(ResumeRequest(checkpoint_id=f"old-{i}"))
+    with pytest.raises(StaleCheckpointError):
+        await fence.prepare(prepare("old-1"))
+    assert (await fence.prepare(prepare("old-0"))).phase is Phase.PREPARED
+
+
+async def test_resume_of_another_active_id_is_a_conflict(
+    fence: Fence, participant: FakeParticipant
+) -> None:
+    await fence.prepare(prepare("c1"))
+    await refused(
+        fence, participant, fence.resume(ResumeRequest(checkpoint_id="c2")), CheckpointConflictError
+    )
+
+
+# --- commit -----------------------------------------------------------------------------
+
+
+async def test_commit_writes_the_scope_once_under_the_participant_folder(
+    fence: Fence, participant: FakeParticipant, root: Path
+) -> None:
+    await fence.prepare(prepare())
+    reply = await fence.commit(commit(scope=("r2#0", "r1#0", "r1#0")))
+    assert reply.phase is Phase.COMMITTED and fence.phase is Phase.COMMITTED
+    assert reply.episode_ids == [E("r1#0"), E("r2#0")]
+    assert (reply.checkpoint_dir, reply.state_dir) == ("snap-1", "agent/agent-replica-0")
+    folder = root / "snap-1" / "agent" / "agent-replica-0"
+    manifest, records = read_participant_state(
+        str(folder), kind="agent", instance="agent-replica-0", checkpoint_id="c1"
+    )
+    assert manifest == reply.manifest
+    assert records == [{"episode": "r1#0", "turns": 3}, {"episode": "r2#0", "turns": 1}]
+    assert participant.calls["export"] == 1
+
+
+async def test_commit_replay_returns_the_same_result_and_another_dir_or_scope_conflicts(
+    fence: Fence, participant: FakeParticipant
+) -> None:
+    await fence.prepare(prepare())
+    first = await fence.commit(commit())
+    assert await fence.commit(commit(scope=("r2#0", "r1#0"))) == first
+    await refused(
+        fence, participant, fence.commit(commit(directory="other")), CheckpointConflictError
+    )
+    await refused(
+        fence, participant, fence.commit(commit(scope=("r1#0",))), CheckpointConflictError
+    )
+    assert participant.calls["export"] == 1
+
+
+async def test_concurrent_commits_export_exactly_once(
+    fence: Fence, participant: FakeParticipant
+) -> None:
+    await fence.prepare(prepare())
+    participant.export_gate = asyncio.Event()
+    commits = [asyncio.create_task(fence.commit(commit())) for _ in range(5)]
+    await asyncio.sleep(0.02)
+    participant.export_gate.set()
+    replies = await asyncio.gather(*commits)
+    assert all(r == replies[0] for r in replies)
+    assert participant.calls["export"] == 1 and fence.phase is Phase.COMMITTED
+
+
+async def test_a_write_outliving_the_deadline_fails_the_call_and_a_retry_collects_it(
+    fence: Fence, participant: FakeParticipant
+) -> None:
+    await fence.prepare(prepare())
+    participant.export_gate = asyncio.Event()
+    hurried = commit().model_copy(update={"deadline_ts": soon(0.05)})
+    with pytest.raises(DeadlineExceededError, match="outlived the deadline"):
+        await fence.commit(hurried)
+    assert fence.phase is Phase.PREPARED
+    participant.export_gate.set()
+    reply = await fence.commit(commit())
+    assert reply.phase is Phase.COMMITTED and participant.calls["export"] == 1
+
+
+async def test_commit_outside_prepared_is_an_invalid_phase(
+    fence: Fence, participant: FakeParticipant
+) -> None:
+    await refused(fence, participant, fence.commit(commit()), InvalidPhaseError)
+    participant.set_blockers(["r1#0"])
+    await fence.prepare(prepare(deadline=soon(0.01)))
+    await refused(fence, participant, fence.commit(commit()), InvalidPhaseError)
+
+
+async def test_commit_refuses_a_readiness_regression_naming_blockers(
+    fence: Fence, participant: FakeParticipant
+) -> None:
+    await fence.prepare(prepare())
+    participant.set_blockers(["r7#0"])
+    err = await refused(fence, participant, fence.commit(commit()), InvalidPhaseError)
+    assert "r7#0" in err.message and participant.calls["export"] == 0
+
+
+async def test_commit_refuses_a_scope_naming_a_reported_restart(
+    fence: Fence, participant: FakeParticipant
+) -> None:
+    participant.restarts = [E("r2#0")]
+    await fence.prepare(prepare())
+    err = await refused(fence, participant, fence.commit(commit()), InvalidCheckpointStateError)
+    assert "r2#0" in err.message and err.status == 422
+
+
+async def test_commit_after_its_deadline_is_refused(
+    fence: Fence, participant: FakeParticipant
+) -> None:
+    await fence.prepare(prepare())
+    late = commit().model_copy(update={"deadline_ts": soon(-1)})
+    await refused(fence, participant, fence.commit(late), DeadlineExceededError)
+
+
+async def test_failed_export_can_be_retried(fence: Fence, participant: FakeParticipant) -> None:
+    await fence.prepare(prepare())
+    participant.fail.add("export")
+    with pytest.raises(SnapshotError, match="export failed"):
+        await fence.commit(commit())
+    assert fence.phase is Phase.PREPARED
+    participant.fail.clear()
+    assert (await fence.commit(commit())).phase is Phase.COMMITTED
+
+
+async def test_failed_write_is_retried_without_exporting_again(
+    fence: Fence, participant: FakeParticipant, root: Path
+) -> None:
+    await fence.prepare(prepare())
+    blocker = root / "snap-1" / "agent"
+    blocker.parent.mkdir(parents=True)
+    blocker.write_text("a file where the participant folder should be")
+    with pytest.raises(RollpointError):
+        await fence.commit(commit())
+    assert fence.phase is Phase.PREPARED
+    blocker.unlink()
+    assert (await fence.commit(commit())).phase is Phase.COMMITTED
+    assert participant.calls["export"] == 1
+
+
+@pytest.mark.parametrize("bad", ["../escape", "/abs/dir", "a/../../b", "a\\b", "."])
+async def test_commit_refuses_paths_outside_the_root(
+    fence: Fence, participant: FakeParticipant, bad: str
+) -> None:
+    await fence.prepare(prepare())
+    err = await refused(fence, participant, fence.commit(commit(directory=bad)), BadRequestError)
+    assert err.status == 400 and repr(bad)[1:-1] in err.message
+
+
+@pytest.fixture
+def escaping_link(root: Path, tmp_path: Path) -> str:
+    root.mkdir()
+    (root / "link").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    return "link"
+
+
+async def test_commit_refuses_a_symlink_out_of_the_root(
+    fence: Fence, participant: FakeParticipant, escaping_link: str
+) -> None:
+    await fence.prepare(prepare())
+    await refused(
+        fence, participant, fence.commit(commit(directory=escaping_link)), BadRequestError
+    )
+
+
+# --- restore ----------------------------------------------------------------------------
+
+
+async def committed_snapshot(root: Path) -> None:
+    """Commit c1 into snap-1 from another participant of the same identity."""
+    source = FakeParticipant()
+    source.state = {"r1#0": 3, "r2#0": 1}
+    fence = Fence(source, ControlSettings(token="t", snapshot_root=str(root)))
+    await fence.prepare(prepare())
+    await fence.commit(commit())
+    await fence.resume(ResumeRequest(checkpoint_id="c1"))
+    await fence.aclose()
+
+
+async def test_restore_installs_all_and_waits_closed_until_resume(
+    fence: Fence, participant: FakeParticipant, root: Path
+) -> None:
+    await committed_snapshot(root)
+    reply = await fence.restore(restore("rs1", source="c1"))
+    assert reply.phase is Phase.RESTORED and fence.phase is Phase.RESTORED
+    assert reply.restored == [E("r1#1"), E("r2#1")]
+    assert reply.source_checkpoint_id == "c1"
+    assert participant.state == {"r1#1": 3, "r2#1": 1}
+    with pytest.raises(StaleAttemptError):
+        fence.check_attempt(E("r1#0"))
+    fence.check_attempt(E("r1#1"))
+    assert not participant.admission_open and fence.lease_expires_at is not None
+    assert await fence.restore(restore("rs1", source="c1")) == reply
+    await refused(
+        fence,
+        participant,
+        fence.restore(restore("rs1", scope=("r1#0",), source="c1")),
+        CheckpointConflictError,
+    )
+    await fence.resume(ResumeRequest(checkpoint_id="rs1"))
+    assert fence.phase is Phase.IDLE and participant.admission_open
+    assert participant.calls["install"] == 1
+
+
+async def test_failed_install_leaves_the_participant_idle_and_unchanged(
+    fence: Fence, participant: FakeParticipant, root: Path
+) -> None:
+    await committed_snapshot(root)
+    participant.fail.add("install")
+    with pytest.raises(RestoreError, match="install failed"):
+        await fence.restore(restore(source="c1"))
+    assert fence.phase is Phase.IDLE and fence.checkpoint_id is None
+    assert participant.admission_open and participant.state == {"r1#0": 3, "r2#0": 1}
+    assert fence.retire_marks == {}
+    participant.fail.clear()
+    assert (await fence.restore(restore(source="c1"))).phase is Phase.RESTORED
+
+
+@pytest.mark.parametrize(
+    ("directory", "source"), [("missing", "c1"), ("snap-1", "other-checkpoint")]
+)
+async def test_restore_refuses_missing_or_foreign_state_before_touching_anything(
+    fence: Fence, participant: FakeParticipant, root: Path, directory: str, source: str
+) -> None:
+    await committed_snapshot(root)
+    await refused(
+        fence,
+        participant,
+        fence.restore(restore(directory=directory, source=source)),
+        InvalidCheckpointStateError,
+    )
+    assert participant.calls["close_admission"] == 0
+
+
+async def test_restore_refused_outside_idle(fence: Fence, participant: FakeParticipant) -> None:
+    await fence.prepare(prepare())
+    await refused(fence, participant, fence.restore(restore("c1")), InvalidPhaseError)
+
+
+# --- lease ------------------------------------------------------------------------------
+
+
+async def test_lease_lapse_reopens_within_a_second_and_logs(
+    participant: FakeParticipant, root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    fence = Fence(participant, ControlSettings("t", str(root), lease_grace_s=0.1))
+    try:
+        await fence.prepare(prepare(deadline=soon(0.1)))
+        assert fence.phase is Phase.PREPARED
+        with caplog.at_level(logging.WARNING, logger="rollpoint.gym.fence"):
+            for _ in range(100):
+                if fence.phase is Phase.IDLE:
+                    break
+                await asyncio.sleep(0.02)
+        assert fence.phase is Phase.IDLE and participant.admission_open
+        assert any(
+            "lease expired; reopening" in r.getMessage() and "c1" in r.getMessage()
+            for r in caplog.records
+        )
+        with pytest.raises(StaleCheckpointError):
+            await fence.commit(commit())
+    finally:
+        await fence.aclose()
+
+
+async def test_renew_keeps_the_lease_alive(participant: FakeParticipant, root: Path) -> None:
+    fence = Fence(participant, ControlSettings("t", str(root), lease_grace_s=0.2))
+    try:
+        first = await fence.prepare(prepare(deadline=soon(0.1)))
+        while time.time() < first.lease_expires_at + 0.2:
+            reply = await fence.renew(RenewRequest(checkpoint_id="c1", deadline_ts=soon(0.1)))
+            assert reply.lease_expires_at == fence.lease_expires_at
+            await asyncio.sleep(0.05)
+        assert fence.phase is Phase.PREPARED and not participant.admission_open
+    finally:
+        await fence.aclose()
+
+
+async def test_renew_refused_in_idle_and_for_another_id(
+    fence: Fence, participant: FakeParticipant
+) -> None:
+    renew = RenewRequest(checkpoint_id="c1", deadline_ts=soon())
+    await refused(fence, participant, fence.renew(renew), InvalidPhaseError)
+    await fence.prepare(prepare("c2"))
+    await refused(fence, participant, fence.renew(renew), CheckpointConflictError)
+
+
+# --- retire, forget, ack ----------------------------------------------------------------
+
+
+async def test_retire_marks_refuse_old_attempts_until_forgotten(
+    fence: Fence, participant: FakeParticipant
+) -> None:
+    participant.running = [E("r1#2")]
+    reply = await fence.retire(RetireRequest(episode_ids=[E("r1#1"), E("r1#2")]))
+    assert reply.marks == {"r1": 2}
+    assert [(o.episode, o.outcome) for o in reply.outcomes] == [
+        (E("r1#2"), RetireOutcomeKind.CANCELLED)
+    ]
+    for attempt in (0, 1, 2):
+        with pytest.raises(StaleAttemptError):
+            fence.check_attempt(EpisodeId(rollout_id="r1", attempt=attempt))
+    fence.check_attempt(E("r1#3"))
+    fence.check_attempt(E("r2#0"))
+    lower = await fence.retire(RetireRequest(episode_ids=[E("r1#0")]))
+    assert lower.marks == {"r1": 2}, "marks only rise"
+    assert fence.status().retired_rollouts == 1
+    assert (await fence.forget(ForgetRequest(rollout_ids=["r1", "r9"]))).forgotten == ["r1"]
+    fence.check_attempt(E("r1#0"))
+    assert fence.status().retired_rollouts == 0
+
+
+async def test_retire_marks_stay_raised_when_the_hook_fails(
+    fence: Fence, participant: FakeParticipant
+) -> None:
+    participant.fail.add("retire")
+    with pytest.raises(RollpointError, match="retire failed"):
+        await fence.retire(RetireRequest(episode_ids=[E("r1#0")]))
+    with pytest.raises(StaleAttemptError):
+        fence.check_attempt(E("r1#0"))
+
+
+async def test_retire_and_forget_refused_while_a_checkpoint_is_open(
+    fence: Fence, participant: FakeParticipant
+) -> None:
+    await fence.prepare(prepare())
+    await refused(
+        fence, participant, fence.retire(RetireRequest(episode_ids=[E("r1#0")])), InvalidPhaseError
+    )
+    await refused(
+        fence, participant, fence.forget(ForgetRequest(rollout_ids=["r1"])), InvalidPhaseError
+    )
+
+
+async def test_retire_allowed_while_restored(
+    fence: Fence, participant: FakeParticipant, root: Path
+) -> None:
+    await committed_snapshot(root)
+    await fence.restore(restore("rs", source="c1"))
+    reply = await fence.retire(RetireRequest(episode_ids=[E("r1#1")]))
+    assert reply.marks == {"r1": 1} and fence.phase is Phase.RESTORED
+
+
+async def test_ack_releases_finished_replies_in_any_phase(
+    fence: Fence, participant: FakeParticipant
+) -> None:
+    participant.finished_unacked = [E("r5#0"), E("r6#0")]
+    await fence.prepare(prepare())
+    reply = await fence.ack(AckRequest(episode_ids=[E("r5#0"), E("r7#0")]))
+    assert reply.acked == [E("r5#0")]
+    assert participant.finished_unacked == [E("r6#0")]
+    assert (await fence.ack(AckRequest(episode_ids=[E("r5#0")]))).acked == []
+
+
+async def test_status_reports_identity_and_counts(
+    fence: Fence, participant: FakeParticipant
+) -> None:
+    status = fence.status()
+    assert status.kind.value == "agent" and status.name == "agent"
+    assert status.replica == "replica-0" and status.mode.value == "turn"
+    assert status.protocol_version == 1 and status.features == ["turn-boundary"]
+    assert status.phase is Phase.IDLE and status.checkpoint_id is None
+    assert status.lease_expires_at is None
+    assert status.counts == {"sessions": 2, "finished_unacked": 0}
+    assert status.retired_rollouts == 0

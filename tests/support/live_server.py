@@ -18,7 +18,9 @@ def serve_app(
     app: FastAPI, *, host: str = "127.0.0.1", start_timeout_s: float = 10.0
 ) -> Iterator[str]:
     """Serve ``app`` on a free port of ``host``; yield its base URL; shut it down on exit."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    # IPPROTO_TCP on purpose: asyncio sets TCP_NODELAY only on sockets whose proto says TCP,
+    # and without it every keep-alive request waits ~40 ms for a delayed ACK.
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, 0))
     sock.listen(1024)

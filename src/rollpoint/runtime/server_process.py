@@ -58,7 +58,9 @@ def build_app(spec: ServerSpec) -> FastAPI:
 
 def bind_socket(host: str, port: int, *, owner: str) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP explicitly: asyncio only sets TCP_NODELAY on accepted sockets whose proto
+    # says TCP, and without it every keep-alive request on loopback waits ~40 ms (Nagle).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))

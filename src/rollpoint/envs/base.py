@@ -1,0 +1,175 @@
+"""The environment interface: tasks, tools, per-episode state, verifier, export and restore.
+
+An :class:`Environment` is stateless itself: everything an episode owns lives in the state
+object returned by :meth:`Environment.start`, so one environment instance serves every
+episode of a resources server. The resources server (``rollpoint.gym.resources_server``)
+owns the episodes, the idempotency table and HTTP; this module owns none of that.
+
+Tools are declared as :class:`Tool` entries whose arguments are a strict pydantic model:
+the same model gives the OpenAI JSON schema and validates what the model sent, so a missing,
+extra or wrong-typed argument becomes one readable :class:`ToolArgumentError` for the model.
+
+``export_state``/``restore_state`` must be exact: a restored episode continues exactly as
+the original would have (same database rows, same next card).
+"""
+
+from __future__ import annotations
+
+import random
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Generic, TypeVar
+
+from pydantic import BaseModel, ConfigDict, JsonValue, ValidationError
+
+from rollpoint.protocol.episode import TaskRow, VerifyReply
+from rollpoint.protocol.errors import ConfigError, RollpointError
+from rollpoint.protocol.participant import CheckpointMode
+
+StateT = TypeVar("StateT")
+ArgsT = TypeVar("ArgsT", bound="ToolArguments")
+
+
+class ToolArgumentError(RollpointError):
+    """A tool call the environment cannot run: unknown tool, bad or missing arguments.
+
+    Never crosses the wire as an error: the resources server turns its message into a
+    ``ToolResult(is_error=True)`` so the model can read it and try again.
+    """
+
+    code = "tool_argument_invalid"
+    status = 400
+
+
+class ToolArguments(BaseModel):
+    """Base of every tool's argument model: strict types, no unknown arguments."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, frozen=True)
+
+
+class NoArguments(ToolArguments):
+    """For tools that take no arguments."""
+
+
+def _strip_titles(schema: Any) -> Any:
+    # pydantic adds a "title" to every node; OpenAI tool schemas do not need them and
+    # they would shadow a property that is itself named "title".
+    if isinstance(schema, dict):
+        return {
+            key: (_strip_titles(value) if key != "properties" else _strip_props(value))
+            for key, value in schema.items()
+            if key != "title"
+        }
+    return schema
+
+
+def _strip_props(props: dict[str, Any]) -> dict[str, Any]:
+    return {name: _strip_titles(node) for name, node in props.items()}
+
+
+def _describe_validation_error(tool: str, exc: ValidationError) -> str:
+    parts: list[str] = []
+    for err in exc.errors():
+        loc = ".".join(str(p) for p in err["loc"]) or "arguments"
+        if err["type"] == "missing":
+            parts.append(f"missing required argument '{loc}'")
+        elif err["type"] == "extra_forbidden":
+            parts.append(f"unexpected argument '{loc}'")
+        elif err["type"] == "value_error":
+            parts.append(f"argument '{loc}': {err['ctx']['error']}")
+        else:
+            parts.append(f"argument '{loc}': {err['msg'].lower()}")
+    return f"{tool}: " + "; ".join(parts)
+
+
+@dataclass(frozen=True)
+class Tool(Generic[StateT, ArgsT]):
+    """One tool: its name and description for the model, its arguments, and what it does."""
+
+    name: str
+    description: str
+    arguments: type[ArgsT]
+    run: Callable[[StateT, ArgsT], str]
+    """Applies the call to the episode state and returns the text the model sees."""
+
+    def spec(self) -> dict[str, JsonValue]:
+        """The OpenAI function-tool spec."""
+        parameters: dict[str, JsonValue] = _strip_titles(self.arguments.model_json_schema())
+        # The model's docstring is for us; the tool's description is for the model.
+        parameters.pop("description", None)
+        return {
+            "type": "function",
+            "function": {
+                "name": self.name,
+                "description": self.description,
+                "parameters": parameters,
+            },
+        }
+
+    def parse(self, arguments: Mapping[str, Any]) -> ArgsT:
+        try:
+            return self.arguments.model_validate(dict(arguments))
+        except ValidationError as exc:
+            raise ToolArgumentError(_describe_validation_error(self.name, exc)) from None
+
+
+class Environment(ABC, Generic[StateT]):
+    """One kind of task with its tools; per-episode state lives in ``StateT`` objects."""
+
+    name: ClassVar[str]
+    checkpoint_mode: ClassVar[CheckpointMode]
+
+    # ---- tasks -------------------------------------------------------------------------
+    def make_tasks(self, n: int, seed: int) -> list[TaskRow]:
+        """``n`` synthetic tasks, the same for the same seed.
+
+        Task ``i`` depends only on ``(seed, i)``, so a longer list extends a shorter one.
+        """
+        if n < 0:
+            raise ConfigError(f"{self.name}: the number of tasks must be >= 0, got {n}")
+        return [self._make_task(i, random.Random(f"{self.name}/{seed}/{i}")) for i in range(n)]
+
+    def task_id(self, index: int) -> str:
+        return f"{self.name}-{index:04d}"
+
+    @abstractmethod
+    def _make_task(self, index: int, rng: random.Random) -> TaskRow: ...
+
+    # ---- tools -------------------------------------------------------------------------
+    def tool_table(self) -> Mapping[str, Tool[StateT, Any]]:
+        """The environment's tools by name; none by default."""
+        return {}
+
+    def tools(self) -> list[dict[str, JsonValue]]:
+        """OpenAI function-tool specs of every tool, in a stable order."""
+        return [tool.spec() for tool in self.tool_table().values()]
+
+    def call(self, state: StateT, tool_name: str, arguments: Mapping[str, Any]) -> str:
+        """Run one tool call; :class:`ToolArgumentError` when it cannot run as asked."""
+        table = self.tool_table()
+        tool = table.get(tool_name)
+        if tool is None:
+            known = ", ".join(table) or "none"
+            raise ToolArgumentError(f"unknown tool '{tool_name}' (available tools: {known})")
+        return tool.run(state, tool.parse(arguments))
+
+    # ---- episodes ----------------------------------------------------------------------
+    @abstractmethod
+    def start(self, task: TaskRow) -> StateT:
+        """Fresh state for one episode of ``task``."""
+
+    @abstractmethod
+    def verify(self, state: StateT, task: TaskRow, final_message: str | None) -> VerifyReply:
+        """The episode's reward in [0, 1] and a detail of how it was reached."""
+
+    @abstractmethod
+    def export_state(self, state: StateT) -> dict[str, JsonValue]:
+        """The whole episode state as JSON-safe data (bytes as base64)."""
+
+    @abstractmethod
+    def restore_state(self, task: TaskRow, exported: Mapping[str, Any]) -> StateT:
+        """State equal to the exported one; ``InvalidCheckpointStateError`` when malformed."""
+
+    def close(self, state: StateT) -> None:
+        """Release what the state holds (a database connection); a no-op by default."""

@@ -1,0 +1,388 @@
+"""The resources server: tools with per-episode environment state, and their idempotency.
+
+Owns the episodes of one replica (by rollout id: the environment state, the task and the
+idempotency table ``(rollout_id, turn, call_index) → ToolResult``), the freeze gate, and the
+HTTP routes. The environment itself (tools, verifier, state export) is
+:mod:`rollpoint.envs`; the checkpoint control routes (prepare, commit, restore…) belong to
+the participant SDK, which drives :class:`ResourcesService` through ``freeze``/``thaw``,
+``export``, ``install`` and ``release``.
+
+Routes (see ``docs/architecture.md``):
+
+- ``GET /tools`` → :class:`ToolsReply`
+- ``POST /episodes/start`` :class:`EpisodeStart` → :class:`StartReply` (idempotent per rollout)
+- ``POST /tools/{name}`` :class:`ToolCall` → :class:`ToolResult`; a bad call is a tool
+  error for the model, never a 5xx; a known key replays the first result; unknown
+  episode → 404 ``not_found``
+- ``POST /episodes/verify`` :class:`VerifyRequest` → :class:`VerifyReply`
+- ``POST /episodes/release`` :class:`ReleaseRequest` → :class:`ReleaseReply`
+
+Tool calls run synchronously on the event loop (they are tiny): between the idempotency
+lookup and storing the result nothing else runs, so no lock is needed. While frozen, the
+routes that change state (start, tools, release) wait at the gate instead of failing;
+verify only reads and is never held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+import orjson
+from fastapi import FastAPI
+from pydantic import Field, JsonValue, ValidationError
+
+from rollpoint.envs.base import Environment, ToolArgumentError
+from rollpoint.envs.registry import get_environment
+from rollpoint.http.app import create_app
+from rollpoint.protocol.episode import (
+    EnvironmentName,
+    EpisodeStart,
+    TaskRow,
+    ToolCall,
+    ToolResult,
+    VerifyReply,
+    VerifyRequest,
+)
+from rollpoint.protocol.errors import (
+    BadRequestError,
+    InvalidCheckpointStateError,
+    NotFoundError,
+    RollpointError,
+)
+from rollpoint.protocol.ids import Identifier
+from rollpoint.protocol.model_base import StrictModel
+
+log = logging.getLogger(__name__)
+
+_MAX_NAMED = 10
+
+
+# ---- wire models ---------------------------------------------------------------------------
+class ToolsReply(StrictModel):
+    environment: str
+    tools: list[dict[str, JsonValue]]
+    """OpenAI function-tool specs."""
+
+
+class StartReply(StrictModel):
+    created: bool
+    """False when the rollout already had state (a continued attempt finds it)."""
+
+
+class ReleaseRequest(StrictModel):
+    rollout_ids: Annotated[list[Identifier], Field(max_length=100_000)]
+
+
+class ReleaseReply(StrictModel):
+    released: int
+    """How many of the named rollouts had state; unknown ids are not an error."""
+
+
+class ToolResultRecord(StrictModel):
+    turn: Annotated[int, Field(ge=0)]
+    call_index: Annotated[int, Field(ge=0)]
+    result: ToolResult
+
+
+class EpisodeRecord(StrictModel):
+    """One episode as a checkpoint saves it: enough to continue it exactly."""
+
+    rollout_id: Identifier
+    environment: EnvironmentName
+    task: TaskRow
+    state: dict[str, JsonValue]
+    """The environment's own export (``Environment.export_state``)."""
+    tool_results: list[ToolResultRecord]
+    """The idempotency table, so a restored episode never repeats a side effect."""
+
+
+# ---- the service ---------------------------------------------------------------------------
+@dataclass
+class _Episode:
+    task: TaskRow
+    state: Any
+    results: dict[tuple[int, int], ToolResult] = field(default_factory=dict)
+
+
+def _named(ids: Sequence[str]) -> str:
+    shown = ", ".join(ids[:_MAX_NAMED])
+    return shown + (f" and {len(ids) - _MAX_NAMED} more" if len(ids) > _MAX_NAMED else "")
+
+
+def _parse_arguments(raw: str) -> dict[str, Any] | ToolResult:
+    # Some engines send "" for a tool without parameters: that means no arguments.
+    if not raw.strip():
+        return {}
+    try:
+        value = orjson.loads(raw)
+    except orjson.JSONDecodeError as exc:
+        return ToolResult(content=f"arguments are not valid JSON: {exc}", is_error=True)
+    if not isinstance(value, dict):
+        kind = type(value).__name__
+        return ToolResult(content=f"arguments must be a JSON object, got {kind}", is_error=True)
+    return value
+
+
+class ResourcesService:
+    """The episodes of one resources server, apart from HTTP.
+
+    ``freeze``/``thaw`` and the async methods must be called on the server's event loop;
+    ``export``, ``install`` and ``release`` are plain calls for the checkpoint participant.
+    """
+
+    def __init__(
+        self, environment: Environment[Any], *, name: str = "resources", replica: str = "replica-0"
+    ) -> None:
+        self.environment = environment
+        self.name = name
+        self.replica = replica
+        self._episodes: dict[str, _Episode] = {}
+        self._frozen = False
+        self._thawed = asyncio.Event()
+        self._thawed.set()
+        self._in_flight = 0
+        self._waiting = 0
+
+    # ---- counters and the freeze gate ----------------------------------------------------
+    @property
+    def episode_count(self) -> int:
+        return len(self._episodes)
+
+    @property
+    def in_flight(self) -> int:
+        """Tool calls past the gate and not finished."""
+        return self._in_flight
+
+    @property
+    def waiting(self) -> int:
+        """Calls held at the gate by a freeze."""
+        return self._waiting
+
+    @property
+    def frozen(self) -> bool:
+        return self._frozen
+
+    def rollout_ids(self) -> list[str]:
+        return list(self._episodes)
+
+    def freeze(self) -> None:
+        """Hold every state-changing call at the gate until :meth:`thaw`; idempotent."""
+        self._frozen = True
+        self._thawed.clear()
+
+    def thaw(self) -> None:
+        """Let held calls through; idempotent."""
+        self._frozen = False
+        self._thawed.set()
+
+    async def _pass_gate(self) -> None:
+        if not self._frozen:
+            return
+        self._waiting += 1
+        try:
+            while self._frozen:
+                await self._thawed.wait()
+        finally:
+            self._waiting -= 1
+
+    def _episode(self, rollout_id: str) -> _Episode:
+        episode = self._episodes.get(rollout_id)
+        if episode is None:
+            raise NotFoundError(f"no episode for rollout {rollout_id!r} (start it first)")
+        return episode
+
+    # ---- the data plane --------------------------------------------------------------------
+    async def start(self, request: EpisodeStart) -> bool:
+        """Create the episode's state; False when the rollout already has state."""
+        await self._pass_gate()
+        task, rollout_id = request.task, request.episode.rollout_id
+        if task.environment != self.environment.name:
+            raise BadRequestError(
+                f"task {task.task_id} is for {task.environment!r};"
+                f" this server runs {self.environment.name!r}"
+            )
+        existing = self._episodes.get(rollout_id)
+        if existing is not None:
+            if existing.task != task:
+                raise BadRequestError(
+                    f"rollout {rollout_id!r} was started with task {existing.task.task_id},"
+                    f" not this version of task {task.task_id}"
+                )
+            return False
+        self._episodes[rollout_id] = _Episode(task=task, state=self.environment.start(task))
+        return True
+
+    async def call_tool(self, tool_name: str, call: ToolCall) -> ToolResult:
+        """Run one tool call once per idempotency key; a known key replays the first result."""
+        await self._pass_gate()
+        episode = self._episode(call.episode.rollout_id)
+        key = (call.turn, call.call_index)
+        stored = episode.results.get(key)
+        if stored is not None:
+            return stored.model_copy(update={"replayed": True})
+        self._in_flight += 1
+        try:
+            result = self._run(episode, tool_name, call.arguments)
+        finally:
+            self._in_flight -= 1
+        episode.results[key] = result
+        return result
+
+    def _run(self, episode: _Episode, tool_name: str, raw_arguments: str) -> ToolResult:
+        arguments = _parse_arguments(raw_arguments)
+        if isinstance(arguments, ToolResult):
+            return arguments
+        try:
+            content = self.environment.call(episode.state, tool_name, arguments)
+        except ToolArgumentError as exc:
+            return ToolResult(content=exc.message, is_error=True)
+        return ToolResult(content=content)
+
+    def verify(self, request: VerifyRequest) -> VerifyReply:
+        episode = self._episode(request.episode.rollout_id)
+        return self.environment.verify(episode.state, episode.task, request.final_message)
+
+    async def release_when_thawed(self, rollout_ids: Iterable[str]) -> int:
+        await self._pass_gate()
+        return self.release(rollout_ids)
+
+    # ---- checkpoint side -------------------------------------------------------------------
+    def release(self, rollout_ids: Iterable[str]) -> int:
+        """Drop the state of these rollouts; unknown ids are skipped. Returns how many had state."""
+        released = 0
+        for rollout_id in rollout_ids:
+            episode = self._episodes.pop(rollout_id, None)
+            if episode is not None:
+                self.environment.close(episode.state)
+                released += 1
+        return released
+
+    def export(self, rollout_ids: Iterable[str]) -> list[dict[str, Any]]:
+        """One :class:`EpisodeRecord` (as JSON data) per rollout; NotFoundError if one is missing."""
+        ids = list(dict.fromkeys(rollout_ids))
+        missing = [r for r in ids if r not in self._episodes]
+        if missing:
+            raise NotFoundError(f"no episode to export for rollouts {_named(missing)}")
+        return [self._record(r).model_dump(mode="json") for r in ids]
+
+    def _record(self, rollout_id: str) -> EpisodeRecord:
+        episode = self._episodes[rollout_id]
+        return EpisodeRecord(
+            rollout_id=rollout_id,
+            environment=episode.task.environment,
+            task=episode.task,
+            state=self.environment.export_state(episode.state),
+            tool_results=[
+                ToolResultRecord(turn=turn, call_index=index, result=result)
+                for (turn, index), result in episode.results.items()
+            ],
+        )
+
+    def install(self, records: Sequence[Mapping[str, Any]]) -> list[str]:
+        """Install exported episodes, all or nothing; returns their rollout ids.
+
+        Every record is checked and its state rebuilt before live state is touched; any
+        problem raises :class:`InvalidCheckpointStateError` and changes nothing. An installed
+        episode replaces live state of the same rollout: after a restore the snapshot is
+        the truth.
+        """
+        parsed = [self._validate(i, record) for i, record in enumerate(records)]
+        counts = Counter(r.rollout_id for r in parsed)
+        duplicates = sorted(r for r, n in counts.items() if n > 1)
+        if duplicates:
+            raise InvalidCheckpointStateError(f"records repeat rollouts {_named(duplicates)}")
+        built = self._build(parsed)
+        for rollout_id, episode in built.items():
+            old = self._episodes.get(rollout_id)
+            if old is not None:
+                self.environment.close(old.state)
+            self._episodes[rollout_id] = episode
+        log.info("%s/%s: installed %d episodes", self.name, self.replica, len(built))
+        return list(built)
+
+    def _validate(self, index: int, record: Mapping[str, Any]) -> EpisodeRecord:
+        try:
+            parsed = EpisodeRecord.model_validate(record)
+        except ValidationError as exc:
+            err = exc.errors()[0]
+            loc = ".".join(str(p) for p in err["loc"]) or "record"
+            raise InvalidCheckpointStateError(
+                f"record {index}: field '{loc}': {err['msg']}"
+            ) from None
+        name = self.environment.name
+        if parsed.environment != name or parsed.task.environment != name:
+            raise InvalidCheckpointStateError(
+                f"record {index} (rollout {parsed.rollout_id}) is for {parsed.environment!r};"
+                f" this server runs {name!r}"
+            )
+        keys = {(t.turn, t.call_index) for t in parsed.tool_results}
+        if len(keys) != len(parsed.tool_results):
+            raise InvalidCheckpointStateError(
+                f"record {index} (rollout {parsed.rollout_id}) repeats an idempotency key"
+            )
+        return parsed
+
+    def _build(self, records: Sequence[EpisodeRecord]) -> dict[str, _Episode]:
+        built: dict[str, _Episode] = {}
+        try:
+            for index, record in enumerate(records):
+                try:
+                    state = self.environment.restore_state(record.task, record.state)
+                except RollpointError as exc:
+                    raise InvalidCheckpointStateError(
+                        f"record {index} (rollout {record.rollout_id}): {exc.message}"
+                    ) from None
+                results = {(t.turn, t.call_index): t.result for t in record.tool_results}
+                built[record.rollout_id] = _Episode(record.task, state, results)
+        except BaseException:
+            for episode in built.values():
+                self.environment.close(episode.state)
+            raise
+        return built
+
+
+# ---- routes --------------------------------------------------------------------------------
+def create_resources_app(
+    environment: str | Environment[Any], *, name: str = "resources", replica: str = "replica-0"
+) -> FastAPI:
+    """The resources server of one replica; its service is ``app.state.resources_service``."""
+    env = get_environment(environment) if isinstance(environment, str) else environment
+    service = ResourcesService(env, name=name, replica=replica)
+    app = create_app(f"rollpoint {name} ({replica}, {env.name})")
+    app.state.resources_service = service
+    tools = ToolsReply(environment=env.name, tools=env.tools())
+
+    @app.get("/tools")
+    async def list_tools() -> ToolsReply:
+        return tools
+
+    @app.post("/episodes/start")
+    async def start_episode(body: EpisodeStart) -> StartReply:
+        return StartReply(created=await service.start(body))
+
+    @app.post("/tools/{name}")
+    async def call_tool(name: str, body: ToolCall) -> ToolResult:
+        return await service.call_tool(name, body)
+
+    @app.post("/episodes/verify")
+    async def verify_episode(body: VerifyRequest) -> VerifyReply:
+        return service.verify(body)
+
+    @app.post("/episodes/release")
+    async def release_episodes(body: ReleaseRequest) -> ReleaseReply:
+        return ReleaseReply(released=await service.release_when_thawed(body.rollout_ids))
+
+    return app
+
+
+def resources_service(app: FastAPI) -> ResourcesService:
+    """The service behind an app made by :func:`create_resources_app`."""
+    service = app.state.resources_service
+    if not isinstance(service, ResourcesService):
+        raise TypeError("this app was not made by create_resources_app")
+    return service

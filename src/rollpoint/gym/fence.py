@@ -48,6 +48,7 @@ from rollpoint.protocol.control import (
     AckRequest,
     CommitReply,
     CommitRequest,
+    ExportedEpisode,
     ForgetReply,
     ForgetRequest,
     Phase,
@@ -562,6 +563,7 @@ class Fence:
             state_dir=f"{p.kind.value}/{self._instance}",
             episode_ids=write.scope,
             manifest=manifest,
+            exported=_exported(write.records, write.scope),
         )
 
     # --- restore -----------------------------------------------------------------------
@@ -642,6 +644,27 @@ class Fence:
         """``<root>/<checkpoint_dir>/<kind>/<name>-<replica>``; 400 if it leaves the root."""
         folder = resolve_inside(self._settings.snapshot_root, checkpoint_dir)
         return resolve_inside(folder, f"{self._participant.kind.value}/{self._instance}")
+
+
+def _exported(records: list[dict[str, JsonValue]], scope: list[EpisodeId]) -> list[ExportedEpisode]:
+    """The scoped episodes the records hold state for, by the records' top-level ``episode``.
+
+    This is what lets the coordinator check saved + restarts against its ledger without
+    reading any participant's records.
+    """
+    wanted = {e.key: e for e in scope}
+    found: dict[str, ExportedEpisode] = {}
+    for record in records:
+        raw = record.get("episode")
+        if not isinstance(raw, dict):
+            continue
+        key = f"{raw.get('rollout_id')}#{raw.get('attempt')}"
+        if key in wanted and key not in found:
+            turn = record.get("turn")
+            found[key] = ExportedEpisode(
+                episode=wanted[key], turns_completed=turn if isinstance(turn, int) else None
+            )
+    return [found[k] for k in sorted(found)]
 
 
 def _wire_report(report: Readiness) -> Readiness:

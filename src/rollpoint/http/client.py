@@ -66,6 +66,21 @@ class HttpClient:
         timeout_s: float | None = None,
     ) -> Any:
         """Send ``body`` as JSON and return the decoded JSON reply; raise typed errors."""
+        decoded, _ = await self.request_json_with_headers(
+            method, url, body=body, headers=headers, timeout_s=timeout_s
+        )
+        return decoded
+
+    async def request_json_with_headers(
+        self,
+        method: str,
+        url: str,
+        *,
+        body: Any = None,
+        headers: Mapping[str, str] | None = None,
+        timeout_s: float | None = None,
+    ) -> tuple[Any, Mapping[str, str]]:
+        """Like :meth:`request_json`, also returning the reply headers (case-insensitive)."""
         data = orjson.dumps(body) if body is not None else None
         timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s is not None else None
         try:
@@ -74,6 +89,7 @@ class HttpClient:
             ) as resp:
                 raw = await resp.read()
                 status = resp.status
+                reply_headers = resp.headers
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise TransportError(f"{method} {url}: {type(exc).__name__}: {exc}") from None
         try:
@@ -86,7 +102,7 @@ class HttpClient:
             raise TransportError(f"{method} {url}: reply is not JSON") from None
         if status >= 400:
             raise error_from_wire(status, decoded, peer=url)
-        return decoded
+        return decoded, reply_headers
 
     async def post_json(self, url: str, body: Any, **kw: Any) -> Any:
         return await self.request_json("POST", url, body=body, **kw)

@@ -101,6 +101,12 @@ class RetireOutcomeKind(StrEnum):
     """This participant never saw the attempt (or already forgot it)."""
 
 
+class ExportedEpisode(StrictModel):
+    episode: EpisodeId
+    turns_completed: int | None = None
+    """Policy turns completed at the cut, when the participant knows (agents do)."""
+
+
 class RetireOutcome(StrictModel):
     episode: EpisodeId
     outcome: RetireOutcomeKind
@@ -218,6 +224,9 @@ class CommitReply(StrictModel):
     episode_ids: list[EpisodeId]
     """The scope as committed (sorted, without duplicates)."""
     manifest: ParticipantManifest
+    exported: list[ExportedEpisode] = Field(default_factory=list)
+    """The episodes of the scope this participant holds state for (records carrying a
+    top-level ``episode``). A scoped episode missing here was not live on this participant."""
 
 
 class ResumeReply(StrictModel):

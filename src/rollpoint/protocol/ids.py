@@ -32,6 +32,8 @@ CheckpointId = Identifier
 HEADER_ROLLOUT_ID = "x-rollpoint-rollout-id"
 HEADER_ATTEMPT = "x-rollpoint-attempt"
 HEADER_TURN = "x-rollpoint-turn"
+# The model server sets this on every completion it returns: the policy version that served it.
+HEADER_POLICY_VERSION = "x-rollpoint-policy-version"
 
 
 def is_identifier(value: str) -> bool:

@@ -134,6 +134,10 @@ class SnapshotManifest(StrictModel):
     participants: list[ParticipantEntry]
     episodes: list[SavedEpisode]
     restarts: list[RestartEpisode]
+    finished: list[RestartEpisode] = Field(default_factory=list)
+    """In-flight episodes whose finished reply an agent held at the cut (on the wire, or
+    not acknowledged yet): the reply is in the agent's state; on restore it is adopted when
+    the saved ledger has not sealed it, so it is neither lost nor run again."""
     files: dict[str, FileEntry]
     """The trainer's files in the snapshot (ledger, TQ), keyed by name."""
     config_fingerprint: dict[str, JsonValue]

@@ -1,0 +1,165 @@
+"""The agent server: ``POST /run`` plays task rows as episodes and streams their results.
+
+Owns: the HTTP face of one :class:`~rollpoint.gym.session_book.SessionBook` and its
+:class:`~rollpoint.gym.episode_runner.EpisodeRunner` (one aiohttp client per app, made at
+startup, closed at shutdown, when running sessions are cancelled too). Routes:
+
+- ``POST /run`` :class:`RunRequest` → ``application/x-ndjson``: one :class:`RowResult` line
+  per row, in the order rows finish. Rows run as tasks of the book, not of the request: a
+  client that goes away cancels nothing, and a failed row never ends its siblings.
+- ``GET /rollpoint/v1/sessions`` → session counts by state, boundaries, readiness.
+- ``POST /rollpoint/v1/ack`` ``{"episodes": [EpisodeId]}`` → ``{"acked": [...]}``: releases
+  finished replies (the book's :meth:`~SessionBook.ack` is the one implementation).
+
+Does not own: checkpoint control (the fence drives the book), the episode loop (the runner).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Annotated, Any
+
+import orjson
+from fastapi import FastAPI
+from fastapi.responses import StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+
+from rollpoint.gym.episode_runner import EpisodeRunner
+from rollpoint.gym.session import Session
+from rollpoint.gym.session_book import Boundary, SessionBook
+from rollpoint.http.app import create_app
+from rollpoint.http.client import HttpClient
+from rollpoint.protocol.control import MAX_BATCH
+from rollpoint.protocol.episode import EnvironmentName, RowResult, RunReply, RunRequest
+from rollpoint.protocol.errors import TransportError
+from rollpoint.protocol.ids import EpisodeId, Identifier
+from rollpoint.protocol.model_base import StrictModel
+from rollpoint.protocol.participant import CheckpointMode
+
+NDJSON = "application/x-ndjson"
+
+
+class AgentSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model_url: str
+    """Base URL of the model server (no ``/v1``)."""
+    resources_url: str
+    environment: EnvironmentName
+    name: Identifier = "agent"
+    replica: Identifier = "replica-0"
+    checkpoint_mode: CheckpointMode = CheckpointMode.TURN
+    max_finished_replies: Annotated[int, Field(ge=1)] = 10_000
+    """Finished replies held until acked; past it the oldest are dropped (logged)."""
+    model_timeout_s: Annotated[float, Field(gt=0)] = 600.0
+    tool_timeout_s: Annotated[float, Field(gt=0)] = 60.0
+    model_name: str = "scripted"
+
+
+class AckEpisodes(StrictModel):
+    episodes: Annotated[list[EpisodeId], Field(max_length=MAX_BATCH)]
+
+
+class AgentServer:
+    """The state behind one agent app: the book, and the runner once started."""
+
+    def __init__(self, settings: AgentSettings) -> None:
+        self.settings = settings
+        self.book = SessionBook(
+            self._play,
+            environment=settings.environment,
+            mode=settings.checkpoint_mode,
+            max_finished_replies=settings.max_finished_replies,
+        )
+        self._client: HttpClient | None = None
+        self._runner: EpisodeRunner | None = None
+
+    async def start(self) -> None:
+        s = self.settings
+        self._client = HttpClient(timeout_s=max(s.model_timeout_s, s.tool_timeout_s))
+        self._runner = EpisodeRunner(
+            self._client,
+            model_url=s.model_url,
+            resources_url=s.resources_url,
+            environment=s.environment,
+            model_name=s.model_name,
+            model_timeout_s=s.model_timeout_s,
+            tool_timeout_s=s.tool_timeout_s,
+        )
+
+    async def stop(self) -> None:
+        await self.book.aclose()
+        if self._runner is not None:
+            await self._runner.aclose()
+            self._runner = None
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    async def _play(self, session: Session, boundary: Boundary) -> RunReply:
+        if self._runner is None:
+            raise TransportError("agent server is not started")
+        return await self._runner.play(session, boundary)
+
+    def sessions(self) -> dict[str, Any]:
+        readiness = self.book.readiness()
+        return {
+            "name": self.settings.name,
+            "replica": self.settings.replica,
+            "counts": self.book.counts(),
+            "boundaries_open": self.book.boundaries_open,
+            "ready": readiness.ready,
+            "blocker_count": readiness.blocker_count,
+        }
+
+
+async def _ndjson(results: list[asyncio.Future[RowResult]]) -> AsyncIterator[bytes]:
+    # Done callbacks, not awaits: a client that goes away cancels this generator, and an
+    # awaited shared future would be cancelled with it (and with it every joiner's result).
+    finished: asyncio.Queue[RowResult] = asyncio.Queue()
+    for future in results:
+        future.add_done_callback(lambda f: finished.put_nowait(f.result()))
+    for _ in results:
+        result = await finished.get()
+        yield orjson.dumps(result.model_dump(mode="json")) + b"\n"
+
+
+def agent_server_of(app: FastAPI) -> AgentServer:
+    """The :class:`AgentServer` behind an app built by :func:`create_agent_app`."""
+    server: AgentServer = app.state.agent_server
+    return server
+
+
+def create_agent_app(settings: AgentSettings) -> FastAPI:
+    server = AgentServer(settings)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await server.start()
+        try:
+            yield
+        finally:
+            await server.stop()
+
+    app = create_app(
+        f"rollpoint agent server {settings.name}/{settings.replica}", lifespan=lifespan
+    )
+    app.state.agent_server = server
+
+    @app.post("/run")
+    async def run(request: RunRequest) -> StreamingResponse:
+        results = [server.book.submit(row) for row in request.rows]
+        return StreamingResponse(_ndjson(results), media_type=NDJSON)
+
+    @app.get("/rollpoint/v1/sessions")
+    async def sessions() -> dict[str, Any]:
+        return server.sessions()
+
+    @app.post("/rollpoint/v1/ack")
+    async def ack(request: AckEpisodes) -> dict[str, Any]:
+        acked = server.book.ack(request.episodes)
+        return {"acked": [e.model_dump() for e in acked]}
+
+    return app

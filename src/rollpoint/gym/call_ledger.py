@@ -1,0 +1,114 @@
+"""The model server's call ledger: every policy call of every episode, filed by rollout id.
+
+Owns: one :class:`CallRecord` per proxied call that carried the episode headers (rollout id,
+attempt, turn), the index by rollout id (O(1) lookup, export and release), and the
+all-or-nothing install of exported records on restore.
+
+Does not own: proxying (the model server), deciding what to keep across a checkpoint (the
+fence passes the scope), or token accounting beyond what the engine reports.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Annotated, Any
+
+from pydantic import Field, JsonValue, TypeAdapter, ValidationError
+
+from rollpoint.protocol.errors import InvalidCheckpointStateError
+from rollpoint.protocol.ids import Identifier
+from rollpoint.protocol.model_base import StrictModel
+
+
+class CallRecord(StrictModel):
+    """One policy call as the model server saw it."""
+
+    rollout_id: Identifier
+    attempt: Annotated[int, Field(ge=0)]
+    turn: Annotated[int, Field(ge=0)]
+    request_messages: Annotated[int, Field(ge=0)]
+    """How many messages the request carried (the conversation length at this turn)."""
+    last_message: dict[str, JsonValue] | None
+    """The request's last message: the user prompt or the latest tool result."""
+    response: dict[str, JsonValue] | None
+    """The assistant message the engine returned (assembled from deltas when streamed)."""
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    policy_version: int = 0
+    latency_s: float = 0.0
+    streamed: bool = False
+    logprobs: JsonValue = None
+    """Engine logprobs of the choice, when the engine returned them."""
+
+
+_RECORDS = TypeAdapter(list[CallRecord])
+
+
+class CallLedger:
+    """Call records indexed by rollout id; records of one rollout stay in call order."""
+
+    def __init__(self) -> None:
+        self._by_rollout: dict[str, list[CallRecord]] = {}
+        self._count = 0
+
+    @property
+    def count(self) -> int:
+        """Records held, across every rollout."""
+        return self._count
+
+    def __len__(self) -> int:
+        return self._count
+
+    def record(self, rec: CallRecord) -> None:
+        calls = self._by_rollout.get(rec.rollout_id)
+        if calls is None:
+            self._by_rollout[rec.rollout_id] = [rec]
+        else:
+            calls.append(rec)
+        self._count += 1
+
+    def calls(self, rollout_id: str) -> list[CallRecord]:
+        """The records of one rollout, oldest first (empty for an unknown rollout)."""
+        return list(self._by_rollout.get(rollout_id, ()))
+
+    def export(self, rollout_ids: Iterable[str]) -> list[dict[str, Any]]:
+        """JSON-ready records of these rollouts (unknown ids contribute nothing)."""
+        out: list[dict[str, Any]] = []
+        for rollout_id in dict.fromkeys(rollout_ids):
+            out.extend(rec.model_dump(mode="json") for rec in self._by_rollout.get(rollout_id, ()))
+        return out
+
+    def install(self, records: Iterable[Any]) -> list[str]:
+        """Replace the records of every rollout named in ``records``; all or nothing.
+
+        Installing the same export twice gives the same ledger. Returns the rollout ids
+        installed. A malformed record raises :class:`InvalidCheckpointStateError` and
+        changes nothing.
+        """
+        try:
+            parsed = _RECORDS.validate_python(list(records))
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            raise InvalidCheckpointStateError(
+                f"call ledger record {where}: {first['msg']}"
+            ) from None
+        grouped: dict[str, list[CallRecord]] = {}
+        for rec in parsed:
+            grouped.setdefault(rec.rollout_id, []).append(rec)
+        for rollout_id, calls in grouped.items():
+            self._count -= len(self._by_rollout.get(rollout_id, ()))
+            self._by_rollout[rollout_id] = calls
+            self._count += len(calls)
+        return list(grouped)
+
+    def release(self, rollout_ids: Iterable[str]) -> int:
+        """Drop the records of these rollouts; returns how many records were dropped."""
+        dropped = 0
+        for rollout_id in rollout_ids:
+            calls = self._by_rollout.pop(rollout_id, None)
+            if calls is not None:
+                dropped += len(calls)
+        self._count -= dropped
+        return dropped

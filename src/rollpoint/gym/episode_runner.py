@@ -1,0 +1,274 @@
+"""The agent loop of one episode: policy call → tool calls → … → verify.
+
+Owns: the HTTP conversation of one session with the model server (OpenAI chat completions
+carrying the episode headers and a seed derived from the rollout id) and the resources
+server (start, tools, verify), the tool list (fetched once per app), and where the turn
+boundaries of an episode are. At each boundary it awaits the book's ``boundary`` (which
+parks the session while a checkpoint is open)::
+
+    start ─▶ ┌▶ boundary ─▶ pending tool calls? ─▶ apply them (running_tools) ──┐
+             │      │       pending final answer? ─▶ verify ("final")          │
+             │      │       turn == max_turns?    ─▶ verify ("max_turns")      │
+             │      └─────▶ policy call (awaiting_model) → pending response ───┤
+             └─────────────────────────────────────────────────────────────────┘
+
+Every policy response is *pending* until the next boundary has passed, so a response that
+arrives while a checkpoint is open is saved unapplied and its tool calls are applied after
+the restore, under the same idempotency keys ``(rollout_id, turn, call_index)``.
+
+Does not own: sessions, parking, or what a failure means for the row (the book turns
+errors into :class:`~rollpoint.protocol.episode.RowFailure`): a peer that is down, times
+out or answers off-protocol raises :class:`TransportError`; a refusal about the data (404
+unknown episode, 422) raises the peer's :class:`ProtocolError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import re
+import time
+from typing import Any, Literal, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+from rollpoint.gym.session import Session, SessionState
+from rollpoint.gym.session_book import Boundary
+from rollpoint.http.client import HttpClient
+from rollpoint.protocol.episode import (
+    EpisodeStart,
+    ModelCall,
+    RunReply,
+    ToolCall,
+    ToolResult,
+    VerifyReply,
+    VerifyRequest,
+)
+from rollpoint.protocol.errors import ConfigError, TransportError
+from rollpoint.protocol.ids import (
+    HEADER_ATTEMPT,
+    HEADER_POLICY_VERSION,
+    HEADER_ROLLOUT_ID,
+    HEADER_TURN,
+)
+
+_TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+
+
+def episode_seed(rollout_id: str) -> int:
+    """The sampling seed of an episode: stable across attempts, processes and machines."""
+    digest = hashlib.blake2b(rollout_id.encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "big") & 0x7FFFFFFF
+
+
+_M = TypeVar("_M", bound=BaseModel)
+
+
+def _parse(model: type[_M], reply: Any, peer: str) -> _M:
+    try:
+        return model.model_validate(reply)
+    except ValidationError:
+        raise TransportError(f"{peer}: reply is not a {model.__name__}") from None
+
+
+def _assistant_message(reply: Any, url: str) -> dict[str, Any]:
+    try:
+        message = reply["choices"][0]["message"]
+    except (KeyError, IndexError, TypeError):
+        raise TransportError(f"{url}: reply is not an OpenAI chat completion") from None
+    if not isinstance(message, dict):
+        raise TransportError(f"{url}: choice 0 has no message object")
+    # Engines pad messages with nulls; keep role and content, drop the other empty keys.
+    cleaned = {k: v for k, v in message.items() if v is not None}
+    cleaned.setdefault("role", "assistant")
+    cleaned.setdefault("content", None)
+    return cleaned
+
+
+def _tool_calls(message: dict[str, Any]) -> list[Any]:
+    calls = message.get("tool_calls")
+    return calls if isinstance(calls, list) else []
+
+
+def _int(value: Any) -> int:
+    return value if isinstance(value, int) else 0
+
+
+class EpisodeRunner:
+    """Plays sessions against one model server and one resources server."""
+
+    def __init__(
+        self,
+        client: HttpClient,
+        *,
+        model_url: str,
+        resources_url: str,
+        environment: str,
+        model_name: str,
+        model_timeout_s: float,
+        tool_timeout_s: float,
+    ) -> None:
+        self._client = client
+        self._completions_url = f"{model_url.rstrip('/')}/v1/chat/completions"
+        self._resources = resources_url.rstrip("/")
+        self._environment = environment
+        self._model_name = model_name
+        self._model_timeout_s = model_timeout_s
+        self._tool_timeout_s = tool_timeout_s
+        self._tools: asyncio.Task[list[Any]] | None = None
+
+    async def play(self, session: Session, boundary: Boundary) -> RunReply:
+        await self._start(session)
+        tools = await self.tools()
+        while True:
+            await boundary(session)
+            pending = session.pending_response
+            if pending is not None:
+                if not _tool_calls(pending):
+                    return await self._verify(session, "final")
+                session.move(SessionState.RUNNING_TOOLS)
+                await self._apply_tools(session, pending)
+                continue
+            if session.turn >= session.row.max_turns:
+                return await self._verify(session, "max_turns")
+            session.move(SessionState.AWAITING_MODEL)
+            session.pending_response = await self._policy_call(session, tools)
+
+    async def tools(self) -> list[Any]:
+        """The environment's tool specs, fetched once per app (again after a failed fetch)."""
+        if self._tools is None:
+            self._tools = asyncio.ensure_future(self._fetch_tools())
+        task = self._tools
+        try:
+            return await asyncio.shield(task)
+        except BaseException:
+            if task.done() and (task.cancelled() or task.exception() is not None):
+                self._tools = None
+            raise
+
+    async def aclose(self) -> None:
+        """Stop a tool fetch still in flight (app shutdown)."""
+        if self._tools is not None and not self._tools.done():
+            self._tools.cancel()
+            await asyncio.gather(self._tools, return_exceptions=True)
+
+    async def _fetch_tools(self) -> list[Any]:
+        url = f"{self._resources}/tools"
+        reply = await self._client.get_json(url, timeout_s=self._tool_timeout_s)
+        if not isinstance(reply, dict) or not isinstance(reply.get("tools"), list):
+            raise TransportError(f"{url}: reply has no 'tools' list")
+        if reply.get("environment") != self._environment:
+            raise ConfigError(
+                f"{url} serves environment {reply.get('environment')!r}, "
+                f"this agent plays {self._environment!r}"
+            )
+        tools: list[Any] = reply["tools"]
+        return tools
+
+    async def _start(self, session: Session) -> None:
+        body = EpisodeStart(episode=session.episode, task=session.row.task)
+        await self._client.post_json(
+            f"{self._resources}/episodes/start",
+            body.model_dump(mode="json"),
+            timeout_s=self._tool_timeout_s,
+        )
+
+    async def _policy_call(self, session: Session, tools: list[Any]) -> dict[str, Any]:
+        episode = session.episode
+        body: dict[str, Any] = {
+            "model": self._model_name,
+            "messages": session.messages,
+            "seed": episode_seed(episode.rollout_id),
+        }
+        if tools:
+            body["tools"] = tools
+        headers = {
+            HEADER_ROLLOUT_ID: episode.rollout_id,
+            HEADER_ATTEMPT: str(episode.attempt),
+            HEADER_TURN: str(session.turn),
+        }
+        started = time.perf_counter()
+        reply, reply_headers = await self._client.request_json_with_headers(
+            "POST",
+            self._completions_url,
+            body=body,
+            headers=headers,
+            timeout_s=self._model_timeout_s,
+        )
+        latency = time.perf_counter() - started
+        message = _assistant_message(reply, self._completions_url)
+        usage = reply.get("usage") if isinstance(reply.get("usage"), dict) else {}
+        version = reply_headers.get(HEADER_POLICY_VERSION, "0")
+        session.model_calls.append(
+            ModelCall(
+                turn=session.turn,
+                attempt=episode.attempt,
+                response=message,
+                prompt_tokens=_int(usage.get("prompt_tokens")),
+                completion_tokens=_int(usage.get("completion_tokens")),
+                policy_version=int(version) if version.isdigit() else 0,
+                latency_s=latency,
+            )
+        )
+        session.messages.append(message)
+        session.turn += 1
+        return message
+
+    async def _apply_tools(self, session: Session, message: dict[str, Any]) -> None:
+        turn = session.turn - 1  # the pending response belongs to the last policy call
+        for index, call in enumerate(_tool_calls(message)):
+            content = await self._tool_call(session, turn, index, call)
+            call_id = call.get("id") if isinstance(call, dict) else None
+            session.messages.append(
+                {
+                    "role": "tool",
+                    "tool_call_id": call_id if isinstance(call_id, str) else f"call_{turn}_{index}",
+                    "content": content,
+                }
+            )
+        session.pending_response = None
+
+    async def _tool_call(self, session: Session, turn: int, index: int, call: Any) -> str:
+        fn = call.get("function") if isinstance(call, dict) else None
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if not isinstance(name, str) or not _TOOL_NAME.match(name):
+            # The model's mistake, answered to the model: never a URL we cannot route.
+            return f"error: no such tool: {name!r}"
+        assert isinstance(fn, dict)
+        arguments = fn.get("arguments")
+        if not isinstance(arguments, str):
+            arguments = "{}" if arguments is None else str(arguments)
+        url = f"{self._resources}/tools/{name}"
+        body = ToolCall(episode=session.episode, turn=turn, call_index=index, arguments=arguments)
+        reply = await self._client.post_json(
+            url, body.model_dump(mode="json"), timeout_s=self._tool_timeout_s
+        )
+        return _parse(ToolResult, reply, url).content
+
+    async def _verify(
+        self, session: Session, finish_reason: Literal["final", "max_turns"]
+    ) -> RunReply:
+        session.move(SessionState.VERIFYING)
+        pending = session.pending_response
+        final = pending.get("content") if pending is not None else None
+        url = f"{self._resources}/episodes/verify"
+        body = VerifyRequest(
+            episode=session.episode, final_message=final if isinstance(final, str) else None
+        )
+        reply = await self._client.post_json(
+            url, body.model_dump(mode="json"), timeout_s=self._tool_timeout_s
+        )
+        verdict = _parse(VerifyReply, reply, url)
+        session.pending_response = None
+        row = session.row
+        return RunReply(
+            episode=session.episode,
+            task_id=row.task.task_id,
+            group_id=row.group_id,
+            row=row.row,
+            reward=verdict.reward,
+            messages=session.messages,
+            model_calls=session.model_calls,
+            turns=session.turn,
+            finish_reason=finish_reason,
+        )

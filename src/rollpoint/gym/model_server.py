@@ -1,0 +1,461 @@
+"""The model server: an OpenAI-compatible proxy in front of the inference engine.
+
+Owns: ``POST /v1/chat/completions`` (plain and ``stream: true``) and ``GET /v1/models``
+proxied to ``upstream_url``; the :class:`~rollpoint.gym.admission_gate.AdmissionGate` every
+completion passes; the :class:`~rollpoint.gym.call_ledger.CallLedger` that files each call
+carrying the episode headers; the policy version stamped on every completion (reply header
+``x-rollpoint-policy-version`` and the ledger record); and the routes
+``GET /rollpoint/v1/calls``, ``POST /rollpoint/v1/policy_version``, ``GET /rollpoint/v1/stats``.
+
+Does not own: checkpoint control (the fence closes and opens the gate and exports the ledger),
+nor OpenAI validation beyond "a JSON object with a messages list": the engine judges the rest.
+
+Upstream failures: unreachable, timed out or a 5xx → 502 ``transport_error``; a 4xx is passed
+through with its status and body (the engine refused the request, not the plumbing).
+
+This is the hot path of every policy call. The plain path reads the body once, parses it
+once, forwards the same bytes over one aiohttp session, and returns the engine's bytes;
+only calls carrying episode headers parse the reply, to record it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Mapping
+from contextlib import AsyncExitStack, asynccontextmanager
+from typing import Annotated, Any
+
+import aiohttp
+import orjson
+from fastapi import FastAPI, Query, Request
+from fastapi.responses import Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.types import Receive, Scope, Send
+
+from rollpoint.gym.admission_gate import AdmissionGate
+from rollpoint.gym.call_ledger import CallLedger, CallRecord
+from rollpoint.http.app import create_app
+from rollpoint.http.client import HttpClient
+from rollpoint.protocol.errors import BadRequestError, TransportError
+from rollpoint.protocol.ids import (
+    HEADER_ATTEMPT,
+    HEADER_POLICY_VERSION,
+    HEADER_ROLLOUT_ID,
+    HEADER_TURN,
+    Identifier,
+    is_identifier,
+)
+from rollpoint.protocol.model_base import StrictModel
+
+log = logging.getLogger(__name__)
+
+_UPSTREAM_ERRORS = (TimeoutError, aiohttp.ClientError, OSError)
+
+
+class ModelServerSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    upstream_url: str
+    """OpenAI-compatible base URL of the engine, ending in ``/v1``."""
+    name: Identifier = "model"
+    replica: Identifier = "replica-0"
+    api_key: str | None = None
+    """Sent upstream as ``Authorization: Bearer``; the callers' own auth is never forwarded."""
+    call_timeout_s: Annotated[float, Field(gt=0)] = 600.0
+    """Upper bound on one upstream call, a whole stream included."""
+
+
+class PolicyVersionRequest(StrictModel):
+    version: Annotated[int, Field(ge=0)]
+
+
+class EpisodeTag:
+    """The episode headers of one call, parsed and checked."""
+
+    __slots__ = ("attempt", "rollout_id", "turn")
+
+    def __init__(self, rollout_id: str, attempt: int, turn: int) -> None:
+        self.rollout_id = rollout_id
+        self.attempt = attempt
+        self.turn = turn
+
+    @classmethod
+    def from_headers(cls, headers: Mapping[str, str]) -> EpisodeTag | None:
+        """None when the call carries no episode headers; 400 naming a bad or missing one."""
+        rollout_id = headers.get(HEADER_ROLLOUT_ID)
+        attempt = headers.get(HEADER_ATTEMPT)
+        turn = headers.get(HEADER_TURN)
+        if rollout_id is None and attempt is None and turn is None:
+            return None
+        if rollout_id is None or not is_identifier(rollout_id):
+            raise BadRequestError(f"header {HEADER_ROLLOUT_ID} must be an identifier")
+        return cls(rollout_id, _header_int(HEADER_ATTEMPT, attempt), _header_int(HEADER_TURN, turn))
+
+
+def _header_int(name: str, value: str | None) -> int:
+    if value is None or not value.isdigit():
+        raise BadRequestError(f"header {name} must be a non-negative integer, got {value!r}")
+    return int(value)
+
+
+def _clean_message(message: Mapping[str, Any]) -> dict[str, Any]:
+    # Engines pad messages with nulls (refusal, audio, ...): keep what was said, and content
+    # (null next to tool calls), the same shape the agent keeps in its transcript.
+    cleaned = {k: v for k, v in message.items() if v is not None}
+    cleaned.setdefault("content", None)
+    return cleaned
+
+
+def _usage_tokens(usage: Any) -> tuple[int, int]:
+    if not isinstance(usage, dict):
+        return 0, 0
+    prompt, completion = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    return (
+        prompt if isinstance(prompt, int) else 0,
+        completion if isinstance(completion, int) else 0,
+    )
+
+
+class StreamAssembler:
+    """Rebuilds the assistant message of choice 0 from OpenAI SSE chunks as they pass by."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+        self._content: list[str] = []
+        self._role = "assistant"
+        self._tools: dict[int, dict[str, Any]] = {}
+        self.finish_reason: str | None = None
+        self.usage: Any = None
+
+    def feed(self, chunk: bytes) -> None:
+        self._buf += chunk
+        while (end := self._buf.find(b"\n")) >= 0:
+            line = bytes(self._buf[:end]).strip()
+            del self._buf[: end + 1]
+            if line.startswith(b"data:"):
+                self._event(line[5:].strip())
+
+    def _event(self, data: bytes) -> None:
+        if not data or data == b"[DONE]":
+            return
+        try:
+            event = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return
+        if not isinstance(event, dict):
+            return
+        if isinstance(event.get("usage"), dict):
+            self.usage = event["usage"]
+        for choice in event.get("choices") or ():
+            if isinstance(choice, dict) and choice.get("index", 0) == 0:
+                self._choice(choice)
+
+    def _choice(self, choice: dict[str, Any]) -> None:
+        if isinstance(choice.get("finish_reason"), str):
+            self.finish_reason = choice["finish_reason"]
+        delta = choice.get("delta")
+        if not isinstance(delta, dict):
+            return
+        if isinstance(delta.get("role"), str):
+            self._role = delta["role"]
+        if isinstance(delta.get("content"), str):
+            self._content.append(delta["content"])
+        for call in delta.get("tool_calls") or ():
+            if isinstance(call, dict):
+                self._tool_delta(call)
+
+    def _tool_delta(self, call: dict[str, Any]) -> None:
+        index = call.get("index", 0)
+        entry = self._tools.setdefault(
+            index, {"id": None, "type": "function", "function": {"name": "", "arguments": ""}}
+        )
+        if isinstance(call.get("id"), str):
+            entry["id"] = call["id"]
+        fn = call.get("function")
+        if isinstance(fn, dict):
+            if isinstance(fn.get("name"), str) and fn["name"]:
+                entry["function"]["name"] = fn["name"]
+            if isinstance(fn.get("arguments"), str):
+                entry["function"]["arguments"] += fn["arguments"]
+
+    def message(self) -> dict[str, Any]:
+        message: dict[str, Any] = {"role": self._role, "content": "".join(self._content) or None}
+        if self._tools:
+            message["tool_calls"] = [self._tools[i] for i in sorted(self._tools)]
+        return _clean_message(message)
+
+
+class _HeldStream(StreamingResponse):
+    """A streamed reply that releases the upstream response and the gate however it ends.
+
+    Starlette may never start the body iterator (client gone early), so cleanup cannot live
+    in the iterator's ``finally``.
+    """
+
+    def __init__(self, body: AsyncIterator[bytes], stack: AsyncExitStack, **kw: Any) -> None:
+        super().__init__(body, **kw)
+        self._stack = stack
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._stack.aclose()
+
+
+class ModelServer:
+    """The state behind one model server app: gate, ledger, policy version, upstream client."""
+
+    def __init__(self, settings: ModelServerSettings) -> None:
+        self.settings = settings
+        self.gate = AdmissionGate()
+        self.ledger = CallLedger()
+        self.policy_version = 0
+        self.calls_total = 0
+        self._client: HttpClient | None = None
+        base = settings.upstream_url.rstrip("/")
+        self._completions_url = f"{base}/chat/completions"
+        self._models_url = f"{base}/models"
+        self._upstream_headers = {"content-type": "application/json"}
+        if settings.api_key:
+            self._upstream_headers["authorization"] = f"Bearer {settings.api_key}"
+
+    @property
+    def session(self) -> aiohttp.ClientSession:
+        if self._client is None:
+            raise RuntimeError("model server is not started")
+        return self._client.session
+
+    async def start(self) -> None:
+        self._client = HttpClient(timeout_s=self.settings.call_timeout_s)
+
+    async def stop(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "name": self.settings.name,
+            "replica": self.settings.replica,
+            "in_flight": self.gate.in_flight,
+            "waiting": self.gate.waiting,
+            "calls_total": self.calls_total,
+            "recorded_calls": self.ledger.count,
+            "policy_version": self.policy_version,
+            "gate_open": self.gate.is_open,
+        }
+
+    async def chat_completions(self, request: Request) -> Response:
+        body = await request.body()
+        try:
+            payload = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            raise BadRequestError("request body is not valid JSON") from None
+        if not isinstance(payload, dict) or not isinstance(payload.get("messages"), list):
+            raise BadRequestError("request body must be a JSON object with a 'messages' list")
+        tag = EpisodeTag.from_headers(request.headers)
+        if payload.get("stream") is True:
+            return await self._stream(body, payload, tag)
+        async with self.gate.admit():
+            version = self.policy_version
+            started = time.perf_counter()
+            status, content_type, raw = await self._post_upstream(body)
+            latency = time.perf_counter() - started
+        self.calls_total += 1
+        if status >= 400:
+            return self._upstream_refusal(status, content_type, raw)
+        if tag is not None:
+            self._record_reply(tag, payload, raw, version, latency)
+        return Response(raw, media_type=content_type, headers={HEADER_POLICY_VERSION: str(version)})
+
+    async def models(self) -> Response:
+        try:
+            async with self.session.get(self._models_url, headers=self._upstream_headers) as resp:
+                raw = await resp.read()
+                status, content_type = resp.status, resp.content_type
+        except _UPSTREAM_ERRORS as exc:
+            raise self._unreachable(exc) from None
+        if status >= 400:
+            return self._upstream_refusal(status, content_type, raw)
+        return Response(raw, media_type=content_type)
+
+    async def _post_upstream(self, body: bytes) -> tuple[int, str, bytes]:
+        try:
+            async with self.session.post(
+                self._completions_url, data=body, headers=self._upstream_headers
+            ) as resp:
+                return resp.status, resp.content_type, await resp.read()
+        except _UPSTREAM_ERRORS as exc:
+            raise self._unreachable(exc) from None
+
+    def _unreachable(self, exc: BaseException) -> TransportError:
+        return TransportError(
+            f"upstream {self.settings.upstream_url} unreachable: {type(exc).__name__}: {exc}"
+        )
+
+    def _upstream_refusal(self, status: int, content_type: str, raw: bytes) -> Response:
+        if status >= 500:
+            text = raw[:200].decode(errors="replace")
+            raise TransportError(f"upstream answered HTTP {status}: {text}")
+        return Response(raw, status_code=status, media_type=content_type)
+
+    def _record_reply(
+        self, tag: EpisodeTag, payload: dict[str, Any], raw: bytes, version: int, latency: float
+    ) -> None:
+        try:
+            reply = orjson.loads(raw)
+            choice = reply["choices"][0]
+            message = _clean_message(choice["message"])
+        except (orjson.JSONDecodeError, KeyError, IndexError, TypeError, AttributeError):
+            raise TransportError("upstream reply is not an OpenAI chat completion") from None
+        self._record(
+            tag,
+            payload,
+            message,
+            choice.get("finish_reason"),
+            reply.get("usage"),
+            version=version,
+            latency=latency,
+            streamed=False,
+            logprobs=choice.get("logprobs"),
+        )
+
+    def _record(
+        self,
+        tag: EpisodeTag,
+        payload: dict[str, Any],
+        message: dict[str, Any],
+        finish: Any,
+        usage: Any,
+        *,
+        version: int,
+        latency: float,
+        streamed: bool,
+        logprobs: Any = None,
+    ) -> None:
+        messages = payload["messages"]
+        last = messages[-1] if messages and isinstance(messages[-1], dict) else None
+        prompt, completion = _usage_tokens(usage)
+        # model_construct: the data is ours or the engine's, already parsed; validation
+        # happens where records come back from disk (CallLedger.install).
+        self.ledger.record(
+            CallRecord.model_construct(
+                rollout_id=tag.rollout_id,
+                attempt=tag.attempt,
+                turn=tag.turn,
+                request_messages=len(messages),
+                last_message=last,
+                response=message,
+                finish_reason=finish if isinstance(finish, str) else None,
+                prompt_tokens=prompt,
+                completion_tokens=completion,
+                policy_version=version,
+                latency_s=latency,
+                streamed=streamed,
+                logprobs=logprobs,
+            )
+        )
+
+    async def _stream(
+        self, body: bytes, payload: dict[str, Any], tag: EpisodeTag | None
+    ) -> Response:
+        stack = AsyncExitStack()
+        await stack.enter_async_context(self.gate.admit())
+        version = self.policy_version
+        started = time.perf_counter()
+        try:
+            resp = await stack.enter_async_context(
+                self.session.post(self._completions_url, data=body, headers=self._upstream_headers)
+            )
+            refusal = None
+            if resp.status >= 400:
+                refusal = (resp.status, resp.content_type, await resp.read())
+        except _UPSTREAM_ERRORS as exc:
+            await stack.aclose()
+            raise self._unreachable(exc) from None
+        except BaseException:
+            await stack.aclose()
+            raise
+        if refusal is not None:
+            await stack.aclose()
+            self.calls_total += 1
+            return self._upstream_refusal(*refusal)
+
+        async def relay() -> AsyncIterator[bytes]:
+            assembler = StreamAssembler() if tag is not None else None
+            try:
+                async for chunk in resp.content.iter_any():
+                    if assembler is not None:
+                        assembler.feed(chunk)
+                    yield chunk
+            except _UPSTREAM_ERRORS as exc:
+                log.warning("upstream stream broke: %s: %s", type(exc).__name__, exc)
+                return
+            self.calls_total += 1
+            if assembler is not None and tag is not None:
+                self._record(
+                    tag,
+                    payload,
+                    assembler.message(),
+                    assembler.finish_reason,
+                    assembler.usage,
+                    version=version,
+                    latency=time.perf_counter() - started,
+                    streamed=True,
+                )
+
+        return _HeldStream(
+            relay(),
+            stack,
+            media_type=resp.headers.get("content-type", "text/event-stream"),
+            headers={HEADER_POLICY_VERSION: str(version), "cache-control": "no-cache"},
+        )
+
+
+def model_server_of(app: FastAPI) -> ModelServer:
+    """The :class:`ModelServer` behind an app built by :func:`create_model_app`."""
+    server: ModelServer = app.state.model_server
+    return server
+
+
+def create_model_app(settings: ModelServerSettings) -> FastAPI:
+    server = ModelServer(settings)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await server.start()
+        try:
+            yield
+        finally:
+            await server.stop()
+
+    app = create_app(
+        f"rollpoint model server {settings.name}/{settings.replica}", lifespan=lifespan
+    )
+    app.state.model_server = server
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await server.chat_completions(request)
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        return await server.models()
+
+    @app.get("/rollpoint/v1/calls")
+    async def calls(rollout_id: Annotated[str, Query(min_length=1)]) -> dict[str, Any]:
+        records = server.ledger.export([rollout_id])
+        return {"rollout_id": rollout_id, "calls": records}
+
+    @app.post("/rollpoint/v1/policy_version")
+    async def policy_version(req: PolicyVersionRequest) -> dict[str, int]:
+        server.policy_version = req.version
+        return {"policy_version": server.policy_version}
+
+    @app.get("/rollpoint/v1/stats")
+    async def stats() -> dict[str, Any]:
+        return server.stats()
+
+    return app

@@ -1,0 +1,494 @@
+"""Every session of one agent server, the finished replies it holds, and the boundary gate.
+
+Owns: admitting ``/run`` rows (run, join a running session, replay a finished reply,
+continue a restored session, or refuse), one asyncio task per session (owned here, never by
+a request: a client that goes away cancels nothing), per-state counters (readiness is O(1)
+with any number of sessions), the boundary gate that parks sessions for a checkpoint,
+finished replies held until acked (bounded), retire marks, and the export/install of
+sessions for checkpoints.
+
+Does not own: how an episode is played (the ``play`` function, normally
+:meth:`rollpoint.gym.episode_runner.EpisodeRunner.play`), HTTP, or checkpoint phases (the
+fence calls :meth:`close_boundaries`, :meth:`readiness`, :meth:`export`, ...).
+
+Row admission, in order: a held finished reply is returned as is; an attempt at or under its
+rollout's retire mark is refused (``stale_attempt``); a row for another environment is a data
+failure; a rollout that holds another attempt here is a transport failure
+(``attempt_conflict``: retire the old one first); a running session of the same attempt is
+joined; while boundaries are closed a new row is refused (:class:`RowRefused`: it never ran); a restored session continues under the
+attempt it waits for; otherwise a new session starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Iterable
+from itertools import islice
+from typing import Any, Protocol
+
+from pydantic import JsonValue, TypeAdapter, ValidationError
+
+from rollpoint.gym.session import (
+    BUSY_STATES,
+    LIVE_STATES,
+    BookRecord,
+    FinishedReplyRecord,
+    Session,
+    SessionRecord,
+    SessionState,
+)
+from rollpoint.protocol.control import (
+    MAX_REPORTED_BLOCKERS,
+    Readiness,
+    RetireOutcome,
+    RetireOutcomeKind,
+)
+from rollpoint.protocol.episode import RowFailure, RowRefused, RowResult, RunReply, RunRow
+from rollpoint.protocol.errors import (
+    InvalidCheckpointStateError,
+    InvalidPhaseError,
+    RollpointError,
+    StaleAttemptError,
+    TransportError,
+)
+from rollpoint.protocol.ids import EpisodeId
+from rollpoint.protocol.participant import CheckpointMode
+
+log = logging.getLogger(__name__)
+
+_RECORDS = TypeAdapter(list[BookRecord])
+EVICTION_LOG_EVERY = 1000
+
+
+class Boundary(Protocol):
+    async def __call__(self, session: Session) -> None: ...
+
+
+PlayFn = Callable[[Session, Boundary], Awaitable[RunReply]]
+"""Plays a session to its end, awaiting ``boundary(session)`` at every turn boundary."""
+
+
+def row_failure(row: RunRow, err: BaseException) -> RowFailure:
+    """The failure line of a row; transport failures are worth a fresh re-send."""
+    if isinstance(err, RollpointError):
+        transport = isinstance(err, TransportError) or err.retryable
+        return RowFailure(
+            episode=row.episode,
+            group_id=row.group_id,
+            row=row.row,
+            code=err.code,
+            message=err.message,
+            transport=transport,
+        )
+    return RowFailure(
+        episode=row.episode,
+        group_id=row.group_id,
+        row=row.row,
+        code="internal",
+        message=f"{type(err).__name__}: {err}",
+        transport=False,
+    )
+
+
+def _done(result: RowResult) -> asyncio.Future[RowResult]:
+    future: asyncio.Future[RowResult] = asyncio.get_running_loop().create_future()
+    future.set_result(result)
+    return future
+
+
+class SessionBook:
+    """All sessions and held replies of one agent server. One event loop, no threads."""
+
+    def __init__(
+        self,
+        play: PlayFn,
+        *,
+        environment: str,
+        mode: CheckpointMode = CheckpointMode.TURN,
+        max_finished_replies: int = 10_000,
+    ) -> None:
+        if max_finished_replies < 1:
+            raise ValueError("max_finished_replies must be at least 1")
+        self._play = play
+        self.environment = environment
+        self.mode = mode
+        self.max_finished_replies = max_finished_replies
+        self._sessions: dict[str, Session] = {}
+        """Live sessions (restored ones included) by rollout id: one attempt at a time."""
+        self._by_state: dict[SessionState, dict[str, Session]] = {s: {} for s in LIVE_STATES}
+        self._finished: dict[str, RunReply] = {}
+        """Held replies by episode key, oldest first."""
+        self._marks: dict[str, int] = {}
+        self._evicted = 0
+        self._open = True
+        self._reopened = asyncio.Event()
+        self._reopened.set()
+        self._changed = asyncio.Event()
+
+    # --- admission ---------------------------------------------------------------------
+
+    def submit(self, row: RunRow) -> asyncio.Future[RowResult]:
+        """The future result of one row. Never cancel it: joiners of the same session share it."""
+        episode = row.episode
+        reply = self._finished.get(episode.key)
+        if reply is not None:
+            return _done(reply)
+        mark = self._marks.get(episode.rollout_id)
+        if mark is not None and episode.attempt <= mark:
+            err = StaleAttemptError(f"attempt {episode.key} was retired (mark {mark})")
+            return _done(row_failure(row, err))
+        if row.task.environment != self.environment:
+            return _done(self._data_failure(row, "environment_mismatch", self._env_message(row)))
+        live = self._sessions.get(episode.rollout_id)
+        if live is not None and live.episode.attempt != episode.attempt:
+            return _done(self._attempt_conflict(row, live))
+        if live is not None and live.state is not SessionState.RESTORED:
+            assert live.result is not None
+            return live.result
+        if not self._open:
+            reason = "turn boundaries are closed for a checkpoint; send the row again later"
+            return _done(
+                RowRefused(episode=episode, group_id=row.group_id, row=row.row, reason=reason)
+            )
+        if live is not None:
+            live.continue_as(row)
+            return self._launch(live)
+        session = Session(row)
+        self._sessions[episode.rollout_id] = session
+        session.observe(self._on_move)
+        return self._launch(session)
+
+    def _env_message(self, row: RunRow) -> str:
+        return (
+            f"row {row.episode.key} is a {row.task.environment!r} task; "
+            f"this agent serves {self.environment!r}"
+        )
+
+    def _data_failure(self, row: RunRow, code: str, message: str) -> RowFailure:
+        return RowFailure(
+            episode=row.episode,
+            group_id=row.group_id,
+            row=row.row,
+            code=code,
+            message=message,
+            transport=False,
+        )
+
+    def _attempt_conflict(self, row: RunRow, live: Session) -> RowFailure:
+        # A plumbing race (an old try still here), not bad data: a fresh re-send fixes it.
+        message = (
+            f"rollout {row.episode.rollout_id} is at attempt {live.episode.attempt} here "
+            f"({live.state}); retire it before sending attempt {row.episode.attempt}"
+        )
+        return RowFailure(
+            episode=row.episode,
+            group_id=row.group_id,
+            row=row.row,
+            code="attempt_conflict",
+            message=message,
+            transport=True,
+        )
+
+    def _launch(self, session: Session) -> asyncio.Future[RowResult]:
+        loop = asyncio.get_running_loop()
+        result: asyncio.Future[RowResult] = loop.create_future()
+        session.result = result
+        session.task = loop.create_task(self._drive(session), name=f"episode {session.key}")
+        session.task.add_done_callback(lambda task: self._settle(session, task))
+        return result
+
+    async def _drive(self, session: Session) -> RowResult:
+        try:
+            reply = await self._play(session, self.boundary)
+            if session.state is not SessionState.VERIFYING:
+                raise InvalidPhaseError(f"session {session.key} ended in {session.state}")
+            return reply
+        except Exception as exc:
+            if not isinstance(exc, RollpointError):
+                log.exception("episode %s failed", session.key)
+            return row_failure(session.row, exc)
+
+    def _settle(self, session: Session, task: asyncio.Task[RowResult]) -> None:
+        # A done callback: runs even when the task was cancelled before its first step.
+        if task.cancelled() or session.state is SessionState.CANCELLED:
+            # Retire may have reported "cancelled" just before the task returned: keep its word.
+            result: RowResult = RowFailure(
+                episode=session.episode,
+                group_id=session.row.group_id,
+                row=session.row.row,
+                code="cancelled",
+                message=f"attempt {session.key} was stopped (retired, or the server stopped)",
+                transport=True,
+            )
+            if session.is_live:
+                session.move(SessionState.CANCELLED)
+        else:
+            result = task.result()
+            if isinstance(result, RunReply):
+                if session.is_live:
+                    session.move(SessionState.FINISHED)
+                self._hold(result)
+            elif session.is_live:
+                session.move(SessionState.FAILED)
+        if session.result is not None and not session.result.done():
+            session.result.set_result(result)
+
+    # --- boundaries --------------------------------------------------------------------
+
+    @property
+    def boundaries_open(self) -> bool:
+        return self._open
+
+    def close_boundaries(self) -> None:
+        """From now on sessions park at their next boundary and new rows are refused."""
+        if self._open:
+            self._open = False
+            self._reopened.clear()
+            self._notify()
+
+    def open_boundaries(self) -> None:
+        if not self._open:
+            self._open = True
+            self._reopened.set()
+            self._notify()
+
+    async def boundary(self, session: Session) -> None:
+        """A turn boundary of ``session``: returns at once while open, else parks it."""
+        if self._open:
+            return
+        session.move(SessionState.PARKED)
+        while not self._open:
+            await self._reopened.wait()
+
+    def readiness(self) -> Readiness:
+        """Whether every session is at a boundary. O(number of states), not of sessions."""
+        counts = {str(state): len(sessions) for state, sessions in self._by_state.items()}
+        counts["finished_unacked"] = len(self._finished)
+        finished = [reply.episode for reply in self._finished.values()]
+        if self.mode is not CheckpointMode.TURN:
+            # Only a restart-only agent scans: it has nothing to wait for, only a list to give.
+            restarts = [
+                s.episode for s in self._sessions.values() if s.state is not SessionState.RESTORED
+            ]
+            return Readiness(
+                ready=True, restarts=restarts, finished_unacked=finished, counts=counts
+            )
+        busy = sum(len(self._by_state[s]) for s in BUSY_STATES)
+        blockers = [
+            s.key
+            for s in islice(
+                (s for state in BUSY_STATES for s in self._by_state[state].values()),
+                MAX_REPORTED_BLOCKERS,
+            )
+        ]
+        return Readiness(
+            ready=busy == 0,
+            blockers=blockers,
+            blocker_count=busy,
+            finished_unacked=finished,
+            counts=counts,
+        )
+
+    async def wait_changed(self, timeout: float | None) -> bool:  # noqa: ASYNC109
+        """Wait for any session move or boundary change; False when ``timeout`` passed first."""
+        changed = self._changed
+        try:
+            await asyncio.wait_for(changed.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    def _on_move(self, session: Session, old: SessionState | None, new: SessionState) -> None:
+        rollout_id = session.episode.rollout_id
+        if old is not None and old in LIVE_STATES:
+            self._by_state[old].pop(rollout_id, None)
+        if new in LIVE_STATES:
+            self._by_state[new][rollout_id] = session
+        elif self._sessions.get(rollout_id) is session:
+            del self._sessions[rollout_id]
+        self._notify()
+
+    # --- counts ------------------------------------------------------------------------
+
+    def counts(self) -> dict[str, int]:
+        out = {str(state): len(sessions) for state, sessions in self._by_state.items()}
+        out["live"] = len(self._sessions)
+        out["finished_unacked"] = len(self._finished)
+        out["retired_rollouts"] = len(self._marks)
+        return out
+
+    def session(self, rollout_id: str) -> Session | None:
+        return self._sessions.get(rollout_id)
+
+    # --- finished replies --------------------------------------------------------------
+
+    def _hold(self, reply: RunReply) -> None:
+        key = reply.episode.key
+        if key not in self._finished and len(self._finished) >= self.max_finished_replies:
+            oldest = next(iter(self._finished))
+            del self._finished[oldest]
+            self._evicted += 1
+            if self._evicted % EVICTION_LOG_EVERY == 1:
+                log.warning(
+                    "dropped %d finished replies never acked (max_finished_replies=%d); "
+                    "latest dropped: %s",
+                    self._evicted,
+                    self.max_finished_replies,
+                    oldest,
+                )
+        self._finished[key] = reply
+
+    def finished_unacked(self) -> list[EpisodeId]:
+        return [reply.episode for reply in self._finished.values()]
+
+    def finished_reply(self, episode: EpisodeId) -> RunReply | None:
+        return self._finished.get(episode.key)
+
+    def ack(self, episodes: Iterable[EpisodeId]) -> list[EpisodeId]:
+        """Release held replies; returns the episodes that were held (acking twice is a no-op)."""
+        released = []
+        for episode in episodes:
+            if self._finished.pop(episode.key, None) is not None:
+                released.append(episode)
+        if released:
+            self._notify()
+        return released
+
+    # --- retire / forget ---------------------------------------------------------------
+
+    def retire(self, marks: dict[str, int]) -> list[RetireOutcome]:
+        """Raise each rollout's mark; stop its live attempts at or under it; report each."""
+        outcomes: list[RetireOutcome] = []
+        for rollout_id, attempt in marks.items():
+            mark = max(attempt, self._marks.get(rollout_id, -1))
+            self._marks[rollout_id] = mark
+            found = False
+            live = self._sessions.get(rollout_id)
+            if live is not None and live.episode.attempt <= mark:
+                outcomes.append(self._outcome(live.episode, RetireOutcomeKind.CANCELLED))
+                self._cancel(live)
+                found = True
+            for held in range(mark + 1):
+                reply = self._finished.get(f"{rollout_id}#{held}")
+                if reply is not None:
+                    outcomes.append(
+                        self._outcome(reply.episode, RetireOutcomeKind.FINISHED_UNACKED)
+                    )
+                    found = True
+            if not found:
+                unknown = EpisodeId(rollout_id=rollout_id, attempt=mark)
+                outcomes.append(self._outcome(unknown, RetireOutcomeKind.UNKNOWN))
+        return outcomes
+
+    @staticmethod
+    def _outcome(episode: EpisodeId, kind: RetireOutcomeKind) -> RetireOutcome:
+        return RetireOutcome(episode=episode, outcome=kind)
+
+    def _cancel(self, session: Session) -> None:
+        # Detach at once so the next attempt of this rollout is admitted right away; the
+        # task sees CancelledError at its next step and makes no further move.
+        session.move(SessionState.CANCELLED)
+        if session.task is not None:
+            session.task.cancel()
+
+    def forget(self, rollout_ids: Iterable[str]) -> list[str]:
+        """Drop retire marks; returns the rollout ids that had one."""
+        return [r for r in rollout_ids if self._marks.pop(r, None) is not None]
+
+    def retire_mark(self, rollout_id: str) -> int | None:
+        return self._marks.get(rollout_id)
+
+    # --- export / install --------------------------------------------------------------
+
+    def export(self, scope: Iterable[EpisodeId]) -> list[dict[str, JsonValue]]:
+        """Records of the live sessions in ``scope`` plus every held finished reply.
+
+        An episode of the scope that is not live here (finished, or never seen) adds no
+        session record. A scoped session away from a boundary raises
+        :class:`InvalidPhaseError`. A restart-only agent exports no sessions.
+        """
+        records: list[dict[str, JsonValue]] = []
+        if self.mode is CheckpointMode.TURN:
+            for episode in scope:
+                live = self._sessions.get(episode.rollout_id)
+                if live is None or live.episode != episode:
+                    continue
+                if not live.at_boundary:
+                    raise InvalidPhaseError(
+                        f"session {live.key} is {live.state}, not at a turn boundary"
+                    )
+                records.append(live.to_record().model_dump(mode="json"))
+        for reply in self._finished.values():
+            records.append(FinishedReplyRecord(reply=reply).model_dump(mode="json"))
+        return records
+
+    def install(
+        self, records: list[Any], scope: Iterable[EpisodeId] | None = None
+    ) -> list[EpisodeId]:
+        """Install exported records, all or nothing; returns the attempts now awaited.
+
+        Sessions (only those whose saved episode is in ``scope``, when given) become
+        ``restored`` sessions waiting for their next attempt; held replies are held again.
+        Any invalid record, or a rollout running here, raises
+        :class:`InvalidCheckpointStateError` and changes nothing.
+        """
+        sessions, replies = self._validate(records, scope)
+        for record in sessions:
+            old = self._sessions.get(record.episode.rollout_id)
+            if old is not None:
+                old.move(SessionState.CANCELLED)
+            session = Session.from_record(record)
+            self._sessions[session.episode.rollout_id] = session
+            session.observe(self._on_move)
+        for reply in replies:
+            self._hold(reply)
+        self._notify()
+        return [record.episode.next_attempt() for record in sessions]
+
+    def _validate(
+        self, records: list[Any], scope: Iterable[EpisodeId] | None
+    ) -> tuple[list[SessionRecord], list[RunReply]]:
+        try:
+            parsed = _RECORDS.validate_python(records)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            raise InvalidCheckpointStateError(f"agent record {where}: {first['msg']}") from None
+        wanted = None if scope is None else {e.key for e in scope}
+        sessions = [
+            r
+            for r in parsed
+            if isinstance(r, SessionRecord) and (wanted is None or r.episode.key in wanted)
+        ]
+        replies = [r.reply for r in parsed if isinstance(r, FinishedReplyRecord)]
+        if sessions and self.mode is not CheckpointMode.TURN:
+            raise InvalidCheckpointStateError(
+                f"a {self.mode} agent cannot install sessions ({sessions[0].episode.key})"
+            )
+        seen: set[str] = set()
+        for record in sessions:
+            rollout_id = record.episode.rollout_id
+            if rollout_id in seen:
+                raise InvalidCheckpointStateError(f"rollout {rollout_id} saved twice")
+            seen.add(rollout_id)
+            live = self._sessions.get(rollout_id)
+            if live is not None and live.state is not SessionState.RESTORED:
+                raise InvalidCheckpointStateError(
+                    f"rollout {rollout_id} is running here as {live.key} ({live.state})"
+                )
+        return sessions, replies
+
+    # --- shutdown ----------------------------------------------------------------------
+
+    async def aclose(self) -> None:
+        """Cancel every running session and wait for them to stop."""
+        tasks = [s.task for s in self._sessions.values() if s.task is not None]
+        for session in list(self._sessions.values()):
+            self._cancel(session)
+        if tasks:
+            await asyncio.gather(*tasks, return_exceptions=True)

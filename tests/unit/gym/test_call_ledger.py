@@ -1,0 +1,89 @@
+"""The call ledger: filed by rollout, exported and installed all or nothing, released."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+import pytest
+
+from rollpoint.gym.call_ledger import CallLedger, CallRecord
+from rollpoint.protocol.errors import InvalidCheckpointStateError
+
+
+def _rec(rollout_id: str, turn: int, attempt: int = 0) -> CallRecord:
+    return CallRecord(
+        rollout_id=rollout_id,
+        attempt=attempt,
+        turn=turn,
+        request_messages=1 + 2 * turn,
+        last_message={"role": "user", "content": "hi"},
+        response={"role": "assistant", "content": f"turn {turn}"},
+        finish_reason="stop",
+        prompt_tokens=10,
+        completion_tokens=5,
+        policy_version=3,
+        latency_s=0.01,
+    )
+
+
+def _filled() -> CallLedger:
+    ledger = CallLedger()
+    for turn in range(3):
+        ledger.record(_rec("r1", turn))
+    ledger.record(_rec("r2", 0))
+    return ledger
+
+
+def test_records_are_filed_by_rollout_in_call_order() -> None:
+    ledger = _filled()
+    assert ledger.count == len(ledger) == 4
+    assert [c.turn for c in ledger.calls("r1")] == [0, 1, 2]
+    assert [c.rollout_id for c in ledger.calls("r2")] == ["r2"]
+    assert ledger.calls("nope") == []
+
+
+def test_export_names_only_the_rollouts_asked_for_and_is_json() -> None:
+    ledger = _filled()
+    exported = ledger.export(["r1", "missing", "r1"])
+    assert [(r["rollout_id"], r["turn"]) for r in exported] == [("r1", 0), ("r1", 1), ("r1", 2)]
+    assert orjson.loads(orjson.dumps(exported)) == exported
+
+
+def test_install_into_a_fresh_ledger_gives_the_same_records_and_is_idempotent() -> None:
+    source = _filled()
+    exported = source.export(["r1", "r2"])
+    target = CallLedger()
+    assert sorted(target.install(exported)) == ["r1", "r2"]
+    assert target.calls("r1") == source.calls("r1")
+    assert target.count == 4
+    target.install(exported)
+    assert target.count == 4
+    assert target.calls("r2") == source.calls("r2")
+
+
+def test_install_replaces_the_named_rollouts_only() -> None:
+    ledger = _filled()
+    ledger.install([_rec("r1", 0, attempt=0).model_dump(mode="json")])
+    assert [c.turn for c in ledger.calls("r1")] == [0]
+    assert len(ledger.calls("r2")) == 1
+    assert ledger.count == 2
+
+
+def test_a_bad_record_installs_nothing_and_names_the_field() -> None:
+    ledger = _filled()
+    good = _rec("r9", 0).model_dump(mode="json")
+    bad: dict[str, Any] = {**_rec("r1", 5).model_dump(mode="json"), "attempt": "x"}
+    with pytest.raises(InvalidCheckpointStateError, match="attempt"):
+        ledger.install([good, bad])
+    assert ledger.calls("r9") == []
+    assert len(ledger.calls("r1")) == 3
+    assert ledger.count == 4
+
+
+def test_release_drops_rollouts_and_keeps_the_count_right() -> None:
+    ledger = _filled()
+    assert ledger.release(["r1", "unknown"]) == 3
+    assert ledger.calls("r1") == []
+    assert ledger.count == 1
+    assert ledger.release(["r1"]) == 0

@@ -1,0 +1,129 @@
+"""The session state machine (one transition table) and the saved form of a session."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from rollpoint.gym.session import (
+    BOUNDARY_STATES,
+    BUSY_STATES,
+    LIVE_STATES,
+    TERMINAL_STATES,
+    TRANSITIONS,
+    Session,
+    SessionRecord,
+    SessionState,
+)
+from rollpoint.protocol.episode import ModelCall, RunRow, TaskRow
+from rollpoint.protocol.errors import InvalidPhaseError
+from rollpoint.protocol.ids import EpisodeId
+
+S = SessionState
+
+
+def _row(rollout_id: str = "r1", attempt: int = 0) -> RunRow:
+    return RunRow(
+        task=TaskRow(task_id="t1", environment="workplace", prompt="Schedule it."),
+        group_id="g1",
+        row=0,
+        episode=EpisodeId(rollout_id=rollout_id, attempt=attempt),
+    )
+
+
+def test_the_table_covers_every_state_and_terminal_states_have_no_moves() -> None:
+    assert set(TRANSITIONS) == set(SessionState)
+    for state in TERMINAL_STATES:
+        assert TRANSITIONS[state] == frozenset()
+    assert BOUNDARY_STATES | BUSY_STATES == LIVE_STATES
+    assert not BOUNDARY_STATES & BUSY_STATES
+    assert {S.STARTING, S.RUNNING_TOOLS, S.VERIFYING} == BUSY_STATES
+
+
+def test_a_whole_episode_walks_the_table() -> None:
+    seen: list[tuple[SessionState | None, SessionState]] = []
+    session = Session(_row())
+    session.observe(lambda _s, old, new: seen.append((old, new)))
+    path = [
+        S.AWAITING_MODEL,
+        S.PARKED,
+        S.RUNNING_TOOLS,
+        S.AWAITING_MODEL,
+        S.VERIFYING,
+        S.FINISHED,
+    ]
+    for state in path:
+        session.move(state)
+    assert seen == [(None, S.STARTING), *zip([S.STARTING, *path[:-1]], path, strict=True)]
+    assert session.state is S.FINISHED and not session.is_live
+
+
+@pytest.mark.parametrize(
+    ("start", "bad"),
+    [
+        (S.FINISHED, S.AWAITING_MODEL),
+        (S.RESTORED, S.AWAITING_MODEL),
+        (S.VERIFYING, S.PARKED),
+        (S.CANCELLED, S.STARTING),
+        (S.AWAITING_MODEL, S.STARTING),
+    ],
+)
+def test_an_illegal_move_raises_and_changes_nothing(start: S, bad: S) -> None:
+    session = Session(_row(), state=start)
+    with pytest.raises(InvalidPhaseError, match=f"cannot move from {start} to {bad}"):
+        session.move(bad)
+    assert session.state is start
+
+
+@given(st.lists(st.sampled_from(list(SessionState)), max_size=30))
+def test_any_sequence_of_moves_follows_the_table(moves: list[SessionState]) -> None:
+    session = Session(_row())
+    observed: list[SessionState] = []
+    session.observe(lambda _s, _old, new: observed.append(new))
+    expected = [S.STARTING]
+    for new in moves:
+        before = session.state
+        if new in TRANSITIONS[before]:
+            session.move(new)
+            expected.append(new)
+        else:
+            with pytest.raises(InvalidPhaseError):
+                session.move(new)
+            assert session.state is before
+    assert observed == expected
+
+
+def test_a_session_saves_and_restores_waiting_for_its_next_attempt() -> None:
+    session = Session(_row("r7", 0))
+    call = ModelCall(turn=0, attempt=0, response={"role": "assistant", "content": None})
+    session.model_calls.append(call)
+    session.messages.append({"role": "assistant", "content": None, "tool_calls": []})
+    session.turn = 1
+    session.pending_response = {"role": "assistant", "content": "done"}
+    record = SessionRecord.model_validate(session.to_record().model_dump(mode="json"))
+
+    restored = Session.from_record(record)
+    assert restored.state is S.RESTORED
+    assert restored.episode == EpisodeId(rollout_id="r7", attempt=1)
+    assert restored.messages == session.messages
+    assert restored.model_calls == [call]
+    assert (restored.turn, restored.pending_response) == (1, session.pending_response)
+
+    restored.continue_as(_row("r7", 1))
+    assert restored.state is S.STARTING and restored.row.episode.attempt == 1
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"turn": 2}, "turn 2 but 0 model calls"),
+        ({"episode": {"rollout_id": "other", "attempt": 0}}, "row is for rollout"),
+        ({"pending_response": {"role": "assistant"}}, "pending response before any"),
+    ],
+)
+def test_an_inconsistent_record_is_refused(change: dict[str, object], message: str) -> None:
+    good = Session(_row()).to_record().model_dump(mode="json")
+    with pytest.raises(ValidationError, match=message):
+        SessionRecord.model_validate({**good, **change})

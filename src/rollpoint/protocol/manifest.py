@@ -22,7 +22,10 @@ Schema history of :class:`SnapshotManifest`:
   ``pause_seconds`` and adds an empty ``restarts`` list, which is exact rather than a
   guess. A version-1 document that already carries ``pause_seconds`` or ``restarts``
   was not written by a version-1 writer and is refused.
-- **2**: current.
+- **2**: adds ``restarts`` and ``pause_seconds``.
+- **3**: current. Adds ``finished``: the in-flight episodes whose finished reply an agent
+  held at the cut (the no-drain save). Migration 2 → 3 adds an empty list, which is exact:
+  a version-2 writer drained on-wire replies before the cut, so it never saved one.
 """
 
 from __future__ import annotations
@@ -49,7 +52,7 @@ RecordsFileName = Annotated[str, StringConstraints(pattern=r"^records-[0-9a-f]{1
 NonNegativeInt = Annotated[int, Field(ge=0)]
 
 PARTICIPANT_MANIFEST_VERSION = 1
-SNAPSHOT_MANIFEST_VERSION = 2
+SNAPSHOT_MANIFEST_VERSION = 3
 LATEST_POINTER_VERSION = 1
 
 
@@ -134,7 +137,7 @@ class SnapshotManifest(StrictModel):
     participants: list[ParticipantEntry]
     episodes: list[SavedEpisode]
     restarts: list[RestartEpisode]
-    finished: list[RestartEpisode] = Field(default_factory=list)
+    finished: list[RestartEpisode]
     """In-flight episodes whose finished reply an agent held at the cut (on the wire, or
     not acknowledged yet): the reply is in the agent's state; on restore it is adopted when
     the saved ledger has not sealed it, so it is neither lost nor run again."""
@@ -164,7 +167,14 @@ def _snapshot_v1_to_v2(doc: dict[str, Any]) -> dict[str, Any]:
     return doc
 
 
-SNAPSHOT_MANIFEST_MIGRATIONS: dict[int, Migration] = {1: _snapshot_v1_to_v2}
+def _snapshot_v2_to_v3(doc: dict[str, Any]) -> dict[str, Any]:
+    if "finished" in doc:
+        raise ValueError("a version 2 document has no 'finished' field")
+    doc["finished"] = []
+    return doc
+
+
+SNAPSHOT_MANIFEST_MIGRATIONS: dict[int, Migration] = {1: _snapshot_v1_to_v2, 2: _snapshot_v2_to_v3}
 PARTICIPANT_MANIFEST_MIGRATIONS: dict[int, Migration] = {}
 LATEST_POINTER_MIGRATIONS: dict[int, Migration] = {}
 

@@ -58,7 +58,9 @@ class ParticipantAddress:
 
 
 class ParticipantClient:
-    def __init__(self, address: ParticipantAddress, http: HttpClient, *, control_timeout_s: float = 30.0) -> None:
+    def __init__(
+        self, address: ParticipantAddress, http: HttpClient, *, control_timeout_s: float = 30.0
+    ) -> None:
         self.address = address
         self._http = http
         self._timeout_s = control_timeout_s
@@ -68,14 +70,18 @@ class ParticipantClient:
     def label(self) -> str:
         return self.address.label
 
-    async def _call(self, verb: str, reply: type[R], body: BaseModel | None, deadline_ts: float | None) -> R:
+    async def _call(
+        self, verb: str, reply: type[R], body: BaseModel | None, deadline_ts: float | None
+    ) -> R:
         timeout = self._timeout_s
         if deadline_ts is not None:
             timeout = max(0.5, deadline_ts - time.time() + _REPLY_GRACE_S)
         payload: Any = body.model_dump(mode="json") if body is not None else None
         method = "GET" if body is None else "POST"
         try:
-            raw = await self._http.request_json(method, f"{self._base}/{verb}", body=payload, timeout_s=timeout)
+            raw = await self._http.request_json(
+                method, f"{self._base}/{verb}", body=payload, timeout_s=timeout
+            )
         except TransportError as exc:
             raise TransportError(f"{self.label} {verb}: {exc.message}") from None
         try:
@@ -101,12 +107,17 @@ class ParticipantClient:
         self, checkpoint_id: str, deadline_ts: float, checkpoint_dir: str, scope: list[EpisodeId]
     ) -> CommitReply:
         body = CommitRequest(
-            checkpoint_id=checkpoint_id, deadline_ts=deadline_ts, checkpoint_dir=checkpoint_dir, episode_ids=scope
+            checkpoint_id=checkpoint_id,
+            deadline_ts=deadline_ts,
+            checkpoint_dir=checkpoint_dir,
+            episode_ids=scope,
         )
         return await self._call("commit", CommitReply, body, deadline_ts)
 
     async def resume(self, checkpoint_id: str) -> ResumeReply:
-        return await self._call("resume", ResumeReply, ResumeRequest(checkpoint_id=checkpoint_id), None)
+        return await self._call(
+            "resume", ResumeReply, ResumeRequest(checkpoint_id=checkpoint_id), None
+        )
 
     async def restore(
         self,

@@ -34,21 +34,31 @@ def load_golden_snapshot(name: str) -> SnapshotManifest:
     return load_snapshot_manifest(decode_document(path.read_bytes(), what), what)
 
 
-def test_golden_v2_loads_and_reencodes_to_the_same_bytes() -> None:
-    manifest = load_golden_snapshot("snapshot_manifest_v2.json")
+def test_golden_v3_loads_and_reencodes_to_the_same_bytes() -> None:
+    manifest = load_golden_snapshot("snapshot_manifest_v3.json")
 
-    assert manifest.schema_version == SNAPSHOT_MANIFEST_VERSION == 2
+    assert manifest.schema_version == SNAPSHOT_MANIFEST_VERSION == 3
     assert len(manifest.participants) == 6
     assert [e.turns_completed for e in manifest.episodes] == [3, 5, 0]
     assert manifest.restarts[0].rollout_id == "r9e8d7c6b5a493827"
-    assert encode_document(manifest) == (GOLDEN / "snapshot_manifest_v2.json").read_bytes()
+    assert [f.rollout_id for f in manifest.finished] == ["r0f1e2d3c4b5a6978"]
+    assert encode_document(manifest) == (GOLDEN / "snapshot_manifest_v3.json").read_bytes()
 
 
-def test_golden_v1_migrates_to_v2() -> None:
+def test_golden_v2_migrates_to_v3_with_no_finished_replies() -> None:
+    v2 = load_golden_snapshot("snapshot_manifest_v2.json")
+    v3 = load_golden_snapshot("snapshot_manifest_v3.json")
+
+    assert v2.schema_version == 3
+    assert v2.finished == []
+    assert v2.model_dump(exclude={"finished"}) == v3.model_dump(exclude={"finished"})
+
+
+def test_golden_v1_migrates_to_current() -> None:
     v1 = load_golden_snapshot("snapshot_manifest_v1.json")
     v2 = load_golden_snapshot("snapshot_manifest_v2.json")
 
-    assert v1.schema_version == 2
+    assert v1.schema_version == 3
     assert v1.pause_seconds == pytest.approx(0.184)
     assert v1.restarts == []
     same_fields = v1.model_dump(exclude={"restarts", "pause_seconds"})
@@ -69,7 +79,7 @@ def test_newer_golden_is_refused_with_upgrade_advice() -> None:
 
     assert "snapshot_manifest_v9_newer.json" in info.value.message
     assert (
-        "schema_version 9 is newer than this rollpoint understands (max 2); upgrade rollpoint"
+        "schema_version 9 is newer than this rollpoint understands (max 3); upgrade rollpoint"
         in info.value.message
     )
 

@@ -86,6 +86,7 @@ def _stage(store: SnapshotStore, snapshot_id: str) -> tuple[Staging, SnapshotMan
             )
         ],
         restarts=[],
+        finished=[],
         files=files,
         config_fingerprint={"environment": "workplace", "replicas": 1},
     )

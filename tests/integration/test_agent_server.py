@@ -414,3 +414,24 @@ async def test_a_math_row_is_answered_in_one_turn(policy_url: str, http: httpx.A
     assert reply["kind"] == "finished", reply
     assert (reply["reward"], reply["turns"], reply["finish_reason"]) == (1.0, 1, "final")
     assert [m["role"] for m in reply["messages"]] == ["user", "assistant"]
+
+
+async def test_tool_errors_reach_the_model_marked_and_the_policy_recovers(
+    http: httpx.AsyncClient,
+) -> None:
+    # A policy that gets a third of its tool calls wrong: each wrong call must come back to
+    # it as an error, so it retries the step and still completes the task.
+    settings = PolicySettings(seed=3, latency_ms=0, error_rate=0.34, tokens_per_call=8)
+    with serve_app(create_policy_app(settings)) as url, serve_stack(url, "workplace") as stack:
+        replies = await run(http, stack.agent, rows("workplace", 6))
+    tool_messages = [m for r in replies for m in r["messages"] if m["role"] == "tool"]
+    errors = [m for m in tool_messages if str(m["content"]).startswith("error")]
+    assert errors, "an error rate of 1/3 produced no tool error"
+    unmarked = [
+        m["content"]
+        for m in tool_messages
+        if not str(m["content"]).startswith(("error", "{", "["))  # results are JSON
+    ]
+    assert unmarked == [], f"tool errors reached the model unmarked: {unmarked[:3]}"
+    assert all(r["kind"] == "finished" for r in replies)
+    assert sum(r["reward"] for r in replies) / len(replies) > 0.8

@@ -243,7 +243,12 @@ class EpisodeRunner:
         reply = await self._client.post_json(
             url, body.model_dump(mode="json"), timeout_s=self._tool_timeout_s
         )
-        return _parse(ToolResult, reply, url).content
+        result = _parse(ToolResult, reply, url)
+        if result.is_error and not result.content.lower().startswith("error"):
+            # Tool errors reach the model marked as such, as real agent loops do; the
+            # policy retries a step only when it sees the mark.
+            return f"error: {result.content}"
+        return result.content
 
     async def _verify(
         self, session: Session, finish_reason: Literal["final", "max_turns"]

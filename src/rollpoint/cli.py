@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import shutil
 import signal
 import sys
@@ -15,6 +16,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
+import orjson
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -87,53 +89,80 @@ def prepare_workdir(workdir: Path, *, fresh: bool, force: bool) -> None:
 
 
 async def _run_job(config: RunConfig) -> Any:
+    from rollpoint.http.client import HttpClient
     from rollpoint.runtime.embedded import EmbeddedRuntime
+    from rollpoint.store.snapshot_store import SnapshotStore
+    from rollpoint.trainer.control_plane import ControlPlane, participant_clients, snapshot_root
+    from rollpoint.trainer.metrics import TrainerMetrics
     from rollpoint.trainer.trainer_loop import Trainer
 
     tasks = load_tasks_for(config)
     total = len(tasks) * config.group_size
+    token = secrets.token_urlsafe(32)
+    root = snapshot_root(config)
+    store = await asyncio.to_thread(SnapshotStore, root, config.snapshot.keep)
+    metrics = TrainerMetrics(config.workdir / "metrics.jsonl")
     with console.status(f"starting {config.replicas} replica(s) of '{config.environment}'…"):
-        runtime = EmbeddedRuntime(config)
+        runtime = EmbeddedRuntime(config, control_token=token, snapshot_root=root)
         deployment = await runtime.start()
+    control_http = HttpClient(token=token, timeout_s=60)
     try:
+        port = metrics.serve(config.host)
         console.print(
-            f"[green]servers up[/]: {config.replicas} replica(s), policy at {deployment.policy_url}",
+            f"[green]servers up[/]: {config.replicas} replica(s), policy at {deployment.policy_url}; "
+            f"metrics at http://{config.host}:{port}/metrics",
             highlight=False,
         )
-        trainer = Trainer(config, deployment, tasks)
-        columns = (
-            TextColumn("[bold]{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn(
-                "turns {task.fields[turns]} · reward {task.fields[reward]:.3f} · steps {task.fields[steps]}"
-            ),
-            TimeElapsedColumn(),
-        )
-        with Progress(*columns, console=console, transient=False) as progress:
-            bar = progress.add_task("episodes", total=total, turns=0, reward=0.0, steps=0)
-            job = asyncio.create_task(trainer.run())
+        control = ControlPlane(participant_clients(deployment, control_http), store, metrics)
+        trainer = Trainer(config, deployment, tasks, control=control)
+        return await _drive_with_progress(trainer, runtime, total, metrics)
+    finally:
+        await control_http.aclose()
+        metrics.close()
+        await runtime.stop()
+
+
+async def _drive_with_progress(trainer: Any, runtime: Any, total: int, metrics: Any) -> Any:
+    columns = (
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn(
+            "turns {task.fields[turns]} · reward {task.fields[reward]:.3f} · steps {task.fields[steps]}"
+            " · last pause {task.fields[pause]}"
+        ),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=console, transient=False) as progress:
+        bar = progress.add_task("episodes", total=total, turns=0, reward=0.0, steps=0, pause="-")
+        job = asyncio.create_task(trainer.run())
+        try:
             while not job.done():
                 await asyncio.wait({job}, timeout=0.25)
                 s = trainer.stats
+                pause = (
+                    "-" if metrics.last_pause_s is None else f"{metrics.last_pause_s * 1000:.0f} ms"
+                )
                 progress.update(
                     bar,
                     completed=s.episodes_finished,
                     turns=s.turns,
                     reward=s.reward_mean,
                     steps=s.train_steps,
+                    pause=pause,
                 )
                 dead = runtime.group.dead()
                 if dead and not job.done():
-                    job.cancel()
                     child = dead[0]
                     raise RollpointError(
                         f"{child.spec.name} exited unexpectedly (code {child.process.returncode}); "
                         f"see {child.log_path}"
                     )
-            return job.result()
-    finally:
-        await runtime.stop()
+        finally:
+            if not job.done():
+                job.cancel()
+                await asyncio.gather(job, return_exceptions=True)
+        return job.result()
 
 
 @app.command()
@@ -187,6 +216,30 @@ def serve(config_path: ConfigArg) -> None:
         raise _fail(exc) from None
     except (KeyboardInterrupt, asyncio.CancelledError):
         console.print("stopped")
+
+
+@app.command()
+def inspect(
+    workdir: Annotated[Path, typer.Argument(help="The run's workdir.", show_default=False)],
+    store: Annotated[
+        str | None,
+        typer.Option("--store", help="Snapshot store path or URL (default: WORKDIR/snapshots)."),
+    ] = None,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print one JSON object, for scripts.")
+    ] = False,
+) -> None:
+    """Show the snapshots of a run and what the latest one holds."""
+    from rollpoint.snapshot_report import build_report, render_report
+
+    try:
+        report = build_report(store or str(workdir / "snapshots"), workdir=workdir)
+    except RollpointError as exc:
+        raise _fail(exc) from None
+    if as_json:
+        typer.echo(orjson.dumps(report).decode())
+    else:
+        render_report(report, out)
 
 
 @app.command()

@@ -12,6 +12,7 @@ from pathlib import Path
 from types import TracebackType
 
 from rollpoint.config import RunConfig
+from rollpoint.http.auth import CONTROL_TOKEN_ENV
 from rollpoint.http.client import HttpClient
 from rollpoint.protocol.deployment import Deployment, ReplicaEndpoints
 from rollpoint.protocol.errors import LaunchError, RollpointError
@@ -32,9 +33,20 @@ def _checkpoint_mode(environment: str) -> str:
 
 
 class EmbeddedRuntime:
-    def __init__(self, config: RunConfig, *, log_dir: Path | None = None) -> None:
+    def __init__(
+        self,
+        config: RunConfig,
+        *,
+        control_token: str | None = None,
+        snapshot_root: str | None = None,
+        log_dir: Path | None = None,
+    ) -> None:
+        """With ``control_token`` and ``snapshot_root`` every server is a checkpoint
+        participant (control routes on); without, they serve the data plane only."""
         self.config = config
-        self.group = ProcessGroup(log_dir or config.workdir / "logs")
+        env = {CONTROL_TOKEN_ENV: control_token} if control_token else {}
+        self.group = ProcessGroup(log_dir or config.workdir / "logs", env=env)
+        self._control = {"snapshot_root": snapshot_root} if control_token and snapshot_root else {}
         self.deployment: Deployment | None = None
 
     def _port(self, offset: int) -> int:
@@ -73,6 +85,7 @@ class EmbeddedRuntime:
                             "api_key": cfg.policy.api_key,
                             "name": "model",
                             "replica": replica,
+                            **self._control,
                         },
                     )
                 )
@@ -92,6 +105,7 @@ class EmbeddedRuntime:
                         "replica": replica_name(i),
                         "checkpoint_mode": mode,
                         "model_name": cfg.policy.model,
+                        **self._control,
                     },
                 )
                 for i in range(cfg.replicas)

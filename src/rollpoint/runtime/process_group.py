@@ -40,8 +40,11 @@ class ChildServer:
 class ProcessGroup:
     """The server processes one launcher started, in start order."""
 
-    def __init__(self, log_dir: Path, *, start_timeout_s: float = 60.0) -> None:
+    def __init__(
+        self, log_dir: Path, *, start_timeout_s: float = 60.0, env: dict[str, str] | None = None
+    ) -> None:
         self._log_dir = log_dir
+        self._env = env or {}
         self._start_timeout_s = start_timeout_s
         self.children: list[ChildServer] = []
         self._pumps: list[asyncio.Task[None]] = []
@@ -55,7 +58,8 @@ class ProcessGroup:
 
     async def _spawn(self, spec: ServerSpec) -> ChildServer:
         log_path = self._log_dir / f"{spec.name}.log"
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        # Secrets (the control token) travel by environment, never on the command line.
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **self._env)
         process = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",

@@ -48,11 +48,12 @@ def build_app(spec: ServerSpec) -> FastAPI:
     from rollpoint.gym.resources_server import create_resources_app
 
     settings = dict(spec.settings)
-    environment = str(settings.pop("environment"))
+    root = settings.get("snapshot_root")
     return create_resources_app(
-        environment,
+        str(settings["environment"]),
         name=str(settings.get("name", "resources")),
         replica=str(settings.get("replica", "replica-0")),
+        snapshot_root=None if root is None else str(root),
     )
 
 

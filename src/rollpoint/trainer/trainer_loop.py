@@ -8,8 +8,10 @@ by a snapshot not counted). Every train step calls the :class:`TrainHooks`, bump
 policy version on every model server, appends the consumed rollouts to
 ``<workdir>/train_data.jsonl`` (fsync'd per step) and commits TQ.
 
-It does not take snapshots, restore, or write train checkpoints (later pieces compose
-with it through :attr:`Trainer.ledger`, :attr:`Trainer.tq` and :attr:`Trainer.barrier`).
+Given a :class:`ControlPlane`, it also takes snapshots (every ``snapshot.every_seconds``
+and at every train checkpoint) through a :class:`SnapshotCoordinator`, and releases what it
+no longer needs on the environment side (acks, retires, forgets) through a
+:class:`ReleaseBatcher`.
 """
 
 from __future__ import annotations
@@ -37,11 +39,14 @@ from rollpoint.protocol.errors import (
     RunStalledError,
 )
 from rollpoint.protocol.model_base import StrictModel
+from rollpoint.trainer.control_plane import ControlPlane, config_fingerprint
+from rollpoint.trainer.coordinator import SnapshotCoordinator
 from rollpoint.trainer.dispatch_barrier import DispatchBarrier
 from rollpoint.trainer.dispatcher import Dispatcher, GroupOutcome
 from rollpoint.trainer.finished_queue import FinishedQueue, GroupBatch
 from rollpoint.trainer.grpo import advantages_by_episode
 from rollpoint.trainer.ledger import RecoveryLedger
+from rollpoint.trainer.release_batcher import ReleaseBatcher
 from rollpoint.trainer.train_hooks import SimulatedTrainer, TrainHooks, TrainSample
 
 log = logging.getLogger(__name__)
@@ -93,6 +98,7 @@ class Trainer:
         hooks: TrainHooks | None = None,
         client: HttpClient | None = None,
         stall_timeout_s: float = 600.0,
+        control: ControlPlane | None = None,
     ) -> None:
         _check_inputs(config, tasks, stall_timeout_s)
         self.config = config
@@ -121,6 +127,32 @@ class Trainer:
         self._train_steps = 0
         self._groups_trained = 0
         self._policy_version = 0
+        self.coordinator: SnapshotCoordinator | None = None
+        self.releases: ReleaseBatcher | None = None
+        if control is not None:
+            self.coordinator = SnapshotCoordinator(
+                control.participants,
+                store=control.store,
+                ledger=self.ledger,
+                tq=self.tq,
+                barrier=self.barrier,
+                config=config.snapshot,
+                metrics=control.metrics,
+                trainer_state=self.state,
+                config_fingerprint=config_fingerprint(config),
+            )
+            self.releases = ReleaseBatcher(control.participants, self.ledger)
+
+    def state(self) -> dict[str, Any]:
+        """The trainer's own state at a cut (saved with every snapshot)."""
+        return {
+            "train_step": self._train_steps,
+            "policy_version": self._policy_version,
+            "episodes": self._episodes,
+            "turns": self._turns,
+            "reward_sum": self._reward_sum,
+            "groups_trained": self._groups_trained,
+        }
 
     @property
     def stats(self) -> TrainerStats:
@@ -155,11 +187,14 @@ class Trainer:
                 barrier=self.barrier,
                 on_reply=self._on_reply,
             )
+            side: list[Any] = [self._watch_stall(self.dispatcher)]
+            if self.coordinator is not None and self.releases is not None:
+                await self.coordinator.discover()
+                side += [self._snapshot_loop(self.coordinator), self.releases.run()]
             async with self.dispatcher:
-                await _supervise(
-                    main=[self._feed(self.dispatcher), self._train(client)],
-                    side=[self._watch_stall(self.dispatcher)],
-                )
+                await _supervise(main=[self._feed(self.dispatcher), self._train(client)], side=side)
+            if self.releases is not None:
+                await self.releases.flush()
         finally:
             if self._client is None:
                 await client.aclose()
@@ -175,7 +210,9 @@ class Trainer:
     # --- rollouts --------------------------------------------------------------------
 
     async def _on_reply(self, reply: RunReply) -> None:
-        self.ledger.seal(reply.episode.rollout_id)
+        record = self.ledger.seal(reply.episode.rollout_id)
+        if self.releases is not None and record.replica is not None:
+            self.releases.sealed(reply.episode, record.replica)
         self.tq.put(reply)
         self._episodes += 1
         self._turns += reply.turns
@@ -265,6 +302,10 @@ class Trainer:
         self.tq.commit(step)
         self._train_steps = step
         self._groups_trained += len(groups)
+        every = self.config.train.checkpoint_every_steps
+        if self.coordinator is not None and every is not None and step % every == 0:
+            # A train checkpoint: the snapshot taken here composes with it.
+            await self.coordinator.save()
         log.info(
             "train step %d: %d rollouts from %d groups; %s",
             step,
@@ -313,6 +354,17 @@ class Trainer:
             out.write(lines)
             out.flush()
             os.fsync(out.fileno())
+
+    # --- snapshots -------------------------------------------------------------------
+
+    async def _snapshot_loop(self, coordinator: SnapshotCoordinator) -> None:
+        every = self.config.snapshot.every_seconds
+        if every is None:
+            await asyncio.Event().wait()  # snapshots only at train checkpoints
+        assert every is not None
+        while True:
+            await asyncio.sleep(every)
+            await coordinator.save()
 
     # --- stall watchdog --------------------------------------------------------------
 

@@ -110,7 +110,8 @@ async def test_snapshots_of_a_live_job_hold_what_the_servers_held(tmp_path: Path
             if r.get("kind") == "session" and r["episode"]["rollout_id"] == saved.rollout_id
         ]
         # The agent's turn count is what the manifest says, and the model server's call
-        # ledger holds exactly one recorded call per completed turn of that episode.
+        # ledger holds one recorded call per completed turn of that episode — plus, at most,
+        # the cut turn's call whose answer was still on its way to the agent.
         assert session["turn"] == saved.turns_completed
         model_dir = h.store.participant_dir(m.snapshot_id, "model", f"model-{saved.replica}")
         _, model_records = read_participant_state(
@@ -120,7 +121,7 @@ async def test_snapshots_of_a_live_job_hold_what_the_servers_held(tmp_path: Path
             checkpoint_id=m.checkpoint_id,
         )
         calls = [r for r in model_records if r["episode"]["rollout_id"] == saved.rollout_id]
-        assert len(calls) == saved.turns_completed
+        assert saved.turns_completed <= len(calls) <= saved.turns_completed + 1
         # Every calendar event the episode created before the cut is in the saved tool state.
         created = [
             m2

@@ -9,7 +9,11 @@ startup, closed at shutdown, when running sessions are cancelled too). Routes:
   client that goes away cancels nothing, and a failed row never ends its siblings.
 - ``GET /rollpoint/v1/sessions`` → session counts by state, boundaries, readiness.
 - ``POST /rollpoint/v1/ack`` ``{"episodes": [EpisodeId]}`` → ``{"acked": [...]}``: releases
-  finished replies (the book's :meth:`~SessionBook.ack` is the one implementation).
+  finished replies (the book's :meth:`~SessionBook.ack` is the one implementation; the
+  control plane's ``ack`` verb calls the same method and is the official one).
+
+With ``snapshot_root`` set, the checkpoint control routes are mounted too, driving the book
+through :class:`~rollpoint.gym.agent_participant.AgentParticipant`.
 
 Does not own: checkpoint control (the fence drives the book), the episode loop (the runner).
 """
@@ -26,6 +30,8 @@ from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
+from rollpoint.gym.agent_participant import AgentParticipant
+from rollpoint.gym.control_plane import close_control_plane, mount_control_plane
 from rollpoint.gym.episode_runner import EpisodeRunner
 from rollpoint.gym.session import Session
 from rollpoint.gym.session_book import Boundary, SessionBook
@@ -56,6 +62,11 @@ class AgentSettings(BaseModel):
     model_timeout_s: Annotated[float, Field(gt=0)] = 600.0
     tool_timeout_s: Annotated[float, Field(gt=0)] = 60.0
     model_name: str = "scripted"
+    snapshot_root: str | None = None
+    """Snapshot store root (local path or fsspec URL); set, it mounts the control routes
+    (token from ``ROLLPOINT_CONTROL_TOKEN``). None: a plain data server."""
+    lease_grace_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 2.0
+    """A checkpoint's lease lapses this long after its deadline, then boundaries reopen."""
 
 
 class AckEpisodes(StrictModel):
@@ -133,20 +144,28 @@ def agent_server_of(app: FastAPI) -> AgentServer:
 
 
 def create_agent_app(settings: AgentSettings) -> FastAPI:
+    """The agent server of one replica; with ``settings.snapshot_root``, a participant too."""
     server = AgentServer(settings)
 
     @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await server.start()
         try:
             yield
         finally:
+            await close_control_plane(app)
             await server.stop()
 
     app = create_app(
         f"rollpoint agent server {settings.name}/{settings.replica}", lifespan=lifespan
     )
     app.state.agent_server = server
+    mount_control_plane(
+        app,
+        AgentParticipant(server),
+        snapshot_root=settings.snapshot_root,
+        lease_grace_s=settings.lease_grace_s,
+    )
 
     @app.post("/run")
     async def run(request: RunRequest) -> StreamingResponse:

@@ -7,8 +7,15 @@ carrying the episode headers; the policy version stamped on every completion (re
 ``x-rollpoint-policy-version`` and the ledger record); and the routes
 ``GET /rollpoint/v1/calls``, ``POST /rollpoint/v1/policy_version``, ``GET /rollpoint/v1/stats``.
 
-Does not own: checkpoint control (the fence closes and opens the gate and exports the ledger),
-nor OpenAI validation beyond "a JSON object with a messages list": the engine judges the rest.
+Does not own: checkpoint control (with ``snapshot_root`` set, the control routes are mounted
+and :class:`~rollpoint.gym.model_participant.ModelParticipant` lets the fence close and open
+the gate and export the ledger), nor OpenAI validation beyond "a JSON object with a messages
+list": the engine judges the rest.
+
+Retired attempts: a call whose episode headers name an attempt at or under its rollout's
+retire mark is refused with 409 ``stale_attempt`` before it reaches the engine; a call
+retired while it ran gets the same refusal instead of its reply, and is not recorded (a
+stream already under way ends as it began, unrecorded).
 
 Upstream failures: unreachable, timed out or a 5xx → 502 ``transport_error``; a 4xx is passed
 through with its status and body (the engine refused the request, not the plumbing).
@@ -22,8 +29,9 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator, Mapping
-from contextlib import AsyncExitStack, asynccontextmanager
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
+from itertools import islice
 from typing import Annotated, Any
 
 import aiohttp
@@ -35,14 +43,17 @@ from starlette.types import Receive, Scope, Send
 
 from rollpoint.gym.admission_gate import AdmissionGate
 from rollpoint.gym.call_ledger import CallLedger, CallRecord
+from rollpoint.gym.control_plane import close_control_plane, mount_control_plane
+from rollpoint.gym.model_participant import ModelParticipant
 from rollpoint.http.app import create_app
 from rollpoint.http.client import HttpClient
-from rollpoint.protocol.errors import BadRequestError, TransportError
+from rollpoint.protocol.errors import BadRequestError, StaleAttemptError, TransportError
 from rollpoint.protocol.ids import (
     HEADER_ATTEMPT,
     HEADER_POLICY_VERSION,
     HEADER_ROLLOUT_ID,
     HEADER_TURN,
+    EpisodeId,
     Identifier,
     is_identifier,
 )
@@ -64,6 +75,11 @@ class ModelServerSettings(BaseModel):
     """Sent upstream as ``Authorization: Bearer``; the callers' own auth is never forwarded."""
     call_timeout_s: Annotated[float, Field(gt=0)] = 600.0
     """Upper bound on one upstream call, a whole stream included."""
+    snapshot_root: str | None = None
+    """Snapshot store root (local path or fsspec URL); set, it mounts the control routes
+    (token from ``ROLLPOINT_CONTROL_TOKEN``). None: a plain data server."""
+    lease_grace_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 2.0
+    """A checkpoint's lease lapses this long after its deadline, then the gate reopens."""
 
 
 class PolicyVersionRequest(StrictModel):
@@ -91,6 +107,49 @@ class EpisodeTag:
         if rollout_id is None or not is_identifier(rollout_id):
             raise BadRequestError(f"header {HEADER_ROLLOUT_ID} must be an identifier")
         return cls(rollout_id, _header_int(HEADER_ATTEMPT, attempt), _header_int(HEADER_TURN, turn))
+
+    @property
+    def episode(self) -> EpisodeId:
+        # Both parts were checked by from_headers: skip a second validation on the hot path.
+        return EpisodeId.model_construct(rollout_id=self.rollout_id, attempt=self.attempt)
+
+
+class RunningCalls:
+    """Tagged calls past the gate and not finished, by rollout and attempt; O(1) per call."""
+
+    def __init__(self) -> None:
+        self._by_rollout: dict[str, dict[int, int]] = {}
+
+    @contextmanager
+    def track(self, tag: EpisodeTag | None) -> Iterator[None]:
+        if tag is None:
+            yield
+            return
+        attempts = self._by_rollout.setdefault(tag.rollout_id, {})
+        attempts[tag.attempt] = attempts.get(tag.attempt, 0) + 1
+        try:
+            yield
+        finally:
+            left = attempts[tag.attempt] - 1
+            if left:
+                attempts[tag.attempt] = left
+            else:
+                del attempts[tag.attempt]
+                if not attempts:
+                    del self._by_rollout[tag.rollout_id]
+
+    def attempts(self, rollout_id: str) -> list[int]:
+        """The attempts of ``rollout_id`` with a call running now."""
+        return sorted(self._by_rollout.get(rollout_id, ()))
+
+    def keys(self, limit: int) -> list[str]:
+        """Up to ``limit`` episode keys with a call running now."""
+        every = (
+            f"{rollout_id}#{attempt}"
+            for rollout_id, attempts in self._by_rollout.items()
+            for attempt in attempts
+        )
+        return list(islice(every, limit))
 
 
 def _header_int(name: str, value: str | None) -> int:
@@ -211,6 +270,9 @@ class ModelServer:
         self.settings = settings
         self.gate = AdmissionGate()
         self.ledger = CallLedger()
+        self.running = RunningCalls()
+        self.attempt_guard: Callable[[EpisodeId], None] | None = None
+        """Raises :class:`StaleAttemptError` for a retired attempt (the fence's check)."""
         self.policy_version = 0
         self.calls_total = 0
         self._client: HttpClient | None = None
@@ -256,19 +318,29 @@ class ModelServer:
         if not isinstance(payload, dict) or not isinstance(payload.get("messages"), list):
             raise BadRequestError("request body must be a JSON object with a 'messages' list")
         tag = EpisodeTag.from_headers(request.headers)
+        self._guard(tag)
         if payload.get("stream") is True:
             return await self._stream(body, payload, tag)
         async with self.gate.admit():
-            version = self.policy_version
-            started = time.perf_counter()
-            status, content_type, raw = await self._post_upstream(body)
-            latency = time.perf_counter() - started
+            # Again: the attempt may have been retired while the call waited at the gate.
+            self._guard(tag)
+            with self.running.track(tag):
+                version = self.policy_version
+                started = time.perf_counter()
+                status, content_type, raw = await self._post_upstream(body)
+                latency = time.perf_counter() - started
         self.calls_total += 1
         if status >= 400:
             return self._upstream_refusal(status, content_type, raw)
         if tag is not None:
+            # Retired while it ran: its caller was stopped, so the reply is refused, not filed.
+            self._guard(tag)
             self._record_reply(tag, payload, raw, version, latency)
         return Response(raw, media_type=content_type, headers={HEADER_POLICY_VERSION: str(version)})
+
+    def _guard(self, tag: EpisodeTag | None) -> None:
+        if tag is not None and self.attempt_guard is not None:
+            self.attempt_guard(tag.episode)
 
     async def models(self) -> Response:
         try:
@@ -363,6 +435,12 @@ class ModelServer:
     ) -> Response:
         stack = AsyncExitStack()
         await stack.enter_async_context(self.gate.admit())
+        try:
+            self._guard(tag)
+        except BaseException:
+            await stack.aclose()
+            raise
+        stack.enter_context(self.running.track(tag))
         version = self.policy_version
         started = time.perf_counter()
         try:
@@ -394,7 +472,7 @@ class ModelServer:
                 log.warning("upstream stream broke: %s: %s", type(exc).__name__, exc)
                 return
             self.calls_total += 1
-            if assembler is not None and tag is not None:
+            if assembler is not None and tag is not None and not self._retired(tag):
                 self._record(
                     tag,
                     payload,
@@ -413,6 +491,13 @@ class ModelServer:
             headers={HEADER_POLICY_VERSION: str(version), "cache-control": "no-cache"},
         )
 
+    def _retired(self, tag: EpisodeTag) -> bool:
+        try:
+            self._guard(tag)
+        except StaleAttemptError:
+            return True
+        return False
+
 
 def model_server_of(app: FastAPI) -> ModelServer:
     """The :class:`ModelServer` behind an app built by :func:`create_model_app`."""
@@ -421,20 +506,30 @@ def model_server_of(app: FastAPI) -> ModelServer:
 
 
 def create_model_app(settings: ModelServerSettings) -> FastAPI:
+    """The model server of one replica; with ``settings.snapshot_root``, a participant too."""
     server = ModelServer(settings)
 
     @asynccontextmanager
-    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await server.start()
         try:
             yield
         finally:
+            await close_control_plane(app)
             await server.stop()
 
     app = create_app(
         f"rollpoint model server {settings.name}/{settings.replica}", lifespan=lifespan
     )
     app.state.model_server = server
+    fence = mount_control_plane(
+        app,
+        ModelParticipant(server),
+        snapshot_root=settings.snapshot_root,
+        lease_grace_s=settings.lease_grace_s,
+    )
+    if fence is not None:
+        server.attempt_guard = fence.check_attempt
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:

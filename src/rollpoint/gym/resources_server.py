@@ -3,9 +3,10 @@
 Owns the episodes of one replica (by rollout id: the environment state, the task and the
 idempotency table ``(rollout_id, turn, call_index) → ToolResult``), the freeze gate, and the
 HTTP routes. The environment itself (tools, verifier, state export) is
-:mod:`rollpoint.envs`; the checkpoint control routes (prepare, commit, restore…) belong to
-the participant SDK, which drives :class:`ResourcesService` through ``freeze``/``thaw``,
-``export``, ``install`` and ``release``.
+:mod:`rollpoint.envs`; the checkpoint control routes (prepare, commit, restore…) are
+mounted when a snapshot root is given, and drive :class:`ResourcesService` through
+:class:`~rollpoint.gym.resources_participant.ResourcesParticipant` (``freeze``/``thaw``,
+``export_episodes``, ``install``, ``release``).
 
 Routes (see ``docs/architecture.md``):
 
@@ -20,17 +21,21 @@ Routes (see ``docs/architecture.md``):
 Tool calls run synchronously on the event loop (they are tiny): between the idempotency
 lookup and storing the result nothing else runs, so no lock is needed. While frozen, the
 routes that change state (start, tools, release) wait at the gate instead of failing;
-verify only reads and is never held.
+verify only reads and is never held. Start, tools and verify of a retired attempt (the
+fence's retire marks) are refused with 409 ``stale_attempt`` and apply nothing; the next
+attempt of the same rollout is not retired and finds its state and recorded results.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import orjson
 from fastapi import FastAPI
@@ -38,6 +43,8 @@ from pydantic import Field, JsonValue, ValidationError
 
 from rollpoint.envs.base import Environment, ToolArgumentError
 from rollpoint.envs.registry import get_environment
+from rollpoint.gym.control_plane import close_control_plane, mount_control_plane
+from rollpoint.gym.resources_participant import ResourcesParticipant
 from rollpoint.http.app import create_app
 from rollpoint.protocol.episode import (
     EnvironmentName,
@@ -54,7 +61,7 @@ from rollpoint.protocol.errors import (
     NotFoundError,
     RollpointError,
 )
-from rollpoint.protocol.ids import Identifier
+from rollpoint.protocol.ids import EpisodeId, Identifier
 from rollpoint.protocol.model_base import StrictModel
 
 log = logging.getLogger(__name__)
@@ -92,6 +99,10 @@ class ToolResultRecord(StrictModel):
 class EpisodeRecord(StrictModel):
     """One episode as a checkpoint saves it: enough to continue it exactly."""
 
+    kind: Literal["episode_state"] = "episode_state"
+    episode: EpisodeId | None = None
+    """The scoped attempt it was saved for (a checkpoint sets it); the state belongs to the
+    rollout, whatever the attempt."""
     rollout_id: Identifier
     environment: EnvironmentName
     task: TaskRow
@@ -147,6 +158,9 @@ class ResourcesService:
         self._thawed.set()
         self._in_flight = 0
         self._waiting = 0
+        self._changed: asyncio.Event | None = None
+        self.attempt_guard: Callable[[EpisodeId], None] | None = None
+        """Raises :class:`StaleAttemptError` for a retired attempt (the fence's check)."""
 
     # ---- counters and the freeze gate ----------------------------------------------------
     @property
@@ -174,21 +188,47 @@ class ResourcesService:
         """Hold every state-changing call at the gate until :meth:`thaw`; idempotent."""
         self._frozen = True
         self._thawed.clear()
+        self._notify()
 
     def thaw(self) -> None:
         """Let held calls through; idempotent."""
         self._frozen = False
         self._thawed.set()
+        self._notify()
 
     async def _pass_gate(self) -> None:
         if not self._frozen:
             return
         self._waiting += 1
+        self._notify()
         try:
             while self._frozen:
                 await self._thawed.wait()
         finally:
             self._waiting -= 1
+            self._notify()
+
+    async def wait_changed(self, timeout: float | None) -> bool:  # noqa: ASYNC109
+        """Wait until the in-flight count, the waiting count or the freeze changes; False
+        when ``timeout`` passed first. Check the condition you want before calling."""
+        if self._changed is None:
+            self._changed = asyncio.Event()
+        changed = self._changed
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(timeout):
+                await changed.wait()
+                return True
+        return False
+
+    def _notify(self) -> None:
+        # The event exists only while someone waits: a tool call allocates nothing otherwise.
+        if self._changed is not None:
+            self._changed.set()
+            self._changed = None
+
+    def _guard(self, episode: EpisodeId) -> None:
+        if self.attempt_guard is not None:
+            self.attempt_guard(episode)
 
     def _episode(self, rollout_id: str) -> _Episode:
         episode = self._episodes.get(rollout_id)
@@ -199,7 +239,9 @@ class ResourcesService:
     # ---- the data plane --------------------------------------------------------------------
     async def start(self, request: EpisodeStart) -> bool:
         """Create the episode's state; False when the rollout already has state."""
+        self._guard(request.episode)
         await self._pass_gate()
+        self._guard(request.episode)
         task, rollout_id = request.task, request.episode.rollout_id
         if task.environment != self.environment.name:
             raise BadRequestError(
@@ -219,17 +261,22 @@ class ResourcesService:
 
     async def call_tool(self, tool_name: str, call: ToolCall) -> ToolResult:
         """Run one tool call once per idempotency key; a known key replays the first result."""
+        self._guard(call.episode)
         await self._pass_gate()
+        # Again: the attempt may have been retired while the call waited at the gate.
+        self._guard(call.episode)
         episode = self._episode(call.episode.rollout_id)
         key = (call.turn, call.call_index)
         stored = episode.results.get(key)
         if stored is not None:
             return stored.model_copy(update={"replayed": True})
         self._in_flight += 1
+        self._notify()
         try:
             result = self._run(episode, tool_name, call.arguments)
         finally:
             self._in_flight -= 1
+            self._notify()
         episode.results[key] = result
         return result
 
@@ -244,6 +291,7 @@ class ResourcesService:
         return ToolResult(content=content)
 
     def verify(self, request: VerifyRequest) -> VerifyReply:
+        self._guard(request.episode)
         episode = self._episode(request.episode.rollout_id)
         return self.environment.verify(episode.state, episode.task, request.final_message)
 
@@ -270,9 +318,22 @@ class ResourcesService:
             raise NotFoundError(f"no episode to export for rollouts {_named(missing)}")
         return [self._record(r).model_dump(mode="json") for r in ids]
 
-    def _record(self, rollout_id: str) -> EpisodeRecord:
+    def export_episodes(self, scope: Iterable[EpisodeId]) -> list[dict[str, Any]]:
+        """One record per scoped episode whose rollout has state here, naming the episode.
+
+        Rollouts without state here add nothing (they were not live on this server).
+        """
+        latest: dict[str, EpisodeId] = {}
+        for e in scope:
+            held = latest.get(e.rollout_id)
+            if e.rollout_id in self._episodes and (held is None or e.attempt > held.attempt):
+                latest[e.rollout_id] = e
+        return [self._record(r, e).model_dump(mode="json") for r, e in latest.items()]
+
+    def _record(self, rollout_id: str, saved_for: EpisodeId | None = None) -> EpisodeRecord:
         episode = self._episodes[rollout_id]
         return EpisodeRecord(
+            episode=saved_for,
             rollout_id=rollout_id,
             environment=episode.task.environment,
             task=episode.task,
@@ -283,15 +344,21 @@ class ResourcesService:
             ],
         )
 
-    def install(self, records: Sequence[Mapping[str, Any]]) -> list[str]:
+    def install(
+        self, records: Sequence[Mapping[str, Any]], scope: Iterable[EpisodeId] | None = None
+    ) -> list[str]:
         """Install exported episodes, all or nothing; returns their rollout ids.
 
         Every record is checked and its state rebuilt before live state is touched; any
-        problem raises :class:`InvalidCheckpointStateError` and changes nothing. An installed
-        episode replaces live state of the same rollout: after a restore the snapshot is
-        the truth.
+        problem raises :class:`InvalidCheckpointStateError` and changes nothing. With
+        ``scope``, only the records of its rollouts are installed (all are checked). An
+        installed episode replaces live state of the same rollout: after a restore the
+        snapshot is the truth.
         """
         parsed = [self._validate(i, record) for i, record in enumerate(records)]
+        if scope is not None:
+            wanted = {e.rollout_id for e in scope}
+            parsed = [r for r in parsed if r.rollout_id in wanted]
         counts = Counter(r.rollout_id for r in parsed)
         duplicates = sorted(r for r, n in counts.items() if n > 1)
         if duplicates:
@@ -319,6 +386,10 @@ class ResourcesService:
             raise InvalidCheckpointStateError(
                 f"record {index} (rollout {parsed.rollout_id}) is for {parsed.environment!r};"
                 f" this server runs {name!r}"
+            )
+        if parsed.episode is not None and parsed.episode.rollout_id != parsed.rollout_id:
+            raise InvalidCheckpointStateError(
+                f"record {index} (rollout {parsed.rollout_id}) is saved for {parsed.episode.key}"
             )
         keys = {(t.turn, t.call_index) for t in parsed.tool_results}
         if len(keys) != len(parsed.tool_results):
@@ -348,13 +419,38 @@ class ResourcesService:
 
 # ---- routes --------------------------------------------------------------------------------
 def create_resources_app(
-    environment: str | Environment[Any], *, name: str = "resources", replica: str = "replica-0"
+    environment: str | Environment[Any],
+    *,
+    name: str = "resources",
+    replica: str = "replica-0",
+    snapshot_root: str | None = None,
+    lease_grace_s: float = 2.0,
 ) -> FastAPI:
-    """The resources server of one replica; its service is ``app.state.resources_service``."""
+    """The resources server of one replica; its service is ``app.state.resources_service``.
+
+    With ``snapshot_root`` (a local path or fsspec URL) it is a checkpoint participant
+    too: the control routes are mounted, guarded by ``ROLLPOINT_CONTROL_TOKEN``.
+    """
     env = get_environment(environment) if isinstance(environment, str) else environment
     service = ResourcesService(env, name=name, replica=replica)
-    app = create_app(f"rollpoint {name} ({replica}, {env.name})")
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            await close_control_plane(app)
+
+    app = create_app(f"rollpoint {name} ({replica}, {env.name})", lifespan=lifespan)
     app.state.resources_service = service
+    fence = mount_control_plane(
+        app,
+        ResourcesParticipant(service),
+        snapshot_root=snapshot_root,
+        lease_grace_s=lease_grace_s,
+    )
+    if fence is not None:
+        service.attempt_guard = fence.check_attempt
     tools = ToolsReply(environment=env.name, tools=env.tools())
 
     @app.get("/tools")

@@ -47,6 +47,7 @@ from rollpoint.trainer.finished_queue import FinishedQueue, GroupBatch
 from rollpoint.trainer.grpo import advantages_by_episode
 from rollpoint.trainer.ledger import RecoveryLedger
 from rollpoint.trainer.release_batcher import ReleaseBatcher
+from rollpoint.trainer.train_checkpoint import TrainCheckpointStore, stamp
 from rollpoint.trainer.train_hooks import SimulatedTrainer, TrainHooks, TrainSample
 
 log = logging.getLogger(__name__)
@@ -126,7 +127,9 @@ class Trainer:
         self._reward_sum = 0.0
         self._train_steps = 0
         self._groups_trained = 0
+        self._episodes_trained = 0
         self._policy_version = 0
+        self.checkpoints = TrainCheckpointStore(config.workdir / "checkpoints")
         self.coordinator: SnapshotCoordinator | None = None
         self.releases: ReleaseBatcher | None = None
         if control is not None:
@@ -299,13 +302,12 @@ class Trainer:
         self._policy_version += 1
         await self._publish_policy_version(client, self._policy_version)
         await asyncio.to_thread(self._append_train_data, step, samples, generated_by)
-        self.tq.commit(step)
         self._train_steps = step
         self._groups_trained += len(groups)
+        self._episodes_trained += len(samples)
         every = self.config.train.checkpoint_every_steps
-        if self.coordinator is not None and every is not None and step % every == 0:
-            # A train checkpoint: the snapshot taken here composes with it.
-            await self.coordinator.save()
+        if every is not None and step % every == 0:
+            await self._checkpoint(step)
         log.info(
             "train step %d: %d rollouts from %d groups; %s",
             step,
@@ -354,6 +356,21 @@ class Trainer:
             out.write(lines)
             out.flush()
             os.fsync(out.fileno())
+
+    async def _checkpoint(self, step: int) -> None:
+        """A durable train checkpoint, then TQ lets go of what it consumed, then a snapshot
+        that composes with it (taken at a step >= the checkpoint's)."""
+        checkpoint = stamp(
+            step,
+            self._policy_version,
+            self.train_data_path,
+            self._episodes_trained,
+            self._groups_trained,
+        )
+        await asyncio.to_thread(self.checkpoints.save, checkpoint)
+        self.tq.commit(step)
+        if self.coordinator is not None:
+            await self.coordinator.save()
 
     # --- snapshots -------------------------------------------------------------------
 

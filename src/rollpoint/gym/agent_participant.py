@@ -1,0 +1,97 @@
+"""The agent server as a checkpoint participant: its session book behind the fence hooks.
+
+Owns the mapping from the :class:`~rollpoint.gym.participant.Participant` hooks to the
+:class:`~rollpoint.gym.session_book.SessionBook`, which already speaks the checkpoint's
+language (boundaries, readiness, export, install, retire, ack):
+
+- close / open admission → close / open the turn boundaries (sessions park at their next
+  boundary; new ``/run`` rows are refused with ``RowRefused``);
+- readiness → every session at a boundary (a ``restart_only`` agent is always ready and
+  lists its in-flight sessions as restarts);
+- export(scope) → the sessions of the scope plus every finished, unacked reply;
+  install → restored sessions waiting for their next attempt, all or nothing;
+- retire / forget / ack → the book's.
+
+Retired attempts are checked in one place for this server: the book's retire marks, which
+``/run`` admission consults. The fence's marks reach it through :meth:`retire` and
+:meth:`forget`; a restore marks the saved attempts in the fence after :meth:`install`, so
+:meth:`install` marks them in the book too.
+
+Does not own: sessions, parking, marks (the book), phases and leases (the fence).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pydantic import JsonValue
+
+from rollpoint.gym.participant import Readiness, RetireOutcome
+from rollpoint.protocol.ids import EpisodeId
+from rollpoint.protocol.participant import CheckpointMode, ParticipantKind
+
+if TYPE_CHECKING:
+    from rollpoint.gym.agent_server import AgentServer
+
+
+class AgentParticipant:
+    """The :class:`~rollpoint.gym.participant.Participant` of one agent server."""
+
+    kind = ParticipantKind.AGENT
+    features: tuple[str, ...] = ("turn-boundary", "finished-replies")
+
+    def __init__(self, server: AgentServer) -> None:
+        self._server = server
+        self._book = server.book
+
+    @property
+    def name(self) -> str:
+        return self._server.settings.name
+
+    @property
+    def replica(self) -> str:
+        return self._server.settings.replica
+
+    @property
+    def mode(self) -> CheckpointMode:
+        return self._book.mode
+
+    async def close_admission(self) -> None:
+        self._book.close_boundaries()
+
+    async def open_admission(self) -> None:
+        self._book.open_boundaries()
+
+    def readiness(self) -> Readiness:
+        return self._book.readiness()
+
+    async def wait_changed(self, timeout: float) -> None:  # noqa: ASYNC109
+        await self._book.wait_changed(timeout)
+
+    async def export(self, scope: list[EpisodeId]) -> list[dict[str, JsonValue]]:
+        return self._book.export(scope)
+
+    async def install(
+        self, records: list[dict[str, JsonValue]], scope: list[EpisodeId]
+    ) -> list[EpisodeId]:
+        restored = self._book.install(records, scope)
+        # Same marks as the fence sets once this returns; the restored sessions wait for
+        # attempt + 1 and are above them.
+        marks: dict[str, int] = {}
+        for episode in scope:
+            marks[episode.rollout_id] = max(marks.get(episode.rollout_id, -1), episode.attempt)
+        if marks:
+            self._book.retire(marks)
+        return restored
+
+    def retire(self, marks: dict[str, int]) -> list[RetireOutcome]:
+        return self._book.retire(marks)
+
+    def forget(self, rollout_ids: list[str]) -> list[str]:
+        return self._book.forget(rollout_ids)
+
+    def ack(self, episodes: list[EpisodeId]) -> list[EpisodeId]:
+        return self._book.ack(episodes)
+
+    def stats(self) -> dict[str, int]:
+        return self._book.counts()

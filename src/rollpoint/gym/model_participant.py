@@ -1,0 +1,168 @@
+"""The model server as a checkpoint participant: its gate and call ledger behind the fence hooks.
+
+Owns the mapping from the :class:`~rollpoint.gym.participant.Participant` hooks to the model
+server's state, and the saved form of its calls (:class:`ModelCallRecord`):
+
+- close / open admission → close / open the admission gate (new calls wait, running
+  calls finish; nothing is failed);
+- readiness → ready iff no call is in flight; blockers are the episodes of the running
+  calls (calls without episode headers only count);
+- export(scope) → the ledger records of the scope's rollouts, each naming the scoped
+  episode it was saved for; install → those records back into the ledger, all or nothing;
+- retire → an attempt with a call running is reported ``cancelled`` (its reply will be
+  refused as ``stale_attempt`` and not filed), any other ``unknown``: the model runs no
+  episodes; forget → drop the rollouts' ledger records; ack → nothing is held here.
+
+Does not own: the phase machine, retire marks and the ``stale_attempt`` check (the fence:
+the server calls :meth:`~rollpoint.gym.fence.Fence.check_attempt`), nor proxying.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Literal
+
+from pydantic import JsonValue, TypeAdapter, ValidationError, model_validator
+
+from rollpoint.gym.call_ledger import CallRecord
+from rollpoint.gym.participant import Readiness, RetireOutcome, RetireOutcomeKind
+from rollpoint.protocol.control import MAX_REPORTED_BLOCKERS
+from rollpoint.protocol.errors import InvalidCheckpointStateError
+from rollpoint.protocol.ids import EpisodeId
+from rollpoint.protocol.model_base import StrictModel
+from rollpoint.protocol.participant import CheckpointMode, ParticipantKind
+
+if TYPE_CHECKING:
+    from rollpoint.gym.model_server import ModelServer
+
+
+class ModelCallRecord(StrictModel):
+    """One ledger record as a checkpoint saves it."""
+
+    kind: Literal["model_call"] = "model_call"
+    episode: EpisodeId
+    """The scoped episode it was saved for; the call's own attempt is ``call.attempt``
+    (older attempts of a restored rollout are saved with it)."""
+    call: CallRecord
+
+    @model_validator(mode="after")
+    def _same_rollout(self) -> ModelCallRecord:
+        if self.call.rollout_id != self.episode.rollout_id:
+            raise ValueError(
+                f"a call of rollout {self.call.rollout_id!r} saved for {self.episode.key}"
+            )
+        return self
+
+
+_RECORDS = TypeAdapter(list[ModelCallRecord])
+
+
+class ModelParticipant:
+    """The :class:`~rollpoint.gym.participant.Participant` of one model server."""
+
+    kind = ParticipantKind.MODEL
+    mode = CheckpointMode.TURN
+    features: tuple[str, ...] = ("admission-gate", "call-ledger")
+
+    def __init__(self, server: ModelServer) -> None:
+        self._server = server
+
+    @property
+    def name(self) -> str:
+        return self._server.settings.name
+
+    @property
+    def replica(self) -> str:
+        return self._server.settings.replica
+
+    async def close_admission(self) -> None:
+        self._server.gate.close()
+
+    async def open_admission(self) -> None:
+        self._server.gate.open()
+
+    def readiness(self) -> Readiness:
+        in_flight = self._server.gate.in_flight
+        return Readiness(
+            ready=in_flight == 0,
+            blockers=self._server.running.keys(MAX_REPORTED_BLOCKERS) if in_flight else [],
+            blocker_count=in_flight,
+            counts=self.stats(),
+        )
+
+    async def wait_changed(self, timeout: float) -> None:  # noqa: ASYNC109
+        await self._server.gate.wait_changed(timeout)
+
+    async def export(self, scope: list[EpisodeId]) -> list[dict[str, JsonValue]]:
+        ledger = self._server.ledger
+        records: list[dict[str, JsonValue]] = []
+        for episode in _one_per_rollout(scope):
+            saved_for = episode.model_dump(mode="json")
+            for call in ledger.calls(episode.rollout_id):
+                records.append(
+                    {
+                        "kind": "model_call",
+                        "episode": saved_for,
+                        "call": call.model_dump(mode="json"),
+                    }
+                )
+        return records
+
+    async def install(
+        self, records: list[dict[str, JsonValue]], scope: list[EpisodeId]
+    ) -> list[EpisodeId]:
+        parsed = _parse(records)
+        wanted = {e.rollout_id: e for e in _one_per_rollout(scope)}
+        ledger = self._server.ledger
+        installed = set(ledger.install(r.call for r in parsed if r.episode.rollout_id in wanted))
+        # After a restore the snapshot is the truth: a scoped rollout saved without calls
+        # has none, whatever this ledger held for it.
+        ledger.release(r for r in wanted if r not in installed)
+        return [wanted[r].next_attempt() for r in sorted(installed)]
+
+    def retire(self, marks: dict[str, int]) -> list[RetireOutcome]:
+        outcomes: list[RetireOutcome] = []
+        for rollout_id, mark in marks.items():
+            running = [a for a in self._server.running.attempts(rollout_id) if a <= mark]
+            if not running:
+                outcomes.append(_outcome(rollout_id, mark, RetireOutcomeKind.UNKNOWN))
+            outcomes.extend(_outcome(rollout_id, a, RetireOutcomeKind.CANCELLED) for a in running)
+        return outcomes
+
+    def forget(self, rollout_ids: list[str]) -> list[str]:
+        ledger = self._server.ledger
+        return [r for r in dict.fromkeys(rollout_ids) if ledger.release([r])]
+
+    def ack(self, episodes: list[EpisodeId]) -> list[EpisodeId]:
+        return []
+
+    def stats(self) -> dict[str, int]:
+        server = self._server
+        return {
+            "in_flight": server.gate.in_flight,
+            "waiting": server.gate.waiting,
+            "recorded_calls": server.ledger.count,
+            "calls_total": server.calls_total,
+        }
+
+
+def _one_per_rollout(scope: list[EpisodeId]) -> list[EpisodeId]:
+    """The scope with one episode per rollout (its highest attempt): calls are filed by rollout."""
+    latest: dict[str, EpisodeId] = {}
+    for episode in scope:
+        held = latest.get(episode.rollout_id)
+        if held is None or episode.attempt > held.attempt:
+            latest[episode.rollout_id] = episode
+    return list(latest.values())
+
+
+def _parse(records: list[Any]) -> list[ModelCallRecord]:
+    try:
+        return _RECORDS.validate_python(records)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"])
+        raise InvalidCheckpointStateError(f"model call record {where}: {first['msg']}") from None
+
+
+def _outcome(rollout_id: str, attempt: int, kind: RetireOutcomeKind) -> RetireOutcome:
+    return RetireOutcome(episode=EpisodeId(rollout_id=rollout_id, attempt=attempt), outcome=kind)

@@ -1,0 +1,115 @@
+"""The resources server as a checkpoint participant: per-episode tool state behind the fence hooks.
+
+Owns the mapping from the :class:`~rollpoint.gym.participant.Participant` hooks to the
+:class:`~rollpoint.gym.resources_server.ResourcesService`:
+
+- close / open admission → freeze / thaw (tool calls wait at the gate, none is failed);
+- readiness → ready iff no tool call is in flight;
+- export(scope) → one ``episode_state`` record per scoped rollout with state here (the
+  environment's exact export plus the idempotency table), naming the scoped episode;
+  install → those records back, all or nothing;
+- retire → ``unknown`` for every rollout: this server runs no episodes, it only answers
+  calls, and the fence refuses calls of retired attempts; forget → drop the rollouts'
+  state; ack → nothing is held here.
+
+The checkpoint mode is the environment's. A ``restart_only`` environment (math) exports
+nothing, installs nothing and never blocks: its episodes start over, and the agent lists
+them as restarts.
+
+Does not own: the state, the gate and idempotency (the service), phases, leases and
+retire marks (the fence).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pydantic import JsonValue
+
+from rollpoint.gym.participant import Readiness, RetireOutcome, RetireOutcomeKind
+from rollpoint.protocol.ids import EpisodeId
+from rollpoint.protocol.participant import CheckpointMode, ParticipantKind
+
+if TYPE_CHECKING:
+    from rollpoint.gym.resources_server import ResourcesService
+
+
+class ResourcesParticipant:
+    """The :class:`~rollpoint.gym.participant.Participant` of one resources server."""
+
+    kind = ParticipantKind.RESOURCES
+    features: tuple[str, ...] = ("freeze", "tool-idempotency")
+
+    def __init__(self, service: ResourcesService) -> None:
+        self._service = service
+
+    @property
+    def name(self) -> str:
+        return self._service.name
+
+    @property
+    def replica(self) -> str:
+        return self._service.replica
+
+    @property
+    def mode(self) -> CheckpointMode:
+        return self._service.environment.checkpoint_mode
+
+    @property
+    def _captures(self) -> bool:
+        return self.mode is CheckpointMode.TURN
+
+    async def close_admission(self) -> None:
+        self._service.freeze()
+
+    async def open_admission(self) -> None:
+        self._service.thaw()
+
+    def readiness(self) -> Readiness:
+        in_flight = self._service.in_flight if self._captures else 0
+        return Readiness(ready=in_flight == 0, blocker_count=in_flight, counts=self.stats())
+
+    async def wait_changed(self, timeout: float) -> None:  # noqa: ASYNC109
+        await self._service.wait_changed(timeout)
+
+    async def export(self, scope: list[EpisodeId]) -> list[dict[str, JsonValue]]:
+        if not self._captures:
+            return []
+        return self._service.export_episodes(scope)
+
+    async def install(
+        self, records: list[dict[str, JsonValue]], scope: list[EpisodeId]
+    ) -> list[EpisodeId]:
+        if not self._captures:
+            return []
+        installed = set(self._service.install(records, scope))
+        saved: dict[str, EpisodeId] = {}
+        for episode in scope:
+            held = saved.get(episode.rollout_id)
+            if episode.rollout_id in installed and (held is None or episode.attempt > held.attempt):
+                saved[episode.rollout_id] = episode
+        return [saved[r].next_attempt() for r in sorted(saved)]
+
+    def retire(self, marks: dict[str, int]) -> list[RetireOutcome]:
+        return [
+            RetireOutcome(
+                episode=EpisodeId(rollout_id=rollout_id, attempt=mark),
+                outcome=RetireOutcomeKind.UNKNOWN,
+            )
+            for rollout_id, mark in marks.items()
+        ]
+
+    def forget(self, rollout_ids: list[str]) -> list[str]:
+        service = self._service
+        return [r for r in dict.fromkeys(rollout_ids) if service.release([r])]
+
+    def ack(self, episodes: list[EpisodeId]) -> list[EpisodeId]:
+        return []
+
+    def stats(self) -> dict[str, int]:
+        service = self._service
+        return {
+            "episodes": service.episode_count,
+            "in_flight": service.in_flight,
+            "waiting": service.waiting,
+        }

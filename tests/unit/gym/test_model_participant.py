@@ -1,0 +1,118 @@
+"""The model participant on its own (no sockets): readiness, export/install, retire, forget."""
+
+from __future__ import annotations
+
+import orjson
+import pytest
+from pydantic import JsonValue
+
+from rollpoint.gym.call_ledger import CallRecord
+from rollpoint.gym.model_participant import ModelParticipant
+from rollpoint.gym.model_server import EpisodeTag, ModelServer, ModelServerSettings
+from rollpoint.gym.participant import Participant
+from rollpoint.protocol.control import RetireOutcomeKind
+from rollpoint.protocol.errors import InvalidCheckpointStateError
+from rollpoint.protocol.ids import EpisodeId
+
+
+def _rec(rollout_id: str, turn: int, attempt: int = 0) -> CallRecord:
+    return CallRecord(
+        rollout_id=rollout_id,
+        attempt=attempt,
+        turn=turn,
+        request_messages=1 + 2 * turn,
+        last_message={"role": "user", "content": "hi"},
+        response={"role": "assistant", "content": f"turn {turn}"},
+    )
+
+
+def _server() -> ModelServer:
+    server = ModelServer(ModelServerSettings(upstream_url="http://127.0.0.1:9/v1"))
+    for turn in range(3):
+        server.ledger.record(_rec("r1", turn))
+    server.ledger.record(_rec("r2", 0))
+    return server
+
+
+def _ep(rollout_id: str, attempt: int = 0) -> EpisodeId:
+    return EpisodeId(rollout_id=rollout_id, attempt=attempt)
+
+
+def test_it_is_a_participant_named_after_its_server() -> None:
+    participant = ModelParticipant(_server())
+    assert isinstance(participant, Participant)
+    assert (participant.kind, participant.name, participant.replica) == (
+        "model",
+        "model",
+        "replica-0",
+    )
+
+
+async def test_readiness_names_the_episodes_of_running_calls() -> None:
+    server = _server()
+    participant = ModelParticipant(server)
+    assert participant.readiness().ready
+    async with server.gate.admit():
+        with server.running.track(EpisodeTag("r1", 0, 3)):
+            report = participant.readiness()
+    assert (report.ready, report.blockers, report.blocker_count) == (False, ["r1#0"], 1)
+    assert participant.readiness().ready
+
+
+async def test_export_then_install_gives_the_same_ledger_and_names_each_episode() -> None:
+    source = ModelParticipant(_server())
+    records = await source.export([_ep("r1"), _ep("r2"), _ep("unknown")])
+    assert {(r["kind"], orjson.dumps(r["episode"])) for r in records} == {
+        ("model_call", b'{"rollout_id":"r1","attempt":0}'),
+        ("model_call", b'{"rollout_id":"r2","attempt":0}'),
+    }
+    target_server = ModelServer(ModelServerSettings(upstream_url="http://127.0.0.1:9/v1"))
+    target = ModelParticipant(target_server)
+    stored = orjson.loads(orjson.dumps(records))
+    assert await target.install(stored, [_ep("r1")]) == [_ep("r1", 1)]
+    assert [c.turn for c in target_server.ledger.calls("r1")] == [0, 1, 2]
+    assert target_server.ledger.calls("r2") == []  # not in the scope
+
+
+async def test_a_bad_record_installs_nothing() -> None:
+    server = _server()
+    participant = ModelParticipant(server)
+    records = await participant.export([_ep("r1")])
+    other: JsonValue = {"rollout_id": "r2", "attempt": 0}
+    stray: dict[str, JsonValue] = {**records[0], "episode": other}
+    truncated: dict[str, JsonValue] = {"kind": "model_call"}
+    for broken in ([*records, truncated], [*records, stray]):
+        server.ledger.release(["r1"])
+        with pytest.raises(InvalidCheckpointStateError):
+            await participant.install(broken, [_ep("r1"), _ep("r2")])
+        assert server.ledger.calls("r1") == [] and len(server.ledger.calls("r2")) == 1
+
+
+async def test_install_makes_the_snapshot_the_truth_for_every_scoped_rollout() -> None:
+    server = _server()
+    participant = ModelParticipant(server)
+    saved = await participant.export([_ep("r1")])
+    server.ledger.record(_rec("r1", 3))  # made after the cut
+    assert await participant.install(saved, [_ep("r1"), _ep("r2")]) == [_ep("r1", 1)]
+    assert [c.turn for c in server.ledger.calls("r1")] == [0, 1, 2]
+    assert server.ledger.calls("r2") == []  # scoped, saved without calls
+
+
+def test_retire_reports_running_calls_cancelled_and_others_unknown() -> None:
+    server = _server()
+    participant = ModelParticipant(server)
+    with server.running.track(EpisodeTag("r1", 0, 3)):
+        outcomes = participant.retire({"r1": 0, "r2": 0})
+    assert [(o.episode.key, o.outcome) for o in outcomes] == [
+        ("r1#0", RetireOutcomeKind.CANCELLED),
+        ("r2#0", RetireOutcomeKind.UNKNOWN),
+    ]
+
+
+def test_forget_drops_the_ledger_records_of_known_rollouts() -> None:
+    server = _server()
+    participant = ModelParticipant(server)
+    assert participant.forget(["r1", "nope", "r1"]) == ["r1"]
+    assert server.ledger.calls("r1") == [] and server.ledger.count == 1
+    assert participant.stats()["recorded_calls"] == 1
+    assert participant.ack([_ep("r2")]) == []

@@ -79,6 +79,14 @@ async def harness(config: RunConfig, hooks: Any = None) -> AsyncIterator[Harness
         yield Harness(config, trainer, store, metrics)
 
 
+def _tool_status(content: object) -> object:
+    try:
+        parsed = orjson.loads(str(content))
+    except orjson.JSONDecodeError:
+        return None
+    return parsed.get("status") if isinstance(parsed, dict) else None
+
+
 def published(store: SnapshotStore) -> list[SnapshotManifest]:
     return [store.load(s.snapshot_id) for s in store.list_snapshots()]
 
@@ -126,7 +134,7 @@ async def test_snapshots_of_a_live_job_hold_what_the_servers_held(tmp_path: Path
         created = [
             m2
             for m2 in session["messages"]
-            if m2.get("role") == "tool" and '"status":"created"' in str(m2.get("content"))
+            if m2.get("role") == "tool" and _tool_status(m2.get("content")) == "created"
         ]
         res_dir = h.store.participant_dir(m.snapshot_id, "resources", f"resources-{saved.replica}")
         _, res_records = read_participant_state(
@@ -181,25 +189,34 @@ async def test_allowed_restart_only_episodes_are_counted_as_restarts(tmp_path: P
     )
 
 
-class SlowSteps:
-    """Train steps that take long enough for snapshots to land in the middle of them."""
+class StepsEndingInSaves:
+    """Train steps that end while a snapshot is being taken (they wait for one to start)."""
 
     def __init__(self) -> None:
         self.ended: list[tuple[int, float]] = []
+        self.trainer: Trainer | None = None
 
     async def train_step(self, step: int, batch: list[TrainSample]) -> dict[str, float]:
-        await asyncio.sleep(0.3)
+        assert self.trainer is not None and self.trainer.coordinator is not None
+        deadline = time.monotonic() + 5
+        while not self.trainer.coordinator.saving and time.monotonic() < deadline:
+            await asyncio.sleep(0.001)
         self.ended.append((step, time.time()))
         return {"rollouts": float(len(batch))}
 
 
 async def test_a_train_step_ending_during_a_save_does_not_discard_it(tmp_path: Path) -> None:
-    hooks = SlowSteps()
+    hooks = StepsEndingInSaves()
     config = job(
-        tmp_path, tasks=12, snapshot={"every_seconds": 0.05, "keep": 200, "deadline_seconds": 5}
+        tmp_path,
+        tasks=12,
+        train={"batch_size": 4, "checkpoint_every_steps": None},
+        snapshot={"every_seconds": 0.1, "keep": 200, "deadline_seconds": 5},
     )
     async with harness(config, hooks=hooks) as h:
-        await h.trainer.run()
+        hooks.trainer = h.trainer
+        summary = await h.trainer.run()
+    assert summary.train_steps >= 3
     manifests = published(h.store)
     overlapping = [
         m for m in manifests if any(m.created_at <= t <= m.published_at for _, t in hooks.ended)

@@ -71,6 +71,7 @@ class EmbeddedRuntime:
                             "environment": cfg.environment,
                             "name": "resources",
                             "replica": replica,
+                            **self._control,
                         },
                     )
                 )

@@ -124,6 +124,11 @@ class SnapshotCoordinator:
         self._sequence = 0
         self.history: list[SaveReport] = []
 
+    @property
+    def saving(self) -> bool:
+        """True while a save is in progress (barrier closed or files being published)."""
+        return self._lock.locked()
+
     # --- setup -------------------------------------------------------------------------
 
     async def discover(self) -> list[StatusReply]:
@@ -221,6 +226,7 @@ class SnapshotCoordinator:
     async def _save(self, snapshot_id: str) -> SaveReport:
         report = SaveReport(snapshot_id=snapshot_id, published=False)
         checkpoint_id = snapshot_id
+        started_at = time.time()
         self.barrier.close()
         paused_at = time.monotonic()
         staging: Staging | None = None
@@ -236,6 +242,7 @@ class SnapshotCoordinator:
             staging = await asyncio.to_thread(self.store.begin, snapshot_id)
             t1 = time.monotonic()
             cut = await self._commit_all(staging, checkpoint_id, restarts, finished_unacked)
+            cut.created_at = started_at
             report.commit_s = time.monotonic() - t1
         except RollpointError as exc:
             report.blocked_by = exc.message

@@ -190,9 +190,10 @@ class Trainer:
                 barrier=self.barrier,
                 on_reply=self._on_reply,
             )
+            if self.coordinator is not None:
+                await self.coordinator.discover()
             side: list[Any] = [self._watch_stall(self.dispatcher)]
             if self.coordinator is not None and self.releases is not None:
-                await self.coordinator.discover()
                 side += [self._snapshot_loop(self.coordinator), self.releases.run()]
             async with self.dispatcher:
                 await _supervise(main=[self._feed(self.dispatcher), self._train(client)], side=side)

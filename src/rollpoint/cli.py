@@ -74,33 +74,53 @@ def load_tasks_for(config: RunConfig) -> list[TaskRow]:
 
 
 def prepare_workdir(workdir: Path, *, fresh: bool, force: bool) -> None:
-    """Refuse to mix two runs' outputs: a used workdir needs --fresh (and --force to wipe it)."""
+    """--fresh starts over: on an empty workdir, or with --force on a used one."""
     used = workdir.exists() and any(workdir.iterdir())
     if fresh and used:
         if not force:
             raise ConfigError(f"workdir {workdir} is not empty; --fresh needs --force to delete it")
         shutil.rmtree(workdir)
-    elif used and (workdir / "train_data.jsonl").exists():
-        raise ConfigError(
-            f"workdir {workdir} holds a previous run and has no snapshot to resume; "
-            "pass --fresh --force to start over"
-        )
     workdir.mkdir(parents=True, exist_ok=True)
 
 
-async def _run_job(config: RunConfig) -> Any:
+def _forget_unresumable_run(workdir: Path) -> None:
+    """Outputs of a run that left no usable snapshot: its rollouts start over, so what it
+    trained on is dropped too (every group is then trained exactly once)."""
+    from rollpoint.trainer.trainer_loop import TRAIN_DATA_FILE
+
+    leftovers = [workdir / TRAIN_DATA_FILE, workdir / "checkpoints"]
+    if any(p.exists() for p in leftovers):
+        console.print(f"[yellow]no usable snapshot in {workdir}; starting the job over[/]")
+        (workdir / TRAIN_DATA_FILE).unlink(missing_ok=True)
+        shutil.rmtree(workdir / "checkpoints", ignore_errors=True)
+
+
+async def _run_job(config: RunConfig, *, fresh: bool) -> Any:
     from rollpoint.http.client import HttpClient
     from rollpoint.runtime.embedded import EmbeddedRuntime
     from rollpoint.store.snapshot_store import SnapshotStore
-    from rollpoint.trainer.control_plane import ControlPlane, participant_clients, snapshot_root
+    from rollpoint.trainer.control_plane import (
+        ControlPlane,
+        config_fingerprint,
+        participant_clients,
+        snapshot_root,
+    )
     from rollpoint.trainer.metrics import TrainerMetrics
-    from rollpoint.trainer.trainer_loop import Trainer
+    from rollpoint.trainer.restorer import Restorer, check_config, choose_resume_point
+    from rollpoint.trainer.train_checkpoint import TrainCheckpointStore
+    from rollpoint.trainer.trainer_loop import TRAIN_DATA_FILE, Trainer
 
     tasks = load_tasks_for(config)
     total = len(tasks) * config.group_size
     token = secrets.token_urlsafe(32)
     root = snapshot_root(config)
     store = await asyncio.to_thread(SnapshotStore, root, config.snapshot.keep)
+    checkpoints = TrainCheckpointStore(config.workdir / "checkpoints")
+    point = None if fresh else await asyncio.to_thread(choose_resume_point, store, checkpoints)
+    if point is None:
+        _forget_unresumable_run(config.workdir)
+    else:
+        check_config(point.manifest, config_fingerprint(config))
     metrics = TrainerMetrics(config.workdir / "metrics.jsonl")
     with console.status(f"starting {config.replicas} replica(s) of '{config.environment}'…"):
         runtime = EmbeddedRuntime(config, control_token=token, snapshot_root=root)
@@ -114,7 +134,19 @@ async def _run_job(config: RunConfig) -> Any:
             highlight=False,
         )
         control = ControlPlane(participant_clients(deployment, control_http), store, metrics)
-        trainer = Trainer(config, deployment, tasks, control=control)
+        restored = None
+        if point is not None:
+            with console.status(f"restoring snapshot {point.manifest.snapshot_id}…"):
+                restored = await Restorer(control.participants).restore(
+                    point, train_data=config.workdir / TRAIN_DATA_FILE
+                )
+            console.print(
+                f"[green]resumed[/] from snapshot {restored.snapshot_id} at train step {restored.checkpoint.step}: "
+                f"{len(restored.continued)} episodes continued, {restored.restarted} restarted, "
+                f"{restored.adopted} finished replies adopted, {restored.tq_requeued} TQ items requeued",
+                highlight=False,
+            )
+        trainer = Trainer(config, deployment, tasks, control=control, restored=restored)
         return await _drive_with_progress(trainer, runtime, total, metrics)
     finally:
         await control_http.aclose()
@@ -178,7 +210,7 @@ def run(
         config = load_config(config_path)
         prepare_workdir(config.workdir, fresh=fresh, force=force)
         _setup_logging(config.workdir)
-        summary = _run_async(lambda: _run_job(config))
+        summary = _run_async(lambda: _run_job(config, fresh=fresh))
     except RollpointError as exc:
         raise _fail(exc) from None
     except KeyboardInterrupt:

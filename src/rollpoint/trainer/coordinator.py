@@ -27,7 +27,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,6 +123,8 @@ class SnapshotCoordinator:
         self._lock = asyncio.Lock()
         self._sequence = 0
         self.history: list[SaveReport] = []
+        self.before_save: Callable[[], Awaitable[None]] | None = None
+        """Runs before the barrier closes (the trainer flushes retires and forgets: DESIGN §5.1)."""
 
     @property
     def saving(self) -> bool:
@@ -192,6 +194,11 @@ class SnapshotCoordinator:
         async with self._lock:
             if not self._statuses:
                 await self.discover()
+            if self.before_save is not None:
+                try:
+                    await self.before_save()
+                except RollpointError as exc:
+                    log.warning("before a snapshot: %s", exc.message)
             self._sequence += 1
             snapshot_id = f"snap-{int(time.time() * 1000)}-{self._sequence:04d}"
             report = await self._save(snapshot_id)

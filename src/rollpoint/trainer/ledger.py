@@ -228,14 +228,15 @@ class RecoveryLedger:
             )
         return self._move(rollout_id, LedgerMove.DISPATCH, replica=replica)
 
-    def requeue(self, rollout_id: str) -> LedgerRecord:
-        """The agent refused the try at admission: same identity, no try spent.
+    def requeue(self, rollout_id: str, *, keep_replica: bool = False) -> LedgerRecord:
+        """Send the same try again: same identity, no try spent.
 
-        A first try may go to any replica next time; a continued try (attempt > 0) stays
-        pinned to its replica, the only one holding its saved state.
+        After a refusal at admission a first try may go to any replica; a continued try
+        (attempt > 0) stays pinned to its replica, the only one holding its saved state.
+        ``keep_replica`` pins any try: a restored snapshot holds its finished reply there.
         """
         record = self._live_record(rollout_id)
-        replica = record.replica if record.attempt > 0 else None
+        replica = record.replica if (record.attempt > 0 or keep_replica) else None
         return self._move(rollout_id, LedgerMove.REQUEUE, replica=replica)
 
     def continue_attempt(self, rollout_id: str) -> LedgerRecord:

@@ -45,8 +45,9 @@ from rollpoint.trainer.dispatch_barrier import DispatchBarrier
 from rollpoint.trainer.dispatcher import Dispatcher, GroupOutcome
 from rollpoint.trainer.finished_queue import FinishedQueue, GroupBatch
 from rollpoint.trainer.grpo import advantages_by_episode
-from rollpoint.trainer.ledger import RecoveryLedger
+from rollpoint.trainer.ledger import RecoveryLedger, RolloutState
 from rollpoint.trainer.release_batcher import ReleaseBatcher
+from rollpoint.trainer.restorer import RestoredRun
 from rollpoint.trainer.train_checkpoint import TrainCheckpointStore, stamp
 from rollpoint.trainer.train_hooks import SimulatedTrainer, TrainHooks, TrainSample
 
@@ -100,22 +101,26 @@ class Trainer:
         client: HttpClient | None = None,
         stall_timeout_s: float = 600.0,
         control: ControlPlane | None = None,
+        restored: RestoredRun | None = None,
     ) -> None:
+        """``restored`` continues a run from a snapshot (see :mod:`rollpoint.trainer.restorer`);
+        its ledger and TQ replace the fresh ones built from ``tasks``."""
         _check_inputs(config, tasks, stall_timeout_s)
         self.config = config
         self.deployment = deployment
         self.hooks: TrainHooks = hooks or SimulatedTrainer(config.train.step_seconds)
-        self.ledger = RecoveryLedger()
-        self.tq = FinishedQueue()
+        self.ledger = restored.ledger if restored is not None else RecoveryLedger()
+        self.tq = restored.tq if restored is not None else FinishedQueue()
         self.barrier = DispatchBarrier()
         self.dispatcher: Dispatcher | None = None
         """Built by :meth:`run` (it needs the running loop's HTTP client)."""
         self.train_data_path: Path = config.workdir / TRAIN_DATA_FILE
         self.last_metrics: dict[str, float] = {}
-        for task in tasks:
-            gid = group_id_for(task.task_id)
-            self.ledger.add_group(task, gid, config.group_size)
-            self.tq.expect_group(gid, config.group_size)
+        if restored is None:
+            for task in tasks:
+                gid = group_id_for(task.task_id)
+                self.ledger.add_group(task, gid, config.group_size)
+                self.tq.expect_group(gid, config.group_size)
         self._client = client
         self._stall_timeout_s = stall_timeout_s
         self._started = False
@@ -130,6 +135,15 @@ class Trainer:
         self._episodes_trained = 0
         self._policy_version = 0
         self.checkpoints = TrainCheckpointStore(config.workdir / "checkpoints")
+        if restored is not None:
+            ckpt, doc = restored.checkpoint, restored.trainer_doc
+            self._train_steps = ckpt.step
+            self._policy_version = ckpt.policy_version
+            self._groups_trained = ckpt.groups_trained
+            self._episodes_trained = ckpt.episodes_trained
+            self._episodes = self.ledger.counts()[RolloutState.SEALED]
+            self._turns = int(doc.get("turns", 0))
+            self._reward_sum = float(doc.get("reward_sum", 0.0))
         self.coordinator: SnapshotCoordinator | None = None
         self.releases: ReleaseBatcher | None = None
         if control is not None:
@@ -145,6 +159,7 @@ class Trainer:
                 config_fingerprint=config_fingerprint(config),
             )
             self.releases = ReleaseBatcher(control.participants, self.ledger)
+            self.coordinator.before_save = self.releases.flush
 
     def state(self) -> dict[str, Any]:
         """The trainer's own state at a cut (saved with every snapshot)."""
@@ -192,6 +207,8 @@ class Trainer:
             )
             if self.coordinator is not None:
                 await self.coordinator.discover()
+            if self._policy_version:
+                await self._publish_policy_version(client, self._policy_version)
             side: list[Any] = [self._watch_stall(self.dispatcher)]
             if self.coordinator is not None and self.releases is not None:
                 side += [self._snapshot_loop(self.coordinator), self.releases.run()]

@@ -63,6 +63,7 @@ def test_run_trains_every_group_row_exactly_once(
         environment=environment,
         replicas=replicas,
         max_turns=8 if environment != "math" else 1,
+        snapshot={"allow_restart_only": environment == "math"},
     )
     result = rollpoint("run", str(config))
     assert result.returncode == 0, result.stderr
@@ -78,15 +79,25 @@ def test_run_trains_every_group_row_exactly_once(
         assert sum(float(line["reward"]) for line in lines) / len(lines) > 0.5  # type: ignore[arg-type]
 
 
-def test_run_refuses_to_mix_runs_in_one_workdir(tmp_path: Path) -> None:
-    config = write_config(tmp_path, environment="math", replicas=1, max_turns=1)
+def test_rerun_of_a_finished_job_resumes_and_trains_nothing_twice(tmp_path: Path) -> None:
+    config = write_config(tmp_path, replicas=1)
     assert rollpoint("run", str(config)).returncode == 0
+    first = train_lines(tmp_path / "run")
     again = rollpoint("run", str(config))
-    assert again.returncode == 2
-    assert "--fresh --force" in again.stderr
+    assert again.returncode == 0, again.stderr
+    assert "resumed from snapshot" in again.stderr
+    assert train_lines(tmp_path / "run") == first
+
+
+def test_fresh_needs_force_on_a_used_workdir(tmp_path: Path) -> None:
+    config = write_config(tmp_path, replicas=1)
+    assert rollpoint("run", str(config)).returncode == 0
     fresh = rollpoint("run", str(config), "--fresh")
     assert fresh.returncode == 2 and "needs --force" in fresh.stderr
-    assert rollpoint("run", str(config), "--fresh", "--force").returncode == 0
+    forced = rollpoint("run", str(config), "--fresh", "--force")
+    assert forced.returncode == 0
+    assert "resumed" not in forced.stderr
+    assert len(train_lines(tmp_path / "run")) == 4 * 2
 
 
 def test_bad_config_is_one_line_naming_the_key(tmp_path: Path) -> None:

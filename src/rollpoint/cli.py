@@ -168,9 +168,18 @@ async def _drive_with_progress(trainer: Any, runtime: Any, total: int, metrics: 
     with Progress(*columns, console=console, transient=False) as progress:
         bar = progress.add_task("episodes", total=total, turns=0, reward=0.0, steps=0, pause="-")
         job = asyncio.create_task(trainer.run())
+        # A replica whose process dies is restarted empty; the trainer re-sends its rows.
+        # TEMPORARY until the trainer grows replica_down/replica_up (being added now).
+        watch = asyncio.create_task(
+            runtime.supervise(trainer.replica_down, trainer.replica_up)
+            if hasattr(trainer, "replica_down")
+            else asyncio.Event().wait()
+        )
         try:
             while not job.done():
-                await asyncio.wait({job}, timeout=0.25)
+                await asyncio.wait({job, watch}, timeout=0.25, return_when=asyncio.FIRST_COMPLETED)
+                if watch.done() and not job.done():
+                    watch.result()  # the policy died: raise why
                 s = trainer.stats
                 pause = (
                     "-" if metrics.last_pause_s is None else f"{metrics.last_pause_s * 1000:.0f} ms"
@@ -183,17 +192,11 @@ async def _drive_with_progress(trainer: Any, runtime: Any, total: int, metrics: 
                     steps=s.train_steps,
                     pause=pause,
                 )
-                dead = runtime.group.dead()
-                if dead and not job.done():
-                    child = dead[0]
-                    raise RollpointError(
-                        f"{child.spec.name} exited unexpectedly (code {child.process.returncode}); "
-                        f"see {child.log_path}"
-                    )
         finally:
-            if not job.done():
-                job.cancel()
-                await asyncio.gather(job, return_exceptions=True)
+            for task in (job, watch):
+                if not task.done():
+                    task.cancel()
+            await asyncio.gather(job, watch, return_exceptions=True)
         return job.result()
 
 

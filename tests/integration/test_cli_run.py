@@ -182,3 +182,35 @@ def test_sigterm_stops_the_run_and_every_server(tmp_path: Path) -> None:
         assert wait_gone(servers, timeout_s=1) == []
     finally:
         kill_all(servers)
+
+
+def test_inspect_shows_the_snapshots_of_a_run(tmp_path: Path) -> None:
+    config = write_config(
+        tmp_path,
+        tasks=8,
+        policy={"latency_ms": 30, "error_rate": 0},
+        snapshot={"every_seconds": 0.2},
+    )
+    assert rollpoint("run", str(config)).returncode == 0
+    result = rollpoint("inspect", str(tmp_path / "run"), "--json")
+    assert result.returncode == 0, result.stderr
+    report = orjson.loads(result.stdout)
+    assert report["snapshots"], "a run with snapshots on published none"
+    for snap in report["snapshots"]:
+        assert {"id", "published_at", "train_step", "pause_seconds"} <= set(snap)
+    latest = report["latest"]
+    assert latest["id"] == report["snapshots"][0]["id"]
+    assert {"id", "train_step", "episodes", "restarts", "participants", "tq_size"} <= set(latest)
+    assert {(p["kind"], p["replica"]) for p in latest["participants"]} == {
+        (kind, f"replica-{i}") for kind in ("model", "agent", "resources") for i in (0, 1)
+    }
+    for episode in latest["episodes"]:
+        assert {"rollout_id", "attempt", "replica", "turns_completed"} <= set(episode)
+    table = rollpoint("inspect", str(tmp_path / "run"))
+    assert table.returncode == 0 and latest["id"][:12] in table.stdout
+
+
+def test_inspect_of_a_missing_workdir_is_one_line(tmp_path: Path) -> None:
+    result = rollpoint("inspect", str(tmp_path / "nope"))
+    assert result.returncode == 2
+    assert "does not exist" in result.stderr and "Traceback" not in result.stderr

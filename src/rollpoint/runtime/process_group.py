@@ -105,6 +105,18 @@ class ProcessGroup:
     def dead(self) -> list[ChildServer]:
         return [c for c in self.children if not c.alive]
 
+    async def stop_children(self, children: list[ChildServer], timeout_s: float = 5.0) -> None:
+        """Stop some children (SIGKILL: they are being replaced) and forget them."""
+        for child in children:
+            if child.alive:
+                with contextlib.suppress(ProcessLookupError):
+                    child.process.kill()
+        for child in children:
+            await child.process.wait()
+            if child.process.stdin is not None:
+                child.process.stdin.close()
+            self.children.remove(child)
+
     async def stop(self, timeout_s: float = 5.0) -> None:
         """SIGTERM every child, wait, SIGKILL what is left; safe to call twice."""
         for child in self.children:

@@ -226,20 +226,42 @@ def run(
 
 
 @app.command()
-def serve(config_path: ConfigArg) -> None:
-    """Start only the environment servers and print their URLs (bring your own trainer)."""
+def serve(
+    config_path: ConfigArg,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the deployment as one JSON line.")
+    ] = False,
+) -> None:
+    """Start only the environment servers and print their URLs (bring your own trainer).
+
+    Every server is a checkpoint participant; the control token is written to
+    WORKDIR/control.token (readable by you only) for your coordinator to send.
+    """
     from rollpoint.runtime.embedded import EmbeddedRuntime
+    from rollpoint.trainer.control_plane import snapshot_root
 
     async def _serve() -> None:
-        async with EmbeddedRuntime(config) as runtime:
+        token_file = config.workdir / "control.token"
+        token = secrets.token_urlsafe(32)
+        token_file.touch(mode=0o600)
+        token_file.write_text(token + "\n")
+        runtime = EmbeddedRuntime(config, control_token=token, snapshot_root=snapshot_root(config))
+        async with runtime:
             assert runtime.deployment is not None
+            if as_json:
+                doc = runtime.deployment.model_dump(mode="json") | {
+                    "control_token_file": str(token_file)
+                }
+                typer.echo(orjson.dumps(doc).decode())
             table = Table(title=f"rollpoint servers ({config.environment})")
             for col in ("replica", "model", "agent", "resources"):
-                table.add_column(col)
+                table.add_column(col, overflow="fold")
             for r in runtime.deployment.replicas:
                 table.add_row(r.name, r.model_url, r.agent_url, r.resources_url)
-            out.print(table)
-            out.print(f"policy: {runtime.deployment.policy_url}")
+            if not as_json:
+                out.print(table)
+                out.print(f"policy: {runtime.deployment.policy_url}")
+                out.print(f"control token: {token_file} (snapshots under {snapshot_root(config)})")
             console.print("serving; Ctrl-C to stop")
             await asyncio.Event().wait()
 

@@ -214,3 +214,35 @@ def test_inspect_of_a_missing_workdir_is_one_line(tmp_path: Path) -> None:
     result = rollpoint("inspect", str(tmp_path / "nope"))
     assert result.returncode == 2
     assert "does not exist" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_serve_prints_urls_and_a_private_control_token(tmp_path: Path) -> None:
+    import httpx
+
+    config = write_config(tmp_path, replicas=1)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rollpoint", "serve", str(config), "--json"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        assert proc.stdout is not None
+        deployment = orjson.loads(proc.stdout.readline())
+        token_file = Path(deployment["control_token_file"])
+        assert token_file == tmp_path / "run" / "control.token"
+        assert token_file.stat().st_mode & 0o077 == 0
+        (replica,) = deployment["replicas"]
+        agent_url = replica["agent_url"]
+        token = token_file.read_text().strip()
+        status = httpx.get(
+            f"{agent_url}/rollpoint/v1/checkpoint/status",
+            headers={"authorization": f"Bearer {token}"},
+        )
+        assert status.status_code == 200
+        refused = httpx.get(f"{agent_url}/rollpoint/v1/checkpoint/status")
+        assert refused.status_code == 401
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=20)

@@ -199,7 +199,8 @@ class StepsEndingInSaves:
     async def train_step(self, step: int, batch: list[TrainSample]) -> dict[str, float]:
         assert self.trainer is not None and self.trainer.coordinator is not None
         deadline = time.monotonic() + 5
-        while not self.trainer.coordinator.saving and time.monotonic() < deadline:
+        # The coordinator exposes no event for "a save started"; a test may poll for it.
+        while not self.trainer.coordinator.saving and time.monotonic() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(0.001)
         self.ended.append((step, time.time()))
         return {"rollouts": float(len(batch))}

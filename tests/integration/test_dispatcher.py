@@ -54,6 +54,7 @@ class Harness:
         *,
         row_timeout_s: float = 30.0,
         agent_urls: dict[str, str] | None = None,
+        concurrency: int = 8,
     ) -> None:
         self.ledger = RecoveryLedger()
         self.barrier = DispatchBarrier()
@@ -62,7 +63,7 @@ class Harness:
             self.ledger,
             cluster.deployment(**(agent_urls or {})),
             client,
-            concurrency=8,
+            concurrency=concurrency,
             max_turns=12,
             row_timeout_s=row_timeout_s,
             barrier=self.barrier,
@@ -83,10 +84,20 @@ class Harness:
 
 @contextlib.asynccontextmanager
 async def harness(
-    cluster: Cluster, *, row_timeout_s: float = 30.0, agent_urls: dict[str, str] | None = None
+    cluster: Cluster,
+    *,
+    row_timeout_s: float = 30.0,
+    agent_urls: dict[str, str] | None = None,
+    concurrency: int = 8,
 ) -> AsyncIterator[Harness]:
     async with HttpClient() as client:
-        h = Harness(cluster, client, row_timeout_s=row_timeout_s, agent_urls=agent_urls)
+        h = Harness(
+            cluster,
+            client,
+            row_timeout_s=row_timeout_s,
+            agent_urls=agent_urls,
+            concurrency=concurrency,
+        )
         try:
             yield h
         finally:
@@ -185,6 +196,37 @@ async def test_a_refused_row_keeps_its_id_waits_behind_the_barrier_and_is_resent
         2,
         "replica-1",
     )
+
+
+async def test_a_cohort_whose_refused_row_is_resent_in_stream_does_not_deadlock(
+    cluster: Cluster,
+) -> None:
+    """A cohort verifier holds a group's admitted rows until its refused row arrives. Every
+    slot is taken and the next group waits for them: the refused row must still go out."""
+    r0, r1 = cluster.replicas
+    r0.on_gate(lambda gate: gate.close())  # the admitted rows stay in their stream
+    async with harness(cluster, concurrency=4) as h:
+        first = h.add_group(cluster)
+        h.add_group(cluster, "next")
+        run = asyncio.create_task(h.dispatcher.run_group("g"))
+        await until(h.dispatched_to("replica-0", 4))
+        following = asyncio.create_task(h.dispatcher.run_group("next"))
+        await until(lambda: h.dispatcher.waiting_rows == 4)  # queued for the slots g holds
+        await until(lambda: r0.on_book(lambda book: book.session(first[1]) is not None))
+        r1.on_book(lambda book: book.close_boundaries())
+        r0.on_book(lambda book: book.retire({first[1]: 0}))  # row 1 fails; its re-send is refused
+        await until(lambda: h.dispatcher.resent_refused >= 1)
+        r1.on_book(lambda book: book.open_boundaries())
+        # The verifier: the siblings are released only once row 1's reply has arrived.
+        await until(lambda: [r.row for r in h.replies] == [1])
+        assert h.ledger.in_flight_count("replica-0") == 3 and not run.done()
+        assert all(h.ledger.current("next", row).state is RolloutState.QUEUED for row in range(4))
+        r0.on_gate(lambda gate: gate.open())
+        outcome = await asyncio.wait_for(run, 10)
+        next_outcome = await asyncio.wait_for(following, 10)
+
+    assert outcome.ok and next_outcome.ok
+    assert [r.group_id for r in h.replies[:4]].count("g") == 4  # g finished before next began
 
 
 async def test_a_broken_stream_resends_only_the_rows_that_never_came_back(

@@ -4,6 +4,10 @@ One scripted policy and, per replica, a real resources, model and agent server, 
 uvicorn server in its own thread with its own event loop. Tests act on a server's objects
 (the agent's :class:`SessionBook`, the model server's gate) through :meth:`ThreadServer.call`,
 which runs the action on that server's loop, as the server's own code would.
+
+With ``snapshot_root`` every server is a checkpoint participant too (control routes on,
+guarded by ``ROLLPOINT_CONTROL_TOKEN``, which the test sets before building the cluster), and
+:meth:`Cluster.control_plane` gives the trainer its handle on them, as ``rollpoint run`` does.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -26,9 +31,13 @@ from rollpoint.gym.agent_server import AgentSettings, agent_server_of, create_ag
 from rollpoint.gym.model_server import ModelServerSettings, create_model_app, model_server_of
 from rollpoint.gym.resources_server import create_resources_app
 from rollpoint.gym.session_book import SessionBook
+from rollpoint.http.client import HttpClient
 from rollpoint.policy.scripted_policy import PolicySettings, create_policy_app
 from rollpoint.protocol.deployment import Deployment, ReplicaEndpoints
 from rollpoint.protocol.episode import EnvironmentName, TaskRow
+from rollpoint.store.snapshot_store import SnapshotStore
+from rollpoint.trainer.control_plane import ControlPlane, participant_clients
+from rollpoint.trainer.metrics import TrainerMetrics
 
 T = TypeVar("T")
 
@@ -115,8 +124,10 @@ class Cluster:
         latency_ms: float = 2.0,
         error_rate: float = 0.0,
         seed: int = 0,
+        snapshot_root: str | None = None,
     ) -> None:
         self.environment = environment
+        self.snapshot_root = snapshot_root
         self._servers: list[ThreadServer] = []
         self.policy = self._start(
             create_policy_app(
@@ -131,10 +142,15 @@ class Cluster:
         return server
 
     def _replica(self, name: str) -> Replica:
-        resources = self._start(create_resources_app(self.environment, replica=name))
+        root = self.snapshot_root
+        resources = self._start(
+            create_resources_app(self.environment, replica=name, snapshot_root=root)
+        )
         model = self._start(
             create_model_app(
-                ModelServerSettings(upstream_url=f"{self.policy.url}/v1", replica=name)
+                ModelServerSettings(
+                    upstream_url=f"{self.policy.url}/v1", replica=name, snapshot_root=root
+                )
             )
         )
         agent = self._start(
@@ -144,6 +160,7 @@ class Cluster:
                     resources_url=resources.url,
                     environment=self.environment,
                     replica=name,
+                    snapshot_root=root,
                 )
             )
         )
@@ -157,6 +174,7 @@ class Cluster:
             resources_url=replica.resources.url,
             environment=self.environment,
             replica=replica.name,
+            snapshot_root=self.snapshot_root,
         ).model_dump(mode="json")
 
     def deployment(self, **agent_urls: str) -> Deployment:
@@ -166,6 +184,22 @@ class Cluster:
             for r in self.replicas
         ]
         return Deployment(replicas=endpoints, policy_url=f"{self.policy.url}/v1")
+
+    def control_plane(
+        self,
+        http: HttpClient,
+        workdir: Path,
+        *,
+        keep: int = 50,
+        agent_urls: dict[str, str] | None = None,
+    ) -> ControlPlane:
+        """The trainer's control plane over every participant (needs ``snapshot_root``);
+        ``http`` must carry the control token; ``agent_urls`` as for :meth:`deployment`."""
+        assert self.snapshot_root is not None, "start the cluster with a snapshot_root"
+        store = SnapshotStore(self.snapshot_root, keep=keep)
+        metrics = TrainerMetrics(workdir / "metrics.jsonl")
+        participants = participant_clients(self.deployment(**(agent_urls or {})), http)
+        return ControlPlane(participants, store, metrics)
 
     def tasks(self, n: int, seed: int = 0) -> list[TaskRow]:
         return get_environment(self.environment).make_tasks(n, seed)

@@ -3,19 +3,30 @@
 Owns the save order of DESIGN §5 and the failure budget. A save:
 
 1. closes the dispatch barrier (the pause clock starts);
-2. prepares every participant of every replica in stages — model servers (admission
+2. prepares every participant of every up replica in stages — model servers (admission
    closes, so agents waiting on a policy call reach a boundary), then agents (sessions
    park at boundaries), then resources (tool calls freeze) — against one shared deadline,
    while a background task renews every lease;
 3. on any failure or a missed deadline resumes everyone exactly once (the abort) and
    counts one failed snapshot; three in a row stop the run, naming what blocked each;
-4. commits every participant in parallel, each replica's scope being the ledger's
-   in-flight episodes on it minus the restarts its participants reported;
+4. captures the ledger, TQ and the trainer's counters in one instant, then commits every
+   participant in parallel, each replica's scope being the ledger's in-flight episodes on
+   it minus the restarts its participants reported;
 5. does not drain: finished replies still on the wire are held by their agent and
    exported with its sessions (they are listed as ``finished`` in the manifest);
-6. captures the ledger and TQ at the cut;
+6. checks the cut: every in-flight episode is on a replica that committed;
 7. resumes everyone (reverse stages) and reopens the barrier (the pause ends);
 8. writes the trainer's files and publishes the manifest last.
+
+**Finished replies nobody will seal.** Prepare lists each agent's finished, unacked
+replies. Those of a row's current try are a reply on the wire: they are exported with the
+cut and adopted later. Any other (a try the trainer gave up on, one already sealed, one it
+never knew) is acked away on its agent once the pause is over, so no reply stays stuck.
+
+**Replicas that are down** (see :class:`~rollpoint.trainer.replica_roster.ReplicaRoster`)
+take no part: snapshots keep committing with the replicas that are up, and a manifest names
+only the participants that committed. A replica that comes back is asked who it is at the
+next save and takes part from then on.
 
 It does not own when snapshots happen (the trainer loop decides) nor the files' layout
 (:mod:`rollpoint.store`).
@@ -27,7 +38,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,15 +61,21 @@ from rollpoint.store.snapshot_store import SnapshotStore
 from rollpoint.store.staging import Staging
 from rollpoint.trainer.dispatch_barrier import DispatchBarrier
 from rollpoint.trainer.finished_queue import FinishedQueue
-from rollpoint.trainer.ledger import LedgerRecord, RecoveryLedger
+from rollpoint.trainer.ledger import LedgerRecord, RecoveryLedger, RolloutState
 from rollpoint.trainer.metrics import TrainerMetrics
 from rollpoint.trainer.participant_client import ParticipantClient
+from rollpoint.trainer.replica_roster import ReplicaRoster
 
 log = logging.getLogger(__name__)
 
 PREPARE_STAGES = (ParticipantKind.MODEL, ParticipantKind.AGENT, ParticipantKind.RESOURCES)
 """Callers' callees close first; resume runs in the reverse order."""
 MAX_FAILED_IN_A_ROW = 3
+REPLY_HOLDING_STATES = frozenset(
+    {RolloutState.QUEUED, RolloutState.DISPATCHED, RolloutState.FINISHED}
+)
+"""States in which a row's current try still wants the reply its agent holds: dispatched
+(on the wire), queued (pinned to fetch it again), finished (being sealed)."""
 LEDGER_FILE = "ledger.json"
 TQ_FILE = "tq.json"
 TRAINER_FILE = "trainer.json"
@@ -76,6 +93,8 @@ class SaveReport:
     saved: int = 0
     restarts: int = 0
     finished: int = 0
+    acked_away: int = 0
+    """Finished replies of tries nobody will seal, released on their agents."""
     blocked_by: str = ""
     manifest: SnapshotManifest | None = None
 
@@ -87,6 +106,8 @@ class _Cut:
     staging: Staging
     checkpoint_id: str
     created_at: float
+    participants: list[ParticipantClient] = field(default_factory=list)
+    """The participants that committed: the only ones the manifest names."""
     episodes: list[SavedEpisode] = field(default_factory=list)
     restarts: list[RestartEpisode] = field(default_factory=list)
     finished: list[RestartEpisode] = field(default_factory=list)
@@ -95,10 +116,21 @@ class _Cut:
     trainer_doc: dict[str, Any] = field(default_factory=dict)
 
 
+@dataclass
+class _Prepared:
+    """What prepare found: the participants that may have closed, and what they reported."""
+
+    clients: list[ParticipantClient] = field(default_factory=list)
+    restarts: set[str] = field(default_factory=set)
+    finished_unacked: set[str] = field(default_factory=set)
+    strays: dict[ParticipantClient, list[EpisodeId]] = field(default_factory=dict)
+    """Per agent: finished replies of tries that are not a row's current try."""
+
+
 class SnapshotCoordinator:
     def __init__(
         self,
-        participants: list[ParticipantClient],
+        participants: Sequence[ParticipantClient] | ReplicaRoster,
         *,
         store: SnapshotStore,
         ledger: RecoveryLedger,
@@ -109,7 +141,11 @@ class SnapshotCoordinator:
         trainer_state: Callable[[], dict[str, Any]],
         config_fingerprint: dict[str, JsonValue],
     ) -> None:
-        self.participants = participants
+        self.roster = (
+            participants
+            if isinstance(participants, ReplicaRoster)
+            else ReplicaRoster.of_participants(participants)
+        )
         self.store = store
         self.ledger = ledger
         self.tq = tq
@@ -118,7 +154,8 @@ class SnapshotCoordinator:
         self.metrics = metrics
         self._trainer_state = trainer_state
         self._config_fingerprint = config_fingerprint
-        self._statuses: dict[str, StatusReply] = {}
+        # Keyed by client: a replica that comes back gets new clients, asked afresh.
+        self._statuses: dict[ParticipantClient, StatusReply] = {}
         self._failures: list[str] = []
         self._lock = asyncio.Lock()
         self._sequence = 0
@@ -131,14 +168,22 @@ class SnapshotCoordinator:
         """True while a save is in progress (barrier closed or files being published)."""
         return self._lock.locked()
 
+    @property
+    def participants(self) -> list[ParticipantClient]:
+        """The participants of every replica that is up now."""
+        return self.roster.participants()
+
     # --- setup -------------------------------------------------------------------------
 
     async def discover(self) -> list[StatusReply]:
         """Ask every participant who it is; refuse restart-only servers unless allowed."""
-        replies = await asyncio.gather(
-            *(p.status() for p in self.participants), return_exceptions=True
-        )
-        for client, reply in zip(self.participants, replies, strict=True):
+        clients = self.participants
+        await self._discover(clients)
+        return [self._statuses[c] for c in clients]
+
+    async def _discover(self, clients: list[ParticipantClient]) -> None:
+        replies = await asyncio.gather(*(p.status() for p in clients), return_exceptions=True)
+        for client, reply in zip(clients, replies, strict=True):
             if isinstance(reply, BaseException):
                 detail = reply.message if isinstance(reply, RollpointError) else repr(reply)
                 raise SnapshotError(f"participant {client.label} did not answer status: {detail}")
@@ -146,11 +191,9 @@ class SnapshotCoordinator:
                 raise ConfigError(
                     f"{client.label} says it is a {reply.kind} server, not a {client.address.kind}"
                 )
-            self._statuses[client.label] = reply
+            self._statuses[client] = reply
         restart_only = [
-            c.label
-            for c in self.participants
-            if self._statuses[c.label].mode == CheckpointMode.RESTART_ONLY
+            c.label for c in clients if self._statuses[c].mode == CheckpointMode.RESTART_ONLY
         ]
         if restart_only and not self.config.allow_restart_only:
             raise ConfigError(
@@ -162,12 +205,14 @@ class SnapshotCoordinator:
                 "restart-only servers accepted: %s (their episodes restart after a crash)",
                 restart_only,
             )
-        return [self._statuses[c.label] for c in self.participants]
 
-    def participant_entries(self) -> list[ParticipantEntry]:
+    def participant_entries(
+        self, clients: list[ParticipantClient] | None = None
+    ) -> list[ParticipantEntry]:
+        """Manifest entries of ``clients`` (default: every up participant), once discovered."""
         entries = []
-        for client in self.participants:
-            status = self._statuses[client.label]
+        for client in self.participants if clients is None else clients:
+            status = self._statuses[client]
             instance = f"{status.name}-{status.replica}"
             entries.append(
                 ParticipantEntry(
@@ -181,9 +226,12 @@ class SnapshotCoordinator:
             )
         return entries
 
-    def fingerprint(self) -> str:
+    def fingerprint(self, clients: list[ParticipantClient] | None = None) -> str:
         return topology_fingerprint(
-            [e.model_dump(mode="json") | {"features": []} for e in self.participant_entries()]
+            [
+                e.model_dump(mode="json") | {"features": []}
+                for e in self.participant_entries(clients)
+            ]
         )
 
     # --- save --------------------------------------------------------------------------
@@ -192,8 +240,6 @@ class SnapshotCoordinator:
         """Take one snapshot. A failed one is reported (and counted); the third failure in
         a row raises :class:`SnapshotError` naming what blocked each."""
         async with self._lock:
-            if not self._statuses:
-                await self.discover()
             if self.before_save is not None:
                 try:
                     await self.before_save()
@@ -232,23 +278,30 @@ class SnapshotCoordinator:
 
     async def _save(self, snapshot_id: str) -> SaveReport:
         report = SaveReport(snapshot_id=snapshot_id, published=False)
+        clients = self.participants
+        try:
+            # A replica that came back since the last save: ask its new servers who they are.
+            await self._discover([c for c in clients if c not in self._statuses])
+        except SnapshotError as exc:
+            report.blocked_by = exc.message
+            return report
         checkpoint_id = snapshot_id
         started_at = time.time()
         self.barrier.close()
         paused_at = time.monotonic()
         staging: Staging | None = None
-        prepared: list[ParticipantClient] = []
+        prepared = _Prepared()
         renewer: asyncio.Task[None] | None = None
         cut: _Cut | None = None
         try:
             deadline = time.time() + self.config.deadline_seconds
-            renewer = asyncio.create_task(self._renew_leases(checkpoint_id, prepared))
+            renewer = asyncio.create_task(self._renew_leases(checkpoint_id, prepared.clients))
             t0 = time.monotonic()
-            restarts, finished_unacked = await self._prepare_all(checkpoint_id, deadline, prepared)
+            await self._prepare_all(clients, checkpoint_id, deadline, prepared)
             report.prepare_s = time.monotonic() - t0
             staging = await asyncio.to_thread(self.store.begin, snapshot_id)
             t1 = time.monotonic()
-            cut = await self._commit_all(staging, checkpoint_id, restarts, finished_unacked)
+            cut = await self._commit_all(clients, staging, checkpoint_id, prepared)
             cut.created_at = started_at
             report.commit_s = time.monotonic() - t1
         except RollpointError as exc:
@@ -262,9 +315,10 @@ class SnapshotCoordinator:
                 with contextlib.suppress(asyncio.CancelledError):
                     await renewer
             # Resume is the abort before a publish and the reopen after a good cut: one path.
-            await self._resume_all(checkpoint_id, prepared)
+            await self._resume_all(checkpoint_id, prepared.clients)
             self.barrier.open()
             report.pause_s = time.monotonic() - paused_at
+        report.acked_away = await self._ack_strays(prepared.strays)
         if cut is None:
             if staging is not None:
                 await asyncio.to_thread(self.store.abort, staging)
@@ -291,14 +345,16 @@ class SnapshotCoordinator:
         return report
 
     async def _prepare_all(
-        self, checkpoint_id: str, deadline: float, prepared: list[ParticipantClient]
-    ) -> tuple[set[str], set[str]]:
-        restarts: set[str] = set()
-        finished_unacked: set[str] = set()
+        self,
+        clients: list[ParticipantClient],
+        checkpoint_id: str,
+        deadline: float,
+        prepared: _Prepared,
+    ) -> None:
         for stage in PREPARE_STAGES:
-            stage_clients = [p for p in self.participants if p.address.kind == stage]
+            stage_clients = [p for p in clients if p.address.kind == stage]
             # Record the clients before awaiting: one whose reply is lost may still have closed.
-            prepared.extend(stage_clients)
+            prepared.clients.extend(stage_clients)
             replies = await asyncio.gather(
                 *(p.prepare(checkpoint_id, deadline) for p in stage_clients), return_exceptions=True
             )
@@ -307,33 +363,84 @@ class SnapshotCoordinator:
                 if isinstance(reply, BaseException):
                     detail = reply.message if isinstance(reply, RollpointError) else repr(reply)
                     blocked.append(f"{client.label} failed prepare: {detail}")
-                elif reply.phase != Phase.PREPARED:
+                    continue
+                # Whatever else happens to this save, a stray reply is released after it.
+                strays = [e for e in reply.report.finished_unacked if not self._wanted(e)]
+                if strays:
+                    prepared.strays[client] = strays
+                if reply.phase != Phase.PREPARED:
                     r = reply.report
                     blocked.append(
                         f"{client.label} not ready by the deadline: {r.blocker_count} blocker(s) "
                         f"{', '.join(r.blockers[:5])}{'…' if r.blocker_count > 5 else ''}"
                     )
                 else:
-                    restarts.update(e.key for e in reply.report.restarts)
-                    finished_unacked.update(e.key for e in reply.report.finished_unacked)
+                    prepared.restarts.update(e.key for e in reply.report.restarts)
+                    prepared.finished_unacked.update(e.key for e in reply.report.finished_unacked)
             if blocked:
                 raise SnapshotError("; ".join(blocked))
-        return restarts, finished_unacked
+
+    def _wanted(self, episode: EpisodeId) -> bool:
+        """Whether a held finished reply belongs to its row's current try (adopt it) or to
+        no try the trainer still waits on (ack it away)."""
+        if episode.rollout_id not in self.ledger:
+            return False
+        record = self.ledger.get(episode.rollout_id)
+        if record.attempt != episode.attempt or record.state not in REPLY_HOLDING_STATES:
+            return False
+        return self.ledger.current(record.group_id, record.row).rollout_id == record.rollout_id
+
+    async def _ack_strays(self, strays: dict[ParticipantClient, list[EpisodeId]]) -> int:
+        """Release finished replies nobody will seal; a failed ack is retried by the next
+        prepare, which reports them again."""
+        acked = 0
+        for agent, episodes in strays.items():
+            try:
+                reply = await agent.ack(episodes)
+            except RollpointError as exc:
+                log.info(
+                    "ack of %d stray replies on %s failed: %s", len(episodes), agent.label, exc
+                )
+                continue
+            acked += len(reply.acked)
+            log.debug(
+                "acked away %d finished replies on %s that no current try wants: %s",
+                len(reply.acked),
+                agent.label,
+                ", ".join(e.key for e in reply.acked[:5]),
+            )
+        return acked
 
     async def _commit_all(
-        self, staging: Staging, checkpoint_id: str, restarts: set[str], finished_unacked: set[str]
+        self,
+        clients: list[ParticipantClient],
+        staging: Staging,
+        checkpoint_id: str,
+        prepared: _Prepared,
     ) -> _Cut:
-        cut = _Cut(staging=staging, checkpoint_id=checkpoint_id, created_at=time.time())
-        in_flight: dict[str, list[LedgerRecord]] = {}
-        for client in self.participants:
-            if client.address.replica not in in_flight:
-                in_flight[client.address.replica] = self.ledger.in_flight(client.address.replica)
+        cut = _Cut(
+            staging=staging,
+            checkpoint_id=checkpoint_id,
+            created_at=time.time(),
+            participants=clients,
+        )
+        replicas = list(dict.fromkeys(c.address.replica for c in clients))
+        # The cut is this instant: the in-flight set, ledger, TQ and counters together. A
+        # reply that reaches the trainer during the commit is sealed after the cut; its
+        # agent still holds it (acks wait for the barrier), so it is exported as finished.
+        in_flight = {replica: self.ledger.in_flight(replica) for replica in replicas}
+        elsewhere = [r.describe() for r in self.ledger.in_flight() if r.replica not in in_flight]
+        if elsewhere:
+            raise SnapshotError(
+                f"episodes in flight on replicas taking no part in the cut: {', '.join(elsewhere[:10])}"
+            )
+        cut.ledger_doc = self.ledger.to_document()
+        cut.tq_doc = self.tq.to_document()
+        cut.trainer_doc = self._trainer_state()
         scopes = {
-            replica: [EpisodeId(rollout_id=r.rollout_id, attempt=r.attempt) for r in records]
+            replica: [r.episode for r in records if r.key not in prepared.restarts]
             for replica, records in in_flight.items()
         }
-        for replica in scopes:
-            scopes[replica] = [e for e in scopes[replica] if e.key not in restarts]
         deadline = time.time() + self.config.deadline_seconds
         replies = await asyncio.gather(
             *(
@@ -343,27 +450,23 @@ class SnapshotCoordinator:
                     staging.participants_relative_dir,
                     scopes[p.address.replica],
                 )
-                for p in self.participants
+                for p in clients
             ),
             return_exceptions=True,
         )
         failed = [
             f"{client.label} failed commit: {reply.message if isinstance(reply, RollpointError) else repr(reply)}"
-            for client, reply in zip(self.participants, replies, strict=True)
+            for client, reply in zip(clients, replies, strict=True)
             if isinstance(reply, BaseException)
         ]
         if failed:
             raise SnapshotError("; ".join(failed))
         agent_replies = {
             client.address.replica: reply
-            for client, reply in zip(self.participants, replies, strict=True)
+            for client, reply in zip(clients, replies, strict=True)
             if client.address.kind == ParticipantKind.AGENT and isinstance(reply, CommitReply)
         }
-        self._classify(cut, in_flight, agent_replies, restarts, finished_unacked)
-        # The ledger and TQ at the cut; serialised after the barrier reopens.
-        cut.ledger_doc = self.ledger.to_document()
-        cut.tq_doc = self.tq.to_document()
-        cut.trainer_doc = self._trainer_state()
+        self._classify(cut, in_flight, agent_replies, prepared)
         return cut
 
     def _classify(
@@ -371,15 +474,14 @@ class SnapshotCoordinator:
         cut: _Cut,
         in_flight: dict[str, list[LedgerRecord]],
         agent_replies: dict[str, CommitReply],
-        restarts: set[str],
-        finished_unacked: set[str],
+        prepared: _Prepared,
     ) -> None:
         """Every in-flight episode is saved, finished (reply held) or a restart — exactly one."""
         for replica, records in in_flight.items():
             reply = agent_replies.get(replica)
             exported = {e.episode.key: e for e in reply.exported} if reply is not None else {}
             for record in records:
-                key = f"{record.rollout_id}#{record.attempt}"
+                key = record.key
                 base: dict[str, Any] = {
                     "rollout_id": record.rollout_id,
                     "attempt": record.attempt,
@@ -390,10 +492,10 @@ class SnapshotCoordinator:
                 if key in exported:
                     turns = exported[key].turns_completed or 0
                     cut.episodes.append(SavedEpisode(**base, turns_completed=turns))
-                elif key in finished_unacked:
+                elif key in prepared.finished_unacked:
                     cut.finished.append(RestartEpisode(**base))
                 else:
-                    if key not in restarts:
+                    if key not in prepared.restarts:
                         # Dispatched, but its /run never reached the agent before the cut: it had
                         # not started, so starting over loses nothing.
                         log.info(
@@ -421,8 +523,8 @@ class SnapshotCoordinator:
             train_step=int(cut.trainer_doc.get("train_step", 0)),
             policy_version=int(cut.trainer_doc.get("policy_version", 0)),
             pause_seconds=pause_s,
-            topology_fingerprint=self.fingerprint(),
-            participants=self.participant_entries(),
+            topology_fingerprint=self.fingerprint(cut.participants),
+            participants=self.participant_entries(cut.participants),
             episodes=cut.episodes,
             restarts=cut.restarts,
             finished=cut.finished,

@@ -1,32 +1,45 @@
 """The dispatcher: sends prompt groups to agents and handles every row's result on its own.
 
-Owns the data-plane side of a run: which replica a group goes to (least loaded by rows
-in flight, ties by name), the row-concurrency limit, one ``POST /run`` stream per send,
-and what happens to each row as its result arrives. It writes every move into the
+Owns the data-plane side of a run: which replica a group goes to (the least loaded up
+replica by rows in flight, ties by name), the row-concurrency limit, one ``POST /run``
+stream per send, what happens to each row as its result arrives, and what happens to a try
+it gives up on. It writes every move into the
 :class:`~rollpoint.trainer.ledger.RecoveryLedger` and hands finished replies to
-``on_reply``; it does not seal, train, or talk to participants' control routes (the
-snapshot coordinator retires what :attr:`Dispatcher.retire_queue` holds).
+``on_reply``; it does not seal or train, and it reaches participants' control routes only
+through the :class:`~rollpoint.trainer.release_batcher.ReleaseBatcher` it may be given.
 
 Per-row rules (a row's result never ends its siblings' stream):
 
 - ``RunReply``: the ledger finishes the try, ``on_reply`` gets it.
-- ``RowFailure`` with ``transport=True``: the try is abandoned (queued for retirement) and
-  the row is re-sent at once, alone, under a **new** rollout id.
+- ``RowFailure`` with ``transport=True``: the dispatcher gives the try up (below).
 - ``RowFailure`` with ``transport=False``: a data failure fails the whole group.
 - ``RowRefused``: the row never ran. It keeps its identity, spends no try, and is re-sent
   on its own from inside the stream handling as soon as the barrier is open (with a short
   backoff when the environment refused on its own), never after the stream ends: a cohort
   verifier may hold the siblings until the refused row arrives.
-- A stream that breaks or ends short: the rows that never came back are abandoned and
-  re-sent together under new rollout ids, never under an id the agent may still run.
+- A stream that breaks or ends short: the rows that never came back are given up.
 - A row with no result within ``row_timeout_s`` on the barrier's pause clock (snapshot
-  pauses do not count) is abandoned and re-sent the same way.
-- A row that has used ``max_tries`` fresh rollout ids fails its group instead.
+  pauses do not count) is given up.
+
+**Giving up on a try** (DESIGN §5, last paragraph): the try is retired on its replica's
+participants first, and the agent's answer decides. ``cancelled`` (it was still running)
+or ``unknown`` (it never got there): the row is re-sent fresh under a **new** rollout id,
+never under an id the agent may still run. ``finished_unacked`` (it had finished; only its
+reply was lost): the row is sent again under the **same** identity, the agent returns the
+stored reply without running anything, and it is sealed like any reply: no rerun. With no
+release batcher, or when the replica cannot be reached, the try is abandoned and re-sent
+fresh at once; it stays in :attr:`Dispatcher.retire_queue` and the batcher retires it later.
+A row that has used ``max_tries`` fresh rollout ids fails its group instead.
+
+**A replica that goes down** (:meth:`Dispatcher.replica_lost`): its streams are dropped and
+every try it held (in flight, or queued and pinned to it) is abandoned with no retire
+(nobody is left to ask) and re-sent fresh on the other replicas. With no replica up, rows
+wait (queued, not in flight) until the roster marks one up again.
 
 A replica whose stream broke (or that reported a transport failure) is *suspect* for a
 few seconds: new sends prefer the others, so re-sends do not keep hitting a dead agent.
 
-Rows waiting for the barrier or for a concurrency slot stay ``queued``: not in flight.
+Rows waiting for the barrier, a replica or a concurrency slot stay ``queued``: not in flight.
 """
 
 from __future__ import annotations
@@ -34,7 +47,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter, deque
+from collections import Counter, defaultdict
 from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
 from contextlib import aclosing
 from dataclasses import dataclass
@@ -43,6 +56,7 @@ from typing import Any, cast
 from pydantic import TypeAdapter, ValidationError
 
 from rollpoint.http.client import HttpClient
+from rollpoint.protocol.control import RetireOutcomeKind
 from rollpoint.protocol.deployment import Deployment
 from rollpoint.protocol.episode import (
     RowFailure,
@@ -62,6 +76,9 @@ from rollpoint.protocol.errors import (
 from rollpoint.protocol.ids import EpisodeId
 from rollpoint.trainer.dispatch_barrier import DispatchBarrier
 from rollpoint.trainer.ledger import LedgerRecord, RecoveryLedger, RolloutState
+from rollpoint.trainer.release_batcher import ReleaseBatcher, RetireAnswer
+from rollpoint.trainer.replica_roster import ReplicaRoster
+from rollpoint.trainer.row_deadlines import RowDeadlines
 from rollpoint.trainer.row_slots import RowSlots
 
 log = logging.getLogger(__name__)
@@ -74,6 +91,10 @@ FRESH_BACKOFF_MAX_S = 2.0
 SUSPECT_REPLICA_S = 5.0
 """After a transport failure, a replica gets no new rows for this long unless every
 replica is suspect or it answers a row meanwhile."""
+RETIRE_TIMEOUT_S = 5.0
+"""How long a give-up waits for the agent's retire answer before it re-sends fresh."""
+RETIRE_ROUNDS = 3
+"""Retire calls refused because a snapshot began meanwhile are tried again this often."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,27 +146,27 @@ class Dispatcher:
         barrier: DispatchBarrier,
         on_reply: Callable[[RunReply], Awaitable[None]],
         max_tries: int = 3,
+        roster: ReplicaRoster | None = None,
+        releases: ReleaseBatcher | None = None,
     ) -> None:
+        """``roster`` (shared with the trainer, which marks replicas down and up) replaces
+        ``deployment`` when given; ``releases`` lets a give-up retire before it decides."""
         if max_tries < 1:
             raise BadRequestError(f"dispatcher: max_tries must be >= 1, got {max_tries}")
-        if row_timeout_s <= 0:
-            raise BadRequestError(f"dispatcher: row_timeout_s must be > 0, got {row_timeout_s}")
         self._ledger = ledger
-        self._replicas = {r.name: r for r in deployment.replicas}
+        self._roster = roster if roster is not None else ReplicaRoster.of_deployment(deployment)
+        self._releases = releases
         self._client = client
         self._slots = RowSlots(concurrency)
         self._max_turns = max_turns
-        self._row_timeout_s = row_timeout_s
         self._barrier = barrier
         self._on_reply = on_reply
         self._max_tries = max_tries
         self._groups: dict[str, _GroupRun] = {}
-        # The rows of a stream are sent at once and share one due time, and every stream
-        # gets the same timeout, so due times arrive in send order: a deque is a heap here.
-        # Entries of streams that owe nothing any more are dropped when they reach the head.
-        self._deadlines: deque[tuple[float, _Stream]] = deque()
-        self._deadline_wake = asyncio.Event()
-        self._deadline_task: asyncio.Task[None] | None = None
+        self._streams: dict[str, set[_Stream]] = defaultdict(set)
+        self._deadlines: RowDeadlines[_Stream] = RowDeadlines(
+            barrier, row_timeout_s, owes=lambda s: bool(s.pending), expire=self._expire
+        )
         self._waiting_rows = 0
         self._suspect_until: dict[str, float] = {}
         self.failed_groups: dict[str, str] = {}
@@ -154,6 +175,8 @@ class Dispatcher:
         """Row results received (replies, failures, refusals): the stall watchdog's pulse."""
         self.resent_fresh = 0
         self.resent_refused = 0
+        self.adopted = 0
+        """Given-up tries whose stored reply was fetched and sealed instead of rerun."""
 
     # --- public --------------------------------------------------------------------
 
@@ -163,8 +186,17 @@ class Dispatcher:
 
     @property
     def waiting_rows(self) -> int:
-        """Rows waiting for the barrier or a slot: queued, not in flight."""
+        """Rows waiting for the barrier, a replica or a slot: queued, not in flight."""
         return self._waiting_rows
+
+    @property
+    def idle(self) -> bool:
+        """Nothing in flight and nothing waiting to be sent."""
+        return self.in_flight_rows == 0 and self._waiting_rows == 0
+
+    @property
+    def roster(self) -> ReplicaRoster:
+        return self._roster
 
     @property
     def counts(self) -> dict[str, int]:
@@ -177,6 +209,8 @@ class Dispatcher:
             "failed_groups": len(self.failed_groups),
             "resent_fresh": self.resent_fresh,
             "resent_refused": self.resent_refused,
+            "adopted": self.adopted,
+            "replicas_up": len(self._roster.up),
         }
 
     @property
@@ -206,7 +240,6 @@ class Dispatcher:
         group = _GroupRun(group_id, {r.row for r in records if r.state is RolloutState.QUEUED})
         if not group.remaining:
             return GroupOutcome(group_id)
-        self._ensure_deadline_watch()
         # A continued try must go back to the replica that saved it: one stream per pin.
         by_replica: dict[str | None, list[str]] = {}
         for record in records:
@@ -227,10 +260,46 @@ class Dispatcher:
             return GroupOutcome(group_id, group.failure)
         return GroupOutcome(group_id)
 
+    def replica_lost(self, name: str) -> None:
+        """``name`` went down with everything it held: give up its tries without asking it.
+
+        Call after marking it down in the roster. Tries in flight there and tries queued
+        to go back there are abandoned (the release batcher retires them in the ledger:
+        their processes are gone) and their rows re-sent fresh on the replicas still up.
+        """
+        reason = f"{name} went down"
+        for stream in list(self._streams.get(name, ())):
+            self._drop_pending(stream)
+            if stream.task is not None:
+                stream.task.cancel()  # it owes nothing now; its connection is dead anyway
+        held: dict[str, list[LedgerRecord]] = defaultdict(list)
+        for record in self._ledger.in_flight(name):
+            held[record.group_id].append(record)
+        for record in list(self._ledger.live_records()):
+            if record.state is RolloutState.QUEUED and record.replica == name:
+                held[record.group_id].append(record)
+        for group_id, records in held.items():
+            group = self._groups.get(group_id)
+            if group is not None:
+                self._abandon(group, records, reason)
+            elif self._ledger.group(group_id).failed is None:
+                for record in records:  # not running: run_group sends the fresh tries later
+                    self._ledger.abandon(record.rollout_id)
+        if held:
+            log.warning(
+                "%s: %d tries given up and sent elsewhere",
+                reason,
+                sum(len(r) for r in held.values()),
+            )
+
+    def replica_back(self, name: str) -> None:
+        """``name`` serves again (new, empty servers): send to it as to any healthy replica.
+
+        Call after marking it up in the roster."""
+        self._suspect_until.pop(name, None)
+
     async def aclose(self) -> None:
-        if self._deadline_task is not None:
-            await _cancel_all({self._deadline_task})
-            self._deadline_task = None
+        await self._deadlines.aclose()
 
     async def __aenter__(self) -> Dispatcher:
         return self
@@ -244,34 +313,46 @@ class Dispatcher:
         """Send these rows in one stream and handle each result as it arrives."""
         await self._admit(len(rollout_ids), priority=priority)
         records = [self._ledger.get(rid) for rid in rollout_ids]
-        replica = records[0].replica or self._least_loaded()
-        if replica not in self._replicas:
-            self._slots.release(len(records))
-            raise BadRequestError(f"dispatcher: {records[0].describe()}: no replica {replica}")
+        sendable = [r for r in records if r.state is RolloutState.QUEUED]
+        # A row moved while it waited (its pinned replica went down and it was given up).
+        self._slots.release(len(records) - len(sendable))
+        if not sendable:
+            return
+        replica = sendable[0].replica or self._least_loaded()
+        if replica not in self._roster:
+            self._slots.release(len(sendable))
+            raise BadRequestError(f"dispatcher: {sendable[0].describe()}: no replica {replica}")
+        if not self._roster.is_up(replica):
+            self._slots.release(len(sendable))
+            self._abandon(group, sendable, f"{replica} is down")
+            return
         stream = _Stream(group, replica, asyncio.current_task())
-        for record in records:
+        for record in sendable:
             stream.pending[record.rollout_id] = self._ledger.dispatch(record.rollout_id, replica)
-        self._deadlines.append((self._barrier.pause_clock() + self._row_timeout_s, stream))
-        self._deadline_wake.set()
+        self._streams[replica].add(stream)
+        self._deadlines.add(stream)
         try:
             reason = await self._consume(stream)
         except BaseException:
             self._drop_pending(stream)
             raise
+        finally:
+            self._streams[replica].discard(stream)
         lost = self._drop_pending(stream)
         if lost:
             self._lose(group, lost, reason)
 
     async def _admit(self, rows: int, *, priority: bool) -> None:
-        """Wait for the barrier and for ``rows`` slots; return with both, atomically."""
+        """Wait for the barrier, an up replica and ``rows`` slots; return with all three."""
         self._waiting_rows += rows
         try:
             while True:
                 await self._barrier.wait_open()
+                await self._roster.wait_any_up()
                 await self._slots.acquire(rows, priority=priority)
-                # Nothing can close the barrier between this check and the caller's
-                # dispatch: both run without yielding to the event loop.
-                if self._barrier.is_open:
+                # Nothing can change either between this check and the caller's dispatch:
+                # both run without yielding to the event loop.
+                if self._barrier.is_open and self._roster.any_up:
                     return
                 self._slots.release(rows)
         finally:
@@ -279,7 +360,7 @@ class Dispatcher:
 
     async def _consume(self, stream: _Stream) -> str:
         """Read the stream; return why rows it still owes were lost (if any are)."""
-        url = f"{self._replicas[stream.replica].agent_url}/run"
+        url = f"{self._roster.endpoints(stream.replica).agent_url}/run"
         request = RunRequest(
             rows=[
                 RunRow(
@@ -376,8 +457,71 @@ class Dispatcher:
         await self._send(group, [rollout_id], priority=True)
 
     def _lose(self, group: _GroupRun, records: list[LedgerRecord], reason: str) -> None:
-        """Abandon tries that may still run somewhere; re-send their rows fresh."""
-        if group.failure is not None:
+        """Give up on tries of one replica that may still run there."""
+        if group.failure is not None or not records:
+            return
+        if self._releases is None:
+            self._abandon(group, records, reason)
+        else:
+            self._spawn(group, self._give_up(group, records, reason))
+
+    async def _give_up(self, group: _GroupRun, records: list[LedgerRecord], reason: str) -> None:
+        """Retire the tries first; then adopt the finished ones and re-send the others."""
+        answer = await self._retire(records)
+        # While we waited the replica may have gone down (and its tries with it).
+        still = [r for r in records if self._still_dispatched(r)]
+        if answer is None:
+            self._abandon(group, still, reason)  # the release batcher retires them later
+            return
+        adopt = [
+            r for r in still if answer.outcomes.get(r.key) is RetireOutcomeKind.FINISHED_UNACKED
+        ]
+        if adopt:
+            for record in adopt:
+                # Same identity, pinned to the agent holding the reply: it answers at once.
+                self._ledger.requeue(record.rollout_id, keep_replica=True)
+            self.adopted += len(adopt)
+            log.info(
+                "%s had finished on %s (%s): fetching the stored replies, no rerun",
+                ", ".join(r.key for r in adopt),
+                adopt[0].replica,
+                reason,
+            )
+            self._spawn(group, self._send(group, [r.rollout_id for r in adopt], priority=True))
+        fresh = [r for r in still if r not in adopt]
+        self._abandon(group, fresh, reason, retired=answer.everywhere)
+
+    async def _retire(self, records: list[LedgerRecord]) -> RetireAnswer | None:
+        """The agent's answer to retiring these tries, or None when there is none to get."""
+        replica = records[0].replica
+        if self._releases is None or replica is None or not self._roster.is_up(replica):
+            return None
+        episodes = [r.episode for r in records]
+        for _ in range(RETIRE_ROUNDS):
+            await self._barrier.wait_open()  # participants refuse retire during a save
+            try:
+                async with asyncio.timeout(RETIRE_TIMEOUT_S):
+                    answer = await self._releases.retire_now(replica, episodes)
+            except TimeoutError:
+                return None
+            if answer is not None or self._barrier.is_open:
+                return answer
+        return None
+
+    def _still_dispatched(self, record: LedgerRecord) -> bool:
+        now = self._ledger.get(record.rollout_id)
+        return now.state is RolloutState.DISPATCHED and now.attempt == record.attempt
+
+    def _abandon(
+        self,
+        group: _GroupRun,
+        records: list[LedgerRecord],
+        reason: str,
+        *,
+        retired: bool = False,
+    ) -> None:
+        """Re-send these rows fresh; ``retired``: their old tries are retired everywhere."""
+        if group.failure is not None or not records:
             return
         fresh: list[str] = []
         for record in records:
@@ -389,6 +533,8 @@ class Dispatcher:
                 )
                 return
             fresh.append(self._ledger.abandon(record.rollout_id).rollout_id)
+            if retired:
+                self._ledger.retire(record.rollout_id)
         self.resent_fresh += len(fresh)
         log.info(
             "%s lost (%s): re-sending under new rollout ids",
@@ -431,10 +577,10 @@ class Dispatcher:
             group.done.set()
 
     def _least_loaded(self) -> str:
-        """The healthy replica with the fewest rows in flight; ties go by name."""
+        """The healthy up replica with the fewest rows in flight; ties go by name."""
         now = time.monotonic()
         return min(
-            self._replicas,
+            self._roster.up,
             key=lambda name: (
                 self._suspect_until.get(name, 0.0) > now,
                 self._ledger.in_flight_count(name),
@@ -444,44 +590,20 @@ class Dispatcher:
 
     def _all_suspect(self) -> bool:
         now = time.monotonic()
-        return all(self._suspect_until.get(name, 0.0) > now for name in self._replicas)
+        return all(self._suspect_until.get(name, 0.0) > now for name in self._roster.up)
 
     def _suspect(self, replica: str) -> None:
         self._suspect_until[replica] = time.monotonic() + SUSPECT_REPLICA_S
 
-    def _ensure_deadline_watch(self) -> None:
-        if self._deadline_task is None or self._deadline_task.done():
-            self._deadline_task = asyncio.create_task(self._watch_deadlines(), name="row-deadlines")
-
-    async def _watch_deadlines(self) -> None:
-        while True:
-            if not self._deadlines:
-                self._deadline_wake.clear()
-                await self._deadline_wake.wait()
-                continue
-            due, stream = self._deadlines[0]
-            if not stream.pending:
-                self._deadlines.popleft()
-                continue
-            wait = due - self._barrier.pause_clock()
-            if wait > 0:
-                if self._barrier.is_open:
-                    await asyncio.sleep(wait)
-                else:
-                    await self._barrier.wait_open()
-                continue
-            self._deadlines.popleft()
-            self._expire(stream)
-
     def _expire(self, stream: _Stream) -> None:
-        """The rows this stream still owes ran out of time: re-send them fresh."""
+        """The rows this stream still owes ran out of time: give them up."""
         late = self._drop_pending(stream)
         if stream.task is not None:
             stream.task.cancel()  # it owes nothing now; a late answer would be ignored
         self._lose(
             stream.group,
             late,
-            f"no result within {self._row_timeout_s:g}s on {stream.replica} "
+            f"no result within {self._deadlines.timeout_s:g}s on {stream.replica} "
             "(snapshot pauses not counted)",
         )
 

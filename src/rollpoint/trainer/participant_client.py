@@ -9,7 +9,7 @@ The ordering of calls across participants is the coordinator's business.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
@@ -69,6 +69,12 @@ class ParticipantClient:
     @property
     def label(self) -> str:
         return self.address.label
+
+    def relocated(self, url: str) -> ParticipantClient:
+        """The same participant served at ``url`` (its replica was restarted on new ports)."""
+        return ParticipantClient(
+            replace(self.address, url=url), self._http, control_timeout_s=self._timeout_s
+        )
 
     async def _call(
         self, verb: str, reply: type[R], body: BaseModel | None, deadline_ts: float | None

@@ -10,8 +10,10 @@ Owns choosing what to resume from and putting every piece back:
    installed, naming the missing ones;
 4. the saved ledger's in-flight set must equal saved + restarted + finished episodes
    (a mismatch names the episodes and replicas);
-5. every participant restores, or none does: any failure goes through one cleanup path
-   (retire the next attempts, resume each participant exactly once) and a clear error;
+5. every participant the manifest names restores, or none does: any failure goes through
+   one cleanup path (retire the next attempts, resume each participant exactly once) and a
+   clear error. A live participant the manifest does not name (its replica was down at the
+   cut) has nothing to install and is left alone;
 6. the ledger moves: saved episodes continue as ``attempt + 1`` on the replica that saved
    them, restarts start over under new rollout ids, finished replies held by an agent are
    fetched again under their own identity (adopted, not rerun); TQ puts back what no
@@ -207,7 +209,7 @@ class Restorer:
                 EpisodeId(rollout_id=saved.rollout_id, attempt=saved.attempt)
             )
         deadline = time.time() + deadline_s
-        clients = self._participants
+        clients = _named(self._participants, manifest)
         results = await asyncio.gather(
             *(
                 p.restore(
@@ -231,7 +233,7 @@ class Restorer:
             raise RestoreError(
                 f"restore of snapshot {manifest.snapshot_id} failed, nothing kept: {'; '.join(failed)}"
             )
-        await self._resume_all(restore_id)
+        await self._resume_all(restore_id, manifest)
 
     async def _clean_up(self, restore_id: str, manifest: SnapshotManifest) -> None:
         """The one cleanup path: the next attempts can never run, then each participant
@@ -243,11 +245,12 @@ class Restorer:
             await asyncio.gather(
                 *(p.retire(next_attempts) for p in self._participants), return_exceptions=True
             )
-        await self._resume_all(restore_id)
+        await self._resume_all(restore_id, manifest)
 
-    async def _resume_all(self, restore_id: str) -> None:
+    async def _resume_all(self, restore_id: str, manifest: SnapshotManifest) -> None:
+        named = _named(self._participants, manifest)
         for stage in reversed(PREPARE_STAGES):
-            stage_clients = [p for p in self._participants if p.address.kind == stage]
+            stage_clients = [p for p in named if p.address.kind == stage]
             results = await asyncio.gather(
                 *(p.resume(restore_id) for p in stage_clients), return_exceptions=True
             )
@@ -259,6 +262,14 @@ class Restorer:
                         client.label,
                         detail,
                     )
+
+
+def _named(
+    participants: list[ParticipantClient], manifest: SnapshotManifest
+) -> list[ParticipantClient]:
+    """The participants the snapshot holds state for (one per kind and replica)."""
+    named = {(p.kind, p.replica) for p in manifest.participants}
+    return [p for p in participants if (p.address.kind, p.address.replica) in named]
 
 
 def _check_cut(manifest: SnapshotManifest, ledger: RecoveryLedger) -> None:

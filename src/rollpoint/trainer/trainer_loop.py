@@ -11,7 +11,12 @@ policy version on every model server, appends the consumed rollouts to
 Given a :class:`ControlPlane`, it also takes snapshots (every ``snapshot.every_seconds``
 and at every train checkpoint) through a :class:`SnapshotCoordinator`, and releases what it
 no longer needs on the environment side (acks, retires, forgets) through a
-:class:`ReleaseBatcher`.
+:class:`ReleaseBatcher`, which also lets the dispatcher retire a try before it gives up on it.
+
+The runtime reports replicas that die and come back (:meth:`Trainer.replica_down`,
+:meth:`Trainer.replica_up`); the trainer keeps the one :class:`ReplicaRoster` the dispatcher,
+the coordinator and the release batcher read, and has the dispatcher send what the lost
+replica held elsewhere. It does not watch processes (that is the runtime's job).
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import orjson
 
 from rollpoint.config import RunConfig
 from rollpoint.http.client import HttpClient
-from rollpoint.protocol.deployment import Deployment
+from rollpoint.protocol.deployment import Deployment, ReplicaEndpoints
 from rollpoint.protocol.episode import RunReply, TaskRow
 from rollpoint.protocol.errors import (
     ConfigError,
@@ -47,6 +52,7 @@ from rollpoint.trainer.finished_queue import FinishedQueue, GroupBatch
 from rollpoint.trainer.grpo import advantages_by_episode
 from rollpoint.trainer.ledger import RecoveryLedger, RolloutState
 from rollpoint.trainer.release_batcher import ReleaseBatcher
+from rollpoint.trainer.replica_roster import ReplicaRoster
 from rollpoint.trainer.restorer import RestoredRun
 from rollpoint.trainer.train_checkpoint import TrainCheckpointStore, stamp
 from rollpoint.trainer.train_hooks import SimulatedTrainer, TrainHooks, TrainSample
@@ -112,6 +118,10 @@ class Trainer:
         self.ledger = restored.ledger if restored is not None else RecoveryLedger()
         self.tq = restored.tq if restored is not None else FinishedQueue()
         self.barrier = DispatchBarrier()
+        self.roster = ReplicaRoster.of_deployment(
+            deployment, control.participants if control else ()
+        )
+        """Which replicas are up and how to reach them; shared by every part below."""
         self.dispatcher: Dispatcher | None = None
         """Built by :meth:`run` (it needs the running loop's HTTP client)."""
         self.train_data_path: Path = config.workdir / TRAIN_DATA_FILE
@@ -122,6 +132,9 @@ class Trainer:
                 self.ledger.add_group(task, gid, config.group_size)
                 self.tq.expect_group(gid, config.group_size)
         self._client = client
+        self._http: HttpClient | None = None
+        """The data-plane client while :meth:`run` runs."""
+        self._lost_before_run: set[str] = set()
         self._stall_timeout_s = stall_timeout_s
         self._started = False
         self._tq_changed = asyncio.Event()
@@ -148,7 +161,7 @@ class Trainer:
         self.releases: ReleaseBatcher | None = None
         if control is not None:
             self.coordinator = SnapshotCoordinator(
-                control.participants,
+                self.roster,
                 store=control.store,
                 ledger=self.ledger,
                 tq=self.tq,
@@ -158,7 +171,7 @@ class Trainer:
                 trainer_state=self.state,
                 config_fingerprint=config_fingerprint(config),
             )
-            self.releases = ReleaseBatcher(control.participants, self.ledger)
+            self.releases = ReleaseBatcher(self.roster, self.ledger, barrier=self.barrier)
             self.coordinator.before_save = self.releases.flush
 
     def state(self) -> dict[str, Any]:
@@ -194,6 +207,7 @@ class Trainer:
         started = time.monotonic()
         self.config.workdir.mkdir(parents=True, exist_ok=True)
         client = self._client or HttpClient()
+        self._http = client
         try:
             self.dispatcher = Dispatcher(
                 self.ledger,
@@ -204,7 +218,11 @@ class Trainer:
                 row_timeout_s=self.config.row_timeout_seconds,
                 barrier=self.barrier,
                 on_reply=self._on_reply,
+                roster=self.roster,
+                releases=self.releases,
             )
+            for name in sorted(self._lost_before_run):
+                self.dispatcher.replica_lost(name)
             if self.coordinator is not None:
                 await self.coordinator.discover()
             if self._policy_version:
@@ -217,6 +235,7 @@ class Trainer:
             if self.releases is not None:
                 await self.releases.flush()
         finally:
+            self._http = None
             if self._client is None:
                 await client.aclose()
         return RunSummary(
@@ -227,6 +246,38 @@ class Trainer:
             mean_reward=self.stats.reward_mean,
             elapsed_s=time.monotonic() - started,
         )
+
+    # --- replicas --------------------------------------------------------------------
+
+    async def replica_down(self, name: str) -> None:
+        """The runtime saw ``name``'s processes die: stop using it, and send what it held
+        (its in-flight and pinned tries, fresh) to the replicas still up. Snapshots go on
+        without it. Idempotent."""
+        if not self.roster.mark_down(name):
+            return
+        log.warning("replica %s is down; %s carry on", name, ", ".join(self.roster.up) or "none")
+        if self.dispatcher is not None:
+            self.dispatcher.replica_lost(name)
+        else:
+            # Tries a restore pinned to it must not go to its empty successor either.
+            self._lost_before_run.add(name)
+
+    async def replica_up(self, endpoints: ReplicaEndpoints) -> None:
+        """The runtime restarted a replica, empty, at ``endpoints``: use it again (its
+        participants take part from the next snapshot). A replica reported up at new URLs
+        while it was still up is taken as restarted: what the old servers held is gone."""
+        name = endpoints.name
+        if self.roster.is_up(name):
+            if self.roster.endpoints(name) == endpoints:
+                return
+            await self.replica_down(name)
+        self.roster.mark_up(endpoints)
+        self.deployment = self.roster.deployment()
+        if self.dispatcher is not None:
+            self.dispatcher.replica_back(name)
+        log.info("replica %s is up again at %s", name, endpoints.agent_url)
+        if self._policy_version and self._http is not None:
+            await self._publish_policy_version(self._http, self._policy_version, [endpoints])
 
     # --- rollouts --------------------------------------------------------------------
 
@@ -334,7 +385,13 @@ class Trainer:
             ", ".join(f"{k}={v:.4g}" for k, v in self.last_metrics.items()),
         )
 
-    async def _publish_policy_version(self, client: HttpClient, version: int) -> None:
+    async def _publish_policy_version(
+        self, client: HttpClient, version: int, replicas: list[ReplicaEndpoints] | None = None
+    ) -> None:
+        """Tell the model servers (of ``replicas``, default every up one) the policy version."""
+        if replicas is None:
+            replicas = [self.roster.endpoints(name) for name in self.roster.up]
+
         async def publish(name: str, model_url: str) -> None:
             try:
                 await client.post_json(
@@ -345,7 +402,7 @@ class Trainer:
                 # not stop training (the dispatcher copes with a replica that is down).
                 log.warning("could not set policy version %d on %s: %s", version, name, exc)
 
-        await asyncio.gather(*(publish(r.name, r.model_url) for r in self.deployment.replicas))
+        await asyncio.gather(*(publish(r.name, r.model_url) for r in replicas))
 
     def _append_train_data(
         self, step: int, samples: list[TrainSample], default_version: int
@@ -410,7 +467,9 @@ class Trainer:
         while True:
             await asyncio.sleep(tick)
             now = self.barrier.pause_clock()
-            if dispatcher.results_total != pulse or dispatcher.in_flight_rows == 0:
+            # Rows waiting with none in flight are stuck (no replica up) unless the barrier
+            # holds them, and then the pause clock stands still.
+            if dispatcher.results_total != pulse or dispatcher.idle:
                 pulse = dispatcher.results_total
                 last_progress = now
             elif now - last_progress >= self._stall_timeout_s:
@@ -420,9 +479,15 @@ class Trainer:
         rows = self.ledger.in_flight()
         shown = ", ".join(r.describe() for r in rows[:STALL_REPORT_ROWS])
         more = f" and {len(rows) - STALL_REPORT_ROWS} more" if len(rows) > STALL_REPORT_ROWS else ""
+        down = self.roster.down
+        replicas = (
+            f"; replicas down: {', '.join(down)}" + ("" if self.roster.any_up else " (none up)")
+            if down
+            else ""
+        )
         return (
             f"no row result for {quiet_s:.0f}s (snapshot pauses not counted); "
-            f"{len(rows)} rows in flight: {shown}{more}"
+            f"{len(rows)} rows in flight: {shown}{more}{replicas}"
         )
 
 

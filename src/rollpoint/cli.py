@@ -169,12 +169,7 @@ async def _drive_with_progress(trainer: Any, runtime: Any, total: int, metrics: 
         bar = progress.add_task("episodes", total=total, turns=0, reward=0.0, steps=0, pause="-")
         job = asyncio.create_task(trainer.run())
         # A replica whose process dies is restarted empty; the trainer re-sends its rows.
-        # TEMPORARY until the trainer grows replica_down/replica_up (being added now).
-        watch = asyncio.create_task(
-            runtime.supervise(trainer.replica_down, trainer.replica_up)
-            if hasattr(trainer, "replica_down")
-            else asyncio.Event().wait()
-        )
+        watch = asyncio.create_task(runtime.supervise(trainer.replica_down, trainer.replica_up))
         try:
             while not job.done():
                 await asyncio.wait({job, watch}, timeout=0.25, return_when=asyncio.FIRST_COMPLETED)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -185,14 +184,16 @@ def test_the_snapshot_scope_and_capture_do_not_grow_with_finished_work() -> None
     for record in ledger.add_group(task(), "live", 8):
         ledger.dispatch(record.rollout_id, "replica-1")
     assert ledger.archived_count == 48_000
-    started = time.perf_counter()
-    for _ in range(200):
-        assert len(ledger.in_flight()) == 8
-        assert ledger.counts()[S.DISPATCHED] == 8
-        assert len(ledger.to_document()["records"]) == 8
-    # Rebuilding 48k sealed tries per call would take seconds; indices and shared
-    # archive chunks take a few milliseconds.
-    assert time.perf_counter() - started < 0.25
+    assert len(ledger.in_flight()) == 8
+    assert ledger.counts()[S.DISPATCHED] == 8
+    first, second = ledger.to_document(), ledger.to_document()
+    assert len(first["records"]) == 8
+    # Full archive chunks are immutable and shared between captures, not rebuilt: the
+    # capture's cost is the live tries plus one reference per chunk (timings live in bench/).
+    full = [a for a, b in zip(first["archived"], second["archived"], strict=True) if len(a) == 4096]
+    assert full and all(
+        a is b for a, b in zip(first["archived"], second["archived"], strict=True) if len(a) == 4096
+    )
 
 
 def test_a_ledger_with_many_archive_chunks_round_trips() -> None:

@@ -38,16 +38,16 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 from pydantic import JsonValue
 
 from rollpoint.config import SnapshotConfig
 from rollpoint.protocol.control import CommitReply, Phase, StatusReply
-from rollpoint.protocol.errors import ConfigError, RollpointError, SnapshotError
+from rollpoint.protocol.errors import ConfigError, RollpointError, SnapshotError, TransportError
 from rollpoint.protocol.ids import EpisodeId
 from rollpoint.protocol.manifest import (
     ParticipantEntry,
@@ -67,6 +67,7 @@ from rollpoint.trainer.participant_client import ParticipantClient
 from rollpoint.trainer.replica_roster import ReplicaRoster
 
 log = logging.getLogger(__name__)
+R = TypeVar("R")
 
 PREPARE_STAGES = (ParticipantKind.MODEL, ParticipantKind.AGENT, ParticipantKind.RESOURCES)
 """Callers' callees close first; resume runs in the reverse order."""
@@ -159,6 +160,7 @@ class SnapshotCoordinator:
         self._failures: list[str] = []
         self._lock = asyncio.Lock()
         self._sequence = 0
+        self._unresumed: dict[str, tuple[ParticipantClient, str]] = {}
         self.history: list[SaveReport] = []
         self.before_save: Callable[[], Awaitable[None]] | None = None
         """Runs before the barrier closes (the trainer flushes retires and forgets: DESIGN §5.1)."""
@@ -285,6 +287,7 @@ class SnapshotCoordinator:
         except SnapshotError as exc:
             report.blocked_by = exc.message
             return report
+        await self._resume_leftovers()
         checkpoint_id = snapshot_id
         started_at = time.time()
         self.barrier.close()
@@ -355,14 +358,13 @@ class SnapshotCoordinator:
             stage_clients = [p for p in clients if p.address.kind == stage]
             # Record the clients before awaiting: one whose reply is lost may still have closed.
             prepared.clients.extend(stage_clients)
-            replies = await asyncio.gather(
-                *(p.prepare(checkpoint_id, deadline) for p in stage_clients), return_exceptions=True
+            replies = await _by_deadline(
+                [p.prepare(checkpoint_id, deadline) for p in stage_clients], deadline
             )
             blocked: list[str] = []
             for client, reply in zip(stage_clients, replies, strict=True):
                 if isinstance(reply, BaseException):
-                    detail = reply.message if isinstance(reply, RollpointError) else repr(reply)
-                    blocked.append(f"{client.label} failed prepare: {detail}")
+                    blocked.append(_failure(client, "prepare", reply))
                     continue
                 # Whatever else happens to this save, a stray reply is released after it.
                 strays = [e for e in reply.report.finished_unacked if not self._wanted(e)]
@@ -442,8 +444,8 @@ class SnapshotCoordinator:
             for replica, records in in_flight.items()
         }
         deadline = time.time() + self.config.deadline_seconds
-        replies = await asyncio.gather(
-            *(
+        replies = await _by_deadline(
+            [
                 p.commit(
                     checkpoint_id,
                     deadline,
@@ -451,11 +453,11 @@ class SnapshotCoordinator:
                     scopes[p.address.replica],
                 )
                 for p in clients
-            ),
-            return_exceptions=True,
+            ],
+            deadline,
         )
         failed = [
-            f"{client.label} failed commit: {reply.message if isinstance(reply, RollpointError) else repr(reply)}"
+            _failure(client, "commit", reply)
             for client, reply in zip(clients, replies, strict=True)
             if isinstance(reply, BaseException)
         ]
@@ -539,10 +541,11 @@ class SnapshotCoordinator:
         while True:
             await asyncio.sleep(interval)
             deadline = time.time() + self.config.deadline_seconds
+            targets = list(prepared)
             results = await asyncio.gather(
-                *(p.renew(checkpoint_id, deadline) for p in list(prepared)), return_exceptions=True
+                *(p.renew(checkpoint_id, deadline) for p in targets), return_exceptions=True
             )
-            for client, result in zip(list(prepared), results, strict=False):
+            for client, result in zip(targets, results, strict=True):
                 if isinstance(result, RollpointError):
                     log.debug("renew on %s: %s", client.label, result.message)
 
@@ -567,9 +570,57 @@ class SnapshotCoordinator:
             )
             for client, result in zip(retry, again, strict=True):
                 if isinstance(result, BaseException):
-                    detail = result.message if isinstance(result, RollpointError) else repr(result)
                     log.warning(
-                        "resume of %s failed twice (%s); its lease will reopen it",
-                        client.label,
-                        detail,
+                        "%s; resumed again before the next save, and its lease reopens it meanwhile",
+                        _failure(client, "resume", result),
                     )
+                    self._unresumed[client.label] = (client, checkpoint_id)
+
+    async def _resume_leftovers(self) -> None:
+        """Resume what a lost resume left closed, so the next prepare does not hit a
+        participant still holding the last checkpoint (it would refuse: checkpoint_conflict)."""
+        for label, (client, checkpoint_id) in list(self._unresumed.items()):
+            try:
+                await client.resume(checkpoint_id)
+            except TransportError:
+                continue  # still unreachable: the save will name it
+            except RollpointError:
+                pass  # already reopened (by its lease) and says so: nothing left to do
+            del self._unresumed[label]
+
+
+# A participant answers at its deadline at the latest; this covers the network and scheduling.
+_DEADLINE_SLACK_S = 0.5
+
+
+async def _by_deadline(
+    calls: list[Coroutine[Any, Any, R]], deadline: float
+) -> list[R | BaseException]:
+    """Run the calls together; one that has not answered by the shared deadline (plus a
+    little slack) is cancelled and counts as failed, so no participant holds the pause."""
+    tasks = [asyncio.ensure_future(c) for c in calls]
+    if tasks:
+        await asyncio.wait(tasks, timeout=max(0.0, deadline - time.time()) + _DEADLINE_SLACK_S)
+    results: list[R | BaseException] = []
+    for task in tasks:
+        if not task.done():
+            task.cancel()
+            results.append(TimeoutError("no reply by the deadline"))
+        elif task.cancelled():
+            results.append(TimeoutError("cancelled"))
+        elif (error := task.exception()) is not None:
+            results.append(error)
+        else:
+            results.append(task.result())
+    await asyncio.gather(*tasks, return_exceptions=True)
+    return results
+
+
+def _failure(client: ParticipantClient, verb: str, error: BaseException) -> str:
+    """One line naming the participant and what went wrong, without repeating the label."""
+    if isinstance(error, RollpointError):
+        text = error.message
+        return text if text.startswith(client.label) else f"{client.label} {verb}: {text}"
+    if isinstance(error, TimeoutError):
+        return f"{client.label} {verb}: {error or 'no reply by the deadline'}"
+    return f"{client.label} {verb}: {type(error).__name__}: {error}"

@@ -424,6 +424,9 @@ class Trainer:
                     "train_step": step,
                     "policy_version": min(versions, default=default_version),
                     "turns": s.turns,
+                    # Which attempt asked each turn: a continued episode shows its pre-cut
+                    # turns answered once, by the attempt before the restore.
+                    "model_calls": [{"turn": c.turn, "attempt": c.attempt} for c in s.model_calls],
                 },
                 option=orjson.OPT_APPEND_NEWLINE,
             )

@@ -9,12 +9,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import secrets
-import shutil
 import signal
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Annotated, Any, TypeVar
+from typing import TYPE_CHECKING, Annotated, TypeVar
 
 import orjson
 import typer
@@ -23,8 +22,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from rollpoint import __version__
-from rollpoint.config import RunConfig, load_config
-from rollpoint.protocol.episode import TaskRow
+from rollpoint.config import load_config
+from rollpoint.job import drive_quietly, prepare_workdir, run_job
 from rollpoint.protocol.errors import ConfigError, RollpointError
 
 app = typer.Typer(
@@ -36,6 +35,11 @@ console = Console(stderr=True)
 out = Console()
 
 T = TypeVar("T")
+
+if TYPE_CHECKING:
+    from rollpoint.runtime.embedded import EmbeddedRuntime
+    from rollpoint.trainer.metrics import TrainerMetrics
+    from rollpoint.trainer.trainer_loop import RunSummary, Trainer
 
 ConfigArg = Annotated[Path, typer.Argument(help="The run's YAML config.", show_default=False)]
 
@@ -58,103 +62,14 @@ def _fail(exc: RollpointError) -> typer.Exit:
     return typer.Exit(code=2 if isinstance(exc, ConfigError) else 1)
 
 
-def load_tasks_for(config: RunConfig) -> list[TaskRow]:
-    from rollpoint.envs import get_environment, load_tasks
-
-    if config.dataset is not None:
-        tasks = load_tasks(config.dataset)
-        wrong = [t.task_id for t in tasks if t.environment != config.environment]
-        if wrong:
-            raise ConfigError(
-                f"{config.dataset}: task {wrong[0]} is for another environment than '{config.environment}'"
-            )
-        return tasks
-    assert config.tasks is not None
-    return get_environment(config.environment).make_tasks(config.tasks, config.seed)
+def _say(message: str) -> None:
+    console.print(message, highlight=False, soft_wrap=True)
 
 
-def prepare_workdir(workdir: Path, *, fresh: bool, force: bool) -> None:
-    """--fresh starts over: on an empty workdir, or with --force on a used one."""
-    used = workdir.exists() and any(workdir.iterdir())
-    if fresh and used:
-        if not force:
-            raise ConfigError(f"workdir {workdir} is not empty; --fresh needs --force to delete it")
-        shutil.rmtree(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
-
-
-def _forget_unresumable_run(workdir: Path) -> None:
-    """Outputs of a run that left no usable snapshot: its rollouts start over, so what it
-    trained on is dropped too (every group is then trained exactly once)."""
-    from rollpoint.trainer.trainer_loop import TRAIN_DATA_FILE
-
-    leftovers = [workdir / TRAIN_DATA_FILE, workdir / "checkpoints"]
-    if any(p.exists() for p in leftovers):
-        console.print(f"[yellow]no usable snapshot in {workdir}; starting the job over[/]")
-        (workdir / TRAIN_DATA_FILE).unlink(missing_ok=True)
-        shutil.rmtree(workdir / "checkpoints", ignore_errors=True)
-
-
-async def _run_job(config: RunConfig, *, fresh: bool) -> Any:
-    from rollpoint.http.client import HttpClient
-    from rollpoint.runtime.embedded import EmbeddedRuntime
-    from rollpoint.store.snapshot_store import SnapshotStore
-    from rollpoint.trainer.control_plane import (
-        ControlPlane,
-        config_fingerprint,
-        participant_clients,
-        snapshot_root,
-    )
-    from rollpoint.trainer.metrics import TrainerMetrics
-    from rollpoint.trainer.restorer import Restorer, check_config, choose_resume_point
-    from rollpoint.trainer.train_checkpoint import TrainCheckpointStore
-    from rollpoint.trainer.trainer_loop import TRAIN_DATA_FILE, Trainer
-
-    tasks = load_tasks_for(config)
-    total = len(tasks) * config.group_size
-    token = secrets.token_urlsafe(32)
-    root = snapshot_root(config)
-    store = await asyncio.to_thread(SnapshotStore, root, config.snapshot.keep)
-    checkpoints = TrainCheckpointStore(config.workdir / "checkpoints")
-    point = None if fresh else await asyncio.to_thread(choose_resume_point, store, checkpoints)
-    if point is None:
-        _forget_unresumable_run(config.workdir)
-    else:
-        check_config(point.manifest, config_fingerprint(config))
-    metrics = TrainerMetrics(config.workdir / "metrics.jsonl")
-    with console.status(f"starting {config.replicas} replica(s) of '{config.environment}'…"):
-        runtime = EmbeddedRuntime(config, control_token=token, snapshot_root=root)
-        deployment = await runtime.start()
-    control_http = HttpClient(token=token, timeout_s=60)
-    try:
-        port = metrics.serve(config.host)
-        console.print(
-            f"[green]servers up[/]: {config.replicas} replica(s), policy at {deployment.policy_url}; "
-            f"metrics at http://{config.host}:{port}/metrics",
-            highlight=False,
-        )
-        control = ControlPlane(participant_clients(deployment, control_http), store, metrics)
-        restored = None
-        if point is not None:
-            with console.status(f"restoring snapshot {point.manifest.snapshot_id}…"):
-                restored = await Restorer(control.participants).restore(
-                    point, train_data=config.workdir / TRAIN_DATA_FILE
-                )
-            console.print(
-                f"[green]resumed[/] from snapshot {restored.snapshot_id} at train step {restored.checkpoint.step}: "
-                f"{len(restored.continued)} episodes continued, {restored.restarted} restarted, "
-                f"{restored.adopted} finished replies adopted, {restored.tq_requeued} TQ items requeued",
-                highlight=False,
-            )
-        trainer = Trainer(config, deployment, tasks, control=control, restored=restored)
-        return await _drive_with_progress(trainer, runtime, total, metrics)
-    finally:
-        await control_http.aclose()
-        metrics.close()
-        await runtime.stop()
-
-
-async def _drive_with_progress(trainer: Any, runtime: Any, total: int, metrics: Any) -> Any:
+async def _drive_with_progress(
+    trainer: Trainer, runtime: EmbeddedRuntime, metrics: TrainerMetrics
+) -> RunSummary:
+    total = sum(len(trainer.ledger.group_records(g)) for g in trainer.ledger.group_ids())
     columns = (
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -167,14 +82,10 @@ async def _drive_with_progress(trainer: Any, runtime: Any, total: int, metrics: 
     )
     with Progress(*columns, console=console, transient=False) as progress:
         bar = progress.add_task("episodes", total=total, turns=0, reward=0.0, steps=0, pause="-")
-        job = asyncio.create_task(trainer.run())
-        # A replica whose process dies is restarted empty; the trainer re-sends its rows.
-        watch = asyncio.create_task(runtime.supervise(trainer.replica_down, trainer.replica_up))
+        job = asyncio.create_task(drive_quietly(trainer, runtime, metrics))
         try:
             while not job.done():
-                await asyncio.wait({job, watch}, timeout=0.25, return_when=asyncio.FIRST_COMPLETED)
-                if watch.done() and not job.done():
-                    watch.result()  # the policy died: raise why
+                await asyncio.wait({job}, timeout=0.25)
                 s = trainer.stats
                 pause = (
                     "-" if metrics.last_pause_s is None else f"{metrics.last_pause_s * 1000:.0f} ms"
@@ -188,10 +99,9 @@ async def _drive_with_progress(trainer: Any, runtime: Any, total: int, metrics: 
                     pause=pause,
                 )
         finally:
-            for task in (job, watch):
-                if not task.done():
-                    task.cancel()
-            await asyncio.gather(job, watch, return_exceptions=True)
+            if not job.done():
+                job.cancel()
+                await asyncio.gather(job, return_exceptions=True)
         return job.result()
 
 
@@ -208,7 +118,9 @@ def run(
         config = load_config(config_path)
         prepare_workdir(config.workdir, fresh=fresh, force=force)
         _setup_logging(config.workdir)
-        summary = _run_async(lambda: _run_job(config, fresh=fresh))
+        summary = _run_async(
+            lambda: run_job(config, fresh=fresh, say=_say, drive=_drive_with_progress)
+        )
     except RollpointError as exc:
         raise _fail(exc) from None
     except KeyboardInterrupt:

@@ -1,0 +1,144 @@
+"""One job on the embedded runtime, start to finish: what ``rollpoint run`` does.
+
+Owns the order of a run: pick the snapshot to resume from (or start over), check the config
+against it, start the servers, restore, run the trainer with the replica supervisor beside
+it, and stop everything on every exit path. It owns no display: callers pass ``say`` for
+messages and ``drive`` to watch the trainer (the CLI draws progress; chaos trials do not),
+and may reroute the deployment (chaos trials put fault proxies in the path).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import shutil
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from rollpoint.config import RunConfig
+from rollpoint.http.client import HttpClient
+from rollpoint.protocol.deployment import Deployment
+from rollpoint.protocol.episode import TaskRow
+from rollpoint.protocol.errors import ConfigError
+from rollpoint.runtime.embedded import EmbeddedRuntime
+from rollpoint.store.snapshot_store import SnapshotStore
+from rollpoint.trainer.control_plane import (
+    ControlPlane,
+    config_fingerprint,
+    participant_clients,
+    snapshot_root,
+)
+from rollpoint.trainer.metrics import TrainerMetrics
+from rollpoint.trainer.restorer import Restorer, check_config, choose_resume_point
+from rollpoint.trainer.train_checkpoint import TrainCheckpointStore
+from rollpoint.trainer.trainer_loop import TRAIN_DATA_FILE, RunSummary, Trainer
+
+log = logging.getLogger(__name__)
+
+Drive = Callable[[Trainer, EmbeddedRuntime, TrainerMetrics], Awaitable[RunSummary]]
+Route = Callable[[Deployment], Awaitable[Deployment]]
+
+
+def load_tasks_for(config: RunConfig) -> list[TaskRow]:
+    from rollpoint.envs import get_environment, load_tasks
+
+    if config.dataset is not None:
+        tasks = load_tasks(config.dataset)
+        wrong = [t.task_id for t in tasks if t.environment != config.environment]
+        if wrong:
+            raise ConfigError(
+                f"{config.dataset}: task {wrong[0]} is for another environment than '{config.environment}'"
+            )
+        return tasks
+    assert config.tasks is not None
+    return get_environment(config.environment).make_tasks(config.tasks, config.seed)
+
+
+def prepare_workdir(workdir: Path, *, fresh: bool, force: bool) -> None:
+    """--fresh starts over: on an empty workdir, or with --force on a used one."""
+    used = workdir.exists() and any(workdir.iterdir())
+    if fresh and used:
+        if not force:
+            raise ConfigError(f"workdir {workdir} is not empty; --fresh needs --force to delete it")
+        shutil.rmtree(workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+
+
+def forget_unresumable_run(workdir: Path, say: Callable[[str], None]) -> None:
+    """Outputs of a run that left no usable snapshot: its rollouts start over, so what it
+    trained on is dropped too (every group is then trained exactly once)."""
+    leftovers = [workdir / TRAIN_DATA_FILE, workdir / "checkpoints"]
+    if any(p.exists() for p in leftovers):
+        say(f"no usable snapshot in {workdir}; starting the job over")
+        (workdir / TRAIN_DATA_FILE).unlink(missing_ok=True)
+        shutil.rmtree(workdir / "checkpoints", ignore_errors=True)
+
+
+async def drive_quietly(
+    trainer: Trainer, runtime: EmbeddedRuntime, metrics: TrainerMetrics
+) -> RunSummary:
+    """Run the trainer with the replica supervisor beside it; the first error stops both."""
+    job = asyncio.create_task(trainer.run())
+    # A replica whose process dies is restarted empty; the trainer re-sends its rows.
+    watch = asyncio.create_task(runtime.supervise(trainer.replica_down, trainer.replica_up))
+    try:
+        await asyncio.wait({job, watch}, return_when=asyncio.FIRST_COMPLETED)
+        if watch.done() and not job.done():
+            watch.result()  # the policy died: raise why
+        return await job
+    finally:
+        for task in (job, watch):
+            if not task.done():
+                task.cancel()
+        await asyncio.gather(job, watch, return_exceptions=True)
+
+
+async def run_job(
+    config: RunConfig,
+    *,
+    fresh: bool,
+    say: Callable[[str], None] = log.info,
+    drive: Drive = drive_quietly,
+    route: Route | None = None,
+) -> RunSummary:
+    tasks = load_tasks_for(config)
+    token = secrets.token_urlsafe(32)
+    root = snapshot_root(config)
+    store = await asyncio.to_thread(SnapshotStore, root, config.snapshot.keep)
+    checkpoints = TrainCheckpointStore(config.workdir / "checkpoints")
+    point = None if fresh else await asyncio.to_thread(choose_resume_point, store, checkpoints)
+    if point is None:
+        forget_unresumable_run(config.workdir, say)
+    else:
+        check_config(point.manifest, config_fingerprint(config))
+    metrics = TrainerMetrics(config.workdir / "metrics.jsonl")
+    runtime = EmbeddedRuntime(config, control_token=token, snapshot_root=root)
+    control_http = HttpClient(token=token, timeout_s=60)
+    try:
+        deployment = await runtime.start()
+        if route is not None:
+            deployment = await route(deployment)
+        port = metrics.serve(config.host)
+        say(
+            f"servers up: {config.replicas} replica(s), policy at {deployment.policy_url}; "
+            f"metrics at http://{config.host}:{port}/metrics"
+        )
+        control = ControlPlane(participant_clients(deployment, control_http), store, metrics)
+        restored = None
+        if point is not None:
+            say(f"restoring snapshot {point.manifest.snapshot_id}")
+            restored = await Restorer(control.participants).restore(
+                point, train_data=config.workdir / TRAIN_DATA_FILE
+            )
+            say(
+                f"resumed from snapshot {restored.snapshot_id} at train step {restored.checkpoint.step}: "
+                f"{len(restored.continued)} episodes continued, {restored.restarted} restarted, "
+                f"{restored.adopted} finished replies adopted, {restored.tq_requeued} TQ items requeued"
+            )
+        trainer = Trainer(config, deployment, tasks, control=control, restored=restored)
+        return await drive(trainer, runtime, metrics)
+    finally:
+        await control_http.aclose()
+        metrics.close()
+        await runtime.stop()

@@ -207,6 +207,22 @@ def inspect(
 
 
 @app.command()
+def conformance(
+    url: Annotated[
+        str, typer.Argument(help="Base URL of the participant server.", show_default=False)
+    ],
+    token_file: Annotated[
+        Path, typer.Option("--token-file", help="File holding the control token.")
+    ],
+    as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+) -> None:
+    """Check that a server speaks the checkpoint control protocol: every case, passed or failed."""
+    from rollpoint.testing.conformance import conformance_command
+
+    raise typer.Exit(code=conformance_command(url, token_file, as_json))
+
+
+@app.command()
 def version() -> None:
     """Print the version."""
     out.print(__version__)

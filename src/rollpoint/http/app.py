@@ -2,7 +2,8 @@
 
 Owns: JSON rendering (orjson), the error envelope (every :class:`RollpointError` becomes
 ``{"error": {code, message, retryable}}`` with its status; a malformed body becomes a 422
-whose message names the field), and ``GET /healthz``. Servers add their own routes.
+whose message names the field, one that cannot be decoded a 400 ``bad_request``), and
+``GET /healthz``. Servers add their own routes.
 """
 
 from __future__ import annotations
@@ -12,10 +13,12 @@ from typing import Any
 
 import orjson
 from fastapi import FastAPI, Request
+from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
+from starlette.exceptions import HTTPException
 
-from rollpoint.protocol.errors import RollpointError
+from rollpoint.protocol.errors import BadRequestError, RollpointError
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +61,15 @@ def create_app(title: str, **kwargs: Any) -> FastAPI:
             }
         }
         return JsonResponse(body, status_code=422)
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(request: Request, exc: HTTPException) -> Response:
+        # FastAPI answers a body it cannot decode (say, not UTF-8) with a bare 400 of its
+        # own; every refusal of ours carries the envelope. Others (404/405 of an unknown
+        # route) keep FastAPI's shape.
+        if exc.status_code == 400:
+            return error_response(BadRequestError(f"the request body: {exc.detail}"))
+        return await http_exception_handler(request, exc)
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:

@@ -57,18 +57,6 @@ SAVED_DIR = "fuzz/saved"
 """A real empty commit made when the target starts: an aimed restore installs it."""
 HOLD_S = 60.0
 """Deadline of the checkpoint a start phase holds: it never lapses within an example."""
-ATTEMPT_CAP = 2**53
-"""KNOWN BUG (reported; pinned by ``test_an_attempt_beyond_64_bits_is_refused``): an
-attempt is any int >= 0, so one past 64 bits is accepted, raises a retire mark, and then
-the reply cannot be rendered (orjson): a bare 500 after the state changed. The fuzzer caps
-every attempt it sends here (the largest int any JSON reader holds exactly) until an upper
-bound is put on ``EpisodeId.attempt``; remove the cap with the fix."""
-AGENT_ATTEMPT_CAP = 1_000
-"""KNOWN BUG (reported; pinned by ``test_agent_retire_cost_does_not_grow_with_the_attempt``):
-the agent's ``SessionBook.retire`` loops over every attempt up to the mark, so one retire
-(or restore) naming attempt 10**18 freezes the agent's event loop for good. The fuzzer
-caps the attempts it sends to the agent this low until that is fixed."""
-
 REPLIES: dict[Verb, type[BaseModel]] = {
     Verb.STATUS: StatusReply,
     Verb.PREPARE: PrepareReply,
@@ -213,19 +201,8 @@ class Target:
         elif self.held is not None and "checkpoint_id" in body:
             body["checkpoint_id"] = self.held
 
-    def tame(self, case: Case) -> None:
-        """Cap the attempts a body names (see :data:`ATTEMPT_CAP`, :data:`AGENT_ATTEMPT_CAP`)."""
-        cap = AGENT_ATTEMPT_CAP if self.kind == "agent" else ATTEMPT_CAP
-        episodes = case.body.get("episode_ids") if isinstance(case.body, dict) else None
-        for episode in episodes if isinstance(episodes, list) else []:
-            attempt = episode.get("attempt") if isinstance(episode, dict) else None
-            # Pydantic takes 4e10 (a whole float) for an int too.
-            if isinstance(attempt, int | float) and attempt > cap:
-                episode["attempt"] = cap
-
     def send(self, case: Case, headers: dict[str, str]) -> Any:
         """Send a fuzzed request; tally it."""
-        self.tame(case)
         TALLY.requests[self.kind] += 1
         response = case.call(base_url=self.url, session=self._session, headers=headers)
         TALLY.fuzzed[(self.kind, f"{response.status_code // 100}xx")] += 1

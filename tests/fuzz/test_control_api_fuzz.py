@@ -144,17 +144,9 @@ def test_a_refused_control_request_changes_nothing(target: Target, verb: Verb) -
     refusal_changes_nothing()
 
 
-# --- known bugs the fuzzer found ---------------------------------------------------------
-# Each is strict: once fixed it passes, the xfail fails the run, and the mark (and the
-# matching cap in control_fuzz.py) comes out.
+# --- bugs the fuzzer found, each pinned by the test of its fix ---------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="KNOWN BUG: an attempt past 64 bits raises a mark, then the reply cannot be "
-    "rendered: a bare 500 (see ATTEMPT_CAP)",
-)
 def test_an_attempt_beyond_64_bits_is_refused(tmp_path: Path) -> None:
     with serve_target("model", tmp_path) as model:
         before = model.fingerprint()
@@ -169,12 +161,6 @@ def test_an_attempt_beyond_64_bits_is_refused(tmp_path: Path) -> None:
     assert after == before
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="KNOWN BUG: the agent's SessionBook.retire loops over every attempt up to the "
-    "mark (see AGENT_ATTEMPT_CAP); remove this mark and the cap with the fix",
-)
 def test_agent_retire_cost_does_not_grow_with_the_attempt(tmp_path: Path) -> None:
     with serve_target("agent", tmp_path) as agent:
         elapsed = {}
@@ -187,13 +173,6 @@ def test_agent_retire_cost_does_not_grow_with_the_attempt(tmp_path: Path) -> Non
     assert elapsed[3_000_000] < 0.1 + 10 * elapsed[0], elapsed
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="KNOWN BUG: a commit into a dir whose name is longer than the filesystem allows "
-    "is refused as 422 invalid_checkpoint_state after its write started, and keeps the "
-    "lease it extended; remove this mark with the fix",
-)
 def test_a_commit_into_a_name_too_long_is_a_bad_path_and_changes_nothing(tmp_path: Path) -> None:
     with serve_target("resources", tmp_path) as live:
         live.enter(Start.PREPARED)
@@ -207,5 +186,6 @@ def test_a_commit_into_a_name_too_long_is_a_bad_path_and_changes_nothing(tmp_pat
         reply = httpx.post(f"{live.url}{CONTROL_PREFIX}/{Verb.COMMIT}", json=body, headers=AUTH)
         after = live.fingerprint()
         live.reset()
-    assert (reply.status_code, error_code(reply.content)) == (400, "bad_request"), reply.text
+    # Refused by validation, before the fence or the file system see it.
+    assert (reply.status_code, error_code(reply.content)) == (422, "bad_request"), reply.text
     assert after == before

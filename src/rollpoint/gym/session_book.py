@@ -118,6 +118,8 @@ class SessionBook:
         """Live sessions (restored ones included) by rollout id: one attempt at a time."""
         self._by_state: dict[SessionState, dict[str, Session]] = {s: {} for s in LIVE_STATES}
         self._finished: dict[str, RunReply] = {}
+        self._held: dict[str, set[int]] = {}
+        """rollout_id → attempts whose finished reply is held (an index of ``_finished``)."""
         """Held replies by episode key, oldest first."""
         self._marks: dict[str, int] = {}
         self._evicted = 0
@@ -331,7 +333,7 @@ class SessionBook:
         key = reply.episode.key
         if key not in self._finished and len(self._finished) >= self.max_finished_replies:
             oldest = next(iter(self._finished))
-            del self._finished[oldest]
+            self._release(oldest)
             self._evicted += 1
             if self._evicted % EVICTION_LOG_EVERY == 1:
                 log.warning(
@@ -342,6 +344,17 @@ class SessionBook:
                     oldest,
                 )
         self._finished[key] = reply
+        self._held.setdefault(reply.episode.rollout_id, set()).add(reply.episode.attempt)
+
+    def _release(self, key: str) -> RunReply | None:
+        reply = self._finished.pop(key, None)
+        if reply is not None:
+            attempts = self._held.get(reply.episode.rollout_id)
+            if attempts is not None:
+                attempts.discard(reply.episode.attempt)
+                if not attempts:
+                    del self._held[reply.episode.rollout_id]
+        return reply
 
     def finished_unacked(self) -> list[EpisodeId]:
         return [reply.episode for reply in self._finished.values()]
@@ -353,7 +366,7 @@ class SessionBook:
         """Release held replies; returns the episodes that were held (acking twice is a no-op)."""
         released = []
         for episode in episodes:
-            if self._finished.pop(episode.key, None) is not None:
+            if self._release(episode.key) is not None:
                 released.append(episode)
         if released:
             self._notify()
@@ -373,7 +386,9 @@ class SessionBook:
                 outcomes.append(self._outcome(live.episode, RetireOutcomeKind.CANCELLED))
                 self._cancel(live)
                 found = True
-            for held in range(mark + 1):
+            # The held attempts of this rollout, not every number up to the mark: a mark
+            # may be huge, and this runs on the event loop.
+            for held in sorted(a for a in self._held.get(rollout_id, ()) if a <= mark):
                 reply = self._finished.get(f"{rollout_id}#{held}")
                 if reply is not None:
                     outcomes.append(

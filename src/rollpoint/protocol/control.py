@@ -45,7 +45,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Annotated
 
-from pydantic import Field, StringConstraints
+from pydantic import AfterValidator, Field, StringConstraints
 
 from rollpoint.protocol.ids import CheckpointId, EpisodeId, Identifier
 from rollpoint.protocol.manifest import ParticipantManifest
@@ -61,7 +61,19 @@ MAX_BATCH = 100_000
 
 DeadlineTs = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 """Absolute Unix seconds (not a duration): the same instant on every machine."""
-CheckpointDir = Annotated[str, StringConstraints(min_length=1, max_length=1024)]
+
+
+def _path_parts_fit(value: str) -> str:
+    # File systems refuse names over 255 bytes; refuse them here, before anything moves.
+    long = [part for part in value.split("/") if len(part.encode()) > 255]
+    if long:
+        raise ValueError(f"path part longer than 255 bytes: {long[0][:40]}…")
+    return value
+
+
+CheckpointDir = Annotated[
+    str, StringConstraints(min_length=1, max_length=1024), AfterValidator(_path_parts_fit)
+]
 """Relative to the participant's snapshot root; absolute paths and ``..`` are refused (400)."""
 
 

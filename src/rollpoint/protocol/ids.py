@@ -28,6 +28,9 @@ Identifier = Annotated[
 
 CheckpointId = Identifier
 
+MAX_ATTEMPT = 2**53
+"""Attempts stay exact in every JSON reader (a double holds integers up to 2**53)."""
+
 # Headers the agent sets on every model call so the model server can file it by episode.
 HEADER_ROLLOUT_ID = "x-rollpoint-rollout-id"
 HEADER_ATTEMPT = "x-rollpoint-attempt"
@@ -49,7 +52,7 @@ class EpisodeId(StrictModel):
     """One try of one episode: a rollout id and its attempt number."""
 
     rollout_id: Identifier
-    attempt: Annotated[int, Field(ge=0)] = 0
+    attempt: Annotated[int, Field(ge=0, le=MAX_ATTEMPT)] = 0
 
     @property
     def key(self) -> str:

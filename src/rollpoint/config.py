@@ -69,6 +69,10 @@ class RunConfig(_Section):
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     snapshot: SnapshotConfig = Field(default_factory=SnapshotConfig)
+    recovery: Literal["turn", "restart"] = "turn"
+    """After a crash, ``turn`` continues every saved episode from its last completed turn;
+    ``restart`` starts every unfinished episode over from its prompt (the baseline that
+    turn-level recovery is measured against)."""
     runtime: Literal["embedded"] = "embedded"
     seed: int = 0
     host: str = "127.0.0.1"

@@ -129,7 +129,9 @@ async def run_job(
         if point is not None:
             say(f"restoring snapshot {point.manifest.snapshot_id}")
             restored = await Restorer(control.participants).restore(
-                point, train_data=config.workdir / TRAIN_DATA_FILE
+                point,
+                train_data=config.workdir / TRAIN_DATA_FILE,
+                continue_episodes=config.recovery == "turn",
             )
             say(
                 f"resumed from snapshot {restored.snapshot_id} at train step {restored.checkpoint.step}: "

@@ -137,8 +137,15 @@ class Restorer:
         self._participants = participants
 
     async def restore(
-        self, point: ResumePoint, *, train_data: Path, deadline_s: float = 30.0
+        self,
+        point: ResumePoint,
+        *,
+        train_data: Path,
+        deadline_s: float = 30.0,
+        continue_episodes: bool = True,
     ) -> RestoredRun:
+        """``continue_episodes=False`` is ``recovery: restart``: the saved episodes start over
+        from their prompts (their sessions are not installed); the rest is the same."""
         manifest = point.manifest
         await self._check_topology(manifest)
         ledger = RecoveryLedger.from_document(
@@ -148,7 +155,7 @@ class Restorer:
         tq = FinishedQueue.from_document(
             point.tq_doc, what=f"TQ of snapshot {manifest.snapshot_id}"
         )
-        await self._install(manifest, deadline_s)
+        await self._install(manifest, deadline_s, sessions=continue_episodes)
         run = RestoredRun(
             snapshot_id=manifest.snapshot_id,
             checkpoint=point.checkpoint,
@@ -157,6 +164,10 @@ class Restorer:
             trainer_doc=point.trainer_doc,
         )
         for saved in manifest.episodes:
+            if not continue_episodes:
+                ledger.abandon(saved.rollout_id)
+                run.restarted += 1
+                continue
             record = ledger.continue_attempt(saved.rollout_id)
             run.continued.append(EpisodeId(rollout_id=record.rollout_id, attempt=record.attempt))
         for restart in manifest.restarts:
@@ -199,12 +210,15 @@ class Restorer:
                 "nothing was installed"
             )
 
-    async def _install(self, manifest: SnapshotManifest, deadline_s: float) -> None:
-        """Restore every participant or none: one cleanup path on any failure."""
+    async def _install(
+        self, manifest: SnapshotManifest, deadline_s: float, *, sessions: bool
+    ) -> None:
+        """Restore every participant or none: one cleanup path on any failure. Without
+        ``sessions`` the scope is empty: only held finished replies are installed."""
         restore_id = f"restore-{int(time.time() * 1000)}"
         directory = f"{SNAPSHOTS_DIR}/{manifest.snapshot_id}/{PARTICIPANTS_SUBDIR}"
         scopes: dict[str, list[EpisodeId]] = defaultdict(list)
-        for saved in manifest.episodes:
+        for saved in manifest.episodes if sessions else []:
             scopes[saved.replica].append(
                 EpisodeId(rollout_id=saved.rollout_id, attempt=saved.attempt)
             )

@@ -9,7 +9,7 @@ from collections.abc import Awaitable, Callable
 
 import orjson
 
-from bench import episode_throughput, model_overhead
+from bench import crash_rework, episode_throughput, model_overhead
 from bench.report import BenchResult, print_results, save_results
 
 Item = Callable[[bool], Awaitable[BenchResult]]
@@ -17,6 +17,7 @@ Item = Callable[[bool], Awaitable[BenchResult]]
 ITEMS: dict[str, Item] = {
     "model_overhead": lambda quick: model_overhead.run(calls=1500 if quick else 5000),
     "episode_throughput": lambda quick: episode_throughput.run(tasks=32 if quick else 128),
+    "crash_rework": lambda quick: crash_rework.run(tasks=24 if quick else 64),
 }
 
 

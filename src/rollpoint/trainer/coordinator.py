@@ -599,8 +599,15 @@ async def _by_deadline(
     """Run the calls together; one that has not answered by the shared deadline (plus a
     little slack) is cancelled and counts as failed, so no participant holds the pause."""
     tasks = [asyncio.ensure_future(c) for c in calls]
-    if tasks:
-        await asyncio.wait(tasks, timeout=max(0.0, deadline - time.time()) + _DEADLINE_SLACK_S)
+    try:
+        if tasks:
+            await asyncio.wait(tasks, timeout=max(0.0, deadline - time.time()) + _DEADLINE_SLACK_S)
+    except BaseException:
+        # Cancelled with the save: take the calls down too, and collect their outcomes.
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
     results: list[R | BaseException] = []
     for task in tasks:
         if not task.done():

@@ -9,15 +9,27 @@ from collections.abc import Awaitable, Callable
 
 import orjson
 
-from bench import crash_rework, episode_throughput, model_overhead
+from bench import checkpoint_overhead, crash_rework, episode_throughput, model_overhead, snapshot_io
 from bench.report import BenchResult, print_results, save_results
 
 Item = Callable[[bool], Awaitable[BenchResult]]
+
+
+async def _sync(fn: Callable[..., BenchResult], *args: object) -> BenchResult:
+    """A blocking item, run off the event loop."""
+    return await asyncio.to_thread(fn, *args)
+
 
 ITEMS: dict[str, Item] = {
     "model_overhead": lambda quick: model_overhead.run(calls=1500 if quick else 5000),
     "episode_throughput": lambda quick: episode_throughput.run(tasks=32 if quick else 128),
     "crash_rework": lambda quick: crash_rework.run(tasks=24 if quick else 64),
+    "snapshot_io": lambda quick: _sync(snapshot_io.run, (10_000,) if quick else (10_000, 100_000)),
+    "checkpoint_overhead": lambda quick: (
+        checkpoint_overhead.run(every_s=1.0, tasks=64, latency_ms=50)
+        if quick
+        else checkpoint_overhead.run(every_s=5.0, tasks=256, latency_ms=100)
+    ),
 }
 
 

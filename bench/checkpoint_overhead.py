@@ -1,0 +1,76 @@
+"""Rollout throughput with snapshots every few seconds against snapshots off: the overhead
+of checkpointing, as a ratio measured in one run.
+
+The same job (real server processes, the real trainer, a policy with realistic latency) runs
+twice: with ``snapshot.every_seconds`` set and with snapshots off (and no train-checkpoint
+snapshots either, so only the periodic ones are measured).
+"""
+
+from __future__ import annotations
+
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.report import BenchResult
+from rollpoint.config import parse_config
+from rollpoint.job import drive_quietly, run_job
+from rollpoint.runtime.embedded import EmbeddedRuntime
+from rollpoint.trainer.metrics import TrainerMetrics
+from rollpoint.trainer.trainer_loop import RunSummary, Trainer
+
+
+async def _one(
+    workdir: Path, every_s: float | None, tasks: int, latency_ms: float
+) -> tuple[RunSummary, float, int]:
+    config = parse_config(
+        {
+            "workdir": str(workdir),
+            "environment": "workplace",
+            "tasks": tasks,
+            "group_size": 4,
+            "replicas": 2,
+            "concurrency": 64,
+            "policy": {"latency_ms": latency_ms, "error_rate": 0.0},
+            "train": {"batch_size": 64, "checkpoint_every_steps": None},
+            "snapshot": {"every_seconds": every_s},
+        }
+    )
+    config.workdir.mkdir(parents=True, exist_ok=True)
+    timing: dict[str, Any] = {}
+
+    async def drive(
+        trainer: Trainer, runtime: EmbeddedRuntime, metrics: TrainerMetrics
+    ) -> RunSummary:
+        t0 = time.monotonic()
+        summary = await drive_quietly(trainer, runtime, metrics)
+        timing["s"] = time.monotonic() - t0
+        timing["snapshots"] = (
+            sum(1 for r in trainer.coordinator.history if r.published) if trainer.coordinator else 0
+        )
+        return summary
+
+    summary = await run_job(config, fresh=False, say=lambda _: None, drive=drive)
+    return summary, float(timing["s"]), int(timing["snapshots"])
+
+
+async def run(every_s: float = 5.0, tasks: int = 256, latency_ms: float = 100.0) -> BenchResult:
+    with tempfile.TemporaryDirectory() as tmp:
+        off, off_s, _ = await _one(Path(tmp) / "off", None, tasks, latency_ms)
+        on, on_s, snaps = await _one(Path(tmp) / "on", every_s, tasks, latency_ms)
+    off_rate, on_rate = off.episodes / off_s, on.episodes / on_s
+    return BenchResult(
+        key="checkpoint_overhead",
+        title=f"rollout throughput with snapshots every {every_s:g} s vs off",
+        figures={
+            "off_episodes_per_s": off_rate,
+            "on_episodes_per_s": on_rate,
+            "off_turns_per_s": off.turns / off_s,
+            "on_turns_per_s": on.turns / on_s,
+            "snapshots_taken": snaps,
+            "throughput_ratio_on_over_off": on_rate / off_rate,
+            "overhead_percent": (1 - on_rate / off_rate) * 100,
+        },
+        params={"tasks": tasks, "group_size": 4, "replicas": 2, "policy_latency_ms": latency_ms},
+    )

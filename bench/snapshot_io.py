@@ -1,0 +1,112 @@
+"""Snapshot bytes written per second against the disk's own sequential write speed, and
+restore (read + verify + decode) time against snapshot size, measured in one run.
+
+The disk figure is a plain sequential write of the same number of bytes in 8 MiB blocks
+with one fsync at the end — the physical limit a snapshot writer can approach. The
+snapshot figure is :func:`write_participant_state` on records shaped like an agent's
+saved sessions (a transcript of a few turns each), fsync included, so the ratio is
+rollpoint's serialisation + hashing + write path against the raw disk.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.report import BenchResult
+from rollpoint.store.participant_state import read_participant_state, write_participant_state
+
+_BLOCK = 8 << 20
+
+
+def _records(n: int) -> list[dict[str, Any]]:
+    turn = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_0",
+                "type": "function",
+                "function": {
+                    "name": "calendar_create_event",
+                    "arguments": '{"title": "Team sync", "date": "2025-01-15", "start_time": "10:00", "duration_minutes": 30}',
+                },
+            }
+        ],
+    }
+    tool = {
+        "role": "tool",
+        "tool_call_id": "call_0",
+        "content": '{"status": "created", "event": {"id": 1}}',
+    }
+    return [
+        {
+            "kind": "session",
+            "episode": {"rollout_id": f"r{i:015x}", "attempt": 0},
+            "turn": 3,
+            "messages": [
+                {"role": "user", "content": "Schedule these events…" * 4},
+                *([turn, tool] * 3),
+            ],
+        }
+        for i in range(n)
+    ]
+
+
+def _disk_write(path: Path, size: int) -> float:
+    block = os.urandom(_BLOCK)
+    t0 = time.perf_counter()
+    with path.open("wb") as out:
+        left = size
+        while left > 0:
+            out.write(block[: min(left, _BLOCK)])
+            left -= _BLOCK
+        out.flush()
+        os.fsync(out.fileno())
+    return time.perf_counter() - t0
+
+
+def run(sizes: tuple[int, ...] = (10_000, 100_000)) -> BenchResult:
+    figures: dict[str, float | int | str] = {}
+    with tempfile.TemporaryDirectory(dir=os.environ.get("ROLLPOINT_BENCH_DIR")) as tmp:
+        for n in sizes:
+            records = _records(n)
+            folder = Path(tmp) / f"s{n}"
+            t0 = time.perf_counter()
+            manifest = write_participant_state(
+                str(folder),
+                kind="agent",
+                instance="agent-replica-0",
+                checkpoint_id=f"bench-{n}",
+                records=records,
+            )
+            write_s = time.perf_counter() - t0
+            disk_s = _disk_write(Path(tmp) / f"raw{n}", manifest.bytes)
+            t1 = time.perf_counter()
+            _, back = read_participant_state(
+                str(folder), kind="agent", instance="agent-replica-0", checkpoint_id=f"bench-{n}"
+            )
+            read_s = time.perf_counter() - t1
+            assert len(back) == n
+            mib = manifest.bytes / (1 << 20)
+            figures |= {
+                f"n{n}_mib": mib,
+                f"n{n}_snapshot_write_mib_per_s": mib / write_s,
+                f"n{n}_disk_write_mib_per_s": mib / disk_s,
+                f"n{n}_write_ratio_to_disk": disk_s / write_s,
+                f"n{n}_restore_read_verify_s": read_s,
+                f"n{n}_restore_s_per_gib": read_s / (manifest.bytes / (1 << 30)),
+            }
+            (Path(tmp) / f"raw{n}").unlink()
+    return BenchResult(
+        key="snapshot_io",
+        title="snapshot write speed vs raw disk, restore time vs size",
+        figures=figures,
+        params={
+            "records": ", ".join(str(n) for n in sizes),
+            "record": "one agent session, 3 turns",
+        },
+    )

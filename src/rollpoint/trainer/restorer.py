@@ -224,6 +224,11 @@ class Restorer:
             )
         deadline = time.time() + deadline_s
         clients = _named(self._participants, manifest)
+        # A failed restore into these same servers left retire marks on the next attempts
+        # (its cleanup); forget them first, or the continued attempts would be refused.
+        rollout_ids = [e.rollout_id for e in manifest.episodes]
+        if rollout_ids:
+            await asyncio.gather(*(p.forget(rollout_ids) for p in clients), return_exceptions=True)
         results = await asyncio.gather(
             *(
                 p.restore(

@@ -1,0 +1,679 @@
+"""What the defect scenarios share: a deployment in threads, proxies on its wires, the
+trainer's parts wired as ``rollpoint run`` wires them, a spy on control calls, and a
+``/run`` relay that holds result lines.
+
+Owns setting these up and tearing them down. It asserts nothing: each scenario builds its
+defect's situation from these parts and states what it checks itself.
+
+- :class:`ScenarioCluster`: a scripted policy and N replicas (model, agent, resources),
+  each a real uvicorn server in a thread whose loop is exposed (to hold a gate or read a
+  session book), all checkpoint participants with a short lease grace; optionally a
+  :class:`~rollpoint.testing.FaultProxy` on each agent's wire to its resources server.
+- :func:`fronted`: fault proxies in front of chosen participants (their control routes and,
+  for an agent, ``/run`` too).
+- :func:`job` / :class:`Job`: the real :class:`~rollpoint.trainer.trainer_loop.Trainer`.
+- :class:`Rig`: ledger, barrier, TQ, dispatcher, release batcher and snapshot coordinator
+  wired as the trainer wires them, without its feed and train loops: one group at a time.
+- :class:`SpyClient`: a participant client noting every control call it makes.
+- :class:`ReplyRelay`: a ``/run`` relay that holds chosen result lines (a reply on the
+  wire) or ends every stream early and cleanly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import socket
+import urllib.request
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+from typing import Any, TypeVar
+
+import aiohttp
+import orjson
+from aiohttp import web
+from pydantic import BaseModel
+
+from rollpoint.config import RunConfig, SnapshotConfig, parse_config
+from rollpoint.envs import get_environment
+from rollpoint.gym.admission_gate import AdmissionGate
+from rollpoint.gym.agent_server import AgentSettings, agent_server_of, create_agent_app
+from rollpoint.gym.model_server import ModelServerSettings, create_model_app, model_server_of
+from rollpoint.gym.resources_server import create_resources_app
+from rollpoint.gym.session_book import SessionBook
+from rollpoint.http.auth import CONTROL_TOKEN_ENV
+from rollpoint.http.client import HttpClient
+from rollpoint.policy.scripted_policy import PolicySettings, create_policy_app
+from rollpoint.protocol.control import CONTROL_PREFIX, StatusReply
+from rollpoint.protocol.deployment import Deployment, ReplicaEndpoints
+from rollpoint.protocol.episode import EnvironmentName, RunReply, RunRow, TaskRow
+from rollpoint.protocol.participant import ParticipantKind
+from rollpoint.store.snapshot_store import SnapshotStore
+from rollpoint.testing import FaultProxy, ProxiedRequest
+from rollpoint.trainer.control_plane import ControlPlane
+from rollpoint.trainer.coordinator import SaveReport, SnapshotCoordinator
+from rollpoint.trainer.dispatch_barrier import DispatchBarrier
+from rollpoint.trainer.dispatcher import Dispatcher
+from rollpoint.trainer.finished_queue import FinishedQueue
+from rollpoint.trainer.ledger import LedgerRecord, RecoveryLedger
+from rollpoint.trainer.metrics import TrainerMetrics
+from rollpoint.trainer.participant_client import ParticipantAddress, ParticipantClient
+from rollpoint.trainer.release_batcher import ReleaseBatcher
+from rollpoint.trainer.replica_roster import ReplicaRoster
+from rollpoint.trainer.restorer import RestoredRun
+from rollpoint.trainer.train_hooks import TrainHooks, TrainSample
+from rollpoint.trainer.trainer_loop import TRAIN_DATA_FILE, RunSummary, Trainer
+from tests.integration.trainer_cluster import ThreadServer
+from tests.support.polling import eventually
+
+T = TypeVar("T")
+R = TypeVar("R", bound=BaseModel)
+
+KINDS = (ParticipantKind.MODEL, ParticipantKind.AGENT, ParticipantKind.RESOURCES)
+"""Participant order within a replica, as ``participant_clients`` lists them."""
+RESUME = f"{CONTROL_PREFIX}/resume"
+PREPARE = f"{CONTROL_PREFIX}/prepare"
+RESTORE = f"{CONTROL_PREFIX}/restore"
+RETIRE = f"{CONTROL_PREFIX}/retire"
+
+
+def label(kind: ParticipantKind, replica: str) -> str:
+    return f"{kind}@{replica}"
+
+
+# --- the deployment -------------------------------------------------------------------
+
+
+@dataclass
+class ScenarioReplica:
+    name: str
+    model: ThreadServer
+    agent: ThreadServer
+    resources: ThreadServer
+    tools: FaultProxy | None
+    """The agent's wire to its resources server (start, tools, verify), when asked for."""
+
+    @property
+    def endpoints(self) -> ReplicaEndpoints:
+        return ReplicaEndpoints(
+            name=self.name,
+            model_url=self.model.url,
+            agent_url=self.agent.url,
+            resources_url=self.resources.url,
+        )
+
+    def url(self, kind: ParticipantKind) -> str:
+        return {
+            ParticipantKind.MODEL: self.model.url,
+            ParticipantKind.AGENT: self.agent.url,
+            ParticipantKind.RESOURCES: self.resources.url,
+        }[kind]
+
+    def on_gate(self, action: Callable[[AdmissionGate], T]) -> T:
+        """Act on the model server's real admission gate, on its own loop."""
+        return self.model.call(lambda: action(model_server_of(self.model.app).gate))
+
+    def on_book(self, action: Callable[[SessionBook], T]) -> T:
+        """Act on the agent's real session book, on its own loop."""
+        return self.agent.call(lambda: action(agent_server_of(self.agent.app).book))
+
+
+class ScenarioCluster:
+    """A scripted policy and ``replicas`` replicas, every server a checkpoint participant
+    writing under ``snapshot_root``; use as an async context manager."""
+
+    def __init__(
+        self,
+        snapshot_root: Path,
+        *,
+        replicas: int = 2,
+        environment: EnvironmentName = "workplace",
+        latency_ms: float = 10.0,
+        lease_grace_s: float = 2.0,
+        tool_proxy: bool = False,
+        seed: int = 0,
+    ) -> None:
+        self.snapshot_root = str(snapshot_root)
+        self.environment = environment
+        self.token = secrets.token_urlsafe(16)
+        self._count = replicas
+        self._latency_ms = latency_ms
+        self._lease_grace_s = lease_grace_s
+        self._tool_proxy = tool_proxy
+        self._seed = seed
+        self._servers: list[ThreadServer] = []
+        self._stack = AsyncExitStack()
+        self.replicas: list[ScenarioReplica] = []
+        self.policy_url = ""
+
+    async def __aenter__(self) -> ScenarioCluster:
+        settings = PolicySettings(seed=self._seed, latency_ms=self._latency_ms, error_rate=0.0)
+        self.policy_url = self._start(create_policy_app(settings), "/v1/models").url
+        previous = os.environ.get(CONTROL_TOKEN_ENV)
+        # Every server reads the token once, as its app is created.
+        os.environ[CONTROL_TOKEN_ENV] = self.token
+        try:
+            for i in range(self._count):
+                self.replicas.append(await self._replica(f"replica-{i}"))
+        finally:
+            if previous is None:
+                os.environ.pop(CONTROL_TOKEN_ENV, None)
+            else:
+                os.environ[CONTROL_TOKEN_ENV] = previous
+        for replica in self.replicas:
+            for kind in KINDS:
+                _warm_up(replica.url(kind) + CONTROL_PREFIX + "/status", self.token)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self._stack.aclose()  # proxies first: a held tool call is cut, not waited for
+        for replica in self.replicas:
+            # A call held at a closed gate or boundary would hold its server's shutdown.
+            replica.on_gate(lambda gate: gate.open())
+            replica.on_book(lambda book: book.open_boundaries())
+        # All at once: each waits for uvicorn's shutdown tick, and nothing is left to serve.
+        await asyncio.gather(*(asyncio.to_thread(s.stop) for s in self._servers))
+
+    def _start(self, app: Any, warm_up_path: str) -> ThreadServer:
+        server = ThreadServer(app)
+        self._servers.append(server)
+        # One request before the next server starts: FastAPI builds a route's models on its
+        # first request, and apps doing that at once in threads of one process race.
+        _warm_up(server.url + warm_up_path)
+        return server
+
+    async def _replica(self, name: str) -> ScenarioReplica:
+        control: dict[str, Any] = {
+            "snapshot_root": self.snapshot_root,
+            "lease_grace_s": self._lease_grace_s,
+        }
+        resources = self._start(
+            create_resources_app(self.environment, replica=name, **control), "/tools"
+        )
+        tools = None
+        if self._tool_proxy:
+            tools = await self._stack.enter_async_context(FaultProxy(resources.url))
+        model_settings = ModelServerSettings(
+            upstream_url=f"{self.policy_url}/v1", replica=name, **control
+        )
+        model = self._start(create_model_app(model_settings), "/rollpoint/v1/stats")
+        agent_settings = AgentSettings(
+            model_url=model.url,
+            resources_url=tools.url if tools is not None else resources.url,
+            environment=self.environment,
+            replica=name,
+            checkpoint_mode=get_environment(self.environment).checkpoint_mode,
+            **control,
+        )
+        agent = self._start(create_agent_app(agent_settings), "/rollpoint/v1/sessions")
+        return ScenarioReplica(name, model, agent, resources, tools)
+
+    # --- views -------------------------------------------------------------------------
+
+    def replica(self, name: str) -> ScenarioReplica:
+        (found,) = [r for r in self.replicas if r.name == name]
+        return found
+
+    def url_of(self, participant: str) -> str:
+        kind, _, replica = participant.partition("@")
+        return self.replica(replica).url(ParticipantKind(kind))
+
+    def deployment(self, run_urls: Mapping[str, str] | None = None) -> Deployment:
+        """The deployment; ``run_urls`` (by replica) sends that replica's ``/run`` elsewhere."""
+        urls = run_urls or {}
+        endpoints = [
+            r.endpoints.model_copy(update={"agent_url": urls.get(r.name, r.agent.url)})
+            for r in self.replicas
+        ]
+        return Deployment(replicas=endpoints, policy_url=f"{self.policy_url}/v1")
+
+    def clients(
+        self,
+        http: HttpClient,
+        *,
+        urls: Mapping[str, str] | None = None,
+        spy: list[ControlCall] | None = None,
+    ) -> list[ParticipantClient]:
+        """One control client per participant; ``urls`` (by label) reaches some through
+        proxies; with ``spy``, every call is noted there."""
+        clients: list[ParticipantClient] = []
+        for replica in self.replicas:
+            for kind in KINDS:
+                url = (urls or {}).get(label(kind, replica.name), replica.url(kind))
+                address = ParticipantAddress(kind=kind, replica=replica.name, url=url)
+                clients.append(
+                    ParticipantClient(address, http)
+                    if spy is None
+                    else SpyClient(address, http, spy)
+                )
+        return clients
+
+    def tasks(self, n: int, seed: int = 0) -> list[TaskRow]:
+        return get_environment(self.environment).make_tasks(n, seed)
+
+
+def _warm_up(url: str, token: str | None = None) -> None:
+    headers = {"authorization": f"Bearer {token}"} if token else {}
+    with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=10):
+        pass
+
+
+@asynccontextmanager
+async def fronted(cluster: ScenarioCluster, *labels: str) -> AsyncIterator[dict[str, FaultProxy]]:
+    """A fault proxy in front of each participant named (``"agent@replica-0"``)."""
+    async with AsyncExitStack() as stack:
+        yield {
+            name: await stack.enter_async_context(FaultProxy(cluster.url_of(name)))
+            for name in labels
+        }
+
+
+def rollout_is(rollout_id: str) -> Callable[[ProxiedRequest], bool]:
+    """A fault-proxy predicate: the request body names an episode of ``rollout_id``."""
+
+    def matches(request: ProxiedRequest) -> bool:
+        body = request.json()
+        return isinstance(body, dict) and body.get("episode", {}).get("rollout_id") == rollout_id
+
+    return matches
+
+
+async def statuses(clients: list[ParticipantClient]) -> dict[str, StatusReply]:
+    replies = await asyncio.gather(*(c.status() for c in clients))
+    return {c.label: r for c, r in zip(clients, replies, strict=True)}
+
+
+def run_row(ledger: RecoveryLedger, record: LedgerRecord, *, attempt: int | None = None) -> RunRow:
+    """The ``/run`` row of a ledger record (of ``attempt``, by default the record's)."""
+    episode = (
+        record.episode
+        if attempt is None
+        else record.episode.model_copy(update={"attempt": attempt})
+    )
+    return RunRow(
+        task=ledger.task(record.task_id),
+        group_id=record.group_id,
+        row=record.row,
+        episode=episode,
+        max_turns=12,
+    )
+
+
+async def play(http: HttpClient, agent_url: str, rows: list[RunRow]) -> list[dict[str, Any]]:
+    """``POST /run`` straight to an agent; every result line, once all arrived."""
+    body = {"rows": [row.model_dump(mode="json") for row in rows]}
+    return [line async for line in http.stream_ndjson(f"{agent_url}/run", body)]
+
+
+# --- control calls, noted --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ControlCall:
+    participant: str
+    verb: str
+    checkpoint_id: str | None
+    scope: int | None
+    """How many episodes the request named (commit, restore, retire, ack), else None."""
+
+
+class SpyClient(ParticipantClient):
+    """Our own participant client, noting every control call before it makes it."""
+
+    def __init__(
+        self, address: ParticipantAddress, http: HttpClient, log: list[ControlCall]
+    ) -> None:
+        super().__init__(address, http)
+        self._log = log
+
+    async def _call(
+        self, verb: str, reply: type[R], body: BaseModel | None, deadline_ts: float | None
+    ) -> R:
+        episodes = getattr(body, "episode_ids", None)
+        self._log.append(
+            ControlCall(
+                self.label,
+                verb,
+                getattr(body, "checkpoint_id", None),
+                None if episodes is None else len(episodes),
+            )
+        )
+        return await super()._call(verb, reply, body, deadline_ts)
+
+
+# --- the real trainer -------------------------------------------------------------------
+
+
+def job_config(workdir: Path, **overrides: Any) -> RunConfig:
+    """A small job; ``overrides`` replace whole keys (a section replaces its section)."""
+    raw: dict[str, Any] = {
+        "workdir": str(workdir),
+        "environment": "workplace",
+        "tasks": 6,
+        "group_size": 2,
+        "replicas": 2,
+        "concurrency": 4,
+        "max_turns": 12,
+        "train": {"batch_size": 4, "checkpoint_every_steps": None},
+        "snapshot": {"keep": 100, "deadline_seconds": 5},
+    }
+    raw.update(overrides)
+    config = parse_config(raw)
+    config.workdir.mkdir(parents=True, exist_ok=True)
+    return config
+
+
+@dataclass
+class Job:
+    cluster: ScenarioCluster
+    config: RunConfig
+    trainer: Trainer
+    store: SnapshotStore
+    metrics: TrainerMetrics
+    direct: dict[str, ParticipantClient]
+    """Every participant by label, reached without any proxy."""
+
+    @property
+    def coordinator(self) -> SnapshotCoordinator:
+        assert self.trainer.coordinator is not None
+        return self.trainer.coordinator
+
+    async def start(self, *, in_flight: int = 2) -> asyncio.Task[RunSummary]:
+        """Start the job; return once ``in_flight`` rows are in flight."""
+        run = asyncio.create_task(self.trainer.run())
+        await eventually(
+            lambda: run.done() or self.trainer.ledger.in_flight_count() >= in_flight,
+            "rows in flight",
+        )
+        if run.done():
+            run.result()
+            raise AssertionError("the job ended before the scenario could act")
+        return run
+
+    def train_rows(self) -> list[dict[str, Any]]:
+        return train_rows(self.config.workdir)
+
+    async def counts(self, kind: ParticipantKind, key: str) -> dict[str, int]:
+        """One status count of every participant of ``kind``, by label."""
+        clients = [c for c in self.direct.values() if c.address.kind == kind]
+        return {name: s.counts[key] for name, s in (await statuses(clients)).items()}
+
+    def every_row(self) -> set[tuple[str, int]]:
+        ledger = self.trainer.ledger
+        return {(gid, row) for gid in ledger.group_ids() for row in range(self.config.group_size)}
+
+
+@asynccontextmanager
+async def job(
+    cluster: ScenarioCluster,
+    config: RunConfig,
+    *,
+    fronts: Mapping[str, FaultProxy] | None = None,
+    run_urls: Mapping[str, str] | None = None,
+    hooks: TrainHooks | None = None,
+    stall_timeout_s: float = 600.0,
+    restored: RestoredRun | None = None,
+) -> AsyncIterator[Job]:
+    """The real trainer over ``cluster``; participants in ``fronts`` are reached through
+    their proxy (an agent's ``/run`` too), ``run_urls`` send a replica's ``/run`` elsewhere."""
+    proxies = fronts or {}
+    urls = {name: proxy.url for name, proxy in proxies.items()}
+    runs = {
+        name.partition("@")[2]: url
+        for name, url in urls.items()
+        if name.startswith(f"{ParticipantKind.AGENT}@")
+    } | dict(run_urls or {})
+    async with HttpClient(token=cluster.token) as http:
+        store = SnapshotStore(cluster.snapshot_root, keep=config.snapshot.keep)
+        metrics = TrainerMetrics(config.workdir / "metrics.jsonl")
+        control = ControlPlane(cluster.clients(http, urls=urls), store, metrics)
+        trainer = Trainer(
+            config,
+            cluster.deployment(runs),
+            cluster.tasks(config.tasks or 1, config.seed),
+            hooks=hooks,
+            stall_timeout_s=stall_timeout_s,
+            control=control,
+            restored=restored,
+        )
+        direct = {c.label: c for c in cluster.clients(http)}
+        try:
+            yield Job(cluster, config, trainer, store, metrics, direct)
+        finally:
+            metrics.close()
+
+
+class RecordingHooks:
+    """Train hooks that keep every sample they are given."""
+
+    def __init__(self) -> None:
+        self.samples: list[TrainSample] = []
+
+    async def train_step(self, step: int, batch: list[TrainSample]) -> dict[str, float]:
+        self.samples.extend(batch)
+        return {"rollouts": float(len(batch))}
+
+
+async def save_with_episodes(j: Job, replicas: set[str], *, min_turns: int = 1) -> SaveReport:
+    """Save until a published snapshot holds, on each of ``replicas``, an episode saved
+    mid-conversation (at least ``min_turns`` turns done)."""
+    found: list[SaveReport] = []
+
+    async def saved() -> bool:
+        report = await j.coordinator.save()
+        m = report.manifest
+        if not report.published or m is None:
+            return False
+        if replicas <= {e.replica for e in m.episodes if e.turns_completed >= min_turns}:
+            found.append(report)
+            return True
+        return False
+
+    await eventually(saved, f"a snapshot with episodes saved on {sorted(replicas)}", within_s=15)
+    return found[0]
+
+
+async def crash(run: asyncio.Task[Any]) -> None:
+    """The trainer dies here: nothing of it runs after this returns."""
+    run.cancel()
+    await asyncio.gather(run, return_exceptions=True)
+
+
+def train_rows(workdir: Path) -> list[dict[str, Any]]:
+    path = workdir / TRAIN_DATA_FILE
+    if not path.exists():
+        return []
+    return [orjson.loads(line) for line in path.read_bytes().splitlines()]
+
+
+# --- the trainer's parts, without its loops ---------------------------------------------
+
+
+class Rig:
+    """Ledger, barrier, TQ, dispatcher, release batcher and coordinator, wired as the
+    trainer wires them; groups are added and run one at a time by the scenario. The
+    release batcher flushes only before a save (the trainer also flushes it on a timer)."""
+
+    def __init__(
+        self,
+        cluster: ScenarioCluster,
+        workdir: Path,
+        *,
+        data: HttpClient,
+        control: HttpClient,
+        fronts: Mapping[str, FaultProxy] | None = None,
+        run_urls: Mapping[str, str] | None = None,
+        releases: bool = True,
+        concurrency: int = 8,
+        row_timeout_s: float = 30.0,
+        deadline_s: float = 5.0,
+    ) -> None:
+        self.cluster = cluster
+        self.ledger = RecoveryLedger()
+        self.barrier = DispatchBarrier()
+        self.tq = FinishedQueue()
+        self.replies: list[RunReply] = []
+        urls = {name: proxy.url for name, proxy in (fronts or {}).items()}
+        self.roster = ReplicaRoster.of_deployment(
+            cluster.deployment(run_urls), cluster.clients(control, urls=urls)
+        )
+        self.releases = (
+            ReleaseBatcher(self.roster, self.ledger, barrier=self.barrier) if releases else None
+        )
+        self.dispatcher = Dispatcher(
+            self.ledger,
+            self.roster.deployment(),
+            data,
+            concurrency=concurrency,
+            max_turns=12,
+            row_timeout_s=row_timeout_s,
+            barrier=self.barrier,
+            on_reply=self._on_reply,
+            roster=self.roster,
+            releases=self.releases,
+        )
+        self.store = SnapshotStore(cluster.snapshot_root, keep=100)
+        self.metrics = TrainerMetrics(workdir / "metrics.jsonl")
+        self.coordinator = SnapshotCoordinator(
+            self.roster,
+            store=self.store,
+            ledger=self.ledger,
+            tq=self.tq,
+            barrier=self.barrier,
+            config=SnapshotConfig(deadline_seconds=deadline_s, keep=100),
+            metrics=self.metrics,
+            trainer_state=lambda: {"train_step": 0, "policy_version": 0},
+            config_fingerprint={},
+        )
+        if self.releases is not None:
+            self.coordinator.before_save = self.releases.flush
+
+    def add_group(self, group_id: str = "g", size: int = 4) -> list[LedgerRecord]:
+        (task,) = self.cluster.tasks(1, seed=len(self.ledger.group_ids()))
+        records = self.ledger.add_group(
+            task.model_copy(update={"task_id": group_id}), group_id, size
+        )
+        self.tq.expect_group(group_id, size)
+        return records
+
+    def sealed(self, rollout_id: str) -> bool:
+        return any(r.episode.rollout_id == rollout_id for r in self.replies)
+
+    async def _on_reply(self, reply: RunReply) -> None:
+        record = self.ledger.seal(reply.episode.rollout_id)
+        if self.releases is not None and record.replica is not None:
+            self.releases.sealed(reply.episode, record.replica)
+        self.tq.put(reply)
+        self.replies.append(reply)
+
+    async def aclose(self) -> None:
+        await self.dispatcher.aclose()
+        self.metrics.close()
+
+
+@asynccontextmanager
+async def rig(cluster: ScenarioCluster, workdir: Path, **options: Any) -> AsyncIterator[Rig]:
+    async with HttpClient() as data, HttpClient(token=cluster.token) as control:
+        built = Rig(cluster, workdir, data=data, control=control, **options)
+        try:
+            yield built
+        finally:
+            await built.aclose()
+
+
+# --- a /run relay -----------------------------------------------------------------------
+
+
+class ReplyRelay:
+    """A ``/run`` relay in front of one agent, on the test's loop.
+
+    Result lines pass through as they arrive, except those ``hold`` picks: each waits (and
+    the lines behind it in its stream with it) until :meth:`release`, which is for good.
+    With ``end_after`` every stream ends cleanly after that many lines, the rest unread.
+    """
+
+    def __init__(
+        self,
+        upstream: str,
+        *,
+        hold: Callable[[dict[str, Any]], bool] | None = None,
+        end_after: int | None = None,
+    ) -> None:
+        self.upstream = upstream.rstrip("/")
+        self._hold = hold
+        self._end_after = end_after
+        self._released = asyncio.Event()
+        self.held: list[dict[str, Any]] = []
+        """The lines held so far, in the order they arrived."""
+        self.cut: list[list[str]] = []
+        """Per stream ended early: the rollout ids it never passed on."""
+        self._port = 0
+        self._runner: web.ServerRunner | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._port}"
+
+    def release(self) -> None:
+        self._released.set()
+
+    async def __aenter__(self) -> ReplyRelay:
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=None))
+        self._runner = web.ServerRunner(web.Server(self._serve), shutdown_timeout=1.0)
+        await self._runner.setup()
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+        sock.bind(("127.0.0.1", 0))
+        self._port = sock.getsockname()[1]
+        await web.SockSite(self._runner, sock).start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.release()
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._session is not None:
+            await self._session.close()
+
+    async def _serve(self, request: web.BaseRequest) -> web.StreamResponse:
+        if request.method != "POST" or request.path != "/run":
+            return web.Response(status=404)
+        assert self._session is not None
+        body = await request.read()
+        headers = {"Content-Type": "application/json"}
+        async with self._session.post(f"{self.upstream}/run", data=body, headers=headers) as up:
+            if up.status != 200:
+                return web.Response(status=up.status, body=await up.read(), headers=headers)
+            reply = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+            await reply.prepare(request)
+            rows = [row["episode"]["rollout_id"] for row in orjson.loads(body)["rows"]]
+            owed = list(rows)
+            with contextlib.suppress(ConnectionError, aiohttp.ClientError):
+                async for raw in up.content:
+                    if not raw.strip():
+                        continue
+                    line = orjson.loads(raw)
+                    if self._hold is not None and not self._released.is_set() and self._hold(line):
+                        self.held.append(line)
+                        await self._released.wait()
+                    await reply.write(raw)
+                    owed.remove(line["episode"]["rollout_id"])
+                    if (
+                        self._end_after is not None
+                        and owed
+                        and len(rows) - len(owed) >= self._end_after
+                    ):
+                        self.cut.append(owed)
+                        break
+                await reply.write_eof()
+        return reply

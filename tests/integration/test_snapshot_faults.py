@@ -68,7 +68,8 @@ def job(tmp_path: Path, **snapshot: Any) -> RunConfig:
             "replicas": 2,
             "concurrency": 4,
             "train": {"batch_size": 4, "checkpoint_every_steps": None},
-            "snapshot": {"keep": 50, "deadline_seconds": DEADLINE_S} | snapshot,
+            "snapshot": {"keep": 50, "deadline_seconds": DEADLINE_S, "retry_after_seconds": 0}
+            | snapshot,
         }
     )
     config.workdir.mkdir(parents=True, exist_ok=True)

@@ -365,7 +365,7 @@ def job_config(workdir: Path, **overrides: Any) -> RunConfig:
         "concurrency": 4,
         "max_turns": 12,
         "train": {"batch_size": 4, "checkpoint_every_steps": None},
-        "snapshot": {"keep": 100, "deadline_seconds": 5},
+        "snapshot": {"keep": 100, "deadline_seconds": 5, "retry_after_seconds": 0},
     }
     raw.update(overrides)
     config = parse_config(raw)

@@ -98,6 +98,8 @@ class SaveReport:
     """Finished replies of tries nobody will seal, released on their agents."""
     blocked_by: str = ""
     manifest: SnapshotManifest | None = None
+    skipped: bool = False
+    """Not attempted: the last attempt failed moments ago (``snapshot.retry_after_seconds``)."""
 
 
 @dataclass
@@ -161,6 +163,7 @@ class SnapshotCoordinator:
         self._lock = asyncio.Lock()
         self._sequence = 0
         self._unresumed: dict[str, tuple[ParticipantClient, str]] = {}
+        self._last_failure_at = 0.0
         self.history: list[SaveReport] = []
         self.before_save: Callable[[], Awaitable[None]] | None = None
         """Runs before the barrier closes (the trainer flushes retires and forgets: DESIGN §5.1)."""
@@ -242,6 +245,17 @@ class SnapshotCoordinator:
         """Take one snapshot. A failed one is reported (and counted); the third failure in
         a row raises :class:`SnapshotError` naming what blocked each."""
         async with self._lock:
+            since = time.monotonic() - self._last_failure_at
+            if self._failures and since < self.config.retry_after_seconds:
+                # Train checkpoints can ask for snapshots back to back; a participant that
+                # just failed (a replica dying, before the runtime notices) must not burn
+                # the whole failure budget in a few milliseconds.
+                return SaveReport(
+                    snapshot_id="",
+                    published=False,
+                    skipped=True,
+                    blocked_by=f"backing off {self.config.retry_after_seconds - since:.1f}s after a failed snapshot",
+                )
             if self.before_save is not None:
                 try:
                     await self.before_save()
@@ -265,6 +279,7 @@ class SnapshotCoordinator:
                 self._failures.clear()
                 return report
             self._failures.append(f"{snapshot_id}: {report.blocked_by}")
+            self._last_failure_at = time.monotonic()
             log.warning(
                 "snapshot %s failed (%d in a row): %s",
                 snapshot_id,

@@ -49,7 +49,7 @@ class SnapshotConfig(_Section):
     """Take a snapshot this often; None takes them only at train checkpoints."""
     keep: Annotated[int, Field(ge=1)] = 3
     deadline_seconds: Annotated[float, Field(gt=0)] = 10.0
-    retry_after_seconds: Annotated[float, Field(ge=0)] = 2.0
+    retry_after_seconds: Annotated[float, Field(ge=0)] = 1.0
     """After a failed snapshot, skip snapshot requests for this long (they are not counted
     as failures): a participant that just died must not burn the budget in milliseconds."""
     allow_restart_only: bool = False

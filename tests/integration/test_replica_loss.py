@@ -65,7 +65,12 @@ def job(tmp_path: Path, **overrides: Any) -> RunConfig:
         "concurrency": 6,
         "policy": {"latency_ms": 40, "error_rate": 0.0},
         "train": {"batch_size": 4, "checkpoint_every_steps": 1},
-        "snapshot": {"every_seconds": 0.3, "keep": 100, "deadline_seconds": 5},
+        "snapshot": {
+            "every_seconds": 0.3,
+            "keep": 100,
+            "deadline_seconds": 5,
+            "retry_after_seconds": 0,
+        },
     }
     raw.update(overrides)
     config = parse_config(raw)
@@ -170,7 +175,9 @@ async def test_a_replica_back_on_new_ports_is_used_again_and_a_cut_without_it_re
     tmp_path: Path,
 ) -> None:
     # A job longer than the test: it is stopped (as by a crash) once the checks are done.
-    config = job(tmp_path, tasks=200)
+    # No train checkpoints: every snapshot composes with step 0, so the cut taken while
+    # the replica was down stays restorable however far the job has gone since.
+    config = job(tmp_path, tasks=200, train={"batch_size": 4, "checkpoint_every_steps": None})
     async with harness(config) as h:
         run = asyncio.create_task(h.trainer.run())
         await until(lambda: h.trainer.ledger.in_flight_count(LOST) > 0)
@@ -182,7 +189,12 @@ async def test_a_replica_back_on_new_ports_is_used_again_and_a_cut_without_it_re
         # The dispatcher sends to it again at its new URLs, and snapshots include it again.
         await until(lambda: h.trainer.ledger.in_flight_count(LOST) > 0)
         await until(lambda: any(LOST in replicas_named(m) for m in h.published_since(up_at)))
+        # Its model server serves the rows' policy calls (they may still be on their way).
         stats = await h.http.get_json(f"{endpoints.model_url}/rollpoint/v1/stats")
+        deadline = time.monotonic() + 10
+        while stats["calls_total"] == 0 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+            stats = await h.http.get_json(f"{endpoints.model_url}/rollpoint/v1/stats")
         run.cancel()
         await asyncio.gather(run, return_exceptions=True)
 

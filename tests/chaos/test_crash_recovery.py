@@ -3,7 +3,7 @@
 Each test starts the real command in its own session, kills the whole process group
 (trainer and every server) at a moment read off the workdir or the run's stderr, checks
 that no process of the group survived, reruns the same command until it exits 0, and then
-checks invariants I1 to I4 on the workdir (``tests/chaos/invariants``). The job is small
+checks invariants I1 to I4 on the workdir (``rollpoint.testing.invariants``). The job is small
 (16 workplace tasks, a 60 ms scripted policy that never blunders, a snapshot every 0.3 s)
 so one run takes a few seconds.
 """
@@ -20,10 +20,10 @@ import orjson
 import pytest
 import yaml
 
-from rollpoint.cli import load_tasks_for
 from rollpoint.config import load_config
+from rollpoint.job import load_tasks_for
 from rollpoint.protocol.episode import TaskRow
-from tests.chaos import invariants
+from rollpoint.testing import invariants
 from tests.support.run_process import FAST_POLL_S, Finished, RunProcess
 
 pytestmark = pytest.mark.chaos
@@ -151,6 +151,23 @@ def test_kill_between_snapshots_continues_the_saved_episodes(tmp_path: Path, sta
 
     assert continued(reruns[0]) > 0, reruns[0].stderr[-2000:]
     assert max(attempts(workdir)) >= 1, "no continued episode reached training"
+    assert_invariants(config, reruns[-1])
+
+
+def test_restart_recovery_starts_saved_episodes_over(tmp_path: Path, start: Start) -> None:
+    # The baseline mode: the same crash, but nothing continues mid-conversation.
+    config = write_config(tmp_path, recovery="restart")
+    workdir = tmp_path / "run"
+    run = start(config)
+    wait_for_resumable_snapshot(run, workdir)
+    crash(run)
+
+    reruns = rerun_until_ok(start, config)
+
+    assert continued(reruns[0]) == 0, reruns[0].stderr[-2000:]
+    match = re.search(r"(\d+)\s+restarted", reruns[0].stderr)
+    assert match and int(match.group(1)) > 0, reruns[0].stderr[-2000:]
+    assert max(attempts(workdir)) == 0, "restart recovery continued an episode"
     assert_invariants(config, reruns[-1])
 
 

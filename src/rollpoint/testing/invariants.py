@@ -2,9 +2,9 @@
 
 Owns reading what a run left behind (``train_data.jsonl``, ``metrics.jsonl``, the snapshot
 store) and judging it against I1 to I4. Every check returns a list of :class:`Violation`
-(empty when the invariant holds) instead of asserting, so the chaos tests and a future
-``rollpoint chaos`` command report the same findings the same way. It does not run,
-kill or restart anything, and it knows the ``workplace`` tools only as far as I2 needs.
+(empty when the invariant holds) instead of asserting, so ``rollpoint chaos`` and the
+chaos tests report the same findings the same way. It does not run, kill or restart
+anything, and it knows the ``workplace`` tools only as far as I2 needs.
 
 - I1 every ``(group_id, row)`` of ``tasks x group_size`` is trained exactly once;
 - I2 no tool side effect applied twice: no ``calendar_search_events`` result lists an
@@ -13,8 +13,8 @@ kill or restart anything, and it knows the ``workplace`` tools only as far as I2
   assistant message per turn, no ``calendar_create_event`` call repeated verbatim, and —
   when the line records them — exactly one model call per turn, the older attempts' calls
   all before the current attempt's;
-- I4 snapshots still commit after the restore: if the rerun trained or tried a snapshot,
-  one was published, and the last one is really in the store.
+- I4 snapshots still commit after the fault: if the run trained or started a snapshot
+  after it, one was published, and the last one is really in the store.
 
 I5 and I6 are about error replies, not workdir contents: the tests check those directly.
 """
@@ -305,13 +305,13 @@ def _model_call_problems(r: TrainedRollout) -> list[str]:
 
 # ---- I4 --------------------------------------------------------------------------------------
 def check_snapshots_commit(workdir: Path, *, since: float) -> list[Violation]:
-    """Snapshots still commit in the run that started at ``since`` (a Unix time): if it
-    trained a step or tried a snapshot, one was published since, and the last one
-    published is in the store. A rerun that found nothing left to do takes none."""
+    """Snapshots still commit from ``since`` on (a Unix time: a rerun's start, or the end of
+    a fault): if a step was trained or a snapshot started since, one was published since,
+    and the last one published is in the store. A rerun that found nothing left to do
+    takes none. A snapshot that was under way when ``since`` came is the fault's own and
+    does not count: an event is stamped as the save ends, its pause is how long it ran."""
     path = workdir / METRICS_FILE
-    tried = [
-        e for e in _events(path) if e.get("event") == "snapshot" and float(e.get("ts", 0)) >= since
-    ]
+    tried = [e for e in _events(path) if e.get("event") == "snapshot" and _started(e) >= since]
     trained = [
         c.step
         for c in TrainCheckpointStore(workdir / CHECKPOINTS_DIR).available()
@@ -331,6 +331,19 @@ def check_snapshots_commit(workdir: Path, *, since: float) -> list[Violation]:
             )
         ]
     return []
+
+
+def _started(event: Mapping[str, Any]) -> float:
+    return float(event.get("ts", 0)) - float(event.get("pause_seconds", 0))
+
+
+def snapshot_outcomes(workdir: Path) -> Counter[str]:
+    """Snapshot attempts of every run in ``workdir`` by outcome (``published``, ``failed``)."""
+    return Counter(
+        str(e.get("outcome"))
+        for e in _events(workdir / METRICS_FILE)
+        if e.get("event") == "snapshot"
+    )
 
 
 def _events(path: Path) -> list[dict[str, Any]]:

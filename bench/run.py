@@ -9,7 +9,15 @@ from collections.abc import Awaitable, Callable
 
 import orjson
 
-from bench import checkpoint_overhead, crash_rework, episode_throughput, model_overhead, snapshot_io
+from bench import (
+    checkpoint_overhead,
+    crash_rework,
+    episode_throughput,
+    ledger_scaling,
+    model_overhead,
+    snapshot_io,
+    snapshot_pause,
+)
 from bench.report import BenchResult, print_results, save_results
 
 Item = Callable[[bool], Awaitable[BenchResult]]
@@ -29,6 +37,14 @@ ITEMS: dict[str, Item] = {
         checkpoint_overhead.run(every_s=1.0, tasks=64, latency_ms=50)
         if quick
         else checkpoint_overhead.run(every_s=5.0, tasks=256, latency_ms=100)
+    ),
+    "snapshot_pause": lambda quick: (
+        snapshot_pause.run((100, 1000), snapshots=3)
+        if quick
+        else snapshot_pause.run((100, 1000, 10_000), snapshots=6)
+    ),
+    "ledger_scaling": lambda quick: ledger_scaling.run(
+        (10_000, 100_000) if quick else (10_000, 100_000, 1_000_000)
     ),
 }
 

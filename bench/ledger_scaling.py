@@ -1,0 +1,209 @@
+"""Ledger look-ups and a snapshot's trainer-side work against finished rollouts in the run.
+
+The in-flight count is fixed (1,000 rows over 2 replicas); only the number of finished
+rollouts grows (10k, 100k, 1M). Every finished rollout goes the way a real one does,
+through the public API: its group is added to the ledger and TQ, each row is dispatched,
+finished and sealed in the ledger, put in TQ, taken for a train step and committed. One
+prompt group per task, as the trainer builds them.
+
+Measured in CPU time of the measuring thread, each as the best of a few repeats:
+
+- look-ups: ``get`` (a finished rollout, an in-flight one), ``current(group, row)``;
+- what :meth:`SnapshotCoordinator._commit_all` does on the trainer while the barrier is
+  closed: ``in_flight`` of every replica, ``ledger.to_document()``, ``tq.to_document()``;
+- what the publish does after it reopens: ``orjson.dumps`` of both documents (it holds the
+  GIL, so the trainer's event loop stalls for that long even from a worker thread).
+
+The ratio of each at the largest run to the smallest says whether it grows; ≈ 1 is the
+target for everything inside the pause.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import orjson
+
+from bench.report import BenchResult
+from rollpoint.envs import get_environment
+from rollpoint.protocol.episode import RunReply, TaskRow
+from rollpoint.protocol.ids import EpisodeId
+from rollpoint.trainer.finished_queue import FinishedQueue
+from rollpoint.trainer.ledger import RecoveryLedger
+
+GROUP_SIZE = 4
+IN_FLIGHT = 1000
+REPLICAS = ("replica-0", "replica-1")
+LOOKUPS = 20_000
+REPEATS = 3
+
+
+def _template() -> TaskRow:
+    """A real workplace task: every task of the run has its size."""
+    return get_environment("workplace").make_tasks(1, 0)[0]
+
+
+class Run:
+    """A ledger and TQ with ``IN_FLIGHT`` dispatched rollouts; :meth:`finish` adds finished ones."""
+
+    def __init__(self) -> None:
+        self.ledger = RecoveryLedger()
+        self.tq = FinishedQueue()
+        self.finished_ids: list[str] = []
+        self.in_flight_ids: list[str] = []
+        self.groups: list[str] = []
+        self._template = _template()
+        self._step = 0
+        for _ in range(IN_FLIGHT // GROUP_SIZE):
+            _, rollout_ids = self._add()
+            replica = REPLICAS[len(self.groups) % len(REPLICAS)]
+            for rid in rollout_ids:
+                self.ledger.dispatch(rid, replica)
+            self.in_flight_ids += rollout_ids
+
+    def finish(self, rollouts: int) -> None:
+        """Play ``rollouts`` more rollouts to the end: sealed, trained on, committed."""
+        for _ in range(rollouts // GROUP_SIZE):
+            gid, rollout_ids = self._add()
+            replica = REPLICAS[len(self.groups) % len(REPLICAS)]
+            for row, rid in enumerate(rollout_ids):
+                self.ledger.dispatch(rid, replica)
+                self.ledger.finish(rid)
+                record = self.ledger.seal(rid)
+                self.tq.put(_reply(record.rollout_id, record.task_id, gid, row))
+            self._step += 1
+            self.tq.take_groups(GROUP_SIZE, train_step=self._step)
+            self.tq.commit(self._step)
+            self.finished_ids += rollout_ids
+
+    def _add(self) -> tuple[str, list[str]]:
+        task = self._template.model_copy(update={"task_id": f"task-{len(self.groups):07d}"})
+        gid = f"{task.task_id}-g0"
+        records = self.ledger.add_group(task, gid, GROUP_SIZE)
+        self.tq.expect_group(gid, GROUP_SIZE)
+        self.groups.append(gid)
+        return gid, [r.rollout_id for r in records]
+
+    def commit_side(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """What the coordinator computes on the trainer while the barrier is closed."""
+        for replica in REPLICAS:
+            self.ledger.in_flight(replica)
+        return self.ledger.to_document(), self.tq.to_document()
+
+
+def _reply(rollout_id: str, task_id: str, group_id: str, row: int) -> RunReply:
+    # Built without validation: a million replies would otherwise dominate the set-up.
+    return RunReply.model_construct(
+        kind="finished",
+        episode=EpisodeId(rollout_id=rollout_id, attempt=0),
+        task_id=task_id,
+        group_id=group_id,
+        row=row,
+        reward=1.0,
+        messages=[],
+        model_calls=[],
+        turns=1,
+        finish_reason="final",
+    )
+
+
+def _best(fn: Callable[[], object], repeats: int = REPEATS) -> float:
+    """CPU seconds of the fastest of ``repeats`` calls.
+
+    CPU time of this thread, not wall time: the suite shares its cores with the servers of
+    other items (and CI neighbours), which would otherwise show up as growth.
+    """
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.thread_time()
+        fn()
+        best = min(best, time.thread_time() - t0)
+    return best
+
+
+def _per_op_us(fn: Callable[[Any], object], args: Sequence[Any]) -> float:
+    def loop() -> None:
+        for a in args:
+            fn(a)
+
+    return _best(loop) / len(args) * 1e6
+
+
+def measure(run: Run) -> dict[str, float | int]:
+    rng = random.Random(0)
+    ledger = run.ledger
+    done = rng.choices(run.finished_ids, k=LOOKUPS)
+    live = rng.choices(run.in_flight_ids, k=LOOKUPS)
+    rows = [(rng.choice(run.groups), rng.randrange(GROUP_SIZE)) for _ in range(LOOKUPS)]
+    ledger_doc, tq_doc = run.commit_side()
+    return {
+        "get_finished_us": _per_op_us(ledger.get, done),
+        "get_in_flight_us": _per_op_us(ledger.get, live),
+        "current_us": _per_op_us(lambda gr: ledger.current(*gr), rows),
+        "in_flight_replica_ms": _best(lambda: ledger.in_flight(REPLICAS[0])) * 1e3,
+        "ledger_to_document_ms": _best(ledger.to_document) * 1e3,
+        "tq_to_document_ms": _best(run.tq.to_document) * 1e3,
+        "commit_side_ms": _best(run.commit_side) * 1e3,
+        "ledger_orjson_ms": _best(lambda: orjson.dumps(ledger_doc)) * 1e3,
+        "tq_orjson_ms": _best(lambda: orjson.dumps(tq_doc)) * 1e3,
+        "ledger_mb": len(orjson.dumps(ledger_doc)) / 1e6,
+        "tq_kb": len(orjson.dumps(tq_doc)) / 1e3,
+        "ledger_doc_tasks": len(ledger_doc["tasks"]),
+    }
+
+
+def _measure_all(sizes: Sequence[int]) -> dict[int, dict[str, float | int]]:
+    """One run grown to each size in turn (sizes ascending), measured at each."""
+    run = Run()
+    out: dict[int, dict[str, float | int]] = {}
+    for size in sorted(sizes):
+        t0 = time.thread_time()
+        run.finish(size - len(run.finished_ids))
+        grow_s = time.thread_time() - t0
+        out[size] = measure(run) | {"grow_s": grow_s}
+    return out
+
+
+RATIO_KEYS = (
+    "get_finished_us",
+    "get_in_flight_us",
+    "current_us",
+    "in_flight_replica_ms",
+    "ledger_to_document_ms",
+    "tq_to_document_ms",
+    "commit_side_ms",
+    "ledger_orjson_ms",
+)
+
+
+async def run(sizes: Sequence[int] = (10_000, 100_000, 1_000_000)) -> BenchResult:
+    figures: dict[str, float | int | str] = {}
+    # CPU-bound and synchronous: a worker thread keeps the suite's event loop free.
+    by_size = await asyncio.to_thread(_measure_all, sizes)
+    for size, values in by_size.items():
+        figures |= {f"f{_label(size)}_{k}": v for k, v in values.items()}
+    lo, hi = min(sizes), max(sizes)
+    for key in RATIO_KEYS:
+        small = by_size[lo][key]
+        if small:
+            figures[f"ratio_{key}_f{_label(hi)}_vs_f{_label(lo)}"] = by_size[hi][key] / small
+    return BenchResult(
+        key="ledger_scaling",
+        title="ledger look-ups and the snapshot's trainer-side work vs finished rollouts",
+        figures=figures,
+        params={
+            "finished": "/".join(_label(s) for s in sizes),
+            "in_flight": IN_FLIGHT,
+            "group_size": GROUP_SIZE,
+            "replicas": len(REPLICAS),
+            "timing": f"thread CPU time, best of {REPEATS}",
+        },
+    )
+
+
+def _label(size: int) -> str:
+    return f"{size // 1_000_000}M" if size % 1_000_000 == 0 else f"{size // 1000}k"

@@ -38,8 +38,10 @@ class HttpClient:
         self._token = token
         self._timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s)
         # limit=0: no pool cap; concurrency is bounded by the callers (dispatcher, gate).
+        # keepalive below uvicorn's 5 s idle close: otherwise a loop busy at that moment sends
+        # its next request on a connection the server is closing (ServerDisconnected).
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=limit, ttl_dns_cache=300),
+            connector=aiohttp.TCPConnector(limit=limit, ttl_dns_cache=300, keepalive_timeout=4),
             timeout=self._timeout,
             json_serialize=lambda o: orjson.dumps(o).decode(),
         )

@@ -138,6 +138,9 @@ class RecoveryLedger:
 
     def __init__(self) -> None:
         self._tasks: dict[str, TaskRow] = {}
+        self._task_docs: dict[str, dict[str, Any]] = {}
+        """Each task's JSON form, made once: tasks never change, and a snapshot's capture
+        runs while rollouts are paused (12 µs of ``model_dump`` per task adds up)."""
         self._groups: dict[str, LedgerGroup] = {}
         self._live: dict[str, LedgerRecord] = {}
         self._archive: dict[str, _Archived] = {}
@@ -153,6 +156,12 @@ class RecoveryLedger:
         self._counts: Counter[RolloutState] = Counter()
 
     # --- groups ----------------------------------------------------------------------
+
+    def _task_doc(self, task_id: str) -> dict[str, Any]:
+        doc = self._task_docs.get(task_id)
+        if doc is None:
+            doc = self._task_docs[task_id] = self._tasks[task_id].model_dump(mode="json")
+        return doc
 
     def add_group(self, task: TaskRow, group_id: str, group_size: int) -> list[LedgerRecord]:
         """Create the rows of a new prompt group, each queued under a fresh rollout id."""
@@ -412,7 +421,7 @@ class RecoveryLedger:
         """The ledger as a JSON-ready dict at the current schema version."""
         return {
             "schema_version": LEDGER_SCHEMA_VERSION,
-            "tasks": {tid: task.model_dump(mode="json") for tid, task in self._tasks.items()},
+            "tasks": {tid: self._task_doc(tid) for tid in self._tasks},
             "groups": {
                 gid: {"task_id": g.task_id, "group_size": g.group_size, "failed": g.failed}
                 for gid, g in self._groups.items()

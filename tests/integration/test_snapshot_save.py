@@ -168,7 +168,7 @@ async def test_restart_only_server_is_refused_unless_allowed(tmp_path: Path) -> 
             await h.trainer.run()
 
 
-async def test_allowed_restart_only_episodes_are_counted_as_restarts(tmp_path: Path) -> None:
+async def test_allowed_restart_only_servers_save_no_session_and_never_block(tmp_path: Path) -> None:
     config = job(
         tmp_path,
         environment="math",
@@ -185,12 +185,13 @@ async def test_allowed_restart_only_episodes_are_counted_as_restarts(tmp_path: P
     assert summary.episodes == 48
     manifests = published(h.store)
     assert manifests
-    assert all(m.episodes == [] for m in manifests)  # a restart-only agent saves no session
-    # Every in-flight episode at a cut is accounted for: a restart, or (its policy call was
-    # admitted before the gate closed, so it finished during the drain) a held reply.
-    assert any(m.restarts or m.finished for m in manifests), (
-        "no snapshot accounted for in-flight math episodes"
-    )
+    # A restart-only agent never saves a session and never blocks a snapshot. (Which
+    # in-flight episodes a cut lists as restarts depends on timing: a policy call admitted
+    # before the gate closed finishes during the drain. The participant-level report of
+    # restarts is pinned in tests/integration/test_participants.py.)
+    assert all(m.episodes == [] for m in manifests)
+    assert h.trainer.coordinator is not None
+    assert all(r.published for r in h.trainer.coordinator.history)
 
 
 class StepsEndingInSaves:

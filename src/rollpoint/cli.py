@@ -223,6 +223,43 @@ def conformance(
 
 
 @app.command()
+def chaos(
+    config_path: ConfigArg,
+    trials: Annotated[int, typer.Option("--trials", help="How many times to run the job.")],
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the faults and moments.")] = 0,
+    json_path: Annotated[
+        Path | None, typer.Option("--json", help="Also write the table as JSON here.")
+    ] = None,
+    verbose: Annotated[bool, typer.Option("--verbose", help="Add one row per trial.")] = False,
+    within: Annotated[
+        float, typer.Option("--within", help="Faults land within this many seconds of start.")
+    ] = 2.5,
+    run_timeout: Annotated[
+        float, typer.Option("--run-timeout", help="A run still going after this is wedged.")
+    ] = 180.0,
+) -> None:
+    """Run the job N times under random faults (process and replica kills, lost replies,
+    partitions, slow participants) and check the invariants of DESIGN §8 after each.
+
+    Trials work in WORKDIR/chaos/trial-<k>. Exit code 1 when any invariant was violated.
+    """
+    from rollpoint.testing.chaos import chaos_command
+
+    code = chaos_command(
+        config_path,
+        trials=trials,
+        seed=seed,
+        json_path=json_path,
+        verbose=verbose,
+        within_s=within,
+        run_timeout_s=run_timeout,
+        console=console,
+        out=out,
+    )
+    raise typer.Exit(code=code)
+
+
+@app.command()
 def version() -> None:
     """Print the version."""
     out.print(__version__)

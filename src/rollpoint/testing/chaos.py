@@ -1,0 +1,272 @@
+"""``rollpoint chaos``: run one job many times under random faults and hold each to DESIGN §8.
+
+Owns the trials: for each plan of :func:`~rollpoint.testing.chaos_plan.draw_plans` it
+starts ``python -m rollpoint.testing.chaos_trial`` in its own session (its servers share
+its process group), SIGKILLs that whole group at the plan's moment when the plan says so,
+reruns the trial until a run exits 0 (at most :data:`MAX_RERUNS` times), then checks the
+trial's workdir with :func:`rollpoint.testing.invariants.check_workdir` and counts what the
+trial's processes reported (faults that took effect, episodes continued and restarted)
+and what its workdir holds (snapshots published and failed). :class:`ChaosTally` sums the
+trials into one table and one JSON object.
+
+It does not apply the in-process faults (the trial process does) and draws no plan itself.
+Trials run one after another: each is a whole job with its servers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+import orjson
+from pydantic import ValidationError
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from rollpoint.config import RunConfig, load_config
+from rollpoint.job import load_tasks_for
+from rollpoint.protocol.episode import TaskRow
+from rollpoint.protocol.errors import ConfigError, RollpointError
+from rollpoint.testing import invariants
+from rollpoint.testing.chaos_plan import (
+    MAX_RERUNS,
+    TrialEvent,
+    TrialPlan,
+    draw_plans,
+)
+from rollpoint.testing.chaos_tally import ChaosTally, RunRecord, TrialOutcome
+from rollpoint.testing.invariants import Invariant, RewardScope, Violation
+
+_GONE_WAIT_S = 5.0
+
+
+@dataclass
+class _Run:
+    """A trial process while it runs."""
+
+    process: asyncio.subprocess.Process
+    record: RunRecord
+    up: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class ChaosRunner:
+    """Runs the trials of one job config; each trial alone, in its own workdir."""
+
+    def __init__(self, config_path: Path, config: RunConfig, *, run_timeout_s: float) -> None:
+        """``run_timeout_s``: a run still going after this long is wedged: it is killed,
+        rerun, and counted as an I4 violation."""
+        self.config_path = config_path.resolve()
+        self.config = config
+        self.root = config.workdir.resolve() / "chaos"
+        self.run_timeout_s = run_timeout_s
+        self.tasks: list[TaskRow] = load_tasks_for(config)
+
+    async def trial(self, plan: TrialPlan) -> TrialOutcome:
+        started = time.monotonic()
+        shutil.rmtree(plan.workdir, ignore_errors=True)
+        plan.workdir.mkdir(parents=True)
+        runs: list[RunRecord] = []
+        with (plan.workdir / "stderr.log").open("ab") as stderr:
+            for run in range(MAX_RERUNS + 1):
+                runs.append(await self._run(plan.model_copy(update={"run": run}), stderr))
+                if runs[-1].returncode == 0:
+                    break
+        return TrialOutcome(
+            trial=plan.trial,
+            plan=plan,
+            runs=runs,
+            snapshots=invariants.snapshot_outcomes(plan.workdir),
+            violations=self.check(plan, runs),
+            seconds=time.monotonic() - started,
+        )
+
+    def check(self, plan: TrialPlan, runs: list[RunRecord]) -> list[Violation]:
+        """I1 to I4 on the trial's workdir, I4 from the end of the final run's last fault.
+        Every fault is one the job must survive, so a run that stopped by itself or had
+        to be killed for hanging did not go on after it: a wedge (I4) of its own."""
+        found = invariants.check_workdir(
+            plan.workdir,
+            self.tasks,
+            self.config.group_size,
+            resumed_since=runs[-1].settled_since(),
+            full_reward=self._reward_scope(),
+        )
+        for r in runs:
+            if r.timed_out:
+                detail = f"wedged: no exit within {self.run_timeout_s:.0f}s"
+            elif r.failed:
+                detail = f"stopped by itself (exit {r.returncode}): {r.error or 'see stderr.log'}"
+            else:
+                continue
+            found.append(Violation(Invariant.SNAPSHOTS_COMMIT, f"run {r.run}", detail))
+        return found
+
+    def _reward_scope(self) -> RewardScope:
+        """Every rollout must reach full reward only where the policy never blunders and
+        full reward is what a finished task earns (workplace)."""
+        policy = self.config.policy
+        flawless = policy.base_url is None and policy.error_rate == 0
+        return "all" if flawless and self.config.environment == "workplace" else "none"
+
+    async def _run(self, plan: TrialPlan, stderr: IO[bytes]) -> RunRecord:
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "rollpoint.testing.chaos_trial",
+            plan.model_dump_json(),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=stderr,
+            start_new_session=True,
+            env={**os.environ, "NO_COLOR": "1"},
+        )
+        live = _Run(process, RunRecord(run=plan.run, started_at=time.time()))
+        helpers = [asyncio.create_task(self._read(live, plan.workdir / "events.jsonl"))]
+        helpers += [asyncio.create_task(self._kill_at(live, f.at_s)) for f in plan.kills()]
+        try:
+            async with asyncio.timeout(self.run_timeout_s):
+                await process.wait()
+        except TimeoutError:
+            live.record.timed_out = True
+        finally:
+            # Whatever is left of the group goes: servers of a killed or hung run, or of
+            # this one when the chaos run itself is interrupted.
+            _kill_group(process.pid)
+            await process.wait()
+            for task in helpers[1:]:
+                task.cancel()
+            await asyncio.gather(*helpers, return_exceptions=True)
+            await asyncio.to_thread(_wait_group_gone, process.pid)
+        live.record.returncode = process.returncode
+        return live.record
+
+    async def _read(self, live: _Run, events_file: Path) -> None:
+        """Collect the trial's event lines (and keep them beside its workdir)."""
+        assert live.process.stdout is not None
+        with events_file.open("ab") as keep:
+            while raw := await live.process.stdout.readline():
+                try:
+                    event = TrialEvent.model_validate_json(raw)
+                except ValidationError:
+                    continue  # a line torn by the kill
+                line = {"run": live.record.run} | event.model_dump(
+                    mode="json", exclude_defaults=True
+                )
+                keep.write(orjson.dumps(line) + b"\n")
+                live.record.events.append(event)
+                if event.event == "up":
+                    live.up.set()
+
+    async def _kill_at(self, live: _Run, at_s: float) -> None:
+        await live.up.wait()
+        await asyncio.sleep(at_s)
+        if live.process.returncode is None:
+            _kill_group(live.process.pid)
+            live.record.killed_at = time.time()
+
+
+def _kill_group(pgid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+def _wait_group_gone(pgid: int) -> None:
+    """Until no process of group ``pgid`` is left (Linux: /proc), so the next run never
+    meets the last one's servers still writing."""
+    deadline = time.monotonic() + _GONE_WAIT_S
+    while _group_members(pgid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def _group_members(pgid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # The command name may hold spaces or parentheses: fields start after the last ')'.
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            found.append(int(entry.name))
+    return found
+
+
+# --- the command ---------------------------------------------------------------------------
+
+
+async def run_chaos(
+    runner: ChaosRunner, plans: list[TrialPlan], tally: ChaosTally, console: Console
+) -> None:
+    columns = (
+        TextColumn("[bold]trials"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("faults {task.fields[faults]} · violations {task.fields[violations]}"),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=console, transient=False) as progress:
+        bar = progress.add_task("trials", total=len(plans), faults=0, violations=0)
+        for plan in plans:
+            tally.add(await runner.trial(plan))
+            progress.update(
+                bar,
+                advance=1,
+                faults=sum(tally.faults_injected.values()),
+                violations=sum(tally.violations_by_kind.values()),
+            )
+
+
+def chaos_command(
+    config_path: Path,
+    *,
+    trials: int,
+    seed: int,
+    json_path: Path | None,
+    verbose: bool,
+    within_s: float,
+    run_timeout_s: float,
+    console: Console,
+    out: Console,
+) -> int:
+    """The ``rollpoint chaos`` command; returns its exit code (0: no violation, 1: some,
+    2: bad input)."""
+    try:
+        if trials < 1:
+            raise ConfigError(f"--trials must be at least 1, got {trials}")
+        if within_s <= 0 or run_timeout_s <= 0:
+            raise ConfigError("--within and --run-timeout must be positive")
+        config = load_config(config_path)
+        runner = ChaosRunner(config_path, config, run_timeout_s=run_timeout_s)
+    except RollpointError as exc:
+        console.print(f"[bold red]error:[/] {exc.message}", highlight=False, soft_wrap=True)
+        return 2
+    plans = draw_plans(
+        trials,
+        seed,
+        config=runner.config_path,
+        root=runner.root,
+        replicas=config.replicas,
+        within_s=within_s,
+    )
+    tally = ChaosTally(seed=seed, config=str(config_path))
+    try:
+        asyncio.run(run_chaos(runner, plans, tally, console))
+    except KeyboardInterrupt:
+        console.print(f"[yellow]interrupted[/] after {len(tally.outcomes)} trial(s)")
+        return 130
+    for table in tally.tables(verbose=verbose):
+        out.print(table)
+    if tally.violations:
+        out.print(invariants.report(tally.violations), highlight=False, soft_wrap=True)
+    if json_path is not None:
+        json_path.write_bytes(orjson.dumps(tally.to_json(), option=orjson.OPT_INDENT_2))
+    return tally.exit_code

@@ -1,0 +1,222 @@
+"""What one chaos trial will suffer, and when: the plan the runner draws and a trial obeys.
+
+Owns the fault vocabulary of ``rollpoint chaos`` (:class:`ChaosFault`, one member per kind
+the table counts), the plan of one trial (:class:`TrialPlan`, passed as JSON on the trial
+process's command line), the events a trial process prints (:class:`TrialEvent`, one JSON
+line each on stdout), and :func:`draw_plans`, which draws every trial's faults from one
+``random.Random(seed)`` so a seed names a run of trials.
+
+Moments are seconds after a run's servers are up. Whole-process kills are the runner's
+(it owns the process group); every other fault is applied inside the trial process, on
+the run the plan names. It does not run, kill or check anything.
+"""
+
+from __future__ import annotations
+
+import random
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import Field
+
+from rollpoint.protocol.control import Verb
+from rollpoint.protocol.model_base import StrictModel
+from rollpoint.protocol.participant import ParticipantKind
+
+MAX_RERUNS = 4
+"""Reruns of a trial after its first run, until one exits 0."""
+EARLY_S = 0.5
+"""A lost row stream reply is planned this early in a run: streams open as groups go out."""
+
+
+class ChaosFault(StrEnum):
+    """The kinds of fault a trial can suffer."""
+
+    PROCESS_KILL = "process_kill"
+    """SIGKILL of the trial's whole process group (trainer and servers); then a rerun."""
+    REPLICA_KILL = "replica_kill"
+    """SIGKILL of one replica's server processes; the runtime restarts the replica."""
+    LOST_RUN_REPLY = "lost_run_reply"
+    """One ``POST /run`` row stream runs to its end on the agent, and its reply is lost."""
+    LOST_CONTROL_REPLY = "lost_control_reply"
+    """A participant applies a commit or a resume, and its reply is lost."""
+    PARTITION = "partition"
+    """A participant's control routes are unreachable for a moment (refused), then heal."""
+    SLOW_PREPARE = "slow_prepare"
+    """A participant's prepare reaches it late."""
+
+
+IN_PROCESS = frozenset(set(ChaosFault) - {ChaosFault.PROCESS_KILL})
+"""Faults the trial process applies itself (the rest are the runner's)."""
+PROXIED = frozenset(
+    {
+        ChaosFault.LOST_RUN_REPLY,
+        ChaosFault.LOST_CONTROL_REPLY,
+        ChaosFault.PARTITION,
+        ChaosFault.SLOW_PREPARE,
+    }
+)
+"""Faults applied by a fault proxy in front of one participant's URL."""
+
+
+class PlannedFault(StrictModel):
+    kind: ChaosFault
+    run: Annotated[int, Field(ge=0, le=MAX_RERUNS)]
+    """Which run of the trial suffers it: 0 the first, 1 the first rerun, ..."""
+    at_s: Annotated[float, Field(ge=0)]
+    """Seconds after that run's servers are up."""
+    replica: Annotated[int, Field(ge=0)] = 0
+    participant: ParticipantKind = ParticipantKind.AGENT
+    """Proxied faults: whose URL the proxy stands in front of."""
+    servers: list[ParticipantKind] = Field(default_factory=list)
+    """``replica_kill``: which of the replica's servers are killed."""
+    verb: Verb | None = None
+    """``lost_control_reply``: the verb whose reply is lost."""
+    seconds: Annotated[float, Field(ge=0)] = 0.0
+    """``partition``: how long it lasts; ``slow_prepare``: how late the prepare arrives."""
+    forward: bool = False
+    """``partition``: the participant gets the request that starts it (its reply is lost)."""
+
+    def describe(self) -> str:
+        where = f"replica-{self.replica}"
+        if self.kind in PROXIED:
+            where = f"{self.participant}@{where}"
+        extra = {
+            ChaosFault.REPLICA_KILL: f" ({', '.join(self.servers)})",
+            ChaosFault.LOST_CONTROL_REPLY: f" ({self.verb})",
+            ChaosFault.PARTITION: f" ({self.seconds:.2f}s{', forwarded' if self.forward else ''})",
+            ChaosFault.SLOW_PREPARE: f" (+{self.seconds:.2f}s)",
+        }.get(self.kind, "")
+        if self.kind is ChaosFault.PROCESS_KILL:
+            where = "trial"
+        return f"{self.kind} of {where}{extra} at {self.at_s:.2f}s of run {self.run}"
+
+
+class TrialPlan(StrictModel):
+    """One run of one trial: what ``python -m rollpoint.testing.chaos_trial`` is given."""
+
+    trial: Annotated[int, Field(ge=0)]
+    config: Path
+    """The job's config; the trial overrides its workdir, snapshot store and ports."""
+    workdir: Path
+    run: Annotated[int, Field(ge=0, le=MAX_RERUNS)] = 0
+    """0 starts the job fresh; a rerun resumes from the trial's snapshots."""
+    faults: list[PlannedFault] = Field(default_factory=list)
+    """Every fault of the trial, of every run."""
+
+    def in_process(self) -> list[PlannedFault]:
+        """The faults this run's trial process applies itself."""
+        return [f for f in self.faults if f.run == self.run and f.kind in IN_PROCESS]
+
+    def kills(self) -> list[PlannedFault]:
+        """The runner's kill of this run (at most one)."""
+        return [f for f in self.faults if f.run == self.run and f.kind is ChaosFault.PROCESS_KILL]
+
+
+class TrialEvent(StrictModel):
+    """One line a trial process prints on stdout."""
+
+    event: Literal["up", "fault", "over", "resumed", "finished", "error"]
+    """``fault``: a planned fault took effect; ``over``: it ended (a partition healed, a
+    killed replica is back up); ``finished``/``error``: the run's last line."""
+    ts: float
+    """Unix time it happened."""
+    kind: ChaosFault | None = None
+    """``fault`` and ``over``: which kind of fault."""
+    detail: str = ""
+    snapshot_id: str | None = None
+    continued: int = 0
+    """``resumed``: episodes continued from the snapshot."""
+    restarted: int = 0
+    """``resumed``: episodes the snapshot could not continue, started over."""
+
+
+def draw_plans(
+    trials: int, seed: int, *, config: Path, root: Path, replicas: int, within_s: float
+) -> list[TrialPlan]:
+    """Every trial's plan, drawn from ``random.Random(seed)``; trial ``k`` works in
+    ``root/trial-<k>``. Faults land within ``within_s`` of a run's servers coming up."""
+    rng = random.Random(seed)
+    return [
+        TrialPlan(
+            trial=k,
+            config=config,
+            workdir=root / f"trial-{k}",
+            faults=_draw_faults(rng, replicas, within_s),
+        )
+        for k in range(trials)
+    ]
+
+
+def _draw_faults(rng: random.Random, replicas: int, within_s: float) -> list[PlannedFault]:
+    faults: list[PlannedFault] = []
+    kill_at: float | None = None
+    if rng.random() < 0.5:
+        kill_at = rng.uniform(0.1, within_s)
+        faults.append(PlannedFault(kind=ChaosFault.PROCESS_KILL, run=0, at_s=kill_at))
+        if rng.random() < 0.25:  # the rerun killed too, often during its restore
+            faults.append(
+                PlannedFault(kind=ChaosFault.PROCESS_KILL, run=1, at_s=rng.uniform(0.0, 1.0))
+            )
+    # One proxied fault per participant and run: a partition heals its whole proxy.
+    free = {run: [(r, p) for r in range(replicas) for p in ParticipantKind] for run in range(2)}
+    kinds = rng.sample(sorted(IN_PROCESS), rng.randint(0 if kill_at is not None else 1, 3))
+    # A replica kill first: proxied faults then avoid its replica (once it restarts on new
+    # ports, the trainer no longer goes through their proxy).
+    kinds.sort(key=lambda k: k is not ChaosFault.REPLICA_KILL)
+    for kind in kinds:
+        # With a kill, the fault lands before it or in the resumed run.
+        run = 0 if kill_at is None or rng.random() < 0.5 else 1
+        last = kill_at if run == 0 and kill_at is not None else within_s
+        if kind is ChaosFault.LOST_RUN_REPLY:
+            # Row streams open as groups are sent, most of them early: a late rule
+            # would wait for a stream that never comes.
+            last = min(last, EARLY_S)
+        at_s = rng.uniform(0.05, max(last, 0.1))
+        fault = _draw_one(rng, kind, run, at_s, free[run], replicas)
+        if fault is None:
+            continue
+        faults.append(fault)
+        if kind is ChaosFault.REPLICA_KILL and replicas > 1:
+            free[run] = [t for t in free[run] if t[0] != fault.replica]
+    return faults
+
+
+def _draw_one(
+    rng: random.Random,
+    kind: ChaosFault,
+    run: int,
+    at_s: float,
+    free: list[tuple[int, ParticipantKind]],
+    replicas: int,
+) -> PlannedFault | None:
+    """One fault of ``kind``; None when no participant it can target is still free."""
+    if kind is ChaosFault.REPLICA_KILL:
+        servers = rng.choice(
+            [[ParticipantKind.AGENT], [ParticipantKind.RESOURCES], list(ParticipantKind)]
+        )
+        return PlannedFault(
+            kind=kind, run=run, at_s=at_s, replica=rng.randrange(replicas), servers=servers
+        )
+    # Model and resources URLs carry only control traffic from the trainer: a partition of
+    # them cuts the control routes, not the row streams. /run is the agent's.
+    allowed = {
+        ChaosFault.LOST_RUN_REPLY: {ParticipantKind.AGENT},
+        ChaosFault.PARTITION: {ParticipantKind.MODEL, ParticipantKind.RESOURCES},
+    }.get(kind, set(ParticipantKind))
+    targets = [t for t in free if t[1] in allowed]
+    if not targets:
+        return None
+    replica, participant = rng.choice(targets)
+    free.remove((replica, participant))
+    fault = PlannedFault(kind=kind, run=run, at_s=at_s, replica=replica, participant=participant)
+    if kind is ChaosFault.LOST_CONTROL_REPLY:
+        return fault.model_copy(update={"verb": rng.choice([Verb.COMMIT, Verb.RESUME])})
+    if kind is ChaosFault.PARTITION:
+        return fault.model_copy(
+            update={"seconds": rng.uniform(0.1, 0.6), "forward": rng.random() < 0.5}
+        )
+    if kind is ChaosFault.SLOW_PREPARE:
+        return fault.model_copy(update={"seconds": rng.uniform(0.1, 1.5)})
+    return fault

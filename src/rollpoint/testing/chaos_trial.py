@@ -1,0 +1,273 @@
+"""One run of one chaos trial: ``python -m rollpoint.testing.chaos_trial PLAN_JSON``.
+
+Owns a single process of a trial (see :mod:`rollpoint.testing.chaos_plan`): it points the
+job's config at the trial's workdir, runs the job (fresh on run 0, resuming on a rerun)
+with a fault proxy in front of every participant its plan targets, applies the plan's
+faults of this run at their moments, and prints what happened as
+:class:`~rollpoint.testing.chaos_plan.TrialEvent` JSON lines on stdout, flushed one by
+one so a runner that SIGKILLs it keeps every line printed before the kill. Messages go to
+stderr and logs to ``<workdir>/rollpoint.log``.
+
+It does not kill itself, rerun, or judge the outcome (the runner in
+:mod:`rollpoint.testing.chaos` does). Exit code 0: the job finished; 1: it failed; 2: bad
+plan or config.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import signal
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from pydantic import ValidationError
+
+from rollpoint.config import RunConfig, load_config
+from rollpoint.job import drive_quietly, run_job
+from rollpoint.protocol.control import CONTROL_PREFIX, Verb
+from rollpoint.protocol.deployment import Deployment
+from rollpoint.protocol.errors import ConfigError, RollpointError
+from rollpoint.protocol.participant import ParticipantKind
+from rollpoint.runtime.embedded import EmbeddedRuntime, replica_name, replica_of
+from rollpoint.testing.chaos_plan import PROXIED, ChaosFault, PlannedFault, TrialEvent, TrialPlan
+from rollpoint.testing.fault import Fault
+from rollpoint.testing.fault_proxy import FaultProxy
+from rollpoint.trainer.metrics import TrainerMetrics
+from rollpoint.trainer.trainer_loop import RunSummary, Trainer
+
+log = logging.getLogger(__name__)
+
+# What rollpoint.job says after a restore; the numbers are the trial's episode tally.
+_RESUMED = re.compile(
+    r"resumed from snapshot (?P<snapshot>\S+) at train step \d+: "
+    r"(?P<continued>\d+) episodes continued, (?P<restarted>\d+) restarted"
+)
+_FOREVER_S = 24 * 3600.0
+_NOTICED_POLL_S = 0.02
+
+
+def emit(event: TrialEvent) -> None:
+    sys.stdout.write(event.model_dump_json(exclude_defaults=True) + "\n")
+    sys.stdout.flush()
+
+
+def say(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+    found = _RESUMED.search(message)
+    if found:
+        emit(
+            TrialEvent(
+                event="resumed",
+                ts=time.time(),
+                snapshot_id=found["snapshot"],
+                continued=int(found["continued"]),
+                restarted=int(found["restarted"]),
+            )
+        )
+
+
+def trial_config(plan: TrialPlan) -> RunConfig:
+    """The job's config in the trial's workdir, with its snapshot store inside it and free
+    ports: trials must not share state or collide with servers still dying."""
+    config = load_config(plan.config)
+    snapshot = config.snapshot.model_copy(update={"store": None})
+    return config.model_copy(
+        update={"workdir": plan.workdir, "base_port": None, "snapshot": snapshot}
+    )
+
+
+@dataclass(frozen=True)
+class Strike:
+    """A fault that took effect: when, and what ends it (None: over at once)."""
+
+    ts: float
+    recover: Callable[[], Awaitable[None]] | None = None
+
+
+_StrikeFn = Callable[[PlannedFault, Trainer, EmbeddedRuntime], Awaitable[Strike | None]]
+"""Applies one fault; returns when it took effect, None when it found nothing to hit."""
+
+
+class TrialFaults:
+    """The plan's faults of one run: the proxies they need and their application."""
+
+    def __init__(self, plan: TrialPlan) -> None:
+        self.faults = plan.in_process()
+        self._proxies: dict[tuple[str, ParticipantKind], FaultProxy] = {}
+        """(replica, participant) → the proxy in front of it; its faults share it."""
+        self._stack = contextlib.AsyncExitStack()
+        self._up_at = time.monotonic()
+        self._strikes: dict[ChaosFault, _StrikeFn] = {
+            ChaosFault.REPLICA_KILL: self._kill_replica,
+            ChaosFault.LOST_RUN_REPLY: self._lose_reply,
+            ChaosFault.LOST_CONTROL_REPLY: self._lose_reply,
+            ChaosFault.PARTITION: self._partition,
+            ChaosFault.SLOW_PREPARE: self._slow_prepare,
+        }
+
+    async def aclose(self) -> None:
+        await self._stack.aclose()
+
+    async def route(self, deployment: Deployment) -> Deployment:
+        """Put a proxy in front of each participant a fault targets; the moments start now."""
+        replicas = {r.name: r for r in deployment.replicas}
+        for fault in self.faults:
+            key = (replica_name(fault.replica), fault.participant)
+            if fault.kind not in PROXIED or key[0] not in replicas or key in self._proxies:
+                continue
+            field = f"{fault.participant}_url"
+            upstream = getattr(replicas[key[0]], field)
+            self._proxies[key] = await self._stack.enter_async_context(FaultProxy(upstream))
+            replicas[key[0]] = replicas[key[0]].model_copy(update={field: self._proxies[key].url})
+        self._up_at = time.monotonic()
+        emit(TrialEvent(event="up", ts=time.time()))
+        return deployment.model_copy(update={"replicas": list(replicas.values())})
+
+    async def drive(
+        self, trainer: Trainer, runtime: EmbeddedRuntime, metrics: TrainerMetrics
+    ) -> RunSummary:
+        """Run the job as ``rollpoint run`` does, the faults landing beside it."""
+        applying = [asyncio.create_task(self._apply(f, trainer, runtime)) for f in self.faults]
+        try:
+            return await drive_quietly(trainer, runtime, metrics)
+        finally:
+            for task in applying:
+                task.cancel()
+            await asyncio.gather(*applying, return_exceptions=True)
+
+    async def _apply(self, fault: PlannedFault, trainer: Trainer, runtime: EmbeddedRuntime) -> None:
+        await asyncio.sleep(max(0.0, self._up_at + fault.at_s - time.monotonic()))
+        try:
+            strike = await self._strikes[fault.kind](fault, trainer, runtime)
+        except RollpointError as exc:
+            log.warning("chaos: %s could not be applied: %s", fault.describe(), exc.message)
+            return
+        if strike is None:
+            log.info("chaos: %s found nothing to hit", fault.describe())
+            return
+        log.info("chaos: %s took effect", fault.describe())
+        emit(TrialEvent(event="fault", ts=strike.ts, kind=fault.kind, detail=fault.describe()))
+        if strike.recover is not None:
+            await strike.recover()
+        emit(TrialEvent(event="over", ts=time.time(), kind=fault.kind, detail=fault.describe()))
+
+    # --- one strike per kind -----------------------------------------------------------
+
+    async def _kill_replica(
+        self, fault: PlannedFault, trainer: Trainer, runtime: EmbeddedRuntime
+    ) -> Strike | None:
+        name = replica_name(fault.replica)
+        victims = [
+            c
+            for c in runtime.group.children
+            if c.alive and replica_of(c.spec.name) == name and c.spec.kind in fault.servers
+        ]
+        if not victims or not trainer.roster.is_up(name):
+            return None
+        before = trainer.roster.endpoints(name)
+        for child in victims:
+            with contextlib.suppress(ProcessLookupError):
+                child.process.send_signal(signal.SIGKILL)
+
+        async def noticed() -> None:
+            # Over once the trainer stopped using the dead servers (marked the replica
+            # down, or already has its successor): snapshots go on without it from then.
+            # The trainer has no event for that, so poll.
+            while True:
+                if not trainer.roster.is_up(name) or trainer.roster.endpoints(name) != before:
+                    return
+                await asyncio.sleep(_NOTICED_POLL_S)
+
+        return Strike(time.time(), noticed)
+
+    async def _lose_reply(
+        self, fault: PlannedFault, trainer: Trainer, runtime: EmbeddedRuntime
+    ) -> Strike | None:
+        proxy = self._proxy_of(fault)
+        if fault.kind is ChaosFault.LOST_RUN_REPLY:
+            rule = proxy.add(Fault.drop_reply(method="POST", path="/run"))
+        else:
+            verb = fault.verb or Verb.COMMIT
+            rule = proxy.add(Fault.drop_reply(method="POST", path=f"{CONTROL_PREFIX}/{verb}"))
+        await rule.wait(timeout_s=_FOREVER_S)
+        return Strike(time.time())
+
+    async def _partition(
+        self, fault: PlannedFault, trainer: Trainer, runtime: EmbeddedRuntime
+    ) -> Strike | None:
+        proxy = self._proxy_of(fault)
+        # Cut on the next control request, so the partition meets a snapshot.
+        rule = proxy.add(Fault.refuse(path=CONTROL_PREFIX, forward=fault.forward))
+        await rule.wait(timeout_s=_FOREVER_S)
+
+        async def heal() -> None:
+            await asyncio.sleep(fault.seconds)
+            await proxy.heal()
+
+        return Strike(time.time(), heal)
+
+    async def _slow_prepare(
+        self, fault: PlannedFault, trainer: Trainer, runtime: EmbeddedRuntime
+    ) -> Strike | None:
+        proxy = self._proxy_of(fault)
+        rule = proxy.add(
+            Fault.delay(fault.seconds, method="POST", path=f"{CONTROL_PREFIX}/prepare")
+        )
+        await rule.wait(timeout_s=_FOREVER_S)
+        return Strike(time.time(), lambda: asyncio.sleep(fault.seconds))
+
+    def _proxy_of(self, fault: PlannedFault) -> FaultProxy:
+        proxy = self._proxies.get((replica_name(fault.replica), fault.participant))
+        if proxy is None:
+            raise ConfigError(f"chaos: no proxy for {fault.describe()}")
+        return proxy
+
+
+async def run_trial(plan: TrialPlan, config: RunConfig) -> RunSummary:
+    faults = TrialFaults(plan)
+    try:
+        return await run_job(
+            config, fresh=plan.run == 0, say=say, drive=faults.drive, route=faults.route
+        )
+    finally:
+        await faults.aclose()
+
+
+def _setup_logging(config: RunConfig) -> None:
+    handler = logging.FileHandler(config.workdir / "rollpoint.log")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    root = logging.getLogger()
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m rollpoint.testing.chaos_trial PLAN_JSON", file=sys.stderr)
+        return 2
+    try:
+        plan = TrialPlan.model_validate_json(args[0])
+    except ValidationError as exc:
+        print(f"error: bad trial plan: {exc.errors()[0]['msg']}", file=sys.stderr)
+        return 2
+    try:
+        config = trial_config(plan)
+        config.workdir.mkdir(parents=True, exist_ok=True)
+        _setup_logging(config)
+        summary = asyncio.run(run_trial(plan, config))
+    except RollpointError as exc:
+        emit(TrialEvent(event="error", ts=time.time(), detail=exc.message))
+        print(f"error: {exc.message}", file=sys.stderr)
+        return 2 if isinstance(exc, ConfigError) else 1
+    emit(TrialEvent(event="finished", ts=time.time(), detail=summary.model_dump_json()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

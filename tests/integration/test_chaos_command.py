@@ -1,0 +1,162 @@
+"""``rollpoint chaos`` end to end: real trials under real faults, and the tally catching a break.
+
+One short chaos run (3 trials of a small workplace job) goes through the CLI in a
+subprocess and is shared by the tests: it must find no violation and inject faults. A
+trial's workdir, tampered with, and a run that stopped by itself must then be counted as
+violations by the same check and tally code the command uses.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+import yaml
+
+from rollpoint.config import load_config
+from rollpoint.testing.chaos import ChaosRunner
+from rollpoint.testing.chaos_plan import ChaosFault, TrialEvent, TrialPlan
+from rollpoint.testing.chaos_tally import ChaosTally, RunRecord, TrialOutcome
+from rollpoint.testing.invariants import Invariant, snapshot_outcomes
+
+pytestmark = pytest.mark.chaos
+
+TRIALS = 3
+SEED = 1
+"""Plans a process kill, replica kills and lost control replies in these 3 trials."""
+
+
+def write_config(folder: Path) -> Path:
+    config = {
+        "workdir": str(folder / "run"),
+        "environment": "workplace",
+        "tasks": 8,
+        "group_size": 2,
+        "max_turns": 8,
+        "replicas": 2,
+        "concurrency": 8,
+        "policy": {"latency_ms": 50, "error_rate": 0},
+        "snapshot": {"every_seconds": 0.3},
+        "train": {"batch_size": 4},
+    }
+    path = folder / "job.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+def rollpoint(*args: str, timeout_s: float = 85) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "rollpoint", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        stdin=subprocess.DEVNULL,
+        env={**os.environ, "NO_COLOR": "1", "COLUMNS": "200"},
+    )
+
+
+@pytest.fixture(scope="module")
+def chaos_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    folder = tmp_path_factory.mktemp("chaos")
+    config = write_config(folder)
+    report = folder / "chaos.json"
+    done = rollpoint(
+        "chaos",
+        str(config),
+        "--trials",
+        str(TRIALS),
+        "--seed",
+        str(SEED),
+        "--within",
+        "1.0",
+        "--json",
+        str(report),
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return config, orjson.loads(report.read_bytes())
+
+
+def test_a_short_chaos_run_injects_faults_and_finds_no_violation(
+    chaos_run: tuple[Path, dict[str, Any]],
+) -> None:
+    config, report = chaos_run
+
+    assert report["trials"] == TRIALS
+    assert report["violations"] == {kind.value: 0 for kind in Invariant}
+    assert set(report["faults_injected"]) == {kind.value for kind in ChaosFault}
+    assert sum(report["faults_injected"].values()) >= 1
+    assert report["trials_unfinished"] == 0
+    assert report["snapshots"]["committed"] > 0
+    workdir = load_config(config).workdir
+    assert sorted(p.name for p in (workdir / "chaos").iterdir()) == [
+        f"trial-{k}" for k in range(TRIALS)
+    ]
+
+
+def test_the_tally_counts_violations_in_a_tampered_trial(
+    chaos_run: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    config_path, _ = chaos_run
+    config = load_config(config_path)
+    tampered = tmp_path / "trial-0"
+    shutil.copytree(config.workdir / "chaos" / "trial-0", tampered)
+    train_data = tampered / "train_data.jsonl"
+    lines = train_data.read_bytes().splitlines(keepends=True)
+    train_data.write_bytes(b"".join([*lines, lines[0]]))  # one rollout trained twice
+    runner = ChaosRunner(config_path, config, run_timeout_s=60)
+    plan = TrialPlan(trial=0, config=config_path, workdir=tampered)
+    stopped = TrialEvent(event="error", ts=1.0, detail="3 snapshots failed in a row")
+    runs = [
+        RunRecord(run=0, started_at=0.0, returncode=1, events=[stopped]),
+        RunRecord(run=1, started_at=0.0, returncode=0),
+    ]
+    tally = ChaosTally(seed=SEED, config=str(config_path))
+
+    tally.add(
+        TrialOutcome(
+            trial=0,
+            plan=plan,
+            runs=runs,
+            snapshots=snapshot_outcomes(tampered),
+            violations=runner.check(plan, runs),
+            seconds=0.0,
+        )
+    )
+
+    report = tally.to_json()
+    assert report["violations"] == {"I1": 1, "I2": 0, "I3": 0, "I4": 1}
+    i1, i4 = report["violation_details"]
+    assert i1.startswith("I1 trial-0 ") and "trained 2 times" in i1
+    assert i4 == "I4 trial-0 run 0: stopped by itself (exit 1): 3 snapshots failed in a row"
+    assert tally.exit_code == 1
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--trials", "0"], "--trials must be at least 1, got 0"),
+        (["--trials", "2", "--within", "0"], "--within and --run-timeout must be positive"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str], message: str) -> None:
+    config = write_config(tmp_path)
+
+    done = rollpoint("chaos", str(config), *args, timeout_s=30)
+
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == f"error: {message}"
+    assert not (tmp_path / "run" / "chaos").exists()
+
+
+def test_an_unreadable_config_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    done = rollpoint("chaos", str(tmp_path / "missing.yaml"), "--trials", "1", timeout_s=30)
+
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "missing.yaml: cannot read config" in lines[0], done.stderr

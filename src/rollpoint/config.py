@@ -50,8 +50,9 @@ class SnapshotConfig(_Section):
     keep: Annotated[int, Field(ge=1)] = 3
     deadline_seconds: Annotated[float, Field(gt=0)] = 10.0
     retry_after_seconds: Annotated[float, Field(ge=0)] = 1.0
-    """After a failed snapshot, skip snapshot requests for this long (they are not counted
-    as failures): a participant that just died must not burn the budget in milliseconds."""
+    """Three failed snapshots in a row stop the run only once the failures also span this
+    long: back-to-back saves (train checkpoints) that fail within milliseconds while a
+    replica dies must not end the run. Every save is still attempted."""
     allow_restart_only: bool = False
     store: str | None = None
     """A path or fsspec URL; None keeps snapshots under <workdir>/snapshots."""

@@ -98,8 +98,6 @@ class SaveReport:
     """Finished replies of tries nobody will seal, released on their agents."""
     blocked_by: str = ""
     manifest: SnapshotManifest | None = None
-    skipped: bool = False
-    """Not attempted: the last attempt failed moments ago (``snapshot.retry_after_seconds``)."""
 
 
 @dataclass
@@ -163,7 +161,7 @@ class SnapshotCoordinator:
         self._lock = asyncio.Lock()
         self._sequence = 0
         self._unresumed: dict[str, tuple[ParticipantClient, str]] = {}
-        self._last_failure_at = 0.0
+        self._failing_since = 0.0
         self.history: list[SaveReport] = []
         self.before_save: Callable[[], Awaitable[None]] | None = None
         """Runs before the barrier closes (the trainer flushes retires and forgets: DESIGN §5.1)."""
@@ -183,8 +181,17 @@ class SnapshotCoordinator:
     async def discover(self) -> list[StatusReply]:
         """Ask every participant who it is; refuse restart-only servers unless allowed."""
         clients = self.participants
-        await self._discover(clients)
-        return [self._statuses[c] for c in clients]
+        # A participant cut off for a moment as the run starts must not end it: retry
+        # until the snapshot deadline, as a save would wait for it.
+        give_up_at = time.monotonic() + self.config.deadline_seconds
+        while True:
+            try:
+                await self._discover(clients)
+                return [self._statuses[c] for c in clients]
+            except SnapshotError:
+                if time.monotonic() >= give_up_at:
+                    raise
+                await asyncio.sleep(_DISCOVER_RETRY_S)
 
     async def _discover(self, clients: list[ParticipantClient]) -> None:
         replies = await asyncio.gather(*(p.status() for p in clients), return_exceptions=True)
@@ -245,17 +252,6 @@ class SnapshotCoordinator:
         """Take one snapshot. A failed one is reported (and counted); the third failure in
         a row raises :class:`SnapshotError` naming what blocked each."""
         async with self._lock:
-            since = time.monotonic() - self._last_failure_at
-            if self._failures and since < self.config.retry_after_seconds:
-                # Train checkpoints can ask for snapshots back to back; a participant that
-                # just failed (a replica dying, before the runtime notices) must not burn
-                # the whole failure budget in a few milliseconds.
-                return SaveReport(
-                    snapshot_id="",
-                    published=False,
-                    skipped=True,
-                    blocked_by=f"backing off {self.config.retry_after_seconds - since:.1f}s after a failed snapshot",
-                )
             if self.before_save is not None:
                 try:
                     await self.before_save()
@@ -278,18 +274,28 @@ class SnapshotCoordinator:
             if report.published:
                 self._failures.clear()
                 return report
+            if not self._failures:
+                self._failing_since = time.monotonic()
             self._failures.append(f"{snapshot_id}: {report.blocked_by}")
-            self._last_failure_at = time.monotonic()
             log.warning(
                 "snapshot %s failed (%d in a row): %s",
                 snapshot_id,
                 len(self._failures),
                 report.blocked_by,
             )
-            if len(self._failures) >= MAX_FAILED_IN_A_ROW:
+            # Back-to-back saves (train checkpoints) fail within milliseconds of one
+            # another while a replica dies or a link is down: the budget is spent only
+            # by failures that also span retry_after_seconds. Every save is still tried,
+            # so the first one after the fault commits.
+            failing_for = time.monotonic() - self._failing_since
+            if (
+                len(self._failures) >= MAX_FAILED_IN_A_ROW
+                and failing_for >= self.config.retry_after_seconds
+            ):
                 raise SnapshotError(
-                    f"{MAX_FAILED_IN_A_ROW} snapshots failed in a row; stopping the run: "
-                    + "; ".join(self._failures)
+                    f"{len(self._failures)} snapshots failed in a row; stopping the run after "
+                    f"{failing_for:.1f}s of failures: "
+                    + "; ".join(self._failures[-MAX_FAILED_IN_A_ROW:])
                 )
             return report
 
@@ -303,6 +309,14 @@ class SnapshotCoordinator:
             report.blocked_by = exc.message
             return report
         await self._resume_leftovers()
+        if self._unresumed:
+            # Still closed by an earlier checkpoint and out of reach: a prepare now would
+            # hold every agent at its deadline behind that participant's frozen calls.
+            report.blocked_by = (
+                f"{', '.join(sorted(self._unresumed))} still closed by an earlier checkpoint "
+                "and unreachable"
+            )
+            return report
         checkpoint_id = snapshot_id
         started_at = time.time()
         self.barrier.close()
@@ -594,15 +608,26 @@ class SnapshotCoordinator:
     async def _resume_leftovers(self) -> None:
         """Resume what a lost resume left closed, so the next prepare does not hit a
         participant still holding the last checkpoint (it would refuse: checkpoint_conflict)."""
-        for label, (client, checkpoint_id) in list(self._unresumed.items()):
+        up = set(self.participants)
+        for label, (client, _) in list(self._unresumed.items()):
+            if client not in up:
+                del self._unresumed[label]  # its replica is down or was replaced
+                continue
             try:
-                await client.resume(checkpoint_id)
+                # Resume what it holds, not what we last failed to resume: a prepare lost
+                # in a partition leaves it on an older checkpoint, and resuming the newer
+                # id is refused while it stays closed until its lease lapses.
+                status = await client.status()
+                if status.phase is not Phase.IDLE and status.checkpoint_id is not None:
+                    await client.resume(status.checkpoint_id)
             except TransportError:
                 continue  # still unreachable: the save will name it
             except RollpointError:
                 pass  # already reopened (by its lease) and says so: nothing left to do
             del self._unresumed[label]
 
+
+_DISCOVER_RETRY_S = 0.2
 
 # A participant answers at its deadline at the latest; this covers the network and scheduling.
 _DEADLINE_SLACK_S = 0.5

@@ -16,7 +16,7 @@ from typing import Any
 from bench.report import BenchResult
 from rollpoint.config import parse_config
 from rollpoint.job import drive_quietly, run_job
-from rollpoint.runtime.embedded import EmbeddedRuntime
+from rollpoint.runtime.contract import Runtime
 from rollpoint.trainer.metrics import TrainerMetrics
 from rollpoint.trainer.trainer_loop import RunSummary, Trainer
 
@@ -40,9 +40,7 @@ async def _one(
     config.workdir.mkdir(parents=True, exist_ok=True)
     timing: dict[str, Any] = {}
 
-    async def drive(
-        trainer: Trainer, runtime: EmbeddedRuntime, metrics: TrainerMetrics
-    ) -> RunSummary:
+    async def drive(trainer: Trainer, runtime: Runtime, metrics: TrainerMetrics) -> RunSummary:
         t0 = time.monotonic()
         summary = await drive_quietly(trainer, runtime, metrics)
         timing["s"] = time.monotonic() - t0

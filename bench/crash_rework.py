@@ -25,6 +25,7 @@ from bench.report import BenchResult
 from rollpoint.config import RunConfig, parse_config
 from rollpoint.http.client import HttpClient
 from rollpoint.job import drive_quietly, run_job
+from rollpoint.runtime.contract import Runtime
 from rollpoint.runtime.embedded import EmbeddedRuntime
 from rollpoint.store.snapshot_store import SnapshotStore
 from rollpoint.trainer.control_plane import snapshot_root
@@ -42,7 +43,7 @@ class Leg:
     seconds: float = 0.0
 
 
-async def _calls(runtime: EmbeddedRuntime) -> int:
+async def _calls(runtime: Runtime) -> int:
     assert runtime.deployment is not None
     async with HttpClient(timeout_s=10) as http:
         stats = await asyncio.gather(
@@ -79,9 +80,7 @@ def _say(_: str) -> None:
 
 
 async def _full_run(config: RunConfig, leg: Leg) -> RunSummary:
-    async def drive(
-        trainer: Trainer, runtime: EmbeddedRuntime, metrics: TrainerMetrics
-    ) -> RunSummary:
+    async def drive(trainer: Trainer, runtime: Runtime, metrics: TrainerMetrics) -> RunSummary:
         t0 = time.monotonic()
         summary = await drive_quietly(trainer, runtime, metrics)
         leg.seconds += time.monotonic() - t0
@@ -94,7 +93,8 @@ async def _full_run(config: RunConfig, leg: Leg) -> RunSummary:
 async def _killed_run(config: RunConfig, leg: Leg, kill_after_s: float) -> None:
     store_root = snapshot_root(config)
 
-    async def drive(trainer: Trainer, runtime: EmbeddedRuntime, metrics: TrainerMetrics) -> Any:
+    async def drive(trainer: Trainer, runtime: Runtime, metrics: TrainerMetrics) -> Any:
+        assert isinstance(runtime, EmbeddedRuntime), "the kill needs local server processes"
         t0 = time.monotonic()
         job = asyncio.create_task(drive_quietly(trainer, runtime, metrics))
         # Kill at the same moment of the job in both modes, as soon as a snapshot is

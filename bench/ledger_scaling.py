@@ -10,9 +10,15 @@ Measured in CPU time of the measuring thread, each as the best of a few repeats:
 
 - look-ups: ``get`` (a finished rollout, an in-flight one), ``current(group, row)``;
 - what :meth:`SnapshotCoordinator._commit_all` does on the trainer while the barrier is
-  closed: ``in_flight`` of every replica, ``ledger.to_document()``, ``tq.to_document()``;
-- what the publish does after it reopens: ``orjson.dumps`` of both documents (it holds the
-  GIL, so the trainer's event loop stalls for that long even from a worker thread).
+  closed (``capture``): ``in_flight`` of every replica, ``ledger.capture()``,
+  ``tq.capture()`` — references to immutable chunks and the live tries that moved;
+- what the publish does after it reopens, from a worker thread (it holds the GIL, so the
+  trainer's event loop runs slower meanwhile): encoding both captures to JSON, the first
+  time after the run grew (``encode_first``: every chunk filled since is encoded once) and
+  again (``encode``: full chunks reuse their bytes);
+- the capture again with ``QUEUED`` more rows queued ahead and never started
+  (``queued_capture``), at the largest size only: rows nothing has happened to are
+  implied by their group, so they must not show either.
 
 The ratio of each at the largest run to the smallest says whether it grows; ≈ 1 is the
 target for everything inside the pause.
@@ -32,14 +38,16 @@ from bench.report import BenchResult
 from rollpoint.envs import get_environment
 from rollpoint.protocol.episode import RunReply, TaskRow
 from rollpoint.protocol.ids import EpisodeId
-from rollpoint.trainer.finished_queue import FinishedQueue
+from rollpoint.trainer.finished_queue import FinishedQueue, TQCapture
 from rollpoint.trainer.ledger import RecoveryLedger
+from rollpoint.trainer.ledger_document import LedgerCapture
 
 GROUP_SIZE = 4
 IN_FLIGHT = 1000
 REPLICAS = ("replica-0", "replica-1")
 LOOKUPS = 20_000
 REPEATS = 3
+QUEUED = 200_000
 
 
 def _template() -> TaskRow:
@@ -80,6 +88,11 @@ class Run:
             self.tq.commit(self._step)
             self.finished_ids += rollout_ids
 
+    def queue(self, rows: int) -> None:
+        """Add groups for ``rows`` more rows, queued and never started."""
+        for _ in range(rows // GROUP_SIZE):
+            self._add()
+
     def _add(self) -> tuple[str, list[str]]:
         task = self._template.model_copy(update={"task_id": f"task-{len(self.groups):07d}"})
         gid = f"{task.task_id}-g0"
@@ -88,11 +101,11 @@ class Run:
         self.groups.append(gid)
         return gid, [r.rollout_id for r in records]
 
-    def commit_side(self) -> tuple[dict[str, Any], dict[str, Any]]:
-        """What the coordinator computes on the trainer while the barrier is closed."""
+    def capture(self) -> tuple[LedgerCapture, TQCapture]:
+        """What the coordinator takes on the trainer while the barrier is closed."""
         for replica in REPLICAS:
             self.ledger.in_flight(replica)
-        return self.ledger.to_document(), self.tq.to_document()
+        return self.ledger.capture(), self.tq.capture()
 
 
 def _reply(rollout_id: str, task_id: str, group_id: str, row: int) -> RunReply:
@@ -139,25 +152,29 @@ def measure(run: Run) -> dict[str, float | int]:
     done = rng.choices(run.finished_ids, k=LOOKUPS)
     live = rng.choices(run.in_flight_ids, k=LOOKUPS)
     rows = [(rng.choice(run.groups), rng.randrange(GROUP_SIZE)) for _ in range(LOOKUPS)]
-    ledger_doc, tq_doc = run.commit_side()
+    ledger_capture, tq_capture = run.capture()
+    encode_first = _best(ledger_capture.to_bytes, repeats=1)
+    encoded = ledger_capture.to_bytes()
     return {
         "get_finished_us": _per_op_us(ledger.get, done),
         "get_in_flight_us": _per_op_us(ledger.get, live),
         "current_us": _per_op_us(lambda gr: ledger.current(*gr), rows),
         "in_flight_replica_ms": _best(lambda: ledger.in_flight(REPLICAS[0])) * 1e3,
-        "ledger_to_document_ms": _best(ledger.to_document) * 1e3,
-        "tq_to_document_ms": _best(run.tq.to_document) * 1e3,
-        "commit_side_ms": _best(run.commit_side) * 1e3,
-        "ledger_orjson_ms": _best(lambda: orjson.dumps(ledger_doc)) * 1e3,
-        "tq_orjson_ms": _best(lambda: orjson.dumps(tq_doc)) * 1e3,
-        "ledger_mb": len(orjson.dumps(ledger_doc)) / 1e6,
-        "tq_kb": len(orjson.dumps(tq_doc)) / 1e3,
-        "ledger_doc_tasks": len(ledger_doc["tasks"]),
+        "ledger_capture_ms": _best(ledger.capture) * 1e3,
+        "tq_capture_ms": _best(run.tq.capture) * 1e3,
+        "capture_ms": _best(run.capture) * 1e3,
+        "ledger_encode_first_ms": encode_first * 1e3,
+        "ledger_encode_ms": _best(ledger_capture.to_bytes) * 1e3,
+        "tq_encode_ms": _best(tq_capture.to_bytes) * 1e3,
+        "ledger_mb": len(encoded) / 1e6,
+        "tq_kb": len(tq_capture.to_bytes()) / 1e3,
+        "ledger_doc_tasks": len(orjson.loads(encoded)["tasks"]),
     }
 
 
 def _measure_all(sizes: Sequence[int]) -> dict[int, dict[str, float | int]]:
-    """One run grown to each size in turn (sizes ascending), measured at each."""
+    """One run grown to each size in turn (sizes ascending), measured at each; then the
+    largest again with ``QUEUED`` rows queued ahead."""
     run = Run()
     out: dict[int, dict[str, float | int]] = {}
     for size in sorted(sizes):
@@ -165,6 +182,8 @@ def _measure_all(sizes: Sequence[int]) -> dict[int, dict[str, float | int]]:
         run.finish(size - len(run.finished_ids))
         grow_s = time.thread_time() - t0
         out[size] = measure(run) | {"grow_s": grow_s}
+    run.queue(QUEUED)
+    out[max(sizes)]["queued_capture_ms"] = _best(run.capture) * 1e3
     return out
 
 
@@ -173,10 +192,10 @@ RATIO_KEYS = (
     "get_in_flight_us",
     "current_us",
     "in_flight_replica_ms",
-    "ledger_to_document_ms",
-    "tq_to_document_ms",
-    "commit_side_ms",
-    "ledger_orjson_ms",
+    "ledger_capture_ms",
+    "tq_capture_ms",
+    "capture_ms",
+    "ledger_encode_ms",
 )
 
 
@@ -187,6 +206,9 @@ async def run(sizes: Sequence[int] = (10_000, 100_000, 1_000_000)) -> BenchResul
     for size, values in by_size.items():
         figures |= {f"f{_label(size)}_{k}": v for k, v in values.items()}
     lo, hi = min(sizes), max(sizes)
+    figures[f"ratio_capture_ms_queued_vs_not_f{_label(hi)}"] = (
+        by_size[hi]["queued_capture_ms"] / by_size[hi]["capture_ms"]
+    )
     for key in RATIO_KEYS:
         small = by_size[lo][key]
         if small:
@@ -198,6 +220,7 @@ async def run(sizes: Sequence[int] = (10_000, 100_000, 1_000_000)) -> BenchResul
         params={
             "finished": "/".join(_label(s) for s in sizes),
             "in_flight": IN_FLIGHT,
+            "queued_ahead": f"{QUEUED:,} rows, at {_label(max(sizes))} only",
             "group_size": GROUP_SIZE,
             "replicas": len(REPLICAS),
             "timing": f"thread CPU time, best of {REPEATS}",

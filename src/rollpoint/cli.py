@@ -37,7 +37,7 @@ out = Console()
 T = TypeVar("T")
 
 if TYPE_CHECKING:
-    from rollpoint.runtime.embedded import EmbeddedRuntime
+    from rollpoint.runtime.contract import Runtime
     from rollpoint.trainer.metrics import TrainerMetrics
     from rollpoint.trainer.trainer_loop import RunSummary, Trainer
 
@@ -67,7 +67,7 @@ def _say(message: str) -> None:
 
 
 async def _drive_with_progress(
-    trainer: Trainer, runtime: EmbeddedRuntime, metrics: TrainerMetrics
+    trainer: Trainer, runtime: Runtime, metrics: TrainerMetrics
 ) -> RunSummary:
     total = sum(len(trainer.ledger.group_records(g)) for g in trainer.ledger.group_ids())
     columns = (
@@ -113,7 +113,7 @@ def run(
         bool, typer.Option("--force", help="With --fresh: delete a non-empty workdir.")
     ] = False,
 ) -> None:
-    """Run a job to the end on the embedded runtime."""
+    """Run a job to the end on the runtime the config names (``runtime:``)."""
     try:
         config = load_config(config_path)
         prepare_workdir(config.workdir, fresh=fresh, force=force)
@@ -138,26 +138,47 @@ def serve(
     as_json: Annotated[
         bool, typer.Option("--json", help="Print the deployment as one JSON line.")
     ] = False,
+    open_data_routes: Annotated[
+        bool,
+        typer.Option(
+            "--open-data-routes",
+            help="Serve /run, tools and chat without a token (the control routes keep theirs).",
+        ),
+    ] = False,
 ) -> None:
     """Start only the environment servers and print their URLs (bring your own trainer).
 
     Every server is a checkpoint participant; the control token is written to
-    WORKDIR/control.token (readable by you only) for your coordinator to send.
+    WORKDIR/control.token and the data token (for /run, tools and chat) to WORKDIR/data.token,
+    both readable by you only, for your coordinator and trainer to send as bearer tokens.
     """
     from rollpoint.runtime.embedded import EmbeddedRuntime
     from rollpoint.trainer.control_plane import snapshot_root
 
+    def _private_token(path: Path) -> str:
+        token = secrets.token_urlsafe(32)
+        path.unlink(missing_ok=True)
+        path.touch(mode=0o600)
+        path.write_text(token + "\n")
+        return token
+
     async def _serve() -> None:
         token_file = config.workdir / "control.token"
-        token = secrets.token_urlsafe(32)
-        token_file.touch(mode=0o600)
-        token_file.write_text(token + "\n")
-        runtime = EmbeddedRuntime(config, control_token=token, snapshot_root=snapshot_root(config))
+        token = _private_token(token_file)
+        data_file = None if open_data_routes else config.workdir / "data.token"
+        data_token = None if data_file is None else _private_token(data_file)
+        runtime = EmbeddedRuntime(
+            config,
+            control_token=token,
+            data_token=data_token,
+            snapshot_root=snapshot_root(config),
+        )
         async with runtime:
             assert runtime.deployment is not None
             if as_json:
                 doc = runtime.deployment.model_dump(mode="json") | {
-                    "control_token_file": str(token_file)
+                    "control_token_file": str(token_file),
+                    "data_token_file": None if data_file is None else str(data_file),
                 }
                 typer.echo(orjson.dumps(doc).decode())
             table = Table(title=f"rollpoint servers ({config.environment})")
@@ -169,6 +190,7 @@ def serve(
                 out.print(table)
                 out.print(f"policy: {runtime.deployment.policy_url}")
                 out.print(f"control token: {token_file} (snapshots under {snapshot_root(config)})")
+                out.print(f"data token: {data_file or 'none (data routes open)'}")
             console.print("serving; Ctrl-C to stop")
             await asyncio.Event().wait()
 

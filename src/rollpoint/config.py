@@ -58,6 +58,16 @@ class SnapshotConfig(_Section):
     """A path or fsspec URL; None keeps snapshots under <workdir>/snapshots."""
 
 
+class RayConfig(_Section):
+    """Where the replicas run when ``runtime: ray``; ignored on the embedded runtime."""
+
+    address: str | None = None
+    """None starts a local Ray instance; ``auto`` joins the cluster this machine is part of;
+    ``ray://host:10001`` (or ``host:6379``) connects to that cluster."""
+    num_cpus_per_replica: Annotated[float, Field(gt=0)] = 1.0
+    """CPUs Ray reserves for each replica actor (its three server processes)."""
+
+
 class RunConfig(_Section):
     workdir: Path = Path("runs/demo")
     environment: EnvironmentName = "workplace"
@@ -77,7 +87,9 @@ class RunConfig(_Section):
     """After a crash, ``turn`` continues every saved episode from its last completed turn;
     ``restart`` starts every unfinished episode over from its prompt (the baseline that
     turn-level recovery is measured against)."""
-    runtime: Literal["embedded"] = "embedded"
+    runtime: Literal["embedded", "ray"] = "embedded"
+    """``embedded``: every server a local process; ``ray``: each replica a Ray actor."""
+    ray: RayConfig = Field(default_factory=RayConfig)
     seed: int = 0
     host: str = "127.0.0.1"
     base_port: Annotated[int, Field(ge=1, le=65000)] | None = None

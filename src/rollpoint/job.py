@@ -1,4 +1,4 @@
-"""One job on the embedded runtime, start to finish: what ``rollpoint run`` does.
+"""One job, start to finish: what ``rollpoint run`` does, on the runtime the config names.
 
 Owns the order of a run: pick the snapshot to resume from (or start over), check the config
 against it, start the servers, restore, run the trainer with the replica supervisor beside
@@ -21,7 +21,7 @@ from rollpoint.http.client import HttpClient
 from rollpoint.protocol.deployment import Deployment
 from rollpoint.protocol.episode import TaskRow
 from rollpoint.protocol.errors import ConfigError
-from rollpoint.runtime.embedded import EmbeddedRuntime
+from rollpoint.runtime.contract import Runtime, runtime_for
 from rollpoint.store.snapshot_store import SnapshotStore
 from rollpoint.trainer.control_plane import (
     ControlPlane,
@@ -36,7 +36,7 @@ from rollpoint.trainer.trainer_loop import TRAIN_DATA_FILE, RunSummary, Trainer
 
 log = logging.getLogger(__name__)
 
-Drive = Callable[[Trainer, EmbeddedRuntime, TrainerMetrics], Awaitable[RunSummary]]
+Drive = Callable[[Trainer, Runtime, TrainerMetrics], Awaitable[RunSummary]]
 Route = Callable[[Deployment], Awaitable[Deployment]]
 
 
@@ -75,9 +75,7 @@ def forget_unresumable_run(workdir: Path, say: Callable[[str], None]) -> None:
         shutil.rmtree(workdir / "checkpoints", ignore_errors=True)
 
 
-async def drive_quietly(
-    trainer: Trainer, runtime: EmbeddedRuntime, metrics: TrainerMetrics
-) -> RunSummary:
+async def drive_quietly(trainer: Trainer, runtime: Runtime, metrics: TrainerMetrics) -> RunSummary:
     """Run the trainer with the replica supervisor beside it; the first error stops both."""
     job = asyncio.create_task(trainer.run())
     # A replica whose process dies is restarted empty; the trainer re-sends its rows.
@@ -104,6 +102,8 @@ async def run_job(
 ) -> RunSummary:
     tasks = load_tasks_for(config)
     token = secrets.token_urlsafe(32)
+    # The data plane has a token of its own: whoever can call /run cannot snapshot or restore.
+    data_token = secrets.token_urlsafe(32)
     root = snapshot_root(config)
     store = await asyncio.to_thread(SnapshotStore, root, config.snapshot.keep)
     checkpoints = TrainCheckpointStore(config.workdir / "checkpoints")
@@ -113,15 +113,17 @@ async def run_job(
     else:
         check_config(point.manifest, config_fingerprint(config))
     metrics = TrainerMetrics(config.workdir / "metrics.jsonl")
-    runtime = EmbeddedRuntime(config, control_token=token, snapshot_root=root)
+    runtime = runtime_for(config, control_token=token, data_token=data_token, snapshot_root=root)
     control_http = HttpClient(token=token, timeout_s=60)
+    data_http = HttpClient(token=data_token)
     try:
         deployment = await runtime.start()
         if route is not None:
             deployment = await route(deployment)
         port = metrics.serve(config.host)
         say(
-            f"servers up: {config.replicas} replica(s), policy at {deployment.policy_url}; "
+            f"servers up: {config.replicas} replica(s) on the {config.runtime} runtime, "
+            f"policy at {deployment.policy_url}; "
             f"metrics at http://{config.host}:{port}/metrics"
         )
         control = ControlPlane(participant_clients(deployment, control_http), store, metrics)
@@ -138,9 +140,12 @@ async def run_job(
                 f"{len(restored.continued)} episodes continued, {restored.restarted} restarted, "
                 f"{restored.adopted} finished replies adopted, {restored.tq_requeued} TQ items requeued"
             )
-        trainer = Trainer(config, deployment, tasks, control=control, restored=restored)
+        trainer = Trainer(
+            config, deployment, tasks, client=data_http, control=control, restored=restored
+        )
         return await drive(trainer, runtime, metrics)
     finally:
         await control_http.aclose()
+        await data_http.aclose()
         metrics.close()
         await runtime.stop()

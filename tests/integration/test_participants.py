@@ -29,7 +29,7 @@ from rollpoint.envs.registry import get_environment
 from rollpoint.gym.agent_server import AgentSettings, agent_server_of, create_agent_app
 from rollpoint.gym.control_plane import control_fence
 from rollpoint.gym.model_server import ModelServerSettings, create_model_app
-from rollpoint.gym.resources_server import create_resources_app
+from rollpoint.gym.resources_server import EpisodeRecord, create_resources_app
 from rollpoint.http.auth import CONTROL_TOKEN_ENV
 from rollpoint.policy.scripted_policy import PolicySettings, create_policy_app
 from rollpoint.protocol.control import CONTROL_PREFIX
@@ -269,7 +269,9 @@ def episode_headers(rollout_id: str, attempt: int, turn: int) -> dict[str, str]:
 def calendar_titles(record: JsonDict) -> list[str]:
     db = sqlite3.connect(":memory:")
     try:
-        db.deserialize(base64.b64decode(record["state"]["sqlite"]))
+        state = EpisodeRecord.model_validate(record).exported_state()
+        assert isinstance(state["sqlite"], str)
+        db.deserialize(base64.b64decode(state["sqlite"]))
         return sorted(title for (title,) in db.execute("SELECT title FROM events"))
     finally:
         db.close()

@@ -12,6 +12,7 @@ from fastapi import Depends
 
 from rollpoint.http.app import create_app
 from rollpoint.http.auth import CONTROL_TOKEN_ENV, BearerAuth, load_token
+from rollpoint.protocol.control import CONTROL_PREFIX
 from rollpoint.protocol.errors import ConfigError, UnauthorizedError
 
 
@@ -105,3 +106,58 @@ async def test_the_dependency_guards_a_route_with_a_401_envelope(
     assert refused.json()["error"]["code"] == "unauthorized"
     assert allowed.status_code == 200 and allowed.json() == {"ok": True}
     assert "data-token" not in caplog.text and "guess" not in caplog.text
+
+
+@pytest.fixture
+async def data_guarded() -> AsyncIterator[httpx.AsyncClient]:
+    app = create_app("data-guarded", data_token="data-token")
+
+    @app.post("/run")
+    async def run(body: dict[str, int]) -> dict[str, bool]:
+        return {"ran": bool(body)}
+
+    @app.get(f"{CONTROL_PREFIX}/status")
+    async def status() -> dict[str, bool]:
+        return {"control": True}
+
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://guarded") as client:
+        yield client
+
+
+async def test_the_data_token_guards_data_routes_before_the_body_is_read(
+    data_guarded: httpx.AsyncClient,
+) -> None:
+    for headers in ({}, {"authorization": "Bearer control-token"}):
+        refused = await data_guarded.post("/run", content=b"not json", headers=headers)
+        assert refused.status_code == 401
+        assert refused.json()["error"]["code"] == "unauthorized"
+    bad_body = await data_guarded.post(
+        "/run", content=b"not json", headers={"authorization": "Bearer data-token"}
+    )
+    assert bad_body.status_code == 422  # past the guard, the body is checked as usual
+    ran = await data_guarded.post(
+        "/run", json={"rows": 1}, headers={"authorization": "Bearer data-token"}
+    )
+    assert ran.status_code == 200 and ran.json() == {"ran": True}
+
+
+async def test_health_schema_and_control_routes_are_not_behind_the_data_token(
+    data_guarded: httpx.AsyncClient,
+) -> None:
+    assert (await data_guarded.get("/healthz")).status_code == 200
+    assert (await data_guarded.get("/openapi.json")).status_code == 200
+    # The control routes answer to their own token (checked by their route class), not this one.
+    assert (await data_guarded.get(f"{CONTROL_PREFIX}/status")).json() == {"control": True}
+
+
+async def test_without_a_data_token_data_routes_stay_open() -> None:
+    app = create_app("open")
+
+    @app.post("/run")
+    async def run() -> dict[str, bool]:
+        return {"ran": True}
+
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://open") as client:
+        assert (await client.post("/run")).status_code == 200

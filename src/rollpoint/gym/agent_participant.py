@@ -56,6 +56,12 @@ class AgentParticipant:
     def mode(self) -> CheckpointMode:
         return self._book.mode
 
+    @property
+    def portable(self) -> bool:
+        """A restart-only server's episodes are bound to the process that ran them, so its
+        snapshot never moves to another replica (an elastic restore refuses it)."""
+        return self.mode is not CheckpointMode.RESTART_ONLY
+
     async def close_admission(self) -> None:
         self._book.close_boundaries()
 

@@ -34,8 +34,9 @@ from rollpoint.gym.agent_participant import AgentParticipant
 from rollpoint.gym.control_plane import close_control_plane, mount_control_plane
 from rollpoint.gym.episode_runner import EpisodeRunner
 from rollpoint.gym.session import Session
-from rollpoint.gym.session_book import Boundary, SessionBook
+from rollpoint.gym.session_book import SessionBook, TurnBoundary
 from rollpoint.http.app import create_app
+from rollpoint.http.auth import data_token
 from rollpoint.http.client import HttpClient
 from rollpoint.protocol.control import MAX_BATCH
 from rollpoint.protocol.episode import EnvironmentName, RowResult, RunReply, RunRequest
@@ -89,7 +90,10 @@ class AgentServer:
 
     async def start(self) -> None:
         s = self.settings
-        self._client = HttpClient(timeout_s=max(s.model_timeout_s, s.tool_timeout_s))
+        # Its model and resources servers guard their data routes with the same token.
+        self._client = HttpClient(
+            token=data_token(), timeout_s=max(s.model_timeout_s, s.tool_timeout_s)
+        )
         self._runner = EpisodeRunner(
             self._client,
             model_url=s.model_url,
@@ -109,7 +113,7 @@ class AgentServer:
             await self._client.aclose()
             self._client = None
 
-    async def _play(self, session: Session, boundary: Boundary) -> RunReply:
+    async def _play(self, session: Session, boundary: TurnBoundary) -> RunReply:
         if self._runner is None:
             raise TransportError("agent server is not started")
         return await self._runner.play(session, boundary)
@@ -157,7 +161,9 @@ def create_agent_app(settings: AgentSettings) -> FastAPI:
             await server.stop()
 
     app = create_app(
-        f"rollpoint agent server {settings.name}/{settings.replica}", lifespan=lifespan
+        f"rollpoint agent server {settings.name}/{settings.replica}",
+        lifespan=lifespan,
+        data_token=data_token(),
     )
     app.state.agent_server = server
     mount_control_plane(

@@ -50,6 +50,8 @@ class CallLedger:
 
     def __init__(self) -> None:
         self._by_rollout: dict[str, list[CallRecord]] = {}
+        self._json: dict[str, list[dict[str, Any]]] = {}
+        """JSON forms of each rollout's records, dumped once each (records only append)."""
         self._count = 0
 
     @property
@@ -76,8 +78,18 @@ class CallLedger:
         """JSON-ready records of these rollouts (unknown ids contribute nothing)."""
         out: list[dict[str, Any]] = []
         for rollout_id in dict.fromkeys(rollout_ids):
-            out.extend(rec.model_dump(mode="json") for rec in self._by_rollout.get(rollout_id, ()))
+            out.extend(self.calls_json(rollout_id))
         return out
+
+    def calls_json(self, rollout_id: str) -> list[dict[str, Any]]:
+        """The JSON forms of one rollout's records, oldest first; each record is dumped once
+        however many checkpoints export it. Treat the dicts as read-only."""
+        calls = self._by_rollout.get(rollout_id)
+        if not calls:
+            return []
+        dumped = self._json.setdefault(rollout_id, [])
+        dumped.extend(rec.model_dump(mode="json") for rec in calls[len(dumped) :])
+        return list(dumped)
 
     def install(self, records: Iterable[Any]) -> list[str]:
         """Replace the records of every rollout named in ``records``; all or nothing.
@@ -100,6 +112,7 @@ class CallLedger:
         for rollout_id, calls in grouped.items():
             self._count -= len(self._by_rollout.get(rollout_id, ()))
             self._by_rollout[rollout_id] = calls
+            self._json.pop(rollout_id, None)
             self._count += len(calls)
         return list(grouped)
 
@@ -108,6 +121,7 @@ class CallLedger:
         dropped = 0
         for rollout_id in rollout_ids:
             calls = self._by_rollout.pop(rollout_id, None)
+            self._json.pop(rollout_id, None)
             if calls is not None:
                 dropped += len(calls)
         self._count -= dropped

@@ -12,9 +12,11 @@ parks the session while a checkpoint is open)::
              │      └─────▶ policy call (awaiting_model) → pending response ───┤
              └─────────────────────────────────────────────────────────────────┘
 
-Every policy response is *pending* until the next boundary has passed, so a response that
-arrives while a checkpoint is open is saved unapplied and its tool calls are applied after
-the restore, under the same idempotency keys ``(rollout_id, turn, call_index)``.
+A policy reply that arrives while a checkpoint is cut is held unapplied until the cut
+reopens (``boundary.hold_reply``), so the session is saved as before that call. Every
+policy response is *pending* until the next boundary has passed: a session parked with
+one is saved with it unapplied, and its tool calls are applied after the restore, under
+the same idempotency keys ``(rollout_id, turn, call_index)``.
 
 Does not own: sessions, parking, or what a failure means for the row (the book turns
 errors into :class:`~rollpoint.protocol.episode.RowFailure`): a peer that is down, times
@@ -33,7 +35,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ValidationError
 
 from rollpoint.gym.session import Session, SessionState
-from rollpoint.gym.session_book import Boundary
+from rollpoint.gym.session_book import TurnBoundary
 from rollpoint.http.client import HttpClient
 from rollpoint.protocol.episode import (
     EpisodeStart,
@@ -117,7 +119,7 @@ class EpisodeRunner:
         self._tool_timeout_s = tool_timeout_s
         self._tools: asyncio.Task[list[Any]] | None = None
 
-    async def play(self, session: Session, boundary: Boundary) -> RunReply:
+    async def play(self, session: Session, boundary: TurnBoundary) -> RunReply:
         await self._start(session)
         tools = await self.tools()
         while True:
@@ -132,7 +134,7 @@ class EpisodeRunner:
             if session.turn >= session.row.max_turns:
                 return await self._verify(session, "max_turns")
             session.move(SessionState.AWAITING_MODEL)
-            session.pending_response = await self._policy_call(session, tools)
+            session.pending_response = await self._policy_call(session, tools, boundary)
 
     async def tools(self) -> list[Any]:
         """The environment's tool specs, fetched once per app (again after a failed fetch)."""
@@ -173,7 +175,9 @@ class EpisodeRunner:
             timeout_s=self._tool_timeout_s,
         )
 
-    async def _policy_call(self, session: Session, tools: list[Any]) -> dict[str, Any]:
+    async def _policy_call(
+        self, session: Session, tools: list[Any], boundary: TurnBoundary
+    ) -> dict[str, Any]:
         episode = session.episode
         body: dict[str, Any] = {
             "model": self._model_name,
@@ -196,6 +200,9 @@ class EpisodeRunner:
             timeout_s=self._model_timeout_s,
         )
         latency = time.perf_counter() - started
+        # A reply that lands while a checkpoint is cut waits unapplied: the cut saves this
+        # session as before the call, so it never has to wait for a generation.
+        await boundary.hold_reply(session)
         message = _assistant_message(reply, self._completions_url)
         usage = reply.get("usage") if isinstance(reply.get("usage"), dict) else {}
         version = reply_headers.get(HEADER_POLICY_VERSION, "0")

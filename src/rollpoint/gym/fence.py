@@ -189,7 +189,7 @@ class _Write:
 
 @dataclass(frozen=True)
 class _RestoreMemo:
-    key: tuple[str, str, frozenset[str]]
+    key: tuple[tuple[str, ...], str, frozenset[str]]
     reply: RestoreReply
 
 
@@ -265,6 +265,7 @@ class Fence:
             lease_expires_at=self._lease_expires_at,
             counts=_call_hook("stats", p.stats),
             retired_rollouts=len(self._marks),
+            portable=bool(getattr(p, "portable", True)),
         )
 
     # --- verbs -------------------------------------------------------------------------
@@ -359,9 +360,13 @@ class Fence:
     async def restore(self, req: RestoreRequest) -> RestoreReply:
         cid = req.checkpoint_id
         source = req.source_checkpoint_id or cid
-        directory = self._participant_dir(req.checkpoint_dir)
+        # One folder per source replica: an elastic restore merges several replicas' records.
+        folders = {
+            f"{self._participant.name}-{r}": self._participant_dir(req.checkpoint_dir, r)
+            for r in dict.fromkeys(req.sources or [self._participant.replica])
+        }
         scope = sorted({e.key: e for e in req.episode_ids}.values(), key=lambda e: e.key)
-        key = (directory, source, frozenset(e.key for e in scope))
+        key = (tuple(folders.values()), source, frozenset(e.key for e in scope))
         async with self._lock:
             await self._reap_lease()
             self._admit(Verb.RESTORE, cid)
@@ -374,7 +379,7 @@ class Fence:
             self._check_deadline("restore", cid, req.deadline_ts)
             try:
                 async with asyncio.timeout(max(req.deadline_ts - self._clock(), 0.0)):
-                    restored = await self._install(cid, source, directory, scope, req.deadline_ts)
+                    restored = await self._install(cid, source, folders, scope, req.deadline_ts)
             except BaseException as exc:
                 if self._phase is Phase.RESTORED:
                     await self._move(Event.FAILED)
@@ -572,18 +577,23 @@ class Fence:
         self,
         cid: str,
         source: str,
-        directory: str,
+        folders: dict[str, str],
         scope: list[EpisodeId],
         deadline_ts: float,
     ) -> list[EpisodeId]:
-        read = asyncio.to_thread(
-            read_participant_state,
-            directory,
-            kind=self._participant.kind.value,
-            instance=self._instance,
-            checkpoint_id=source,
-        )
-        _, records = await _await_hook("state read", read, RestoreError)
+        """``folders``: instance → its state folder. Records merge by episode key, which
+        is unique across replicas, so the order of the folders does not matter."""
+        records: list[dict[str, JsonValue]] = []
+        for instance, directory in folders.items():
+            read = asyncio.to_thread(
+                read_participant_state,
+                directory,
+                kind=self._participant.kind.value,
+                instance=instance,
+                checkpoint_id=source,
+            )
+            _, found = await _await_hook("state read", read, RestoreError)
+            records.extend(found)
         await self._move(Verb.RESTORE)
         self._checkpoint_id = cid
         self._extend_lease(deadline_ts)
@@ -640,10 +650,12 @@ class Fence:
 
     # --- paths -------------------------------------------------------------------------
 
-    def _participant_dir(self, checkpoint_dir: str) -> str:
-        """``<root>/<checkpoint_dir>/<kind>/<name>-<replica>``; 400 if it leaves the root."""
+    def _participant_dir(self, checkpoint_dir: str, replica: str | None = None) -> str:
+        """``<root>/<checkpoint_dir>/<kind>/<name>-<replica>`` (its own replica by default);
+        400 if it leaves the root."""
         folder = resolve_inside(self._settings.snapshot_root, checkpoint_dir)
-        return resolve_inside(folder, f"{self._participant.kind.value}/{self._instance}")
+        instance = self._instance if replica is None else f"{self._participant.name}-{replica}"
+        return resolve_inside(folder, f"{self._participant.kind.value}/{instance}")
 
 
 def _exported(records: list[dict[str, JsonValue]], scope: list[EpisodeId]) -> list[ExportedEpisode]:

@@ -4,9 +4,12 @@ Owns the mapping from the :class:`~rollpoint.gym.participant.Participant` hooks 
 server's state, and the saved form of its calls (:class:`ModelCallRecord`):
 
 - close / open admission → close / open the admission gate (new calls wait, running
-  calls finish; nothing is failed);
-- readiness → ready iff no call is in flight; blockers are the episodes of the running
-  calls (calls without episode headers only count);
+  calls go on; nothing is failed);
+- readiness → always ready once the gate is closed: the *generation cut*. A call still
+  running is no blocker, because the agent holds a reply that lands during the cut
+  unapplied (:meth:`~rollpoint.gym.session_book.SessionBook.hold_reply`) and saves its
+  session as before that call; on restore the next attempt makes it again. So a prepare
+  never waits for a generation. The running calls are reported in the counts;
 - export(scope) → the ledger records of the scope's rollouts, each naming the scoped
   episode it was saved for; install → those records back into the ledger, all or nothing;
 - retire → an attempt with a call running is reported ``cancelled`` (its reply will be
@@ -25,7 +28,6 @@ from pydantic import JsonValue, TypeAdapter, ValidationError, model_validator
 
 from rollpoint.gym.call_ledger import CallRecord
 from rollpoint.gym.participant import Readiness, RetireOutcome, RetireOutcomeKind
-from rollpoint.protocol.control import MAX_REPORTED_BLOCKERS
 from rollpoint.protocol.errors import InvalidCheckpointStateError
 from rollpoint.protocol.ids import EpisodeId
 from rollpoint.protocol.model_base import StrictModel
@@ -61,7 +63,7 @@ class ModelParticipant:
 
     kind = ParticipantKind.MODEL
     mode = CheckpointMode.TURN
-    features: tuple[str, ...] = ("admission-gate", "call-ledger")
+    features: tuple[str, ...] = ("admission-gate", "call-ledger", "generation-cut")
 
     def __init__(self, server: ModelServer) -> None:
         self._server = server
@@ -81,13 +83,9 @@ class ModelParticipant:
         self._server.gate.open()
 
     def readiness(self) -> Readiness:
-        in_flight = self._server.gate.in_flight
-        return Readiness(
-            ready=in_flight == 0,
-            blockers=self._server.running.keys(MAX_REPORTED_BLOCKERS) if in_flight else [],
-            blocker_count=in_flight,
-            counts=self.stats(),
-        )
+        # Running calls do not block the cut (see the module docstring): closing the gate
+        # (the fence does it before it asks) is all the model server has to do.
+        return Readiness(ready=True, counts=self.stats())
 
     async def wait_changed(self, timeout: float) -> None:  # noqa: ASYNC109
         await self._server.gate.wait_changed(timeout)
@@ -96,15 +94,11 @@ class ModelParticipant:
         ledger = self._server.ledger
         records: list[dict[str, JsonValue]] = []
         for episode in _one_per_rollout(scope):
-            saved_for = episode.model_dump(mode="json")
-            for call in ledger.calls(episode.rollout_id):
-                records.append(
-                    {
-                        "kind": "model_call",
-                        "episode": saved_for,
-                        "call": call.model_dump(mode="json"),
-                    }
-                )
+            saved_for = {"rollout_id": episode.rollout_id, "attempt": episode.attempt}
+            records.extend(
+                {"kind": "model_call", "episode": saved_for, "call": call}
+                for call in ledger.calls_json(episode.rollout_id)
+            )
         return records
 
     async def install(

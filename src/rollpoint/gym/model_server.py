@@ -46,6 +46,7 @@ from rollpoint.gym.call_ledger import CallLedger, CallRecord
 from rollpoint.gym.control_plane import close_control_plane, mount_control_plane
 from rollpoint.gym.model_participant import ModelParticipant
 from rollpoint.http.app import create_app
+from rollpoint.http.auth import data_token
 from rollpoint.http.client import HttpClient
 from rollpoint.protocol.errors import BadRequestError, StaleAttemptError, TransportError
 from rollpoint.protocol.ids import (
@@ -519,7 +520,9 @@ def create_model_app(settings: ModelServerSettings) -> FastAPI:
             await server.stop()
 
     app = create_app(
-        f"rollpoint model server {settings.name}/{settings.replica}", lifespan=lifespan
+        f"rollpoint model server {settings.name}/{settings.replica}",
+        lifespan=lifespan,
+        data_token=data_token(),
     )
     app.state.model_server = server
     fence = mount_control_plane(

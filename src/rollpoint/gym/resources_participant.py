@@ -56,6 +56,12 @@ class ResourcesParticipant:
         return self._service.environment.checkpoint_mode
 
     @property
+    def portable(self) -> bool:
+        """A restart-only server's episodes are bound to the process that ran them, so its
+        snapshot never moves to another replica (an elastic restore refuses it)."""
+        return self.mode is not CheckpointMode.RESTART_ONLY
+
+    @property
     def _captures(self) -> bool:
         return self.mode is CheckpointMode.TURN
 

@@ -125,7 +125,9 @@ class Session:
     """The mutable state of one episode in one agent server."""
 
     __slots__ = (
+        "_calls_json",
         "_observer",
+        "_row_json",
         "episode",
         "messages",
         "model_calls",
@@ -148,6 +150,9 @@ class Session:
         self.task: asyncio.Task[RowResult] | None = None
         self.result: asyncio.Future[RowResult] | None = None
         self._observer: MoveObserver | None = None
+        self._row_json: dict[str, Any] | None = None
+        self._calls_json: list[dict[str, Any]] = []
+        """JSON forms of ``model_calls``, dumped once each: calls are only ever appended."""
 
     def observe(self, observer: MoveObserver) -> None:
         """Report every move from now on (and the current state, as a move from None)."""
@@ -179,6 +184,7 @@ class Session:
         """Take up a restored session under the attempt ``row`` names."""
         self.row = row
         self.episode = row.episode
+        self._row_json = None
         self.move(SessionState.STARTING)
 
     def to_record(self) -> SessionRecord:
@@ -190,6 +196,29 @@ class Session:
             model_calls=self.model_calls,
             pending_response=self.pending_response,
         )
+
+    def export_json(self) -> dict[str, Any]:
+        """``to_record().model_dump(mode="json")``, without validating or dumping again
+        what an earlier export already dumped: a checkpoint exports every session in its
+        pause, so this is its per-session cost. The record is validated where it comes
+        back from disk (:meth:`SessionBook.install`)."""
+        if self._row_json is None:
+            self._row_json = self.row.model_dump(mode="json")
+        calls, cached = self.model_calls, self._calls_json
+        if len(cached) > len(calls):
+            cached.clear()
+        cached.extend(call.model_dump(mode="json") for call in calls[len(cached) :])
+        pending = self.pending_response
+        return {
+            "kind": "session",
+            "episode": {"rollout_id": self.episode.rollout_id, "attempt": self.episode.attempt},
+            "row": self._row_json,
+            # Copies of the lists: the session appends to them once the cut reopens.
+            "messages": list(self.messages),
+            "turn": self.turn,
+            "model_calls": list(cached),
+            "pending_response": None if pending is None else dict(pending),
+        }
 
     @classmethod
     def from_record(cls, record: SessionRecord) -> Session:

@@ -62,11 +62,36 @@ EVICTION_LOG_EVERY = 1000
 
 
 class Boundary(Protocol):
+    """What a play function awaits at each turn boundary (``boundary(session)``)."""
+
     async def __call__(self, session: Session) -> None: ...
 
 
-PlayFn = Callable[[Session, Boundary], Awaitable[RunReply]]
-"""Plays a session to its end, awaiting ``boundary(session)`` at every turn boundary."""
+class TurnBoundary:
+    """The book's boundaries as a play function sees them: park between turns, and hold a
+    policy reply that arrives while a checkpoint is cut.
+
+    Holding the reply is what lets the model server's prepare skip waiting for running
+    policy calls (the generation cut): the session stays ``awaiting_model`` with the reply
+    unapplied, so a checkpoint saves it as *before* that call; after the resume the reply
+    is applied, after a restore the call is made again by the next attempt.
+    """
+
+    __slots__ = ("_book",)
+
+    def __init__(self, book: SessionBook) -> None:
+        self._book = book
+
+    async def __call__(self, session: Session) -> None:
+        await self._book.boundary(session)
+
+    async def hold_reply(self, session: Session) -> None:
+        await self._book.hold_reply(session)
+
+
+PlayFn = Callable[[Session, TurnBoundary], Awaitable[RunReply]]
+"""Plays a session to its end, awaiting ``boundary(session)`` at every turn boundary and
+``boundary.hold_reply(session)`` when a policy reply arrives, before applying it."""
 
 
 def row_failure(row: RunRow, err: BaseException) -> RowFailure:
@@ -127,6 +152,7 @@ class SessionBook:
         self._reopened = asyncio.Event()
         self._reopened.set()
         self._changed = asyncio.Event()
+        self._turn_boundary = TurnBoundary(self)
 
     # --- admission ---------------------------------------------------------------------
 
@@ -202,7 +228,7 @@ class SessionBook:
 
     async def _drive(self, session: Session) -> RowResult:
         try:
-            reply = await self._play(session, self.boundary)
+            reply = await self._play(session, self._turn_boundary)
             if session.state is not SessionState.VERIFYING:
                 raise InvalidPhaseError(f"session {session.key} ended in {session.state}")
             return reply
@@ -260,6 +286,12 @@ class SessionBook:
         if self._open:
             return
         session.move(SessionState.PARKED)
+        while not self._open:
+            await self._reopened.wait()
+
+    async def hold_reply(self, session: Session) -> None:
+        """A policy reply of ``session`` arrived: while boundaries are closed it waits here,
+        unapplied, and the session stays ``awaiting_model`` (at a boundary)."""
         while not self._open:
             await self._reopened.wait()
 
@@ -437,7 +469,7 @@ class SessionBook:
                     raise InvalidPhaseError(
                         f"session {live.key} is {live.state}, not at a turn boundary"
                     )
-                records.append(live.to_record().model_dump(mode="json"))
+                records.append(live.export_json())
         for reply in self._finished.values():
             records.append(FinishedReplyRecord(reply=reply).model_dump(mode="json"))
         return records

@@ -3,7 +3,8 @@
 Owns: JSON rendering (orjson), the error envelope (every :class:`RollpointError` becomes
 ``{"error": {code, message, retryable}}`` with its status; a malformed body becomes a 422
 whose message names the field, one that cannot be decoded a 400 ``bad_request``), and
-``GET /healthz``. Servers add their own routes.
+``GET /healthz``, and the data token in front of the data routes when one is given
+(:class:`rollpoint.http.auth.DataRouteGuard`). Servers add their own routes.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 
+from rollpoint.http.auth import guard_data_routes
 from rollpoint.protocol.errors import BadRequestError, RollpointError
 
 log = logging.getLogger(__name__)
@@ -44,8 +46,11 @@ def _validation_message(exc: RequestValidationError) -> str:
     return f"invalid field '{loc}': {first.get('msg', 'invalid')}{more}"
 
 
-def create_app(title: str, **kwargs: Any) -> FastAPI:
+def create_app(title: str, *, data_token: str | None = None, **kwargs: Any) -> FastAPI:
+    """A FastAPI app with rollpoint's envelope; ``data_token`` guards every route but the
+    control routes (which carry their own token) and the health and schema pages."""
     app = FastAPI(title=title, default_response_class=JsonResponse, **kwargs)
+    guard_data_routes(app, data_token)
 
     @app.exception_handler(RollpointError)
     async def _rollpoint_error(_: Request, exc: RollpointError) -> Response:

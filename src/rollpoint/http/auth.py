@@ -1,10 +1,12 @@
 """Bearer tokens: where a server's token comes from, and the check on every request.
 
-Owns loading a token (a file, else an environment variable; there is no default token)
-and :class:`BearerAuth`, a FastAPI dependency that accepts a request only when its
-``Authorization: Bearer <token>`` matches, compared in constant time. It does not decide
-which routes are guarded: the control routes use one token, data routes may use another.
-The token is never logged nor echoed in an error.
+Owns loading a token (a file, else an environment variable; there is no default token),
+:class:`BearerAuth`, a FastAPI dependency that accepts a request only when its
+``Authorization: Bearer <token>`` matches, compared in constant time, and
+:class:`DataRouteGuard`, the middleware that puts the data token (``$ROLLPOINT_DATA_TOKEN``,
+optional) in front of every route but the control routes and the health and schema pages.
+The control routes use the control token, data routes (``/run``, tools, chat) their own, so
+a holder of one cannot call the other. A token is never logged nor echoed in an error.
 """
 
 from __future__ import annotations
@@ -13,11 +15,16 @@ import hmac
 import os
 from pathlib import Path
 
-from fastapi import Request
+import orjson
+from fastapi import FastAPI, Request
+from starlette.types import ASGIApp, Receive, Scope, Send
 
+from rollpoint.protocol.control import CONTROL_PREFIX
 from rollpoint.protocol.errors import ConfigError, UnauthorizedError
 
 CONTROL_TOKEN_ENV = "ROLLPOINT_CONTROL_TOKEN"
+DATA_TOKEN_ENV = "ROLLPOINT_DATA_TOKEN"
+"""Optional: when set, a server's data routes need it and its outbound data calls send it."""
 
 
 def load_token(env_var: str = CONTROL_TOKEN_ENV, file: Path | None = None) -> str:
@@ -64,3 +71,58 @@ class BearerAuth:
 
     async def __call__(self, request: Request) -> None:
         self.check(request.headers.get("authorization"))
+
+
+def data_token() -> str | None:
+    """The data-plane token from ``$ROLLPOINT_DATA_TOKEN``; None when unset (data routes open)."""
+    return os.environ.get(DATA_TOKEN_ENV, "").strip() or None
+
+
+# Open without the data token: liveness probes and the API's own description.
+_OPEN_PATHS = frozenset({"/healthz", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
+
+
+class DataRouteGuard:
+    """ASGI middleware: every HTTP request outside the control prefix and the open pages
+    must carry the data token, else 401 in the error envelope before the body is read.
+
+    Pure ASGI rather than ``BaseHTTPMiddleware``: a streamed ``/run`` reply passes through
+    untouched, with no extra task per request on the data plane's hot path.
+    """
+
+    def __init__(self, app: ASGIApp, token: str) -> None:
+        self.app = app
+        self._auth = BearerAuth(token)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "") if scope["type"] == "http" else ""
+        if not path or path in _OPEN_PATHS or path.startswith(CONTROL_PREFIX):
+            await self.app(scope, receive, send)
+            return
+        authorization = next(
+            (v.decode("latin-1") for k, v in scope["headers"] if k == b"authorization"), None
+        )
+        try:
+            self._auth.check(authorization)
+        except UnauthorizedError as exc:
+            body = orjson.dumps(exc.to_wire())
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": exc.status,
+                    "headers": [
+                        (b"content-type", b"application/json"),
+                        (b"content-length", str(len(body)).encode()),
+                        (b"www-authenticate", b"Bearer"),
+                    ],
+                }
+            )
+            await send({"type": "http.response.body", "body": body})
+            return
+        await self.app(scope, receive, send)
+
+
+def guard_data_routes(app: FastAPI, token: str | None) -> None:
+    """Put ``token`` in front of ``app``'s data routes; None leaves them open."""
+    if token is not None:
+        app.add_middleware(DataRouteGuard, token=token)

@@ -26,11 +26,13 @@ Each verb: phases before → after; replay rule; refusals (409 unless noted).
 - ``POST resume(checkpoint_id)``: non-idle → idle. A remembered id (the last 64) replies
   ``idempotent: true``; in idle any id is remembered, so a late prepare is stale.
   checkpoint_conflict.
-- ``POST restore(checkpoint_id, deadline_ts, checkpoint_dir, episode_ids)``: idle →
-  restored, all or nothing; the saved attempts get retire marks (their next attempts
-  continue, calls from the saved ones are refused as stale_attempt). Replay while restored with the same dir + scope returns the
-  recorded reply. invalid_phase, checkpoint_conflict, stale_checkpoint,
-  deadline_exceeded, 400 (path), 422 (records missing, corrupt or of another checkpoint).
+- ``POST restore(checkpoint_id, deadline_ts, checkpoint_dir, episode_ids, sources?)``:
+  idle → restored, all or nothing; ``sources`` names the replicas whose records to merge
+  (default: its own). The saved attempts get retire marks (their next attempts continue,
+  calls from the saved ones are refused as stale_attempt). Replay while restored with the
+  same dir + sources + scope returns the recorded reply. invalid_phase,
+  checkpoint_conflict, stale_checkpoint, deadline_exceeded, 400 (path), 422 (records
+  missing, corrupt or of another checkpoint).
 - ``POST retire(episode_ids)``: idle|restored → same; marks only rise. invalid_phase.
 - ``POST forget(rollout_ids)``: idle|restored → same; forgetting twice is a no-op.
   invalid_phase.
@@ -176,6 +178,10 @@ class RestoreRequest(StrictModel):
     """The checkpoint the records were committed under; defaults to ``checkpoint_id``.
     Give a fresh ``checkpoint_id`` when the participant may have taken part in that save:
     it remembers resumed ids and refuses them as stale."""
+    sources: Annotated[list[Identifier], Field(min_length=1, max_length=1024)] | None = None
+    """The replicas whose saved records to install (the folders ``<kind>/<name>-<source>``),
+    merged by episode key, which is unique across replicas; defaults to this participant's
+    own replica. A restore onto fewer replicas names several (elastic restore)."""
 
 
 class RetireRequest(StrictModel):
@@ -209,6 +215,9 @@ class StatusReply(StrictModel):
     counts: dict[str, int]
     retired_rollouts: int
     """Rollouts holding a retire mark (retired and not yet forgotten)."""
+    portable: bool = True
+    """Whether its saved state may be installed on another replica (an elastic restore
+    onto a different replica count); a participant that cannot move says false."""
 
 
 class PrepareReply(StrictModel):

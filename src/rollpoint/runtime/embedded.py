@@ -14,30 +14,24 @@ from pathlib import Path
 from types import TracebackType
 
 from rollpoint.config import RunConfig
-from rollpoint.http.auth import CONTROL_TOKEN_ENV
+from rollpoint.http.auth import CONTROL_TOKEN_ENV, DATA_TOKEN_ENV
 from rollpoint.http.client import HttpClient
 from rollpoint.protocol.deployment import Deployment, ReplicaEndpoints
 from rollpoint.protocol.errors import LaunchError, RollpointError
 from rollpoint.runtime.process_group import ProcessGroup
+from rollpoint.runtime.replica_plan import (
+    ReplicaPlan,
+    replica_index,
+    replica_name,
+    replica_of,
+    start_replica,
+)
 from rollpoint.runtime.server_spec import ServerSpec
 
+# replica_name and replica_of moved to replica_plan; importers of this module keep working.
+__all__ = ["EmbeddedRuntime", "check_policy_reachable", "replica_name", "replica_of"]
+
 log = logging.getLogger(__name__)
-
-
-def replica_name(index: int) -> str:
-    return f"replica-{index}"
-
-
-def replica_of(server_name: str) -> str | None:
-    """``agent-replica-1`` → ``replica-1``; None for servers outside any replica (the policy)."""
-    _, sep, replica = server_name.partition("-replica-")
-    return f"replica-{replica}" if sep else None
-
-
-def _checkpoint_mode(environment: str) -> str:
-    from rollpoint.envs import get_environment
-
-    return str(get_environment(environment).checkpoint_mode)
 
 
 class EmbeddedRuntime:
@@ -46,17 +40,21 @@ class EmbeddedRuntime:
         config: RunConfig,
         *,
         control_token: str | None = None,
+        data_token: str | None = None,
         snapshot_root: str | None = None,
         log_dir: Path | None = None,
     ) -> None:
         """With ``control_token`` and ``snapshot_root`` every server is a checkpoint
-        participant (control routes on); without, they serve the data plane only."""
+        participant (control routes on); without, they serve the data plane only. With
+        ``data_token`` the replicas' data routes need it (the policy keeps its api_key)."""
         self.config = config
         env = {CONTROL_TOKEN_ENV: control_token} if control_token else {}
+        if data_token:
+            env[DATA_TOKEN_ENV] = data_token
         self.group = ProcessGroup(log_dir or config.workdir / "logs", env=env)
-        self._control = {"snapshot_root": snapshot_root} if control_token and snapshot_root else {}
+        self._snapshot_root = snapshot_root if control_token and snapshot_root else None
         self.deployment: Deployment | None = None
-        self._policy_url = ""
+        self._plan: ReplicaPlan | None = None
         self._restarts: set[str] = set()
 
     def _port(self, offset: int) -> int:
@@ -64,76 +62,30 @@ class EmbeddedRuntime:
         return 0 if base is None else base + offset
 
     async def start(self) -> Deployment:
-        cfg = self.config
         try:
-            self._policy_url = await self._start_policy()
+            self._plan = self.replica_plan(await self.start_policy())
             # Replicas start side by side; within one, the agent needs its peers' URLs.
-            replicas = await asyncio.gather(*(self._start_replica(i) for i in range(cfg.replicas)))
+            replicas = await asyncio.gather(
+                *(self._start_replica(i) for i in range(self.config.replicas))
+            )
         except BaseException:
             await self.group.stop()
             raise
-        self.deployment = Deployment(policy_url=self._policy_url, replicas=list(replicas))
+        self.deployment = Deployment(policy_url=self._plan.policy_url, replicas=list(replicas))
         return self.deployment
 
-    def _peer_specs(self, index: int) -> list[ServerSpec]:
-        cfg, replica = self.config, replica_name(index)
-        # Fixed ports are for the first start only; a restarted replica takes free ones.
-        restarted = replica in self._restarts
-        return [
-            ServerSpec(
-                kind="resources",
-                name=f"resources-{replica}",
-                host=cfg.host,
-                port=0 if restarted else self._port(1 + 3 * index),
-                settings={
-                    "environment": cfg.environment,
-                    "name": "resources",
-                    "replica": replica,
-                    **self._control,
-                },
-            ),
-            ServerSpec(
-                kind="model",
-                name=f"model-{replica}",
-                host=cfg.host,
-                port=0 if restarted else self._port(2 + 3 * index),
-                settings={
-                    "upstream_url": self._policy_url,
-                    "api_key": cfg.policy.api_key,
-                    "name": "model",
-                    "replica": replica,
-                    **self._control,
-                },
-            ),
-        ]
+    def replica_plan(self, policy_url: str) -> ReplicaPlan:
+        """The replicas' specs for this runtime's token and snapshot settings."""
+        return ReplicaPlan.of(self.config, policy_url=policy_url, snapshot_root=self._snapshot_root)
 
     async def _start_replica(self, index: int) -> ReplicaEndpoints:
-        cfg, replica = self.config, replica_name(index)
-        resources, model = await self.group.start(self._peer_specs(index))
-        agent_spec = ServerSpec(
-            kind="agent",
-            name=f"agent-{replica}",
-            host=cfg.host,
-            port=0 if replica in self._restarts else self._port(3 + 3 * index),
-            settings={
-                "model_url": model.url,
-                "resources_url": resources.url,
-                "environment": cfg.environment,
-                "name": "agent",
-                "replica": replica,
-                "checkpoint_mode": _checkpoint_mode(cfg.environment),
-                "model_name": cfg.policy.model,
-                **self._control,
-            },
-        )
-        (agent,) = await self.group.start([agent_spec])
-        return ReplicaEndpoints(
-            name=replica, model_url=model.url, agent_url=agent.url, resources_url=resources.url
-        )
+        assert self._plan is not None
+        restarted = replica_name(index) in self._restarts
+        return await start_replica(self.group, self._plan, index, restarted=restarted)
 
     async def restart_replica(self, name: str) -> ReplicaEndpoints:
         """Stop what is left of one replica and start it again, empty, on new ports."""
-        index = int(name.removeprefix("replica-"))
+        index = replica_index(name)
         await self.group.stop_children(
             [c for c in self.group.children if replica_of(c.spec.name) == name]
         )
@@ -175,7 +127,8 @@ class EmbeddedRuntime:
                 await on_up(endpoints)
                 break  # the children list changed: look again on the next tick
 
-    async def _start_policy(self) -> str:
+    async def start_policy(self) -> str:
+        """Start the scripted policy (or check ``policy.base_url``); its ``/v1`` URL."""
         cfg = self.config
         if cfg.policy.base_url is not None:
             url = cfg.policy.base_url.rstrip("/")

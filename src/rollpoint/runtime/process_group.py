@@ -49,6 +49,11 @@ class ProcessGroup:
         self.children: list[ChildServer] = []
         self._pumps: list[asyncio.Task[None]] = []
 
+    @property
+    def env(self) -> dict[str, str]:
+        """What every child gets on top of this process's environment (tokens)."""
+        return dict(self._env)
+
     async def start(self, specs: list[ServerSpec]) -> list[ChildServer]:
         """Start every spec at once and wait until all report ready (or fail with the reason)."""
         self._log_dir.mkdir(parents=True, exist_ok=True)

@@ -38,7 +38,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Coroutine, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -60,8 +60,9 @@ from rollpoint.protocol.participant import CheckpointMode, ParticipantKind
 from rollpoint.store.snapshot_store import SnapshotStore
 from rollpoint.store.staging import Staging
 from rollpoint.trainer.dispatch_barrier import DispatchBarrier
-from rollpoint.trainer.finished_queue import FinishedQueue
+from rollpoint.trainer.finished_queue import FinishedQueue, TQCapture
 from rollpoint.trainer.ledger import LedgerRecord, RecoveryLedger, RolloutState
+from rollpoint.trainer.ledger_document import LedgerCapture
 from rollpoint.trainer.metrics import TrainerMetrics
 from rollpoint.trainer.participant_client import ParticipantClient
 from rollpoint.trainer.replica_roster import ReplicaRoster
@@ -112,8 +113,9 @@ class _Cut:
     episodes: list[SavedEpisode] = field(default_factory=list)
     restarts: list[RestartEpisode] = field(default_factory=list)
     finished: list[RestartEpisode] = field(default_factory=list)
-    ledger_doc: dict[str, Any] = field(default_factory=dict)
-    tq_doc: dict[str, Any] = field(default_factory=dict)
+    ledger: LedgerCapture | None = None
+    """Frozen references, O(live tries): encoded by :meth:`SnapshotCoordinator._publish`."""
+    tq: TQCapture | None = None
     trainer_doc: dict[str, Any] = field(default_factory=dict)
 
 
@@ -170,6 +172,18 @@ class SnapshotCoordinator:
     def saving(self) -> bool:
         """True while a save is in progress (barrier closed or files being published)."""
         return self._lock.locked()
+
+    @property
+    def latest_published(self) -> SnapshotManifest | None:
+        """The newest snapshot this coordinator published, if any."""
+        return next((r.manifest for r in reversed(self.history) if r.published), None)
+
+    @contextlib.asynccontextmanager
+    async def holding_saves(self) -> AsyncIterator[None]:
+        """No save runs inside (one in progress finishes first): a replica restore holds
+        it, so no cut sees the replica's participants or its tries half restored."""
+        async with self._lock:
+            yield
 
     @property
     def participants(self) -> list[ParticipantClient]:
@@ -465,8 +479,8 @@ class SnapshotCoordinator:
             raise SnapshotError(
                 f"episodes in flight on replicas taking no part in the cut: {', '.join(elsewhere[:10])}"
             )
-        cut.ledger_doc = self.ledger.to_document()
-        cut.tq_doc = self.tq.to_document()
+        cut.ledger = self.ledger.capture()
+        cut.tq = self.tq.capture()
         cut.trainer_doc = self._trainer_state()
         scopes = {
             replica: [r.episode for r in records if r.key not in prepared.restarts]
@@ -538,11 +552,10 @@ class SnapshotCoordinator:
                     cut.restarts.append(RestartEpisode(**base))
 
     def _publish(self, cut: _Cut, pause_s: float) -> SnapshotManifest:
+        assert cut.ledger is not None and cut.tq is not None, "a cut captures both"
         files = {
-            LEDGER_FILE: self.store.write_file(
-                cut.staging, LEDGER_FILE, orjson.dumps(cut.ledger_doc)
-            ),
-            TQ_FILE: self.store.write_file(cut.staging, TQ_FILE, orjson.dumps(cut.tq_doc)),
+            LEDGER_FILE: self.store.write_file(cut.staging, LEDGER_FILE, cut.ledger.to_bytes()),
+            TQ_FILE: self.store.write_file(cut.staging, TQ_FILE, cut.tq.to_bytes()),
             TRAINER_FILE: self.store.write_file(
                 cut.staging, TRAINER_FILE, orjson.dumps(cut.trainer_doc)
             ),

@@ -33,7 +33,9 @@ A row that has used ``max_tries`` fresh rollout ids fails its group instead.
 
 **A replica that goes down** (:meth:`Dispatcher.replica_lost`): its streams are dropped and
 every try it held (in flight, or queued and pinned to it) is abandoned with no retire
-(nobody is left to ask) and re-sent fresh on the other replicas. With no replica up, rows
+(nobody is left to ask) and re-sent fresh on the other replicas, except the tries the
+trainer keeps to restore from a snapshot onto the restarted replica: it re-sends those
+itself (:meth:`Dispatcher.resend`) or gives them up (:meth:`Dispatcher.give_up`). With no replica up, rows
 wait (queued, not in flight) until the roster marks one up again.
 
 A replica whose stream broke (or that reported a transport failure) is *suspect* for a
@@ -48,7 +50,14 @@ import asyncio
 import logging
 import time
 from collections import Counter, defaultdict
-from collections.abc import AsyncGenerator, Awaitable, Callable, Coroutine
+from collections.abc import (
+    AsyncGenerator,
+    Awaitable,
+    Callable,
+    Collection,
+    Coroutine,
+    Iterable,
+)
 from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any, cast
@@ -260,12 +269,14 @@ class Dispatcher:
             return GroupOutcome(group_id, group.failure)
         return GroupOutcome(group_id)
 
-    def replica_lost(self, name: str) -> None:
+    def replica_lost(self, name: str, *, keep: Collection[str] = ()) -> None:
         """``name`` went down with everything it held: give up its tries without asking it.
 
         Call after marking it down in the roster. Tries in flight there and tries queued
         to go back there are abandoned (the release batcher retires them in the ledger:
         their processes are gone) and their rows re-sent fresh on the replicas still up.
+        The tries in ``keep`` (rollout ids) are left where they are: the caller restores
+        them from a snapshot and then calls :meth:`resend` or :meth:`give_up`.
         """
         reason = f"{name} went down"
         for stream in list(self._streams.get(name, ())):
@@ -274,9 +285,14 @@ class Dispatcher:
                 stream.task.cancel()  # it owes nothing now; its connection is dead anyway
         held: dict[str, list[LedgerRecord]] = defaultdict(list)
         for record in self._ledger.in_flight(name):
-            held[record.group_id].append(record)
+            if record.rollout_id not in keep:
+                held[record.group_id].append(record)
         for record in list(self._ledger.live_records()):
-            if record.state is RolloutState.QUEUED and record.replica == name:
+            if (
+                record.state is RolloutState.QUEUED
+                and record.replica == name
+                and record.rollout_id not in keep
+            ):
                 held[record.group_id].append(record)
         for group_id, records in held.items():
             group = self._groups.get(group_id)
@@ -291,6 +307,33 @@ class Dispatcher:
                 reason,
                 sum(len(r) for r in held.values()),
             )
+
+    def resend(self, rollout_ids: Iterable[str]) -> None:
+        """Send these queued tries (restored from a snapshot, pinned to their replica) as
+        part of their running groups; a try that moved meanwhile is skipped."""
+        for group, records in self._queued_by_group(rollout_ids):
+            self._spawn(group, self._send(group, [r.rollout_id for r in records], priority=True))
+
+    def give_up(self, rollout_ids: Iterable[str], reason: str) -> None:
+        """Re-send these queued tries fresh (their restore did not happen)."""
+        for group, records in self._queued_by_group(rollout_ids):
+            self._abandon(group, records, reason)
+
+    def _queued_by_group(
+        self, rollout_ids: Iterable[str]
+    ) -> list[tuple[_GroupRun, list[LedgerRecord]]]:
+        by_group: dict[str, list[LedgerRecord]] = defaultdict(list)
+        for rollout_id in rollout_ids:
+            record = self._ledger.get(rollout_id)
+            if record.state is RolloutState.QUEUED:
+                by_group[record.group_id].append(record)
+        found = []
+        for group_id, records in by_group.items():
+            group = self._groups.get(group_id)
+            if group is not None:
+                found.append((group, records))
+            # A group that is not running sends its queued rows when run_group starts it.
+        return found
 
     def replica_back(self, name: str) -> None:
         """``name`` serves again (new, empty servers): send to it as to any healthy replica.

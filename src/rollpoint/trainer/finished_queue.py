@@ -12,6 +12,9 @@ snapshot with an older train checkpoint puts it back (:meth:`FinishedQueue.rewin
 It does not seal (the trainer seals in the ledger, then puts here) and does not compute
 advantages (:mod:`.grpo`).
 
+A snapshot takes :meth:`FinishedQueue.capture` while rollouts are paused (references
+only: replies are immutable) and encodes it after they resume.
+
 Schema history of the document (:meth:`FinishedQueue.to_document`): **1**, current.
 """
 
@@ -21,6 +24,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
+import orjson
 from pydantic import Field
 
 from rollpoint.protocol.episode import RunReply
@@ -213,26 +217,19 @@ class FinishedQueue:
 
     # --- document --------------------------------------------------------------------
 
-    def to_document(self) -> dict[str, Any]:
-        def batch_doc(batch: GroupBatch) -> dict[str, Any]:
-            return {
-                "group_id": batch.group_id,
-                "replies": [r.model_dump(mode="json") for r in batch.replies],
-            }
+    def capture(self) -> TQCapture:
+        """TQ frozen at this instant: references to its (immutable) replies, nothing encoded."""
+        return TQCapture(
+            committed_step=self._committed_step,
+            last_take_step=self._last_take_step,
+            groups=dict(self._sizes),
+            partial=tuple(r for rows in self._partial.values() for r in rows.values()),
+            ready=tuple(self._ready),
+            consumed=tuple(self._consumed.values()),
+        )
 
-        return {
-            "schema_version": TQ_SCHEMA_VERSION,
-            "committed_step": self._committed_step,
-            "last_take_step": self._last_take_step,
-            "groups": dict(self._sizes),
-            "partial": [
-                r.model_dump(mode="json") for rows in self._partial.values() for r in rows.values()
-            ],
-            "ready": [batch_doc(b) for b in self._ready],
-            "consumed": [
-                {**batch_doc(b), "train_step": step} for step, b in self._consumed.values()
-            ],
-        }
+    def to_document(self) -> dict[str, Any]:
+        return self.capture().to_document()
 
     @classmethod
     def from_document(cls, doc: dict[str, Any], *, what: str = "TQ") -> FinishedQueue:
@@ -277,6 +274,39 @@ class FinishedQueue:
                 f"{what}: group {doc.group_id} holds another group's reply"
             )
         return GroupBatch(doc.group_id, tuple(doc.replies))
+
+
+@dataclass(frozen=True, slots=True)
+class TQCapture:
+    """What :meth:`FinishedQueue.capture` took; encoding it may happen in another thread."""
+
+    committed_step: int
+    last_take_step: int
+    groups: dict[str, int]
+    partial: tuple[RunReply, ...]
+    ready: tuple[GroupBatch, ...]
+    consumed: tuple[tuple[int, GroupBatch], ...]
+
+    def to_document(self) -> dict[str, Any]:
+        return {
+            "schema_version": TQ_SCHEMA_VERSION,
+            "committed_step": self.committed_step,
+            "last_take_step": self.last_take_step,
+            "groups": dict(self.groups),
+            "partial": [r.model_dump(mode="json") for r in self.partial],
+            "ready": [_batch_doc(b) for b in self.ready],
+            "consumed": [{**_batch_doc(b), "train_step": step} for step, b in self.consumed],
+        }
+
+    def to_bytes(self) -> bytes:
+        return orjson.dumps(self.to_document())
+
+
+def _batch_doc(batch: GroupBatch) -> dict[str, Any]:
+    return {
+        "group_id": batch.group_id,
+        "replies": [r.model_dump(mode="json") for r in batch.replies],
+    }
 
 
 NonNegativeInt = Annotated[int, Field(ge=0)]

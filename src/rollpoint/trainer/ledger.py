@@ -11,6 +11,10 @@ Scale: a snapshot's scope is :meth:`RecoveryLedger.in_flight`, kept as a per-rep
 index, so it costs O(in flight) and never looks at finished work. Sealed and retired
 tries are final: they leave the live store for a compact archive (one tuple each) that
 only :meth:`RecoveryLedger.get`, :meth:`RecoveryLedger.current` and the document read.
+What grows with the run (tasks, groups, failures, final tries) is also kept in append-only
+logs of immutable chunks (:mod:`.append_log`), and first tries nothing has happened to
+are implied by their group, so :meth:`RecoveryLedger.capture` costs O(live tries that
+moved + chunks) however many rollouts finished or wait queued.
 
 The saved document's schema, its versions and migrations live in :mod:`.ledger_document`.
 """
@@ -32,10 +36,16 @@ from rollpoint.protocol.errors import (
 )
 from rollpoint.protocol.ids import EpisodeId, new_rollout_id
 from rollpoint.protocol.manifest import load_versioned
+from rollpoint.trainer.append_log import AppendLog
 from rollpoint.trainer.ledger_document import (
     LEDGER_MIGRATIONS,
     LEDGER_SCHEMA_VERSION,
+    ArchivedEntry,
+    FailureEntry,
+    GroupEntry,
+    LedgerCapture,
     LedgerDocument,
+    TaskEntry,
 )
 
 
@@ -66,7 +76,8 @@ class LedgerMove(StrEnum):
     REQUEUE = "requeue"
     """Refused at admission: it never ran, so it keeps its identity and spends no try."""
     CONTINUE = "continue"
-    """Saved by a snapshot and restored: it continues as ``attempt + 1`` on its replica."""
+    """Saved by a snapshot and restored: it continues as ``attempt + 1`` on the replica
+    holding its restored state (the one that saved it, or another after an elastic restore)."""
     FINISH = "finish"
     SEAL = "seal"
     ABANDON = "abandon"
@@ -114,6 +125,16 @@ class LedgerRecord:
     def key(self) -> str:
         return f"{self.rollout_id}#{self.attempt}"
 
+    @property
+    def untouched(self) -> bool:
+        """A first try nothing has happened to yet: its group's entry implies all of it."""
+        return (
+            self.state is RolloutState.QUEUED
+            and self.tries == 1
+            and self.attempt == 0
+            and self.replica is None
+        )
+
     def describe(self) -> str:
         """``r7#0 (row 2 of g1, dispatched on replica-0)``: for error messages and logs."""
         where = f" on {self.replica}" if self.replica else ""
@@ -129,8 +150,7 @@ class LedgerGroup:
 
 
 # An archived try, kept small: (state, group_id, row, rollout_id, attempt, replica, tries).
-ARCHIVE_CHUNK = 4096
-_Archived = tuple[str, str, int, str, int, str | None, int]
+_Archived = ArchivedEntry
 
 
 class RecoveryLedger:
@@ -138,16 +158,17 @@ class RecoveryLedger:
 
     def __init__(self) -> None:
         self._tasks: dict[str, TaskRow] = {}
-        self._task_docs: dict[str, dict[str, Any]] = {}
-        """Each task's JSON form, made once: tasks never change, and a snapshot's capture
-        runs while rollouts are paused (12 µs of ``model_dump`` per task adds up)."""
         self._groups: dict[str, LedgerGroup] = {}
         self._live: dict[str, LedgerRecord] = {}
+        self._touched: dict[str, LedgerRecord] = {}
+        """Live tries except untouched first tries: what a capture copies one by one."""
         self._archive: dict[str, _Archived] = {}
-        # The same archived tuples, in chunks: a full chunk never changes again, so the
-        # document shares it instead of copying it (see ARCHIVE_CHUNK).
-        self._archive_chunks: list[tuple[_Archived, ...]] = []
-        self._archive_open: list[_Archived] = []
+        # What grows with the run again, in append-only chunked logs that a capture shares
+        # instead of copying (the dicts above are the lookup indices over the same data).
+        self._task_log: AppendLog[TaskEntry] = AppendLog()
+        self._group_log: AppendLog[GroupEntry] = AppendLog()
+        self._failure_log: AppendLog[FailureEntry] = AppendLog()
+        self._archive_log: AppendLog[_Archived] = AppendLog()
         # (group_id, row) -> (rollout_id, tries) of the row's newest try.
         self._current: dict[tuple[str, int], tuple[str, int]] = {}
         self._in_flight: dict[str, dict[str, LedgerRecord]] = {}
@@ -157,20 +178,16 @@ class RecoveryLedger:
 
     # --- groups ----------------------------------------------------------------------
 
-    def _task_doc(self, task_id: str) -> dict[str, Any]:
-        doc = self._task_docs.get(task_id)
-        if doc is None:
-            doc = self._task_docs[task_id] = self._tasks[task_id].model_dump(mode="json")
-        return doc
-
     def add_group(self, task: TaskRow, group_id: str, group_size: int) -> list[LedgerRecord]:
         """Create the rows of a new prompt group, each queued under a fresh rollout id."""
         if group_id in self._groups:
             raise BadRequestError(f"ledger: group {group_id} already exists")
         if group_size < 1:
             raise BadRequestError(f"ledger: group {group_id}: group_size must be >= 1")
-        known = self._tasks.setdefault(task.task_id, task)
-        if known != task:
+        known = self._tasks.get(task.task_id)
+        if known is None:
+            self._add_task(task)
+        elif known != task:
             raise BadRequestError(f"ledger: task {task.task_id} was added with other contents")
         self._groups[group_id] = LedgerGroup(task_id=task.task_id, group_size=group_size)
         records = []
@@ -187,7 +204,13 @@ class RecoveryLedger:
             )
             self._insert(record)
             records.append(record)
+        first = tuple(r.rollout_id for r in records)
+        self._group_log.append((group_id, task.task_id, group_size, first))
         return records
+
+    def _add_task(self, task: TaskRow) -> None:
+        self._tasks[task.task_id] = task
+        self._task_log.append((task.task_id, task))
 
     def group(self, group_id: str) -> LedgerGroup:
         try:
@@ -218,6 +241,7 @@ class RecoveryLedger:
         group = self.group(group_id)
         if group.failed is None:
             self._groups[group_id] = replace(group, failed=reason)
+            self._failure_log.append((group_id, reason))
         abandoned = []
         for record in self.group_records(group_id):
             if (record.state, LedgerMove.ABANDON) in TRANSITIONS:
@@ -237,21 +261,30 @@ class RecoveryLedger:
             )
         return self._move(rollout_id, LedgerMove.DISPATCH, replica=replica)
 
-    def requeue(self, rollout_id: str, *, keep_replica: bool = False) -> LedgerRecord:
+    def requeue(
+        self, rollout_id: str, *, keep_replica: bool = False, pin: str | None = None
+    ) -> LedgerRecord:
         """Send the same try again: same identity, no try spent.
 
         After a refusal at admission a first try may go to any replica; a continued try
         (attempt > 0) stays pinned to its replica, the only one holding its saved state.
         ``keep_replica`` pins any try: a restored snapshot holds its finished reply there.
+        ``pin`` pins it to another replica instead (an elastic restore put the reply there).
         """
         record = self._live_record(rollout_id)
         replica = record.replica if (record.attempt > 0 or keep_replica) else None
-        return self._move(rollout_id, LedgerMove.REQUEUE, replica=replica)
+        return self._move(rollout_id, LedgerMove.REQUEUE, replica=pin or replica)
 
-    def continue_attempt(self, rollout_id: str) -> LedgerRecord:
-        """A snapshot saved the try: it continues as ``attempt + 1`` on the same replica."""
+    def continue_attempt(self, rollout_id: str, *, pin: str | None = None) -> LedgerRecord:
+        """A snapshot saved the try: it continues as ``attempt + 1`` on the same replica,
+        or on ``pin`` when an elastic restore installed its state there."""
         record = self._live_record(rollout_id)
-        return self._move(rollout_id, LedgerMove.CONTINUE, attempt=record.attempt + 1)
+        return self._move(
+            rollout_id,
+            LedgerMove.CONTINUE,
+            attempt=record.attempt + 1,
+            replica=pin or record.replica,
+        )
 
     def finish(self, rollout_id: str) -> LedgerRecord:
         return self._move(rollout_id, LedgerMove.FINISH)
@@ -378,12 +411,11 @@ class RecoveryLedger:
                 record.tries,
             )
             self._archive[rid] = archived
-            self._archive_open.append(archived)
-            if len(self._archive_open) == ARCHIVE_CHUNK:
-                self._archive_chunks.append(tuple(self._archive_open))
-                self._archive_open = []
+            self._archive_log.append(archived)
             return
         self._live[rid] = record
+        if not record.untouched:
+            self._touched[rid] = record
         if record.state is RolloutState.DISPATCHED:
             assert record.replica is not None
             self._in_flight.setdefault(record.replica, {})[rid] = record
@@ -395,6 +427,7 @@ class RecoveryLedger:
         rid = record.rollout_id
         self._counts[record.state] -= 1
         del self._live[rid]
+        self._touched.pop(rid, None)
         if record.state is RolloutState.DISPATCHED:
             assert record.replica is not None
             del self._in_flight[record.replica][rid]
@@ -417,32 +450,22 @@ class RecoveryLedger:
 
     # --- document --------------------------------------------------------------------
 
+    def capture(self) -> LedgerCapture:
+        """The ledger frozen at this instant, in O(touched live tries + chunks).
+
+        Nothing of it changes afterwards, so it may be encoded later from another thread.
+        """
+        return LedgerCapture(
+            tasks=self._task_log.capture(),
+            groups=self._group_log.capture(),
+            failed=self._failure_log.capture(),
+            records=tuple(self._touched.values()),
+            archived=self._archive_log.capture(),
+        )
+
     def to_document(self) -> dict[str, Any]:
         """The ledger as a JSON-ready dict at the current schema version."""
-        return {
-            "schema_version": LEDGER_SCHEMA_VERSION,
-            "tasks": {tid: self._task_doc(tid) for tid in self._tasks},
-            "groups": {
-                gid: {"task_id": g.task_id, "group_size": g.group_size, "failed": g.failed}
-                for gid, g in self._groups.items()
-            },
-            "records": [
-                {
-                    "task_id": r.task_id,
-                    "group_id": r.group_id,
-                    "row": r.row,
-                    "rollout_id": r.rollout_id,
-                    "attempt": r.attempt,
-                    "state": r.state.value,
-                    "replica": r.replica,
-                    "tries": r.tries,
-                }
-                for r in self._live.values()
-            ],
-            # Full chunks are immutable tuples, shared as they are: capturing the ledger
-            # costs O(live tries + chunks), not O(every rollout ever finished).
-            "archived": [*self._archive_chunks, tuple(self._archive_open)],
-        }
+        return self.capture().to_document()
 
     @classmethod
     def from_document(cls, doc: dict[str, Any], *, what: str = "ledger") -> RecoveryLedger:
@@ -456,51 +479,32 @@ def _build(doc: LedgerDocument, what: str) -> RecoveryLedger:
     for task_id, task in doc.tasks.items():
         if task.task_id != task_id:
             raise InvalidCheckpointStateError(f"{what}: task {task_id} holds task {task.task_id}")
-        ledger._tasks[task_id] = task
+        ledger._add_task(task)
     for gid, g in doc.groups.items():
         if g.task_id not in ledger._tasks:
             raise InvalidCheckpointStateError(f"{what}: group {gid} names unknown task {g.task_id}")
-        ledger._groups[gid] = LedgerGroup(g.task_id, g.group_size, g.failed)
-    seen: set[tuple[str, int, int]] = set()
-    live = (
-        LedgerRecord(
-            r.task_id,
-            r.group_id,
-            r.row,
-            r.rollout_id,
-            r.attempt,
-            RolloutState(r.state),
-            r.replica,
-            r.tries,
-        )
-        for r in doc.records
-    )
-    final = (
-        LedgerRecord("", gid, row, rid, attempt, RolloutState(state), replica, tries)
-        for chunk in doc.archived
-        for state, gid, row, rid, attempt, replica, tries in chunk
-    )
-    for record in (*live, *final):
-        group = ledger._groups.get(record.group_id)
+        ledger._groups[gid] = LedgerGroup(g.task_id, g.group_size)
+        ledger._group_log.append((gid, g.task_id, g.group_size, tuple(g.rollout_ids)))
+    for gid, reason in doc.failed.items():
+        group = ledger._groups.get(gid)
         if group is None:
-            raise InvalidCheckpointStateError(
-                f"{what}: {record.describe()} names unknown group {record.group_id}"
-            )
-        if record.row >= group.group_size or (record.task_id or group.task_id) != group.task_id:
-            raise InvalidCheckpointStateError(
-                f"{what}: {record.describe()} does not fit group {record.group_id}"
-            )
-        if record.state is RolloutState.DISPATCHED and record.replica is None:
-            raise InvalidCheckpointStateError(f"{what}: {record.describe()} names no replica")
-        try_key = (record.group_id, record.row, record.tries)
-        if try_key in seen:
-            raise InvalidCheckpointStateError(
-                f"{what}: two tries numbered {record.tries} for row {record.row} "
-                f"of {record.group_id}"
-            )
-        seen.add(try_key)
+            raise InvalidCheckpointStateError(f"{what}: failed group {gid} is not a group")
+        ledger._groups[gid] = replace(group, failed=reason)
+        ledger._failure_log.append((gid, reason))
+    explicit = [*_saved_live(doc), *_saved_final(doc)]
+    named = {record.rollout_id for record in explicit}
+    # A first try left out of the document is one nothing had happened to yet.
+    untouched = [
+        LedgerRecord(g.task_id, gid, row, rid, 0, RolloutState.QUEUED, None, 1)
+        for gid, g in doc.groups.items()
+        for row, rid in enumerate(g.rollout_ids)
+        if rid not in named
+    ]
+    seen: set[tuple[str, int, int]] = set()
+    for record in (*explicit, *untouched):
+        _check_record(ledger, record, seen, what)
         try:
-            ledger._insert(replace(record, task_id=group.task_id))
+            ledger._insert(replace(record, task_id=ledger._groups[record.group_id].task_id))
         except BadRequestError:
             raise InvalidCheckpointStateError(
                 f"{what}: rollout id {record.rollout_id} appears twice"
@@ -512,3 +516,39 @@ def _build(doc: LedgerDocument, what: str) -> RecoveryLedger:
                 f"{what}: group {gid} has no record of rows {missing}"
             )
     return ledger
+
+
+def _saved_live(doc: LedgerDocument) -> Iterator[LedgerRecord]:
+    for r in doc.records:
+        state = RolloutState(r.state)
+        yield LedgerRecord(
+            r.task_id, r.group_id, r.row, r.rollout_id, r.attempt, state, r.replica, r.tries
+        )
+
+
+def _saved_final(doc: LedgerDocument) -> Iterator[LedgerRecord]:
+    for chunk in doc.archived:
+        for state, gid, row, rid, attempt, replica, tries in chunk:
+            yield LedgerRecord("", gid, row, rid, attempt, RolloutState(state), replica, tries)
+
+
+def _check_record(
+    ledger: RecoveryLedger, record: LedgerRecord, seen: set[tuple[str, int, int]], what: str
+) -> None:
+    group = ledger._groups.get(record.group_id)
+    if group is None:
+        raise InvalidCheckpointStateError(
+            f"{what}: {record.describe()} names unknown group {record.group_id}"
+        )
+    if record.row >= group.group_size or (record.task_id or group.task_id) != group.task_id:
+        raise InvalidCheckpointStateError(
+            f"{what}: {record.describe()} does not fit group {record.group_id}"
+        )
+    if record.state is RolloutState.DISPATCHED and record.replica is None:
+        raise InvalidCheckpointStateError(f"{what}: {record.describe()} names no replica")
+    try_key = (record.group_id, record.row, record.tries)
+    if try_key in seen:
+        raise InvalidCheckpointStateError(
+            f"{what}: two tries numbered {record.tries} for row {record.row} of {record.group_id}"
+        )
+    seen.add(try_key)

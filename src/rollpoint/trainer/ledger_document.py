@@ -14,23 +14,40 @@ Schema history:
   states, numbers each row's tries by their order in the list (a version-1 writer only
   ever appended), moves sealed and retired tries to ``archived`` and sets ``failed`` to
   null (a version-1 writer did not record group failures).
-- **2**: current; live tries in ``records``, final ones in ``archived`` as a list of
-  chunks of ``[state, group_id, row, rollout_id, attempt, replica, tries]``.
+- **2**: live tries in ``records``, final ones in ``archived`` as a list of chunks of
+  ``[state, group_id, row, rollout_id, attempt, replica, tries]``.
+- **3**: current. Each group names the rollout id of every row's first try
+  (``rollout_ids``), and a first try nothing has happened to yet (queued, attempt 0, no
+  replica) is left out of ``records``: a run that queued a million rows ahead saves none
+  of them one by one. Group failures moved to their own ``failed`` map (group id →
+  reason). Migration 2 → 3 reads each row's first try (``tries`` 1) from ``records`` or
+  ``archived`` and moves ``failed`` out of the groups; it keeps every record as it was.
+
+Also here: :class:`LedgerCapture`, the ledger frozen at one instant (taken while a
+snapshot pauses rollouts, in O(live tries + chunks)) and its encoding into the current
+schema, done after rollouts resume.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from typing import Annotated, Any, Literal
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import Field
+import orjson
+from pydantic import Field, model_validator
 
 from rollpoint.protocol.episode import TaskRow
 from rollpoint.protocol.ids import Identifier
 from rollpoint.protocol.manifest import Migration
 from rollpoint.protocol.model_base import StrictModel
+from rollpoint.trainer.append_log import LogChunk
 
-LEDGER_SCHEMA_VERSION = 2
+if TYPE_CHECKING:
+    from rollpoint.trainer.ledger import LedgerRecord
+
+LEDGER_SCHEMA_VERSION = 3
 _ARCHIVED = frozenset({"sealed", "retired"})
 
 NonNegativeInt = Annotated[int, Field(ge=0)]
@@ -65,19 +82,116 @@ class LedgerRecordDoc(StrictModel):
 class LedgerGroupDoc(StrictModel):
     task_id: Identifier
     group_size: PositiveInt
-    failed: str | None
+    rollout_ids: list[Identifier]
+    """The rollout id of each row's first try, by row."""
+
+    @model_validator(mode="after")
+    def _one_first_try_per_row(self) -> LedgerGroupDoc:
+        if len(self.rollout_ids) != self.group_size:
+            raise ValueError(
+                f"names {len(self.rollout_ids)} first tries for {self.group_size} rows"
+            )
+        return self
 
 
 class LedgerDocument(StrictModel):
-    """Schema 2 of the ledger document."""
+    """Schema 3 of the ledger document."""
 
-    schema_version: Literal[2]
+    schema_version: Literal[3]
     tasks: dict[str, TaskRow]
     groups: dict[str, LedgerGroupDoc]
+    failed: dict[str, str]
+    """Failed groups and why."""
     records: list[LedgerRecordDoc]
-    """Live tries (not final)."""
+    """Live tries, except first tries nothing has happened to (their group names them)."""
     archived: list[list[ArchivedTry]]
     """Final tries in chunks (the ledger keeps full chunks unchanged between saves)."""
+
+
+TaskEntry = tuple[str, TaskRow]
+GroupEntry = tuple[str, str, int, tuple[str, ...]]
+"""``(group_id, task_id, group_size, first try's rollout id of each row)``."""
+FailureEntry = tuple[str, str]
+ArchivedEntry = tuple[str, str, int, str, int, str | None, int]
+"""``(state, group_id, row, rollout_id, attempt, replica, tries)``."""
+
+
+@dataclass(frozen=True, slots=True)
+class LedgerCapture:
+    """The ledger at one instant, as shared immutable chunks plus its touched live tries.
+
+    Taking one costs O(live tries + chunks) and it never changes afterwards, so the
+    snapshot coordinator takes it while rollouts are paused and encodes it after they
+    resume, from a worker thread, while the ledger moves on.
+    """
+
+    tasks: tuple[LogChunk[TaskEntry], ...]
+    groups: tuple[LogChunk[GroupEntry], ...]
+    failed: tuple[LogChunk[FailureEntry], ...]
+    records: tuple[LedgerRecord, ...]
+    archived: tuple[LogChunk[ArchivedEntry], ...]
+
+    def to_document(self) -> dict[str, Any]:
+        """The document as plain JSON-ready values at the current schema version."""
+        return {
+            "schema_version": LEDGER_SCHEMA_VERSION,
+            "tasks": {tid: task.model_dump(mode="json") for tid, task in _items(self.tasks)},
+            "groups": {entry[0]: _group_doc(entry) for entry in _items(self.groups)},
+            "failed": dict(_items(self.failed)),
+            "records": [_record_doc(r) for r in self.records],
+            # Full chunks' item tuples are shared as they are, never copied.
+            "archived": [chunk.items for chunk in self.archived],
+        }
+
+    def to_bytes(self) -> bytes:
+        """The document encoded as JSON; each full chunk is encoded once per run."""
+        doc = {
+            "schema_version": LEDGER_SCHEMA_VERSION,
+            "tasks": orjson.Fragment(_json_object(self.tasks, _encode_tasks)),
+            "groups": orjson.Fragment(_json_object(self.groups, _encode_groups)),
+            "failed": dict(_items(self.failed)),
+            "records": [_record_doc(r) for r in self.records],
+            "archived": [orjson.Fragment(c.encoded(orjson.dumps)) for c in self.archived],
+        }
+        return orjson.dumps(doc)
+
+
+def _items(chunks: Iterable[LogChunk[Any]]) -> Iterable[Any]:
+    for chunk in chunks:
+        yield from chunk.items
+
+
+def _group_doc(entry: GroupEntry) -> dict[str, Any]:
+    _, task_id, size, rollout_ids = entry
+    return {"task_id": task_id, "group_size": size, "rollout_ids": list(rollout_ids)}
+
+
+def _record_doc(r: LedgerRecord) -> dict[str, Any]:
+    return {
+        "task_id": r.task_id,
+        "group_id": r.group_id,
+        "row": r.row,
+        "rollout_id": r.rollout_id,
+        "attempt": r.attempt,
+        "state": r.state.value,
+        "replica": r.replica,
+        "tries": r.tries,
+    }
+
+
+def _json_object(chunks: tuple[LogChunk[Any], ...], encode: Callable[[Any], bytes]) -> bytes:
+    """One JSON object from chunks of ``(key, …)`` entries, each chunk's members encoded once."""
+    members = [chunk.encoded(encode) for chunk in chunks if len(chunk)]
+    return b"{" + b",".join(members) + b"}"
+
+
+def _encode_tasks(items: tuple[TaskEntry, ...]) -> bytes:
+    # An object's members without its braces, so chunks join into one object.
+    return orjson.dumps({tid: task.model_dump(mode="json") for tid, task in items})[1:-1]
+
+
+def _encode_groups(items: tuple[GroupEntry, ...]) -> bytes:
+    return orjson.dumps({entry[0]: _group_doc(entry) for entry in items})[1:-1]
 
 
 _V1_STATES = {
@@ -130,4 +244,31 @@ def _ledger_v1_to_v2(doc: dict[str, Any]) -> dict[str, Any]:
     return doc
 
 
-LEDGER_MIGRATIONS: dict[int, Migration] = {1: _ledger_v1_to_v2}
+def _ledger_v2_to_v3(doc: dict[str, Any]) -> dict[str, Any]:
+    first: dict[tuple[Any, Any], Any] = {}
+    for record in doc["records"]:
+        if record["tries"] == 1:
+            first[(record["group_id"], record["row"])] = record["rollout_id"]
+    for chunk in doc["archived"]:
+        for _, group_id, row, rollout_id, _, _, tries in chunk:
+            if tries == 1:
+                first[(group_id, row)] = rollout_id
+    groups, failed = {}, {}
+    for gid, group in doc["groups"].items():
+        if group["failed"] is not None:
+            failed[gid] = group["failed"]
+        ids = [first.get((gid, row)) for row in range(group["group_size"])]
+        missing = [row for row, rid in enumerate(ids) if rid is None]
+        if missing:
+            raise ValueError(f"group {gid} has no first try of rows {missing}")
+        groups[gid] = {
+            "task_id": group["task_id"],
+            "group_size": group["group_size"],
+            "rollout_ids": ids,
+        }
+    doc["groups"] = groups
+    doc["failed"] = failed
+    return doc
+
+
+LEDGER_MIGRATIONS: dict[int, Migration] = {1: _ledger_v1_to_v2, 2: _ledger_v2_to_v3}

@@ -132,13 +132,16 @@ class ParticipantClient:
         checkpoint_dir: str,
         scope: list[EpisodeId],
         source_checkpoint_id: str,
+        sources: list[str] | None = None,
     ) -> RestoreReply:
+        """``sources``: the replicas whose saved records to install (default: its own)."""
         body = RestoreRequest(
             checkpoint_id=checkpoint_id,
             deadline_ts=deadline_ts,
             checkpoint_dir=checkpoint_dir,
             episode_ids=scope,
             source_checkpoint_id=source_checkpoint_id,
+            sources=sources,
         )
         return await self._call("restore", RestoreReply, body, deadline_ts)
 

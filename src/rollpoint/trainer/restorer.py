@@ -6,18 +6,27 @@ Owns choosing what to resume from and putting every piece back:
    committed step ≤ checkpoint step ≤ the snapshot's train step); a corrupt or partial
    snapshot is skipped with a warning for the previous one; none → fresh start;
 2. the config keys the saved state depends on must match (a mismatch names the key);
-3. every participant the manifest names must be live — checked before anything is
-   installed, naming the missing ones;
+   ``replicas`` may change (:data:`ELASTIC_CONFIG_KEYS`);
+3. every saved replica is placed on a live one (:func:`place`): the replica that saved it
+   when that one is live with every participant it needs, otherwise another live replica
+   that has them, which installs the records of several saved replicas (an elastic
+   N → M restore). Checked before anything is installed: a participant no live replica
+   serves is named, and so is one whose state would move but is not ``portable``;
 4. the saved ledger's in-flight set must equal saved + restarted + finished episodes
    (a mismatch names the episodes and replicas);
 5. every participant the manifest names restores, or none does: any failure goes through
    one cleanup path (retire the next attempts, resume each participant exactly once) and a
    clear error. A live participant the manifest does not name (its replica was down at the
    cut) has nothing to install and is left alone;
-6. the ledger moves: saved episodes continue as ``attempt + 1`` on the replica that saved
-   them, restarts start over under new rollout ids, finished replies held by an agent are
-   fetched again under their own identity (adopted, not rerun); TQ puts back what no
-   durable train checkpoint consumed; ``train_data.jsonl`` is cut back to the checkpoint.
+6. the ledger moves: saved episodes continue as ``attempt + 1`` on the replica holding
+   their restored state (pinned there), restarts start over under new rollout ids (and so
+   do tries the saved ledger holds queued for a replica: their state died with its
+   servers), finished replies held by an agent are fetched again under their own
+   identity (adopted, not rerun); TQ puts back what no durable train checkpoint consumed;
+   ``train_data.jsonl`` is cut back to the checkpoint.
+
+:meth:`Restorer.restore_replica` does step 5 alone for one replica restarted mid-run
+(:mod:`.replica_recovery` decides what to restore and moves the ledger).
 
 It does not run the job: it hands a :class:`RestoredRun` to the trainer loop.
 """
@@ -28,7 +37,7 @@ import asyncio
 import logging
 import os
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,9 +45,11 @@ from typing import Any
 import orjson
 from pydantic import JsonValue
 
+from rollpoint.protocol.control import StatusReply
 from rollpoint.protocol.errors import ConfigError, RestoreError, RollpointError
 from rollpoint.protocol.ids import EpisodeId
-from rollpoint.protocol.manifest import SnapshotManifest
+from rollpoint.protocol.manifest import SavedEpisode, SnapshotManifest
+from rollpoint.protocol.participant import ParticipantKind
 from rollpoint.store.snapshot_store import SNAPSHOTS_DIR, SnapshotStore
 from rollpoint.trainer.coordinator import (
     LEDGER_FILE,
@@ -47,7 +58,7 @@ from rollpoint.trainer.coordinator import (
     TRAINER_FILE,
 )
 from rollpoint.trainer.finished_queue import FinishedQueue
-from rollpoint.trainer.ledger import RecoveryLedger
+from rollpoint.trainer.ledger import RecoveryLedger, RolloutState
 from rollpoint.trainer.participant_client import ParticipantClient
 from rollpoint.trainer.train_checkpoint import TrainCheckpoint, TrainCheckpointStore
 
@@ -82,6 +93,8 @@ class RestoredRun:
     restarted: int = 0
     adopted: int = 0
     tq_requeued: int = 0
+    placement: dict[str, str] = field(default_factory=dict)
+    """Saved replica → the live replica its state went to (differs after an elastic restore)."""
 
 
 def choose_resume_point(
@@ -116,9 +129,15 @@ def choose_resume_point(
     return None
 
 
+ELASTIC_CONFIG_KEYS = frozenset({"replicas"})
+"""Config keys saved state does not depend on: a restore may change them (N → M replicas)."""
+
+
 def check_config(manifest: SnapshotManifest, live: dict[str, JsonValue]) -> None:
     """Refuse a config that makes the snapshot unusable, naming the first key that differs."""
     for key, saved in manifest.config_fingerprint.items():
+        if key in ELASTIC_CONFIG_KEYS:
+            continue
         now = live.get(key)
         if now != saved:
             raise ConfigError(
@@ -130,6 +149,93 @@ def check_config(manifest: SnapshotManifest, live: dict[str, JsonValue]) -> None
 def _names(items: list[str]) -> str:
     shown = ", ".join(items[:_LIST_LIMIT])
     return shown + (f" and {len(items) - _LIST_LIMIT} more" if len(items) > _LIST_LIMIT else "")
+
+
+_Live = dict[tuple[str, str, str], StatusReply]
+"""Live participants' status by (kind, name, replica)."""
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where each saved replica's state is installed: on the replica that saved it when
+    that one is live with every participant it needs, otherwise on another live replica
+    that has them (the least loaded, ties by name)."""
+
+    target_of: dict[str, str]
+    """Saved replica → the live replica that installs its records."""
+
+    def sources(self, target: str) -> list[str]:
+        return sorted(s for s, t in self.target_of.items() if t == target)
+
+    @property
+    def moved(self) -> dict[str, str]:
+        return {s: t for s, t in self.target_of.items() if s != t}
+
+
+def place(manifest: SnapshotManifest, live: _Live) -> Placement:
+    """Place every saved replica on a live one, or refuse naming what no replica serves."""
+    needs: dict[str, set[tuple[str, str]]] = defaultdict(set)
+    for p in manifest.participants:
+        needs[p.replica].add((p.kind.value, p.name))
+    offers: dict[str, set[tuple[str, str]]] = defaultdict(set)
+    for kind, name, replica in live:
+        offers[replica].add((kind, name))
+    target_of = {s: s for s in sorted(needs) if needs[s] <= offers.get(s, set())}
+    load = Counter(target_of.values())
+    missing: list[str] = []
+    for source in sorted(set(needs) - set(target_of)):
+        fits = [r for r in sorted(offers) if needs[source] <= offers[r]]
+        if not fits:
+            missing += [
+                f"{kind} '{name}' of {source}"
+                for kind, name in sorted(needs[source])
+                if (kind, name) not in offers.get(source, set())
+            ]
+            continue
+        target = min(fits, key=lambda r: (load[r], r))
+        target_of[source] = target
+        load[target] += 1
+    if missing:
+        raise RestoreError(
+            f"snapshot {manifest.snapshot_id} needs participants that are not live: {_names(missing)} "
+            "(and no live replica serves all of its replica's participants); nothing was installed"
+        )
+    return Placement(target_of)
+
+
+def _check_modes(manifest: SnapshotManifest, live: _Live, placement: Placement) -> None:
+    """Each participant keeps its checkpoint mode, and state moves only where it may."""
+    changed: list[str] = []
+    fixed: list[str] = []
+    for p in manifest.participants:
+        target = placement.target_of[p.replica]
+        now = live[(p.kind.value, p.name, target)]
+        if now.mode != p.mode:
+            changed.append(
+                f"{p.kind.value} '{p.name}' of {p.replica} was {p.mode}, is now {now.mode}"
+            )
+        if target != p.replica and not now.portable:
+            fixed.append(f"{p.kind.value} '{p.name}' ({now.mode}) of {p.replica} onto {target}")
+    if changed:
+        raise RestoreError(
+            f"snapshot {manifest.snapshot_id}: participants changed checkpoint mode: {_names(changed)}; "
+            "nothing was installed"
+        )
+    if fixed:
+        raise RestoreError(
+            f"snapshot {manifest.snapshot_id} cannot move state that is not portable: {_names(fixed)}; "
+            "run with the replica count it was taken with, or start over with --fresh --force; "
+            "nothing was installed"
+        )
+
+
+@dataclass(frozen=True)
+class _Target:
+    """One participant's part of a restore: whose records it installs, and which episodes."""
+
+    client: ParticipantClient
+    sources: list[str]
+    scope: list[EpisodeId]
 
 
 class Restorer:
@@ -147,7 +253,7 @@ class Restorer:
         """``continue_episodes=False`` is ``recovery: restart``: the saved episodes start over
         from their prompts (their sessions are not installed); the rest is the same."""
         manifest = point.manifest
-        await self._check_topology(manifest)
+        placement = await self._check_topology(manifest)
         ledger = RecoveryLedger.from_document(
             point.ledger_doc, what=f"ledger of snapshot {manifest.snapshot_id}"
         )
@@ -155,90 +261,141 @@ class Restorer:
         tq = FinishedQueue.from_document(
             point.tq_doc, what=f"TQ of snapshot {manifest.snapshot_id}"
         )
-        await self._install(manifest, deadline_s, sessions=continue_episodes)
+        saved = manifest.episodes if continue_episodes else []
+        await self._install(manifest, self._plan(manifest, placement, saved), deadline_s)
         run = RestoredRun(
             snapshot_id=manifest.snapshot_id,
             checkpoint=point.checkpoint,
             ledger=ledger,
             tq=tq,
             trainer_doc=point.trainer_doc,
+            placement=placement.target_of,
         )
-        for saved in manifest.episodes:
+        # A queued try pinned to a replica waits for state (a session, a held reply) that
+        # lived only in the servers that crashed: it is not in this snapshot, so start over.
+        for record in list(ledger.live_records()):
+            if record.state is RolloutState.QUEUED and record.replica is not None:
+                ledger.abandon(record.rollout_id)
+                run.restarted += 1
+        for episode in manifest.episodes:
             if not continue_episodes:
-                ledger.abandon(saved.rollout_id)
+                ledger.abandon(episode.rollout_id)
                 run.restarted += 1
                 continue
-            record = ledger.continue_attempt(saved.rollout_id)
+            pin = placement.target_of[episode.replica]
+            record = ledger.continue_attempt(episode.rollout_id, pin=pin)
             run.continued.append(EpisodeId(rollout_id=record.rollout_id, attempt=record.attempt))
         for restart in manifest.restarts:
             ledger.abandon(restart.rollout_id)
             run.restarted += 1
         for finished in manifest.finished:
-            ledger.requeue(finished.rollout_id, keep_replica=True)
+            holder = placement.target_of.get(finished.replica, finished.replica)
+            ledger.requeue(finished.rollout_id, keep_replica=True, pin=holder)
             run.adopted += 1
         run.tq_requeued = tq.rewind(point.checkpoint.step)
         await asyncio.to_thread(_cut_back, train_data, point.checkpoint.train_data_bytes)
         return run
 
-    async def _check_topology(self, manifest: SnapshotManifest) -> None:
+    async def restore_replica(
+        self,
+        manifest: SnapshotManifest,
+        replica: str,
+        episodes: list[EpisodeId],
+        *,
+        deadline_s: float = 30.0,
+    ) -> None:
+        """Install ``replica``'s saved state (the saved attempts in ``episodes``, plus the
+        finished replies its agent held) into its restarted servers, all or nothing.
+
+        The restorer's participants are that replica's; the trainer moves its ledger."""
+        live = await self._live()
+        placement = Placement({replica: replica})
+        saved = [p for p in manifest.participants if p.replica == replica]
+        missing = [
+            f"{p.kind.value} '{p.name}'"
+            for p in saved
+            if (p.kind.value, p.name, replica) not in live
+        ]
+        if missing:
+            raise RestoreError(
+                f"{replica} restarted without {_names(missing)} of snapshot {manifest.snapshot_id}"
+            )
+        only = manifest.model_copy(update={"participants": saved})
+        _check_modes(only, live, placement)
+        wanted = {e.key for e in episodes}
+        chosen = [e for e in manifest.episodes if f"{e.rollout_id}#{e.attempt}" in wanted]
+        await self._install(only, self._plan(only, placement, chosen), deadline_s)
+
+    async def _live(self) -> _Live:
         replies = await asyncio.gather(
             *(p.status() for p in self._participants), return_exceptions=True
         )
-        live = {
+        return {
             (r.kind.value, r.name, r.replica): r
             for r in replies
             if not isinstance(r, BaseException)
         }
-        missing = [
-            f"{p.kind.value} '{p.name}' of {p.replica}"
-            for p in manifest.participants
-            if (p.kind.value, p.name, p.replica) not in live
-        ]
-        if missing:
-            raise RestoreError(
-                f"snapshot {manifest.snapshot_id} needs participants that are not live: {_names(missing)}; "
-                "nothing was installed"
+
+    async def _check_topology(self, manifest: SnapshotManifest) -> Placement:
+        live = await self._live()
+        placement = place(manifest, live)
+        _check_modes(manifest, live, placement)
+        for source, target in sorted(placement.moved.items()):
+            log.warning(
+                "snapshot %s: the state of %s is restored onto %s",
+                manifest.snapshot_id,
+                source,
+                target,
             )
-        changed = [
-            f"{p.kind.value} '{p.name}' of {p.replica} was {p.mode}, is now {live[(p.kind.value, p.name, p.replica)].mode}"
-            for p in manifest.participants
-            if live[(p.kind.value, p.name, p.replica)].mode != p.mode
-        ]
-        if changed:
-            raise RestoreError(
-                f"snapshot {manifest.snapshot_id}: participants changed checkpoint mode: {_names(changed)}; "
-                "nothing was installed"
-            )
+        return placement
+
+    def _plan(
+        self, manifest: SnapshotManifest, placement: Placement, saved: list[SavedEpisode]
+    ) -> list[_Target]:
+        """Who installs what: each participant of a live replica that received saved
+        replicas loads their records; its scope is their saved episodes in ``saved``."""
+        kinds: dict[str, set[ParticipantKind]] = defaultdict(set)
+        for p in manifest.participants:
+            kinds[p.replica].add(p.kind)
+        plan = []
+        for client in self._participants:
+            target = client.address.replica
+            sources = [s for s in placement.sources(target) if client.address.kind in kinds[s]]
+            if not sources:
+                continue  # its replica was down at the cut, or is new: nothing to install
+            scope = [
+                EpisodeId(rollout_id=e.rollout_id, attempt=e.attempt)
+                for e in saved
+                if e.replica in sources
+            ]
+            plan.append(_Target(client, sources, scope))
+        return plan
 
     async def _install(
-        self, manifest: SnapshotManifest, deadline_s: float, *, sessions: bool
+        self, manifest: SnapshotManifest, plan: list[_Target], deadline_s: float
     ) -> None:
-        """Restore every participant or none: one cleanup path on any failure. Without
-        ``sessions`` the scope is empty: only held finished replies are installed."""
+        """Restore every planned participant or none: one cleanup path on any failure."""
         restore_id = f"restore-{int(time.time() * 1000)}"
         directory = f"{SNAPSHOTS_DIR}/{manifest.snapshot_id}/{PARTICIPANTS_SUBDIR}"
-        scopes: dict[str, list[EpisodeId]] = defaultdict(list)
-        for saved in manifest.episodes if sessions else []:
-            scopes[saved.replica].append(
-                EpisodeId(rollout_id=saved.rollout_id, attempt=saved.attempt)
-            )
         deadline = time.time() + deadline_s
-        clients = _named(self._participants, manifest)
+        clients = [t.client for t in plan]
         # A failed restore into these same servers left retire marks on the next attempts
         # (its cleanup); forget them first, or the continued attempts would be refused.
-        rollout_ids = [e.rollout_id for e in manifest.episodes]
+        rollout_ids = sorted({e.rollout_id for t in plan for e in t.scope})
         if rollout_ids:
             await asyncio.gather(*(p.forget(rollout_ids) for p in clients), return_exceptions=True)
         results = await asyncio.gather(
             *(
-                p.restore(
+                t.client.restore(
                     restore_id,
                     deadline,
                     directory,
-                    scopes.get(p.address.replica, []),
+                    t.scope,
                     manifest.checkpoint_id,
+                    # Omitted for its own replica: what every participant has understood.
+                    None if t.sources == [t.client.address.replica] else t.sources,
                 )
-                for p in clients
+                for t in plan
             ),
             return_exceptions=True,
         )
@@ -248,28 +405,27 @@ class Restorer:
             if isinstance(r, BaseException)
         ]
         if failed:
-            await self._clean_up(restore_id, manifest)
+            await self._clean_up(restore_id, plan)
             raise RestoreError(
                 f"restore of snapshot {manifest.snapshot_id} failed, nothing kept: {'; '.join(failed)}"
             )
-        await self._resume_all(restore_id, manifest)
+        await self._resume_all(restore_id, clients)
 
-    async def _clean_up(self, restore_id: str, manifest: SnapshotManifest) -> None:
+    async def _clean_up(self, restore_id: str, plan: list[_Target]) -> None:
         """The one cleanup path: the next attempts can never run, then each participant
         is resumed exactly once."""
-        next_attempts = [
-            EpisodeId(rollout_id=e.rollout_id, attempt=e.attempt + 1) for e in manifest.episodes
-        ]
+        next_attempts = sorted(
+            {e.next_attempt() for t in plan for e in t.scope}, key=lambda e: e.key
+        )
         if next_attempts:
             await asyncio.gather(
                 *(p.retire(next_attempts) for p in self._participants), return_exceptions=True
             )
-        await self._resume_all(restore_id, manifest)
+        await self._resume_all(restore_id, [t.client for t in plan])
 
-    async def _resume_all(self, restore_id: str, manifest: SnapshotManifest) -> None:
-        named = _named(self._participants, manifest)
+    async def _resume_all(self, restore_id: str, clients: list[ParticipantClient]) -> None:
         for stage in reversed(PREPARE_STAGES):
-            stage_clients = [p for p in named if p.address.kind == stage]
+            stage_clients = [p for p in clients if p.address.kind == stage]
             results = await asyncio.gather(
                 *(p.resume(restore_id) for p in stage_clients), return_exceptions=True
             )
@@ -281,14 +437,6 @@ class Restorer:
                         client.label,
                         detail,
                     )
-
-
-def _named(
-    participants: list[ParticipantClient], manifest: SnapshotManifest
-) -> list[ParticipantClient]:
-    """The participants the snapshot holds state for (one per kind and replica)."""
-    named = {(p.kind, p.replica) for p in manifest.participants}
-    return [p for p in participants if (p.address.kind, p.address.replica) in named]
 
 
 def _check_cut(manifest: SnapshotManifest, ledger: RecoveryLedger) -> None:

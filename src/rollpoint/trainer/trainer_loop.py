@@ -15,8 +15,9 @@ no longer needs on the environment side (acks, retires, forgets) through a
 
 The runtime reports replicas that die and come back (:meth:`Trainer.replica_down`,
 :meth:`Trainer.replica_up`); the trainer keeps the one :class:`ReplicaRoster` the dispatcher,
-the coordinator and the release batcher read, and has the dispatcher send what the lost
-replica held elsewhere. It does not watch processes (that is the runtime's job).
+the coordinator and the release batcher read; a :class:`ReplicaRecovery` restores the lost
+replica's snapshot tries onto it when it is back, and the dispatcher sends the rest
+elsewhere. It does not watch processes (that is the runtime's job).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from rollpoint.trainer.finished_queue import FinishedQueue, GroupBatch
 from rollpoint.trainer.grpo import advantages_by_episode
 from rollpoint.trainer.ledger import RecoveryLedger, RolloutState
 from rollpoint.trainer.release_batcher import ReleaseBatcher
+from rollpoint.trainer.replica_recovery import ReplicaRecovery
 from rollpoint.trainer.replica_roster import ReplicaRoster
 from rollpoint.trainer.restorer import RestoredRun
 from rollpoint.trainer.train_checkpoint import TrainCheckpointStore, stamp
@@ -108,9 +110,12 @@ class Trainer:
         stall_timeout_s: float = 600.0,
         control: ControlPlane | None = None,
         restored: RestoredRun | None = None,
+        replica_restart_wait_s: float | None = None,
     ) -> None:
         """``restored`` continues a run from a snapshot (see :mod:`rollpoint.trainer.restorer`);
-        its ledger and TQ replace the fresh ones built from ``tasks``."""
+        its ledger and TQ replace the fresh ones built from ``tasks``.
+        ``replica_restart_wait_s``: how long a lost replica's snapshot tries wait for it to
+        come back before they start over elsewhere (default: the snapshot deadline)."""
         _check_inputs(config, tasks, stall_timeout_s)
         self.config = config
         self.deployment = deployment
@@ -159,6 +164,8 @@ class Trainer:
             self._reward_sum = float(doc.get("reward_sum", 0.0))
         self.coordinator: SnapshotCoordinator | None = None
         self.releases: ReleaseBatcher | None = None
+        self.recovery: ReplicaRecovery | None = None
+        """Restores a replica lost mid-run from the latest snapshot (with a control plane)."""
         if control is not None:
             self.coordinator = SnapshotCoordinator(
                 self.roster,
@@ -173,6 +180,14 @@ class Trainer:
             )
             self.releases = ReleaseBatcher(self.roster, self.ledger, barrier=self.barrier)
             self.coordinator.before_save = self.releases.flush
+            deadline_s = config.snapshot.deadline_seconds
+            self.recovery = ReplicaRecovery(
+                self.ledger,
+                self.roster,
+                self.coordinator,
+                wait_s=deadline_s if replica_restart_wait_s is None else replica_restart_wait_s,
+                restore_deadline_s=deadline_s,
+            )
 
     def state(self) -> dict[str, Any]:
         """The trainer's own state at a cut (saved with every snapshot)."""
@@ -250,22 +265,26 @@ class Trainer:
     # --- replicas --------------------------------------------------------------------
 
     async def replica_down(self, name: str) -> None:
-        """The runtime saw ``name``'s processes die: stop using it, and send what it held
-        (its in-flight and pinned tries, fresh) to the replicas still up. Snapshots go on
-        without it. Idempotent."""
+        """The runtime saw ``name``'s processes die: stop using it. The tries the latest
+        snapshot saved there wait for its restart (see :mod:`.replica_recovery`); the rest
+        of what it held (its in-flight and pinned tries) goes fresh to the replicas still
+        up. Snapshots go on without it. Idempotent."""
         if not self.roster.mark_down(name):
             return
         log.warning("replica %s is down; %s carry on", name, ", ".join(self.roster.up) or "none")
-        if self.dispatcher is not None:
+        if self.dispatcher is not None and self.recovery is not None:
+            self.recovery.hold(name, self.dispatcher)
+        elif self.dispatcher is not None:
             self.dispatcher.replica_lost(name)
         else:
             # Tries a restore pinned to it must not go to its empty successor either.
             self._lost_before_run.add(name)
 
     async def replica_up(self, endpoints: ReplicaEndpoints) -> None:
-        """The runtime restarted a replica, empty, at ``endpoints``: use it again (its
-        participants take part from the next snapshot). A replica reported up at new URLs
-        while it was still up is taken as restarted: what the old servers held is gone."""
+        """The runtime restarted a replica, empty, at ``endpoints``: restore the tries held
+        for it from the snapshot that saved them, and use it again (its participants take
+        part from the next snapshot). A replica reported up at new URLs while it was still
+        up is taken as restarted: what the old servers held is gone."""
         name = endpoints.name
         if self.roster.is_up(name):
             if self.roster.endpoints(name) == endpoints:
@@ -278,6 +297,8 @@ class Trainer:
         log.info("replica %s is up again at %s", name, endpoints.agent_url)
         if self._policy_version and self._http is not None:
             await self._publish_policy_version(self._http, self._policy_version, [endpoints])
+        if self.dispatcher is not None and self.recovery is not None:
+            await self.recovery.restore(name, self.dispatcher)
 
     # --- rollouts --------------------------------------------------------------------
 

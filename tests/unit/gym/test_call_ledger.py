@@ -87,3 +87,16 @@ def test_release_drops_rollouts_and_keeps_the_count_right() -> None:
     assert ledger.calls("r1") == []
     assert ledger.count == 1
     assert ledger.release(["r1"]) == 0
+
+
+def test_each_export_holds_the_records_as_of_then_after_appends_installs_and_releases() -> None:
+    ledger = _filled()
+    first = ledger.export(["r1"])
+    ledger.record(_rec("r1", 3))
+    assert [r["turn"] for r in first] == [0, 1, 2]  # an earlier export is not extended
+    assert ledger.export(["r1"]) == [c.model_dump(mode="json") for c in ledger.calls("r1")]
+    ledger.install([_rec("r1", 0, attempt=1).model_dump(mode="json")])
+    assert [(r["turn"], r["attempt"]) for r in ledger.export(["r1"])] == [(0, 1)]
+    ledger.release(["r1"])
+    ledger.record(_rec("r1", 5))
+    assert [r["turn"] for r in ledger.export(["r1"])] == [5]

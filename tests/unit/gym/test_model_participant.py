@@ -48,15 +48,17 @@ def test_it_is_a_participant_named_after_its_server() -> None:
     )
 
 
-async def test_readiness_names_the_episodes_of_running_calls() -> None:
+async def test_a_running_call_does_not_block_the_cut_and_is_counted() -> None:
+    # The generation cut: the agent holds a reply landing during the cut, so prepare
+    # never waits for a call to finish.
     server = _server()
     participant = ModelParticipant(server)
-    assert participant.readiness().ready
     async with server.gate.admit():
         with server.running.track(EpisodeTag("r1", 0, 3)):
+            await participant.close_admission()
             report = participant.readiness()
-    assert (report.ready, report.blockers, report.blocker_count) == (False, ["r1#0"], 1)
-    assert participant.readiness().ready
+    assert (report.ready, report.blockers, report.blocker_count) == (True, [], 0)
+    assert report.counts["in_flight"] == 1
 
 
 async def test_export_then_install_gives_the_same_ledger_and_names_each_episode() -> None:

@@ -12,7 +12,7 @@ from pydantic import JsonValue
 from rollpoint.envs.registry import get_environment
 from rollpoint.gym.participant import Participant
 from rollpoint.gym.resources_participant import ResourcesParticipant
-from rollpoint.gym.resources_server import ResourcesService
+from rollpoint.gym.resources_server import EpisodeRecord, ResourcesService
 from rollpoint.protocol.control import RetireOutcomeKind
 from rollpoint.protocol.episode import EpisodeStart, ToolCall
 from rollpoint.protocol.errors import InvalidCheckpointStateError
@@ -93,3 +93,47 @@ async def test_retire_is_unknown_and_forget_releases_state() -> None:
     assert (outcome.episode, outcome.outcome) == (_ep("r1", 2), RetireOutcomeKind.UNKNOWN)
     assert participant.forget(["r1", "nope"]) == ["r1"]
     assert service.episode_count == 0 and participant.ack([_ep("r1")]) == []
+
+
+async def test_a_checkpoint_packs_the_state_and_old_unpacked_records_still_install() -> None:
+    service = await _service("workplace", "r1")
+    call = ToolCall(episode=_ep("r1"), turn=0, call_index=0, arguments=json.dumps(EVENT))
+    await service.call_tool("calendar_create_event", call)
+    (packed,) = await ResourcesParticipant(service).export([_ep("r1")])
+    parsed = EpisodeRecord.model_validate(packed)
+    # Built without pydantic, it is exactly the validated record's dump.
+    assert packed == parsed.model_dump(mode="json")
+    assert packed["state"] is None and isinstance(packed["packed_state"], str)
+    exported = service.environment.export_state(service._episodes["r1"].state)
+    assert parsed.exported_state() == exported
+    assert len(packed["packed_state"]) * 10 < len(orjson.dumps(exported))
+    # A record written before packing carries the export as is, and still installs.
+    old = {**packed, "state": exported}
+    del old["packed_state"]
+    for record in (packed, old):
+        target_service = await _service("workplace")
+        stored = orjson.loads(orjson.dumps([record]))
+        assert await ResourcesParticipant(target_service).install(stored, [_ep("r1")]) == [
+            _ep("r1", 1)
+        ]
+        replay = await target_service.call_tool("calendar_create_event", call)
+        assert replay.replayed  # the idempotency table came back with the state
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"packed_state": "not base64!"}, "packed_state does not decode"),
+        ({"packed_state": "aGVsbG8="}, "packed_state does not decode"),
+        ({"state": {"sqlite": "AAAA"}}, "exactly one of 'state' and 'packed_state'"),
+        ({"packed_state": None}, "exactly one of 'state' and 'packed_state'"),
+    ],
+)
+async def test_a_bad_packed_state_is_refused_with_a_clear_error(
+    change: dict[str, JsonValue], message: str
+) -> None:
+    (record,) = await ResourcesParticipant(await _service("workplace", "r1")).export([_ep("r1")])
+    target_service = await _service("workplace")
+    with pytest.raises(InvalidCheckpointStateError, match=message):
+        await ResourcesParticipant(target_service).install([{**record, **change}], [_ep("r1")])
+    assert target_service.rollout_ids() == []

@@ -127,3 +127,32 @@ def test_an_inconsistent_record_is_refused(change: dict[str, object], message: s
     good = Session(_row()).to_record().model_dump(mode="json")
     with pytest.raises(ValidationError, match=message):
         SessionRecord.model_validate({**good, **change})
+
+
+def _play_turn(session: Session) -> None:
+    message = {"role": "assistant", "content": f"turn {session.turn}"}
+    session.model_calls.append(
+        ModelCall(turn=session.turn, attempt=session.episode.attempt, response=message)
+    )
+    session.messages.append(message)
+    session.turn += 1
+
+
+def test_export_json_is_the_validated_record_dumped_across_exports_and_attempts() -> None:
+    session = Session(_row("r7", 0))
+    _play_turn(session)
+    assert session.export_json() == session.to_record().model_dump(mode="json")
+    # Later exports dump only the new calls; the whole record must still match.
+    _play_turn(session)
+    session.pending_response = {"role": "assistant", "content": "turn 1"}
+    first = session.export_json()
+    assert first == session.to_record().model_dump(mode="json")
+    restored = Session.from_record(SessionRecord.model_validate(first))
+    restored.continue_as(_row("r7", 1))
+    _play_turn(restored)
+    exported = restored.export_json()
+    assert exported == restored.to_record().model_dump(mode="json")
+    assert exported["episode"] == {"rollout_id": "r7", "attempt": 1}
+    # An export is a copy: the session going on does not change it.
+    _play_turn(session)
+    assert len(first["messages"]) == 3 and first["turn"] == 2

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from rollpoint.gym.session import Session, SessionState
-from rollpoint.gym.session_book import Boundary, SessionBook
+from rollpoint.gym.session_book import SessionBook, TurnBoundary
 from rollpoint.protocol.control import RetireOutcomeKind
 from rollpoint.protocol.episode import (
     ModelCall,
@@ -67,7 +67,7 @@ class FakePlay:
         self.plays = 0
         self.policy_calls: list[tuple[str, int]] = []
 
-    async def __call__(self, session: Session, boundary: Boundary) -> RunReply:
+    async def __call__(self, session: Session, boundary: TurnBoundary) -> RunReply:
         self.plays += 1
         if self.error is not None:
             raise self.error
@@ -85,6 +85,7 @@ class FakePlay:
             session.move(S.AWAITING_MODEL)
             if session.turn >= self.model_gate_from:
                 await self.model.wait()
+            await boundary.hold_reply(session)
             message: dict[str, Any] = {"role": "assistant", "content": f"turn {session.turn}"}
             self.policy_calls.append((session.key, session.turn))
             session.model_calls.append(
@@ -183,15 +184,15 @@ async def test_a_failed_row_never_ends_its_siblings(error: RollpointError, trans
 
 async def test_closed_boundaries_park_sessions_refuse_new_rows_and_reopening_finishes() -> None:
     play = FakePlay()
-    play.model.clear()
+    play.tools.clear()
     book = _book(play)
     running = [book.submit(_row(f"r{i}")) for i in range(2)]
     await _settle()
     book.close_boundaries()
-    play.model.set()  # responses arrive while closed: held as pending, sessions park
+    play.tools.set()  # the tool steps end while closed: the sessions park at the next boundary
     await _settle()
     assert book.counts()[S.PARKED] == 2
-    assert all(book.session(f"r{i}").pending_response is not None for i in range(2))  # type: ignore[union-attr]
+    assert all(book.session(f"r{i}").turn == 1 for i in range(2))  # type: ignore[union-attr]
     assert book.readiness().ready
 
     refused = await _result(book.submit(_row("late")))
@@ -245,17 +246,17 @@ async def test_export_then_install_continues_from_the_saved_turn() -> None:
     book = _book(play)
     book.submit(_row("r1"))
     await _settle()
-    # Turn 0 is done (tools applied); turn 1's policy call waits. Cut, then let it answer:
-    # the response is held as pending and the session parks before applying its tools.
+    # Turn 0 is done (tools applied); turn 1's policy call runs. Cut, then let it answer:
+    # the reply is held unapplied, so the session is saved as before turn 1.
     assert play.policy_calls == [("r1#0", 0)]
     book.close_boundaries()
     play.model.set()
     await _settle()
-    assert book.session("r1").state is S.PARKED  # type: ignore[union-attr]
+    assert book.session("r1").state is S.AWAITING_MODEL  # type: ignore[union-attr]
     records = book.export([EpisodeId(rollout_id="r1")])
     saved = [r for r in records if r["kind"] == "session"]
     assert len(saved) == 1
-    assert (saved[0]["turn"], saved[0]["pending_response"]["content"]) == (2, "turn 1")  # type: ignore[index]
+    assert (saved[0]["turn"], saved[0]["pending_response"]) == (1, None)
     await book.aclose()
 
     play2 = FakePlay(turns=3)
@@ -269,10 +270,31 @@ async def test_export_then_install_continues_from_the_saved_turn() -> None:
     reply = await _result(fresh.submit(_row("r1", attempt=1)))
     assert isinstance(reply, RunReply)
     assert reply.episode == EpisodeId(rollout_id="r1", attempt=1)
-    assert [(c.turn, c.attempt) for c in reply.model_calls] == [(0, 0), (1, 0), (2, 1)]
-    assert play2.policy_calls == [("r1#1", 2)]  # no pre-cut turn played again
+    assert [(c.turn, c.attempt) for c in reply.model_calls] == [(0, 0), (1, 1), (2, 1)]
+    # Turn 0 (done before the cut) is not played again; turn 1 (running at the cut) is.
+    assert play2.policy_calls == [("r1#1", 1), ("r1#1", 2)]
     tool_results = [m for m in reply.messages if m["role"] == "tool"]
-    assert len(tool_results) == 3  # turn 1's pending tools applied once, after the restore
+    assert len(tool_results) == 3
+
+
+async def test_a_reply_landing_during_a_cut_is_applied_once_it_reopens() -> None:
+    play = FakePlay(turns=2)
+    play.model.clear()
+    book = _book(play)
+    future = book.submit(_row("r1"))
+    await _settle()
+    book.close_boundaries()
+    play.model.set()
+    await _settle()
+    session = book.session("r1")
+    assert session is not None
+    assert (session.state, session.turn, session.pending_response) == (S.AWAITING_MODEL, 0, None)
+    assert book.readiness().ready
+    book.open_boundaries()
+    reply = await _result(future)
+    assert isinstance(reply, RunReply) and reply.turns == 2
+    # The held reply was applied, not asked for again.
+    assert play.policy_calls == [("r1#0", 0), ("r1#0", 1)]
 
 
 async def test_export_refuses_a_scoped_session_that_is_not_at_a_boundary() -> None:

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import gc
 import hashlib
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import orjson
@@ -293,3 +295,53 @@ def test_bad_identity_is_refused_before_writing(
         )
 
     assert not filesystem_for(location).exists(_folder(location))
+
+
+# --- the collector pause while decoding -------------------------------------------------
+
+
+def test_reading_leaves_the_garbage_collector_as_it_found_it(location: str) -> None:
+    _write(location)
+    assert gc.isenabled()
+    read_participant_state(_folder(location), **IDENTITY)
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        read_participant_state(_folder(location), **IDENTITY)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+
+
+def test_a_failed_read_also_restores_the_collector(location: str) -> None:
+    _publish_raw(location, b'{"a": 1}\n{"b": \n')
+    with pytest.raises(InvalidCheckpointStateError):
+        read_participant_state(_folder(location), **IDENTITY)
+    assert gc.isenabled()
+
+
+def test_objects_an_application_froze_stay_frozen(location: str) -> None:
+    _write(location)
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        read_participant_state(_folder(location), **IDENTITY)
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
+
+
+def test_concurrent_reads_all_decode_and_leave_the_collector_on(
+    location: str,
+) -> None:
+    _write(location, [{"i": i, "text": "x" * 50} for i in range(20_000)])
+    complete: list[bool] = []
+
+    def read() -> None:
+        _, records = read_participant_state(_folder(location), **IDENTITY)
+        complete.append(len(records) == 20_000)
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        list(pool.map(lambda _: read(), range(8)))
+    assert complete == [True] * 8
+    assert gc.isenabled()

@@ -289,7 +289,9 @@ def test_a_version_1_ledger_with_an_unknown_state_is_refused() -> None:
     ("corrupt", "message"),
     [
         (lambda d: d["records"].append(dict(d["records"][0])), "appears twice|two tries"),
-        (lambda d: d["records"].pop(0), "has no record of rows"),
+        (lambda d: d["groups"]["g"]["rollout_ids"].pop(), "names 1 first tries for 2 rows"),
+        (lambda d: d["records"][0].update(rollout_id="r-other"), "two tries numbered 1"),
+        (lambda d: d["failed"].update(h="why"), "failed group h is not a group"),
         (lambda d: d["records"][0].update(row=7), "does not fit"),
         (lambda d: d["records"][0].update(state="sealed"), "records.0.state"),
     ],
@@ -298,7 +300,8 @@ def test_an_inconsistent_ledger_is_refused(
     corrupt: Callable[[dict[str, Any]], object], message: str
 ) -> None:
     ledger = RecoveryLedger()
-    ledger.add_group(task(), "g", 2)
+    for record in ledger.add_group(task(), "g", 2):
+        ledger.dispatch(record.rollout_id, "replica-0")
     doc = ledger.to_document()
     corrupt(doc)
     with pytest.raises(InvalidCheckpointStateError, match=message):

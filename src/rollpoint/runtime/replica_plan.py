@@ -1,0 +1,135 @@
+"""One replica of the environment deployment as server specs: what both runtimes start.
+
+Owns replica naming, the three :class:`ServerSpec` of replica ``i`` (resources and model
+first, then the agent, which needs its peers' URLs) and starting them in a
+:class:`ProcessGroup`. The plan is a wire model so the Ray runtime can hand it to an actor
+on another node as JSON. It does not own process lifetimes (``process_group``), the policy,
+or watching replicas (each runtime's ``supervise``).
+"""
+
+from __future__ import annotations
+
+from pydantic import JsonValue
+
+from rollpoint.config import RunConfig
+from rollpoint.protocol.deployment import ReplicaEndpoints
+from rollpoint.protocol.model_base import StrictModel
+from rollpoint.runtime.process_group import ProcessGroup
+from rollpoint.runtime.server_spec import ServerSpec
+
+_REPLICA_PREFIX = "replica-"
+
+
+def replica_name(index: int) -> str:
+    return f"{_REPLICA_PREFIX}{index}"
+
+
+def replica_index(name: str) -> int:
+    return int(name.removeprefix(_REPLICA_PREFIX))
+
+
+def replica_of(server_name: str) -> str | None:
+    """``agent-replica-1`` → ``replica-1``; None for servers outside any replica (the policy)."""
+    _, sep, replica = server_name.partition(f"-{_REPLICA_PREFIX}")
+    return f"{_REPLICA_PREFIX}{replica}" if sep else None
+
+
+def _checkpoint_mode(environment: str) -> str:
+    from rollpoint.envs import get_environment
+
+    return str(get_environment(environment).checkpoint_mode)
+
+
+class ReplicaPlan(StrictModel):
+    """Everything a launcher needs to start any replica of one run."""
+
+    host: str
+    environment: str
+    policy_url: str
+    """The engine the model servers proxy to (ending in ``/v1``)."""
+    api_key: str | None
+    model_name: str
+    checkpoint_mode: str
+    base_port: int | None
+    """Fixed ports from this one up (policy at +0, then 3 per replica); None: free ports."""
+    snapshot_root: str | None
+    """Set: every server is a checkpoint participant writing under it. None: data plane only."""
+
+    @classmethod
+    def of(cls, config: RunConfig, *, policy_url: str, snapshot_root: str | None) -> ReplicaPlan:
+        return cls(
+            host=config.host,
+            environment=config.environment,
+            policy_url=policy_url,
+            api_key=config.policy.api_key,
+            model_name=config.policy.model,
+            checkpoint_mode=_checkpoint_mode(config.environment),
+            base_port=config.base_port,
+            snapshot_root=snapshot_root,
+        )
+
+    def _port(self, offset: int, restarted: bool) -> int:
+        # Fixed ports are for the first start only; a restarted replica takes free ones.
+        return 0 if self.base_port is None or restarted else self.base_port + offset
+
+    def _settings(self, index: int, name: str, **more: JsonValue) -> dict[str, JsonValue]:
+        control = {} if self.snapshot_root is None else {"snapshot_root": self.snapshot_root}
+        return {"name": name, "replica": replica_name(index), **more, **control}
+
+    def peer_specs(self, index: int, *, restarted: bool) -> list[ServerSpec]:
+        """The resources and model servers of replica ``index``: they need nothing else."""
+        replica = replica_name(index)
+        resources = ServerSpec(
+            kind="resources",
+            name=f"resources-{replica}",
+            host=self.host,
+            port=self._port(1 + 3 * index, restarted),
+            settings=self._settings(index, "resources", environment=self.environment),
+        )
+        model = ServerSpec(
+            kind="model",
+            name=f"model-{replica}",
+            host=self.host,
+            port=self._port(2 + 3 * index, restarted),
+            settings=self._settings(
+                index, "model", upstream_url=self.policy_url, api_key=self.api_key
+            ),
+        )
+        return [resources, model]
+
+    def agent_spec(
+        self, index: int, *, model_url: str, resources_url: str, restarted: bool
+    ) -> ServerSpec:
+        replica = replica_name(index)
+        return ServerSpec(
+            kind="agent",
+            name=f"agent-{replica}",
+            host=self.host,
+            port=self._port(3 + 3 * index, restarted),
+            settings=self._settings(
+                index,
+                "agent",
+                model_url=model_url,
+                resources_url=resources_url,
+                environment=self.environment,
+                checkpoint_mode=self.checkpoint_mode,
+                model_name=self.model_name,
+            ),
+        )
+
+
+async def start_replica(
+    group: ProcessGroup, plan: ReplicaPlan, index: int, *, restarted: bool = False
+) -> ReplicaEndpoints:
+    """Start replica ``index``'s three servers in ``group``; their URLs once all listen."""
+    resources, model = await group.start(plan.peer_specs(index, restarted=restarted))
+    spec = plan.agent_spec(
+        index, model_url=model.url, resources_url=resources.url, restarted=restarted
+    )
+    (agent,) = await group.start([spec])
+    return ReplicaEndpoints(
+        name=replica_name(index),
+        model_url=model.url,
+        agent_url=agent.url,
+        resources_url=resources.url,
+    )

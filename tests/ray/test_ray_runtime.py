@@ -1,0 +1,143 @@
+"""The Ray runtime on a real two-node cluster (``conftest.ray_cluster``): replicas as actors.
+
+Each replica's servers run under its actor on the node Ray placed it (one CPU a node, one
+CPU a replica: one replica a node), serve the driver at the URLs the actor reported, and
+stop with the runtime. A whole job runs with ``runtime: ray``; one replica actor is killed
+with ``ray.kill`` mid-job: Ray's report of the death marks the replica down, a new actor
+takes its place and gets rows, the other replica is never touched, and the run's workdir
+holds the invariants of DESIGN §8.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+
+from rollpoint.config import RunConfig, parse_config
+from rollpoint.http.client import HttpClient
+from rollpoint.job import drive_quietly, load_tasks_for, run_job
+from rollpoint.protocol.deployment import ReplicaEndpoints
+from rollpoint.runtime.contract import Runtime
+from rollpoint.runtime.ray_runtime import RayRuntime
+from rollpoint.testing import invariants
+from rollpoint.trainer.control_plane import snapshot_root
+from rollpoint.trainer.metrics import TrainerMetrics
+from rollpoint.trainer.trainer_loop import RunSummary, Trainer
+from tests.ray.conftest import RayCluster
+from tests.support.processes import wait_gone
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(90)]
+
+LOST, KEPT = "replica-1", "replica-0"
+
+
+def ray_job(tmp_path: Path, cluster: RayCluster, **overrides: Any) -> RunConfig:
+    raw: dict[str, Any] = {
+        "workdir": str(tmp_path / "run"),
+        "runtime": "ray",
+        "ray": {"address": cluster.address, "num_cpus_per_replica": 1},
+        "environment": "workplace",
+        "tasks": 32,
+        "group_size": 2,
+        "replicas": 2,
+        "concurrency": 6,
+        "policy": {"latency_ms": 100, "error_rate": 0.0},
+        "train": {"batch_size": 4},
+        "snapshot": {"every_seconds": 0.3},
+    }
+    raw.update(overrides)
+    config = parse_config(raw)
+    config.workdir.mkdir(parents=True, exist_ok=True)
+    return config
+
+
+async def until(condition: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.005)
+
+
+def published(workdir: Path) -> int:
+    snapshots = workdir / invariants.SNAPSHOT_STORE_DIR / "snapshots"
+    return len(list(snapshots.glob("*/manifest.json")))
+
+
+async def test_each_replica_is_an_actor_on_its_own_node_serving_the_driver(
+    tmp_path: Path, ray_cluster: RayCluster
+) -> None:
+    config = ray_job(tmp_path, ray_cluster)
+    root = snapshot_root(config)
+    async with (
+        RayRuntime(config, control_token=secrets.token_urlsafe(16), snapshot_root=root) as rt,
+        HttpClient(timeout_s=10) as http,
+    ):
+        assert rt.deployment is not None
+        names = [r.name for r in rt.deployment.replicas]
+        nodes = {n: await rt.actor(n).node_id.remote() for n in names}
+        pids = [p for n in names for p in (await rt.actor(n).pids.remote()).values()]
+        for replica in rt.deployment.replicas:
+            tools = await http.get_json(f"{replica.resources_url}/tools")
+            models = await http.get_json(f"{replica.model_url}/v1/models")
+            assert tools["environment"] == "workplace"
+            assert models["data"][0]["id"] == config.policy.model
+
+    assert names == ["replica-0", "replica-1"]
+    assert len(set(nodes.values())) == ray_cluster.nodes == 2
+    assert len(pids) == 6
+    assert wait_gone(pids, timeout_s=10) == [], "a replica's server outlived the runtime"
+
+
+async def test_a_killed_replica_actor_is_replaced_alone_and_the_job_keeps_the_invariants(
+    tmp_path: Path, ray_cluster: RayCluster
+) -> None:
+    config = ray_job(tmp_path, ray_cluster)
+    seen: dict[str, Any] = {}
+
+    async def drive(trainer: Trainer, runtime: Runtime, metrics: TrainerMetrics) -> RunSummary:
+        assert isinstance(runtime, RayRuntime)
+        job = asyncio.create_task(drive_quietly(trainer, runtime, metrics))
+        await until(
+            lambda: trainer.ledger.in_flight_count(LOST) > 0 and published(config.workdir) > 0,
+            "rows on the replica and a snapshot",
+        )
+        kept = (runtime.actor(KEPT), trainer.roster.endpoints(KEPT))
+        before = trainer.roster.endpoints(LOST)
+        seen["old_pids"] = list((await runtime.actor(LOST).pids.remote()).values())
+        seen["killed_at"] = time.time()
+        ray.kill(runtime.actor(LOST))
+
+        def replaced() -> bool:
+            return trainer.roster.is_up(LOST) and trainer.roster.endpoints(LOST) != before
+
+        await until(lambda: not trainer.roster.is_up(LOST) or replaced(), "the replica down")
+        seen["down_s"] = time.time() - seen["killed_at"]
+        await until(replaced, "a new actor for the replica")
+        seen["new"] = trainer.roster.endpoints(LOST)
+        await until(lambda: trainer.ledger.in_flight_count(LOST) > 0, "rows on the new actor")
+        seen["kept_untouched"] = kept == (runtime.actor(KEPT), trainer.roster.endpoints(KEPT))
+        return await job
+
+    summary = await run_job(config, fresh=True, say=lambda _: None, drive=drive)
+
+    assert not summary.failed_groups
+    assert seen["down_s"] < 5, f"the death took {seen['down_s']:.1f}s to notice"
+    assert isinstance(seen["new"], ReplicaEndpoints)
+    assert seen["kept_untouched"], "the replica that was not killed was restarted too"
+    assert wait_gone(seen["old_pids"], timeout_s=10) == [], "the killed actor's servers live on"
+    found = invariants.check_workdir(
+        config.workdir,
+        load_tasks_for(config),
+        config.group_size,
+        resumed_since=seen["killed_at"],
+        full_reward="all",
+    )
+    assert found == [], invariants.report(found)

@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from tests.support.processes import children_of, kill_all, wait_gone
+from tests.support.serve_process import served
 
 pytestmark = pytest.mark.integration
 
@@ -220,16 +221,7 @@ def test_serve_prints_urls_and_a_private_control_token(tmp_path: Path) -> None:
     import httpx
 
     config = write_config(tmp_path, replicas=1)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rollpoint", "serve", str(config), "--json"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        assert proc.stdout is not None
-        deployment = orjson.loads(proc.stdout.readline())
+    with served(config) as deployment:
         token_file = Path(deployment["control_token_file"])
         assert token_file == tmp_path / "run" / "control.token"
         assert token_file.stat().st_mode & 0o077 == 0
@@ -243,6 +235,3 @@ def test_serve_prints_urls_and_a_private_control_token(tmp_path: Path) -> None:
         assert status.status_code == 200
         refused = httpx.get(f"{agent_url}/rollpoint/v1/checkpoint/status")
         assert refused.status_code == 401
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=20)

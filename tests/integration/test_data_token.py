@@ -7,10 +7,6 @@ official `openai` client is the chat caller, as a user's trainer would be.
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +20,7 @@ import yaml
 from rollpoint.envs import get_environment
 from rollpoint.protocol.episode import RunRow
 from rollpoint.protocol.ids import EpisodeId
+from tests.support.serve_process import served as served_cli
 
 pytestmark = pytest.mark.integration
 
@@ -53,16 +50,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
             }
         )
     )
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "rollpoint", "serve", str(config), "--json"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        assert proc.stdout is not None
-        doc = orjson.loads(proc.stdout.readline())
+    with served_cli(config) as doc:
         (replica,) = doc["replicas"]
         data_file = Path(doc["data_token_file"])
         assert data_file.stat().st_mode & 0o077 == 0
@@ -74,9 +62,6 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
             data_token=data_file.read_text().strip(),
             workdir=tmp / "run",
         )
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=20)
 
 
 def bearer(token: str) -> dict[str, str]:

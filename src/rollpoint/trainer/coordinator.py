@@ -194,11 +194,13 @@ class SnapshotCoordinator:
 
     async def discover(self) -> list[StatusReply]:
         """Ask every participant who it is; refuse restart-only servers unless allowed."""
-        clients = self.participants
         # A participant cut off for a moment as the run starts must not end it: retry
-        # until the snapshot deadline, as a save would wait for it.
+        # until the snapshot deadline, as a save would wait for it. The live set is read
+        # again on every try: a replica that dies meanwhile is dropped by the runtime (and
+        # its successor discovered by the first save), not waited for at its old address.
         give_up_at = time.monotonic() + self.config.deadline_seconds
         while True:
+            clients = self.participants
             try:
                 await self._discover(clients)
                 return [self._statuses[c] for c in clients]

@@ -3,9 +3,10 @@
 The head and a second node are each a ``ray start --block`` (the ``ray`` next to
 ``sys.executable``) in a session of its own, with one CPU each, no dashboard, a small object
 store and a private temp dir, and a token of their own (Ray's token auth). Stopping sends
-SIGTERM to each ``ray start``, which takes its node's processes down with it; whatever
-is left of the two process groups is then SIGKILLed. Tests see the token through the
-environment, so a ``ray.init`` in the test process joins this cluster and no other.
+SIGTERM to each node's process group (``ray start`` takes its node's processes down with
+it); whatever is left a few seconds later is SIGKILLed. Tests see the token through the
+environment (set when this module is imported), so a ``ray.init`` in the test process
+joins this cluster and no other.
 """
 
 from __future__ import annotations
@@ -30,8 +31,18 @@ from tests.support.processes import group_members, kill_all, wait_gone
 
 RAY = Path(sys.executable).with_name("ray")
 START_TIMEOUT_S = 60.0
+STOP_GRACE_S = 3.0
 OBJECT_STORE_BYTES = 80 * 1024 * 1024
 _STARTED = "Ray runtime started"
+
+# Ray reads its auth settings once, when first imported in a process: they must be in this
+# process's environment before any test module imports ray, so they are set on import here.
+AUTH_ENV = {
+    "RAY_AUTH_MODE": "token",
+    "RAY_AUTH_TOKEN": secrets.token_hex(16),
+    "RAY_USAGE_STATS_ENABLED": "0",
+}
+os.environ.update(AUTH_ENV)
 
 
 @dataclass(frozen=True)
@@ -74,8 +85,10 @@ class RayNode:
         pgid = self.proc.pid
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pgid, signal.SIGTERM)
+        # A worker node is gone in about a second; the head can take 20 s, so it gets a
+        # short grace and then SIGKILL (a test cluster has nothing to save).
         with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(15)
+            self.proc.wait(STOP_GRACE_S)
         left = group_members(pgid)
         kill_all(left + ([self.proc.pid] if self.proc.poll() is None else []))
         self.proc.wait()
@@ -88,12 +101,7 @@ def ray_cluster() -> Iterator[RayCluster]:
         pytest.fail(f"{RAY} not found: install the project's dependencies (make test does)")
     # A short path: Ray's unix socket paths live under it and must stay under ~107 bytes.
     temp_dir = Path(tempfile.mkdtemp(prefix="rp-ray-"))
-    auth = {
-        "RAY_AUTH_MODE": "token",
-        "RAY_AUTH_TOKEN": secrets.token_hex(16),
-        "RAY_USAGE_STATS_ENABLED": "0",
-    }
-    env = dict(os.environ, **auth)
+    env = dict(os.environ, **AUTH_ENV)
     port = _free_port()
     common = [
         "--num-cpus=1",
@@ -116,10 +124,7 @@ def ray_cluster() -> Iterator[RayCluster]:
         address = f"127.0.0.1:{port}"
         nodes.append(RayNode([f"--address={address}", *common], env, temp_dir / "node.out"))
         nodes[1].wait_started()
-        with pytest.MonkeyPatch.context() as patch:
-            for key, value in auth.items():
-                patch.setenv(key, value)
-            yield RayCluster(address=address, nodes=len(nodes))
+        yield RayCluster(address=address, nodes=len(nodes))
     finally:
         for node in reversed(nodes):
             node.stop()

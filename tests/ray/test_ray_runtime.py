@@ -2,16 +2,19 @@
 
 Each replica's servers run under its actor on the node Ray placed it (one CPU a node, one
 CPU a replica: one replica a node), serve the driver at the URLs the actor reported, and
-stop with the runtime. A whole job runs with ``runtime: ray``; one replica actor is killed
-with ``ray.kill`` mid-job: Ray's report of the death marks the replica down, a new actor
-takes its place and gets rows, the other replica is never touched, and the run's workdir
-holds the invariants of DESIGN §8.
+stop with the runtime. A replica whose server process dies is replaced by a new actor. A
+whole job runs with ``runtime: ray``; one replica actor is killed with ``ray.kill``
+mid-job: Ray's report of the death marks the replica down, a new actor takes its place and
+gets rows, the other replica is never touched, and the run's workdir holds the invariants
+of DESIGN §8.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import secrets
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -44,7 +47,7 @@ def ray_job(tmp_path: Path, cluster: RayCluster, **overrides: Any) -> RunConfig:
         "runtime": "ray",
         "ray": {"address": cluster.address, "num_cpus_per_replica": 1},
         "environment": "workplace",
-        "tasks": 32,
+        "tasks": 16,
         "group_size": 2,
         "replicas": 2,
         "concurrency": 6,
@@ -96,10 +99,46 @@ async def test_each_replica_is_an_actor_on_its_own_node_serving_the_driver(
     assert wait_gone(pids, timeout_s=10) == [], "a replica's server outlived the runtime"
 
 
-async def test_a_killed_replica_actor_is_replaced_alone_and_the_job_keeps_the_invariants(
+async def test_a_replica_whose_server_dies_gets_a_new_actor_and_the_others_are_untouched(
     tmp_path: Path, ray_cluster: RayCluster
 ) -> None:
     config = ray_job(tmp_path, ray_cluster)
+    events: list[tuple[str, object]] = []
+
+    async def on_down(name: str) -> None:
+        events.append(("down", name))
+
+    async def on_up(endpoints: ReplicaEndpoints) -> None:
+        events.append(("up", endpoints))
+
+    async with RayRuntime(config) as rt:
+        assert rt.deployment is not None
+        before = {r.name: r for r in rt.deployment.replicas}
+        kept_actor = rt.actor(KEPT)
+        servers = await rt.actor(LOST).pids.remote()
+        watch = asyncio.create_task(rt.supervise(on_down, on_up))
+        try:
+            os.kill(servers[f"model-{LOST}"], signal.SIGKILL)
+            await until(lambda: len(events) == 2, "the replica down and up again")
+        finally:
+            watch.cancel()
+            await asyncio.gather(watch, return_exceptions=True)
+        after = {r.name: r for r in rt.deployment.replicas}
+        replaced_by = await rt.actor(LOST).pids.remote()
+        kept_same_actor = rt.actor(KEPT) is kept_actor
+
+    assert events[0] == ("down", LOST)
+    assert events[1] == ("up", after[LOST]) and after[LOST] != before[LOST]
+    assert after[KEPT] == before[KEPT] and kept_same_actor
+    assert not set(replaced_by.values()) & set(servers.values())
+    assert wait_gone(list(servers.values()), timeout_s=10) == [], "the old actor's servers live on"
+
+
+async def test_a_killed_replica_actor_is_replaced_alone_and_the_job_keeps_the_invariants(
+    tmp_path: Path, ray_cluster: RayCluster
+) -> None:
+    # Long enough that rows are still waiting once the new actor is up, on a slow machine too.
+    config = ray_job(tmp_path, ray_cluster, tasks=48)
     seen: dict[str, Any] = {}
 
     async def drive(trainer: Trainer, runtime: Runtime, metrics: TrainerMetrics) -> RunSummary:

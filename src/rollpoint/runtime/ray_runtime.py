@@ -22,7 +22,7 @@ from typing import Any
 
 from rollpoint.config import RunConfig
 from rollpoint.protocol.deployment import Deployment, ReplicaEndpoints
-from rollpoint.protocol.errors import LaunchError
+from rollpoint.protocol.errors import LaunchError, RollpointError
 from rollpoint.runtime.contract import OnDown, OnUp
 from rollpoint.runtime.embedded import EmbeddedRuntime
 from rollpoint.runtime.replica_actor import ReplicaActor, advertised, endpoints_of, node_ip
@@ -72,6 +72,7 @@ class RayRuntime:
     async def start(self) -> Deployment:
         self._connect()
         try:
+            self._check_room()
             policy_url = advertised(await self._driver.start_policy(), node_ip())
             self._plan = self._driver.replica_plan(policy_url)
             names = [replica_name(i) for i in range(self.config.replicas)]
@@ -99,6 +100,23 @@ class RayRuntime:
             where = "a local Ray instance" if address is None else f"Ray at {address}"
             raise LaunchError(f"cannot start or reach {where}: {exc}") from None
         self._owns_ray = True
+
+    def _check_room(self) -> None:
+        """A local instance of our own cannot grow: say at once when the replicas do not fit
+        (on a cluster Ray may add nodes, so there the placement timeout decides)."""
+        import ray
+
+        if not self._owns_ray or self.config.ray.address or os.environ.get("RAY_ADDRESS"):
+            return
+        cfg = self.config
+        need = cfg.replicas * cfg.ray.num_cpus_per_replica
+        have = float(ray.cluster_resources().get("CPU", 0))  # type: ignore[no-untyped-call]
+        if need > have:
+            raise LaunchError(
+                f"{cfg.replicas} replicas x ray.num_cpus_per_replica {cfg.ray.num_cpus_per_replica:g} "
+                f"need {need:g} CPUs but the local Ray instance has {have:g}: lower either, "
+                f"or set ray.address to a cluster"
+            )
 
     async def stop(self) -> None:
         """Stop every replica's servers, the policy, and the Ray session this runtime began."""
@@ -141,6 +159,8 @@ class RayRuntime:
                 self._log_dir,
             )
         )
+        # The servers' tokens travel as actor arguments: whoever can reach the Ray cluster
+        # can run code on it anyway, so Ray's own access control (token auth) guards them.
         self._actors[name] = actor
         try:
             raw = await asyncio.wait_for(actor.start.remote(), PLACEMENT_TIMEOUT_S)
@@ -151,7 +171,7 @@ class RayRuntime:
                 f"(ray.num_cpus_per_replica)?"
             ) from None
         except ray.exceptions.RayError as exc:
-            raise LaunchError(f"{name} failed to start on Ray: {_first_line(exc)}") from None
+            raise LaunchError(f"{name} failed to start on Ray: {_reason(exc)}") from None
         self._watches[name] = actor.watch.remote()
         return endpoints_of(raw)
 
@@ -191,18 +211,22 @@ class RayRuntime:
             await on_up(endpoints)
 
     async def _next_down(self, poll_s: float) -> tuple[str, str]:
-        waits = {asyncio.ensure_future(_outcome(ref)): name for name, ref in self._watches.items()}
-        policy = asyncio.ensure_future(self._watch_policy(poll_s))
-        try:
-            done, _ = await asyncio.wait({*waits, policy}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for future in (*waits, policy):
-                future.cancel()
-            await asyncio.gather(*waits, policy, return_exceptions=True)
-        if policy in done:
-            policy.result()
-        first = next(f for f in waits if f in done)
-        return waits[first], first.result()
+        while True:
+            watched = dict(self._watches)
+            waits = {asyncio.ensure_future(_outcome(ref)): name for name, ref in watched.items()}
+            policy = asyncio.ensure_future(self._watch_policy(poll_s))
+            try:
+                done, _ = await asyncio.wait({*waits, policy}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for future in (*waits, policy):
+                    future.cancel()
+                await asyncio.gather(*waits, policy, return_exceptions=True)
+            if policy in done:
+                policy.result()
+            for future, name in waits.items():
+                # An actor replaced meanwhile (restart_replica called directly) is not news.
+                if future in done and self._watches.get(name) is watched[name]:
+                    return name, future.result()
 
     async def _watch_policy(self, poll_s: float) -> None:
         while True:
@@ -220,11 +244,15 @@ async def _outcome(watch: Any) -> str:
     try:
         return f"its server {await watch}"
     except ray.exceptions.RayActorError as exc:
-        return f"its actor died: {_first_line(exc)}"
+        return f"its actor died: {_reason(exc)}"
     except ray.exceptions.RayError as exc:
-        return f"its watch failed: {_first_line(exc)}"
+        return f"its watch failed: {_reason(exc)}"
 
 
-def _first_line(exc: BaseException) -> str:
+def _reason(exc: BaseException) -> str:
+    """One line: our own error's message when the actor raised one, else Ray's first line."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, RollpointError):
+        return cause.message
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__

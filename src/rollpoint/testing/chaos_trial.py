@@ -33,6 +33,7 @@ from rollpoint.protocol.control import CONTROL_PREFIX, Verb
 from rollpoint.protocol.deployment import Deployment
 from rollpoint.protocol.errors import ConfigError, RollpointError
 from rollpoint.protocol.participant import ParticipantKind
+from rollpoint.runtime.contract import Runtime
 from rollpoint.runtime.embedded import EmbeddedRuntime, replica_name, replica_of
 from rollpoint.testing.chaos_plan import PROXIED, ChaosFault, PlannedFault, TrialEvent, TrialPlan
 from rollpoint.testing.fault import Fault
@@ -129,9 +130,11 @@ class TrialFaults:
         return deployment.model_copy(update={"replicas": list(replicas.values())})
 
     async def drive(
-        self, trainer: Trainer, runtime: EmbeddedRuntime, metrics: TrainerMetrics
+        self, trainer: Trainer, runtime: Runtime, metrics: TrainerMetrics
     ) -> RunSummary:
         """Run the job as ``rollpoint run`` does, the faults landing beside it."""
+        if not isinstance(runtime, EmbeddedRuntime):
+            raise ConfigError("rollpoint chaos kills local server processes: use runtime: embedded")
         applying = [asyncio.create_task(self._apply(f, trainer, runtime)) for f in self.faults]
         try:
             return await drive_quietly(trainer, runtime, metrics)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import secrets
 import signal
 import tempfile
 import time
@@ -43,9 +44,13 @@ class Leg:
     seconds: float = 0.0
 
 
+# The model servers' /stats is a data route: the bench hands run_job the token it reads with.
+DATA_TOKEN = secrets.token_urlsafe(16)
+
+
 async def _calls(runtime: Runtime) -> int:
     assert runtime.deployment is not None
-    async with HttpClient(timeout_s=10) as http:
+    async with HttpClient(token=DATA_TOKEN, timeout_s=10) as http:
         stats = await asyncio.gather(
             *(
                 http.get_json(f"{r.model_url}/rollpoint/v1/stats")
@@ -87,7 +92,7 @@ async def _full_run(config: RunConfig, leg: Leg) -> RunSummary:
         leg.calls += await _calls(runtime)
         return summary
 
-    return await run_job(config, fresh=False, say=_say, drive=drive)
+    return await run_job(config, fresh=False, say=_say, drive=drive, data_token=DATA_TOKEN)
 
 
 async def _killed_run(config: RunConfig, leg: Leg, kill_after_s: float) -> None:
@@ -114,7 +119,7 @@ async def _killed_run(config: RunConfig, leg: Leg, kill_after_s: float) -> None:
         raise Killed
 
     with contextlib.suppress(Killed):
-        await run_job(config, fresh=False, say=_say, drive=drive)
+        await run_job(config, fresh=False, say=_say, drive=drive, data_token=DATA_TOKEN)
 
 
 async def run(tasks: int = 32, kill_after_s: float = 1.5) -> BenchResult:

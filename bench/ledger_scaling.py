@@ -16,9 +16,11 @@ Measured in CPU time of the measuring thread, each as the best of a few repeats:
   trainer's event loop runs slower meanwhile): encoding both captures to JSON, the first
   time after the run grew (``encode_first``: every chunk filled since is encoded once) and
   again (``encode``: full chunks reuse their bytes);
-- the capture again with ``QUEUED`` more rows queued ahead and never started
+- the capture again with ``queued`` more rows queued ahead and never started
   (``queued_capture``), at the largest size only: rows nothing has happened to are
-  implied by their group, so they must not show either.
+  implied by their group, so they must not show either;
+- restoring the ledger from its encoded document (``orjson.loads`` + ``from_document``),
+  once: this one grows with the run by nature, it is here to be seen.
 
 The ratio of each at the largest run to the smallest says whether it grows; ≈ 1 is the
 target for everything inside the pause.
@@ -169,12 +171,13 @@ def measure(run: Run) -> dict[str, float | int]:
         "ledger_mb": len(encoded) / 1e6,
         "tq_kb": len(tq_capture.to_bytes()) / 1e3,
         "ledger_doc_tasks": len(orjson.loads(encoded)["tasks"]),
+        "ledger_restore_s": _best(lambda: RecoveryLedger.from_document(orjson.loads(encoded)), 1),
     }
 
 
-def _measure_all(sizes: Sequence[int]) -> dict[int, dict[str, float | int]]:
+def _measure_all(sizes: Sequence[int], queued: int) -> dict[int, dict[str, float | int]]:
     """One run grown to each size in turn (sizes ascending), measured at each; then the
-    largest again with ``QUEUED`` rows queued ahead."""
+    largest again with ``queued`` rows queued ahead."""
     run = Run()
     out: dict[int, dict[str, float | int]] = {}
     for size in sorted(sizes):
@@ -182,7 +185,7 @@ def _measure_all(sizes: Sequence[int]) -> dict[int, dict[str, float | int]]:
         run.finish(size - len(run.finished_ids))
         grow_s = time.thread_time() - t0
         out[size] = measure(run) | {"grow_s": grow_s}
-    run.queue(QUEUED)
+    run.queue(queued)
     out[max(sizes)]["queued_capture_ms"] = _best(run.capture) * 1e3
     return out
 
@@ -199,10 +202,12 @@ RATIO_KEYS = (
 )
 
 
-async def run(sizes: Sequence[int] = (10_000, 100_000, 1_000_000)) -> BenchResult:
+async def run(
+    sizes: Sequence[int] = (10_000, 100_000, 1_000_000), *, queued: int = QUEUED
+) -> BenchResult:
     figures: dict[str, float | int | str] = {}
     # CPU-bound and synchronous: a worker thread keeps the suite's event loop free.
-    by_size = await asyncio.to_thread(_measure_all, sizes)
+    by_size = await asyncio.to_thread(_measure_all, sizes, queued)
     for size, values in by_size.items():
         figures |= {f"f{_label(size)}_{k}": v for k, v in values.items()}
     lo, hi = min(sizes), max(sizes)
@@ -220,7 +225,7 @@ async def run(sizes: Sequence[int] = (10_000, 100_000, 1_000_000)) -> BenchResul
         params={
             "finished": "/".join(_label(s) for s in sizes),
             "in_flight": IN_FLIGHT,
-            "queued_ahead": f"{QUEUED:,} rows, at {_label(max(sizes))} only",
+            "queued_ahead": f"{queued:,} rows, at {_label(max(sizes))} only",
             "group_size": GROUP_SIZE,
             "replicas": len(REPLICAS),
             "timing": f"thread CPU time, best of {REPEATS}",

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+import time
+import traceback
 from collections.abc import Awaitable, Callable
 
 import orjson
@@ -15,6 +17,7 @@ from bench import (
     episode_throughput,
     ledger_scaling,
     model_overhead,
+    runtime_compare,
     snapshot_io,
     snapshot_pause,
 )
@@ -32,7 +35,9 @@ ITEMS: dict[str, Item] = {
     "model_overhead": lambda quick: model_overhead.run(calls=1500 if quick else 5000),
     "episode_throughput": lambda quick: episode_throughput.run(tasks=32 if quick else 128),
     "crash_rework": lambda quick: crash_rework.run(tasks=24 if quick else 64),
-    "snapshot_io": lambda quick: _sync(snapshot_io.run, (10_000,) if quick else (10_000, 100_000)),
+    "snapshot_io": lambda quick: _sync(
+        snapshot_io.run, (10_000, 50_000) if quick else (10_000, 100_000)
+    ),
     "checkpoint_overhead": lambda quick: (
         checkpoint_overhead.run(every_s=1.0, tasks=64, latency_ms=50)
         if quick
@@ -43,17 +48,30 @@ ITEMS: dict[str, Item] = {
         if quick
         else snapshot_pause.run((100, 1000, 10_000), snapshots=6)
     ),
-    "ledger_scaling": lambda quick: ledger_scaling.run(
-        (10_000, 100_000) if quick else (10_000, 100_000, 1_000_000)
+    "ledger_scaling": lambda quick: (
+        ledger_scaling.run((10_000, 100_000), queued=50_000)
+        if quick
+        else ledger_scaling.run((10_000, 100_000, 1_000_000))
     ),
+    "runtime_compare": lambda quick: runtime_compare.run(),
 }
+# Items too slow for --quick: they run in the full suite, or by name with --only.
+FULL_ONLY = {"runtime_compare"}
 
 
 async def _main(keys: list[str], quick: bool) -> list[BenchResult]:
     results = []
     for key in keys:
         print(f"running {key}…", file=sys.stderr, flush=True)
-        results.append(await ITEMS[key](quick))
+        t0 = time.monotonic()
+        try:
+            result = await ITEMS[key](quick)
+        except Exception as exc:  # one broken item must not lose the others' figures
+            traceback.print_exc(file=sys.stderr)
+            result = BenchResult(key, "FAILED", {"error": f"{type(exc).__name__}: {exc}"})
+        result.elapsed_s = time.monotonic() - t0
+        print(f"  {key}: {result.elapsed_s:.1f} s", file=sys.stderr, flush=True)
+        results.append(result)
     return results
 
 
@@ -65,15 +83,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", nargs="*", choices=sorted(ITEMS), help="run only these items")
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
     args = parser.parse_args(argv)
-    keys = args.only or list(ITEMS)
+    keys = args.only or [k for k in ITEMS if not (args.quick and k in FULL_ONLY)]
     results = asyncio.run(_main(keys, args.quick))
-    path = save_results(results)
+    # A partial run updates its items in the saved results and keeps the others.
+    path = save_results(results, quick=args.quick, merge=bool(args.only))
     if args.json:
-        print(orjson.dumps({r.key: r.figures for r in results}).decode())
+        print(
+            orjson.dumps(
+                {r.key: {"figures": r.figures, "params": r.params} for r in results}
+            ).decode()
+        )
     else:
         print_results(results)
         print(f"saved {path}", file=sys.stderr)
-    return 0
+    failed = [r.key for r in results if "error" in r.figures]
+    if failed:
+        print(f"failed: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

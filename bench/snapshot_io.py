@@ -11,8 +11,10 @@ rollpoint's serialisation + hashing + write path against the raw disk.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,8 @@ from bench.report import BenchResult
 from rollpoint.store.participant_state import read_participant_state, write_participant_state
 
 _BLOCK = 8 << 20
+INSTANCE = "agent-replica-0"
+REPEATS = 2
 
 
 def _records(n: int) -> list[dict[str, Any]]:
@@ -69,38 +73,68 @@ def _disk_write(path: Path, size: int) -> float:
     return time.perf_counter() - t0
 
 
-def run(sizes: tuple[int, ...] = (10_000, 100_000)) -> BenchResult:
+def _best(fn: Callable[[], float], repeats: int) -> float:
+    return min(fn() for _ in range(repeats))
+
+
+def _measure(tmp: Path, n: int, repeats: int) -> dict[str, float]:
+    records = _records(n)
+    manifest = None
+    folders: list[Path] = []
+
+    def write() -> float:
+        nonlocal manifest
+        folder = tmp / f"s{n}-{len(folders)}"
+        folders.append(folder)
+        t0 = time.perf_counter()
+        manifest = write_participant_state(
+            str(folder),
+            kind="agent",
+            instance=INSTANCE,
+            checkpoint_id=f"bench-{n}",
+            records=records,
+        )
+        return time.perf_counter() - t0
+
+    # Alternated, best of each: the two see the same disk and the same neighbours.
+    write_s = disk_s = float("inf")
+    for _ in range(repeats):
+        write_s = min(write_s, write())
+        assert manifest is not None
+        disk_s = min(disk_s, _disk_write(tmp / f"raw{n}", manifest.bytes))
+        (tmp / f"raw{n}").unlink()
+    assert manifest is not None
+    folder = folders[-1]
+
+    def restore() -> float:
+        t0 = time.perf_counter()
+        _, back = read_participant_state(
+            str(folder), kind="agent", instance=INSTANCE, checkpoint_id=f"bench-{n}"
+        )
+        took = time.perf_counter() - t0
+        assert len(back) == n
+        return took
+
+    read_s = _best(restore, repeats)
+    mib = manifest.bytes / (1 << 20)
+    return {
+        f"n{n}_mib": mib,
+        f"n{n}_snapshot_write_mib_per_s": mib / write_s,
+        f"n{n}_disk_write_mib_per_s": mib / disk_s,
+        f"n{n}_write_ratio_to_disk": disk_s / write_s,
+        f"n{n}_restore_read_verify_s": read_s,
+        f"n{n}_restore_mib_per_s": mib / read_s,
+        f"n{n}_restore_s_per_gib": read_s / (manifest.bytes / (1 << 30)),
+    }
+
+
+def run(sizes: tuple[int, ...] = (10_000, 100_000), repeats: int = REPEATS) -> BenchResult:
     figures: dict[str, float | int | str] = {}
     with tempfile.TemporaryDirectory(dir=os.environ.get("ROLLPOINT_BENCH_DIR")) as tmp:
         for n in sizes:
-            records = _records(n)
-            folder = Path(tmp) / f"s{n}"
-            t0 = time.perf_counter()
-            manifest = write_participant_state(
-                str(folder),
-                kind="agent",
-                instance="agent-replica-0",
-                checkpoint_id=f"bench-{n}",
-                records=records,
-            )
-            write_s = time.perf_counter() - t0
-            disk_s = _disk_write(Path(tmp) / f"raw{n}", manifest.bytes)
-            t1 = time.perf_counter()
-            _, back = read_participant_state(
-                str(folder), kind="agent", instance="agent-replica-0", checkpoint_id=f"bench-{n}"
-            )
-            read_s = time.perf_counter() - t1
-            assert len(back) == n
-            mib = manifest.bytes / (1 << 20)
-            figures |= {
-                f"n{n}_mib": mib,
-                f"n{n}_snapshot_write_mib_per_s": mib / write_s,
-                f"n{n}_disk_write_mib_per_s": mib / disk_s,
-                f"n{n}_write_ratio_to_disk": disk_s / write_s,
-                f"n{n}_restore_read_verify_s": read_s,
-                f"n{n}_restore_s_per_gib": read_s / (manifest.bytes / (1 << 30)),
-            }
-            (Path(tmp) / f"raw{n}").unlink()
+            figures |= _measure(Path(tmp), n, repeats)
+            for folder in Path(tmp).iterdir():
+                shutil.rmtree(folder)
     return BenchResult(
         key="snapshot_io",
         title="snapshot write speed vs raw disk, restore time vs size",
@@ -108,5 +142,7 @@ def run(sizes: tuple[int, ...] = (10_000, 100_000)) -> BenchResult:
         params={
             "records": ", ".join(str(n) for n in sizes),
             "record": "one agent session, 3 turns",
+            "timing": f"wall time, best of {repeats}, snapshot and raw writes alternated",
+            "restore": "read + sha256 + count + decode, page cache warm (just written)",
         },
     )

@@ -17,14 +17,15 @@ tasks of many events (25 policy calls each), so few finish while the snapshots r
 
 The parts of a pause:
 
-- ``drain``: the model stage of prepare. Every policy call already admitted at the model
-  gate must finish, so it lasts up to one policy latency (``N / rate``): a property of the
-  engine, not of the cut, reported on its own;
+- ``drain``: the model stage of prepare (the gate closes). With the generation cut it
+  waits for no policy call (a reply landing during the cut is held by its agent and the
+  session saved as before that call), so it is one control round trip; before the cut it
+  waited for every admitted call, up to one policy latency (``N / rate``);
 - ``park``: the agent and resources stages of prepare (sessions reach a boundary);
 - ``commit``: every participant exports and writes its records; the trainer captures its
   ledger and TQ;
 - ``resume``: the reverse stages reopen;
-- ``mechanism`` = pause - drain: what the cut itself costs;
+- ``mechanism`` = pause - drain: what the cut costs beyond the model stage;
 - ``publish`` (after the barrier reopened, not in the pause): the trainer's files, the
   manifest, ``latest`` and retention.
 
@@ -82,7 +83,6 @@ CALLS_PER_S_AT_10K = 200
 STATUS_TIMEOUT_S = 5.0
 GAP_S = 0.5
 """Between snapshots: the calls held at the gate go through and sessions run again."""
-SLOW_SNAPSHOTS = 3
 KINDS = ("model", "agent", "resources")
 PARTS = ("pause", "drain", "mechanism", "park", "commit", "resume", "publish")
 
@@ -489,8 +489,7 @@ async def run(
     figures: dict[str, float | int | str] = {}
     phases: list[Phase] = []
     for n in sessions:
-        # Each cut at 10k waits out a 25 s policy call: fewer of them.
-        phases.append(await measure(n, snapshots=snapshots if n < 10_000 else SLOW_SNAPSHOTS))
+        phases.append(await measure(n, snapshots=snapshots))
         figures |= _stats(phases[-1], f"n{n}")
     for a, b in itertools.pairwise(phases):
         figures |= _growth(a, b)

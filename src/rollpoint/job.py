@@ -78,7 +78,8 @@ def forget_unresumable_run(workdir: Path, say: Callable[[str], None]) -> None:
 async def drive_quietly(trainer: Trainer, runtime: Runtime, metrics: TrainerMetrics) -> RunSummary:
     """Run the trainer with the replica supervisor beside it; the first error stops both."""
     job = asyncio.create_task(trainer.run())
-    # A replica whose process dies is restarted empty; the trainer re-sends its rows.
+    # A replica whose process dies is restarted; the trainer restores the episodes the latest
+    # snapshot saved there onto it and re-sends the rest of its rows elsewhere.
     watch = asyncio.create_task(runtime.supervise(trainer.replica_down, trainer.replica_up))
     try:
         await asyncio.wait({job, watch}, return_when=asyncio.FIRST_COMPLETED)
@@ -99,11 +100,14 @@ async def run_job(
     say: Callable[[str], None] = log.info,
     drive: Drive = drive_quietly,
     route: Route | None = None,
+    data_token: str | None = None,
 ) -> RunSummary:
+    """``data_token`` guards the servers' data routes (one is made when None); a caller that
+    talks to the servers itself (a benchmark reading their stats) passes its own."""
     tasks = load_tasks_for(config)
     token = secrets.token_urlsafe(32)
     # The data plane has a token of its own: whoever can call /run cannot snapshot or restore.
-    data_token = secrets.token_urlsafe(32)
+    data_token = data_token or secrets.token_urlsafe(32)
     root = snapshot_root(config)
     store = await asyncio.to_thread(SnapshotStore, root, config.snapshot.keep)
     checkpoints = TrainCheckpointStore(config.workdir / "checkpoints")

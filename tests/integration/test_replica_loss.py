@@ -110,7 +110,9 @@ class Harness:
 
 
 @asynccontextmanager
-async def harness(config: RunConfig) -> AsyncIterator[Harness]:
+async def harness(
+    config: RunConfig, *, replica_restart_wait_s: float | None = None
+) -> AsyncIterator[Harness]:
     token = secrets.token_urlsafe(16)
     root = snapshot_root(config)
     store = SnapshotStore(root, keep=config.snapshot.keep)
@@ -122,7 +124,13 @@ async def harness(config: RunConfig) -> AsyncIterator[Harness]:
         assert runtime.deployment is not None
         control = ControlPlane(participant_clients(runtime.deployment, http), store, metrics)
         tasks = get_environment(config.environment).make_tasks(config.tasks or 1, config.seed)
-        trainer = Trainer(config, runtime.deployment, tasks, control=control)
+        trainer = Trainer(
+            config,
+            runtime.deployment,
+            tasks,
+            control=control,
+            replica_restart_wait_s=replica_restart_wait_s,
+        )
         try:
             yield Harness(config, runtime, http, trainer, store)
         finally:

@@ -20,6 +20,7 @@ import pytest
 
 from rollpoint.config import RunConfig, parse_config
 from rollpoint.envs import get_environment
+from rollpoint.gym.resources_server import EpisodeRecord
 from rollpoint.http.client import HttpClient
 from rollpoint.protocol.episode import TaskRow
 from rollpoint.protocol.errors import ConfigError
@@ -145,7 +146,8 @@ async def test_snapshots_of_a_live_job_hold_what_the_servers_held(tmp_path: Path
         )
         (state,) = [r for r in res_records if r["rollout_id"] == saved.rollout_id]
         env = get_environment("workplace")
-        calendar = env.restore_state(TaskRow.model_validate(state["task"]), state["state"])
+        exported = EpisodeRecord.model_validate(state).exported_state()
+        calendar = env.restore_state(TaskRow.model_validate(state["task"]), exported)
         events = orjson.loads(env.call(calendar, "calendar_search_events", {"query": ""}))
         assert len(events) == len(created)
     # The ledger saved with the snapshot holds every saved episode as in flight.

@@ -493,12 +493,26 @@ async def test_ledger_manifest_mismatch_names_the_episodes(tmp_path: Path) -> No
         records = {r["rollout_id"]: r for r in doc["records"]}
         records[moved.rollout_id]["replica"] = other  # the ledger says another replica
         records[unsent.rollout_id]["state"] = RolloutState.QUEUED.value  # ... or never sent
-        extra = next(
-            r
-            for r in doc["records"]
-            if r["state"] == RolloutState.QUEUED.value and r["rollout_id"] != unsent.rollout_id
+        # A first try still queued is implied by its group (ledger schema 3): name it.
+        named = {r["rollout_id"] for r in doc["records"]}
+        named |= {final[3] for chunk in doc["archived"] for final in chunk}
+        gid, row, rid = next(
+            (gid, row, rid)
+            for gid, group in doc["groups"].items()
+            for row, rid in enumerate(group["rollout_ids"])
+            if rid not in named
         )
-        extra.update(state=RolloutState.DISPATCHED.value, replica="replica-0")  # ... or in flight
+        extra = {
+            "task_id": doc["groups"][gid]["task_id"],
+            "group_id": gid,
+            "row": row,
+            "rollout_id": rid,
+            "attempt": 0,
+            "state": RolloutState.DISPATCHED.value,  # ... or in flight
+            "replica": "replica-0",
+            "tries": 1,
+        }
+        doc["records"].append(extra)
         publish_tampered(j.store, report.snapshot_id, orjson.dumps(doc))
 
         point = choose_resume_point(j.store, TrainCheckpointStore(config.workdir / "checkpoints"))

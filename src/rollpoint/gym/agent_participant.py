@@ -75,7 +75,7 @@ class AgentParticipant:
         await self._book.wait_changed(timeout)
 
     async def export(self, scope: list[EpisodeId]) -> list[dict[str, JsonValue]]:
-        return self._book.export(scope)
+        return await self._book.export_yielding(scope)
 
     async def install(
         self, records: list[dict[str, JsonValue]], scope: list[EpisodeId]

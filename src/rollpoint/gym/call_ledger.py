@@ -1,8 +1,9 @@
 """The model server's call ledger: every policy call of every episode, filed by rollout id.
 
 Owns: one :class:`CallRecord` per proxied call that carried the episode headers (rollout id,
-attempt, turn), the index by rollout id (O(1) lookup, export and release), and the
-all-or-nothing install of exported records on restore.
+attempt, turn), where a continued attempt's call supersedes an older attempt's calls of the
+same or later turns (replies held unapplied at a cut); the index by rollout id (O(1)
+lookup, export and release); and the all-or-nothing install of exported records on restore.
 
 Does not own: proxying (the model server), deciding what to keep across a checkpoint (the
 fence passes the scope), or token accounting beyond what the engine reports.
@@ -67,8 +68,23 @@ class CallLedger:
         if calls is None:
             self._by_rollout[rec.rollout_id] = [rec]
         else:
+            self._supersede(rec, calls)
             calls.append(rec)
         self._count += 1
+
+    def _supersede(self, rec: CallRecord, calls: list[CallRecord]) -> None:
+        """Drop older attempts' calls from ``rec.turn`` on: a continued attempt starts at
+        the saved turn, so those replies were never applied (a cut held them), and the
+        ledger keeps one call per turn of the episode as played."""
+        dropped = 0
+        while calls and calls[-1].attempt < rec.attempt and calls[-1].turn >= rec.turn:
+            calls.pop()
+            dropped += 1
+        if dropped:
+            self._count -= dropped
+            dumped = self._json.get(rec.rollout_id)
+            if dumped is not None:
+                del dumped[len(calls) :]
 
     def calls(self, rollout_id: str) -> list[CallRecord]:
         """The records of one rollout, oldest first (empty for an unknown rollout)."""

@@ -96,9 +96,12 @@ def control_router(fence: Fence, settings: ControlSettings) -> APIRouter:
     async def renew(body: RenewRequest) -> RenewReply:
         return await fence.renew(body)
 
-    @router.post(f"/{Verb.COMMIT}")
-    async def commit(body: CommitRequest) -> CommitReply:
-        return await fence.commit(body)
+    @router.post(f"/{Verb.COMMIT}", response_model=CommitReply)
+    async def commit(body: CommitRequest) -> Response:
+        reply = await fence.commit(body)
+        # Serialised once, here: the reply lists every episode of the scope twice, and
+        # FastAPI would dump, validate and dump it again inside the snapshot pause.
+        return Response(reply.model_dump_json(), media_type="application/json")
 
     @router.post(f"/{Verb.RESUME}")
     async def resume(body: ResumeRequest) -> ResumeReply:

@@ -22,6 +22,7 @@ the server calls :meth:`~rollpoint.gym.fence.Fence.check_attempt`), nor proxying
 
 from __future__ import annotations
 
+import asyncio
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import JsonValue, TypeAdapter, ValidationError, model_validator
@@ -56,6 +57,8 @@ class ModelCallRecord(StrictModel):
 
 
 _RECORDS = TypeAdapter(list[ModelCallRecord])
+EXPORT_CHUNK = 256
+"""Rollouts a checkpoint exports between two yields of the event loop."""
 
 
 class ModelParticipant:
@@ -93,8 +96,13 @@ class ModelParticipant:
     async def export(self, scope: list[EpisodeId]) -> list[dict[str, JsonValue]]:
         ledger = self._server.ledger
         records: list[dict[str, JsonValue]] = []
-        for episode in _one_per_rollout(scope):
-            saved_for = {"rollout_id": episode.rollout_id, "attempt": episode.attempt}
+        for index, episode in enumerate(_one_per_rollout(scope)):
+            if index % EXPORT_CHUNK == EXPORT_CHUNK - 1:
+                await asyncio.sleep(0)  # thousands of rollouts: let the proxy breathe
+            saved_for: dict[str, JsonValue] = {
+                "rollout_id": episode.rollout_id,
+                "attempt": episode.attempt,
+            }
             records.extend(
                 {"kind": "model_call", "episode": saved_for, "call": call}
                 for call in ledger.calls_json(episode.rollout_id)

@@ -81,7 +81,7 @@ class ResourcesParticipant:
     async def export(self, scope: list[EpisodeId]) -> list[dict[str, JsonValue]]:
         if not self._captures:
             return []
-        return self._service.export_episodes(scope)
+        return await self._service.export_episodes_yielding(scope)
 
     async def install(
         self, records: list[dict[str, JsonValue]], scope: list[EpisodeId]

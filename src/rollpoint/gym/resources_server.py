@@ -116,7 +116,7 @@ class EpisodeRecord(StrictModel):
     route) are read as before."""
     packed_state: str | None = None
     """The same export as base64 of zlib-compressed JSON: a workplace SQLite export shrinks
-    about 30×, and writing it is cheaper than the compression."""
+    about 30 times, and compressing costs less than writing the bytes saved."""
     tool_results: list[ToolResultRecord]
     """The idempotency table, so a restored episode never repeats a side effect."""
 
@@ -133,7 +133,9 @@ class EpisodeRecord(StrictModel):
             return self.state
         assert self.packed_state is not None
         try:
-            state = orjson.loads(zlib.decompress(base64.b64decode(self.packed_state, validate=True)))
+            state = orjson.loads(
+                zlib.decompress(base64.b64decode(self.packed_state, validate=True))
+            )
         except (binascii.Error, zlib.error, orjson.JSONDecodeError) as exc:
             raise InvalidCheckpointStateError(
                 f"packed_state does not decode ({type(exc).__name__}: {exc})"
@@ -141,6 +143,10 @@ class EpisodeRecord(StrictModel):
         if not isinstance(state, dict):
             raise InvalidCheckpointStateError("packed_state is not a JSON object")
         return state
+
+
+EXPORT_CHUNK = 256
+"""Episodes a checkpoint packs between two yields of the event loop."""
 
 
 def pack_state(state: Mapping[str, Any]) -> str:
@@ -156,7 +162,10 @@ class _Episode:
     state: Any
     results: dict[tuple[int, int], ToolResult] = field(default_factory=dict)
     task_json: dict[str, Any] | None = None
-    """``task`` dumped once, by the first checkpoint that saves the episode."""
+    """``task`` dumped once: at start, or by the first checkpoint (installed episodes)."""
+    packed_state: str | None = None
+    """``state`` as the last checkpoint packed it; cleared before any tool call runs, so
+    a checkpoint packs only the episodes that changed since the one before."""
 
 
 def _named(ids: Sequence[str]) -> str:
@@ -295,7 +304,12 @@ class ResourcesService:
                     f" not this version of task {task.task_id}"
                 )
             return False
-        self._episodes[rollout_id] = _Episode(task=task, state=self.environment.start(task))
+        # The task's JSON is made here, once, so a checkpoint does not make it in its pause.
+        self._episodes[rollout_id] = _Episode(
+            task=task,
+            state=self.environment.start(task),
+            task_json=task.model_dump(mode="json"),
+        )
         return True
 
     async def call_tool(self, tool_name: str, call: ToolCall) -> ToolResult:
@@ -311,6 +325,7 @@ class ResourcesService:
             return stored.model_copy(update={"replayed": True})
         self._in_flight += 1
         self._notify()
+        episode.packed_state = None
         try:
             result = self._run(episode, tool_name, call.arguments)
         finally:
@@ -362,12 +377,29 @@ class ResourcesService:
 
         Rollouts without state here add nothing (they were not live on this server).
         """
+        return [self._packed_record(r, e) for r, e in self._latest(scope).items()]
+
+    async def export_episodes_yielding(self, scope: Iterable[EpisodeId]) -> list[dict[str, Any]]:
+        """:meth:`export_episodes`, yielding the event loop every :data:`EXPORT_CHUNK`
+        episodes (packing thousands at once stalls the server); a checkpoint calls it while
+        the service is frozen, so no state changes in between."""
+        latest = list(self._latest(scope).items())
+        records: list[dict[str, Any]] = []
+        for start in range(0, len(latest), EXPORT_CHUNK):
+            records.extend(
+                self._packed_record(r, e) for r, e in latest[start : start + EXPORT_CHUNK]
+            )
+            await asyncio.sleep(0)
+        return records
+
+    def _latest(self, scope: Iterable[EpisodeId]) -> dict[str, EpisodeId]:
+        """The highest scoped attempt of each rollout with state here."""
         latest: dict[str, EpisodeId] = {}
         for e in scope:
             held = latest.get(e.rollout_id)
             if e.rollout_id in self._episodes and (held is None or e.attempt > held.attempt):
                 latest[e.rollout_id] = e
-        return [self._packed_record(r, e) for r, e in latest.items()]
+        return latest
 
     def _packed_record(self, rollout_id: str, saved_for: EpisodeId) -> dict[str, Any]:
         """``EpisodeRecord(..., packed_state=...).model_dump(mode="json")``, built directly:
@@ -376,6 +408,8 @@ class ResourcesService:
         episode = self._episodes[rollout_id]
         if episode.task_json is None:
             episode.task_json = episode.task.model_dump(mode="json")
+        if episode.packed_state is None:
+            episode.packed_state = pack_state(self.environment.export_state(episode.state))
         return {
             "kind": "episode_state",
             "episode": {"rollout_id": saved_for.rollout_id, "attempt": saved_for.attempt},
@@ -383,7 +417,7 @@ class ResourcesService:
             "environment": episode.task.environment,
             "task": episode.task_json,
             "state": None,
-            "packed_state": pack_state(self.environment.export_state(episode.state)),
+            "packed_state": episode.packed_state,
             "tool_results": [
                 {
                     "turn": turn,

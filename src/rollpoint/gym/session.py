@@ -150,7 +150,8 @@ class Session:
         self.task: asyncio.Task[RowResult] | None = None
         self.result: asyncio.Future[RowResult] | None = None
         self._observer: MoveObserver | None = None
-        self._row_json: dict[str, Any] | None = None
+        # Dumped now, on the data path, so a checkpoint does not in its pause.
+        self._row_json: dict[str, Any] | None = row.model_dump(mode="json")
         self._calls_json: list[dict[str, Any]] = []
         """JSON forms of ``model_calls``, dumped once each: calls are only ever appended."""
 

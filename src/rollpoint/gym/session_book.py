@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from itertools import islice
 from typing import Any, Protocol
 
@@ -58,6 +58,9 @@ from rollpoint.protocol.participant import CheckpointMode
 log = logging.getLogger(__name__)
 
 _RECORDS = TypeAdapter(list[BookRecord])
+EXPORT_CHUNK = 256
+"""Sessions a checkpoint exports between two yields of the event loop: exporting 5,000
+sessions in one go held this server's loop for seconds, and connects to it timed out."""
 EVICTION_LOG_EVERY = 1000
 
 
@@ -459,20 +462,42 @@ class SessionBook:
         session record. A scoped session away from a boundary raises
         :class:`InvalidPhaseError`. A restart-only agent exports no sessions.
         """
+        finished = self._finished_records()
+        return [*self._session_records(scope), *finished]
+
+    async def export_yielding(self, scope: Sequence[EpisodeId]) -> list[dict[str, JsonValue]]:
+        """:meth:`export`, yielding the event loop every :data:`EXPORT_CHUNK` sessions, so
+        a large export does not stall this server's other requests. Held replies are taken
+        first (an ack may land while it yields); sessions do not move while boundaries are
+        closed, which is when a checkpoint calls it."""
+        finished = self._finished_records()
         records: list[dict[str, JsonValue]] = []
-        if self.mode is CheckpointMode.TURN:
-            for episode in scope:
-                live = self._sessions.get(episode.rollout_id)
-                if live is None or live.episode != episode:
-                    continue
-                if not live.at_boundary:
-                    raise InvalidPhaseError(
-                        f"session {live.key} is {live.state}, not at a turn boundary"
-                    )
-                records.append(live.export_json())
-        for reply in self._finished.values():
-            records.append(FinishedReplyRecord(reply=reply).model_dump(mode="json"))
+        for start in range(0, len(scope), EXPORT_CHUNK):
+            records.extend(self._session_records(scope[start : start + EXPORT_CHUNK]))
+            await asyncio.sleep(0)
+        return [*records, *finished]
+
+    def _session_records(self, scope: Iterable[EpisodeId]) -> list[dict[str, JsonValue]]:
+        records: list[dict[str, JsonValue]] = []
+        if self.mode is not CheckpointMode.TURN:
+            return records
+        for episode in scope:
+            live = self._sessions.get(episode.rollout_id)
+            if live is None or live.episode != episode:
+                continue
+            if not live.at_boundary:
+                raise InvalidPhaseError(
+                    f"session {live.key} is {live.state}, not at a turn boundary"
+                )
+            records.append(live.export_json())
         return records
+
+    def _finished_records(self) -> list[dict[str, JsonValue]]:
+        # The dump of FinishedReplyRecord(reply=...), without validating the reply again.
+        return [
+            {"kind": "finished_reply", "reply": reply.model_dump(mode="json")}
+            for reply in self._finished.values()
+        ]
 
     def install(
         self, records: list[Any], scope: Iterable[EpisodeId] | None = None

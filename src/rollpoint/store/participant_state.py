@@ -16,20 +16,17 @@ what differs.
 It does not know what a record means (each participant does) nor where the folder sits
 in a snapshot (:mod:`rollpoint.store.snapshot_store`). Records are encoded with orjson:
 non-finite floats are written as ``null``. Decoding runs with the cyclic garbage collector
-paused (:class:`_CollectorPause`): decoded JSON holds no reference cycles, but each of its
+paused (:mod:`rollpoint.store.collector_pause`): decoded JSON holds no reference cycles, but each of its
 millions of containers counts toward the collector's thresholds, and the collections
 that triggered over a growing heap took three quarters of a restore's time.
 """
 
 from __future__ import annotations
 
-import gc
 import hashlib
-import threading
 import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
-from types import TracebackType
 from typing import Any, BinaryIO, NamedTuple
 
 import orjson
@@ -48,6 +45,7 @@ from rollpoint.protocol.manifest import (
     load_participant_manifest,
 )
 from rollpoint.protocol.participant import ParticipantKind
+from rollpoint.store.collector_pause import collector_paused
 from rollpoint.store.digest import iter_blocks
 from rollpoint.store.filesystem import Filesystem, filesystem_for
 
@@ -316,57 +314,12 @@ def _scan_records(
         raise InvalidCheckpointStateError(f"records file {path}: {bad_line}")
 
 
-class _CollectorPause:
-    """Pauses the cyclic garbage collector while any holder is inside; thread-safe.
-
-    The collector is process-wide: it comes back when the last concurrent decode ends,
-    and only if it was on when the first began (an application that turned it off keeps
-    it off). Garbage made meanwhile is not lost, only collected later; an application
-    that froze objects itself (``gc.freeze``) keeps them frozen.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._holders = 0
-        self._was_enabled = False
-
-    def __enter__(self) -> None:
-        with self._lock:
-            if self._holders == 0:
-                self._was_enabled = gc.isenabled()
-                gc.disable()
-            self._holders += 1
-
-    def __exit__(
-        self,
-        kind: type[BaseException] | None,
-        error: BaseException | None,
-        trace: TracebackType | None,
-    ) -> None:
-        with self._lock:
-            self._holders -= 1
-            if self._holders > 0:
-                return
-            if gc.get_freeze_count() == 0:
-                # Move what was allocated meanwhile to the oldest generation unscanned: a
-                # young collection would otherwise walk every decoded container right now
-                # (0.6 s per 100k sessions), for records that hold no cycles. Anything
-                # cyclic among them is still found by the next full collection.
-                gc.freeze()
-                gc.unfreeze()
-            if self._was_enabled:
-                gc.enable()
-
-
-_COLLECTOR_PAUSE = _CollectorPause()
-
-
 def _hash_and_decode(
     stream: BinaryIO, into: list[dict[str, Any]] | None
 ) -> tuple[str, int, str | None]:
     if into is None:
         return _hash_and_decode_lines(stream, None)
-    with _COLLECTOR_PAUSE:
+    with collector_paused():
         return _hash_and_decode_lines(stream, into)
 
 

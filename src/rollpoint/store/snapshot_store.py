@@ -24,8 +24,10 @@ a worker thread in async code.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from rollpoint.protocol.errors import (
@@ -145,20 +147,29 @@ class SnapshotStore:
             raise
         return Staging(snapshot_id=snapshot_id, relative_dir=relative, path=path)
 
-    def write_file(self, staging: Staging, name: str, data: bytes) -> FileEntry:
-        """Write one trainer file (ledger, TQ) into the staging folder; return its entry."""
+    def write_file(self, staging: Staging, name: str, data: bytes | Iterable[bytes]) -> FileEntry:
+        """Write one trainer file (ledger, TQ) into the staging folder; return its entry.
+
+        ``data`` may come in parts (written and hashed one after the other, never joined),
+        so a large file need not exist as one buffer.
+        """
         self._stagings.advance(staging, StagingAction.WRITE)
         relative = normalize_relative(name)
         if relative == MANIFEST_NAME or relative.startswith(f"{PARTICIPANTS_DIR}/"):
             raise BadRequestError(f"file name {name!r} is reserved by the snapshot layout")
         path = resolve_inside(staging.path, relative)
+        hasher = hashlib.sha256()
+        size = 0
         try:
             self._fs.makedirs(path.rsplit("/", 1)[0])
-            self._fs.write_bytes(path, data)
+            with self._fs.open_write(path) as stream:
+                for part in (data,) if isinstance(data, bytes) else data:
+                    hasher.update(part)
+                    stream.write(part)
+                    size += len(part)
         except OSError as exc:
             raise SnapshotError(f"cannot write {path}: {exc}") from None
-        digest = digest_bytes(data)
-        return FileEntry(path=relative, sha256=digest.sha256, bytes=digest.bytes)
+        return FileEntry(path=relative, sha256=hasher.hexdigest(), bytes=size)
 
     def publish(self, staging: Staging, manifest: SnapshotManifest) -> SnapshotManifest:
         """Publish the staged snapshot with ``manifest`` (stamped with ``published_at``).

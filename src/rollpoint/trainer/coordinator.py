@@ -556,7 +556,7 @@ class SnapshotCoordinator:
     def _publish(self, cut: _Cut, pause_s: float) -> SnapshotManifest:
         assert cut.ledger is not None and cut.tq is not None, "a cut captures both"
         files = {
-            LEDGER_FILE: self.store.write_file(cut.staging, LEDGER_FILE, cut.ledger.to_bytes()),
+            LEDGER_FILE: self.store.write_file(cut.staging, LEDGER_FILE, cut.ledger.encode_parts()),
             TQ_FILE: self.store.write_file(cut.staging, TQ_FILE, cut.tq.to_bytes()),
             TRAINER_FILE: self.store.write_file(
                 cut.staging, TRAINER_FILE, orjson.dumps(cut.trainer_doc)

@@ -103,6 +103,7 @@ replica is suspect or it answers a row meanwhile."""
 RETIRE_TIMEOUT_S = 5.0
 """How long a give-up waits for the agent's retire answer before it re-sends fresh."""
 RETIRE_ROUNDS = 3
+_DOWN_POLL_S = 0.05
 """Retire calls refused because a snapshot began meanwhile are tried again this often."""
 
 
@@ -157,9 +158,12 @@ class Dispatcher:
         max_tries: int = 3,
         roster: ReplicaRoster | None = None,
         releases: ReleaseBatcher | None = None,
+        down_grace_s: float = 0.0,
     ) -> None:
         """``roster`` (shared with the trainer, which marks replicas down and up) replaces
-        ``deployment`` when given; ``releases`` lets a give-up retire before it decides."""
+        ``deployment`` when given; ``releases`` lets a give-up retire before it decides;
+        ``down_grace_s``: how long a give-up whose replica did not answer waits for it to
+        be reported down before it re-sends fresh."""
         if max_tries < 1:
             raise BadRequestError(f"dispatcher: max_tries must be >= 1, got {max_tries}")
         self._ledger = ledger
@@ -171,6 +175,7 @@ class Dispatcher:
         self._barrier = barrier
         self._on_reply = on_reply
         self._max_tries = max_tries
+        self._down_grace_s = down_grace_s
         self._groups: dict[str, _GroupRun] = {}
         self._streams: dict[str, set[_Stream]] = defaultdict(set)
         self._deadlines: RowDeadlines[_Stream] = RowDeadlines(
@@ -310,30 +315,32 @@ class Dispatcher:
 
     def resend(self, rollout_ids: Iterable[str]) -> None:
         """Send these queued tries (restored from a snapshot, pinned to their replica) as
-        part of their running groups; a try that moved meanwhile is skipped."""
-        for group, records in self._queued_by_group(rollout_ids):
-            self._spawn(group, self._send(group, [r.rollout_id for r in records], priority=True))
+        part of their running groups; a try that moved meanwhile is skipped. A group that
+        is not running sends its queued rows when :meth:`run_group` starts it."""
+        for group_id, records in self._queued_by_group(rollout_ids).items():
+            group = self._groups.get(group_id)
+            if group is not None:
+                self._spawn(
+                    group, self._send(group, [r.rollout_id for r in records], priority=True)
+                )
 
     def give_up(self, rollout_ids: Iterable[str], reason: str) -> None:
         """Re-send these queued tries fresh (their restore did not happen)."""
-        for group, records in self._queued_by_group(rollout_ids):
-            self._abandon(group, records, reason)
+        for group_id, records in self._queued_by_group(rollout_ids).items():
+            group = self._groups.get(group_id)
+            if group is not None:
+                self._abandon(group, records, reason)
+            elif self._ledger.group(group_id).failed is None:
+                for record in records:  # not running: run_group sends the fresh tries later
+                    self._ledger.abandon(record.rollout_id)
 
-    def _queued_by_group(
-        self, rollout_ids: Iterable[str]
-    ) -> list[tuple[_GroupRun, list[LedgerRecord]]]:
+    def _queued_by_group(self, rollout_ids: Iterable[str]) -> dict[str, list[LedgerRecord]]:
         by_group: dict[str, list[LedgerRecord]] = defaultdict(list)
         for rollout_id in rollout_ids:
             record = self._ledger.get(rollout_id)
             if record.state is RolloutState.QUEUED:
                 by_group[record.group_id].append(record)
-        found = []
-        for group_id, records in by_group.items():
-            group = self._groups.get(group_id)
-            if group is not None:
-                found.append((group, records))
-            # A group that is not running sends its queued rows when run_group starts it.
-        return found
+        return by_group
 
     def replica_back(self, name: str) -> None:
         """``name`` serves again (new, empty servers): send to it as to any healthy replica.
@@ -511,6 +518,8 @@ class Dispatcher:
     async def _give_up(self, group: _GroupRun, records: list[LedgerRecord], reason: str) -> None:
         """Retire the tries first; then adopt the finished ones and re-send the others."""
         answer = await self._retire(records)
+        if answer is None:
+            await self._await_down_report(records[0].replica)
         # While we waited the replica may have gone down (and its tries with it).
         still = [r for r in records if self._still_dispatched(r)]
         if answer is None:
@@ -550,6 +559,16 @@ class Dispatcher:
             if answer is not None or self._barrier.is_open:
                 return answer
         return None
+
+    async def _await_down_report(self, replica: str | None) -> None:
+        """An unreachable replica may be dying: give the runtime ``down_grace_s`` to say
+        so, and the tries a snapshot saved there are restored on its restart (the trainer
+        holds them) instead of being re-sent fresh from here."""
+        give_up_at = time.monotonic() + self._down_grace_s
+        while replica is not None and self._roster.is_up(replica):
+            if time.monotonic() >= give_up_at:
+                return
+            await asyncio.sleep(_DOWN_POLL_S)
 
     def _still_dispatched(self, record: LedgerRecord) -> bool:
         now = self._ledger.get(record.rollout_id)

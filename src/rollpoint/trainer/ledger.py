@@ -36,6 +36,7 @@ from rollpoint.protocol.errors import (
 )
 from rollpoint.protocol.ids import EpisodeId, new_rollout_id
 from rollpoint.protocol.manifest import load_versioned
+from rollpoint.store.collector_pause import collector_paused
 from rollpoint.trainer.append_log import AppendLog
 from rollpoint.trainer.ledger_document import (
     LEDGER_MIGRATIONS,
@@ -100,6 +101,7 @@ TRANSITIONS: dict[tuple[RolloutState, LedgerMove], RolloutState] = {
 del S, M
 
 ARCHIVED_STATES = frozenset({RolloutState.SEALED, RolloutState.RETIRED})
+_STATES = {state.value: state for state in RolloutState}
 
 
 @dataclass(frozen=True, slots=True)
@@ -393,26 +395,20 @@ class RecoveryLedger:
 
     def _insert(self, record: LedgerRecord) -> None:
         rid = record.rollout_id
-        if rid in self._live or rid in self._archive:
-            raise BadRequestError(f"ledger: rollout id {rid} is already used")
-        self._counts[record.state] += 1
-        key = (record.group_id, record.row)
-        newest = self._current.get(key)
-        if newest is None or newest[1] <= record.tries:
-            self._current[key] = (rid, record.tries)
         if record.state in ARCHIVED_STATES:
-            archived = (
-                record.state.value,
-                record.group_id,
-                record.row,
-                rid,
-                record.attempt,
-                record.replica,
-                record.tries,
+            self._insert_final(
+                (
+                    record.state.value,
+                    record.group_id,
+                    record.row,
+                    rid,
+                    record.attempt,
+                    record.replica,
+                    record.tries,
+                )
             )
-            self._archive[rid] = archived
-            self._archive_log.append(archived)
             return
+        self._claim(rid, record.state, record.group_id, record.row, record.tries)
         self._live[rid] = record
         if not record.untouched:
             self._touched[rid] = record
@@ -422,6 +418,23 @@ class RecoveryLedger:
             self._in_flight_total += 1
         elif record.state is RolloutState.ABANDONED:
             self._abandoned[rid] = record
+
+    def _insert_final(self, archived: _Archived) -> None:
+        """Archive a final try given as its tuple (a loader has it in that form already)."""
+        state, group_id, row, rid, _, _, tries = archived
+        self._claim(rid, _STATES[state], group_id, row, tries)
+        self._archive[rid] = archived
+        self._archive_log.append(archived)
+
+    def _claim(self, rid: str, state: RolloutState, group_id: str, row: int, tries: int) -> None:
+        """Count a new try and make it its row's current one if it is the newest."""
+        if rid in self._live or rid in self._archive:
+            raise BadRequestError(f"ledger: rollout id {rid} is already used")
+        self._counts[state] += 1
+        key = (group_id, row)
+        newest = self._current.get(key)
+        if newest is None or newest[1] <= tries:
+            self._current[key] = (rid, tries)
 
     def _remove(self, record: LedgerRecord) -> None:
         rid = record.rollout_id
@@ -470,8 +483,12 @@ class RecoveryLedger:
     @classmethod
     def from_document(cls, doc: dict[str, Any], *, what: str = "ledger") -> RecoveryLedger:
         """Rebuild a ledger from :meth:`to_document` output of this or an older version."""
-        parsed = load_versioned(doc, LedgerDocument, LEDGER_MIGRATIONS, LEDGER_SCHEMA_VERSION, what)
-        return _build(parsed, what)
+        # A million-rollout ledger is millions of cycle-free objects (collector_pause).
+        with collector_paused():
+            parsed = load_versioned(
+                doc, LedgerDocument, LEDGER_MIGRATIONS, LEDGER_SCHEMA_VERSION, what
+            )
+            return _build(parsed, what)
 
 
 def _build(doc: LedgerDocument, what: str) -> RecoveryLedger:
@@ -491,8 +508,9 @@ def _build(doc: LedgerDocument, what: str) -> RecoveryLedger:
             raise InvalidCheckpointStateError(f"{what}: failed group {gid} is not a group")
         ledger._groups[gid] = replace(group, failed=reason)
         ledger._failure_log.append((gid, reason))
-    explicit = [*_saved_live(doc), *_saved_final(doc)]
-    named = {record.rollout_id for record in explicit}
+    live = list(_saved_live(doc))
+    named = {record.rollout_id for record in live}
+    named.update(final[3] for chunk in doc.archived for final in chunk)
     # A first try left out of the document is one nothing had happened to yet.
     untouched = [
         LedgerRecord(g.task_id, gid, row, rid, 0, RolloutState.QUEUED, None, 1)
@@ -501,14 +519,19 @@ def _build(doc: LedgerDocument, what: str) -> RecoveryLedger:
         if rid not in named
     ]
     seen: set[tuple[str, int, int]] = set()
-    for record in (*explicit, *untouched):
-        _check_record(ledger, record, seen, what)
-        try:
-            ledger._insert(replace(record, task_id=ledger._groups[record.group_id].task_id))
-        except BadRequestError:
-            raise InvalidCheckpointStateError(
-                f"{what}: rollout id {record.rollout_id} appears twice"
-            ) from None
+    rid = ""
+    try:
+        for chunk in doc.archived:
+            for final in chunk:
+                rid = final[3]
+                _check_final(ledger, final, seen, what)
+                ledger._insert_final(final)
+        for record in (*live, *untouched):
+            rid = record.rollout_id
+            _check_record(ledger, record, seen, what)
+            ledger._insert(record)
+    except BadRequestError:
+        raise InvalidCheckpointStateError(f"{what}: rollout id {rid} appears twice") from None
     for gid, built in ledger._groups.items():
         missing = [row for row in range(built.group_size) if (gid, row) not in ledger._current]
         if missing:
@@ -526,10 +549,18 @@ def _saved_live(doc: LedgerDocument) -> Iterator[LedgerRecord]:
         )
 
 
-def _saved_final(doc: LedgerDocument) -> Iterator[LedgerRecord]:
-    for chunk in doc.archived:
-        for state, gid, row, rid, attempt, replica, tries in chunk:
-            yield LedgerRecord("", gid, row, rid, attempt, RolloutState(state), replica, tries)
+def _check_final(
+    ledger: RecoveryLedger, final: _Archived, seen: set[tuple[str, int, int]], what: str
+) -> None:
+    """:func:`_check_record` for a final try in its saved tuple form, without building a
+    record unless it is refused (a restore loads a million of them)."""
+    state, gid, row, rid, attempt, replica, tries = final
+    group = ledger._groups.get(gid)
+    if group is None or row >= group.group_size or (gid, row, tries) in seen:
+        task_id = group.task_id if group is not None else ""
+        record = LedgerRecord(task_id, gid, row, rid, attempt, _STATES[state], replica, tries)
+        _check_record(ledger, record, seen, what)  # raises, naming what is wrong
+    seen.add((gid, row, tries))
 
 
 def _check_record(

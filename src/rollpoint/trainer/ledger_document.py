@@ -31,7 +31,7 @@ schema, done after rollouts resume.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
@@ -144,16 +144,27 @@ class LedgerCapture:
         }
 
     def to_bytes(self) -> bytes:
-        """The document encoded as JSON; each full chunk is encoded once per run."""
-        doc = {
-            "schema_version": LEDGER_SCHEMA_VERSION,
-            "tasks": orjson.Fragment(_json_object(self.tasks, _encode_tasks)),
-            "groups": orjson.Fragment(_json_object(self.groups, _encode_groups)),
-            "failed": dict(_items(self.failed)),
-            "records": [_record_doc(r) for r in self.records],
-            "archived": [orjson.Fragment(c.encoded(orjson.dumps)) for c in self.archived],
-        }
-        return orjson.dumps(doc)
+        """The document encoded as JSON (:meth:`encode_parts` joined)."""
+        return b"".join(self.encode_parts())
+
+    def encode_parts(self) -> Iterator[bytes]:
+        """The JSON encoding of the document, in pieces to write one after the other.
+
+        Every full chunk's piece is encoded once per run and then reused as it is, so a
+        writer mostly copies bytes it already has (without the GIL), and no single
+        buffer of the whole document is ever built.
+        """
+        yield b'{"schema_version":%d,"tasks":' % LEDGER_SCHEMA_VERSION
+        yield from _json_object(self.tasks, _encode_tasks)
+        yield b',"groups":'
+        yield from _json_object(self.groups, _encode_groups)
+        yield b',"failed":' + orjson.dumps(dict(_items(self.failed)))
+        yield b',"records":' + orjson.dumps([_record_doc(r) for r in self.records])
+        yield b',"archived":['
+        for index, chunk in enumerate(self.archived):
+            yield b"," if index else b""
+            yield chunk.encoded(orjson.dumps)
+        yield b"]}"
 
 
 def _items(chunks: Iterable[LogChunk[Any]]) -> Iterable[Any]:
@@ -179,10 +190,16 @@ def _record_doc(r: LedgerRecord) -> dict[str, Any]:
     }
 
 
-def _json_object(chunks: tuple[LogChunk[Any], ...], encode: Callable[[Any], bytes]) -> bytes:
+def _json_object(
+    chunks: tuple[LogChunk[Any], ...], encode: Callable[[Any], bytes]
+) -> Iterator[bytes]:
     """One JSON object from chunks of ``(key, …)`` entries, each chunk's members encoded once."""
-    members = [chunk.encoded(encode) for chunk in chunks if len(chunk)]
-    return b"{" + b",".join(members) + b"}"
+    yield b"{"
+    members = (chunk.encoded(encode) for chunk in chunks if len(chunk))
+    for index, member in enumerate(members):
+        yield b"," if index else b""
+        yield member
+    yield b"}"
 
 
 def _encode_tasks(items: tuple[TaskEntry, ...]) -> bytes:

@@ -43,6 +43,15 @@ from rollpoint.trainer.restorer import Restorer
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class HeldTries:
+    """What a lost replica's restart will continue: for display and tests."""
+
+    snapshot_id: str
+    attempts: dict[str, int]
+    """rollout_id → the attempt it continues as (or, for a finished reply, is fetched as)."""
+
+
 @dataclass
 class _Held:
     """A lost replica's tries waiting for it to come back."""
@@ -75,9 +84,12 @@ class ReplicaRecovery:
         self._held: dict[str, _Held] = {}
 
     @property
-    def held(self) -> dict[str, dict[str, int]]:
-        """Per replica, the tries waiting for it: rollout_id → attempt."""
-        return {name: dict(h.attempts) for name, h in self._held.items()}
+    def held(self) -> dict[str, HeldTries]:
+        """Per lost replica, the tries waiting for it."""
+        return {
+            name: HeldTries(h.manifest.snapshot_id, dict(h.attempts))
+            for name, h in self._held.items()
+        }
 
     def hold(self, name: str, dispatcher: Dispatcher) -> None:
         """``name`` is down (marked in the roster): keep its snapshot tries for its

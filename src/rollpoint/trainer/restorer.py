@@ -50,6 +50,7 @@ from rollpoint.protocol.errors import ConfigError, RestoreError, RollpointError
 from rollpoint.protocol.ids import EpisodeId
 from rollpoint.protocol.manifest import SavedEpisode, SnapshotManifest
 from rollpoint.protocol.participant import ParticipantKind
+from rollpoint.store.collector_pause import collector_paused
 from rollpoint.store.snapshot_store import SNAPSHOTS_DIR, SnapshotStore
 from rollpoint.trainer.coordinator import (
     LEDGER_FILE,
@@ -109,9 +110,11 @@ def choose_resume_point(
             continue
         try:
             manifest = store.verify(sid)
-            ledger_doc = orjson.loads(store.read_file(sid, LEDGER_FILE))
-            tq_doc = orjson.loads(store.read_file(sid, TQ_FILE))
+            ledger_bytes = store.read_file(sid, LEDGER_FILE)
+            tq_bytes = store.read_file(sid, TQ_FILE)
             trainer_doc = orjson.loads(store.read_file(sid, TRAINER_FILE))
+            with collector_paused():  # the ledger decodes into millions of objects
+                ledger_doc, tq_doc = orjson.loads(ledger_bytes), orjson.loads(tq_bytes)
         except (RollpointError, orjson.JSONDecodeError) as exc:
             detail = exc.message if isinstance(exc, RollpointError) else str(exc)
             log.warning("skipping snapshot %s: %s", sid, detail)
@@ -182,15 +185,14 @@ def place(manifest: SnapshotManifest, live: _Live) -> Placement:
         offers[replica].add((kind, name))
     target_of = {s: s for s in sorted(needs) if needs[s] <= offers.get(s, set())}
     load = Counter(target_of.values())
+    anywhere = set().union(*offers.values())
     missing: list[str] = []
     for source in sorted(set(needs) - set(target_of)):
         fits = [r for r in sorted(offers) if needs[source] <= offers[r]]
         if not fits:
-            missing += [
-                f"{kind} '{name}' of {source}"
-                for kind, name in sorted(needs[source])
-                if (kind, name) not in offers.get(source, set())
-            ]
+            # Name what no replica serves; failing that, what its own replica lacks.
+            lacking = needs[source] - anywhere or needs[source] - offers.get(source, set())
+            missing += [f"{kind} '{name}' of {source}" for kind, name in sorted(lacking)]
             continue
         target = min(fits, key=lambda r: (load[r], r))
         target_of[source] = target

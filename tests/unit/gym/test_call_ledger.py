@@ -100,3 +100,16 @@ def test_each_export_holds_the_records_as_of_then_after_appends_installs_and_rel
     ledger.release(["r1"])
     ledger.record(_rec("r1", 5))
     assert [r["turn"] for r in ledger.export(["r1"])] == [5]
+
+
+def test_a_continued_attempt_supersedes_the_older_attempts_calls_from_its_turn_on() -> None:
+    # Attempt 0 made turns 0..2, but the cut saved the session before turn 2 (its reply was
+    # held): attempt 1 starts at turn 2, and its call replaces the one never applied.
+    ledger = _filled()
+    ledger.export(["r1"])  # the JSON cache must follow the drop too
+    ledger.record(_rec("r1", 2, attempt=1))
+    assert [(c.turn, c.attempt) for c in ledger.calls("r1")] == [(0, 0), (1, 0), (2, 1)]
+    assert [(r["turn"], r["attempt"]) for r in ledger.export(["r1"])] == [(0, 0), (1, 0), (2, 1)]
+    assert ledger.count == 4
+    ledger.record(_rec("r1", 3, attempt=1))  # later turns of the same attempt just append
+    assert [(c.turn, c.attempt) for c in ledger.calls("r1")][-2:] == [(2, 1), (3, 1)]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -386,6 +387,20 @@ async def test_concurrent_commits_export_exactly_once(
     replies = await asyncio.gather(*commits)
     assert all(r == replies[0] for r in replies)
     assert participant.calls["export"] == 1 and fence.phase is Phase.COMMITTED
+
+
+async def test_the_cyclic_gc_is_paused_while_a_commit_exports_and_back_after(
+    fence: Fence, participant: FakeParticipant
+) -> None:
+    await fence.prepare(prepare())
+    participant.export_gate = asyncio.Event()
+    assert gc.isenabled()
+    first = asyncio.create_task(fence.commit(commit()))
+    await asyncio.sleep(0.02)
+    assert not gc.isenabled()
+    participant.export_gate.set()
+    await first
+    assert gc.isenabled()
 
 
 async def test_a_write_outliving_the_deadline_fails_the_call_and_a_retry_collects_it(

@@ -137,3 +137,22 @@ async def test_a_bad_packed_state_is_refused_with_a_clear_error(
     with pytest.raises(InvalidCheckpointStateError, match=message):
         await ResourcesParticipant(target_service).install([{**record, **change}], [_ep("r1")])
     assert target_service.rollout_ids() == []
+
+
+async def test_a_checkpoint_packs_again_only_an_episode_a_tool_call_changed() -> None:
+    service = await _service("workplace", "r1", "r2")
+    participant = ResourcesParticipant(service)
+    before = {
+        r["rollout_id"]: r["packed_state"] for r in await participant.export([_ep("r1"), _ep("r2")])
+    }
+    call = ToolCall(episode=_ep("r1"), turn=0, call_index=0, arguments=json.dumps(EVENT))
+    await service.call_tool("calendar_create_event", call)
+    after = {
+        r["rollout_id"]: r["packed_state"] for r in await participant.export([_ep("r1"), _ep("r2")])
+    }
+    assert after["r2"] is before["r2"]  # unchanged: the packed form is reused
+    assert after["r1"] != before["r1"]
+    unpacked = EpisodeRecord.model_validate(
+        {**(await participant.export([_ep("r1")]))[0]}
+    ).exported_state()
+    assert unpacked == service.environment.export_state(service._episodes["r1"].state)

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from rollpoint.gym.session import Session, SessionState
-from rollpoint.gym.session_book import SessionBook, TurnBoundary
+from rollpoint.gym.session_book import EXPORT_CHUNK, SessionBook, TurnBoundary
 from rollpoint.protocol.control import RetireOutcomeKind
 from rollpoint.protocol.episode import (
     ModelCall,
@@ -169,7 +169,7 @@ async def test_a_row_of_another_environment_is_a_data_failure_naming_both() -> N
 async def test_a_failed_row_never_ends_its_siblings(error: RollpointError, transport: bool) -> None:
     good, bad = FakePlay(), FakePlay(error=error)
 
-    async def play(session: Session, boundary: Boundary) -> RunReply:
+    async def play(session: Session, boundary: TurnBoundary) -> RunReply:
         chosen = bad if session.episode.rollout_id == "bad" else good
         return await chosen(session, boundary)
 
@@ -460,3 +460,32 @@ async def test_aclose_cancels_running_sessions() -> None:
 def test_task_rows_are_valid() -> None:
     # Guard the helper: a typo in the row builder would make every test above meaningless.
     assert _row("r1").task == TaskRow(task_id="t1", environment="workplace", prompt="Do the task.")
+
+
+async def test_a_large_export_yields_the_event_loop_and_equals_the_plain_export() -> None:
+    play = FakePlay()
+    play.model.clear()
+    book = _book(play)
+    count = EXPORT_CHUNK + 10
+    for i in range(count):
+        book.submit(_row(f"r{i}"))
+    await _settle()
+    book.close_boundaries()
+    scope = [EpisodeId(rollout_id=f"r{i}") for i in range(count)]
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            ticks += 1
+            await asyncio.sleep(0)
+
+    other = asyncio.create_task(ticker())
+    await asyncio.sleep(0)
+    before = ticks
+    records = await book.export_yielding(scope)
+    other.cancel()
+    assert ticks > before  # another task ran while the export was under way
+    assert records == book.export(scope)
+    assert [r["episode"]["rollout_id"] for r in records] == [f"r{i}" for i in range(count)]  # type: ignore[index]
+    await book.aclose()

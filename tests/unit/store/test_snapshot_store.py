@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
@@ -470,3 +471,17 @@ def test_read_only_open_keeps_leftovers(tmp_path: Path) -> None:
 def test_keep_must_be_positive(tmp_path: Path) -> None:
     with pytest.raises(Exception, match="at least 1"):
         SnapshotStore(str(tmp_path), keep=0)
+
+
+def test_a_file_written_in_parts_is_the_parts_joined(location: str) -> None:
+    store = SnapshotStore(location)
+    staging, manifest = _stage(store, "s1")
+    parts = [b'{"a":', b"", b"[1,2]", b"}"]
+    whole = b"".join(parts)
+
+    entry = store.write_file(staging, "parts.json", iter(parts))
+
+    assert (entry.sha256, entry.bytes) == (hashlib.sha256(whole).hexdigest(), len(whole))
+    files = manifest.files | {"parts": entry}
+    store.publish(staging, manifest.model_copy(update={"files": files}))
+    assert store.read_file("s1", "parts") == whole

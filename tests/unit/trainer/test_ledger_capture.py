@@ -93,6 +93,7 @@ def test_the_encoded_capture_is_the_document_and_round_trips() -> None:
     assert doc["schema_version"] == LEDGER_SCHEMA_VERSION
     restored = RecoveryLedger.from_document(doc)
     assert restored.to_document() == ledger.to_document()
+    assert restored.capture().to_bytes() == encoded
     assert restored.counts() == ledger.counts()
     assert restored.failed_groups() == {"g4999": "bad task"}
     assert restored.current("g4200", 0).tries == 2

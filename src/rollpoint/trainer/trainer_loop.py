@@ -61,6 +61,12 @@ from rollpoint.trainer.train_hooks import SimulatedTrainer, TrainHooks, TrainSam
 
 log = logging.getLogger(__name__)
 
+REPLICA_DOWN_GRACE_S = 1.0
+"""A row whose replica stopped answering waits this long for the runtime to report that
+replica down before it is re-sent fresh: a dying replica's saved tries are then held for
+its restart (restored from the snapshot) instead of starting over. The runtimes notice a
+death within 0.25 s (embedded: process poll) or milliseconds (Ray: actor death)."""
+
 TRAIN_DATA_FILE = "train_data.jsonl"
 STALL_REPORT_ROWS = 10
 
@@ -235,6 +241,7 @@ class Trainer:
                 on_reply=self._on_reply,
                 roster=self.roster,
                 releases=self.releases,
+                down_grace_s=REPLICA_DOWN_GRACE_S if self.recovery is not None else 0.0,
             )
             for name in sorted(self._lost_before_run):
                 self.dispatcher.replica_lost(name)

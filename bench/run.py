@@ -41,7 +41,7 @@ ITEMS: dict[str, Item] = {
     "checkpoint_overhead": lambda quick: (
         checkpoint_overhead.run(every_s=1.0, tasks=64, latency_ms=50)
         if quick
-        else checkpoint_overhead.run(every_s=5.0, tasks=256, latency_ms=100)
+        else checkpoint_overhead.run(every_s=5.0, tasks=768, latency_ms=100)
     ),
     "snapshot_pause": lambda quick: (
         snapshot_pause.run((100, 1000), snapshots=3)

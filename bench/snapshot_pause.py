@@ -44,7 +44,7 @@ import secrets
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -149,7 +149,7 @@ class TimedStore(SnapshotStore):
         self.sizes: dict[str, dict[str, int]] = {}
         """Bytes of each snapshot when it was published: by participant kind, and trainer."""
 
-    def write_file(self, staging: Staging, name: str, data: bytes) -> FileEntry:
+    def write_file(self, staging: Staging, name: str, data: bytes | Iterable[bytes]) -> FileEntry:
         t0 = time.monotonic()
         try:
             return super().write_file(staging, name, data)

@@ -29,12 +29,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, TypeVar
@@ -80,6 +79,7 @@ from rollpoint.protocol.errors import (
     StaleCheckpointError,
 )
 from rollpoint.protocol.ids import EpisodeId, is_identifier
+from rollpoint.store.collector_pause import collector_paused
 from rollpoint.store.filesystem import resolve_inside
 from rollpoint.store.participant_state import read_participant_state, write_participant_state
 
@@ -551,7 +551,10 @@ class Fence:
 
     async def _export_and_store(self, write: _Write) -> CommitReply:
         p = self._participant
-        with _cyclic_gc_paused():
+        # An export allocates containers for every record while the process holds every
+        # session: full collections on the way walked that whole heap (profiled at 10k
+        # sessions: most of a commit's seconds).
+        with collector_paused():
             if write.records is None:
                 write.records = await _await_hook("export", p.export(write.scope), SnapshotError)
             store = asyncio.to_thread(
@@ -658,33 +661,6 @@ class Fence:
         folder = resolve_inside(self._settings.snapshot_root, checkpoint_dir)
         instance = self._instance if replica is None else f"{self._participant.name}-{replica}"
         return resolve_inside(folder, f"{self._participant.kind.value}/{instance}")
-
-
-_gc_pauses = 0
-"""Commits under way in this process with the cyclic GC paused (it is process-wide)."""
-
-
-@contextlib.contextmanager
-def _cyclic_gc_paused() -> Iterator[None]:
-    """Pause the cyclic garbage collector while a commit copies and writes state.
-
-    An export allocates containers for every record while the process holds every session;
-    each full collection on the way walks that whole heap (profiled at 10k sessions: most
-    of a commit's seconds went to collections). Reference counting still frees what dies;
-    the collector runs again when the last commit of the process ends.
-    """
-    global _gc_pauses
-    if _gc_pauses == 0 and not gc.isenabled():
-        yield  # someone else turned it off; leave it as found
-        return
-    _gc_pauses += 1
-    gc.disable()
-    try:
-        yield
-    finally:
-        _gc_pauses -= 1
-        if _gc_pauses == 0:
-            gc.enable()
 
 
 def _exported(records: list[dict[str, JsonValue]], scope: list[EpisodeId]) -> list[ExportedEpisode]:

@@ -29,6 +29,7 @@ from rollpoint.job import drive_quietly, load_tasks_for, run_job
 from rollpoint.protocol.deployment import ReplicaEndpoints
 from rollpoint.runtime.contract import Runtime
 from rollpoint.runtime.ray_runtime import RayRuntime
+from rollpoint.store.snapshot_store import SnapshotStore
 from rollpoint.testing import invariants
 from rollpoint.trainer.control_plane import snapshot_root
 from rollpoint.trainer.metrics import TrainerMetrics
@@ -178,5 +179,60 @@ async def test_a_killed_replica_actor_is_replaced_alone_and_the_job_keeps_the_in
         config.group_size,
         resumed_since=seen["killed_at"],
         full_reward="all",
+    )
+    assert found == [], invariants.report(found)
+
+
+class Crash(Exception):
+    """The first run's end: raised out of its drive once the cut we want is published."""
+
+
+async def test_a_two_replica_snapshot_restores_onto_one_replica_actor(
+    tmp_path: Path, ray_cluster: RayCluster
+) -> None:
+    # keep: the rerun's own snapshots must not prune the one it restored (read at the end).
+    snapshot = {"every_seconds": 0.3, "keep": 100}
+    two = ray_job(tmp_path, ray_cluster, tasks=24, snapshot=snapshot)
+    store_dir = two.workdir / invariants.SNAPSHOT_STORE_DIR
+
+    def cut_with_both_replicas() -> bool:
+        latest = SnapshotStore(str(store_dir), clean_leftovers=False).latest()
+        return latest is not None and {e.replica for e in latest.episodes} == {KEPT, LOST}
+
+    async def crash_after_the_cut(
+        trainer: Trainer, runtime: Runtime, metrics: TrainerMetrics
+    ) -> RunSummary:
+        job = asyncio.create_task(drive_quietly(trainer, runtime, metrics))
+        try:
+            await until(cut_with_both_replicas, "a snapshot saving episodes on both replicas")
+        finally:
+            job.cancel()
+            await asyncio.gather(job, return_exceptions=True)
+        raise Crash
+
+    with pytest.raises(Crash):
+        await run_job(two, fresh=True, say=lambda _: None, drive=crash_after_the_cut)
+
+    one = ray_job(tmp_path, ray_cluster, tasks=24, replicas=1, snapshot=snapshot)
+    said: list[str] = []
+    since = time.time()
+    summary = await run_job(one, fresh=False, say=said.append)
+
+    assert not summary.failed_groups
+    (restoring,) = [line for line in said if line.startswith("restoring snapshot ")]
+    store = SnapshotStore(str(store_dir), clean_leftovers=False)
+    saved = store.load(restoring.removeprefix("restoring snapshot ").strip())
+    moved = {e.rollout_id for e in saved.episodes if e.replica == LOST}
+    assert moved, "the snapshot restored saved nothing on the replica that is gone"
+    rollouts, unreadable = invariants.read_train_data(one.workdir)
+    assert unreadable == []
+    trained = {r.rollout_id: r for r in rollouts}
+    # replica-1's saved episodes went on, on the one replica left, as their next attempt:
+    # breaks if its records were not installed there (they would start over under new ids).
+    for rollout_id in moved:
+        assert rollout_id in trained, f"{rollout_id} of {LOST} was not continued"
+        assert trained[rollout_id].attempt >= 1
+    found = invariants.check_workdir(
+        one.workdir, load_tasks_for(one), one.group_size, resumed_since=since, full_reward="all"
     )
     assert found == [], invariants.report(found)

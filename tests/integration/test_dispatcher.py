@@ -292,8 +292,10 @@ async def test_the_row_deadline_does_not_count_time_paused_by_a_snapshot(
         replica.on_gate(lambda gate: gate.close())  # no row can finish
     async with harness(cluster, row_timeout_s=0.8) as h:
         first = h.add_group(cluster)
+        started = time.monotonic()
         run = asyncio.create_task(h.dispatcher.run_group("g"))
         await until(h.dispatched_to("replica-0", 4))
+        closed = time.monotonic()
         h.barrier.close()
         await asyncio.sleep(1.2)  # 1.5 times the row timeout, all of it paused
         assert h.dispatcher.resent_fresh == 0
@@ -301,7 +303,9 @@ async def test_the_row_deadline_does_not_count_time_paused_by_a_snapshot(
         reopened = time.monotonic()
         h.barrier.open()
         await until(lambda: h.dispatcher.resent_fresh == 4)
-        assert time.monotonic() - reopened >= 0.5  # the 0.8 s budget was not spent paused
+        # The 0.8 s budget was spent unpaused only (however much of it went on dispatching
+        # before the close, on a loaded machine), never in the 1.2 s paused.
+        assert (closed - started) + (time.monotonic() - reopened) >= 0.8 - 0.05
         assert {e.rollout_id for e in h.dispatcher.retire_queue} == set(first)
         for replica in cluster.replicas:
             replica.on_gate(lambda gate: gate.open())

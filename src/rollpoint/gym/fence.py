@@ -1,8 +1,8 @@
 """The checkpoint fence: one participant's phase machine, lease, replays and retire marks.
 
 Owns everything a control verb does to a participant apart from the participant's own
-state: which verb is legal in which phase (one transition table, :data:`TRANSITIONS`,
-applied by :func:`next_phase`), which checkpoint id is active, the ids already resumed
+state: which verb is legal in which phase (the transition table of
+:mod:`rollpoint.gym.phase_table`, applied by its :func:`next_phase`), which checkpoint id is active, the ids already resumed
 (the last 64: a late call naming one is stale), the recorded replies that make prepare,
 commit and restore replayable, the lease that reopens a participant whose coordinator
 went away, and the retire marks every data-plane route checks with one call
@@ -35,12 +35,12 @@ import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any, TypeVar
 
 from pydantic import JsonValue
 
 from rollpoint.gym.participant import Participant
+from rollpoint.gym.phase_table import Event, Step, next_phase
 from rollpoint.protocol.control import (
     MAX_REPORTED_BLOCKERS,
     PROTOCOL_VERSION,
@@ -92,59 +92,6 @@ _REOPEN_RETRY_S = 1.0
 """After a failed reopen on lease expiry, try again this much later."""
 
 T = TypeVar("T")
-
-
-class Event(StrEnum):
-    """Transitions no verb names: the fence makes them itself."""
-
-    READY = "ready"
-    """Every session reached a boundary while preparing."""
-    LEASE_EXPIRED = "lease_expired"
-    """Nobody renewed or resumed in time: reopen as if resumed."""
-    FAILED = "failed"
-    """A hook failed while preparing or restoring: reopen; the id may be tried again."""
-
-
-Step = Verb | Event
-
-_HELD = (Phase.PREPARING, Phase.PREPARED, Phase.COMMITTED, Phase.RESTORED)
-
-TRANSITIONS: dict[tuple[Phase, Step], Phase] = {
-    (Phase.IDLE, Verb.PREPARE): Phase.PREPARING,
-    (Phase.PREPARING, Verb.PREPARE): Phase.PREPARING,
-    (Phase.PREPARED, Verb.PREPARE): Phase.PREPARED,
-    (Phase.PREPARING, Event.READY): Phase.PREPARED,
-    (Phase.PREPARED, Verb.COMMIT): Phase.COMMITTED,
-    (Phase.COMMITTED, Verb.COMMIT): Phase.COMMITTED,
-    (Phase.IDLE, Verb.RESTORE): Phase.RESTORED,
-    (Phase.RESTORED, Verb.RESTORE): Phase.RESTORED,
-    (Phase.IDLE, Verb.RESUME): Phase.IDLE,
-    (Phase.PREPARING, Event.FAILED): Phase.IDLE,
-    (Phase.RESTORED, Event.FAILED): Phase.IDLE,
-    # Retiring stops episodes, whose last calls would wait on a closed gate: only
-    # while admission is open (idle) or before restored episodes started (restored).
-    (Phase.IDLE, Verb.RETIRE): Phase.IDLE,
-    (Phase.RESTORED, Verb.RETIRE): Phase.RESTORED,
-    (Phase.IDLE, Verb.FORGET): Phase.IDLE,
-    (Phase.RESTORED, Verb.FORGET): Phase.RESTORED,
-    **{(phase, Verb.RESUME): Phase.IDLE for phase in _HELD},
-    **{(phase, Event.LEASE_EXPIRED): Phase.IDLE for phase in _HELD},
-    **{(phase, Verb.RENEW): phase for phase in _HELD},
-    **{(phase, Verb.ACK): phase for phase in Phase},
-}
-
-
-def next_phase(phase: Phase, step: Step) -> Phase:
-    """The phase ``step`` leads to from ``phase``; :class:`InvalidPhaseError` if illegal."""
-    after = TRANSITIONS.get((phase, step))
-    if after is None:
-        valid = sorted(p.value for (p, s) in TRANSITIONS if s == step)
-        legal_in_idle = (Phase.IDLE, step) in TRANSITIONS
-        hint = "; resume first" if legal_in_idle and phase is not Phase.IDLE else ""
-        raise InvalidPhaseError(
-            f"{step} is not valid in phase {phase} (valid in: {', '.join(valid)}){hint}"
-        )
-    return after
 
 
 @dataclass(frozen=True)

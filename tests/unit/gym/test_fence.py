@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 
-from rollpoint.gym.fence import TRANSITIONS, ControlSettings, Fence, next_phase
+from rollpoint.gym.fence import ControlSettings, Fence
+from rollpoint.gym.phase_table import TRANSITIONS, next_phase
 from rollpoint.protocol.control import (
     MAX_REPORTED_BLOCKERS,
     AckRequest,

@@ -16,7 +16,6 @@ import os
 import secrets
 import signal
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,11 +34,14 @@ from rollpoint.trainer.control_plane import snapshot_root
 from rollpoint.trainer.metrics import TrainerMetrics
 from rollpoint.trainer.trainer_loop import RunSummary, Trainer
 from tests.ray.conftest import RayCluster
+from tests.support.polling import eventually
 from tests.support.processes import wait_gone
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(90)]
 
 LOST, KEPT = "replica-1", "replica-0"
+WAIT_S = 30.0
+"""How long a cluster event may take on a loaded 2-core machine."""
 
 
 def ray_job(tmp_path: Path, cluster: RayCluster, **overrides: Any) -> RunConfig:
@@ -60,14 +62,6 @@ def ray_job(tmp_path: Path, cluster: RayCluster, **overrides: Any) -> RunConfig:
     config = parse_config(raw)
     config.workdir.mkdir(parents=True, exist_ok=True)
     return config
-
-
-async def until(condition: Callable[[], bool], what: str, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.005)
 
 
 def published(workdir: Path) -> int:
@@ -120,7 +114,9 @@ async def test_a_replica_whose_server_dies_gets_a_new_actor_and_the_others_are_u
         watch = asyncio.create_task(rt.supervise(on_down, on_up))
         try:
             os.kill(servers[f"model-{LOST}"], signal.SIGKILL)
-            await until(lambda: len(events) == 2, "the replica down and up again")
+            await eventually(
+                lambda: len(events) == 2, "the replica down and up again", within_s=WAIT_S
+            )
         finally:
             watch.cancel()
             await asyncio.gather(watch, return_exceptions=True)
@@ -145,9 +141,10 @@ async def test_a_killed_replica_actor_is_replaced_alone_and_the_job_keeps_the_in
     async def drive(trainer: Trainer, runtime: Runtime, metrics: TrainerMetrics) -> RunSummary:
         assert isinstance(runtime, RayRuntime)
         job = asyncio.create_task(drive_quietly(trainer, runtime, metrics))
-        await until(
+        await eventually(
             lambda: trainer.ledger.in_flight_count(LOST) > 0 and published(config.workdir) > 0,
             "rows on the replica and a snapshot",
+            within_s=WAIT_S,
         )
         kept = (runtime.actor(KEPT), trainer.roster.endpoints(KEPT))
         before = trainer.roster.endpoints(LOST)
@@ -158,11 +155,19 @@ async def test_a_killed_replica_actor_is_replaced_alone_and_the_job_keeps_the_in
         def replaced() -> bool:
             return trainer.roster.is_up(LOST) and trainer.roster.endpoints(LOST) != before
 
-        await until(lambda: not trainer.roster.is_up(LOST) or replaced(), "the replica down")
+        await eventually(
+            lambda: not trainer.roster.is_up(LOST) or replaced(),
+            "the replica down",
+            within_s=WAIT_S,
+        )
         seen["down_s"] = time.time() - seen["killed_at"]
-        await until(replaced, "a new actor for the replica")
+        await eventually(replaced, "a new actor for the replica", within_s=WAIT_S)
         seen["new"] = trainer.roster.endpoints(LOST)
-        await until(lambda: trainer.ledger.in_flight_count(LOST) > 0, "rows on the new actor")
+        await eventually(
+            lambda: trainer.ledger.in_flight_count(LOST) > 0,
+            "rows on the new actor",
+            within_s=WAIT_S,
+        )
         seen["kept_untouched"] = kept == (runtime.actor(KEPT), trainer.roster.endpoints(KEPT))
         return await job
 
@@ -204,7 +209,11 @@ async def test_a_two_replica_snapshot_restores_onto_one_replica_actor(
     ) -> RunSummary:
         job = asyncio.create_task(drive_quietly(trainer, runtime, metrics))
         try:
-            await until(cut_with_both_replicas, "a snapshot saving episodes on both replicas")
+            await eventually(
+                cut_with_both_replicas,
+                "a snapshot saving episodes on both replicas",
+                within_s=WAIT_S,
+            )
         finally:
             job.cancel()
             await asyncio.gather(job, return_exceptions=True)

@@ -13,23 +13,17 @@ import pytest
 
 from rollpoint.envs.registry import get_environment
 from rollpoint.http.client import HttpClient
-from rollpoint.protocol.episode import RunReply, RunRequest, RunRow
+from rollpoint.protocol.episode import RunReply
 from rollpoint.runtime.process_group import ProcessGroup
 from rollpoint.runtime.server_spec import ServerSpec
 from rollpoint.trainer.dispatch_barrier import DispatchBarrier
 from rollpoint.trainer.dispatcher import Dispatcher
 from rollpoint.trainer.ledger import RecoveryLedger, RolloutState
 from tests.integration.trainer_cluster import Cluster
+from tests.support.direct_play import play_directly
+from tests.support.polling import eventually
 
 pytestmark = pytest.mark.integration
-
-
-async def until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.01)
 
 
 @pytest.fixture
@@ -110,11 +104,16 @@ async def test_a_failed_row_does_not_end_its_siblings_stream(cluster: Cluster) -
     async with harness(cluster) as h:
         first = h.add_group(cluster)
         run = asyncio.create_task(h.dispatcher.run_group("g"))
-        await until(h.dispatched_to("replica-0", 4))
-        await until(lambda: r0.on_book(lambda book: book.session(first[1]) is not None))
+        await eventually(h.dispatched_to("replica-0", 4), "all four rows in flight on replica-0")
+        await eventually(
+            lambda: r0.on_book(lambda book: book.session(first[1]) is not None),
+            "row 1's session running on replica-0's agent",
+        )
         # Retiring a running try makes the agent report it as a transport failure.
         r0.on_book(lambda book: book.retire({first[1]: 0}))
-        await until(lambda: h.ledger.current("g", 1).rollout_id != first[1])
+        await eventually(
+            lambda: h.ledger.current("g", 1).rollout_id != first[1], "row 1 re-sent under a new id"
+        )
         r0.on_gate(lambda gate: gate.open())
         outcome = await asyncio.wait_for(run, 10)
 
@@ -157,17 +156,22 @@ async def test_a_refused_row_keeps_its_id_waits_behind_the_barrier_and_is_resent
     async with harness(cluster) as h:
         first = h.add_group(cluster)
         run = asyncio.create_task(h.dispatcher.run_group("g"))
-        await until(h.dispatched_to("replica-0", 4))
-        await until(lambda: r0.on_book(lambda book: book.session(first[1]) is not None))
+        await eventually(h.dispatched_to("replica-0", 4), "all four rows in flight on replica-0")
+        await eventually(
+            lambda: r0.on_book(lambda book: book.session(first[1]) is not None),
+            "row 1's session running on replica-0's agent",
+        )
         r1.on_book(lambda book: book.close_boundaries())
         r0.on_book(lambda book: book.retire({first[1]: 0}))
         # The fresh re-send goes to replica-1, whose agent refuses it (boundaries closed).
-        await until(lambda: h.dispatcher.resent_refused >= 1)
+        await eventually(lambda: h.dispatcher.resent_refused >= 1, "a re-sent row refused")
         resent = h.ledger.current("g", 1).rollout_id
         assert resent not in first
 
         h.barrier.close()
-        await until(lambda: h.dispatcher.waiting_rows == 1)
+        await eventually(
+            lambda: h.dispatcher.waiting_rows == 1, "the refused row waiting behind the barrier"
+        )
         waiting = h.ledger.current("g", 1)
         assert (waiting.rollout_id, waiting.state, waiting.tries) == (
             resent,
@@ -181,7 +185,10 @@ async def test_a_refused_row_keeps_its_id_waits_behind_the_barrier_and_is_resent
         h.barrier.open()
         # It finishes while its siblings are still held in their open stream: it was sent
         # again from inside the stream handling, not after the stream ended.
-        await until(lambda: any(r.episode.rollout_id == resent for r in h.replies))
+        await eventually(
+            lambda: any(r.episode.rollout_id == resent for r in h.replies),
+            "the re-sent row's reply",
+        )
         assert not run.done()
         assert len(h.replies) == 1
         assert h.ledger.in_flight_count("replica-0") == 3
@@ -209,16 +216,21 @@ async def test_a_cohort_whose_refused_row_is_resent_in_stream_does_not_deadlock(
         first = h.add_group(cluster)
         h.add_group(cluster, "next")
         run = asyncio.create_task(h.dispatcher.run_group("g"))
-        await until(h.dispatched_to("replica-0", 4))
+        await eventually(h.dispatched_to("replica-0", 4), "all four rows in flight on replica-0")
         following = asyncio.create_task(h.dispatcher.run_group("next"))
-        await until(lambda: h.dispatcher.waiting_rows == 4)  # queued for the slots g holds
-        await until(lambda: r0.on_book(lambda book: book.session(first[1]) is not None))
+        await eventually(
+            lambda: h.dispatcher.waiting_rows == 4, "the next group queued for the slots g holds"
+        )
+        await eventually(
+            lambda: r0.on_book(lambda book: book.session(first[1]) is not None),
+            "row 1's session running on replica-0's agent",
+        )
         r1.on_book(lambda book: book.close_boundaries())
         r0.on_book(lambda book: book.retire({first[1]: 0}))  # row 1 fails; its re-send is refused
-        await until(lambda: h.dispatcher.resent_refused >= 1)
+        await eventually(lambda: h.dispatcher.resent_refused >= 1, "a re-sent row refused")
         r1.on_book(lambda book: book.open_boundaries())
         # The verifier: the siblings are released only once row 1's reply has arrived.
-        await until(lambda: [r.row for r in h.replies] == [1])
+        await eventually(lambda: [r.row for r in h.replies] == [1], "row 1's reply, and only it")
         assert h.ledger.in_flight_count("replica-0") == 3 and not run.done()
         assert all(h.ledger.current("next", row).state is RolloutState.QUEUED for row in range(4))
         r0.on_gate(lambda gate: gate.open())
@@ -241,10 +253,10 @@ async def test_a_broken_stream_resends_only_the_rows_that_never_came_back(
             first = h.add_group(cluster)
             # Rows 0 and 1 already finished on this agent: it holds their replies, so the
             # group's stream returns them at once while rows 2 and 3 wait at the gate.
-            await _play_directly(h, agent.url, rows=[0, 1])
+            await play_directly(h.ledger, agent.url, rows=[0, 1])
             r0.on_gate(lambda gate: gate.close())
             run = asyncio.create_task(h.dispatcher.run_group("g"))
-            await until(lambda: len(h.replies) == 2)
+            await eventually(lambda: len(h.replies) == 2, "the two finished rows' replies")
             assert h.ledger.in_flight_count("replica-0") == 2
             agent.process.kill()  # the agent dies mid-stream
             outcome = await asyncio.wait_for(run, 10)
@@ -261,30 +273,6 @@ async def test_a_broken_stream_resends_only_the_rows_that_never_came_back(
     assert {e.rollout_id for e in h.dispatcher.retire_queue} == {first[2], first[3]}
 
 
-async def _play_directly(h: Harness, agent_url: str, rows: list[int]) -> None:
-    records = [h.ledger.current("g", row) for row in rows]
-    request = RunRequest(
-        rows=[
-            RunRow(
-                task=h.ledger.task(r.task_id),
-                group_id=r.group_id,
-                row=r.row,
-                episode=r.episode,
-                max_turns=12,
-            )
-            for r in records
-        ]
-    )
-    async with HttpClient() as client:
-        lines = [
-            line
-            async for line in client.stream_ndjson(
-                f"{agent_url}/run", request.model_dump(mode="json")
-            )
-        ]
-    assert [line["kind"] for line in lines] == ["finished"] * len(rows)
-
-
 async def test_the_row_deadline_does_not_count_time_paused_by_a_snapshot(
     cluster: Cluster,
 ) -> None:
@@ -294,7 +282,7 @@ async def test_the_row_deadline_does_not_count_time_paused_by_a_snapshot(
         first = h.add_group(cluster)
         started = time.monotonic()
         run = asyncio.create_task(h.dispatcher.run_group("g"))
-        await until(h.dispatched_to("replica-0", 4))
+        await eventually(h.dispatched_to("replica-0", 4), "all four rows in flight on replica-0")
         closed = time.monotonic()
         h.barrier.close()
         await asyncio.sleep(1.2)  # 1.5 times the row timeout, all of it paused
@@ -302,7 +290,7 @@ async def test_the_row_deadline_does_not_count_time_paused_by_a_snapshot(
         assert [h.ledger.current("g", row).rollout_id for row in range(4)] == first
         reopened = time.monotonic()
         h.barrier.open()
-        await until(lambda: h.dispatcher.resent_fresh == 4)
+        await eventually(lambda: h.dispatcher.resent_fresh == 4, "all four rows re-sent fresh")
         # The 0.8 s budget was spent unpaused only (however much of it went on dispatching
         # before the close, on a loaded machine), never in the 1.2 s paused.
         assert (closed - started) + (time.monotonic() - reopened) >= 0.8 - 0.05

@@ -28,7 +28,7 @@ from rollpoint.gym.model_server import model_server_of
 from rollpoint.http.app import create_app
 from rollpoint.http.auth import CONTROL_TOKEN_ENV
 from rollpoint.http.client import HttpClient
-from rollpoint.protocol.episode import RunReply, RunRequest, RunRow
+from rollpoint.protocol.episode import RunReply, RunRequest
 from rollpoint.protocol.ids import EpisodeId, new_rollout_id
 from rollpoint.runtime.process_group import ProcessGroup
 from rollpoint.runtime.server_spec import ServerSpec
@@ -40,18 +40,12 @@ from rollpoint.trainer.replica_roster import ReplicaRoster
 from rollpoint.trainer.train_hooks import TrainSample
 from rollpoint.trainer.trainer_loop import Trainer
 from tests.integration.trainer_cluster import Cluster, Replica, ThreadServer
+from tests.support.direct_play import play, play_directly
+from tests.support.polling import eventually
 
 pytestmark = pytest.mark.integration
 
 TOKEN = "lost-replies-test-token"
-
-
-async def until(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.01)
 
 
 @dataclass
@@ -222,10 +216,12 @@ async def test_a_cut_stream_adopts_the_finished_row_and_resends_only_the_running
             # Rows 0 and 1 already finished on the agent: the stream returns them at once
             # (the proxy loses row 1's line and cuts the stream) while rows 2 and 3 are held
             # at their first policy call, still running.
-            await play_directly(h, replica.agent.url, rows=[0, 1])
+            await play_directly(h.ledger, replica.agent.url, rows=[0, 1])
             replica.on_gate(lambda gate: gate.close())
             run = asyncio.create_task(h.dispatcher.run_group("g"))
-            await until(lambda: h.dispatcher.resent_fresh == 2)
+            await eventually(
+                lambda: h.dispatcher.resent_fresh == 2, "the two running rows re-sent fresh"
+            )
             # The running rows' old tries were retired (cancelled on the agent) before their
             # rows went out again: none waits in the retire queue, the agent runs neither.
             for old in first[2:]:
@@ -354,7 +350,10 @@ async def test_with_its_agent_unreachable_a_given_up_try_is_resent_fresh_and_lef
                 first = h.add_group(cluster)
                 r0.on_gate(lambda gate: gate.close())  # every row held at its first call
                 run = asyncio.create_task(h.dispatcher.run_group("g"))
-                await until(lambda: h.ledger.in_flight_count(r0.name) == 4)
+                await eventually(
+                    lambda: h.ledger.in_flight_count(r0.name) == 4,
+                    "all four rows in flight on replica-0",
+                )
                 agent.process.kill()  # mid-stream: no one is left to answer the retire
                 outcome = await asyncio.wait_for(run, 10)
                 await h.releases.flush()  # still unreachable: the retire stays queued
@@ -432,27 +431,3 @@ async def dispatcher_with_control(
         finally:
             await dispatcher.aclose()
             control.metrics.close()
-
-
-async def play_directly(h: DispatchHarness, agent_url: str, rows: list[int]) -> None:
-    records = [h.ledger.current("g", row) for row in rows]
-    task = h.ledger.task(records[0].task_id)
-    await play(agent_url, [(r.episode, r.group_id, r.row) for r in records], task=task)
-
-
-async def play(agent_url: str, rows: list[tuple[EpisodeId, str, int]], *, task: Any) -> None:
-    """Run rows to the end on an agent directly, reading every result (the agent holds them)."""
-    request = RunRequest(
-        rows=[
-            RunRow(task=task, group_id=group_id, row=row, episode=episode, max_turns=12)
-            for episode, group_id, row in rows
-        ]
-    )
-    async with HttpClient() as client:
-        lines = [
-            line
-            async for line in client.stream_ndjson(
-                f"{agent_url}/run", request.model_dump(mode="json")
-            )
-        ]
-    assert [line["kind"] for line in lines] == ["finished"] * len(rows)

@@ -14,7 +14,7 @@ import json
 import sqlite3
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +39,7 @@ from rollpoint.protocol.ids import HEADER_ATTEMPT, HEADER_ROLLOUT_ID, HEADER_TUR
 from rollpoint.protocol.participant import CheckpointMode
 from rollpoint.store.participant_state import read_participant_state
 from tests.support.live_server import serve_app
+from tests.support.polling import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -232,14 +233,6 @@ async def ledger(http: httpx.AsyncClient, model: str, rollout_id: str) -> list[J
     reply = await http.get(model + "/rollpoint/v1/calls", params={"rollout_id": rollout_id})
     calls: list[JsonDict] = reply.json()["calls"]
     return calls
-
-
-async def eventually(check: Callable[[], Awaitable[bool]], what: str, within_s: float = 5) -> None:
-    stop = time.monotonic() + within_s
-    while not await check():
-        if time.monotonic() > stop:
-            raise AssertionError(f"never happened: {what}")
-        await asyncio.sleep(0.01)
 
 
 async def every_rollout_called(http: httpx.AsyncClient, model: str, ids: list[str]) -> None:

@@ -10,13 +10,10 @@ snapshot taken while it was down still restores.
 from __future__ import annotations
 
 import asyncio
-import secrets
 import shutil
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,35 +21,25 @@ import orjson
 import pytest
 
 from rollpoint.config import RunConfig, parse_config
-from rollpoint.envs import get_environment
 from rollpoint.http.client import HttpClient
 from rollpoint.protocol.episode import RunReply
 from rollpoint.protocol.errors import RunStalledError
 from rollpoint.protocol.manifest import SnapshotManifest
-from rollpoint.runtime.embedded import EmbeddedRuntime
-from rollpoint.store.snapshot_store import SnapshotStore
-from rollpoint.trainer.control_plane import ControlPlane, participant_clients, snapshot_root
 from rollpoint.trainer.coordinator import LEDGER_FILE, TQ_FILE, TRAINER_FILE
 from rollpoint.trainer.dispatch_barrier import DispatchBarrier
 from rollpoint.trainer.dispatcher import Dispatcher
 from rollpoint.trainer.ledger import RecoveryLedger, RolloutState
-from rollpoint.trainer.metrics import TrainerMetrics
 from rollpoint.trainer.replica_roster import ReplicaRoster
 from rollpoint.trainer.restorer import Restorer, ResumePoint
 from rollpoint.trainer.trainer_loop import TRAIN_DATA_FILE, Trainer
 from tests.integration.trainer_cluster import Cluster
+from tests.support.embedded_job import EmbeddedJob, embedded_job, embedded_servers
+from tests.support.polling import eventually
 
 pytestmark = pytest.mark.integration
 
 LOST = "replica-1"
-
-
-async def until(condition: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.01)
+WAIT_S = 10.0
 
 
 def job(tmp_path: Path, **overrides: Any) -> RunConfig:
@@ -78,66 +65,22 @@ def job(tmp_path: Path, **overrides: Any) -> RunConfig:
     return config
 
 
-@dataclass
-class Harness:
-    config: RunConfig
-    runtime: EmbeddedRuntime
-    http: HttpClient
-    trainer: Trainer
-    store: SnapshotStore
-
-    async def kill(self, replica: str) -> float:
-        """SIGKILL the replica's three servers, then tell the trainer; returns the time."""
-        children = [c for c in self.runtime.group.children if c.spec.name.endswith(replica)]
-        assert sorted(c.spec.name for c in children) == [
-            f"{kind}-{replica}" for kind in ("agent", "model", "resources")
-        ]
-        for child in children:
-            child.process.kill()
-        for child in children:
-            await child.process.wait()
-        down_at = time.time()
-        await self.trainer.replica_down(replica)
-        return down_at
-
-    def published_since(self, since: float) -> list[SnapshotManifest]:
-        manifests = [self.store.load(s.snapshot_id) for s in self.store.list_snapshots()]
-        return [m for m in manifests if m.created_at > since]
-
-    def train_rows(self) -> list[dict[str, Any]]:
-        path = self.config.workdir / TRAIN_DATA_FILE
-        return [orjson.loads(line) for line in path.read_bytes().splitlines()]
+async def kill(h: EmbeddedJob, replica: str) -> float:
+    """SIGKILL the replica's three servers, then tell the trainer; returns the time."""
+    children = [c for c in h.runtime.group.children if c.spec.name.endswith(replica)]
+    assert sorted(c.spec.name for c in children) == [
+        f"{kind}-{replica}" for kind in ("agent", "model", "resources")
+    ]
+    for child in children:
+        child.process.kill()
+    for child in children:
+        await child.process.wait()
+    down_at = time.time()
+    await h.trainer.replica_down(replica)
+    return down_at
 
 
-@asynccontextmanager
-async def harness(
-    config: RunConfig, *, replica_restart_wait_s: float | None = None
-) -> AsyncIterator[Harness]:
-    token = secrets.token_urlsafe(16)
-    root = snapshot_root(config)
-    store = SnapshotStore(root, keep=config.snapshot.keep)
-    metrics = TrainerMetrics(config.workdir / "metrics.jsonl")
-    async with (
-        EmbeddedRuntime(config, control_token=token, snapshot_root=root) as runtime,
-        HttpClient(token=token) as http,
-    ):
-        assert runtime.deployment is not None
-        control = ControlPlane(participant_clients(runtime.deployment, http), store, metrics)
-        tasks = get_environment(config.environment).make_tasks(config.tasks or 1, config.seed)
-        trainer = Trainer(
-            config,
-            runtime.deployment,
-            tasks,
-            control=control,
-            replica_restart_wait_s=replica_restart_wait_s,
-        )
-        try:
-            yield Harness(config, runtime, http, trainer, store)
-        finally:
-            metrics.close()
-
-
-def assert_every_row_trained_once(h: Harness) -> None:
+def assert_every_row_trained_once(h: EmbeddedJob) -> None:
     keys = Counter((r["group_id"], r["row"]) for r in h.train_rows())
     groups = h.trainer.ledger.group_ids()
     assert set(keys) == {(gid, row) for gid in groups for row in range(h.config.group_size)}
@@ -151,13 +94,17 @@ def replicas_named(manifest: SnapshotManifest) -> set[str]:
 async def test_a_replica_killed_mid_job_is_left_out_and_every_row_trains_once(
     tmp_path: Path,
 ) -> None:
-    async with harness(job(tmp_path)) as h:
+    async with embedded_job(job(tmp_path)) as h:
         run = asyncio.create_task(h.trainer.run())
-        await until(
-            lambda: h.trainer.ledger.in_flight_count(LOST) > 0 and len(h.store.list_snapshots()) > 0
+        await eventually(
+            lambda: (
+                h.trainer.ledger.in_flight_count(LOST) > 0 and len(h.store.list_snapshots()) > 0
+            ),
+            "rows in flight on the replica to lose, and a snapshot published",
+            within_s=WAIT_S,
         )
         lost_tries = {r.rollout_id for r in h.trainer.ledger.in_flight(LOST)}
-        down_at = await h.kill(LOST)
+        down_at = await kill(h, LOST)
         # At once, nothing is in flight on the dead replica any more.
         assert h.trainer.ledger.in_flight_count(LOST) == 0
         summary = await asyncio.wait_for(run, 30)
@@ -172,7 +119,7 @@ async def test_a_replica_killed_mid_job_is_left_out_and_every_row_trains_once(
     for rid in lost_tries:
         assert h.trainer.ledger.get(rid).state is RolloutState.RETIRED
     # Snapshots went on committing without it, naming only the replica that committed.
-    after = h.published_since(down_at)
+    after = h.published(down_at)
     assert after, "no snapshot was published after the replica was lost"
     assert all(replicas_named(m) == {"replica-0"} and len(m.participants) == 3 for m in after)
     # At most the save running when the servers died failed; none after.
@@ -186,17 +133,33 @@ async def test_a_replica_back_on_new_ports_is_used_again_and_a_cut_without_it_re
     # No train checkpoints: every snapshot composes with step 0, so the cut taken while
     # the replica was down stays restorable however far the job has gone since.
     config = job(tmp_path, tasks=200, train={"batch_size": 4, "checkpoint_every_steps": None})
-    async with harness(config) as h:
+    async with embedded_job(config) as h:
         run = asyncio.create_task(h.trainer.run())
-        await until(lambda: h.trainer.ledger.in_flight_count(LOST) > 0)
-        down_at = await h.kill(LOST)
-        await until(lambda: bool(h.published_since(down_at)))
+        await eventually(
+            lambda: h.trainer.ledger.in_flight_count(LOST) > 0,
+            "rows in flight on the replica to lose",
+            within_s=WAIT_S,
+        )
+        down_at = await kill(h, LOST)
+        await eventually(
+            lambda: bool(h.published(down_at)),
+            "a snapshot published with the replica down",
+            within_s=WAIT_S,
+        )
         endpoints = await h.runtime.restart_replica(LOST)
         up_at = time.time()
         await h.trainer.replica_up(endpoints)
         # The dispatcher sends to it again at its new URLs, and snapshots include it again.
-        await until(lambda: h.trainer.ledger.in_flight_count(LOST) > 0)
-        await until(lambda: any(LOST in replicas_named(m) for m in h.published_since(up_at)))
+        await eventually(
+            lambda: h.trainer.ledger.in_flight_count(LOST) > 0,
+            "rows in flight on the replica back up",
+            within_s=WAIT_S,
+        )
+        await eventually(
+            lambda: any(LOST in replicas_named(m) for m in h.published(up_at)),
+            "a snapshot published naming the replica back up",
+            within_s=WAIT_S,
+        )
         # Its model server serves the rows' policy calls (they may still be on their way).
         stats = await h.http.get_json(f"{endpoints.model_url}/rollpoint/v1/stats")
         deadline = time.monotonic() + 10
@@ -208,24 +171,18 @@ async def test_a_replica_back_on_new_ports_is_used_again_and_a_cut_without_it_re
 
     assert stats["calls_total"] > 0
     assert stats["policy_version"] > 0  # told the current version when it came back
-    back = [m for m in h.published_since(up_at) if LOST in replicas_named(m)]
+    back = [m for m in h.published(up_at) if LOST in replicas_named(m)]
     assert len(back[0].participants) == 6
     # A snapshot taken while it was down names only replica-0 ...
-    cut = [m for m in h.published_since(down_at) if m.created_at < up_at][-1]
+    cut = [m for m in h.published(down_at) if m.created_at < up_at][-1]
     assert replicas_named(cut) == {"replica-0"} and len(cut.participants) == 3
     # ... and a rerun after the crash restores it on fresh servers: the replica it does not
     # name is left alone, and nothing of the cut waits on it.
     point = resume_point(h, cut)
     train_data = tmp_path / "train_data_copy.jsonl"
     shutil.copy(config.workdir / TRAIN_DATA_FILE, train_data)
-    token = secrets.token_urlsafe(16)
-    async with (
-        EmbeddedRuntime(config, control_token=token, snapshot_root=snapshot_root(config)) as rerun,
-        HttpClient(token=token) as http,
-    ):
-        assert rerun.deployment is not None
-        participants = participant_clients(rerun.deployment, http)
-        restored = await Restorer(participants).restore(point, train_data=train_data)
+    async with embedded_servers(config) as rerun:
+        restored = await Restorer(rerun.participants()).restore(point, train_data=train_data)
     assert restored.snapshot_id == cut.snapshot_id
     assert len(restored.continued) == len(cut.episodes)
     assert all(r.replica != LOST for r in restored.ledger.in_flight())
@@ -233,7 +190,7 @@ async def test_a_replica_back_on_new_ports_is_used_again_and_a_cut_without_it_re
         assert restored.ledger.get(episode.rollout_id).replica == "replica-0"
 
 
-def resume_point(h: Harness, manifest: SnapshotManifest) -> ResumePoint:
+def resume_point(h: EmbeddedJob, manifest: SnapshotManifest) -> ResumePoint:
     sid = manifest.snapshot_id
     tq_doc = orjson.loads(h.store.read_file(sid, TQ_FILE))
     committed = int(tq_doc.get("committed_step", 0))
@@ -287,7 +244,9 @@ async def test_with_no_replica_up_rows_wait_unsent_until_one_comes_back(cluster:
                 roster.mark_down(name)
                 dispatcher.replica_lost(name)
             run = asyncio.create_task(dispatcher.run_group("g"))
-            await until(lambda: dispatcher.waiting_rows == 4)
+            await eventually(
+                lambda: dispatcher.waiting_rows == 4, "every row waiting", within_s=WAIT_S
+            )
             await asyncio.sleep(0.2)
             assert (dispatcher.in_flight_rows, replies, dispatcher.idle) == (0, [], False)
             roster.mark_up(cluster.replicas[1].endpoints)

@@ -37,13 +37,9 @@ from rollpoint.trainer.metrics import TrainerMetrics
 from rollpoint.trainer.replica_recovery import ReplicaRecovery
 from rollpoint.trainer.replica_roster import ReplicaRoster
 from rollpoint.trainer.trainer_loop import Trainer
-from tests.integration.test_replica_loss import (
-    LOST,
-    assert_every_row_trained_once,
-    harness,
-    job,
-    until,
-)
+from tests.integration.test_replica_loss import LOST, assert_every_row_trained_once, job, kill
+from tests.support.embedded_job import embedded_job
+from tests.support.polling import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -73,12 +69,16 @@ async def test_a_killed_replica_continues_its_snapshot_episodes_once_restarted(
     config = job(tmp_path, tasks=8, policy={"latency_ms": 50, "error_rate": 0.0})
     # The test restarts the replica itself; on a loaded 2-core machine that can take longer
     # than the snapshot deadline the wait defaults to.
-    async with harness(config, replica_restart_wait_s=60) as h:
+    async with embedded_job(config, replica_restart_wait_s=60) as h:
         trainer = h.trainer
         assert trainer.coordinator is not None and trainer.recovery is not None
         run = asyncio.create_task(trainer.run())
-        await until(lambda: saved_and_running(trainer))
-        await h.kill(LOST)
+        await eventually(
+            lambda: saved_and_running(trainer),
+            f"a snapshot saved a mid-conversation episode still running on {LOST}",
+            within_s=10.0,
+        )
+        await kill(h, LOST)
         held = trainer.recovery.held[LOST]
         manifest = h.store.load(held.snapshot_id)
         turns = {e.rollout_id: e.turns_completed for e in manifest.episodes}
@@ -234,7 +234,7 @@ async def test_held_tries_start_over_when_the_replica_does_not_come_back(tmp_pat
             p.records[0].rollout_id,
             p.records[1].rollout_id,
         }
-        await until(lambda: LOST not in p.recovery.held, timeout_s=2)
+        await eventually(lambda: LOST not in p.recovery.held, f"{LOST}'s tries let go", within_s=2)
         for row in (0, 1):
             current = p.ledger.current("g", row)
             assert (current.state, current.attempt, current.tries) == (RolloutState.QUEUED, 0, 2)

@@ -50,6 +50,7 @@ pytestmark = pytest.mark.integration
 PREPARE = f"{CONTROL_PREFIX}/prepare"
 COMMIT = f"{CONTROL_PREFIX}/commit"
 RESUME = f"{CONTROL_PREFIX}/resume"
+CONFIRM = f"{CONTROL_PREFIX}/confirm"
 DEADLINE_S = 1.5
 LEASE_GRACE_S = 1.0
 POLICY_LATENCY_MS = 60.0
@@ -208,6 +209,20 @@ FAILED_SAVES = [
         lambda: Fault.drop_reply(path=COMMIT),
         r"agent@replica-0 commit: .*Disconnected",
         id="commit-reply-lost",
+    ),
+    # The write runs after the pause (detached) and is confirmed before the publish: a
+    # lost or garbled confirm fails the save like a failed commit, and nothing is published.
+    pytest.param(
+        AGENT,
+        lambda: Fault.drop_reply(path=CONFIRM),
+        r"agent@replica-0 confirm: .*Disconnected",
+        id="confirm-reply-lost",
+    ),
+    pytest.param(
+        RESOURCES,
+        lambda: Fault.garbage(path=CONFIRM, forward=True),
+        r"resources@replica-0 confirm: .*not JSON",
+        id="confirm-answers-garbage",
     ),
 ]
 

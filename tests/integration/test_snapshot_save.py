@@ -7,11 +7,7 @@ snapshot store holds and checks it against what the servers held at the cut.
 from __future__ import annotations
 
 import asyncio
-import secrets
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -21,18 +17,13 @@ import pytest
 from rollpoint.config import RunConfig, parse_config
 from rollpoint.envs import get_environment
 from rollpoint.gym.resources_server import EpisodeRecord
-from rollpoint.http.client import HttpClient
 from rollpoint.protocol.episode import TaskRow
 from rollpoint.protocol.errors import ConfigError
-from rollpoint.protocol.manifest import SnapshotManifest
-from rollpoint.runtime.embedded import EmbeddedRuntime
 from rollpoint.store.participant_state import read_participant_state
-from rollpoint.store.snapshot_store import SnapshotStore
-from rollpoint.trainer.control_plane import ControlPlane, participant_clients, snapshot_root
 from rollpoint.trainer.coordinator import LEDGER_FILE
-from rollpoint.trainer.metrics import TrainerMetrics
 from rollpoint.trainer.train_hooks import TrainSample
 from rollpoint.trainer.trainer_loop import Trainer
+from tests.support.embedded_job import embedded_job
 
 pytestmark = pytest.mark.integration
 
@@ -55,31 +46,6 @@ def job(tmp_path: Path, **overrides: Any) -> RunConfig:
     return config
 
 
-@dataclass
-class Harness:
-    config: RunConfig
-    trainer: Trainer
-    store: SnapshotStore
-    metrics: TrainerMetrics
-
-
-@asynccontextmanager
-async def harness(config: RunConfig, hooks: Any = None) -> AsyncIterator[Harness]:
-    token = secrets.token_urlsafe(16)
-    root = snapshot_root(config)
-    store = SnapshotStore(root, keep=config.snapshot.keep)
-    metrics = TrainerMetrics(config.workdir / "metrics.jsonl")
-    async with (
-        EmbeddedRuntime(config, control_token=token, snapshot_root=root) as runtime,
-        HttpClient(token=token) as http,
-    ):
-        assert runtime.deployment is not None
-        control = ControlPlane(participant_clients(runtime.deployment, http), store, metrics)
-        tasks = get_environment(config.environment).make_tasks(config.tasks or 1, config.seed)
-        trainer = Trainer(config, runtime.deployment, tasks, hooks=hooks, control=control)
-        yield Harness(config, trainer, store, metrics)
-
-
 def _tool_status(content: object) -> object:
     try:
         parsed = orjson.loads(str(content))
@@ -88,16 +54,12 @@ def _tool_status(content: object) -> object:
     return parsed.get("status") if isinstance(parsed, dict) else None
 
 
-def published(store: SnapshotStore) -> list[SnapshotManifest]:
-    return [store.load(s.snapshot_id) for s in store.list_snapshots()]
-
-
 async def test_snapshots_of_a_live_job_hold_what_the_servers_held(tmp_path: Path) -> None:
     config = job(tmp_path)
-    async with harness(config) as h:
+    async with embedded_job(config) as h:
         summary = await h.trainer.run()
     assert summary.episodes == 16 and not summary.failed_groups
-    manifests = published(h.store)
+    manifests = h.published()
     assert manifests, "no snapshot was published during the job"
     with_episodes = [m for m in manifests if m.episodes]
     assert with_episodes, "no snapshot caught an episode in flight"
@@ -165,7 +127,7 @@ async def test_snapshots_of_a_live_job_hold_what_the_servers_held(tmp_path: Path
 
 async def test_restart_only_server_is_refused_unless_allowed(tmp_path: Path) -> None:
     config = job(tmp_path, environment="math", replicas=1, max_turns=1)
-    async with harness(config) as h:
+    async with embedded_job(config) as h:
         with pytest.raises(ConfigError, match=r"restart-only server\(s\) agent@replica-0"):
             await h.trainer.run()
 
@@ -182,10 +144,10 @@ async def test_allowed_restart_only_servers_save_no_session_and_never_block(tmp_
         policy={"latency_ms": 400, "error_rate": 0.0},
         snapshot={"every_seconds": 0.2, "allow_restart_only": True, "keep": 50},
     )
-    async with harness(config) as h:
+    async with embedded_job(config) as h:
         summary = await h.trainer.run()
     assert summary.episodes == 48
-    manifests = published(h.store)
+    manifests = h.published()
     assert manifests
     # A restart-only agent never saves a session and never blocks a snapshot. (Which
     # in-flight episodes a cut lists as restarts depends on timing: a policy call admitted
@@ -221,11 +183,11 @@ async def test_a_train_step_ending_during_a_save_does_not_discard_it(tmp_path: P
         train={"batch_size": 4, "checkpoint_every_steps": None},
         snapshot={"every_seconds": 0.1, "keep": 200, "deadline_seconds": 5},
     )
-    async with harness(config, hooks=hooks) as h:
+    async with embedded_job(config, hooks=hooks) as h:
         hooks.trainer = h.trainer
         summary = await h.trainer.run()
     assert summary.train_steps >= 3
-    manifests = published(h.store)
+    manifests = h.published()
     overlapping = [
         m for m in manifests if any(m.created_at <= t <= m.published_at for _, t in hooks.ended)
     ]

@@ -30,6 +30,8 @@ from rollpoint.protocol.control import (
     AckRequest,
     CommitReply,
     CommitRequest,
+    ConfirmReply,
+    ConfirmRequest,
     ForgetReply,
     ForgetRequest,
     PrepareReply,
@@ -102,6 +104,10 @@ def control_router(fence: Fence, settings: ControlSettings) -> APIRouter:
         # Serialised once, here: the reply lists every episode of the scope twice, and
         # FastAPI would dump, validate and dump it again inside the snapshot pause.
         return Response(reply.model_dump_json(), media_type="application/json")
+
+    @router.post(f"/{Verb.CONFIRM}")
+    async def confirm(body: ConfirmRequest) -> ConfirmReply:
+        return await fence.confirm(body)
 
     @router.post(f"/{Verb.RESUME}")
     async def resume(body: ResumeRequest) -> ResumeReply:

@@ -20,9 +20,21 @@ Admission follows the phase, in one place (:meth:`Fence._move`): it is closed wh
 phase leaves idle and opened when it returns, so it is open iff the phase is idle.
 
 One :class:`asyncio.Lock` serialises every transition. Two waits run outside it so the
-participant keeps answering: prepare's wait for readiness, and commit's export + write
-(a task per checkpoint id, so a concurrent or repeated commit awaits the same result).
+participant keeps answering: prepare's wait for readiness, and commit's capture and write
+(tasks per checkpoint id, so a concurrent or repeated commit awaits the same result).
 A refused call raises before it changes anything.
+
+**Detached writes.** A commit captures the scope (the participant's export: records built
+from what the sessions already hold, taken while nothing moves) and then writes it. With
+``wait_for_write: false`` it replies after the capture and writes nothing yet; ``confirm``
+(which the coordinator sends after the resume) starts the write and returns the manifest
+once it ends. So encoding and hashing run while the participant serves again, not in the
+snapshot pause, and a checkpoint aborted after its commit (nobody confirms) writes
+nothing into a staging folder its coordinator already removed. The captured records must
+not change afterwards: exports hand out copies of what sessions go on appending to, and
+dicts nobody mutates. A new capture first awaits an earlier write still running and
+drops an earlier capture nobody confirmed, so at most one checkpoint's records wait in
+memory.
 """
 
 from __future__ import annotations
@@ -42,12 +54,15 @@ from pydantic import JsonValue
 from rollpoint.gym.participant import Participant
 from rollpoint.gym.phase_table import Event, Step, next_phase
 from rollpoint.protocol.control import (
+    DETACHED_WRITE,
     MAX_REPORTED_BLOCKERS,
     PROTOCOL_VERSION,
     AckReply,
     AckRequest,
     CommitReply,
     CommitRequest,
+    ConfirmReply,
+    ConfirmRequest,
     ExportedEpisode,
     ForgetReply,
     ForgetRequest,
@@ -72,6 +87,7 @@ from rollpoint.protocol.errors import (
     DeadlineExceededError,
     InvalidCheckpointStateError,
     InvalidPhaseError,
+    NotFoundError,
     RestoreError,
     RollpointError,
     SnapshotError,
@@ -79,6 +95,7 @@ from rollpoint.protocol.errors import (
     StaleCheckpointError,
 )
 from rollpoint.protocol.ids import EpisodeId, is_identifier
+from rollpoint.protocol.manifest import ParticipantManifest
 from rollpoint.store.collector_pause import collector_paused
 from rollpoint.store.filesystem import resolve_inside
 from rollpoint.store.participant_state import read_participant_state, write_participant_state
@@ -86,6 +103,8 @@ from rollpoint.store.participant_state import read_participant_state, write_part
 log = logging.getLogger(__name__)
 
 REMEMBERED_RESUMED_IDS = 64
+REMEMBERED_WRITES = 8
+"""Commits kept (by checkpoint id) for ``confirm`` after their checkpoint resumed."""
 _WAIT_SLICE_S = 1.0
 """Longest single wait on the participant while preparing (a resume is noticed this fast)."""
 _REOPEN_RETRY_S = 1.0
@@ -118,7 +137,12 @@ class ControlSettings:
 
 @dataclass
 class _Write:
-    """One checkpoint's commit: exported once, stored until it succeeds."""
+    """One checkpoint's commit: captured once, then written until a write succeeds.
+
+    The capture (the export, and the reply built from it) is what a commit waits for; the
+    write encodes, hashes and stores the captured records. A commit that does not wait
+    for the write lets the checkpoint resume first, and ``confirm`` collects the manifest.
+    """
 
     checkpoint_id: str
     checkpoint_dir: str
@@ -126,13 +150,20 @@ class _Write:
     directory: str
     """The participant's own folder, resolved inside the snapshot root."""
     scope: list[EpisodeId]
-    task: asyncio.Task[CommitReply] | None = None
+    capture: asyncio.Task[CommitReply] | None = None
+    store: asyncio.Task[ParticipantManifest] | None = None
     records: list[dict[str, JsonValue]] | None = None
-    """Kept once exported, so a failed store is retried without exporting again."""
+    """Kept from the export until a write succeeds, so a failed write is tried again
+    without exporting again (the participant has moved on since)."""
+    manifest: ParticipantManifest | None = None
 
     @property
     def key(self) -> tuple[str, frozenset[str]]:
         return self.directory, frozenset(e.key for e in self.scope)
+
+    @property
+    def captured(self) -> bool:
+        return self.capture is not None and self.capture.done() and not _failed(self.capture)
 
 
 @dataclass(frozen=True)
@@ -167,6 +198,9 @@ class Fence:
         self._resumed: OrderedDict[str, None] = OrderedDict()
         self._prepared: PrepareReply | None = None
         self._write: _Write | None = None
+        """The active checkpoint's commit; cleared when the phase returns to idle."""
+        self._writes: OrderedDict[str, _Write] = OrderedDict()
+        """The last commits by checkpoint id, kept past their resume for ``confirm``."""
         self._restored: _RestoreMemo | None = None
         self._marks: dict[str, int] = {}
         self._lease_changed = asyncio.Event()
@@ -207,7 +241,7 @@ class Fence:
             replica=p.replica,
             mode=p.mode,
             protocol_version=PROTOCOL_VERSION,
-            features=list(p.features),
+            features=[*p.features, DETACHED_WRITE],
             phase=self._phase,
             checkpoint_id=self._checkpoint_id,
             lease_expires_at=self._lease_expires_at,
@@ -272,25 +306,37 @@ class Fence:
         async with self._lock:
             await self._reap_lease()
             self._admit(Verb.COMMIT, cid)
-            write = _Write(cid, req.checkpoint_dir, directory, scope)
-            task = self._start_write(write, req.deadline_ts)
-        if not task.done():
-            remaining = req.deadline_ts - self._clock()
-            try:
-                async with asyncio.timeout(max(remaining, 0.0)):
-                    await asyncio.shield(task)
-            except TimeoutError:
-                raise DeadlineExceededError(
-                    f"commit {cid}: the write outlived the deadline; it goes on, "
-                    "and a retry with the same dir and scope collects it"
-                ) from None
-        reply = task.result()
+            write = self._start_capture(_Write(cid, req.checkpoint_dir, directory, scope), req)
+        assert write.capture is not None
+        reply = await self._by_deadline(
+            write.capture, req.deadline_ts, f"commit {cid}: the capture outlived the deadline"
+        )
+        if req.wait_for_write:
+            manifest = await self._stored(write, req.deadline_ts, f"commit {cid}")
+            reply = reply.model_copy(update={"manifest": manifest})
         async with self._lock:
             if self._checkpoint_id != cid:
                 raise StaleCheckpointError(f"checkpoint {cid} was resumed while committing")
             if self._phase is Phase.PREPARED:
                 await self._move(Verb.COMMIT)
         return reply
+
+    async def confirm(self, req: ConfirmRequest) -> ConfirmReply:
+        """The manifest of what a commit of ``req.checkpoint_id`` captured, once written."""
+        cid = req.checkpoint_id
+        self._admit(Verb.CONFIRM, None)
+        write = self._writes.get(cid)
+        if write is None or write.capture is None:
+            raise NotFoundError(
+                f"confirm {cid}: no commit of that checkpoint here "
+                f"(the last {REMEMBERED_WRITES} commits are kept)"
+            )
+        self._check_deadline("confirm", cid, req.deadline_ts)
+        await self._by_deadline(
+            write.capture, req.deadline_ts, f"confirm {cid}: the capture outlived the deadline"
+        )
+        manifest = await self._stored(write, req.deadline_ts, f"confirm {cid}")
+        return ConfirmReply(checkpoint_id=cid, manifest=manifest)
 
     async def resume(self, req: ResumeRequest) -> ResumeReply:
         cid = req.checkpoint_id
@@ -457,25 +503,28 @@ class Fence:
                 return
             await self._participant.wait_changed(min(remaining, _WAIT_SLICE_S))
 
-    def _start_write(self, wanted: _Write, deadline_ts: float) -> asyncio.Task[CommitReply]:
-        """The task writing ``wanted``: the running or finished one for the same dir and
-        scope, or a new one if the participant is still ready for it."""
+    def _start_capture(self, wanted: _Write, req: CommitRequest) -> _Write:
+        """The write for ``wanted``'s dir and scope with its capture running or done: the
+        one already started, or a new one if the participant is still ready for it."""
         cid, write = wanted.checkpoint_id, self._write
         if write is not None and write.key != wanted.key:
             raise CheckpointConflictError(
                 f"commit {cid} already went to {write.checkpoint_dir!r} with "
                 f"{len(write.scope)} episode(s); a retry must name the same dir and scope"
             )
-        if write is not None and write.task is not None and not _failed(write.task):
-            return write.task
-        self._check_deadline("commit", cid, deadline_ts)
+        if write is not None and write.capture is not None and not _failed(write.capture):
+            return write
+        self._check_deadline("commit", cid, req.deadline_ts)
         self._check_ready_for(cid, wanted.scope)
         if write is None:
             write = self._write = wanted
-        write.task = asyncio.create_task(self._export_and_store(write))
-        write.task.add_done_callback(_retrieve_failure)
-        self._extend_lease(deadline_ts)
-        return write.task
+            self._writes[cid] = write
+            while len(self._writes) > REMEMBERED_WRITES:
+                self._writes.popitem(last=False)
+        write.capture = asyncio.create_task(self._capture(write))
+        write.capture.add_done_callback(_retrieve_failure)
+        self._extend_lease(req.deadline_ts)
+        return write
 
     def _check_ready_for(self, cid: str, scope: list[EpisodeId]) -> None:
         report = _call_hook("readiness", self._participant.readiness)
@@ -496,32 +545,75 @@ class Fence:
                 f"be captured): {', '.join(sorted(restarts))}"
             )
 
-    async def _export_and_store(self, write: _Write) -> CommitReply:
+    async def _capture(self, write: _Write) -> CommitReply:
         p = self._participant
+        # Bounded memory: at most one earlier capture holds its records. One being
+        # written is awaited (saves are serial, so it has almost always ended); one never
+        # confirmed belongs to an aborted checkpoint and is dropped.
+        for cid, earlier in list(self._writes.items()):
+            if earlier is write:
+                continue
+            if earlier.store is None:
+                del self._writes[cid]
+            elif not earlier.store.done():
+                await asyncio.wait([earlier.store])
         # An export allocates containers for every record while the process holds every
         # session: full collections on the way walked that whole heap (profiled at 10k
         # sessions: most of a commit's seconds).
         with collector_paused():
             if write.records is None:
                 write.records = await _await_hook("export", p.export(write.scope), SnapshotError)
-            store = asyncio.to_thread(
-                write_participant_state,
-                write.directory,
-                kind=p.kind.value,
-                instance=self._instance,
-                checkpoint_id=write.checkpoint_id,
-                records=write.records,
-            )
-            manifest = await _await_hook("state write", store, SnapshotError)
-            return CommitReply(
-                phase=Phase.COMMITTED,
-                checkpoint_id=write.checkpoint_id,
-                checkpoint_dir=write.checkpoint_dir,
-                state_dir=f"{p.kind.value}/{self._instance}",
-                episode_ids=write.scope,
-                manifest=manifest,
-                exported=_exported(write.records, write.scope),
-            )
+        return CommitReply(
+            phase=Phase.COMMITTED,
+            checkpoint_id=write.checkpoint_id,
+            checkpoint_dir=write.checkpoint_dir,
+            state_dir=f"{p.kind.value}/{self._instance}",
+            episode_ids=write.scope,
+            manifest=None,
+            exported=_exported(write.records, write.scope),
+        )
+
+    def _start_store(self, write: _Write) -> asyncio.Task[ParticipantManifest]:
+        """The task writing ``write``'s records: the running or finished one, or a new one
+        after none started or the last one failed."""
+        if write.store is None or _failed(write.store):
+            write.store = asyncio.create_task(self._store(write))
+            write.store.add_done_callback(_retrieve_failure)
+        return write.store
+
+    async def _store(self, write: _Write) -> ParticipantManifest:
+        if write.manifest is not None:
+            return write.manifest
+        assert write.records is not None, "a write is stored only once captured"
+        store = asyncio.to_thread(
+            write_participant_state,
+            write.directory,
+            kind=self._participant.kind.value,
+            instance=self._instance,
+            checkpoint_id=write.checkpoint_id,
+            records=write.records,
+        )
+        write.manifest = await _await_hook("state write", store, SnapshotError)
+        write.records = None  # written: the manifest is all a retry or confirm needs
+        return write.manifest
+
+    async def _stored(self, write: _Write, deadline_ts: float, what: str) -> ParticipantManifest:
+        return await self._by_deadline(
+            self._start_store(write),
+            deadline_ts,
+            f"{what}: the write outlived the deadline; it goes on, and a retry collects it",
+        )
+
+    async def _by_deadline(self, task: asyncio.Task[T], deadline_ts: float, late: str) -> T:
+        """``task``'s result, or :class:`DeadlineExceededError` (``late``) at the deadline;
+        the task goes on either way, so a retry awaits the same work."""
+        if not task.done():
+            try:
+                async with asyncio.timeout(max(deadline_ts - self._clock(), 0.0)):
+                    await asyncio.shield(task)
+            except TimeoutError:
+                raise DeadlineExceededError(late) from None
+        return task.result()
 
     # --- restore -----------------------------------------------------------------------
 

@@ -53,6 +53,8 @@ TRANSITIONS: dict[tuple[Phase, Step], Phase] = {
     **{(phase, Event.LEASE_EXPIRED): Phase.IDLE for phase in _HELD},
     **{(phase, Verb.RENEW): phase for phase in _HELD},
     **{(phase, Verb.ACK): phase for phase in Phase},
+    # A detached write outlives its checkpoint's resume: confirm works in every phase.
+    **{(phase, Verb.CONFIRM): phase for phase in Phase},
 }
 
 

@@ -22,7 +22,15 @@ Each verb: phases before → after; replay rule; refusals (409 unless noted).
   committed. Exported once per id: the same dir + scope returns the same result, another
   dir or scope is checkpoint_conflict. invalid_phase (also when readiness regressed),
   stale_checkpoint, deadline_exceeded, 400 bad_request (path outside the root), 422
-  invalid_checkpoint_state (a reported restart in the scope).
+  invalid_checkpoint_state (a reported restart in the scope). With ``wait_for_write:
+  false`` (feature ``detached-write``) it replies once the scope's state is captured in
+  memory, with ``manifest: null``, and writes nothing yet: ``confirm`` does.
+- ``POST confirm(checkpoint_id, deadline_ts)``: any phase → same; writes what a commit of
+  that id captured (once; a write that failed is tried again) and returns its manifest.
+  Sent after the resume, it keeps encoding and writing out of the pause. The last 8
+  commits are kept, and a new commit drops an earlier capture nobody confirmed. 404
+  not_found (no commit of that id here), deadline_exceeded (the write goes on; confirm
+  again), or the write's own error (500 snapshot_failed, 422 invalid_checkpoint_state).
 - ``POST resume(checkpoint_id)``: non-idle → idle. A remembered id (the last 64) replies
   ``idempotent: true``; in idle any id is remembered, so a late prepare is stale.
   checkpoint_conflict.
@@ -58,6 +66,8 @@ CONTROL_PREFIX = "/rollpoint/v1/checkpoint"
 PROTOCOL_VERSION = 1
 MAX_REPORTED_BLOCKERS = 100
 """Blockers listed in a prepare report; ``blocker_count`` always carries the full count."""
+DETACHED_WRITE = "detached-write"
+"""The status feature of a participant whose commit can reply before its write ends."""
 MAX_BATCH = 100_000
 """Most episodes or rollouts one retire, forget or ack request may name."""
 
@@ -87,7 +97,8 @@ class Phase(StrEnum):
     PREPARED = "prepared"
     """Ready: nothing moves until commit or resume."""
     COMMITTED = "committed"
-    """The state of the scope is written; waiting for resume."""
+    """The state of the scope is captured (and written, unless the commit did not wait
+    for the write); waiting for resume."""
     RESTORED = "restored"
     """Saved state installed; restored episodes wait for their next attempt until resume."""
 
@@ -99,6 +110,7 @@ class Verb(StrEnum):
     PREPARE = "prepare"
     RENEW = "renew"
     COMMIT = "commit"
+    CONFIRM = "confirm"
     RESUME = "resume"
     RESTORE = "restore"
     RETIRE = "retire"
@@ -161,6 +173,15 @@ class CommitRequest(StrictModel):
     episode_ids: list[EpisodeId]
     """The scope: in-flight episodes to save (never a reported restart). Order and
     duplicates do not matter: a retry naming the same set is the same commit."""
+    wait_for_write: bool = True
+    """False: reply as soon as the scope's state is captured (``manifest`` is null) and
+    write it only when ``confirm`` asks, after the resume, so the write stays out of the
+    snapshot pause. Only to a participant listing feature ``detached-write``."""
+
+
+class ConfirmRequest(StrictModel):
+    checkpoint_id: CheckpointId
+    deadline_ts: DeadlineTs
 
 
 class ResumeRequest(StrictModel):
@@ -244,10 +265,17 @@ class CommitReply(StrictModel):
     """This participant's folder relative to ``checkpoint_dir``: ``<kind>/<name>-<replica>``."""
     episode_ids: list[EpisodeId]
     """The scope as committed (sorted, without duplicates)."""
-    manifest: ParticipantManifest
+    manifest: ParticipantManifest | None
+    """The written state's manifest; null from a commit that did not wait for the write."""
     exported: list[ExportedEpisode] = Field(default_factory=list)
     """The episodes of the scope this participant holds state for (records carrying a
     top-level ``episode``). A scoped episode missing here was not live on this participant."""
+
+
+class ConfirmReply(StrictModel):
+    checkpoint_id: CheckpointId
+    manifest: ParticipantManifest
+    """The state the commit captured, written and named by its digest."""
 
 
 class ResumeReply(StrictModel):

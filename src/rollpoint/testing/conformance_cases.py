@@ -25,9 +25,11 @@ import orjson
 from pydantic import ValidationError
 
 from rollpoint.protocol.control import (
+    DETACHED_WRITE,
     PROTOCOL_VERSION,
     AckReply,
     CommitReply,
+    ConfirmReply,
     ForgetReply,
     Phase,
     PrepareReply,
@@ -148,12 +150,18 @@ async def _deadline(t: Trial) -> str:
     return "a passed deadline is refused (prepare, renew) and changes nothing"
 
 
-async def _manifest_on_disk(root: Path, reply: CommitReply) -> str:
+def _written(reply: CommitReply, verb: str) -> ParticipantManifest:
+    check(reply.manifest is not None, f"{verb}: a commit that waits for its write has no manifest")
+    assert reply.manifest is not None
+    return reply.manifest
+
+
+async def _manifest_on_disk(root: Path, reply: CommitReply, manifest: ParticipantManifest) -> str:
     folder = root / reply.checkpoint_dir / reply.state_dir
 
     def read() -> tuple[bytes, bytes]:
         return (folder / "manifest.json").read_bytes(), (
-            folder / reply.manifest.records_file
+            folder / manifest.records_file
         ).read_bytes()
 
     try:
@@ -165,7 +173,7 @@ async def _manifest_on_disk(root: Path, reply: CommitReply) -> str:
     except (orjson.JSONDecodeError, ValidationError) as exc:
         reason = str(exc).splitlines()[0]
         raise CaseFailed(f"commit: {folder}/manifest.json is not a manifest: {reason}") from None
-    check(on_disk == reply.manifest, f"commit: {folder}/manifest.json differs from the reply's")
+    check(on_disk == manifest, f"commit: {folder}/manifest.json differs from the reply's")
     check(
         (hashlib.sha256(records).hexdigest(), len(records)) == (on_disk.sha256, on_disk.bytes),
         f"commit: {on_disk.records_file} does not match its manifest's sha256 and size",
@@ -180,7 +188,7 @@ async def _commit(t: Trial) -> str:
     await t.prepare(cid)
     reply = expect_ok(await t.commit(cid, folder, []), CommitReply)
     instance = f"{status.name}-{status.replica}"
-    m = reply.manifest
+    m = _written(reply, "commit")
     expected: list[tuple[str, object, object]] = [
         ("phase", reply.phase, Phase.COMMITTED),
         ("checkpoint_id", reply.checkpoint_id, cid),
@@ -195,8 +203,33 @@ async def _commit(t: Trial) -> str:
     wrong = [f"{name} {got!r} (expected {want!r})" for name, got, want in expected if got != want]
     check(not wrong, f"commit reply: {'; '.join(wrong)}")
     await t.phase_is(Phase.COMMITTED, cid)
-    on_disk = await _manifest_on_disk(t.local_root, reply) if t.local_root else ""
+    on_disk = await _manifest_on_disk(t.local_root, reply, m) if t.local_root else ""
     return f"committed {m.records_file}, {m.count} record(s){on_disk}"
+
+
+@case("detached-write")
+async def _detached_write(t: Trial) -> str:
+    status = await t.probe.status()
+    if DETACHED_WRITE not in status.features:
+        return f"not listed in features ({DETACHED_WRITE}): commits always wait for the write"
+    cid, folder = t.cid(), t.folder()
+    await t.prepare(cid)
+    body = {**_ids(cid), "checkpoint_dir": folder, "episode_ids": [], "wait_for_write": False}
+    reply = expect_ok(await t.probe.send(Verb.COMMIT, body), CommitReply)
+    check(reply.phase is Phase.COMMITTED, f"detached commit: phase {reply.phase}")
+    expect_ok(await t.probe.send(Verb.RESUME, {"checkpoint_id": cid}), ResumeReply)
+    await t.phase_is(Phase.IDLE, None)
+    confirmed = expect_ok(await t.probe.send(Verb.CONFIRM, _ids(cid)), ConfirmReply)
+    m = confirmed.manifest
+    check(
+        (confirmed.checkpoint_id, m.checkpoint_id) == (cid, cid),
+        f"confirm: reply names {confirmed.checkpoint_id}, manifest {m.checkpoint_id}",
+    )
+    again = expect_ok(await t.probe.send(Verb.CONFIRM, _ids(cid)), ConfirmReply)
+    check(again == confirmed, "a second confirm got another manifest")
+    await t.refused(Verb.CONFIRM, _ids(t.cid("never")), 404, "not_found")
+    on_disk = await _manifest_on_disk(t.local_root, reply, m) if t.local_root else ""
+    return f"replied before the write; confirm after resume returned {m.records_file}{on_disk}"
 
 
 @case("commit-replay")

@@ -16,7 +16,10 @@ Owns the save order of DESIGN §5 and the failure budget. A save:
    exported with its sessions (they are listed as ``finished`` in the manifest);
 6. checks the cut: every in-flight episode is on a replica that committed;
 7. resumes everyone (reverse stages) and reopens the barrier (the pause ends);
-8. writes the trainer's files and publishes the manifest last.
+8. writes the trainer's files while each participant writes what it captured (a commit to
+   a participant listing ``detached-write`` replies once its state is captured, so encoding,
+   hashing and writing run after the pause), confirms every participant's write, and
+   publishes the manifest last. A write that fails fails the save: nothing is published.
 
 **Finished replies nobody will seal.** Prepare lists each agent's finished, unacked
 replies. Those of a row's current try are a reply on the wire: they are exported with the
@@ -46,10 +49,11 @@ import orjson
 from pydantic import JsonValue
 
 from rollpoint.config import SnapshotConfig
-from rollpoint.protocol.control import CommitReply, Phase, StatusReply
+from rollpoint.protocol.control import DETACHED_WRITE, CommitReply, Phase, StatusReply
 from rollpoint.protocol.errors import ConfigError, RollpointError, SnapshotError, TransportError
 from rollpoint.protocol.ids import EpisodeId
 from rollpoint.protocol.manifest import (
+    FileEntry,
     ParticipantEntry,
     RestartEpisode,
     SavedEpisode,
@@ -92,6 +96,10 @@ class SaveReport:
     pause_s: float = 0.0
     prepare_s: float = 0.0
     commit_s: float = 0.0
+    write_s: float = 0.0
+    """After the reopen: until the trainer's files were written and every participant
+    confirmed its write (participants that waited for their write inside the commit
+    confirm at once)."""
     saved: int = 0
     restarts: int = 0
     finished: int = 0
@@ -110,6 +118,8 @@ class _Cut:
     created_at: float
     participants: list[ParticipantClient] = field(default_factory=list)
     """The participants that committed: the only ones the manifest names."""
+    detached: list[ParticipantClient] = field(default_factory=list)
+    """Those whose commit replied before the write: confirmed before the publish."""
     episodes: list[SavedEpisode] = field(default_factory=list)
     restarts: list[RestartEpisode] = field(default_factory=list)
     finished: list[RestartEpisode] = field(default_factory=list)
@@ -371,8 +381,11 @@ class SnapshotCoordinator:
             if staging is not None:
                 await asyncio.to_thread(self.store.abort, staging)
             return report
+        t2 = time.monotonic()
         try:
-            report.manifest = await asyncio.to_thread(self._publish, cut, report.pause_s)
+            files = await self._write_all(cut)
+            report.write_s = time.monotonic() - t2
+            report.manifest = await asyncio.to_thread(self._publish, cut, files, report.pause_s)
         except RollpointError as exc:
             report.blocked_by = f"publish: {exc.message}"
             with contextlib.suppress(RollpointError, OSError):
@@ -488,6 +501,7 @@ class SnapshotCoordinator:
             replica: [r.episode for r in records if r.key not in prepared.restarts]
             for replica, records in in_flight.items()
         }
+        cut.detached = [c for c in clients if DETACHED_WRITE in self._statuses[c].features]
         deadline = time.time() + self.config.deadline_seconds
         replies = await _by_deadline(
             [
@@ -496,6 +510,7 @@ class SnapshotCoordinator:
                     deadline,
                     staging.participants_relative_dir,
                     scopes[p.address.replica],
+                    wait_for_write=p not in cut.detached,
                 )
                 for p in clients
             ],
@@ -553,15 +568,44 @@ class SnapshotCoordinator:
                         )
                     cut.restarts.append(RestartEpisode(**base))
 
-    def _publish(self, cut: _Cut, pause_s: float) -> SnapshotManifest:
+    async def _write_all(self, cut: _Cut) -> dict[str, FileEntry]:
+        """The trainer's files, written while the participants finish writing what their
+        commits captured; a :class:`SnapshotError` names every write that failed."""
+        written = asyncio.ensure_future(asyncio.to_thread(self._write_trainer_files, cut))
+        failed = await self._confirm_all(cut)
+        try:
+            files = await written
+        except (RollpointError, OSError) as exc:
+            failed.insert(0, f"trainer files: {exc}")
+        if failed:
+            raise SnapshotError("; ".join(failed))
+        return files
+
+    async def _confirm_all(self, cut: _Cut) -> list[str]:
+        """Wait for every detached write; one line per participant whose write failed."""
+        if not cut.detached:
+            return []
+        deadline = time.time() + self.config.deadline_seconds
+        replies = await _by_deadline(
+            [c.confirm(cut.checkpoint_id, deadline) for c in cut.detached], deadline
+        )
+        return [
+            _failure(client, "confirm", reply)
+            for client, reply in zip(cut.detached, replies, strict=True)
+            if isinstance(reply, BaseException)
+        ]
+
+    def _write_trainer_files(self, cut: _Cut) -> dict[str, FileEntry]:
         assert cut.ledger is not None and cut.tq is not None, "a cut captures both"
-        files = {
+        return {
             LEDGER_FILE: self.store.write_file(cut.staging, LEDGER_FILE, cut.ledger.encode_parts()),
             TQ_FILE: self.store.write_file(cut.staging, TQ_FILE, cut.tq.to_bytes()),
             TRAINER_FILE: self.store.write_file(
                 cut.staging, TRAINER_FILE, orjson.dumps(cut.trainer_doc)
             ),
         }
+
+    def _publish(self, cut: _Cut, files: dict[str, FileEntry], pause_s: float) -> SnapshotManifest:
         manifest = SnapshotManifest(
             snapshot_id=cut.staging.snapshot_id,
             checkpoint_id=cut.checkpoint_id,

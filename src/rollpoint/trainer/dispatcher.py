@@ -3,7 +3,10 @@
 Owns the data-plane side of a run: which replica a group goes to (the least loaded up
 replica by rows in flight, ties by name), the row-concurrency limit, one ``POST /run``
 stream per send, what happens to each row as its result arrives, and what happens to a try
-it gives up on. It writes every move into the
+it gives up on. The parts live beside it: :mod:`~rollpoint.trainer.replica_picker`,
+:mod:`~rollpoint.trainer.group_run`, :mod:`~rollpoint.trainer.run_stream`,
+:mod:`~rollpoint.trainer.given_up_tries`; this module composes them and holds the per-row
+rules. It writes every move into the
 :class:`~rollpoint.trainer.ledger.RecoveryLedger` and hands finished replies to
 ``on_reply``; it does not seal or train, and it reaches participants' control routes only
 through the :class:`~rollpoint.trainer.release_batcher.ReleaseBatcher` it may be given.
@@ -21,15 +24,9 @@ Per-row rules (a row's result never ends its siblings' stream):
 - A row with no result within ``row_timeout_s`` on the barrier's pause clock (snapshot
   pauses do not count) is given up.
 
-**Giving up on a try** (DESIGN §5, last paragraph): the try is retired on its replica's
-participants first, and the agent's answer decides. ``cancelled`` (it was still running)
-or ``unknown`` (it never got there): the row is re-sent fresh under a **new** rollout id,
-never under an id the agent may still run. ``finished_unacked`` (it had finished; only its
-reply was lost): the row is sent again under the **same** identity, the agent returns the
-stored reply without running anything, and it is sealed like any reply: no rerun. With no
-release batcher, or when the replica cannot be reached, the try is abandoned and re-sent
-fresh at once; it stays in :attr:`Dispatcher.retire_queue` and the batcher retires it later.
-A row that has used ``max_tries`` fresh rollout ids fails its group instead.
+**Giving up on a try** (DESIGN §5, last paragraph): retire it on its replica first, then
+adopt its stored reply or re-send the row fresh under a new rollout id; see
+:mod:`rollpoint.trainer.given_up_tries`.
 
 **A replica that goes down** (:meth:`Dispatcher.replica_lost`): its streams are dropped and
 every try it held (in flight, or queued and pinned to it) is abandoned with no retire
@@ -39,7 +36,7 @@ itself (:meth:`Dispatcher.resend`) or gives them up (:meth:`Dispatcher.give_up`)
 wait (queued, not in flight) until the roster marks one up again.
 
 A replica whose stream broke (or that reported a transport failure) is *suspect* for a
-few seconds: new sends prefer the others, so re-sends do not keep hitting a dead agent.
+few seconds (:mod:`rollpoint.trainer.replica_picker`).
 
 Rows waiting for the barrier, a replica or a concurrency slot stay ``queued``: not in flight.
 """
@@ -48,8 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
-from collections import Counter, defaultdict
+from collections import defaultdict
 from collections.abc import (
     AsyncGenerator,
     Awaitable,
@@ -59,21 +55,15 @@ from collections.abc import (
     Iterable,
 )
 from contextlib import aclosing
-from dataclasses import dataclass
 from typing import Any, cast
 
-from pydantic import TypeAdapter, ValidationError
-
 from rollpoint.http.client import HttpClient
-from rollpoint.protocol.control import RetireOutcomeKind
 from rollpoint.protocol.deployment import Deployment
 from rollpoint.protocol.episode import (
     RowFailure,
     RowRefused,
     RowResult,
     RunReply,
-    RunRequest,
-    RunRow,
 )
 from rollpoint.protocol.errors import (
     AdmissionClosedError,
@@ -84,61 +74,22 @@ from rollpoint.protocol.errors import (
 )
 from rollpoint.protocol.ids import EpisodeId
 from rollpoint.trainer.dispatch_barrier import DispatchBarrier
+from rollpoint.trainer.given_up_tries import GivenUpTries
+from rollpoint.trainer.group_run import GroupOutcome, GroupRun
 from rollpoint.trainer.ledger import LedgerRecord, RecoveryLedger, RolloutState
-from rollpoint.trainer.release_batcher import ReleaseBatcher, RetireAnswer
+from rollpoint.trainer.release_batcher import ReleaseBatcher
+from rollpoint.trainer.replica_picker import ReplicaPicker
 from rollpoint.trainer.replica_roster import ReplicaRoster
 from rollpoint.trainer.row_deadlines import RowDeadlines
 from rollpoint.trainer.row_slots import RowSlots
+from rollpoint.trainer.run_stream import RunStream, parse_row_result
+
+__all__ = ["Dispatcher", "GroupOutcome"]
 
 log = logging.getLogger(__name__)
 
-_ROW_RESULT: TypeAdapter[RowResult] = TypeAdapter(RowResult)
 REFUSED_BACKOFF_S = 0.05
 REFUSED_BACKOFF_MAX_S = 1.0
-FRESH_BACKOFF_S = 0.25
-FRESH_BACKOFF_MAX_S = 2.0
-SUSPECT_REPLICA_S = 5.0
-"""After a transport failure, a replica gets no new rows for this long unless every
-replica is suspect or it answers a row meanwhile."""
-RETIRE_TIMEOUT_S = 5.0
-"""How long a give-up waits for the agent's retire answer before it re-sends fresh."""
-RETIRE_ROUNDS = 3
-_DOWN_POLL_S = 0.05
-"""Retire calls refused because a snapshot began meanwhile are tried again this often."""
-
-
-@dataclass(frozen=True, slots=True)
-class GroupOutcome:
-    group_id: str
-    failed: str | None = None
-    """Why the group failed; None when every row finished."""
-
-    @property
-    def ok(self) -> bool:
-        return self.failed is None
-
-
-class _GroupRun:
-    """One running group: the rows it still waits for and the tasks working on them."""
-
-    def __init__(self, group_id: str, remaining: set[int]) -> None:
-        self.group_id = group_id
-        self.remaining = remaining
-        self.tasks: set[asyncio.Task[None]] = set()
-        self.done = asyncio.Event()
-        self.failure: str | None = None
-        self.error: BaseException | None = None
-        self.refusals: Counter[str] = Counter()
-
-
-class _Stream:
-    """One ``POST /run``: the replica it went to and the rows it still owes."""
-
-    def __init__(self, group: _GroupRun, replica: str, task: asyncio.Task[Any] | None) -> None:
-        self.group = group
-        self.replica = replica
-        self.task = task
-        self.pending: dict[str, LedgerRecord] = {}
 
 
 class Dispatcher:
@@ -168,29 +119,34 @@ class Dispatcher:
             raise BadRequestError(f"dispatcher: max_tries must be >= 1, got {max_tries}")
         self._ledger = ledger
         self._roster = roster if roster is not None else ReplicaRoster.of_deployment(deployment)
-        self._releases = releases
         self._client = client
         self._slots = RowSlots(concurrency)
         self._max_turns = max_turns
         self._barrier = barrier
         self._on_reply = on_reply
-        self._max_tries = max_tries
-        self._down_grace_s = down_grace_s
-        self._groups: dict[str, _GroupRun] = {}
-        self._streams: dict[str, set[_Stream]] = defaultdict(set)
-        self._deadlines: RowDeadlines[_Stream] = RowDeadlines(
+        self._groups: dict[str, GroupRun] = {}
+        self._streams: dict[str, set[RunStream]] = defaultdict(set)
+        self._deadlines: RowDeadlines[RunStream] = RowDeadlines(
             barrier, row_timeout_s, owes=lambda s: bool(s.pending), expire=self._expire
         )
         self._waiting_rows = 0
-        self._suspect_until: dict[str, float] = {}
+        self._picker = ReplicaPicker(self._roster, ledger)
+        self._given_up = GivenUpTries(
+            ledger,
+            self._roster,
+            barrier,
+            self._picker,
+            releases=releases,
+            max_tries=max_tries,
+            down_grace_s=down_grace_s,
+            send=self._send_ahead,
+            fail=self._fail,
+        )
         self.failed_groups: dict[str, str] = {}
         """Groups that failed, with the reason."""
         self.results_total = 0
         """Row results received (replies, failures, refusals): the stall watchdog's pulse."""
-        self.resent_fresh = 0
         self.resent_refused = 0
-        self.adopted = 0
-        """Given-up tries whose stored reply was fetched and sealed instead of rerun."""
 
     # --- public --------------------------------------------------------------------
 
@@ -211,6 +167,16 @@ class Dispatcher:
     @property
     def roster(self) -> ReplicaRoster:
         return self._roster
+
+    @property
+    def resent_fresh(self) -> int:
+        """Rows re-sent under a new rollout id after their try was given up."""
+        return self._given_up.resent_fresh
+
+    @property
+    def adopted(self) -> int:
+        """Given-up tries whose stored reply was fetched and sealed instead of rerun."""
+        return self._given_up.adopted
 
     @property
     def counts(self) -> dict[str, int]:
@@ -251,7 +217,7 @@ class Dispatcher:
         busy = [r.describe() for r in records if r.state is RolloutState.DISPATCHED]
         if busy:
             raise InvalidPhaseError(f"dispatcher: group {group_id} has rows in flight: {busy}")
-        group = _GroupRun(group_id, {r.row for r in records if r.state is RolloutState.QUEUED})
+        group = GroupRun(group_id, {r.row for r in records if r.state is RolloutState.QUEUED})
         if not group.remaining:
             return GroupOutcome(group_id)
         # A continued try must go back to the replica that saved it: one stream per pin.
@@ -262,11 +228,11 @@ class Dispatcher:
         self._groups[group_id] = group
         try:
             for rollout_ids in by_replica.values():
-                self._spawn(group, self._send(group, rollout_ids, priority=False))
+                group.spawn(self._send(group, rollout_ids, priority=False))
             await group.done.wait()
         finally:
             del self._groups[group_id]
-            await _cancel_all(group.tasks)
+            await group.cancel_all()
         if group.error is not None:
             raise group.error
         if group.failure is not None:
@@ -302,7 +268,7 @@ class Dispatcher:
         for group_id, records in held.items():
             group = self._groups.get(group_id)
             if group is not None:
-                self._abandon(group, records, reason)
+                self._given_up.abandon(group, records, reason)
             elif self._ledger.group(group_id).failed is None:
                 for record in records:  # not running: run_group sends the fresh tries later
                     self._ledger.abandon(record.rollout_id)
@@ -320,16 +286,14 @@ class Dispatcher:
         for group_id, records in self._queued_by_group(rollout_ids).items():
             group = self._groups.get(group_id)
             if group is not None:
-                self._spawn(
-                    group, self._send(group, [r.rollout_id for r in records], priority=True)
-                )
+                group.spawn(self._send(group, [r.rollout_id for r in records], priority=True))
 
     def give_up(self, rollout_ids: Iterable[str], reason: str) -> None:
         """Re-send these queued tries fresh (their restore did not happen)."""
         for group_id, records in self._queued_by_group(rollout_ids).items():
             group = self._groups.get(group_id)
             if group is not None:
-                self._abandon(group, records, reason)
+                self._given_up.abandon(group, records, reason)
             elif self._ledger.group(group_id).failed is None:
                 for record in records:  # not running: run_group sends the fresh tries later
                     self._ledger.abandon(record.rollout_id)
@@ -346,7 +310,7 @@ class Dispatcher:
         """``name`` serves again (new, empty servers): send to it as to any healthy replica.
 
         Call after marking it up in the roster."""
-        self._suspect_until.pop(name, None)
+        self._picker.trust(name)
 
     async def aclose(self) -> None:
         await self._deadlines.aclose()
@@ -359,7 +323,7 @@ class Dispatcher:
 
     # --- one stream ------------------------------------------------------------------
 
-    async def _send(self, group: _GroupRun, rollout_ids: list[str], *, priority: bool) -> None:
+    async def _send(self, group: GroupRun, rollout_ids: list[str], *, priority: bool) -> None:
         """Send these rows in one stream and handle each result as it arrives."""
         await self._admit(len(rollout_ids), priority=priority)
         records = [self._ledger.get(rid) for rid in rollout_ids]
@@ -368,15 +332,15 @@ class Dispatcher:
         self._slots.release(len(records) - len(sendable))
         if not sendable:
             return
-        replica = sendable[0].replica or self._least_loaded()
+        replica = sendable[0].replica or self._picker.least_loaded()
         if replica not in self._roster:
             self._slots.release(len(sendable))
             raise BadRequestError(f"dispatcher: {sendable[0].describe()}: no replica {replica}")
         if not self._roster.is_up(replica):
             self._slots.release(len(sendable))
-            self._abandon(group, sendable, f"{replica} is down")
+            self._given_up.abandon(group, sendable, f"{replica} is down")
             return
-        stream = _Stream(group, replica, asyncio.current_task())
+        stream = RunStream(group, replica, asyncio.current_task())
         for record in sendable:
             stream.pending[record.rollout_id] = self._ledger.dispatch(record.rollout_id, replica)
         self._streams[replica].add(stream)
@@ -390,7 +354,7 @@ class Dispatcher:
             self._streams[replica].discard(stream)
         lost = self._drop_pending(stream)
         if lost:
-            self._lose(group, lost, reason)
+            self._given_up.lose(group, lost, reason)
 
     async def _admit(self, rows: int, *, priority: bool) -> None:
         """Wait for the barrier, an up replica and ``rows`` slots; return with all three."""
@@ -408,21 +372,10 @@ class Dispatcher:
         finally:
             self._waiting_rows -= rows
 
-    async def _consume(self, stream: _Stream) -> str:
+    async def _consume(self, stream: RunStream) -> str:
         """Read the stream; return why rows it still owes were lost (if any are)."""
         url = f"{self._roster.endpoints(stream.replica).agent_url}/run"
-        request = RunRequest(
-            rows=[
-                RunRow(
-                    task=self._ledger.task(r.task_id),
-                    group_id=r.group_id,
-                    row=r.row,
-                    episode=r.episode,
-                    max_turns=self._max_turns,
-                )
-                for r in stream.pending.values()
-            ]
-        )
+        request = stream.request(self._ledger, self._max_turns)
         try:
             # stream_ndjson is an async generator: close it (and its connection) when we
             # stop reading early instead of leaving that to the garbage collector.
@@ -432,7 +385,7 @@ class Dispatcher:
             )
             async with aclosing(stream_lines) as lines:
                 async for line in lines:
-                    if not await self._handle(stream, _parse(line, url)):
+                    if not await self._handle(stream, parse_row_result(line, url)):
                         return ""
                     if not stream.pending:
                         return ""
@@ -442,14 +395,14 @@ class Dispatcher:
                 self._refuse(stream, record, exc.message)
             return ""
         except TransportError as exc:
-            self._suspect(stream.replica)
+            self._picker.suspect(stream.replica)
             return f"the stream from {stream.replica} broke: {exc.message}"
         except ProtocolError as exc:
             self._fail(stream.group, f"{stream.replica} refused the /run request: {exc.message}")
             return ""
         return f"the stream from {stream.replica} ended before every row came back"
 
-    async def _handle(self, stream: _Stream, result: RowResult) -> bool:
+    async def _handle(self, stream: RunStream, result: RowResult) -> bool:
         """Apply one row's result; False when the group failed and the stream can stop."""
         record = stream.pending.get(result.episode.rollout_id)
         if record is None or record.attempt != result.episode.attempt:
@@ -465,9 +418,9 @@ class Dispatcher:
         self.results_total += 1
         group = stream.group
         if isinstance(result, RowFailure) and result.transport:
-            self._suspect(stream.replica)
+            self._picker.suspect(stream.replica)
         else:
-            self._suspect_until.pop(stream.replica, None)
+            self._picker.trust(stream.replica)
         if isinstance(result, RunReply):
             self._ledger.finish(record.rollout_id)
             await self._on_reply(result)
@@ -477,13 +430,13 @@ class Dispatcher:
         elif isinstance(result, RowRefused):
             self._refuse(stream, record, result.reason)
         elif result.transport:
-            self._lose(group, [record], f"{result.code}: {result.message}")
+            self._given_up.lose(group, [record], f"{result.code}: {result.message}")
         else:
             self._fail(group, f"row {record.row} ({record.key}): {result.code}: {result.message}")
             return False
         return True
 
-    def _drop_pending(self, stream: _Stream) -> list[LedgerRecord]:
+    def _drop_pending(self, stream: RunStream) -> list[LedgerRecord]:
         lost = list(stream.pending.values())
         stream.pending.clear()
         self._slots.release(len(lost))
@@ -491,194 +444,40 @@ class Dispatcher:
 
     # --- what happens to a row ---------------------------------------------------------
 
-    def _refuse(self, stream: _Stream, record: LedgerRecord, reason: str) -> None:
+    def _refuse(self, stream: RunStream, record: LedgerRecord, reason: str) -> None:
         self._ledger.requeue(record.rollout_id)
         group = stream.group
         group.refusals[record.rollout_id] += 1
         self.resent_refused += 1
         log.info("%s refused by %s (%s): re-sending it alone", record.key, stream.replica, reason)
-        self._spawn(group, self._resend_refused(group, record.rollout_id))
+        group.spawn(self._resend_refused(group, record.rollout_id))
 
-    async def _resend_refused(self, group: _GroupRun, rollout_id: str) -> None:
+    async def _resend_refused(self, group: GroupRun, rollout_id: str) -> None:
         if self._barrier.is_open:
             # The environment closed admission on its own: do not hammer it.
             refusals = group.refusals[rollout_id]
             await asyncio.sleep(min(REFUSED_BACKOFF_S * 2 ** (refusals - 1), REFUSED_BACKOFF_MAX_S))
         await self._send(group, [rollout_id], priority=True)
 
-    def _lose(self, group: _GroupRun, records: list[LedgerRecord], reason: str) -> None:
-        """Give up on tries of one replica that may still run there."""
-        if group.failure is not None or not records:
-            return
-        if self._releases is None:
-            self._abandon(group, records, reason)
-        else:
-            self._spawn(group, self._give_up(group, records, reason))
+    def _send_ahead(self, group: GroupRun, rollout_ids: list[str]) -> Coroutine[Any, Any, None]:
+        """A re-send of given-up tries: ahead of new groups for the slots."""
+        return self._send(group, rollout_ids, priority=True)
 
-    async def _give_up(self, group: _GroupRun, records: list[LedgerRecord], reason: str) -> None:
-        """Retire the tries first; then adopt the finished ones and re-send the others."""
-        answer = await self._retire(records)
-        if answer is None:
-            await self._await_down_report(records[0].replica)
-        # While we waited the replica may have gone down (and its tries with it).
-        still = [r for r in records if self._still_dispatched(r)]
-        if answer is None:
-            self._abandon(group, still, reason)  # the release batcher retires them later
-            return
-        adopt = [
-            r for r in still if answer.outcomes.get(r.key) is RetireOutcomeKind.FINISHED_UNACKED
-        ]
-        if adopt:
-            for record in adopt:
-                # Same identity, pinned to the agent holding the reply: it answers at once.
-                self._ledger.requeue(record.rollout_id, keep_replica=True)
-            self.adopted += len(adopt)
-            log.info(
-                "%s had finished on %s (%s): fetching the stored replies, no rerun",
-                ", ".join(r.key for r in adopt),
-                adopt[0].replica,
-                reason,
-            )
-            self._spawn(group, self._send(group, [r.rollout_id for r in adopt], priority=True))
-        fresh = [r for r in still if r not in adopt]
-        self._abandon(group, fresh, reason, retired=answer.everywhere)
-
-    async def _retire(self, records: list[LedgerRecord]) -> RetireAnswer | None:
-        """The agent's answer to retiring these tries, or None when there is none to get."""
-        replica = records[0].replica
-        if self._releases is None or replica is None or not self._roster.is_up(replica):
-            return None
-        episodes = [r.episode for r in records]
-        for _ in range(RETIRE_ROUNDS):
-            await self._barrier.wait_open()  # participants refuse retire during a save
-            try:
-                async with asyncio.timeout(RETIRE_TIMEOUT_S):
-                    answer = await self._releases.retire_now(replica, episodes)
-            except TimeoutError:
-                return None
-            if answer is not None or self._barrier.is_open:
-                return answer
-        return None
-
-    async def _await_down_report(self, replica: str | None) -> None:
-        """An unreachable replica may be dying: give the runtime ``down_grace_s`` to say
-        so, and the tries a snapshot saved there are restored on its restart (the trainer
-        holds them) instead of being re-sent fresh from here."""
-        give_up_at = time.monotonic() + self._down_grace_s
-        while replica is not None and self._roster.is_up(replica):
-            if time.monotonic() >= give_up_at:
-                return
-            await asyncio.sleep(_DOWN_POLL_S)
-
-    def _still_dispatched(self, record: LedgerRecord) -> bool:
-        now = self._ledger.get(record.rollout_id)
-        return now.state is RolloutState.DISPATCHED and now.attempt == record.attempt
-
-    def _abandon(
-        self,
-        group: _GroupRun,
-        records: list[LedgerRecord],
-        reason: str,
-        *,
-        retired: bool = False,
-    ) -> None:
-        """Re-send these rows fresh; ``retired``: their old tries are retired everywhere."""
-        if group.failure is not None or not records:
-            return
-        fresh: list[str] = []
-        for record in records:
-            if record.tries >= self._max_tries:
-                self._fail(
-                    group,
-                    f"row {record.row} gave up after {record.tries} fresh tries; "
-                    f"last: {record.key}: {reason}",
-                )
-                return
-            fresh.append(self._ledger.abandon(record.rollout_id).rollout_id)
-            if retired:
-                self._ledger.retire(record.rollout_id)
-        self.resent_fresh += len(fresh)
-        log.info(
-            "%s lost (%s): re-sending under new rollout ids",
-            ", ".join(r.key for r in records),
-            reason,
-        )
-        self._spawn(
-            group, self._resend_fresh(group, fresh, tries=1 + max(r.tries for r in records))
-        )
-
-    async def _resend_fresh(self, group: _GroupRun, rollout_ids: list[str], *, tries: int) -> None:
-        if self._all_suspect():
-            # No healthy replica to go to: give a restarting agent a moment before the
-            # row spends another of its tries on it.
-            await asyncio.sleep(min(FRESH_BACKOFF_S * 2 ** (tries - 2), FRESH_BACKOFF_MAX_S))
-        await self._send(group, rollout_ids, priority=True)
-
-    def _fail(self, group: _GroupRun, reason: str) -> None:
+    def _fail(self, group: GroupRun, reason: str) -> None:
         if group.failure is None:
             group.failure = reason
             self.failed_groups[group.group_id] = reason
             log.warning("group %s failed: %s", group.group_id, reason)
             group.done.set()
 
-    # --- tasks, replicas, deadlines ----------------------------------------------------
-
-    def _spawn(self, group: _GroupRun, work: Coroutine[Any, Any, None]) -> None:
-        task = asyncio.create_task(work, name=f"dispatch-{group.group_id}")
-        group.tasks.add(task)
-        task.add_done_callback(lambda t: self._task_done(group, t))
-
-    @staticmethod
-    def _task_done(group: _GroupRun, task: asyncio.Task[None]) -> None:
-        group.tasks.discard(task)
-        if task.cancelled():
-            return
-        error = task.exception()
-        if error is not None and group.error is None:
-            group.error = error
-            group.done.set()
-
-    def _least_loaded(self) -> str:
-        """The healthy up replica with the fewest rows in flight; ties go by name."""
-        now = time.monotonic()
-        return min(
-            self._roster.up,
-            key=lambda name: (
-                self._suspect_until.get(name, 0.0) > now,
-                self._ledger.in_flight_count(name),
-                name,
-            ),
-        )
-
-    def _all_suspect(self) -> bool:
-        now = time.monotonic()
-        return all(self._suspect_until.get(name, 0.0) > now for name in self._roster.up)
-
-    def _suspect(self, replica: str) -> None:
-        self._suspect_until[replica] = time.monotonic() + SUSPECT_REPLICA_S
-
-    def _expire(self, stream: _Stream) -> None:
+    def _expire(self, stream: RunStream) -> None:
         """The rows this stream still owes ran out of time: give them up."""
         late = self._drop_pending(stream)
         if stream.task is not None:
             stream.task.cancel()  # it owes nothing now; a late answer would be ignored
-        self._lose(
+        self._given_up.lose(
             stream.group,
             late,
             f"no result within {self._deadlines.timeout_s:g}s on {stream.replica} "
             "(snapshot pauses not counted)",
         )
-
-
-def _parse(line: Any, url: str) -> RowResult:
-    try:
-        return _ROW_RESULT.validate_python(line)
-    except ValidationError as exc:
-        raise TransportError(f"POST {url}: a stream line is not a row result: {exc}") from None
-
-
-async def _cancel_all(tasks: set[asyncio.Task[None]]) -> None:
-    pending = list(tasks)
-    for task in pending:
-        task.cancel()
-    await asyncio.gather(*pending, return_exceptions=True)

@@ -21,6 +21,8 @@ from rollpoint.protocol.control import (
     AckRequest,
     CommitReply,
     CommitRequest,
+    ConfirmReply,
+    ConfirmRequest,
     ForgetReply,
     ForgetRequest,
     PrepareReply,
@@ -110,15 +112,28 @@ class ParticipantClient:
         return await self._call("renew", RenewReply, body, deadline_ts)
 
     async def commit(
-        self, checkpoint_id: str, deadline_ts: float, checkpoint_dir: str, scope: list[EpisodeId]
+        self,
+        checkpoint_id: str,
+        deadline_ts: float,
+        checkpoint_dir: str,
+        scope: list[EpisodeId],
+        *,
+        wait_for_write: bool = True,
     ) -> CommitReply:
+        """``wait_for_write=False``: the reply comes once the state is captured (its
+        ``manifest`` is None); :meth:`confirm` collects the manifest after the resume."""
         body = CommitRequest(
             checkpoint_id=checkpoint_id,
             deadline_ts=deadline_ts,
             checkpoint_dir=checkpoint_dir,
             episode_ids=scope,
+            wait_for_write=wait_for_write,
         )
         return await self._call("commit", CommitReply, body, deadline_ts)
+
+    async def confirm(self, checkpoint_id: str, deadline_ts: float) -> ConfirmReply:
+        body = ConfirmRequest(checkpoint_id=checkpoint_id, deadline_ts=deadline_ts)
+        return await self._call("confirm", ConfirmReply, body, deadline_ts)
 
     async def resume(self, checkpoint_id: str) -> ResumeReply:
         return await self._call(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -12,12 +13,14 @@ from typing import Any
 
 import pytest
 
+from rollpoint.gym import fence as fence_module
 from rollpoint.gym.fence import ControlSettings, Fence
 from rollpoint.gym.phase_table import TRANSITIONS, next_phase
 from rollpoint.protocol.control import (
     MAX_REPORTED_BLOCKERS,
     AckRequest,
     CommitRequest,
+    ConfirmRequest,
     ForgetRequest,
     Phase,
     PrepareRequest,
@@ -35,6 +38,7 @@ from rollpoint.protocol.errors import (
     DeadlineExceededError,
     InvalidCheckpointStateError,
     InvalidPhaseError,
+    NotFoundError,
     RestoreError,
     RollpointError,
     SnapshotError,
@@ -478,6 +482,137 @@ async def test_failed_write_is_retried_without_exporting_again(
     assert participant.calls["export"] == 1
 
 
+# --- detached writes -----------------------------------------------------------------
+
+
+def detached(cid: str = "c1", directory: str = "snap-1") -> CommitRequest:
+    return commit(cid, directory).model_copy(update={"wait_for_write": False})
+
+
+def confirm(cid: str = "c1", deadline: float | None = None) -> ConfirmRequest:
+    return ConfirmRequest(checkpoint_id=cid, deadline_ts=deadline or soon())
+
+
+def state_folder(root: Path, directory: str = "snap-1") -> Path:
+    return root / directory / "agent" / "agent-replica-0"
+
+
+async def test_a_detached_commit_replies_before_the_write_and_confirm_returns_what_it_captured(
+    fence: Fence, participant: FakeParticipant, root: Path
+) -> None:
+    await fence.prepare(prepare())
+    reply = await fence.commit(detached())
+    assert reply.phase is Phase.COMMITTED and reply.manifest is None
+    assert reply.episode_ids == [E("r1#0"), E("r2#0")]
+    await fence.resume(ResumeRequest(checkpoint_id="c1"))
+    # Nothing is written until confirm asks: an aborted checkpoint writes nothing.
+    assert not state_folder(root).exists()
+    assert participant.admission_open and fence.phase is Phase.IDLE
+    participant.state["r1#0"] = 9  # the sessions moved on after the cut
+    confirmed = await fence.confirm(confirm())
+    manifest, records = read_participant_state(
+        str(state_folder(root)), kind="agent", instance="agent-replica-0", checkpoint_id="c1"
+    )
+    assert confirmed.manifest == manifest and confirmed.checkpoint_id == "c1"
+    assert records == [{"episode": "r1#0", "turns": 3}, {"episode": "r2#0", "turns": 1}]
+    assert await fence.confirm(confirm()) == confirmed
+    assert participant.calls["export"] == 1
+
+
+async def test_confirm_names_an_unknown_checkpoint_as_not_found(
+    fence: Fence, participant: FakeParticipant
+) -> None:
+    err = await refused(fence, participant, fence.confirm(confirm("never")), NotFoundError)
+    assert err.status == 404 and "never" in err.message
+    await fence.prepare(prepare())
+    # Prepared but not committed: there is nothing to confirm yet.
+    await refused(fence, participant, fence.confirm(confirm()), NotFoundError)
+
+
+async def test_a_failed_detached_write_fails_confirm_and_the_next_confirm_writes_it(
+    fence: Fence, participant: FakeParticipant, root: Path
+) -> None:
+    await fence.prepare(prepare())
+    blocker = root / "snap-1" / "agent"
+    blocker.parent.mkdir(parents=True)
+    blocker.write_text("a file where the participant folder should be")
+    await fence.commit(detached())
+    await fence.resume(ResumeRequest(checkpoint_id="c1"))
+    with pytest.raises(RollpointError, match="agent-replica-0"):
+        await fence.confirm(confirm())
+    blocker.unlink()
+    confirmed = await fence.confirm(confirm())
+    assert confirmed.manifest.count == 2 and participant.calls["export"] == 1
+
+
+async def test_a_confirm_outliving_its_deadline_fails_and_the_write_goes_on(
+    fence: Fence, participant: FakeParticipant, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    release = threading.Event()
+    real_write = fence_module.write_participant_state
+
+    def slow_write(*args: Any, **kwargs: Any) -> Any:
+        release.wait(5)
+        return real_write(*args, **kwargs)
+
+    monkeypatch.setattr(fence_module, "write_participant_state", slow_write)
+    await fence.prepare(prepare())
+    await fence.commit(detached())
+    await fence.resume(ResumeRequest(checkpoint_id="c1"))
+    with pytest.raises(DeadlineExceededError, match="write outlived the deadline"):
+        await fence.confirm(confirm(deadline=soon(0.05)))
+    release.set()
+    assert (await fence.confirm(confirm())).manifest.count == 2
+
+
+async def test_a_new_capture_waits_for_the_earlier_checkpoints_write(
+    fence: Fence, participant: FakeParticipant, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    release = threading.Event()
+    real_write = fence_module.write_participant_state
+
+    def slow_write(*args: Any, **kwargs: Any) -> Any:
+        release.wait(5)
+        return real_write(*args, **kwargs)
+
+    monkeypatch.setattr(fence_module, "write_participant_state", slow_write)
+    await fence.prepare(prepare())
+    await fence.commit(detached())
+    await fence.resume(ResumeRequest(checkpoint_id="c1"))
+    first_write = asyncio.create_task(fence.confirm(confirm()))
+    await fence.prepare(prepare("c2"))
+    second = asyncio.create_task(fence.commit(detached("c2", "snap-2")))
+    await asyncio.sleep(0.1)
+    # At most one checkpoint's captured records wait in memory for their write.
+    assert not second.done() and not first_write.done() and participant.calls["export"] == 1
+    release.set()
+    assert (await second).phase is Phase.COMMITTED
+    assert participant.calls["export"] == 2
+    assert (await first_write).manifest.checkpoint_id == "c1"
+
+
+async def test_a_new_capture_drops_an_earlier_one_nobody_confirmed(
+    fence: Fence, participant: FakeParticipant, root: Path
+) -> None:
+    await fence.prepare(prepare())
+    await fence.commit(detached())
+    await fence.resume(ResumeRequest(checkpoint_id="c1"))  # aborted: no confirm comes
+    await fence.prepare(prepare("c2"))
+    await fence.commit(detached("c2", "snap-2"))
+    await refused(fence, participant, fence.confirm(confirm("c1")), NotFoundError)
+    assert not state_folder(root).exists()
+    assert (await fence.confirm(confirm("c2"))).manifest.checkpoint_id == "c2"
+
+
+async def test_a_commit_that_waits_for_its_write_carries_the_manifest_confirm_returns(
+    fence: Fence, participant: FakeParticipant
+) -> None:
+    await fence.prepare(prepare())
+    reply = await fence.commit(commit())
+    assert reply.manifest is not None
+    assert (await fence.confirm(confirm())).manifest == reply.manifest
+
+
 @pytest.mark.parametrize("bad", ["../escape", "/abs/dir", "a/../../b", "a\\b", "."])
 async def test_commit_refuses_paths_outside_the_root(
     fence: Fence, participant: FakeParticipant, bad: str
@@ -698,7 +833,8 @@ async def test_status_reports_identity_and_counts(
     status = fence.status()
     assert status.kind.value == "agent" and status.name == "agent"
     assert status.replica == "replica-0" and status.mode.value == "turn"
-    assert status.protocol_version == 1 and status.features == ["turn-boundary"]
+    assert status.protocol_version == 1
+    assert status.features == ["turn-boundary", "detached-write"]
     assert status.phase is Phase.IDLE and status.checkpoint_id is None
     assert status.lease_expires_at is None
     assert status.counts == {"sessions": 2, "finished_unacked": 0}

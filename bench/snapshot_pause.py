@@ -22,11 +22,13 @@ The parts of a pause:
   session saved as before that call), so it is one control round trip; before the cut it
   waited for every admitted call, up to one policy latency (``N / rate``);
 - ``park``: the agent and resources stages of prepare (sessions reach a boundary);
-- ``commit``: every participant exports and writes its records; the trainer captures its
-  ledger and TQ;
+- ``commit``: every participant captures its records (a detached write: encoding and
+  writing wait for ``confirm``); the trainer captures its ledger and TQ;
 - ``resume``: the reverse stages reopen;
 - ``mechanism`` = pause - drain: what the cut costs beyond the model stage;
-- ``publish`` (after the barrier reopened, not in the pause): the trainer's files, the
+- ``write`` (after the barrier reopened, not in the pause): every participant writes what
+  it captured and confirms it, while the trainer writes its ledger, TQ and counters;
+- ``publish`` (not in the pause): the trainer's file writes (inside ``write``), the
   manifest, ``latest`` and retention.
 
 Snapshots the trainer takes at its own train checkpoints count too, once the sessions are
@@ -54,7 +56,13 @@ from bench.report import BenchResult
 from rollpoint.config import RunConfig, parse_config
 from rollpoint.envs.workplace import ExpectedEmail, ExpectedEvent, WorkplaceParams, workplace_prompt
 from rollpoint.http.client import HttpClient
-from rollpoint.protocol.control import CommitReply, PrepareReply, ResumeReply, StatusReply
+from rollpoint.protocol.control import (
+    CommitReply,
+    ConfirmReply,
+    PrepareReply,
+    ResumeReply,
+    StatusReply,
+)
 from rollpoint.protocol.episode import TaskRow
 from rollpoint.protocol.errors import SnapshotError
 from rollpoint.protocol.ids import EpisodeId
@@ -84,7 +92,7 @@ STATUS_TIMEOUT_S = 5.0
 GAP_S = 0.5
 """Between snapshots: the calls held at the gate go through and sessions run again."""
 KINDS = ("model", "agent", "resources")
-PARTS = ("pause", "drain", "mechanism", "park", "commit", "resume", "publish")
+PARTS = ("pause", "drain", "mechanism", "park", "commit", "resume", "write", "publish")
 
 
 # --- timers and the metered transport ------------------------------------------------
@@ -124,13 +132,28 @@ class TimedParticipant(ParticipantClient):
             self._clock.note(checkpoint_id, f"prepare:{self.address.kind}", t0)
 
     async def commit(
-        self, checkpoint_id: str, deadline_ts: float, checkpoint_dir: str, scope: list[EpisodeId]
+        self,
+        checkpoint_id: str,
+        deadline_ts: float,
+        checkpoint_dir: str,
+        scope: list[EpisodeId],
+        *,
+        wait_for_write: bool = True,
     ) -> CommitReply:
         t0 = time.monotonic()
         try:
-            return await super().commit(checkpoint_id, deadline_ts, checkpoint_dir, scope)
+            return await super().commit(
+                checkpoint_id, deadline_ts, checkpoint_dir, scope, wait_for_write=wait_for_write
+            )
         finally:
             self._clock.note(checkpoint_id, f"commit:{self.address.kind}", t0)
+
+    async def confirm(self, checkpoint_id: str, deadline_ts: float) -> ConfirmReply:
+        t0 = time.monotonic()
+        try:
+            return await super().confirm(checkpoint_id, deadline_ts)
+        finally:
+            self._clock.note(checkpoint_id, f"confirm:{self.address.kind}", t0)
 
     async def resume(self, checkpoint_id: str) -> ResumeReply:
         t0 = time.monotonic()
@@ -231,6 +254,7 @@ def _cut(report: SaveReport, clock: StageClock, sizes: dict[str, int]) -> Cut:
         "park": clock.span(sid, "prepare:agent", "prepare:resources"),
         "commit": report.commit_s,
         "resume": clock.span(sid, "resume"),
+        "write": report.write_s,
         "publish": clock.span(sid, "publish"),
     }
     seconds |= {f"commit_{kind}": clock.span(sid, f"commit:{kind}") for kind in KINDS}

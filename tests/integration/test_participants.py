@@ -323,10 +323,10 @@ async def test_a_staged_cut_saves_what_the_servers_hold_and_the_rows_finish_afte
             assert calendar_titles(record) == applied_creates(session)
             tool_messages = [m for m in session["messages"] if m["role"] == "tool"]
             assert len(record["tool_results"]) == len(tool_messages)
-        assert commits["agent"]["exported"] == [
-            {"episode": s["episode"], "turns_completed": s["turn"]}
-            for s in sorted(sessions.values(), key=lambda s: s["episode"]["rollout_id"])
-        ]
+        assert commits["agent"]["exported"] == {
+            f"{s['episode']['rollout_id']}#{s['episode']['attempt']}": s["turn"]
+            for s in sessions.values()
+        }
 
         await resume_all(http, replica, "cut1")
         results = await asyncio.wait_for(running, 15)
@@ -392,7 +392,7 @@ async def test_a_restore_into_fresh_servers_continues_every_episode_without_repe
         await asyncio.gather(running, return_exceptions=True)
         await resume_all(http, first, "cut1")
     cut_turns = {
-        e["episode"]["rollout_id"]: e["turns_completed"] for e in commits["agent"]["exported"]
+        key.rpartition("#")[0]: turns for key, turns in commits["agent"]["exported"].items()
     }
     assert sorted(cut_turns) == ids
 
@@ -631,9 +631,9 @@ async def test_a_restart_only_agent_never_blocks_prepare_and_lists_its_episodes_
         capture = await control(http, r.agent, "commit", commit)
         assert (capture.status_code, error_code(capture)) == (422, "invalid_checkpoint_state")
         committed = await ok(http, r.agent, "commit", {**commit, "episode_ids": []})
-        assert committed["manifest"]["count"] == 0 and committed["exported"] == []
+        assert committed["manifest"]["count"] == 0 and committed["exported"] == {}
         nothing = await ok(http, r.resources, "commit", commit)  # math keeps no episode state
-        assert nothing["manifest"]["count"] == 0 and nothing["exported"] == []
+        assert nothing["manifest"]["count"] == 0 and nothing["exported"] == {}
 
         for url in (r.resources, r.agent):
             await ok(http, url, "resume", {"checkpoint_id": "m1"})

@@ -3,7 +3,9 @@
 Owns: one :class:`CallRecord` per proxied call that carried the episode headers (rollout id,
 attempt, turn), where a continued attempt's call supersedes an older attempt's calls of the
 same or later turns (replies held unapplied at a cut); the index by rollout id (O(1)
-lookup, export and release); and the all-or-nothing install of exported records on restore.
+lookup, export and release); a change stamp per rollout (so an exporter can reuse what it
+built from calls that did not change); and the all-or-nothing install of exported records
+on restore.
 
 Does not own: proxying (the model server), deciding what to keep across a checkpoint (the
 fence passes the scope), or token accounting beyond what the engine reports.
@@ -53,6 +55,9 @@ class CallLedger:
         self._by_rollout: dict[str, list[CallRecord]] = {}
         self._json: dict[str, list[dict[str, Any]]] = {}
         """JSON forms of each rollout's records, dumped once each (records only append)."""
+        self._stamps: dict[str, int] = {}
+        """Each rollout's change stamp: the value of ``_clock`` at its last change."""
+        self._clock = 0
         self._count = 0
 
     @property
@@ -63,7 +68,17 @@ class CallLedger:
     def __len__(self) -> int:
         return self._count
 
+    def stamp(self, rollout_id: str) -> int | None:
+        """A number that changes whenever the rollout's records change and is never given
+        to another state of them (None while it has none): equal stamps, same records."""
+        return self._stamps.get(rollout_id)
+
+    def _changed(self, rollout_id: str) -> None:
+        self._clock += 1
+        self._stamps[rollout_id] = self._clock
+
     def record(self, rec: CallRecord) -> None:
+        self._changed(rec.rollout_id)
         calls = self._by_rollout.get(rec.rollout_id)
         if calls is None:
             self._by_rollout[rec.rollout_id] = [rec]
@@ -129,6 +144,7 @@ class CallLedger:
             self._count -= len(self._by_rollout.get(rollout_id, ()))
             self._by_rollout[rollout_id] = calls
             self._json.pop(rollout_id, None)
+            self._changed(rollout_id)
             self._count += len(calls)
         return list(grouped)
 
@@ -138,6 +154,7 @@ class CallLedger:
         for rollout_id in rollout_ids:
             calls = self._by_rollout.pop(rollout_id, None)
             self._json.pop(rollout_id, None)
+            self._stamps.pop(rollout_id, None)
             if calls is not None:
                 dropped += len(calls)
         self._count -= dropped

@@ -101,8 +101,8 @@ def control_router(fence: Fence, settings: ControlSettings) -> APIRouter:
     @router.post(f"/{Verb.COMMIT}", response_model=CommitReply)
     async def commit(body: CommitRequest) -> Response:
         reply = await fence.commit(body)
-        # Serialised once, here: the reply lists every episode of the scope twice, and
-        # FastAPI would dump, validate and dump it again inside the snapshot pause.
+        # Serialised once, here: the reply maps every exported episode, and FastAPI
+        # would dump, validate and dump it again inside the snapshot pause.
         return Response(reply.model_dump_json(), media_type="application/json")
 
     @router.post(f"/{Verb.CONFIRM}")

@@ -11,7 +11,9 @@ server's state, and the saved form of its calls (:class:`ModelCallRecord`):
   session as before that call; on restore the next attempt makes it again. So a prepare
   never waits for a generation. The running calls are reported in the counts;
 - export(scope) → the ledger records of the scope's rollouts, each naming the scoped
-  episode it was saved for; install → those records back into the ledger, all or nothing;
+  episode it was saved for (a rollout whose calls did not change since the last export,
+  saved for the same attempt, gets the same record dicts again); install → those records
+  back into the ledger, all or nothing;
 - retire → an attempt with a call running is reported ``cancelled`` (its reply will be
   refused as ``stale_attempt`` and not filed), any other ``unknown``: the model runs no
   episodes; forget → drop the rollouts' ledger records; ack → nothing is held here.
@@ -57,6 +59,8 @@ class ModelCallRecord(StrictModel):
 
 
 _RECORDS = TypeAdapter(list[ModelCallRecord])
+_Exported = tuple[int, int | None, list[dict[str, JsonValue]]]
+"""One rollout's last export: (saved attempt, ledger stamp, records)."""
 EXPORT_CHUNK = 256
 """Rollouts a checkpoint exports between two yields of the event loop."""
 
@@ -70,6 +74,9 @@ class ModelParticipant:
 
     def __init__(self, server: ModelServer) -> None:
         self._server = server
+        self._exported: dict[str, _Exported] = {}
+        """rollout id → (saved attempt, ledger stamp, records) of the last export: the
+        records are reused while both match. Only the last export's rollouts are kept."""
 
     @property
     def name(self) -> str:
@@ -95,18 +102,27 @@ class ModelParticipant:
 
     async def export(self, scope: list[EpisodeId]) -> list[dict[str, JsonValue]]:
         ledger = self._server.ledger
+        last = self._exported
+        kept: dict[str, _Exported] = {}
         records: list[dict[str, JsonValue]] = []
         for index, episode in enumerate(_one_per_rollout(scope)):
             if index % EXPORT_CHUNK == EXPORT_CHUNK - 1:
                 await asyncio.sleep(0)  # thousands of rollouts: let the proxy breathe
-            saved_for: dict[str, JsonValue] = {
-                "rollout_id": episode.rollout_id,
-                "attempt": episode.attempt,
-            }
-            records.extend(
-                {"kind": "model_call", "episode": saved_for, "call": call}
-                for call in ledger.calls_json(episode.rollout_id)
-            )
+            rollout_id, attempt = episode.rollout_id, episode.attempt
+            stamp = ledger.stamp(rollout_id)
+            cached = last.get(rollout_id)
+            if cached is None or cached[0] != attempt or cached[1] != stamp:
+                # New dicts, never an update of the old ones: a checkpoint may still be
+                # writing them.
+                saved_for: dict[str, JsonValue] = {"rollout_id": rollout_id, "attempt": attempt}
+                built: list[dict[str, JsonValue]] = [
+                    {"kind": "model_call", "episode": saved_for, "call": call}
+                    for call in ledger.calls_json(rollout_id)
+                ]
+                cached = (attempt, stamp, built)
+            kept[rollout_id] = cached
+            records.extend(cached[2])
+        self._exported = kept
         return records
 
     async def install(

@@ -6,8 +6,9 @@ Owns the mapping from the :class:`~rollpoint.gym.participant.Participant` hooks 
 - close / open admission → freeze / thaw (tool calls wait at the gate, none is failed);
 - readiness → ready iff no tool call is in flight;
 - export(scope) → one ``episode_state`` record per scoped rollout with state here (the
-  environment's exact export plus the idempotency table), naming the scoped episode;
-  install → those records back, all or nothing;
+  environment's exact export plus the idempotency table), naming the scoped episode; an
+  episode no tool call changed since the last export, saved for the same attempt, gives
+  the same (never changed) record again; install → those records back, all or nothing;
 - retire → ``unknown`` for every rollout: this server runs no episodes, it only answers
   calls, and the fence refuses calls of retired attempts; forget → drop the rollouts'
   state; ack → nothing is held here.

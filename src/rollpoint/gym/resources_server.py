@@ -166,6 +166,16 @@ class _Episode:
     packed_state: str | None = None
     """``state`` as the last checkpoint packed it; cleared before any tool call runs, so
     a checkpoint packs only the episodes that changed since the one before."""
+    record: tuple[int, dict[str, Any]] | None = None
+    """(saved attempt, record) of the last checkpoint: handed out again while the episode
+    did not change and is saved for the same attempt. Never changed once handed out (a
+    checkpoint writes it while tool calls go on): a change drops it and the next export
+    builds a new one."""
+
+    def changing(self) -> None:
+        """Forget what the last checkpoint built: ``state`` or ``results`` is about to change."""
+        self.packed_state = None
+        self.record = None
 
 
 def _named(ids: Sequence[str]) -> str:
@@ -325,7 +335,9 @@ class ResourcesService:
             return stored.model_copy(update={"replayed": True})
         self._in_flight += 1
         self._notify()
-        episode.packed_state = None
+        # Nothing awaits between here and storing the result, so no export sees the new
+        # state or result with the old record.
+        episode.changing()
         try:
             result = self._run(episode, tool_name, call.arguments)
         finally:
@@ -402,15 +414,19 @@ class ResourcesService:
         return latest
 
     def _packed_record(self, rollout_id: str, saved_for: EpisodeId) -> dict[str, Any]:
-        """``EpisodeRecord(..., packed_state=...).model_dump(mode="json")``, built directly:
-        a checkpoint saves every in-flight episode inside its pause. Validated where it
-        comes back (:meth:`install`)."""
+        """``EpisodeRecord(..., packed_state=...).model_dump(mode="json")``, built directly
+        and only for an episode that changed (or is saved for another attempt) since the
+        last export: a checkpoint saves every in-flight episode inside its pause. Validated
+        where it comes back (:meth:`install`). Read-only: it may be handed out again."""
         episode = self._episodes[rollout_id]
+        cached = episode.record
+        if cached is not None and cached[0] == saved_for.attempt:
+            return cached[1]
         if episode.task_json is None:
             episode.task_json = episode.task.model_dump(mode="json")
         if episode.packed_state is None:
             episode.packed_state = pack_state(self.environment.export_state(episode.state))
-        return {
+        record: dict[str, Any] = {
             "kind": "episode_state",
             "episode": {"rollout_id": saved_for.rollout_id, "attempt": saved_for.attempt},
             "rollout_id": rollout_id,
@@ -431,6 +447,8 @@ class ResourcesService:
                 for (turn, index), result in episode.results.items()
             ],
         }
+        episode.record = (saved_for.attempt, record)
+        return record
 
     def _record(self, rollout_id: str, saved_for: EpisodeId | None = None) -> EpisodeRecord:
         episode = self._episodes[rollout_id]

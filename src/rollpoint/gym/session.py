@@ -5,7 +5,7 @@ Owns: the session state machine (:class:`SessionState` and the one transition ta
 the conversation so far (OpenAI messages), the index of the next policy call, the policy
 calls made, the assistant message whose tool calls are not applied yet, and the
 :class:`SessionRecord` a checkpoint saves (with :class:`FinishedReplyRecord` for replies
-held until acked).
+held until acked), built again only when the session changed since its last export.
 
 Does not own: playing the episode (:mod:`rollpoint.gym.episode_runner`), the set of all
 sessions, counters and parking (:mod:`rollpoint.gym.session_book`).
@@ -122,31 +122,43 @@ BookRecord = Annotated[SessionRecord | FinishedReplyRecord, Field(discriminator=
 
 
 class Session:
-    """The mutable state of one episode in one agent server."""
+    """The mutable state of one episode in one agent server.
+
+    What a checkpoint saves of it (row, episode, messages, turn, model calls, pending
+    response) sits behind properties whose setters count a change, so :meth:`export_json`
+    hands out the record it built last time while nothing in it changed. The two lists are
+    append-only (the runner appends to them in place; replacing one goes through its
+    setter), so their lengths complete the count.
+    """
 
     __slots__ = (
         "_calls_json",
+        "_changes",
+        "_episode",
+        "_exported",
+        "_messages",
+        "_model_calls",
         "_observer",
+        "_pending_response",
+        "_row",
         "_row_json",
-        "episode",
-        "messages",
-        "model_calls",
-        "pending_response",
+        "_turn",
         "result",
-        "row",
         "state",
         "task",
-        "turn",
     )
 
     def __init__(self, row: RunRow, *, state: SessionState = SessionState.STARTING) -> None:
-        self.row = row
-        self.episode = row.episode
+        self._changes = 0
+        self._exported: tuple[tuple[int, int, int], dict[str, Any]] | None = None
+        """The last record :meth:`export_json` built, with the change stamp it was built at."""
+        self._row = row
+        self._episode = row.episode
         self.state = state
-        self.messages: list[dict[str, Any]] = [{"role": "user", "content": row.task.prompt}]
-        self.turn = 0
-        self.model_calls: list[ModelCall] = []
-        self.pending_response: dict[str, Any] | None = None
+        self._messages: list[dict[str, Any]] = [{"role": "user", "content": row.task.prompt}]
+        self._turn = 0
+        self._model_calls: list[ModelCall] = []
+        self._pending_response: dict[str, Any] | None = None
         self.task: asyncio.Task[RowResult] | None = None
         self.result: asyncio.Future[RowResult] | None = None
         self._observer: MoveObserver | None = None
@@ -154,6 +166,66 @@ class Session:
         self._row_json: dict[str, Any] | None = row.model_dump(mode="json")
         self._calls_json: list[dict[str, Any]] = []
         """JSON forms of ``model_calls``, dumped once each: calls are only ever appended."""
+
+    # --- what a checkpoint saves: every setter counts a change -------------------------
+
+    @property
+    def row(self) -> RunRow:
+        return self._row
+
+    @row.setter
+    def row(self, row: RunRow) -> None:
+        self._row = row
+        self._row_json = None
+        self._changes += 1
+
+    @property
+    def episode(self) -> EpisodeId:
+        return self._episode
+
+    @episode.setter
+    def episode(self, episode: EpisodeId) -> None:
+        self._episode = episode
+        self._changes += 1
+
+    @property
+    def messages(self) -> list[dict[str, Any]]:
+        """The conversation so far: append to it, never change or drop a message in it."""
+        return self._messages
+
+    @messages.setter
+    def messages(self, messages: list[dict[str, Any]]) -> None:
+        self._messages = messages
+        self._changes += 1
+
+    @property
+    def turn(self) -> int:
+        return self._turn
+
+    @turn.setter
+    def turn(self, turn: int) -> None:
+        self._turn = turn
+        self._changes += 1
+
+    @property
+    def model_calls(self) -> list[ModelCall]:
+        """The policy calls made: append to it, never change or drop a call in it."""
+        return self._model_calls
+
+    @model_calls.setter
+    def model_calls(self, calls: list[ModelCall]) -> None:
+        self._model_calls = calls
+        self._calls_json = []
+        self._changes += 1
+
+    @property
+    def pending_response(self) -> dict[str, Any] | None:
+        return self._pending_response
+
+    @pending_response.setter
+    def pending_response(self, response: dict[str, Any] | None) -> None:
+        self._pending_response = response
+        self._changes += 1
 
     def observe(self, observer: MoveObserver) -> None:
         """Report every move from now on (and the current state, as a move from None)."""
@@ -185,7 +257,6 @@ class Session:
         """Take up a restored session under the attempt ``row`` names."""
         self.row = row
         self.episode = row.episode
-        self._row_json = None
         self.move(SessionState.STARTING)
 
     def to_record(self) -> SessionRecord:
@@ -201,25 +272,32 @@ class Session:
     def export_json(self) -> dict[str, Any]:
         """``to_record().model_dump(mode="json")``, without validating or dumping again
         what an earlier export already dumped: a checkpoint exports every session in its
-        pause, so this is its per-session cost. The record is validated where it comes
+        pause, so this is its per-session cost. A session that did not change since its
+        last export gets the same dict again; one that did gets a new one. Either way a
+        record handed out is never changed afterwards (a checkpoint writes it while the
+        session goes on), so treat it as read-only. The record is validated where it comes
         back from disk (:meth:`SessionBook.install`)."""
+        stamp = (self._changes, len(self._messages), len(self._model_calls))
+        exported = self._exported
+        if exported is not None and exported[0] == stamp:
+            return exported[1]
         if self._row_json is None:
-            self._row_json = self.row.model_dump(mode="json")
-        calls, cached = self.model_calls, self._calls_json
-        if len(cached) > len(calls):
-            cached.clear()
+            self._row_json = self._row.model_dump(mode="json")
+        calls, cached = self._model_calls, self._calls_json
         cached.extend(call.model_dump(mode="json") for call in calls[len(cached) :])
-        pending = self.pending_response
-        return {
+        pending = self._pending_response
+        record = {
             "kind": "session",
-            "episode": {"rollout_id": self.episode.rollout_id, "attempt": self.episode.attempt},
+            "episode": {"rollout_id": self._episode.rollout_id, "attempt": self._episode.attempt},
             "row": self._row_json,
             # Copies of the lists: the session appends to them once the cut reopens.
-            "messages": list(self.messages),
-            "turn": self.turn,
+            "messages": list(self._messages),
+            "turn": self._turn,
             "model_calls": list(cached),
             "pending_response": None if pending is None else dict(pending),
         }
+        self._exported = (stamp, record)
+        return record
 
     @classmethod
     def from_record(cls, record: SessionRecord) -> Session:

@@ -146,9 +146,12 @@ class SessionBook:
         """Live sessions (restored ones included) by rollout id: one attempt at a time."""
         self._by_state: dict[SessionState, dict[str, Session]] = {s: {} for s in LIVE_STATES}
         self._finished: dict[str, RunReply] = {}
+        """Held replies by episode key, oldest first."""
+        self._finished_json: dict[str, tuple[RunReply, dict[str, JsonValue]]] = {}
+        """The record a checkpoint exported for a held reply, with the reply it was made
+        of: replies are immutable, so each is dumped once however many checkpoints hold it."""
         self._held: dict[str, set[int]] = {}
         """rollout_id → attempts whose finished reply is held (an index of ``_finished``)."""
-        """Held replies by episode key, oldest first."""
         self._marks: dict[str, int] = {}
         self._evicted = 0
         self._open = True
@@ -383,6 +386,7 @@ class SessionBook:
 
     def _release(self, key: str) -> RunReply | None:
         reply = self._finished.pop(key, None)
+        self._finished_json.pop(key, None)
         if reply is not None:
             attempts = self._held.get(reply.episode.rollout_id)
             if attempts is not None:
@@ -481,9 +485,15 @@ class SessionBook:
         records: list[dict[str, JsonValue]] = []
         if self.mode is not CheckpointMode.TURN:
             return records
+        sessions = self._sessions
         for episode in scope:
-            live = self._sessions.get(episode.rollout_id)
-            if live is None or live.episode != episode:
+            live = sessions.get(episode.rollout_id)
+            # Field by field: comparing the models costs as much as exporting the session.
+            if (
+                live is None
+                or live.episode.attempt != episode.attempt
+                or live.episode.rollout_id != episode.rollout_id
+            ):
                 continue
             if not live.at_boundary:
                 raise InvalidPhaseError(
@@ -493,11 +503,18 @@ class SessionBook:
         return records
 
     def _finished_records(self) -> list[dict[str, JsonValue]]:
-        # The dump of FinishedReplyRecord(reply=...), without validating the reply again.
-        return [
-            {"kind": "finished_reply", "reply": reply.model_dump(mode="json")}
-            for reply in self._finished.values()
-        ]
+        """The dump of each ``FinishedReplyRecord(reply=...)``, without validating the reply
+        again, and made once per held reply: the record of one held at the last export is
+        handed out again (never changed, like the reply it is made of)."""
+        cache = self._finished_json
+        records: list[dict[str, JsonValue]] = []
+        for key, reply in self._finished.items():
+            cached = cache.get(key)
+            if cached is None or cached[0] is not reply:
+                cached = (reply, {"kind": "finished_reply", "reply": reply.model_dump(mode="json")})
+                cache[key] = cached
+            records.append(cached[1])
+        return records
 
     def install(
         self, records: list[Any], scope: Iterable[EpisodeId] | None = None

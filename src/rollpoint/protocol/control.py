@@ -57,7 +57,7 @@ from typing import Annotated
 
 from pydantic import AfterValidator, Field, StringConstraints
 
-from rollpoint.protocol.ids import CheckpointId, EpisodeId, Identifier
+from rollpoint.protocol.ids import CheckpointId, EpisodeId, EpisodeKey, Identifier
 from rollpoint.protocol.manifest import ParticipantManifest
 from rollpoint.protocol.model_base import StrictModel
 from rollpoint.protocol.participant import CheckpointMode, ParticipantKind
@@ -125,12 +125,6 @@ class RetireOutcomeKind(StrEnum):
     """The attempt had finished; its stored reply can be fetched and sealed (no rerun)."""
     UNKNOWN = "unknown"
     """This participant never saw the attempt (or already forgot it)."""
-
-
-class ExportedEpisode(StrictModel):
-    episode: EpisodeId
-    turns_completed: int | None = None
-    """Policy turns completed at the cut, when the participant knows (agents do)."""
 
 
 class RetireOutcome(StrictModel):
@@ -263,13 +257,16 @@ class CommitReply(StrictModel):
     """As the request named it, relative to the snapshot root."""
     state_dir: str
     """This participant's folder relative to ``checkpoint_dir``: ``<kind>/<name>-<replica>``."""
-    episode_ids: list[EpisodeId]
-    """The scope as committed (sorted, without duplicates)."""
+    scope_size: int
+    """How many distinct episodes the scope named (the scope is not echoed: at 10k
+    episodes, parsing it back cost the trainer tens of ms inside the pause)."""
     manifest: ParticipantManifest | None
     """The written state's manifest; null from a commit that did not wait for the write."""
-    exported: list[ExportedEpisode] = Field(default_factory=list)
-    """The episodes of the scope this participant holds state for (records carrying a
-    top-level ``episode``). A scoped episode missing here was not live on this participant."""
+    exported: dict[EpisodeKey, int | None] = Field(default_factory=dict)
+    """Episode key (``rollout#attempt``) → policy turns completed at the cut (a record's
+    top-level ``turn``; null when the participant does not know), for each episode of the
+    scope this participant holds state for (records carrying a top-level ``episode``). A
+    scoped episode missing here was not live on this participant."""
 
 
 class ConfirmReply(StrictModel):

@@ -27,6 +27,12 @@ Identifier = Annotated[
 """A name safe in URLs, file names and logs: ``[A-Za-z0-9][A-Za-z0-9._:-]*``, at most 128 chars."""
 
 CheckpointId = Identifier
+EPISODE_KEY_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:-]*#[0-9]+$"
+EpisodeKey = Annotated[
+    str, StringConstraints(min_length=3, max_length=150, pattern=EPISODE_KEY_PATTERN)
+]
+"""An episode's compact form ``rollout_id#attempt`` (:attr:`EpisodeId.key`), where a list of
+thousands is sent: a string validates an order of magnitude faster than a nested model."""
 
 MAX_ATTEMPT = 2**53
 """Attempts stay exact in every JSON reader (a double holds integers up to 2**53)."""

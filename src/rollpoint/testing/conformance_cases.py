@@ -194,7 +194,7 @@ async def _commit(t: Trial) -> str:
         ("checkpoint_id", reply.checkpoint_id, cid),
         ("checkpoint_dir", reply.checkpoint_dir, folder),
         ("state_dir", reply.state_dir, f"{status.kind}/{instance}"),
-        ("episode_ids", reply.episode_ids, []),
+        ("scope_size", reply.scope_size, 0),
         ("manifest.checkpoint_id", m.checkpoint_id, cid),
         ("manifest.kind", m.kind, status.kind),
         ("manifest.instance", m.instance, instance),

@@ -61,6 +61,7 @@ from rollpoint.protocol.manifest import (
     topology_fingerprint,
 )
 from rollpoint.protocol.participant import CheckpointMode, ParticipantKind
+from rollpoint.store.collector_pause import collector_paused
 from rollpoint.store.snapshot_store import SnapshotStore
 from rollpoint.store.staging import Staging
 from rollpoint.trainer.dispatch_barrier import DispatchBarrier
@@ -347,6 +348,11 @@ class SnapshotCoordinator:
         started_at = time.time()
         self.barrier.close()
         paused_at = time.monotonic()
+        # No cyclic collection inside the pause: the trainer's heap holds every in-flight
+        # stream and ledger record, and a full collection over it (triggered by the cut's
+        # own allocations) measured ~1 s at 10k sessions. Garbage is collected after.
+        collector = contextlib.ExitStack()
+        collector.enter_context(collector_paused())
         staging: Staging | None = None
         prepared = _Prepared()
         renewer: asyncio.Task[None] | None = None
@@ -373,9 +379,12 @@ class SnapshotCoordinator:
                 with contextlib.suppress(asyncio.CancelledError):
                     await renewer
             # Resume is the abort before a publish and the reopen after a good cut: one path.
-            await self._resume_all(checkpoint_id, prepared.clients)
-            self.barrier.open()
-            report.pause_s = time.monotonic() - paused_at
+            try:
+                await self._resume_all(checkpoint_id, prepared.clients)
+            finally:
+                self.barrier.open()
+                report.pause_s = time.monotonic() - paused_at
+                collector.close()
         report.acked_away = await self._ack_strays(prepared.strays)
         if cut is None:
             if staging is not None:
@@ -541,7 +550,7 @@ class SnapshotCoordinator:
         """Every in-flight episode is saved, finished (reply held) or a restart — exactly one."""
         for replica, records in in_flight.items():
             reply = agent_replies.get(replica)
-            exported = {e.episode.key: e for e in reply.exported} if reply is not None else {}
+            exported = reply.exported if reply is not None else {}
             for record in records:
                 key = record.key
                 base: dict[str, Any] = {
@@ -552,7 +561,7 @@ class SnapshotCoordinator:
                     "row": record.row,
                 }
                 if key in exported:
-                    turns = exported[key].turns_completed or 0
+                    turns = exported[key] or 0
                     cut.episodes.append(SavedEpisode(**base, turns_completed=turns))
                 elif key in prepared.finished_unacked:
                     cut.finished.append(RestartEpisode(**base))

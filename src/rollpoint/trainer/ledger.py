@@ -121,7 +121,9 @@ class LedgerRecord:
 
     @property
     def episode(self) -> EpisodeId:
-        return EpisodeId(rollout_id=self.rollout_id, attempt=self.attempt)
+        # Not validated again: both fields were checked when the try entered the ledger,
+        # and a snapshot builds this for every try in flight inside its pause.
+        return EpisodeId.model_construct(rollout_id=self.rollout_id, attempt=self.attempt)
 
     @property
     def key(self) -> str:

@@ -102,6 +102,27 @@ def test_each_export_holds_the_records_as_of_then_after_appends_installs_and_rel
     assert [r["turn"] for r in ledger.export(["r1"])] == [5]
 
 
+def test_the_stamp_changes_with_every_change_of_a_rollout_and_is_never_reused() -> None:
+    ledger = _filled()
+    seen = [ledger.stamp("r1"), ledger.stamp("r2")]
+    assert ledger.stamp("unknown") is None
+    ledger.calls_json("r1")
+    ledger.export(["r1"])
+    assert [ledger.stamp("r1"), ledger.stamp("r2")] == seen  # reading changes nothing
+    for change in (
+        lambda: ledger.record(_rec("r1", 3)),
+        lambda: ledger.record(_rec("r1", 1, attempt=1)),  # supersedes turns 1..3
+        lambda: ledger.install([_rec("r1", 0, attempt=2).model_dump(mode="json")]),
+        lambda: ledger.release(["r1"]),
+        lambda: ledger.record(_rec("r1", 0)),
+    ):
+        change()
+        assert ledger.stamp("r1") not in seen
+        seen.append(ledger.stamp("r1"))
+        assert ledger.stamp("r2") == seen[1]
+    assert seen[-2] is None  # released: no records, no stamp
+
+
 def test_a_continued_attempt_supersedes_the_older_attempts_calls_from_its_turn_on() -> None:
     # Attempt 0 made turns 0..2, but the cut saved the session before turn 2 (its reply was
     # held): attempt 1 starts at turn 2, and its call replaces the one never applied.

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import orjson
 import pytest
 from pydantic import JsonValue
@@ -74,6 +76,31 @@ async def test_export_then_install_gives_the_same_ledger_and_names_each_episode(
     assert await target.install(stored, [_ep("r1")]) == [_ep("r1", 1)]
     assert [c.turn for c in target_server.ledger.calls("r1")] == [0, 1, 2]
     assert target_server.ledger.calls("r2") == []  # not in the scope
+
+
+async def test_an_export_reuses_the_records_of_unchanged_rollouts_and_never_changes_them() -> None:
+    server = _server()
+    participant = ModelParticipant(server)
+    first = await participant.export([_ep("r1"), _ep("r2")])
+    kept = copy.deepcopy(first)
+    server.ledger.record(_rec("r1", 3))  # r1 makes a call after the cut
+    second = await participant.export([_ep("r1"), _ep("r2")])
+    assert first == kept  # what the first export handed out did not change
+    calls = [r["call"] for r in second]
+    assert [(c["rollout_id"], c["turn"]) for c in calls if isinstance(c, dict)] == [
+        ("r1", 0),
+        ("r1", 1),
+        ("r1", 2),
+        ("r1", 3),
+        ("r2", 0),
+    ]
+    assert all(new is not old for new, old in zip(second[:3], first[:3], strict=True))
+    assert second[4] is first[3]  # r2 did not change: its record is handed out again
+    # Saved for another attempt, the same calls make a new record naming it.
+    third = await participant.export([_ep("r1"), _ep("r2", 1)])
+    assert third[4] is not second[4]
+    assert third[4]["episode"] == {"rollout_id": "r2", "attempt": 1}
+    assert third[:4] == second[:4] and third[0] is second[0]
 
 
 async def test_a_bad_record_installs_nothing() -> None:

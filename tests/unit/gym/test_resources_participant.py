@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 
 import orjson
@@ -156,3 +157,26 @@ async def test_a_checkpoint_packs_again_only_an_episode_a_tool_call_changed() ->
         {**(await participant.export([_ep("r1")]))[0]}
     ).exported_state()
     assert unpacked == service.environment.export_state(service._episodes["r1"].state)
+
+
+async def test_an_export_reuses_the_records_of_unchanged_episodes_and_never_changes_them() -> None:
+    service = await _service("workplace", "r1", "r2")
+    participant = ResourcesParticipant(service)
+    first = await participant.export([_ep("r1"), _ep("r2")])
+    kept = copy.deepcopy(first)
+    call = ToolCall(episode=_ep("r1"), turn=0, call_index=0, arguments=json.dumps(EVENT))
+    await service.call_tool("calendar_create_event", call)  # r1 goes on after the cut
+    second = await participant.export([_ep("r1"), _ep("r2")])
+    assert first == kept  # what the first export handed out did not change
+    assert second[0] is not first[0]
+    assert second[0]["packed_state"] != first[0]["packed_state"]
+    parsed = EpisodeRecord.model_validate(second[0])
+    assert parsed.exported_state() == service.environment.export_state(
+        service._episodes["r1"].state
+    )
+    assert [(t.turn, t.call_index) for t in parsed.tool_results] == [(0, 0)]
+    assert second[1] is first[1]  # r2 did not change: its record is handed out again
+    # Saved for another attempt, the same state makes a new record naming it.
+    (third,) = await participant.export([_ep("r2", 1)])
+    assert third is not second[1] and third["episode"] == {"rollout_id": "r2", "attempt": 1}
+    assert third["packed_state"] is second[1]["packed_state"]  # not packed again

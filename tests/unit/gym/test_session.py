@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import copy
+from collections.abc import Callable
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -156,3 +159,86 @@ def test_export_json_is_the_validated_record_dumped_across_exports_and_attempts(
     # An export is a copy: the session going on does not change it.
     _play_turn(session)
     assert len(first["messages"]) == 3 and first["turn"] == 2
+
+
+def _apply_tools(session: Session) -> None:
+    session.messages.append({"role": "tool", "tool_call_id": "c0", "content": "ok"})
+    session.pending_response = None
+
+
+# Same lengths, other contents: only the setters can tell.
+def _replace_messages(session: Session) -> None:
+    session.messages = [{"role": "user", "content": "other"}, *session.messages[1:]]
+
+
+def _replace_calls(session: Session) -> None:
+    call = ModelCall(turn=0, attempt=0, response={"role": "assistant", "content": "other"})
+    session.model_calls = [call, *session.model_calls[1:]]
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        _play_turn,
+        _apply_tools,
+        lambda s: s.messages.append({"role": "tool", "tool_call_id": "c1", "content": "x"}),
+        lambda s: setattr(s, "pending_response", {"role": "assistant", "content": "again"}),
+        _replace_messages,
+        _replace_calls,
+        lambda s: setattr(s, "turn", s.turn + 1),
+        lambda s: setattr(s, "episode", s.episode.next_attempt()),
+        lambda s: setattr(s, "row", s.row.model_copy(update={"row": 5})),
+    ],
+    ids=[
+        "policy_call",
+        "tools_applied",
+        "message_appended",
+        "pending_response",
+        "messages_replaced",
+        "calls_replaced",
+        "turn",
+        "episode",
+        "row",
+    ],
+)
+def test_export_json_reuses_the_record_until_a_change_and_never_changes_one_handed_out(
+    change: Callable[[Session], None],
+) -> None:
+    session = Session(_row("r7", 0))
+    _play_turn(session)
+    session.pending_response = session.messages[-1]
+    first = session.export_json()
+    kept = copy.deepcopy(first)
+    assert session.export_json() is first  # nothing changed: the same record again
+    change(session)
+    second = session.export_json()
+    assert first == kept  # the session went on; the record handed out did not change
+    assert second is not first and second != first
+    assert second == _unchecked_record(session)
+    assert session.export_json() is second
+
+
+def _unchecked_record(session: Session) -> dict[str, object]:
+    # to_record() without its checks: a lone turn change makes an inconsistent record.
+    record = SessionRecord.model_construct(
+        episode=session.episode,
+        row=session.row,
+        messages=session.messages,
+        turn=session.turn,
+        model_calls=session.model_calls,
+        pending_response=session.pending_response,
+    )
+    return record.model_dump(mode="json")
+
+
+def test_a_continued_restored_session_exports_its_new_attempt() -> None:
+    session = Session(_row("r7", 0))
+    _play_turn(session)
+    restored = Session.from_record(SessionRecord.model_validate(session.export_json()))
+    first = restored.export_json()
+    kept = copy.deepcopy(first)
+    restored.continue_as(_row("r7", 1).model_copy(update={"row": 3}))
+    second = restored.export_json()
+    assert first == kept
+    assert (second["episode"], second["row"]["row"]) == ({"rollout_id": "r7", "attempt": 1}, 3)
+    assert second == restored.to_record().model_dump(mode="json")

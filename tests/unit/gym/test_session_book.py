@@ -8,6 +8,7 @@ the book is tested without sockets; the real runner is exercised in
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 from typing import Any
 
@@ -316,6 +317,39 @@ async def test_export_includes_held_replies_and_install_holds_them_again() -> No
     fresh = _book(FakePlay())
     assert fresh.install(records) == []
     assert fresh.finished_unacked() == [EpisodeId(rollout_id="done")]
+
+
+async def test_an_export_reuses_the_records_of_what_did_not_change_and_never_changes_them() -> None:
+    play = FakePlay(turns=3)
+    book = _book(play)
+    await _result(book.submit(_row("done")))
+    play.model.clear()
+    play.model_gate_from = 1
+    book.submit(_row("a"))
+    book.submit(_row("b"))
+    await _settle()
+    scope = [EpisodeId(rollout_id="a"), EpisodeId(rollout_id="b")]
+    first = await book.export_yielding(scope)
+    kept = copy.deepcopy(first)
+    # Session a makes its next policy call and gets the reply (as the runner does).
+    a = book.session("a")
+    assert a is not None and a.at_boundary
+    message: dict[str, Any] = {"role": "assistant", "content": "turn 1"}
+    a.model_calls.append(ModelCall(turn=1, attempt=0, response=message))
+    a.messages.append(message)
+    a.turn += 1
+    a.pending_response = message
+    second = await book.export_yielding(scope)
+    assert first == kept  # what the first export handed out did not change
+    assert [r["kind"] for r in second] == ["session", "session", "finished_reply"]
+    assert (second[0]["turn"], second[0]["pending_response"]) == (2, message)
+    assert second[0] == a.to_record().model_dump(mode="json")
+    assert second[0] is not first[0]
+    assert second[1] is first[1]  # b did not change: its record is handed out again
+    assert second[2] is first[2]  # nor did the held reply
+    book.ack([EpisodeId(rollout_id="done")])
+    assert [r["kind"] for r in await book.export_yielding(scope)] == ["session", "session"]
+    await book.aclose()
 
 
 async def test_install_is_all_or_nothing() -> None:

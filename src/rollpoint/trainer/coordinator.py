@@ -293,6 +293,7 @@ class SnapshotCoordinator:
                 pause_s=report.pause_s,
                 prepare_s=report.prepare_s,
                 commit_s=report.commit_s,
+                write_s=report.write_s,
                 parked=report.saved,
                 restarts=report.restarts,
                 snapshot_id=snapshot_id,

@@ -42,6 +42,12 @@ class TrainerMetrics:
             registry=r,
             buckets=_PAUSE_BUCKETS,
         )
+        self.write_seconds = Histogram(
+            "snapshot_write_seconds",
+            "After the pause: participants' detached writes confirmed and the trainer's files written",
+            registry=r,
+            buckets=_PAUSE_BUCKETS,
+        )
         self.snapshots = Counter("snapshots_total", "Snapshots by outcome", ["outcome"], registry=r)
         self.parked_sessions = Gauge(
             "snapshot_parked_sessions", "Sessions saved by the last snapshot", registry=r
@@ -84,6 +90,7 @@ class TrainerMetrics:
         prepare_s: float,
         commit_s: float,
         parked: int,
+        write_s: float = 0.0,
         restarts: int,
         snapshot_id: str,
         detail: str = "",
@@ -92,6 +99,7 @@ class TrainerMetrics:
         self.prepare_seconds.observe(prepare_s)
         if outcome == "published":
             self.commit_seconds.observe(commit_s)
+            self.write_seconds.observe(write_s)
             self.parked_sessions.set(parked)
         self.snapshots.labels(outcome=outcome).inc()
         self.restarts.inc(restarts)
@@ -103,6 +111,7 @@ class TrainerMetrics:
             pause_seconds=pause_s,
             prepare_seconds=prepare_s,
             commit_seconds=commit_s,
+            write_seconds=write_s,
             parked_sessions=parked,
             restarts=restarts,
             detail=detail,

@@ -556,7 +556,9 @@ class Fence:
         reported = list(report.restarts)
         if self._prepared is not None:
             reported.extend(self._prepared.report.restarts)
-        restarts = {e.key for e in reported} & {e.key for e in scope}
+        # Restarts are few (usually none): key the scope only when there are some.
+        restarts = {e.key for e in reported}
+        restarts = restarts & {e.key for e in scope} if restarts else set()
         if restarts:
             raise InvalidCheckpointStateError(
                 f"commit {cid}: the scope names episodes reported as restarts (they cannot "

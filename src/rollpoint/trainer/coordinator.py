@@ -16,7 +16,8 @@ Owns the save order of DESIGN §5 and the failure budget. A save:
    exported with its sessions (they are listed as ``finished`` in the manifest);
 6. checks the cut: every in-flight episode is on a replica that committed;
 7. resumes everyone (reverse stages) and reopens the barrier (the pause ends);
-8. writes the trainer's files while each participant writes what it captured (a commit to
+8. sorts each in-flight try into saved, finished or restart by its agent's ``exported``;
+   writes the trainer's files while each participant writes what it captured (a commit to
    a participant listing ``detached-write`` replies once its state is captured, so encoding,
    hashing and writing run after the pause), confirms every participant's write, and
    publishes the manifest last. A write that fails fails the save: nothing is published.
@@ -128,6 +129,10 @@ class _Cut:
     """Frozen references, O(live tries): encoded by :meth:`SnapshotCoordinator._publish`."""
     tq: TQCapture | None = None
     trainer_doc: dict[str, Any] = field(default_factory=dict)
+    in_flight: dict[str, list[LedgerRecord]] = field(default_factory=dict)
+    """Per replica, the tries in flight at the cut (immutable records)."""
+    agent_replies: dict[str, CommitReply] = field(default_factory=dict)
+    """Per replica, its agent's commit reply: what it exported."""
 
 
 @dataclass
@@ -392,6 +397,9 @@ class SnapshotCoordinator:
                 await asyncio.to_thread(self.store.abort, staging)
             return report
         t2 = time.monotonic()
+        # After the reopen: sorting the cut's tries into saved, finished and restarts builds
+        # a manifest entry per try (measured ~30 ms of the pause at 10k when it ran inside).
+        self._classify(cut, prepared)
         try:
             files = await self._write_all(cut)
             report.write_s = time.monotonic() - t2
@@ -533,24 +541,18 @@ class SnapshotCoordinator:
         ]
         if failed:
             raise SnapshotError("; ".join(failed))
-        agent_replies = {
+        cut.in_flight = in_flight
+        cut.agent_replies = {
             client.address.replica: reply
             for client, reply in zip(clients, replies, strict=True)
             if client.address.kind == ParticipantKind.AGENT and isinstance(reply, CommitReply)
         }
-        self._classify(cut, in_flight, agent_replies, prepared)
         return cut
 
-    def _classify(
-        self,
-        cut: _Cut,
-        in_flight: dict[str, list[LedgerRecord]],
-        agent_replies: dict[str, CommitReply],
-        prepared: _Prepared,
-    ) -> None:
+    def _classify(self, cut: _Cut, prepared: _Prepared) -> None:
         """Every in-flight episode is saved, finished (reply held) or a restart — exactly one."""
-        for replica, records in in_flight.items():
-            reply = agent_replies.get(replica)
+        for replica, records in cut.in_flight.items():
+            reply = cut.agent_replies.get(replica)
             exported = reply.exported if reply is not None else {}
             for record in records:
                 key = record.key

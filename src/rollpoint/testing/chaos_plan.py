@@ -212,7 +212,9 @@ def _draw_one(
     free.remove((replica, participant))
     fault = PlannedFault(kind=kind, run=run, at_s=at_s, replica=replica, participant=participant)
     if kind is ChaosFault.LOST_CONTROL_REPLY:
-        return fault.model_copy(update={"verb": rng.choice([Verb.COMMIT, Verb.RESUME])})
+        return fault.model_copy(
+            update={"verb": rng.choice([Verb.COMMIT, Verb.CONFIRM, Verb.RESUME])}
+        )
     if kind is ChaosFault.PARTITION:
         return fault.model_copy(
             update={"seconds": rng.uniform(0.1, 0.6), "forward": rng.random() < 0.5}

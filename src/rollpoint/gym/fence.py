@@ -24,17 +24,12 @@ participant keeps answering: prepare's wait for readiness, and commit's capture 
 (tasks per checkpoint id, so a concurrent or repeated commit awaits the same result).
 A refused call raises before it changes anything.
 
-**Detached writes.** A commit captures the scope (the participant's export: records built
-from what the sessions already hold, taken while nothing moves) and then writes it. With
-``wait_for_write: false`` it replies after the capture and writes nothing yet; ``confirm``
-(which the coordinator sends after the resume) starts the write and returns the manifest
-once it ends. So encoding and hashing run while the participant serves again, not in the
-snapshot pause, and a checkpoint aborted after its commit (nobody confirms) writes
-nothing into a staging folder its coordinator already removed. The captured records must
-not change afterwards: exports hand out copies of what sessions go on appending to, and
-dicts nobody mutates. A new capture first awaits an earlier write still running and
-drops an earlier capture nobody confirmed, so at most one checkpoint's records wait in
-memory.
+**Detached writes.** A commit captures the scope (the participant's export, taken while
+nothing moves) and then writes it. With ``wait_for_write: false`` it replies after the
+capture and writes nothing yet; ``confirm`` (which the coordinator sends after the resume)
+writes it and returns the manifest, so encoding and hashing run outside the snapshot pause
+and an aborted checkpoint writes nothing. The captures and writes themselves, and the last
+few kept for ``confirm``, are :mod:`rollpoint.gym.checkpoint_write`'s.
 """
 
 from __future__ import annotations
@@ -45,13 +40,13 @@ import logging
 import math
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
 
 from pydantic import JsonValue
 
-from rollpoint.gym.participant import Participant
+from rollpoint.gym.checkpoint_write import REMEMBERED_WRITES, CheckpointWrite, CheckpointWrites
+from rollpoint.gym.participant import Participant, await_hook, call_hook, hook_error
 from rollpoint.gym.phase_table import Event, Step, next_phase
 from rollpoint.protocol.control import (
     DETACHED_WRITE,
@@ -89,27 +84,21 @@ from rollpoint.protocol.errors import (
     NotFoundError,
     RestoreError,
     RollpointError,
-    SnapshotError,
     StaleAttemptError,
     StaleCheckpointError,
 )
 from rollpoint.protocol.ids import EpisodeId, is_identifier
-from rollpoint.protocol.manifest import ParticipantManifest
 from rollpoint.store.collector_pause import collector_paused
 from rollpoint.store.filesystem import resolve_inside
-from rollpoint.store.participant_state import read_participant_state, write_participant_state
+from rollpoint.store.participant_state import read_participant_state
 
 log = logging.getLogger(__name__)
 
 REMEMBERED_RESUMED_IDS = 64
-REMEMBERED_WRITES = 8
-"""Commits kept (by checkpoint id) for ``confirm`` after their checkpoint resumed."""
 _WAIT_SLICE_S = 1.0
 """Longest single wait on the participant while preparing (a resume is noticed this fast)."""
 _REOPEN_RETRY_S = 1.0
 """After a failed reopen on lease expiry, try again this much later."""
-
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -132,37 +121,6 @@ class ControlSettings:
             raise ConfigError("snapshot_root is empty: give the folder snapshots are written to")
         if not math.isfinite(self.lease_grace_s) or self.lease_grace_s < 0:
             raise ConfigError(f"lease_grace_s must be >= 0 seconds, got {self.lease_grace_s}")
-
-
-@dataclass
-class _Write:
-    """One checkpoint's commit: captured once, then written until a write succeeds.
-
-    The capture (the export, and the reply built from it) is what a commit waits for; the
-    write encodes, hashes and stores the captured records. A commit that does not wait
-    for the write lets the checkpoint resume first, and ``confirm`` collects the manifest.
-    """
-
-    checkpoint_id: str
-    checkpoint_dir: str
-    """As the request named it (relative to the snapshot root)."""
-    directory: str
-    """The participant's own folder, resolved inside the snapshot root."""
-    scope: list[EpisodeId]
-    capture: asyncio.Task[CommitReply] | None = None
-    store: asyncio.Task[ParticipantManifest] | None = None
-    records: list[dict[str, JsonValue]] | None = None
-    """Kept from the export until a write succeeds, so a failed write is tried again
-    without exporting again (the participant has moved on since)."""
-    manifest: ParticipantManifest | None = None
-
-    @property
-    def key(self) -> tuple[str, frozenset[str]]:
-        return self.directory, frozenset(e.key for e in self.scope)
-
-    @property
-    def captured(self) -> bool:
-        return self.capture is not None and self.capture.done() and not _failed(self.capture)
 
 
 @dataclass(frozen=True)
@@ -196,9 +154,9 @@ class Fence:
         self._lease_expires_at: float | None = None
         self._resumed: OrderedDict[str, None] = OrderedDict()
         self._prepared: PrepareReply | None = None
-        self._write: _Write | None = None
+        self._write: CheckpointWrite | None = None
         """The active checkpoint's commit; cleared when the phase returns to idle."""
-        self._writes: OrderedDict[str, _Write] = OrderedDict()
+        self._writes = CheckpointWrites(participant, self._instance, clock)
         """The last commits by checkpoint id, kept past their resume for ``confirm``."""
         self._restored: _RestoreMemo | None = None
         self._marks: dict[str, int] = {}
@@ -246,7 +204,7 @@ class Fence:
             phase=self._phase,
             checkpoint_id=self._checkpoint_id,
             lease_expires_at=self._lease_expires_at,
-            counts=_call_hook("stats", p.stats),
+            counts=call_hook("stats", p.stats),
             retired_rollouts=len(self._marks),
             portable=bool(getattr(p, "portable", True)),
         )
@@ -271,14 +229,14 @@ class Fence:
             async with self._lock:
                 if self._checkpoint_id == cid and self._phase is Phase.PREPARING:
                     await self._move(Event.FAILED)
-            raise _hook_error("readiness wait", exc, RollpointError) from None
+            raise hook_error("readiness wait", exc, RollpointError) from None
         async with self._lock:
             await self._reap_lease()
             if self._checkpoint_id != cid:
                 raise StaleCheckpointError(f"checkpoint {cid} was resumed while prepare waited")
             if self._prepared is not None:
                 return self._prepared
-            report = _wire_report(_call_hook("readiness", self._participant.readiness))
+            report = _wire_report(call_hook("readiness", self._participant.readiness))
             reply = PrepareReply(
                 phase=Phase.PREPARING,
                 checkpoint_id=cid,
@@ -304,16 +262,14 @@ class Fence:
         cid = req.checkpoint_id
         directory = self._participant_dir(req.checkpoint_dir)
         scope = sorted({e.key: e for e in req.episode_ids}.values(), key=lambda e: e.key)
+        wanted = CheckpointWrite(cid, req.checkpoint_dir, directory, scope)
         async with self._lock:
             await self._reap_lease()
             self._admit(Verb.COMMIT, cid)
-            write = self._start_capture(_Write(cid, req.checkpoint_dir, directory, scope), req)
-        assert write.capture is not None
-        reply = await self._by_deadline(
-            write.capture, req.deadline_ts, f"commit {cid}: the capture outlived the deadline"
-        )
+            write = self._start_capture(wanted, req)
+        reply = await self._writes.captured(write, req.deadline_ts, f"commit {cid}")
         if req.wait_for_write:
-            manifest = await self._stored(write, req.deadline_ts, f"commit {cid}")
+            manifest = await self._writes.stored(write, req.deadline_ts, f"commit {cid}")
             reply = reply.model_copy(update={"manifest": manifest})
         async with self._lock:
             if self._checkpoint_id != cid:
@@ -327,16 +283,14 @@ class Fence:
         cid = req.checkpoint_id
         self._admit(Verb.CONFIRM, None)
         write = self._writes.get(cid)
-        if write is None or write.capture is None:
+        if write is None:
             raise NotFoundError(
                 f"confirm {cid}: no commit of that checkpoint here "
                 f"(the last {REMEMBERED_WRITES} commits are kept)"
             )
         self._check_deadline("confirm", cid, req.deadline_ts)
-        await self._by_deadline(
-            write.capture, req.deadline_ts, f"confirm {cid}: the capture outlived the deadline"
-        )
-        manifest = await self._stored(write, req.deadline_ts, f"confirm {cid}")
+        await self._writes.captured(write, req.deadline_ts, f"confirm {cid}")
+        manifest = await self._writes.stored(write, req.deadline_ts, f"confirm {cid}")
         return ConfirmReply(checkpoint_id=cid, manifest=manifest)
 
     async def resume(self, req: ResumeRequest) -> ResumeReply:
@@ -383,7 +337,7 @@ class Fence:
                         f"restore {cid}: not done by the deadline"
                     ) from None
                 if isinstance(exc, Exception):
-                    raise _hook_error("install", exc, RestoreError) from None
+                    raise hook_error("install", exc, RestoreError) from None
                 raise
             # The saved attempts are superseded by their next ones: refuse them from now on.
             self._raise_marks({e.rollout_id: e.attempt for e in scope})
@@ -406,7 +360,7 @@ class Fence:
             # Marks rise before the hook runs and stay risen if it fails: a retired
             # attempt must never be served again, whatever happened to its work.
             marks = self._raise_marks(wanted)
-            outcomes = _call_hook("retire", self._participant.retire, marks)
+            outcomes = call_hook("retire", self._participant.retire, marks)
             return RetireReply(marks=marks, outcomes=outcomes)
 
     async def forget(self, req: ForgetRequest) -> ForgetReply:
@@ -414,13 +368,13 @@ class Fence:
             await self._reap_lease()
             self._admit(Verb.FORGET, None)
             dropped = {r for r in req.rollout_ids if self._marks.pop(r, None) is not None}
-            known = _call_hook("forget", self._participant.forget, list(req.rollout_ids))
+            known = call_hook("forget", self._participant.forget, list(req.rollout_ids))
             return ForgetReply(forgotten=sorted(dropped | set(known)))
 
     async def ack(self, req: AckRequest) -> AckReply:
         async with self._lock:
             self._admit(Verb.ACK, None)
-            return AckReply(acked=_call_hook("ack", self._participant.ack, list(req.episode_ids)))
+            return AckReply(acked=call_hook("ack", self._participant.ack, list(req.episode_ids)))
 
     async def expire_lease_if_lapsed(self) -> bool:
         """Reopen now if the lease has lapsed; True if it did. The lease task calls this;
@@ -462,7 +416,7 @@ class Fence:
             self._hold_collector()
         elif before is not Phase.IDLE and after is Phase.IDLE:
             self._release_collector()
-            await _await_hook("open_admission", self._participant.open_admission())
+            await await_hook("open_admission", self._participant.open_admission())
             if step in (Verb.RESUME, Event.LEASE_EXPIRED) and self._checkpoint_id is not None:
                 self._remember(self._checkpoint_id)
             self._checkpoint_id = None
@@ -491,7 +445,7 @@ class Fence:
         except Exception as exc:
             with contextlib.suppress(Exception):
                 await self._participant.open_admission()
-            raise _hook_error("close_admission", exc, RollpointError) from None
+            raise hook_error("close_admission", exc, RollpointError) from None
 
     def _raise_marks(self, wanted: dict[str, int]) -> dict[str, int]:
         """Raise each rollout's mark to at least ``wanted``; return the marks now held."""
@@ -521,7 +475,7 @@ class Fence:
                 return
             await self._participant.wait_changed(min(remaining, _WAIT_SLICE_S))
 
-    def _start_capture(self, wanted: _Write, req: CommitRequest) -> _Write:
+    def _start_capture(self, wanted: CheckpointWrite, req: CommitRequest) -> CheckpointWrite:
         """The write for ``wanted``'s dir and scope with its capture running or done: the
         one already started, or a new one if the participant is still ready for it."""
         cid, write = wanted.checkpoint_id, self._write
@@ -530,22 +484,18 @@ class Fence:
                 f"commit {cid} already went to {write.checkpoint_dir!r} with "
                 f"{len(write.scope)} episode(s); a retry must name the same dir and scope"
             )
-        if write is not None and write.capture is not None and not _failed(write.capture):
+        if write is not None and write.capturing:
             return write
         self._check_deadline("commit", cid, req.deadline_ts)
         self._check_ready_for(cid, wanted.scope)
         if write is None:
             write = self._write = wanted
-            self._writes[cid] = write
-            while len(self._writes) > REMEMBERED_WRITES:
-                self._writes.popitem(last=False)
-        write.capture = asyncio.create_task(self._capture(write))
-        write.capture.add_done_callback(_retrieve_failure)
+        self._writes.start_capture(write)
         self._extend_lease(req.deadline_ts)
         return write
 
     def _check_ready_for(self, cid: str, scope: list[EpisodeId]) -> None:
-        report = _call_hook("readiness", self._participant.readiness)
+        report = call_hook("readiness", self._participant.readiness)
         if not report.ready:
             shown = ", ".join(report.blockers[:10])
             raise InvalidPhaseError(
@@ -564,76 +514,6 @@ class Fence:
                 f"commit {cid}: the scope names episodes reported as restarts (they cannot "
                 f"be captured): {', '.join(sorted(restarts))}"
             )
-
-    async def _capture(self, write: _Write) -> CommitReply:
-        p = self._participant
-        # Bounded memory: at most one earlier capture holds its records. One being
-        # written is awaited (saves are serial, so it has almost always ended); one never
-        # confirmed belongs to an aborted checkpoint and is dropped.
-        for cid, earlier in list(self._writes.items()):
-            if earlier is write:
-                continue
-            if earlier.store is None:
-                del self._writes[cid]
-            elif not earlier.store.done():
-                await asyncio.wait([earlier.store])
-        # An export allocates containers for every record while the process holds every
-        # session: full collections on the way walked that whole heap (profiled at 10k
-        # sessions: most of a commit's seconds).
-        with collector_paused():
-            if write.records is None:
-                write.records = await _await_hook("export", p.export(write.scope), SnapshotError)
-        return CommitReply(
-            phase=Phase.COMMITTED,
-            checkpoint_id=write.checkpoint_id,
-            checkpoint_dir=write.checkpoint_dir,
-            state_dir=f"{p.kind.value}/{self._instance}",
-            scope_size=len(write.scope),
-            manifest=None,
-            exported=_exported(write.records, write.scope),
-        )
-
-    def _start_store(self, write: _Write) -> asyncio.Task[ParticipantManifest]:
-        """The task writing ``write``'s records: the running or finished one, or a new one
-        after none started or the last one failed."""
-        if write.store is None or _failed(write.store):
-            write.store = asyncio.create_task(self._store(write))
-            write.store.add_done_callback(_retrieve_failure)
-        return write.store
-
-    async def _store(self, write: _Write) -> ParticipantManifest:
-        if write.manifest is not None:
-            return write.manifest
-        assert write.records is not None, "a write is stored only once captured"
-        store = asyncio.to_thread(
-            write_participant_state,
-            write.directory,
-            kind=self._participant.kind.value,
-            instance=self._instance,
-            checkpoint_id=write.checkpoint_id,
-            records=write.records,
-        )
-        write.manifest = await _await_hook("state write", store, SnapshotError)
-        write.records = None  # written: the manifest is all a retry or confirm needs
-        return write.manifest
-
-    async def _stored(self, write: _Write, deadline_ts: float, what: str) -> ParticipantManifest:
-        return await self._by_deadline(
-            self._start_store(write),
-            deadline_ts,
-            f"{what}: the write outlived the deadline; it goes on, and a retry collects it",
-        )
-
-    async def _by_deadline(self, task: asyncio.Task[T], deadline_ts: float, late: str) -> T:
-        """``task``'s result, or :class:`DeadlineExceededError` (``late``) at the deadline;
-        the task goes on either way, so a retry awaits the same work."""
-        if not task.done():
-            try:
-                async with asyncio.timeout(max(deadline_ts - self._clock(), 0.0)):
-                    await asyncio.shield(task)
-            except TimeoutError:
-                raise DeadlineExceededError(late) from None
-        return task.result()
 
     # --- restore -----------------------------------------------------------------------
 
@@ -656,7 +536,7 @@ class Fence:
                 instance=instance,
                 checkpoint_id=source,
             )
-            _, found = await _await_hook("state read", read, RestoreError)
+            _, found = await await_hook("state read", read, RestoreError)
             records.extend(found)
         await self._move(Verb.RESTORE)
         self._checkpoint_id = cid
@@ -722,25 +602,6 @@ class Fence:
         return resolve_inside(folder, f"{self._participant.kind.value}/{instance}")
 
 
-def _exported(records: list[dict[str, JsonValue]], scope: list[EpisodeId]) -> dict[str, int | None]:
-    """The scoped episodes the records hold state for, by the records' top-level ``episode``.
-
-    This is what lets the coordinator check saved + restarts against its ledger without
-    reading any participant's records.
-    """
-    wanted = {e.key for e in scope}
-    found: dict[str, int | None] = {}
-    for record in records:
-        raw = record.get("episode")
-        if not isinstance(raw, dict):
-            continue
-        key = f"{raw.get('rollout_id')}#{raw.get('attempt')}"
-        if key in wanted and key not in found:
-            turn = record.get("turn")
-            found[key] = turn if isinstance(turn, int) else None
-    return {k: found[k] for k in sorted(found)}
-
-
 def _wire_report(report: Readiness) -> Readiness:
     return report.model_copy(
         update={
@@ -748,37 +609,3 @@ def _wire_report(report: Readiness) -> Readiness:
             "blocker_count": max(report.blocker_count, len(report.blockers)),
         }
     )
-
-
-def _failed(task: asyncio.Task[Any]) -> bool:
-    return task.done() and (task.cancelled() or task.exception() is not None)
-
-
-def _retrieve_failure(task: asyncio.Task[Any]) -> None:
-    # A write nobody awaits any more (its commit hit the deadline) must not log
-    # "exception was never retrieved"; its failure is reported to the next commit.
-    if not task.cancelled() and task.exception() is not None:
-        log.warning("checkpoint write failed: %s", task.exception())
-
-
-def _hook_error(hook: str, exc: Exception, cls: type[RollpointError]) -> RollpointError:
-    if isinstance(exc, RollpointError):
-        return exc
-    log.error("participant hook %s failed", hook, exc_info=exc)
-    return cls(f"participant {hook} failed: {type(exc).__name__}: {exc}")
-
-
-def _call_hook(hook: str, fn: Callable[..., T], *args: Any) -> T:
-    try:
-        return fn(*args)
-    except Exception as exc:
-        raise _hook_error(hook, exc, RollpointError) from None
-
-
-async def _await_hook(
-    hook: str, awaitable: Awaitable[T], cls: type[RollpointError] = RollpointError
-) -> T:
-    try:
-        return await awaitable
-    except Exception as exc:
-        raise _hook_error(hook, exc, cls) from None

@@ -20,15 +20,29 @@ Hooks that a verb calls, in order:
 
 from __future__ import annotations
 
-from typing import Protocol, runtime_checkable
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from pydantic import JsonValue
 
 from rollpoint.protocol.control import Readiness, RetireOutcome, RetireOutcomeKind
+from rollpoint.protocol.errors import RollpointError
 from rollpoint.protocol.ids import EpisodeId
 from rollpoint.protocol.participant import CheckpointMode, ParticipantKind
 
-__all__ = ["Participant", "Readiness", "RetireOutcome", "RetireOutcomeKind"]
+__all__ = [
+    "Participant",
+    "Readiness",
+    "RetireOutcome",
+    "RetireOutcomeKind",
+    "await_hook",
+    "call_hook",
+    "hook_error",
+]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @runtime_checkable
@@ -107,3 +121,32 @@ class Participant(Protocol):
     def stats(self) -> dict[str, int]:
         """Counters shown by status (sessions, in flight, held replies...)."""
         ...
+
+
+# --- calling a hook ------------------------------------------------------------------------
+# A hook that raises one of our errors keeps it; anything else is a bug in the server, logged
+# with its traceback and turned into a typed error naming the hook, so a verb never answers
+# a bare 500.
+
+
+def hook_error(hook: str, exc: Exception, cls: type[RollpointError]) -> RollpointError:
+    if isinstance(exc, RollpointError):
+        return exc
+    log.error("participant hook %s failed", hook, exc_info=exc)
+    return cls(f"participant {hook} failed: {type(exc).__name__}: {exc}")
+
+
+def call_hook(hook: str, fn: Callable[..., T], *args: Any) -> T:
+    try:
+        return fn(*args)
+    except Exception as exc:
+        raise hook_error(hook, exc, RollpointError) from None
+
+
+async def await_hook(
+    hook: str, awaitable: Awaitable[T], cls: type[RollpointError] = RollpointError
+) -> T:
+    try:
+        return await awaitable
+    except Exception as exc:
+        raise hook_error(hook, exc, cls) from None

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from rollpoint.gym import fence as fence_module
+from rollpoint.gym import checkpoint_write as checkpoint_write_module
 from rollpoint.gym.fence import ControlSettings, Fence
 from rollpoint.gym.phase_table import TRANSITIONS, next_phase
 from rollpoint.protocol.control import (
@@ -547,13 +547,13 @@ async def test_a_confirm_outliving_its_deadline_fails_and_the_write_goes_on(
     fence: Fence, participant: FakeParticipant, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     release = threading.Event()
-    real_write = fence_module.write_participant_state
+    real_write = checkpoint_write_module.write_participant_state
 
     def slow_write(*args: Any, **kwargs: Any) -> Any:
         release.wait(5)
         return real_write(*args, **kwargs)
 
-    monkeypatch.setattr(fence_module, "write_participant_state", slow_write)
+    monkeypatch.setattr(checkpoint_write_module, "write_participant_state", slow_write)
     await fence.prepare(prepare())
     await fence.commit(detached())
     await fence.resume(ResumeRequest(checkpoint_id="c1"))
@@ -567,13 +567,13 @@ async def test_a_new_capture_waits_for_the_earlier_checkpoints_write(
     fence: Fence, participant: FakeParticipant, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     release = threading.Event()
-    real_write = fence_module.write_participant_state
+    real_write = checkpoint_write_module.write_participant_state
 
     def slow_write(*args: Any, **kwargs: Any) -> Any:
         release.wait(5)
         return real_write(*args, **kwargs)
 
-    monkeypatch.setattr(fence_module, "write_participant_state", slow_write)
+    monkeypatch.setattr(checkpoint_write_module, "write_participant_state", slow_write)
     await fence.prepare(prepare())
     await fence.commit(detached())
     await fence.resume(ResumeRequest(checkpoint_id="c1"))

@@ -22,10 +22,8 @@ Owns the save order of DESIGN §5 and the failure budget. A save:
    hashing and writing run after the pause), confirms every participant's write, and
    publishes the manifest last. A write that fails fails the save: nothing is published.
 
-**Finished replies nobody will seal.** Prepare lists each agent's finished, unacked
-replies. Those of a row's current try are a reply on the wire: they are exported with the
-cut and adopted later. Any other (a try the trainer gave up on, one already sealed, one it
-never knew) is acked away on its agent once the pause is over, so no reply stays stuck.
+**Finished replies nobody will seal** (strays, see :mod:`rollpoint.trainer.stray_replies`)
+are acked away on their agents once the pause is over, whatever became of the save.
 
 **Replicas that are down** (see :class:`~rollpoint.trainer.replica_roster.ReplicaRoster`)
 take no part: snapshots keep committing with the replicas that are up, and a manifest names
@@ -33,7 +31,10 @@ only the participants that committed. A replica that comes back is asked who it 
 next save and takes part from then on.
 
 It does not own when snapshots happen (the trainer loop decides) nor the files' layout
-(:mod:`rollpoint.store`).
+(:mod:`rollpoint.store`). Its parts: the stage order and the shared deadline of the calls
+(:mod:`rollpoint.trainer.control_calls`), what a save captured and the sorting of its tries
+(:mod:`rollpoint.trainer.cut`), the resume (:mod:`rollpoint.trainer.resumer`) and the strays
+(:mod:`rollpoint.trainer.stray_replies`).
 """
 
 from __future__ import annotations
@@ -42,22 +43,18 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any
 
 import orjson
 from pydantic import JsonValue
 
 from rollpoint.config import SnapshotConfig
 from rollpoint.protocol.control import DETACHED_WRITE, CommitReply, Phase, StatusReply
-from rollpoint.protocol.errors import ConfigError, RollpointError, SnapshotError, TransportError
-from rollpoint.protocol.ids import EpisodeId
+from rollpoint.protocol.errors import ConfigError, RollpointError, SnapshotError
 from rollpoint.protocol.manifest import (
     FileEntry,
     ParticipantEntry,
-    RestartEpisode,
-    SavedEpisode,
     SnapshotManifest,
     topology_fingerprint,
 )
@@ -65,85 +62,34 @@ from rollpoint.protocol.participant import CheckpointMode, ParticipantKind
 from rollpoint.store.collector_pause import collector_paused
 from rollpoint.store.snapshot_store import SnapshotStore
 from rollpoint.store.staging import Staging
+from rollpoint.trainer.control_calls import PREPARE_STAGES, by_deadline, failure_line
+from rollpoint.trainer.cut import Cut, Prepared, SaveReport
 from rollpoint.trainer.dispatch_barrier import DispatchBarrier
-from rollpoint.trainer.finished_queue import FinishedQueue, TQCapture
-from rollpoint.trainer.ledger import LedgerRecord, RecoveryLedger, RolloutState
-from rollpoint.trainer.ledger_document import LedgerCapture
+from rollpoint.trainer.finished_queue import FinishedQueue
+from rollpoint.trainer.ledger import RecoveryLedger
 from rollpoint.trainer.metrics import TrainerMetrics
 from rollpoint.trainer.participant_client import ParticipantClient
 from rollpoint.trainer.replica_roster import ReplicaRoster
+from rollpoint.trainer.resumer import Resumer
+from rollpoint.trainer.stray_replies import REPLY_HOLDING_STATES, ack_strays, is_wanted
+
+__all__ = [
+    "LEDGER_FILE",
+    "MAX_FAILED_IN_A_ROW",
+    "PREPARE_STAGES",
+    "REPLY_HOLDING_STATES",
+    "TQ_FILE",
+    "TRAINER_FILE",
+    "SaveReport",
+    "SnapshotCoordinator",
+]
 
 log = logging.getLogger(__name__)
-R = TypeVar("R")
 
-PREPARE_STAGES = (ParticipantKind.MODEL, ParticipantKind.AGENT, ParticipantKind.RESOURCES)
-"""Callers' callees close first; resume runs in the reverse order."""
 MAX_FAILED_IN_A_ROW = 3
-REPLY_HOLDING_STATES = frozenset(
-    {RolloutState.QUEUED, RolloutState.DISPATCHED, RolloutState.FINISHED}
-)
-"""States in which a row's current try still wants the reply its agent holds: dispatched
-(on the wire), queued (pinned to fetch it again), finished (being sealed)."""
 LEDGER_FILE = "ledger.json"
 TQ_FILE = "tq.json"
 TRAINER_FILE = "trainer.json"
-
-
-@dataclass
-class SaveReport:
-    """What one save attempt did, published or not."""
-
-    snapshot_id: str
-    published: bool
-    pause_s: float = 0.0
-    prepare_s: float = 0.0
-    commit_s: float = 0.0
-    write_s: float = 0.0
-    """After the reopen: until the trainer's files were written and every participant
-    confirmed its write (participants that waited for their write inside the commit
-    confirm at once)."""
-    saved: int = 0
-    restarts: int = 0
-    finished: int = 0
-    acked_away: int = 0
-    """Finished replies of tries nobody will seal, released on their agents."""
-    blocked_by: str = ""
-    manifest: SnapshotManifest | None = None
-
-
-@dataclass
-class _Cut:
-    """Everything captured while the barrier was closed, written after it reopens."""
-
-    staging: Staging
-    checkpoint_id: str
-    created_at: float
-    participants: list[ParticipantClient] = field(default_factory=list)
-    """The participants that committed: the only ones the manifest names."""
-    detached: list[ParticipantClient] = field(default_factory=list)
-    """Those whose commit replied before the write: confirmed before the publish."""
-    episodes: list[SavedEpisode] = field(default_factory=list)
-    restarts: list[RestartEpisode] = field(default_factory=list)
-    finished: list[RestartEpisode] = field(default_factory=list)
-    ledger: LedgerCapture | None = None
-    """Frozen references, O(live tries): encoded by :meth:`SnapshotCoordinator._publish`."""
-    tq: TQCapture | None = None
-    trainer_doc: dict[str, Any] = field(default_factory=dict)
-    in_flight: dict[str, list[LedgerRecord]] = field(default_factory=dict)
-    """Per replica, the tries in flight at the cut (immutable records)."""
-    agent_replies: dict[str, CommitReply] = field(default_factory=dict)
-    """Per replica, its agent's commit reply: what it exported."""
-
-
-@dataclass
-class _Prepared:
-    """What prepare found: the participants that may have closed, and what they reported."""
-
-    clients: list[ParticipantClient] = field(default_factory=list)
-    restarts: set[str] = field(default_factory=set)
-    finished_unacked: set[str] = field(default_factory=set)
-    strays: dict[ParticipantClient, list[EpisodeId]] = field(default_factory=dict)
-    """Per agent: finished replies of tries that are not a row's current try."""
 
 
 class SnapshotCoordinator:
@@ -178,7 +124,7 @@ class SnapshotCoordinator:
         self._failures: list[str] = []
         self._lock = asyncio.Lock()
         self._sequence = 0
-        self._unresumed: dict[str, tuple[ParticipantClient, str]] = {}
+        self._resumer = Resumer()
         self._failing_since = 0.0
         self.history: list[SaveReport] = []
         self.before_save: Callable[[], Awaitable[None]] | None = None
@@ -341,12 +287,12 @@ class SnapshotCoordinator:
         except SnapshotError as exc:
             report.blocked_by = exc.message
             return report
-        await self._resume_leftovers()
-        if self._unresumed:
+        await self._resumer.resume_leftovers(self.participants)
+        if self._resumer.unresumed:
             # Still closed by an earlier checkpoint and out of reach: a prepare now would
             # hold every agent at its deadline behind that participant's frozen calls.
             report.blocked_by = (
-                f"{', '.join(sorted(self._unresumed))} still closed by an earlier checkpoint "
+                f"{', '.join(sorted(self._resumer.unresumed))} still closed by an earlier checkpoint "
                 "and unreachable"
             )
             return report
@@ -360,9 +306,9 @@ class SnapshotCoordinator:
         collector = contextlib.ExitStack()
         collector.enter_context(collector_paused())
         staging: Staging | None = None
-        prepared = _Prepared()
+        prepared = Prepared()
         renewer: asyncio.Task[None] | None = None
-        cut: _Cut | None = None
+        cut: Cut | None = None
         try:
             deadline = time.time() + self.config.deadline_seconds
             renewer = asyncio.create_task(self._renew_leases(checkpoint_id, prepared.clients))
@@ -386,12 +332,12 @@ class SnapshotCoordinator:
                     await renewer
             # Resume is the abort before a publish and the reopen after a good cut: one path.
             try:
-                await self._resume_all(checkpoint_id, prepared.clients)
+                await self._resumer.resume_all(checkpoint_id, prepared.clients)
             finally:
                 self.barrier.open()
                 report.pause_s = time.monotonic() - paused_at
                 collector.close()
-        report.acked_away = await self._ack_strays(prepared.strays)
+        report.acked_away = await ack_strays(prepared.strays)
         if cut is None:
             if staging is not None:
                 await asyncio.to_thread(self.store.abort, staging)
@@ -399,7 +345,7 @@ class SnapshotCoordinator:
         t2 = time.monotonic()
         # After the reopen: sorting the cut's tries into saved, finished and restarts builds
         # a manifest entry per try (measured ~30 ms of the pause at 10k when it ran inside).
-        self._classify(cut, prepared)
+        cut.classify(prepared)
         try:
             files = await self._write_all(cut)
             report.write_s = time.monotonic() - t2
@@ -428,22 +374,22 @@ class SnapshotCoordinator:
         clients: list[ParticipantClient],
         checkpoint_id: str,
         deadline: float,
-        prepared: _Prepared,
+        prepared: Prepared,
     ) -> None:
         for stage in PREPARE_STAGES:
             stage_clients = [p for p in clients if p.address.kind == stage]
             # Record the clients before awaiting: one whose reply is lost may still have closed.
             prepared.clients.extend(stage_clients)
-            replies = await _by_deadline(
+            replies = await by_deadline(
                 [p.prepare(checkpoint_id, deadline) for p in stage_clients], deadline
             )
             blocked: list[str] = []
             for client, reply in zip(stage_clients, replies, strict=True):
                 if isinstance(reply, BaseException):
-                    blocked.append(_failure(client, "prepare", reply))
+                    blocked.append(failure_line(client, "prepare", reply))
                     continue
                 # Whatever else happens to this save, a stray reply is released after it.
-                strays = [e for e in reply.report.finished_unacked if not self._wanted(e)]
+                strays = [e for e in reply.report.finished_unacked if not is_wanted(self.ledger, e)]
                 if strays:
                     prepared.strays[client] = strays
                 if reply.phase != Phase.PREPARED:
@@ -458,45 +404,14 @@ class SnapshotCoordinator:
             if blocked:
                 raise SnapshotError("; ".join(blocked))
 
-    def _wanted(self, episode: EpisodeId) -> bool:
-        """Whether a held finished reply belongs to its row's current try (adopt it) or to
-        no try the trainer still waits on (ack it away)."""
-        if episode.rollout_id not in self.ledger:
-            return False
-        record = self.ledger.get(episode.rollout_id)
-        if record.attempt != episode.attempt or record.state not in REPLY_HOLDING_STATES:
-            return False
-        return self.ledger.current(record.group_id, record.row).rollout_id == record.rollout_id
-
-    async def _ack_strays(self, strays: dict[ParticipantClient, list[EpisodeId]]) -> int:
-        """Release finished replies nobody will seal; a failed ack is retried by the next
-        prepare, which reports them again."""
-        acked = 0
-        for agent, episodes in strays.items():
-            try:
-                reply = await agent.ack(episodes)
-            except RollpointError as exc:
-                log.info(
-                    "ack of %d stray replies on %s failed: %s", len(episodes), agent.label, exc
-                )
-                continue
-            acked += len(reply.acked)
-            log.debug(
-                "acked away %d finished replies on %s that no current try wants: %s",
-                len(reply.acked),
-                agent.label,
-                ", ".join(e.key for e in reply.acked[:5]),
-            )
-        return acked
-
     async def _commit_all(
         self,
         clients: list[ParticipantClient],
         staging: Staging,
         checkpoint_id: str,
-        prepared: _Prepared,
-    ) -> _Cut:
-        cut = _Cut(
+        prepared: Prepared,
+    ) -> Cut:
+        cut = Cut(
             staging=staging,
             checkpoint_id=checkpoint_id,
             created_at=time.time(),
@@ -521,7 +436,7 @@ class SnapshotCoordinator:
         }
         cut.detached = [c for c in clients if DETACHED_WRITE in self._statuses[c].features]
         deadline = time.time() + self.config.deadline_seconds
-        replies = await _by_deadline(
+        replies = await by_deadline(
             [
                 p.commit(
                     checkpoint_id,
@@ -535,7 +450,7 @@ class SnapshotCoordinator:
             deadline,
         )
         failed = [
-            _failure(client, "commit", reply)
+            failure_line(client, "commit", reply)
             for client, reply in zip(clients, replies, strict=True)
             if isinstance(reply, BaseException)
         ]
@@ -549,38 +464,7 @@ class SnapshotCoordinator:
         }
         return cut
 
-    def _classify(self, cut: _Cut, prepared: _Prepared) -> None:
-        """Every in-flight episode is saved, finished (reply held) or a restart — exactly one."""
-        for replica, records in cut.in_flight.items():
-            reply = cut.agent_replies.get(replica)
-            exported = reply.exported if reply is not None else {}
-            for record in records:
-                key = record.key
-                base: dict[str, Any] = {
-                    "rollout_id": record.rollout_id,
-                    "attempt": record.attempt,
-                    "replica": replica,
-                    "group_id": record.group_id,
-                    "row": record.row,
-                }
-                if key in exported:
-                    turns = exported[key] or 0
-                    cut.episodes.append(SavedEpisode(**base, turns_completed=turns))
-                elif key in prepared.finished_unacked:
-                    cut.finished.append(RestartEpisode(**base))
-                else:
-                    if key not in prepared.restarts:
-                        # Dispatched, but its /run never reached the agent before the cut: it had
-                        # not started, so starting over loses nothing.
-                        log.info(
-                            "snapshot %s: %s on %s had not started; it restarts",
-                            cut.checkpoint_id,
-                            key,
-                            replica,
-                        )
-                    cut.restarts.append(RestartEpisode(**base))
-
-    async def _write_all(self, cut: _Cut) -> dict[str, FileEntry]:
+    async def _write_all(self, cut: Cut) -> dict[str, FileEntry]:
         """The trainer's files, written while the participants finish writing what their
         commits captured; a :class:`SnapshotError` names every write that failed."""
         written = asyncio.ensure_future(asyncio.to_thread(self._write_trainer_files, cut))
@@ -593,21 +477,21 @@ class SnapshotCoordinator:
             raise SnapshotError("; ".join(failed))
         return files
 
-    async def _confirm_all(self, cut: _Cut) -> list[str]:
+    async def _confirm_all(self, cut: Cut) -> list[str]:
         """Wait for every detached write; one line per participant whose write failed."""
         if not cut.detached:
             return []
         deadline = time.time() + self.config.deadline_seconds
-        replies = await _by_deadline(
+        replies = await by_deadline(
             [c.confirm(cut.checkpoint_id, deadline) for c in cut.detached], deadline
         )
         return [
-            _failure(client, "confirm", reply)
+            failure_line(client, "confirm", reply)
             for client, reply in zip(cut.detached, replies, strict=True)
             if isinstance(reply, BaseException)
         ]
 
-    def _write_trainer_files(self, cut: _Cut) -> dict[str, FileEntry]:
+    def _write_trainer_files(self, cut: Cut) -> dict[str, FileEntry]:
         assert cut.ledger is not None and cut.tq is not None, "a cut captures both"
         return {
             LEDGER_FILE: self.store.write_file(cut.staging, LEDGER_FILE, cut.ledger.encode_parts()),
@@ -617,7 +501,7 @@ class SnapshotCoordinator:
             ),
         }
 
-    def _publish(self, cut: _Cut, files: dict[str, FileEntry], pause_s: float) -> SnapshotManifest:
+    def _publish(self, cut: Cut, files: dict[str, FileEntry], pause_s: float) -> SnapshotManifest:
         manifest = SnapshotManifest(
             snapshot_id=cut.staging.snapshot_id,
             checkpoint_id=cut.checkpoint_id,
@@ -649,96 +533,5 @@ class SnapshotCoordinator:
                 if isinstance(result, RollpointError):
                     log.debug("renew on %s: %s", client.label, result.message)
 
-    async def _resume_all(self, checkpoint_id: str, clients: Iterable[ParticipantClient]) -> None:
-        """Resume each participant once, callees last (reverse stages). A resume that fails is
-        retried once on that participant only; its lease reopens it if that fails too."""
-        by_stage = list(clients)
-        for stage in reversed(PREPARE_STAGES):
-            stage_clients = [p for p in by_stage if p.address.kind == stage]
-            results = await asyncio.gather(
-                *(p.resume(checkpoint_id) for p in stage_clients), return_exceptions=True
-            )
-            retry = [
-                c
-                for c, r in zip(stage_clients, results, strict=True)
-                if isinstance(r, BaseException)
-            ]
-            if not retry:
-                continue
-            again = await asyncio.gather(
-                *(p.resume(checkpoint_id) for p in retry), return_exceptions=True
-            )
-            for client, result in zip(retry, again, strict=True):
-                if isinstance(result, BaseException):
-                    log.warning(
-                        "%s; resumed again before the next save, and its lease reopens it meanwhile",
-                        _failure(client, "resume", result),
-                    )
-                    self._unresumed[client.label] = (client, checkpoint_id)
-
-    async def _resume_leftovers(self) -> None:
-        """Resume what a lost resume left closed, so the next prepare does not hit a
-        participant still holding the last checkpoint (it would refuse: checkpoint_conflict)."""
-        up = set(self.participants)
-        for label, (client, _) in list(self._unresumed.items()):
-            if client not in up:
-                del self._unresumed[label]  # its replica is down or was replaced
-                continue
-            try:
-                # Resume what it holds, not what we last failed to resume: a prepare lost
-                # in a partition leaves it on an older checkpoint, and resuming the newer
-                # id is refused while it stays closed until its lease lapses.
-                status = await client.status()
-                if status.phase is not Phase.IDLE and status.checkpoint_id is not None:
-                    await client.resume(status.checkpoint_id)
-            except TransportError:
-                continue  # still unreachable: the save will name it
-            except RollpointError:
-                pass  # already reopened (by its lease) and says so: nothing left to do
-            del self._unresumed[label]
-
 
 _DISCOVER_RETRY_S = 0.2
-
-# A participant answers at its deadline at the latest; this covers the network and scheduling.
-_DEADLINE_SLACK_S = 0.5
-
-
-async def _by_deadline(
-    calls: list[Coroutine[Any, Any, R]], deadline: float
-) -> list[R | BaseException]:
-    """Run the calls together; one that has not answered by the shared deadline (plus a
-    little slack) is cancelled and counts as failed, so no participant holds the pause."""
-    tasks = [asyncio.ensure_future(c) for c in calls]
-    try:
-        if tasks:
-            await asyncio.wait(tasks, timeout=max(0.0, deadline - time.time()) + _DEADLINE_SLACK_S)
-    except BaseException:
-        # Cancelled with the save: take the calls down too, and collect their outcomes.
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
-    results: list[R | BaseException] = []
-    for task in tasks:
-        if not task.done():
-            task.cancel()
-            results.append(TimeoutError("no reply by the deadline"))
-        elif task.cancelled():
-            results.append(TimeoutError("cancelled"))
-        elif (error := task.exception()) is not None:
-            results.append(error)
-        else:
-            results.append(task.result())
-    await asyncio.gather(*tasks, return_exceptions=True)
-    return results
-
-
-def _failure(client: ParticipantClient, verb: str, error: BaseException) -> str:
-    """One line naming the participant and what went wrong, without repeating the label."""
-    if isinstance(error, RollpointError):
-        text = error.message
-        return text if text.startswith(client.label) else f"{client.label} {verb}: {text}"
-    if isinstance(error, TimeoutError):
-        return f"{client.label} {verb}: {error or 'no reply by the deadline'}"
-    return f"{client.label} {verb}: {type(error).__name__}: {error}"

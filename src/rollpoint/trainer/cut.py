@@ -1,0 +1,119 @@
+"""The cut: what one save captured, and what it reports.
+
+Owns the data a save carries from the pause to the publish: what prepare found
+(:class:`Prepared`: the participants that may have closed, the restarts and held replies
+they reported, stray replies), what the commit captured (:class:`Cut`: the in-flight tries,
+the ledger, TQ and trainer captures, each agent's commit reply), the sorting of each
+in-flight try into saved, finished or restart (:meth:`Cut.classify`), and the
+:class:`SaveReport` of one attempt.
+
+It does not call participants, write files or publish (the
+:class:`~rollpoint.trainer.coordinator.SnapshotCoordinator` does), nor encode the captures
+(:mod:`rollpoint.trainer.ledger_document`, :mod:`rollpoint.trainer.finished_queue`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollpoint.protocol.control import CommitReply
+from rollpoint.protocol.ids import EpisodeId
+from rollpoint.protocol.manifest import RestartEpisode, SavedEpisode, SnapshotManifest
+from rollpoint.store.staging import Staging
+from rollpoint.trainer.finished_queue import TQCapture
+from rollpoint.trainer.ledger import LedgerRecord
+from rollpoint.trainer.ledger_document import LedgerCapture
+from rollpoint.trainer.participant_client import ParticipantClient
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SaveReport:
+    """What one save attempt did, published or not."""
+
+    snapshot_id: str
+    published: bool
+    pause_s: float = 0.0
+    prepare_s: float = 0.0
+    commit_s: float = 0.0
+    write_s: float = 0.0
+    """After the reopen: until the trainer's files were written and every participant
+    confirmed its write (participants that waited for their write inside the commit
+    confirm at once)."""
+    saved: int = 0
+    restarts: int = 0
+    finished: int = 0
+    acked_away: int = 0
+    """Finished replies of tries nobody will seal, released on their agents."""
+    blocked_by: str = ""
+    manifest: SnapshotManifest | None = None
+
+
+@dataclass
+class Prepared:
+    """What prepare found: the participants that may have closed, and what they reported."""
+
+    clients: list[ParticipantClient] = field(default_factory=list)
+    restarts: set[str] = field(default_factory=set)
+    finished_unacked: set[str] = field(default_factory=set)
+    strays: dict[ParticipantClient, list[EpisodeId]] = field(default_factory=dict)
+    """Per agent: finished replies of tries that are not a row's current try."""
+
+
+@dataclass
+class Cut:
+    """Everything captured while the barrier was closed, written after it reopens."""
+
+    staging: Staging
+    checkpoint_id: str
+    created_at: float
+    participants: list[ParticipantClient] = field(default_factory=list)
+    """The participants that committed: the only ones the manifest names."""
+    detached: list[ParticipantClient] = field(default_factory=list)
+    """Those whose commit replied before the write: confirmed before the publish."""
+    episodes: list[SavedEpisode] = field(default_factory=list)
+    restarts: list[RestartEpisode] = field(default_factory=list)
+    finished: list[RestartEpisode] = field(default_factory=list)
+    ledger: LedgerCapture | None = None
+    """Frozen references, O(live tries): encoded by
+    :meth:`~rollpoint.trainer.coordinator.SnapshotCoordinator._write_trainer_files`."""
+    tq: TQCapture | None = None
+    trainer_doc: dict[str, Any] = field(default_factory=dict)
+    in_flight: dict[str, list[LedgerRecord]] = field(default_factory=dict)
+    """Per replica, the tries in flight at the cut (immutable records)."""
+    agent_replies: dict[str, CommitReply] = field(default_factory=dict)
+    """Per replica, its agent's commit reply: what it exported."""
+
+    def classify(self, prepared: Prepared) -> None:
+        """Every in-flight episode is saved, finished (reply held) or a restart — exactly one."""
+        for replica, records in self.in_flight.items():
+            reply = self.agent_replies.get(replica)
+            exported = reply.exported if reply is not None else {}
+            for record in records:
+                key = record.key
+                base: dict[str, Any] = {
+                    "rollout_id": record.rollout_id,
+                    "attempt": record.attempt,
+                    "replica": replica,
+                    "group_id": record.group_id,
+                    "row": record.row,
+                }
+                if key in exported:
+                    turns = exported[key] or 0
+                    self.episodes.append(SavedEpisode(**base, turns_completed=turns))
+                elif key in prepared.finished_unacked:
+                    self.finished.append(RestartEpisode(**base))
+                else:
+                    if key not in prepared.restarts:
+                        # Dispatched, but its /run never reached the agent before the cut: it had
+                        # not started, so starting over loses nothing.
+                        log.info(
+                            "snapshot %s: %s on %s had not started; it restarts",
+                            self.checkpoint_id,
+                            key,
+                            replica,
+                        )
+                    self.restarts.append(RestartEpisode(**base))

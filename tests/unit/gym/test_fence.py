@@ -543,17 +543,23 @@ async def test_a_failed_detached_write_fails_confirm_and_the_next_confirm_writes
     assert confirmed.manifest.count == 2 and participant.calls["export"] == 1
 
 
-async def test_a_confirm_outliving_its_deadline_fails_and_the_write_goes_on(
-    fence: Fence, participant: FakeParticipant, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    release = threading.Event()
+@pytest.fixture
+def release(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
+    """State writes wait (in their worker thread) until the returned event is set."""
+    gate = threading.Event()
     real_write = checkpoint_write_module.write_participant_state
 
     def slow_write(*args: Any, **kwargs: Any) -> Any:
-        release.wait(5)
+        gate.wait(5)
         return real_write(*args, **kwargs)
 
     monkeypatch.setattr(checkpoint_write_module, "write_participant_state", slow_write)
+    return gate
+
+
+async def test_a_confirm_outliving_its_deadline_fails_and_the_write_goes_on(
+    fence: Fence, participant: FakeParticipant, release: threading.Event
+) -> None:
     await fence.prepare(prepare())
     await fence.commit(detached())
     await fence.resume(ResumeRequest(checkpoint_id="c1"))
@@ -564,16 +570,8 @@ async def test_a_confirm_outliving_its_deadline_fails_and_the_write_goes_on(
 
 
 async def test_a_new_capture_waits_for_the_earlier_checkpoints_write(
-    fence: Fence, participant: FakeParticipant, monkeypatch: pytest.MonkeyPatch
+    fence: Fence, participant: FakeParticipant, release: threading.Event
 ) -> None:
-    release = threading.Event()
-    real_write = checkpoint_write_module.write_participant_state
-
-    def slow_write(*args: Any, **kwargs: Any) -> Any:
-        release.wait(5)
-        return real_write(*args, **kwargs)
-
-    monkeypatch.setattr(checkpoint_write_module, "write_participant_state", slow_write)
     await fence.prepare(prepare())
     await fence.commit(detached())
     await fence.resume(ResumeRequest(checkpoint_id="c1"))

@@ -266,18 +266,22 @@ class Dispatcher:
             ):
                 held[record.group_id].append(record)
         for group_id, records in held.items():
-            group = self._groups.get(group_id)
-            if group is not None:
-                self._given_up.abandon(group, records, reason)
-            elif self._ledger.group(group_id).failed is None:
-                for record in records:  # not running: run_group sends the fresh tries later
-                    self._ledger.abandon(record.rollout_id)
+            self._abandon(group_id, records, reason)
         if held:
             log.warning(
                 "%s: %d tries given up and sent elsewhere",
                 reason,
                 sum(len(r) for r in held.values()),
             )
+
+    def _abandon(self, group_id: str, records: list[LedgerRecord], reason: str) -> None:
+        """Give these tries of one group up, to be re-sent fresh."""
+        group = self._groups.get(group_id)
+        if group is not None:
+            self._given_up.abandon(group, records, reason)
+        elif self._ledger.group(group_id).failed is None:
+            for record in records:  # not running: run_group sends the fresh tries later
+                self._ledger.abandon(record.rollout_id)
 
     def resend(self, rollout_ids: Iterable[str]) -> None:
         """Send these queued tries (restored from a snapshot, pinned to their replica) as
@@ -291,12 +295,7 @@ class Dispatcher:
     def give_up(self, rollout_ids: Iterable[str], reason: str) -> None:
         """Re-send these queued tries fresh (their restore did not happen)."""
         for group_id, records in self._queued_by_group(rollout_ids).items():
-            group = self._groups.get(group_id)
-            if group is not None:
-                self._given_up.abandon(group, records, reason)
-            elif self._ledger.group(group_id).failed is None:
-                for record in records:  # not running: run_group sends the fresh tries later
-                    self._ledger.abandon(record.rollout_id)
+            self._abandon(group_id, records, reason)
 
     def _queued_by_group(self, rollout_ids: Iterable[str]) -> dict[str, list[LedgerRecord]]:
         by_group: dict[str, list[LedgerRecord]] = defaultdict(list)

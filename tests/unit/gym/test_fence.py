@@ -465,13 +465,19 @@ async def test_failed_export_can_be_retried(fence: Fence, participant: FakeParti
     assert (await fence.commit(commit())).phase is Phase.COMMITTED
 
 
+def block_state_folder(root: Path) -> Path:
+    """Put a file where the participant's state folder goes, so its write fails."""
+    blocker = root / "snap-1" / "agent"
+    blocker.parent.mkdir(parents=True)
+    blocker.write_text("a file where the participant folder should be")
+    return blocker
+
+
 async def test_failed_write_is_retried_without_exporting_again(
     fence: Fence, participant: FakeParticipant, root: Path
 ) -> None:
     await fence.prepare(prepare())
-    blocker = root / "snap-1" / "agent"
-    blocker.parent.mkdir(parents=True)
-    blocker.write_text("a file where the participant folder should be")
+    blocker = block_state_folder(root)
     with pytest.raises(RollpointError):
         await fence.commit(commit())
     assert fence.phase is Phase.PREPARED
@@ -531,9 +537,7 @@ async def test_a_failed_detached_write_fails_confirm_and_the_next_confirm_writes
     fence: Fence, participant: FakeParticipant, root: Path
 ) -> None:
     await fence.prepare(prepare())
-    blocker = root / "snap-1" / "agent"
-    blocker.parent.mkdir(parents=True)
-    blocker.write_text("a file where the participant folder should be")
+    blocker = block_state_folder(root)
     await fence.commit(detached())
     await fence.resume(ResumeRequest(checkpoint_id="c1"))
     with pytest.raises(RollpointError, match="agent-replica-0"):

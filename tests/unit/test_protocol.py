@@ -21,6 +21,16 @@ def test_episode_key_round_trip_and_next_attempt() -> None:
     assert ep.next_attempt().key == "r7#1"
 
 
+def test_a_copy_with_another_attempt_has_its_own_key_and_fields_alone_decide_equality() -> None:
+    ep = EpisodeId(rollout_id="r7", attempt=0)
+    assert ep.key == "r7#0"  # cached on the instance now
+    moved = ep.model_copy(update={"attempt": 3})
+    assert (moved.key, moved.attempt) == ("r7#3", 3)
+    assert ep == EpisodeId(rollout_id="r7")  # one has its key cached, the other not
+    assert ep.model_dump() == {"rollout_id": "r7", "attempt": 0}
+    assert pickle.loads(pickle.dumps(moved)).key == "r7#3"
+
+
 @given(st.from_regex(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,40}", fullmatch=True), st.integers(0, 10_000))
 def test_episode_key_parses_back_for_any_identifier(rollout: str, attempt: int) -> None:
     ep = EpisodeId(rollout_id=rollout, attempt=attempt)

@@ -65,6 +65,9 @@ class CheckpointWrite:
     """Kept from the export until a write succeeds, so a failed write is tried again
     without exporting again (the participant has moved on since)."""
     manifest: ParticipantManifest | None = None
+    exported: dict[str, int | None] | None = None
+    """The scoped episodes the written records hold (:func:`exported`), made with the
+    write: after the pause, where a scan of every record costs the cut nothing."""
 
     @property
     def key(self) -> tuple[str, frozenset[str]]:
@@ -137,24 +140,27 @@ class CheckpointWrites:
             state_dir=f"{p.kind.value}/{self._instance}",
             scope_size=len(write.scope),
             manifest=None,
-            exported=exported(write.records, write.scope),
+            exported=None,  # made with the write, after the pause (a scan of every record)
         )
 
     async def _store(self, write: CheckpointWrite) -> ParticipantManifest:
         if write.manifest is not None:
             return write.manifest
         assert write.records is not None, "a write is stored only once captured"
+        records = write.records
         store = asyncio.to_thread(
             write_participant_state,
             write.directory,
             kind=self._participant.kind.value,
             instance=self._instance,
             checkpoint_id=write.checkpoint_id,
-            records=write.records,
+            records=records,
         )
-        write.manifest = await await_hook("state write", store, SnapshotError)
-        write.records = None  # written: the manifest is all a retry or confirm needs
-        return write.manifest
+        manifest = await await_hook("state write", store, SnapshotError)
+        write.exported = await asyncio.to_thread(exported, records, write.scope)
+        write.manifest = manifest
+        write.records = None  # written: the manifest and map are all a retry or confirm needs
+        return manifest
 
     async def _by_deadline(self, task: asyncio.Task[T], deadline_ts: float, late: str) -> T:
         """``task``'s result, or :class:`DeadlineExceededError` (``late``) at the deadline;

@@ -270,7 +270,7 @@ class Fence:
         reply = await self._writes.captured(write, req.deadline_ts, f"commit {cid}")
         if req.wait_for_write:
             manifest = await self._writes.stored(write, req.deadline_ts, f"commit {cid}")
-            reply = reply.model_copy(update={"manifest": manifest})
+            reply = reply.model_copy(update={"manifest": manifest, "exported": write.exported})
         async with self._lock:
             if self._checkpoint_id != cid:
                 raise StaleCheckpointError(f"checkpoint {cid} was resumed while committing")
@@ -291,7 +291,8 @@ class Fence:
         self._check_deadline("confirm", cid, req.deadline_ts)
         await self._writes.captured(write, req.deadline_ts, f"confirm {cid}")
         manifest = await self._writes.stored(write, req.deadline_ts, f"confirm {cid}")
-        return ConfirmReply(checkpoint_id=cid, manifest=manifest)
+        assert write.exported is not None, "a stored write has its map"
+        return ConfirmReply(checkpoint_id=cid, manifest=manifest, exported=write.exported)
 
     async def resume(self, req: ResumeRequest) -> ResumeReply:
         cid = req.checkpoint_id

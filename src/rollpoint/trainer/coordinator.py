@@ -343,12 +343,13 @@ class SnapshotCoordinator:
                 await asyncio.to_thread(self.store.abort, staging)
             return report
         t2 = time.monotonic()
-        # After the reopen: sorting the cut's tries into saved, finished and restarts builds
-        # a manifest entry per try (measured ~30 ms of the pause at 10k when it ran inside).
-        cut.classify(prepared)
         try:
             files = await self._write_all(cut)
             report.write_s = time.monotonic() - t2
+            # After the reopen, and after the confirms (a detached agent reports what it
+            # exported there): sorting the cut's tries into saved, finished and restarts
+            # builds a manifest entry per try (~30 ms of the pause at 10k when inside).
+            cut.classify(prepared)
             report.manifest = await asyncio.to_thread(self._publish, cut, files, report.pause_s)
         except RollpointError as exc:
             report.blocked_by = f"publish: {exc.message}"
@@ -457,11 +458,11 @@ class SnapshotCoordinator:
         if failed:
             raise SnapshotError("; ".join(failed))
         cut.in_flight = in_flight
-        cut.agent_replies = {
-            client.address.replica: reply
-            for client, reply in zip(clients, replies, strict=True)
-            if client.address.kind == ParticipantKind.AGENT and isinstance(reply, CommitReply)
-        }
+        for client, reply in zip(clients, replies, strict=True):
+            # A commit that did not wait for the write reports it with its confirm.
+            is_agent = client.address.kind == ParticipantKind.AGENT
+            if is_agent and isinstance(reply, CommitReply) and reply.exported is not None:
+                cut.agent_exported[client.address.replica] = reply.exported
         return cut
 
     async def _write_all(self, cut: Cut) -> dict[str, FileEntry]:
@@ -485,11 +486,13 @@ class SnapshotCoordinator:
         replies = await by_deadline(
             [c.confirm(cut.checkpoint_id, deadline) for c in cut.detached], deadline
         )
-        return [
-            failure_line(client, "confirm", reply)
-            for client, reply in zip(cut.detached, replies, strict=True)
-            if isinstance(reply, BaseException)
-        ]
+        failed: list[str] = []
+        for client, reply in zip(cut.detached, replies, strict=True):
+            if isinstance(reply, BaseException):
+                failed.append(failure_line(client, "confirm", reply))
+            elif client.address.kind == ParticipantKind.AGENT:
+                cut.agent_exported.setdefault(client.address.replica, reply.exported)
+        return failed
 
     def _write_trainer_files(self, cut: Cut) -> dict[str, FileEntry]:
         assert cut.ledger is not None and cut.tq is not None, "a cut captures both"

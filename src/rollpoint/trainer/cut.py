@@ -18,7 +18,6 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollpoint.protocol.control import CommitReply
 from rollpoint.protocol.ids import EpisodeId
 from rollpoint.protocol.manifest import RestartEpisode, SavedEpisode, SnapshotManifest
 from rollpoint.store.staging import Staging
@@ -84,14 +83,14 @@ class Cut:
     trainer_doc: dict[str, Any] = field(default_factory=dict)
     in_flight: dict[str, list[LedgerRecord]] = field(default_factory=dict)
     """Per replica, the tries in flight at the cut (immutable records)."""
-    agent_replies: dict[str, CommitReply] = field(default_factory=dict)
-    """Per replica, its agent's commit reply: what it exported."""
+    agent_exported: dict[str, dict[str, int | None]] = field(default_factory=dict)
+    """Per replica, what its agent exported (episode key → turns): from its commit reply,
+    or from its confirm reply when the commit did not wait for the write."""
 
     def classify(self, prepared: Prepared) -> None:
         """Every in-flight episode is saved, finished (reply held) or a restart — exactly one."""
         for replica, records in self.in_flight.items():
-            reply = self.agent_replies.get(replica)
-            exported = reply.exported if reply is not None else {}
+            exported = self.agent_exported.get(replica, {})
             for record in records:
                 key = record.key
                 base: dict[str, Any] = {

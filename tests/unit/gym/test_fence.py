@@ -508,6 +508,7 @@ async def test_a_detached_commit_replies_before_the_write_and_confirm_returns_wh
     reply = await fence.commit(detached())
     assert reply.phase is Phase.COMMITTED and reply.manifest is None
     assert reply.scope_size == 2
+    assert reply.exported is None  # scanned with the write, after the pause
     await fence.resume(ResumeRequest(checkpoint_id="c1"))
     # Nothing is written until confirm asks: an aborted checkpoint writes nothing.
     assert not state_folder(root).exists()
@@ -609,8 +610,9 @@ async def test_a_commit_that_waits_for_its_write_carries_the_manifest_confirm_re
 ) -> None:
     await fence.prepare(prepare())
     reply = await fence.commit(commit())
-    assert reply.manifest is not None
-    assert (await fence.confirm(confirm())).manifest == reply.manifest
+    assert reply.manifest is not None and reply.exported is not None
+    confirmed = await fence.confirm(confirm())
+    assert (confirmed.manifest, confirmed.exported) == (reply.manifest, reply.exported)
 
 
 @pytest.mark.parametrize("bad", ["../escape", "/abs/dir", "a/../../b", "a\\b", "."])

@@ -31,6 +31,12 @@ The parts of a pause:
 - ``publish`` (not in the pause): the trainer's file writes (inside ``write``), the
   manifest, ``latest`` and retention.
 
+While the sessions open, a snapshot is taken every 5 s and not measured, as a job
+checkpointing every 5 s would: each session's first export (its whole record; later ones
+reuse what did not change) then falls in the snapshot after it started. The largest count
+also runs *cold*, with no snapshot until every session is open, so its first measured cut
+exports every session for the first time (``<n>_cold_first_pause_ms``).
+
 Snapshots the trainer takes at its own train checkpoints count too, once the sessions are
 open. Failed snapshots and rows re-sent fresh (a try lost on the data plane) are counted.
 """
@@ -91,6 +97,11 @@ CALLS_PER_S_AT_10K = 200
 STATUS_TIMEOUT_S = 5.0
 GAP_S = 0.5
 """Between snapshots: the calls held at the gate go through and sessions run again."""
+RAMP_SNAPSHOT_S = 5.0
+"""Snapshots while the sessions open (not measured), as a job checkpointing every 5 s takes
+them: a session's first export (its full record) then lands in the snapshot after it
+started, not all 10k in the first measured one. ``measure(..., warm=False)`` takes none,
+for the cold figure: the first snapshot after every session opened unsaved."""
 KINDS = ("model", "agent", "resources")
 PARTS = ("pause", "drain", "mechanism", "park", "commit", "resume", "write", "publish")
 
@@ -139,11 +150,17 @@ class TimedParticipant(ParticipantClient):
         scope: list[EpisodeId],
         *,
         wait_for_write: bool = True,
+        scope_as_keys: bool = False,
     ) -> CommitReply:
         t0 = time.monotonic()
         try:
             return await super().commit(
-                checkpoint_id, deadline_ts, checkpoint_dir, scope, wait_for_write=wait_for_write
+                checkpoint_id,
+                deadline_ts,
+                checkpoint_dir,
+                scope,
+                wait_for_write=wait_for_write,
+                scope_as_keys=scope_as_keys,
             )
         finally:
             self._clock.note(checkpoint_id, f"commit:{self.address.kind}", t0)
@@ -368,12 +385,21 @@ async def _session_counts(participants: Sequence[ParticipantClient]) -> dict[str
     return total
 
 
-async def _ramp(trainer: Trainer, participants: Sequence[ParticipantClient], n: int) -> float:
+async def _ramp(
+    trainer: Trainer, participants: Sequence[ParticipantClient], n: int, *, warm: bool
+) -> float:
     """Wait until (nearly) every dispatched row runs as a session past its start, or for
-    twice the time opening them all should take."""
-    t0 = time.monotonic()
+    twice the time opening them all should take; ``warm``: snapshot every
+    :data:`RAMP_SNAPSHOT_S` meanwhile."""
+    coordinator = trainer.coordinator
+    assert coordinator is not None
+    t0 = last_snapshot = time.monotonic()
     while time.monotonic() - t0 < 2 * n / calls_per_s(n) + 10:
         await asyncio.sleep(0.5)
+        if warm and time.monotonic() - last_snapshot >= RAMP_SNAPSHOT_S:
+            with contextlib.suppress(SnapshotError):
+                await coordinator.save()
+            last_snapshot = time.monotonic()
         counts = await _session_counts(participants)
         started = counts.get("live", 0) - counts.get("starting", 0)
         if trainer.ledger.in_flight_count() >= 0.95 * n and started >= 0.95 * n:
@@ -382,11 +408,18 @@ async def _ramp(trainer: Trainer, participants: Sequence[ParticipantClient], n: 
 
 
 async def measure(
-    sessions: int, *, snapshots: int, finished: int = 0, keep_logs: Path | None = None
+    sessions: int,
+    *,
+    snapshots: int,
+    finished: int = 0,
+    warm: bool = True,
+    keep_logs: Path | None = None,
 ) -> Phase:
     """One runtime, one trainer with ``sessions`` rows in flight, ``snapshots`` cuts or more.
 
-    ``keep_logs`` names a folder to keep the run (server logs) in, for a run that went wrong.
+    ``warm``: snapshots run while the sessions open (:data:`RAMP_SNAPSHOT_S`); without, the
+    first cut is the cold one. ``keep_logs`` names a folder to keep the run (server logs)
+    in, for a run that went wrong.
     """
     with tempfile.TemporaryDirectory() as tmp:
         config = _config(keep_logs or Path(tmp) / "run", sessions)
@@ -411,7 +444,7 @@ async def measure(
                 )
                 replicas = [r.name for r in runtime.deployment.replicas]
                 prefill_finished(trainer.ledger, finished, replicas)
-                phase = await _drive(trainer, participants, snapshots, store, clock)
+                phase = await _drive(trainer, participants, snapshots, store, clock, warm)
             finally:
                 await data_http.aclose()
                 await control_http.aclose()
@@ -425,6 +458,7 @@ async def _drive(
     snapshots: int,
     store: TimedStore,
     clock: StageClock,
+    warm: bool,
 ) -> Phase:
     coordinator = trainer.coordinator
     assert coordinator is not None
@@ -432,7 +466,7 @@ async def _drive(
     run = asyncio.create_task(trainer.run())
     phase = Phase(sessions=n, finished=0, cuts=[], ramp_s=0.0, failed=[], resent=0)
     try:
-        phase.ramp_s = await _ramp(trainer, participants, n)
+        phase.ramp_s = await _ramp(trainer, participants, n, warm=warm)
         assert trainer.dispatcher is not None
         resent_before = trainer.dispatcher.resent_fresh
         seen = len(coordinator.history)
@@ -475,6 +509,7 @@ def _stats(phase: Phase, label: str) -> dict[str, float | int | str]:
         out[f"{label}_{part}_p99_ms"] = percentile(values, 99) * 1e3
     for kind in KINDS:
         out[f"{label}_commit_{kind}_p50_ms"] = _p50(cuts, f"commit_{kind}") * 1e3
+    out[f"{label}_first_pause_ms"] = cuts[0].seconds["pause"] * 1e3 if cuts else math.nan
     out[f"{label}_in_flight_at_cut"] = round(percentile([c.in_flight for c in cuts], 50))
     out[f"{label}_saved_at_cut"] = round(percentile([c.saved for c in cuts], 50))
     out[f"{label}_restarts_at_cut"] = round(percentile([c.restarts for c in cuts], 50))
@@ -509,12 +544,17 @@ async def run(
     snapshots: int = 6,
     finished: int = 50_000,
     finished_at: int = 100,
+    cold: bool = True,
 ) -> BenchResult:
+    """``cold``: also the largest count without snapshots while its sessions open."""
     figures: dict[str, float | int | str] = {}
     phases: list[Phase] = []
     for n in sessions:
         phases.append(await measure(n, snapshots=snapshots))
         figures |= _stats(phases[-1], f"n{n}")
+    if cold and sessions:
+        n = max(sessions)
+        figures |= _stats(await measure(n, snapshots=snapshots, warm=False), f"n{n}_cold")
     for a, b in itertools.pairwise(phases):
         figures |= _growth(a, b)
     base = next((p for p in phases if p.sessions == finished_at), None)
@@ -532,6 +572,7 @@ async def run(
         params={
             "sessions": "/".join(str(n) for n in sessions),
             "snapshots_each": snapshots,
+            "while_opening": f"a snapshot every {RAMP_SNAPSHOT_S:g} s (not measured); cold: none",
             "replicas": REPLICAS,
             "policy": f"scripted, N/rate s a call, rate {CALLS_PER_S}/s ({CALLS_PER_S_AT_10K} at 10k)",
             "episode": f"workplace, {TURNS_PER_EPISODE} turns",

@@ -340,12 +340,13 @@ class SpyClient(ParticipantClient):
         self, verb: str, reply: type[R], body: BaseModel | None, deadline_ts: float | None
     ) -> R:
         episodes = getattr(body, "episode_ids", None)
+        keys = getattr(body, "episode_keys", None) or []  # a commit's scope may be keys
         self._log.append(
             ControlCall(
                 self.label,
                 verb,
                 getattr(body, "checkpoint_id", None),
-                None if episodes is None else len(episodes),
+                None if episodes is None else len(episodes) + len(keys),
             )
         )
         return await super()._call(verb, reply, body, deadline_ts)

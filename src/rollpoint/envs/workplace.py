@@ -23,8 +23,9 @@ import random
 import re
 import sqlite3
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Annotated, Any, ClassVar
 
 from pydantic import AfterValidator, Field, JsonValue, ValidationError
@@ -147,6 +148,10 @@ class WorkplaceState:
     """One episode: its own in-memory SQLite database."""
 
     db: sqlite3.Connection
+
+
+def _sqlite_export(image: bytes) -> dict[str, JsonValue]:
+    return {"sqlite": base64.b64encode(image).decode("ascii")}
 
 
 def _connect() -> sqlite3.Connection:
@@ -317,7 +322,11 @@ class WorkplaceEnvironment(Environment[WorkplaceState]):
         return VerifyReply(reward=reward, detail=detail)
 
     def export_state(self, state: WorkplaceState) -> dict[str, JsonValue]:
-        return {"sqlite": base64.b64encode(state.db.serialize()).decode("ascii")}
+        return _sqlite_export(state.db.serialize())
+
+    def capture_state(self, state: WorkplaceState) -> Callable[[], dict[str, JsonValue]]:
+        # The image is a copy (bytes): tool calls after the pause change the database only.
+        return partial(_sqlite_export, state.db.serialize())
 
     def restore_state(self, task: TaskRow, exported: Mapping[str, Any]) -> WorkplaceState:
         _params(task)

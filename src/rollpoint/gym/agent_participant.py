@@ -22,6 +22,7 @@ Does not own: sessions, parking, marks (the book), phases and leases (the fence)
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from pydantic import JsonValue
@@ -74,7 +75,7 @@ class AgentParticipant:
     async def wait_changed(self, timeout: float) -> None:  # noqa: ASYNC109
         await self._book.wait_changed(timeout)
 
-    async def export(self, scope: list[EpisodeId]) -> list[dict[str, JsonValue]]:
+    async def export(self, scope: Sequence[EpisodeId]) -> list[dict[str, JsonValue]]:
         return await self._book.export_yielding(scope)
 
     async def install(

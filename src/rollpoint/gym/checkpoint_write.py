@@ -28,10 +28,10 @@ from typing import Any, TypeVar
 
 from pydantic import JsonValue
 
+from rollpoint.gym.episode_scope import EpisodeScope
 from rollpoint.gym.participant import Participant, await_hook
 from rollpoint.protocol.control import CommitReply, Phase
 from rollpoint.protocol.errors import DeadlineExceededError, SnapshotError
-from rollpoint.protocol.ids import EpisodeId
 from rollpoint.protocol.manifest import ParticipantManifest
 from rollpoint.store.collector_pause import collector_paused
 from rollpoint.store.participant_state import write_participant_state
@@ -58,7 +58,7 @@ class CheckpointWrite:
     """As the request named it (relative to the snapshot root)."""
     directory: str
     """The participant's own folder, resolved inside the snapshot root."""
-    scope: list[EpisodeId]
+    scope: EpisodeScope
     capture: asyncio.Task[CommitReply] | None = None
     store: asyncio.Task[ParticipantManifest] | None = None
     records: list[dict[str, JsonValue]] | None = None
@@ -72,7 +72,7 @@ class CheckpointWrite:
     @property
     def key(self) -> tuple[str, frozenset[str]]:
         """What makes a retry the same commit: the folder and the scope as a set."""
-        return self.directory, frozenset(e.key for e in self.scope)
+        return self.directory, self.scope.key_set
 
     @property
     def capturing(self) -> bool:
@@ -174,14 +174,14 @@ class CheckpointWrites:
         return task.result()
 
 
-def exported(records: list[dict[str, JsonValue]], scope: list[EpisodeId]) -> dict[str, int | None]:
+def exported(records: list[dict[str, JsonValue]], scope: EpisodeScope) -> dict[str, int | None]:
     """The scoped episodes the records hold state for, by the records' top-level ``episode``:
     episode key → the record's top-level ``turn`` (None without one).
 
     This is what lets the coordinator check saved + restarts against its ledger without
     reading any participant's records.
     """
-    wanted = {e.key for e in scope}
+    wanted = scope.key_set
     found: dict[str, int | None] = {}
     for record in records:
         raw = record.get("episode")

@@ -46,12 +46,14 @@ from dataclasses import dataclass, field
 from pydantic import JsonValue
 
 from rollpoint.gym.checkpoint_write import REMEMBERED_WRITES, CheckpointWrite, CheckpointWrites
+from rollpoint.gym.episode_scope import EpisodeScope
 from rollpoint.gym.participant import Participant, await_hook, call_hook, hook_error
 from rollpoint.gym.phase_table import Event, Step, next_phase
 from rollpoint.protocol.control import (
     DETACHED_WRITE,
     MAX_REPORTED_BLOCKERS,
     PROTOCOL_VERSION,
+    SCOPE_KEYS,
     AckReply,
     AckRequest,
     CommitReply,
@@ -200,7 +202,7 @@ class Fence:
             replica=p.replica,
             mode=p.mode,
             protocol_version=PROTOCOL_VERSION,
-            features=[*p.features, DETACHED_WRITE],
+            features=[*p.features, DETACHED_WRITE, SCOPE_KEYS],
             phase=self._phase,
             checkpoint_id=self._checkpoint_id,
             lease_expires_at=self._lease_expires_at,
@@ -261,7 +263,7 @@ class Fence:
     async def commit(self, req: CommitRequest) -> CommitReply:
         cid = req.checkpoint_id
         directory = self._participant_dir(req.checkpoint_dir)
-        scope = sorted({e.key: e for e in req.episode_ids}.values(), key=lambda e: e.key)
+        scope = EpisodeScope([*req.episode_keys, *(e.key for e in req.episode_ids)])
         wanted = CheckpointWrite(cid, req.checkpoint_dir, directory, scope)
         async with self._lock:
             await self._reap_lease()
@@ -495,7 +497,7 @@ class Fence:
         self._extend_lease(req.deadline_ts)
         return write
 
-    def _check_ready_for(self, cid: str, scope: list[EpisodeId]) -> None:
+    def _check_ready_for(self, cid: str, scope: EpisodeScope) -> None:
         report = call_hook("readiness", self._participant.readiness)
         if not report.ready:
             shown = ", ".join(report.blockers[:10])
@@ -509,7 +511,7 @@ class Fence:
             reported.extend(self._prepared.report.restarts)
         # Restarts are few (usually none): key the scope only when there are some.
         restarts = {e.key for e in reported}
-        restarts = restarts & {e.key for e in scope} if restarts else set()
+        restarts = restarts & scope.key_set if restarts else set()
         if restarts:
             raise InvalidCheckpointStateError(
                 f"commit {cid}: the scope names episodes reported as restarts (they cannot "

@@ -25,11 +25,13 @@ the server calls :meth:`~rollpoint.gym.fence.Fence.check_attempt`), nor proxying
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import JsonValue, TypeAdapter, ValidationError, model_validator
 
 from rollpoint.gym.call_ledger import CallRecord
+from rollpoint.gym.episode_scope import episode_pairs
 from rollpoint.gym.participant import Readiness, RetireOutcome, RetireOutcomeKind
 from rollpoint.protocol.errors import InvalidCheckpointStateError
 from rollpoint.protocol.ids import EpisodeId
@@ -100,15 +102,14 @@ class ModelParticipant:
     async def wait_changed(self, timeout: float) -> None:  # noqa: ASYNC109
         await self._server.gate.wait_changed(timeout)
 
-    async def export(self, scope: list[EpisodeId]) -> list[dict[str, JsonValue]]:
+    async def export(self, scope: Sequence[EpisodeId]) -> list[dict[str, JsonValue]]:
         ledger = self._server.ledger
         last = self._exported
         kept: dict[str, _Exported] = {}
         records: list[dict[str, JsonValue]] = []
-        for index, episode in enumerate(_one_per_rollout(scope)):
+        for index, (rollout_id, attempt) in enumerate(_latest_attempts(scope).items()):
             if index % EXPORT_CHUNK == EXPORT_CHUNK - 1:
                 await asyncio.sleep(0)  # thousands of rollouts: let the proxy breathe
-            rollout_id, attempt = episode.rollout_id, episode.attempt
             stamp = ledger.stamp(rollout_id)
             cached = last.get(rollout_id)
             if cached is None or cached[0] != attempt or cached[1] != stamp:
@@ -161,6 +162,16 @@ class ModelParticipant:
             "recorded_calls": server.ledger.count,
             "calls_total": server.calls_total,
         }
+
+
+def _latest_attempts(scope: Sequence[EpisodeId]) -> dict[str, int]:
+    """Rollout id → its highest scoped attempt, read from the keys (calls are filed by
+    rollout; see :func:`~rollpoint.gym.episode_scope.episode_pairs`)."""
+    latest: dict[str, int] = {}
+    for rollout_id, attempt in episode_pairs(scope):
+        if attempt > latest.get(rollout_id, -1):
+            latest[rollout_id] = attempt
+    return latest
 
 
 def _one_per_rollout(scope: list[EpisodeId]) -> list[EpisodeId]:

@@ -21,7 +21,7 @@ Hooks that a verb calls, in order:
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from pydantic import JsonValue
@@ -93,9 +93,13 @@ class Participant(Protocol):
         comes first (the fence waits on this instead of polling)."""
         ...
 
-    async def export(self, scope: list[EpisodeId]) -> list[dict[str, JsonValue]]:
+    async def export(self, scope: Sequence[EpisodeId]) -> list[dict[str, JsonValue]]:
         """The records of the episodes in ``scope`` (an agent adds its finished, unacked
-        replies). Called at most once per checkpoint, with admission closed."""
+        replies). Called at most once per checkpoint, with admission closed. ``scope`` is
+        an :class:`~rollpoint.gym.episode_scope.EpisodeScope`: distinct, in key order, and
+        cheapest read as keys (:func:`~rollpoint.gym.episode_scope.episode_pairs`).
+        A record value may be a :class:`~rollpoint.store.deferred_value.DeferredValue`,
+        made by the writer after the pause from a copy nobody changes."""
         ...
 
     async def install(

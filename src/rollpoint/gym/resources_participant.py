@@ -8,7 +8,10 @@ Owns the mapping from the :class:`~rollpoint.gym.participant.Participant` hooks 
 - export(scope) → one ``episode_state`` record per scoped rollout with state here (the
   environment's exact export plus the idempotency table), naming the scoped episode; an
   episode no tool call changed since the last export, saved for the same attempt, gives
-  the same (never changed) record again; install → those records back, all or nothing;
+  the same (never changed) record again; a state not packed yet is packed by the
+  snapshot's writer, after the pause (a ``DeferredValue``, see
+  :meth:`~rollpoint.gym.resources_server.ResourcesService.export_episodes_yielding`);
+  install → those records back (from a file or straight from an export), all or nothing;
 - retire → ``unknown`` for every rollout: this server runs no episodes, it only answers
   calls, and the fence refuses calls of retired attempts; forget → drop the rollouts'
   state; ack → nothing is held here.
@@ -23,6 +26,7 @@ retire marks (the fence).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from pydantic import JsonValue
@@ -79,7 +83,7 @@ class ResourcesParticipant:
     async def wait_changed(self, timeout: float) -> None:  # noqa: ASYNC109
         await self._service.wait_changed(timeout)
 
-    async def export(self, scope: list[EpisodeId]) -> list[dict[str, JsonValue]]:
+    async def export(self, scope: Sequence[EpisodeId]) -> list[dict[str, JsonValue]]:
         if not self._captures:
             return []
         return await self._service.export_episodes_yielding(scope)

@@ -24,6 +24,10 @@ routes that change state (start, tools, release) wait at the gate instead of fai
 verify only reads and is never held. Start, tools and verify of a retired attempt (the
 fence's retire marks) are refused with 409 ``stale_attempt`` and apply nothing; the next
 attempt of the same rollout is not retired and finds its state and recorded results.
+
+A checkpoint takes each changed episode's environment export in its pause and leaves
+packing it (JSON, zlib, base64) to the snapshot's writer thread, so the export must be a
+copy that later tool calls do not change (``Environment.export_state`` returns new data).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Annotated, Any, Literal
 
 import orjson
@@ -47,6 +52,7 @@ from pydantic import Field, JsonValue, ValidationError, model_validator
 from rollpoint.envs.base import Environment, ToolArgumentError
 from rollpoint.envs.registry import get_environment
 from rollpoint.gym.control_plane import close_control_plane, mount_control_plane
+from rollpoint.gym.episode_scope import episode_pairs
 from rollpoint.gym.resources_participant import ResourcesParticipant
 from rollpoint.http.app import create_app
 from rollpoint.http.auth import data_token
@@ -67,6 +73,7 @@ from rollpoint.protocol.errors import (
 )
 from rollpoint.protocol.ids import EpisodeId, Identifier
 from rollpoint.protocol.model_base import StrictModel
+from rollpoint.store.deferred_value import DeferredValue
 
 log = logging.getLogger(__name__)
 
@@ -150,8 +157,9 @@ EXPORT_CHUNK = 256
 
 
 def pack_state(state: Mapping[str, Any]) -> str:
-    """An environment export as :attr:`EpisodeRecord.packed_state`. Level 1: the pause
-    pays for it, and the higher levels save little more on SQLite pages."""
+    """An environment export as :attr:`EpisodeRecord.packed_state`. Level 1: a snapshot's
+    writer pays for it (:meth:`ResourcesService.export_episodes_yielding`), and the higher
+    levels save little more on SQLite pages."""
     return base64.b64encode(zlib.compress(orjson.dumps(state), 1)).decode("ascii")
 
 
@@ -163,9 +171,11 @@ class _Episode:
     results: dict[tuple[int, int], ToolResult] = field(default_factory=dict)
     task_json: dict[str, Any] | None = None
     """``task`` dumped once: at start, or by the first checkpoint (installed episodes)."""
-    packed_state: str | None = None
-    """``state`` as the last checkpoint packed it; cleared before any tool call runs, so
-    a checkpoint packs only the episodes that changed since the one before."""
+    packed_state: str | DeferredValue[str] | None = None
+    """``state`` as the last checkpoint packed it, or will pack it: the export is taken in
+    the pause and packed by the writer (a :class:`DeferredValue`, swapped for its string
+    by the next export once made). Cleared before any tool call runs, so a checkpoint
+    exports and packs only the episodes that changed since the one before."""
     record: tuple[int, dict[str, Any]] | None = None
     """(saved attempt, record) of the last checkpoint: handed out again while the episode
     did not change and is saved for the same attempt. Never changed once handed out (a
@@ -176,6 +186,19 @@ class _Episode:
         """Forget what the last checkpoint built: ``state`` or ``results`` is about to change."""
         self.packed_state = None
         self.record = None
+
+
+def _pack_later(make_export: Callable[[], Mapping[str, Any]]) -> str:
+    return pack_state(make_export())
+
+
+def _made(record: dict[str, Any]) -> dict[str, Any]:
+    """``record`` with its packed state made: a copy if it was deferred, since a record
+    handed out never changes."""
+    packed = record["packed_state"]
+    if isinstance(packed, DeferredValue):
+        return {**record, "packed_state": packed.value()}
+    return record
 
 
 def _named(ids: Sequence[str]) -> str:
@@ -385,50 +408,70 @@ class ResourcesService:
         return [self._record(r).model_dump(mode="json") for r in ids]
 
     def export_episodes(self, scope: Iterable[EpisodeId]) -> list[dict[str, Any]]:
-        """One record per scoped episode whose rollout has state here, naming the episode.
+        """One record per scoped episode whose rollout has state here, naming the episode,
+        its state packed: plain JSON data, for callers that use the records in memory.
 
         Rollouts without state here add nothing (they were not live on this server).
         """
-        return [self._packed_record(r, e) for r, e in self._latest(scope).items()]
+        return [_made(self._packed_record(r, a)) for r, a in self._latest(scope).items()]
 
     async def export_episodes_yielding(self, scope: Iterable[EpisodeId]) -> list[dict[str, Any]]:
-        """:meth:`export_episodes`, yielding the event loop every :data:`EXPORT_CHUNK`
-        episodes (packing thousands at once stalls the server); a checkpoint calls it while
-        the service is frozen, so no state changes in between."""
+        """The records of :meth:`export_episodes` as a checkpoint captures them, yielding the
+        event loop every :data:`EXPORT_CHUNK` episodes (exporting thousands at once stalls
+        the server); a checkpoint calls it while the service is frozen, so no state changes
+        in between.
+
+        Only the environment's export runs here, in the pause: the ``packed_state`` of an
+        episode packed by no earlier checkpoint is a :class:`DeferredValue` that the
+        snapshot's writer makes in its thread
+        (:func:`~rollpoint.store.participant_state.write_participant_state`). :meth:`install`
+        takes these records as they are; any other reader in memory uses
+        :meth:`export_episodes` or calls :meth:`DeferredValue.value`.
+        """
         latest = list(self._latest(scope).items())
         records: list[dict[str, Any]] = []
         for start in range(0, len(latest), EXPORT_CHUNK):
             records.extend(
-                self._packed_record(r, e) for r, e in latest[start : start + EXPORT_CHUNK]
+                self._packed_record(r, a) for r, a in latest[start : start + EXPORT_CHUNK]
             )
             await asyncio.sleep(0)
         return records
 
-    def _latest(self, scope: Iterable[EpisodeId]) -> dict[str, EpisodeId]:
-        """The highest scoped attempt of each rollout with state here."""
-        latest: dict[str, EpisodeId] = {}
-        for e in scope:
-            held = latest.get(e.rollout_id)
-            if e.rollout_id in self._episodes and (held is None or e.attempt > held.attempt):
-                latest[e.rollout_id] = e
+    def _latest(self, scope: Iterable[EpisodeId]) -> dict[str, int]:
+        """The highest scoped attempt of each rollout with state here, by rollout id."""
+        latest: dict[str, int] = {}
+        episodes = self._episodes
+        for rollout_id, attempt in episode_pairs(scope):
+            if rollout_id in episodes and attempt > latest.get(rollout_id, -1):
+                latest[rollout_id] = attempt
         return latest
 
-    def _packed_record(self, rollout_id: str, saved_for: EpisodeId) -> dict[str, Any]:
+    def _packed_record(self, rollout_id: str, attempt: int) -> dict[str, Any]:
         """``EpisodeRecord(..., packed_state=...).model_dump(mode="json")``, built directly
         and only for an episode that changed (or is saved for another attempt) since the
-        last export: a checkpoint saves every in-flight episode inside its pause. Validated
+        last export: a checkpoint saves every in-flight episode inside its pause. Its
+        ``packed_state`` may be deferred (:meth:`export_episodes_yielding`). Validated
         where it comes back (:meth:`install`). Read-only: it may be handed out again."""
         episode = self._episodes[rollout_id]
         cached = episode.record
-        if cached is not None and cached[0] == saved_for.attempt:
+        if cached is not None and cached[0] == attempt:
             return cached[1]
         if episode.task_json is None:
             episode.task_json = episode.task.model_dump(mode="json")
-        if episode.packed_state is None:
-            episode.packed_state = pack_state(self.environment.export_state(episode.state))
+        packed = episode.packed_state
+        if packed is None:
+            # The export is a copy taken now: tool calls change the state once the pause
+            # ends, never the copy, so packing it can wait for the writer's thread.
+            # The environment may leave its own encoding for later too (capture_state).
+            make_export = self.environment.capture_state(episode.state)
+            episode.packed_state = DeferredValue(
+                partial(_pack_later, make_export), f"packed state of rollout {rollout_id}"
+            )
+        elif isinstance(packed, DeferredValue) and packed.made:
+            episode.packed_state = packed.value()  # a record made from now on holds the string
         record: dict[str, Any] = {
             "kind": "episode_state",
-            "episode": {"rollout_id": saved_for.rollout_id, "attempt": saved_for.attempt},
+            "episode": {"rollout_id": rollout_id, "attempt": attempt},
             "rollout_id": rollout_id,
             "environment": episode.task.environment,
             "task": episode.task_json,
@@ -447,7 +490,7 @@ class ResourcesService:
                 for (turn, index), result in episode.results.items()
             ],
         }
-        episode.record = (saved_for.attempt, record)
+        episode.record = (attempt, record)
         return record
 
     def _record(self, rollout_id: str, saved_for: EpisodeId | None = None) -> EpisodeRecord:
@@ -469,8 +512,10 @@ class ResourcesService:
     ) -> list[str]:
         """Install exported episodes, all or nothing; returns their rollout ids.
 
-        Every record is checked and its state rebuilt before live state is touched; any
-        problem raises :class:`InvalidCheckpointStateError` and changes nothing. With
+        Records come back from a snapshot file, or straight from an export in memory (a
+        deferred ``packed_state`` is made here). Every record is checked and its state
+        rebuilt before live state is touched; any problem raises
+        :class:`InvalidCheckpointStateError` and changes nothing. With
         ``scope``, only the records of its rollouts are installed (all are checked). An
         installed episode replaces live state of the same rollout: after a restore the
         snapshot is the truth.
@@ -493,6 +538,13 @@ class ResourcesService:
         return list(built)
 
     def _validate(self, index: int, record: Mapping[str, Any]) -> EpisodeRecord:
+        packed = record.get("packed_state")
+        if isinstance(packed, DeferredValue):
+            # Straight from a checkpoint export, not through a file: pack it now.
+            try:
+                record = {**record, "packed_state": packed.value()}
+            except RollpointError as exc:
+                raise InvalidCheckpointStateError(f"record {index}: {exc.message}") from None
         try:
             parsed = EpisodeRecord.model_validate(record)
         except ValidationError as exc:

@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable
 from itertools import islice
 from typing import Any, Protocol
 
 from pydantic import JsonValue, TypeAdapter, ValidationError
 
+from rollpoint.gym.episode_scope import episode_pairs
 from rollpoint.gym.session import (
     BUSY_STATES,
     LIVE_STATES,
@@ -467,33 +468,31 @@ class SessionBook:
         :class:`InvalidPhaseError`. A restart-only agent exports no sessions.
         """
         finished = self._finished_records()
-        return [*self._session_records(scope), *finished]
+        return [*self._session_records(episode_pairs(scope)), *finished]
 
-    async def export_yielding(self, scope: Sequence[EpisodeId]) -> list[dict[str, JsonValue]]:
+    async def export_yielding(self, scope: Iterable[EpisodeId]) -> list[dict[str, JsonValue]]:
         """:meth:`export`, yielding the event loop every :data:`EXPORT_CHUNK` sessions, so
         a large export does not stall this server's other requests. Held replies are taken
         first (an ack may land while it yields); sessions do not move while boundaries are
         closed, which is when a checkpoint calls it."""
         finished = self._finished_records()
+        pairs = list(episode_pairs(scope))
         records: list[dict[str, JsonValue]] = []
-        for start in range(0, len(scope), EXPORT_CHUNK):
-            records.extend(self._session_records(scope[start : start + EXPORT_CHUNK]))
+        for start in range(0, len(pairs), EXPORT_CHUNK):
+            records.extend(self._session_records(pairs[start : start + EXPORT_CHUNK]))
             await asyncio.sleep(0)
         return [*records, *finished]
 
-    def _session_records(self, scope: Iterable[EpisodeId]) -> list[dict[str, JsonValue]]:
+    def _session_records(self, scope: Iterable[tuple[str, int]]) -> list[dict[str, JsonValue]]:
+        """``scope``: ``(rollout_id, attempt)`` pairs (a commit's scope is keys; building an
+        ``EpisodeId`` each would cost more than exporting an unchanged session)."""
         records: list[dict[str, JsonValue]] = []
         if self.mode is not CheckpointMode.TURN:
             return records
         sessions = self._sessions
-        for episode in scope:
-            live = sessions.get(episode.rollout_id)
-            # Field by field: comparing the models costs as much as exporting the session.
-            if (
-                live is None
-                or live.episode.attempt != episode.attempt
-                or live.episode.rollout_id != episode.rollout_id
-            ):
+        for rollout_id, attempt in scope:
+            live = sessions.get(rollout_id)
+            if live is None or live.episode.attempt != attempt:
                 continue
             if not live.at_boundary:
                 raise InvalidPhaseError(

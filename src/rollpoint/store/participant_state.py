@@ -15,9 +15,12 @@ what differs.
 
 It does not know what a record means (each participant does) nor where the folder sits
 in a snapshot (:mod:`rollpoint.store.snapshot_store`). Records are encoded with orjson:
-non-finite floats are written as ``null``. Decoding runs with the cyclic garbage collector
-paused (:mod:`rollpoint.store.collector_pause`): decoded JSON holds no reference cycles, but each of its
-millions of containers counts toward the collector's thresholds, and the collections
+non-finite floats are written as ``null``; a
+:class:`~rollpoint.store.deferred_value.DeferredValue` anywhere in a record is made here,
+in the writer's thread, and written as its value (a participant defers work its snapshot
+pause need not pay for). Decoding runs with the cyclic garbage collector paused
+(:mod:`rollpoint.store.collector_pause`): decoded JSON holds no reference cycles, but each
+of its millions of containers counts toward the collector's thresholds, and the collections
 that triggered over a growing heap took three quarters of a restore's time.
 """
 
@@ -46,6 +49,7 @@ from rollpoint.protocol.manifest import (
 )
 from rollpoint.protocol.participant import ParticipantKind
 from rollpoint.store.collector_pause import collector_paused
+from rollpoint.store.deferred_value import DeferredValue
 from rollpoint.store.digest import iter_blocks
 from rollpoint.store.filesystem import Filesystem, filesystem_for
 
@@ -224,6 +228,9 @@ def _encode_chunks(records: Sequence[Mapping[str, Any]]) -> Iterator[tuple[bytes
 
 
 def _encode_other(value: object) -> object:
+    """orjson's ``default``: called for every value it cannot encode itself."""
+    if isinstance(value, DeferredValue):
+        return value.value()
     if isinstance(value, Mapping):
         return dict(value)
     raise TypeError(f"cannot encode {type(value).__name__}")
@@ -238,7 +245,12 @@ def _unencodable(batch: Sequence[Mapping[str, Any]], start: int) -> InvalidCheck
         try:
             orjson.dumps(record, default=_encode_other)
         except (TypeError, orjson.JSONEncodeError) as exc:
-            return InvalidCheckpointStateError(f"record {start + offset} cannot be encoded: {exc}")
+            # orjson reports what ``default`` raised only as the cause of its own
+            # "Type is not JSON serializable": the cause says what went wrong.
+            cause = exc.__cause__ if exc.__cause__ is not None else exc
+            return InvalidCheckpointStateError(
+                f"record {start + offset} cannot be encoded: {cause}"
+            )
     return InvalidCheckpointStateError(
         f"records {start}..{start + len(batch) - 1} cannot be encoded"
     )

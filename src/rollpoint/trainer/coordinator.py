@@ -50,7 +50,13 @@ import orjson
 from pydantic import JsonValue
 
 from rollpoint.config import SnapshotConfig
-from rollpoint.protocol.control import DETACHED_WRITE, CommitReply, Phase, StatusReply
+from rollpoint.protocol.control import (
+    DETACHED_WRITE,
+    SCOPE_KEYS,
+    CommitReply,
+    Phase,
+    StatusReply,
+)
 from rollpoint.protocol.errors import ConfigError, RollpointError, SnapshotError
 from rollpoint.protocol.manifest import (
     FileEntry,
@@ -445,6 +451,7 @@ class SnapshotCoordinator:
                     staging.participants_relative_dir,
                     scopes[p.address.replica],
                     wait_for_write=p not in cut.detached,
+                    scope_as_keys=SCOPE_KEYS in self._statuses[p].features,
                 )
                 for p in clients
             ],

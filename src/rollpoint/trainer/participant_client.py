@@ -119,14 +119,17 @@ class ParticipantClient:
         scope: list[EpisodeId],
         *,
         wait_for_write: bool = True,
+        scope_as_keys: bool = False,
     ) -> CommitReply:
         """``wait_for_write=False``: the reply comes once the state is captured (its
-        ``manifest`` is None); :meth:`confirm` collects the manifest after the resume."""
+        ``manifest`` is None); :meth:`confirm` collects the manifest after the resume.
+        ``scope_as_keys``: send the scope as ``episode_keys`` (feature ``scope-keys``)."""
         body = CommitRequest(
             checkpoint_id=checkpoint_id,
             deadline_ts=deadline_ts,
             checkpoint_dir=checkpoint_dir,
-            episode_ids=scope,
+            episode_ids=[] if scope_as_keys else scope,
+            episode_keys=[e.key for e in scope] if scope_as_keys else [],
             wait_for_write=wait_for_write,
         )
         return await self._call("commit", CommitReply, body, deadline_ts)

@@ -282,6 +282,21 @@ def test_export_restore_continues_exactly_like_the_original() -> None:
     env.close(restored)
 
 
+def test_a_captured_state_is_the_state_at_the_capture_even_when_made_after_a_change() -> None:
+    env = WorkplaceEnvironment()
+    task = task_with([SYNC])
+    state = env.start(task)
+    create(state, **SYNC)
+    at_capture = env.export_state(state)
+    make = env.capture_state(state)  # what a checkpoint takes inside its pause
+    create(state, **{**SYNC, "title": "After the cut"})  # tool calls go on after it
+    assert make() == at_capture != env.export_state(state)
+    restored = env.restore_state(task, orjson.loads(orjson.dumps(make())))
+    assert search(restored, "After the cut") == [] and len(search(restored, "")) == 1
+    env.close(state)
+    env.close(restored)
+
+
 @pytest.mark.parametrize(
     ("exported", "message"),
     [

@@ -366,6 +366,25 @@ async def test_commit_writes_the_scope_once_under_the_participant_folder(
     assert participant.calls["export"] == 1
 
 
+async def test_a_scope_named_by_keys_is_the_same_commit_as_by_ids(
+    fence: Fence, participant: FakeParticipant, root: Path
+) -> None:
+    await fence.prepare(prepare())
+    # Split across both lists, with a duplicate: the scope is their union.
+    by_keys = commit(scope=("r2#0",)).model_copy(update={"episode_keys": ["r1#0", "r2#0"]})
+    reply = await fence.commit(by_keys)
+    assert reply.scope_size == 2
+    _, records = read_participant_state(
+        str(state_folder(root)), kind="agent", instance="agent-replica-0", checkpoint_id="c1"
+    )
+    assert records == [{"episode": "r1#0", "turns": 3}, {"episode": "r2#0", "turns": 1}]
+    # A retry naming the same set by ids replays it; another set by keys conflicts.
+    assert await fence.commit(commit(scope=("r1#0", "r2#0"))) == reply
+    other = commit(scope=()).model_copy(update={"episode_keys": ["r1#0"]})
+    await refused(fence, participant, fence.commit(other), CheckpointConflictError)
+    assert participant.calls["export"] == 1
+
+
 async def test_commit_replay_returns_the_same_result_and_another_dir_or_scope_conflicts(
     fence: Fence, participant: FakeParticipant
 ) -> None:
@@ -837,7 +856,7 @@ async def test_status_reports_identity_and_counts(
     assert status.kind.value == "agent" and status.name == "agent"
     assert status.replica == "replica-0" and status.mode.value == "turn"
     assert status.protocol_version == 1
-    assert status.features == ["turn-boundary", "detached-write"]
+    assert status.features == ["turn-boundary", "detached-write", "scope-keys"]
     assert status.phase is Phase.IDLE and status.checkpoint_id is None
     assert status.lease_expires_at is None
     assert status.counts == {"sessions": 2, "finished_unacked": 0}

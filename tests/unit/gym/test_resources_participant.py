@@ -5,26 +5,87 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
 from pydantic import JsonValue
 
 from rollpoint.envs.registry import get_environment
+from rollpoint.gym import resources_server
 from rollpoint.gym.participant import Participant
 from rollpoint.gym.resources_participant import ResourcesParticipant
-from rollpoint.gym.resources_server import EpisodeRecord, ResourcesService
+from rollpoint.gym.resources_server import EpisodeRecord, ResourcesService, pack_state
 from rollpoint.protocol.control import RetireOutcomeKind
 from rollpoint.protocol.episode import EpisodeStart, ToolCall
 from rollpoint.protocol.errors import InvalidCheckpointStateError
 from rollpoint.protocol.ids import EpisodeId
+from rollpoint.protocol.manifest import ParticipantManifest
 from rollpoint.protocol.participant import CheckpointMode
+from rollpoint.store.deferred_value import DeferredValue
+from rollpoint.store.participant_state import read_participant_state, write_participant_state
 
 EVENT = {"title": "Team sync", "date": "2025-01-15", "start_time": "10:00", "duration_minutes": 30}
 
 
 def _ep(rollout_id: str, attempt: int = 0) -> EpisodeId:
     return EpisodeId(rollout_id=rollout_id, attempt=attempt)
+
+
+def _write(
+    root: Path, records: list[dict[str, JsonValue]], checkpoint_id: str = "c1"
+) -> ParticipantManifest:
+    """The records as a checkpoint's writer stores them."""
+    return write_participant_state(
+        str(root / checkpoint_id),
+        kind="resources",
+        instance="resources-replica-0",
+        checkpoint_id=checkpoint_id,
+        records=records,
+    )
+
+
+def _stored(
+    root: Path, records: list[dict[str, JsonValue]], checkpoint_id: str = "c1"
+) -> list[dict[str, JsonValue]]:
+    """The records written by the checkpoint's writer, then read back as a restore reads them."""
+    _write(root, records, checkpoint_id)
+    _, read = read_participant_state(
+        str(root / checkpoint_id),
+        kind="resources",
+        instance="resources-replica-0",
+        checkpoint_id=checkpoint_id,
+    )
+    return read
+
+
+def _made(record: Mapping[str, Any]) -> dict[str, Any]:
+    """A record of a checkpoint export with its deferred packed state made."""
+    packed = record["packed_state"]
+    return {
+        **record,
+        "packed_state": packed.value() if isinstance(packed, DeferredValue) else packed,
+    }
+
+
+class _CountedPack:
+    """Stands in for ``pack_state`` to count the states packed."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, state: Mapping[str, Any]) -> str:
+        self.calls += 1
+        return pack_state(state)
+
+
+@pytest.fixture
+def packs(monkeypatch: pytest.MonkeyPatch) -> _CountedPack:
+    counted = _CountedPack()
+    monkeypatch.setattr(resources_server, "pack_state", counted)
+    return counted
 
 
 async def _service(environment: str, *rollout_ids: str) -> ResourcesService:
@@ -56,7 +117,9 @@ async def test_a_frozen_service_holds_tool_calls_and_stays_ready() -> None:
     assert (await asyncio.wait_for(held, 1)).is_error is False
 
 
-async def test_export_names_scoped_episodes_and_install_takes_only_the_scope() -> None:
+async def test_export_names_scoped_episodes_and_install_takes_only_the_scope(
+    tmp_path: Path,
+) -> None:
     source = ResourcesParticipant(await _service("workplace", "r1", "r2"))
     records = await source.export([_ep("r1", 1), _ep("r2"), _ep("unknown")])
     assert [(r["kind"], r["episode"]) for r in records] == [
@@ -65,8 +128,7 @@ async def test_export_names_scoped_episodes_and_install_takes_only_the_scope() -
     ]
     target_service = await _service("workplace")
     target = ResourcesParticipant(target_service)
-    stored = orjson.loads(orjson.dumps(records))
-    assert await target.install(stored, [_ep("r2")]) == [_ep("r2", 1)]
+    assert await target.install(_stored(tmp_path, records), [_ep("r2")]) == [_ep("r2", 1)]
     assert target_service.rollout_ids() == ["r2"]
 
 
@@ -96,11 +158,13 @@ async def test_retire_is_unknown_and_forget_releases_state() -> None:
     assert service.episode_count == 0 and participant.ack([_ep("r1")]) == []
 
 
-async def test_a_checkpoint_packs_the_state_and_old_unpacked_records_still_install() -> None:
+async def test_a_checkpoint_packs_the_state_and_old_unpacked_records_still_install(
+    tmp_path: Path,
+) -> None:
     service = await _service("workplace", "r1")
     call = ToolCall(episode=_ep("r1"), turn=0, call_index=0, arguments=json.dumps(EVENT))
     await service.call_tool("calendar_create_event", call)
-    (packed,) = await ResourcesParticipant(service).export([_ep("r1")])
+    (packed,) = _stored(tmp_path, await ResourcesParticipant(service).export([_ep("r1")]))
     parsed = EpisodeRecord.model_validate(packed)
     # Built without pydantic, it is exactly the validated record's dump.
     assert packed == parsed.model_dump(mode="json")
@@ -113,8 +177,7 @@ async def test_a_checkpoint_packs_the_state_and_old_unpacked_records_still_insta
     del old["packed_state"]
     for record in (packed, old):
         target_service = await _service("workplace")
-        stored = orjson.loads(orjson.dumps([record]))
-        assert await ResourcesParticipant(target_service).install(stored, [_ep("r1")]) == [
+        assert await ResourcesParticipant(target_service).install([record], [_ep("r1")]) == [
             _ep("r1", 1)
         ]
         replay = await target_service.call_tool("calendar_create_event", call)
@@ -140,43 +203,131 @@ async def test_a_bad_packed_state_is_refused_with_a_clear_error(
     assert target_service.rollout_ids() == []
 
 
-async def test_a_checkpoint_packs_again_only_an_episode_a_tool_call_changed() -> None:
+async def test_a_checkpoint_packs_again_only_an_episode_a_tool_call_changed(
+    packs: _CountedPack,
+) -> None:
     service = await _service("workplace", "r1", "r2")
     participant = ResourcesParticipant(service)
     before = {
-        r["rollout_id"]: r["packed_state"] for r in await participant.export([_ep("r1"), _ep("r2")])
+        r["rollout_id"]: _made(r)["packed_state"]
+        for r in await participant.export([_ep("r1"), _ep("r2")])
     }
+    assert packs.calls == 2
     call = ToolCall(episode=_ep("r1"), turn=0, call_index=0, arguments=json.dumps(EVENT))
     await service.call_tool("calendar_create_event", call)
     after = {
-        r["rollout_id"]: r["packed_state"] for r in await participant.export([_ep("r1"), _ep("r2")])
+        r["rollout_id"]: _made(r)["packed_state"]
+        for r in await participant.export([_ep("r1"), _ep("r2")])
     }
-    assert after["r2"] is before["r2"]  # unchanged: the packed form is reused
+    assert packs.calls == 3  # unchanged r2: the packed form is reused
+    assert after["r2"] is before["r2"]
     assert after["r1"] != before["r1"]
     unpacked = EpisodeRecord.model_validate(
-        {**(await participant.export([_ep("r1")]))[0]}
+        _made((await participant.export([_ep("r1")]))[0])
     ).exported_state()
     assert unpacked == service.environment.export_state(service._episodes["r1"].state)
 
 
-async def test_an_export_reuses_the_records_of_unchanged_episodes_and_never_changes_them() -> None:
+async def test_an_export_reuses_the_records_of_unchanged_episodes_and_never_changes_them(
+    tmp_path: Path, packs: _CountedPack
+) -> None:
     service = await _service("workplace", "r1", "r2")
     participant = ResourcesParticipant(service)
     first = await participant.export([_ep("r1"), _ep("r2")])
-    kept = copy.deepcopy(first)
+    at_cut = service.environment.export_state(service._episodes["r1"].state)
+    # A copy of everything but the deferred values themselves (compared by identity).
+    kept = copy.deepcopy(first, {id(r["packed_state"]): r["packed_state"] for r in first})
     call = ToolCall(episode=_ep("r1"), turn=0, call_index=0, arguments=json.dumps(EVENT))
     await service.call_tool("calendar_create_event", call)  # r1 goes on after the cut
     second = await participant.export([_ep("r1"), _ep("r2")])
     assert first == kept  # what the first export handed out did not change
+    # Its writer runs after r1 changed, and still writes the state of the cut.
+    written = _stored(tmp_path, first)
+    assert EpisodeRecord.model_validate(written[0]).exported_state() == at_cut
     assert second[0] is not first[0]
-    assert second[0]["packed_state"] != first[0]["packed_state"]
-    parsed = EpisodeRecord.model_validate(second[0])
+    assert _made(second[0])["packed_state"] != _made(first[0])["packed_state"]
+    parsed = EpisodeRecord.model_validate(_made(second[0]))
     assert parsed.exported_state() == service.environment.export_state(
         service._episodes["r1"].state
     )
     assert [(t.turn, t.call_index) for t in parsed.tool_results] == [(0, 0)]
     assert second[1] is first[1]  # r2 did not change: its record is handed out again
     # Saved for another attempt, the same state makes a new record naming it.
+    packed = packs.calls
     (third,) = await participant.export([_ep("r2", 1)])
     assert third is not second[1] and third["episode"] == {"rollout_id": "r2", "attempt": 1}
-    assert third["packed_state"] is second[1]["packed_state"]  # not packed again
+    assert third["packed_state"] == _made(second[1])["packed_state"]
+    assert packs.calls == packed  # not packed again
+
+
+# ---- packing deferred to the snapshot's writer ---------------------------------------------
+async def test_a_checkpoint_export_leaves_packing_to_the_writer(
+    tmp_path: Path, packs: _CountedPack
+) -> None:
+    service = await _service("workplace", "r1")
+    call = ToolCall(episode=_ep("r1"), turn=0, call_index=0, arguments=json.dumps(EVENT))
+    await service.call_tool("calendar_create_event", call)
+    exported = service.environment.export_state(service._episodes["r1"].state)
+
+    (record,) = await ResourcesParticipant(service).export([_ep("r1")])
+
+    assert packs.calls == 0  # the pause only took the environment's export
+    assert isinstance(record["packed_state"], DeferredValue)
+    (stored,) = _stored(tmp_path, [record])
+    assert packs.calls == 1
+    # Written as an eager pack of the same export would be.
+    assert stored["packed_state"] == pack_state(exported)
+    target = await _service("workplace")
+    assert await ResourcesParticipant(target).install([stored], [_ep("r1")]) == [_ep("r1", 1)]
+    assert target.environment.export_state(target._episodes["r1"].state) == exported
+
+
+async def test_an_unchanged_episode_is_packed_once_across_two_checkpoints(
+    tmp_path: Path, packs: _CountedPack
+) -> None:
+    service = await _service("workplace", "r1")
+    participant = ResourcesParticipant(service)
+
+    first = _stored(tmp_path, await participant.export([_ep("r1")]), "c1")
+    second = _stored(tmp_path, await participant.export([_ep("r1")]), "c2")
+
+    assert packs.calls == 1
+    assert second == first
+
+
+async def test_the_plain_export_gives_packed_strings_that_a_checkpoint_reuses(
+    packs: _CountedPack,
+) -> None:
+    service = await _service("workplace", "r1")
+
+    (plain,) = service.export_episodes([_ep("r1")])
+    (checkpoint,) = await ResourcesParticipant(service).export([_ep("r1")])
+
+    assert isinstance(plain["packed_state"], str)
+    assert _made(checkpoint)["packed_state"] == plain["packed_state"]
+    assert packs.calls == 1
+
+
+async def test_a_failing_pack_is_named_by_the_writer_and_by_install(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(state: Mapping[str, Any]) -> str:
+        raise ValueError("state is not JSON")
+
+    monkeypatch.setattr(resources_server, "pack_state", broken)
+    service = await _service("workplace", "r1", "r2")
+    records = await ResourcesParticipant(service).export([_ep("r1"), _ep("r2")])
+
+    with pytest.raises(InvalidCheckpointStateError) as written:
+        _write(tmp_path, records)
+    assert written.value.message == (
+        "record 0 cannot be encoded: packed state of rollout r1 could not be made: "
+        "ValueError: state is not JSON"
+    )
+    target = await _service("workplace")
+    with pytest.raises(InvalidCheckpointStateError) as installed:
+        await ResourcesParticipant(target).install(records, [_ep("r1"), _ep("r2")])
+    assert installed.value.message == (
+        "record 0: packed state of rollout r1 could not be made: ValueError: state is not JSON"
+    )
+    assert target.rollout_ids() == []

@@ -18,6 +18,7 @@ from rollpoint.protocol.errors import (
 )
 from rollpoint.protocol.manifest import ParticipantManifest, encode_document
 from rollpoint.protocol.participant import ParticipantKind
+from rollpoint.store.deferred_value import DeferredValue
 from rollpoint.store.filesystem import filesystem_for
 from rollpoint.store.participant_state import (
     MANIFEST_NAME,
@@ -268,9 +269,69 @@ def test_a_manifest_from_a_newer_rollpoint_is_refused(location: str) -> None:
 def test_an_unencodable_record_publishes_nothing(location: str) -> None:
     records: list[dict[str, Any]] = [{"ok": 1}, {"bad": {1, 2}}]
 
-    with pytest.raises(InvalidCheckpointStateError, match="record 1 cannot be encoded"):
+    with pytest.raises(InvalidCheckpointStateError) as info:
         _write(location, records)
 
+    assert info.value.message == "record 1 cannot be encoded: cannot encode set"
+
+    assert filesystem_for(location).listdir(_folder(location)) == []
+
+
+# --- deferred values: made by the writer -------------------------------------------------
+
+
+def _counted(value: str, calls: list[str]) -> DeferredValue[str]:
+    def make() -> str:
+        calls.append(value)
+        return value
+
+    return DeferredValue(make, "the test value")
+
+
+def test_a_deferred_value_is_made_by_the_writer_and_written_as_its_value(location: str) -> None:
+    calls: list[str] = []
+    records: list[dict[str, Any]] = [{"rollout_id": "r1", "packed": _counted("abc", calls)}]
+    assert calls == []  # handing the record to the writer made nothing
+
+    _write(location, records)
+
+    assert len(calls) == 1
+    _, read = read_participant_state(_folder(location), **IDENTITY)
+    assert read == [{"rollout_id": "r1", "packed": "abc"}]
+
+
+def test_a_deferred_value_is_made_once_across_writes_of_the_same_record(location: str) -> None:
+    calls: list[str] = []
+    records: list[dict[str, Any]] = [{"rollout_id": "r1", "packed": _counted("abc", calls)}]
+    first = _write(location, records)
+    # A retried commit (hashes the records again) and a later checkpoint reusing the record.
+    assert _write(location, records) == first
+    other = f"{location}/participants/agent/other"
+    write_participant_state(
+        other, kind="agent", instance="agent-replica-0", checkpoint_id="ckpt-2", records=records
+    )
+    assert len(calls) == 1
+    assert read_participant_state(other, **{**IDENTITY, "checkpoint_id": "ckpt-2"})[1] == [
+        {"rollout_id": "r1", "packed": "abc"}
+    ]
+
+
+def test_a_failing_deferred_value_names_the_record_and_publishes_nothing(location: str) -> None:
+    def boom() -> str:
+        raise ValueError("the export was malformed")
+
+    records: list[dict[str, Any]] = [
+        {"ok": DeferredValue(lambda: "fine", "a fine value")},
+        {"bad": DeferredValue(boom, "packed state of rollout r2")},
+    ]
+
+    with pytest.raises(InvalidCheckpointStateError) as info:
+        _write(location, records)
+
+    assert info.value.message == (
+        "record 1 cannot be encoded: packed state of rollout r2 could not be made: "
+        "ValueError: the export was malformed"
+    )
     assert filesystem_for(location).listdir(_folder(location)) == []
 
 

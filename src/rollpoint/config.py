@@ -96,6 +96,12 @@ class RunConfig(_Section):
     """Fixed ports from this one up (policy, then 3 per replica); None picks free ports."""
     allow_remote_bind: bool = False
     """Listening on anything but loopback needs this set on purpose."""
+    upstream_connections: Annotated[int, Field(ge=1)] | None = None
+    """Most connections each agent keeps open to its model server, and to its resources
+    server; calls beyond wait in the agent (their sessions are in flight and saved like
+    any other), and only the time a call spends on the wire counts against its timeout.
+    None: no cap, one socket per call. Set it when in-flight sessions near the open-file
+    limit (each in-flight call holds a socket on every hop)."""
     row_timeout_seconds: Annotated[float, Field(gt=0)] = 300.0
     """Give up on one row after this long (time paused by a snapshot not counted)."""
 

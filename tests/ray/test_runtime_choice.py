@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from rollpoint.config import parse_config
+from rollpoint.gym.agent_server import AgentSettings
 from rollpoint.protocol.errors import ConfigError
 from rollpoint.runtime.contract import runtime_for
 from rollpoint.runtime.embedded import EmbeddedRuntime
@@ -86,6 +87,15 @@ def test_servers_are_participants_only_with_a_snapshot_root() -> None:
     without = _plan(None, None).peer_specs(0, restarted=False)
     assert all(s.settings["snapshot_root"] == "/shared/snaps" for s in with_root)
     assert all("snapshot_root" not in s.settings for s in without)
+
+
+def test_the_upstream_cap_reaches_every_agent_and_its_settings() -> None:
+    config = parse_config({"upstream_connections": 2000})
+    plan = ReplicaPlan.of(config, policy_url="http://127.0.0.1:9/v1", snapshot_root=None)
+    agent = plan.agent_spec(0, model_url="http://m", resources_url="http://r", restarted=False)
+    assert AgentSettings.model_validate(agent.settings).upstream_connections == 2000
+    uncapped = _plan(None, None).agent_spec(0, model_url="m", resources_url="r", restarted=False)
+    assert uncapped.settings["upstream_connections"] is None
 
 
 def test_a_plan_crosses_to_an_actor_as_json_unchanged() -> None:

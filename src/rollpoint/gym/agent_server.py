@@ -62,6 +62,10 @@ class AgentSettings(BaseModel):
     """Finished replies held until acked; past it the oldest are dropped (logged)."""
     model_timeout_s: Annotated[float, Field(gt=0)] = 600.0
     tool_timeout_s: Annotated[float, Field(gt=0)] = 60.0
+    upstream_connections: Annotated[int, Field(ge=1)] | None = None
+    """Most connections open to the model server, and to the resources server; calls
+    beyond wait here for one, and only their time on the wire counts against the
+    timeouts. None: no cap."""
     model_name: str = "scripted"
     snapshot_root: str | None = None
     """Snapshot store root (local path or fsspec URL); set, it mounts the control routes
@@ -92,7 +96,9 @@ class AgentServer:
         s = self.settings
         # Its model and resources servers guard their data routes with the same token.
         self._client = HttpClient(
-            token=data_token(), timeout_s=max(s.model_timeout_s, s.tool_timeout_s)
+            token=data_token(),
+            timeout_s=max(s.model_timeout_s, s.tool_timeout_s),
+            limit_per_host=s.upstream_connections or 0,
         )
         self._runner = EpisodeRunner(
             self._client,

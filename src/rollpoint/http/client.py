@@ -34,17 +34,32 @@ class HttpClient:
         timeout_s: float = 300.0,
         connect_timeout_s: float = 5.0,
         limit: int = 0,
+        limit_per_host: int = 0,
     ) -> None:
+        """``limit_per_host``: most connections to one host and port; requests beyond wait
+        for one, and then ``timeout_s`` bounds each read on the wire instead of the whole
+        request (a request queued on purpose must not time out for the queue)."""
         self._token = token
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_timeout_s)
+        self._queued = bool(limit_per_host)
+        self._timeout = self._timeout_of(timeout_s, connect_timeout_s)
         # limit=0: no pool cap; concurrency is bounded by the callers (dispatcher, gate).
         # keepalive below uvicorn's 5 s idle close: otherwise a loop busy at that moment sends
         # its next request on a connection the server is closing (ServerDisconnected).
+        connector = aiohttp.TCPConnector(
+            limit=limit, limit_per_host=limit_per_host, ttl_dns_cache=300, keepalive_timeout=4
+        )
         self._session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=limit, ttl_dns_cache=300, keepalive_timeout=4),
+            connector=connector,
             timeout=self._timeout,
             json_serialize=lambda o: orjson.dumps(o).decode(),
         )
+
+    def _timeout_of(
+        self, timeout_s: float | None, connect_s: float | None = None
+    ) -> aiohttp.ClientTimeout:
+        if self._queued:  # the wait for a pooled connection is not the peer's fault
+            return aiohttp.ClientTimeout(sock_connect=connect_s, sock_read=timeout_s)
+        return aiohttp.ClientTimeout(total=timeout_s, sock_connect=connect_s)
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -84,7 +99,7 @@ class HttpClient:
     ) -> tuple[Any, Mapping[str, str]]:
         """Like :meth:`request_json`, also returning the reply headers (case-insensitive)."""
         data = orjson.dumps(body) if body is not None else None
-        timeout = aiohttp.ClientTimeout(total=timeout_s) if timeout_s is not None else None
+        timeout = self._timeout_of(timeout_s) if timeout_s is not None else None
         try:
             async with self._session.request(
                 method, url, data=data, headers=self._headers(headers), timeout=timeout
@@ -121,7 +136,7 @@ class HttpClient:
         timeout_s: float | None = None,
     ) -> AsyncIterator[Any]:
         """POST ``body`` and yield each JSON line of the reply as it arrives."""
-        timeout = aiohttp.ClientTimeout(total=timeout_s, sock_connect=5.0)
+        timeout = self._timeout_of(timeout_s, connect_s=5.0)
         try:
             async with self._session.post(
                 url, data=orjson.dumps(body), headers=self._headers(headers), timeout=timeout

@@ -54,6 +54,8 @@ class ReplicaPlan(StrictModel):
     """Fixed ports from this one up (policy at +0, then 3 per replica); None: free ports."""
     snapshot_root: str | None
     """Set: every server is a checkpoint participant writing under it. None: data plane only."""
+    upstream_connections: int | None = None
+    """Each agent's cap on connections to its model and resources servers (None: no cap)."""
 
     @classmethod
     def of(cls, config: RunConfig, *, policy_url: str, snapshot_root: str | None) -> ReplicaPlan:
@@ -66,6 +68,7 @@ class ReplicaPlan(StrictModel):
             checkpoint_mode=_checkpoint_mode(config.environment),
             base_port=config.base_port,
             snapshot_root=snapshot_root,
+            upstream_connections=config.upstream_connections,
         )
 
     def _port(self, offset: int, restarted: bool) -> int:
@@ -114,6 +117,7 @@ class ReplicaPlan(StrictModel):
                 environment=self.environment,
                 checkpoint_mode=self.checkpoint_mode,
                 model_name=self.model_name,
+                upstream_connections=self.upstream_connections,
             ),
         )
 

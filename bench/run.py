@@ -54,9 +54,10 @@ ITEMS: dict[str, Item] = {
         else ledger_scaling.run((10_000, 100_000, 1_000_000))
     ),
     "runtime_compare": lambda quick: runtime_compare.run(),
+    "snapshot_pause_100k": lambda quick: snapshot_pause.run_large(100_000, snapshots=4),
 }
 # Items too slow for --quick: they run in the full suite, or by name with --only.
-FULL_ONLY = {"runtime_compare"}
+FULL_ONLY = {"runtime_compare", "snapshot_pause_100k"}
 
 
 async def _main(keys: list[str], quick: bool) -> list[BenchResult]:

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import math
 import os
@@ -84,20 +85,25 @@ from rollpoint.trainer.participant_client import ParticipantAddress, Participant
 from rollpoint.trainer.trainer_loop import Trainer
 
 GROUP_SIZE = 4
+"""Rows per prompt group, one ``/run`` stream each (16 at 100k, see :func:`load`)."""
 EVENTS_PER_TASK = 10
 EMAILS_PER_TASK = 4
 TURNS_PER_EPISODE = 2 * EVENTS_PER_TASK + EMAILS_PER_TASK + 1
 REPLICAS = 2
 """Two, so 10k sessions fit the open-file limit (one socket per call on each hop)."""
 CALLS_PER_S = 400
-"""Offered load: each policy call takes N / calls_per_s(N) seconds and sessions open at
-calls_per_s(N) a second, so their calls are spread evenly over that time."""
+"""Offered load below 10k (see :func:`load`): each policy call takes N / rate seconds and
+sessions open at rate a second, so their calls are spread evenly over that time."""
 CALLS_PER_S_AT_10K = 200
 """With 10k sockets on every hop, 400 calls/s overflow the engine's accept queue on 2 cores."""
 STATUS_TIMEOUT_S = 5.0
 GAP_S = 0.5
 """Between snapshots: the calls held at the gate go through and sessions run again."""
 RAMP_SNAPSHOT_S = 5.0
+LARGE = 50_000
+"""From this many sessions on, :func:`load` caps connections and batches streams."""
+UPSTREAM_CONNECTIONS = 2_000
+"""Per agent and upstream, at :data:`LARGE` sessions and up."""
 """Snapshots while the sessions open (not measured), as a job checkpointing every 5 s takes
 them: a session's first export (its full record) then lands in the snapshot after it
 started, not all 10k in the first measured one. ``measure(..., warm=False)`` takes none,
@@ -343,26 +349,56 @@ class Phase:
     """Rows re-sent fresh (their try was lost) after the ramp."""
 
 
-def calls_per_s(sessions: int) -> float:
-    return CALLS_PER_S if sessions < 10_000 else CALLS_PER_S_AT_10K
+@dataclass(frozen=True)
+class Load:
+    """How ``sessions`` sessions are offered: the same real servers and protocol at every
+    size; what changes is how many sockets they hold at once."""
+
+    group_size: int
+    calls_per_s: float
+    """Policy calls a second across the run."""
+    rows_per_s: float
+    """Rows opened a second while the sessions open."""
+    upstream_connections: int | None
+    """Each agent's cap towards its model and resources servers (``upstream_connections``)."""
+    policy_latency_s: float
+    """The scripted engine's time per call: every session has one call outstanding, so
+    N / rate uncapped; capped, calls wait in the agents and the engine holds the cap's."""
+    ramp_snapshot_s: float
 
 
-def policy_latency_s(sessions: int) -> float:
-    return sessions / calls_per_s(sessions)
+def load(sessions: int) -> Load:
+    """Below 10k: 400 calls/s. At 10k: 200 (10k sockets on every hop overflow the engine's
+    accept queue at 400). From :data:`LARGE`: every in-flight call held a socket on every
+    hop, past the 20,000 open files a process may have, so agents cap their connections
+    (calls queue in the agent, as they would in an engine's scheduler), rows go 16 to a
+    ``/run`` stream (a GRPO group of 16) and open at 250 a second, and a warm ramp would
+    snapshot every 60 s (each writes ~0.9 GB at 100k; 5 s apart they would queue).
+    Measured at 100k: 400 rows/s with a snapshot every 30 s overloaded the agents (connect
+    timeouts on ``/run``, then single-row re-sends past the open-file limit)."""
+    if sessions < 10_000:
+        return Load(GROUP_SIZE, CALLS_PER_S, CALLS_PER_S, None, sessions / CALLS_PER_S, 5.0)
+    if sessions < LARGE:
+        rate = CALLS_PER_S_AT_10K
+        return Load(GROUP_SIZE, rate, rate, None, sessions / rate, RAMP_SNAPSHOT_S)
+    rate, capped = CALLS_PER_S_AT_10K, REPLICAS * UPSTREAM_CONNECTIONS
+    return Load(16, rate, 1.25 * rate, UPSTREAM_CONNECTIONS, capped / rate, 60.0)
 
 
 def _config(workdir: Path, sessions: int) -> RunConfig:
+    offered = load(sessions)
     return parse_config(
         {
             "workdir": str(workdir),
             "environment": "workplace",
             "tasks": 1,
-            "group_size": GROUP_SIZE,
+            "group_size": offered.group_size,
             "max_turns": 2 * TURNS_PER_EPISODE,
             "replicas": REPLICAS,
             "concurrency": sessions,
             "row_timeout_seconds": 3600,
-            "policy": {"latency_ms": policy_latency_s(sessions) * 1e3, "error_rate": 0},
+            "upstream_connections": offered.upstream_connections,
+            "policy": {"latency_ms": offered.policy_latency_s * 1e3, "error_rate": 0},
             "snapshot": {"deadline_seconds": 120, "keep": 2},
         }
     )
@@ -393,10 +429,11 @@ async def _ramp(
     :data:`RAMP_SNAPSHOT_S` meanwhile."""
     coordinator = trainer.coordinator
     assert coordinator is not None
+    offered = load(n)
     t0 = last_snapshot = time.monotonic()
-    while time.monotonic() - t0 < 2 * n / calls_per_s(n) + 10:
+    while time.monotonic() - t0 < 2 * n / offered.rows_per_s + 10:
         await asyncio.sleep(0.5)
-        if warm and time.monotonic() - last_snapshot >= RAMP_SNAPSHOT_S:
+        if warm and time.monotonic() - last_snapshot >= offered.ramp_snapshot_s:
             with contextlib.suppress(SnapshotError):
                 await coordinator.save()
             last_snapshot = time.monotonic()
@@ -424,7 +461,8 @@ async def measure(
     with tempfile.TemporaryDirectory() as tmp:
         config = _config(keep_logs or Path(tmp) / "run", sessions)
         config.workdir.mkdir(parents=True, exist_ok=True)
-        tasks = [long_task(i) for i in range(3 * math.ceil(sessions / GROUP_SIZE) + 200)]
+        group_size = load(sessions).group_size
+        tasks = [long_task(i) for i in range(3 * math.ceil(sessions / group_size) + 200)]
         clock = StageClock()
         token = secrets.token_urlsafe(32)
         root = snapshot_root(config)
@@ -432,7 +470,7 @@ async def measure(
         async with EmbeddedRuntime(config, control_token=token, snapshot_root=root) as runtime:
             assert runtime.deployment is not None
             control_http = HttpClient(token=token, timeout_s=300)
-            data_http = MeteredClient(calls_per_s(sessions), sessions)
+            data_http = MeteredClient(load(sessions).rows_per_s, sessions)
             try:
                 participants: list[ParticipantClient] = [
                     TimedParticipant(p.address, control_http, clock)
@@ -577,5 +615,34 @@ async def run(
             "policy": f"scripted, N/rate s a call, rate {CALLS_PER_S}/s ({CALLS_PER_S_AT_10K} at 10k)",
             "episode": f"workplace, {TURNS_PER_EPISODE} turns",
             "finished_compare": f"{finished:,} sealed at n={finished_at}",
+        },
+    )
+
+
+async def run_large(sessions: int = 100_000, *, snapshots: int = 4) -> BenchResult:
+    """One point past :data:`LARGE`, cold: no snapshot while its sessions open (the first
+    attempt, a snapshot every 30 s while opening 400 rows/s, overloaded the agents and
+    rows lost their streams), so the first cut exports every session for the first time
+    and is reported apart; the others are the pause a running job sees."""
+    phase = await measure(sessions, snapshots=snapshots, warm=False)
+    first, rest = phase.cuts[0], phase.cuts[1:]
+    figures = _stats(dataclasses.replace(phase, cuts=rest), f"n{sessions}")
+    figures[f"n{sessions}_cold_first_pause_ms"] = first.seconds["pause"] * 1e3
+    figures[f"n{sessions}_cold_first_commit_ms"] = first.seconds["commit"] * 1e3
+    offered = load(sessions)
+    return BenchResult(
+        key="snapshot_pause_100k",
+        title=f"snapshot pause at {sessions:,} sessions in flight (after the cold first cut)",
+        figures=figures,
+        params={
+            "sessions": sessions,
+            "snapshots": f"{snapshots} (the first, cold, apart)",
+            "replicas": REPLICAS,
+            "group_size": offered.group_size,
+            "upstream_connections": offered.upstream_connections or 0,
+            "policy": f"scripted, {offered.policy_latency_s:g} s a call, "
+            f"{offered.calls_per_s:g} calls/s",
+            "rows_opened_per_s": offered.rows_per_s,
+            "episode": f"workplace, {TURNS_PER_EPISODE} turns",
         },
     )

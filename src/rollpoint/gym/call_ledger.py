@@ -81,11 +81,19 @@ class CallLedger:
         self._changed(rec.rollout_id)
         calls = self._by_rollout.get(rec.rollout_id)
         if calls is None:
-            self._by_rollout[rec.rollout_id] = [rec]
+            calls = self._by_rollout[rec.rollout_id] = [rec]
         else:
             self._supersede(rec, calls)
             calls.append(rec)
         self._count += 1
+        # Dumped now, on the data path: a checkpoint exports every call made since the
+        # last one inside its pause (~25 µs a dump, ~1,000 calls in 5 s at 200 calls/s).
+        self._dump_new(rec.rollout_id, calls)
+
+    def _dump_new(self, rollout_id: str, calls: list[CallRecord]) -> list[dict[str, Any]]:
+        dumped = self._json.setdefault(rollout_id, [])
+        dumped.extend(rec.model_dump(mode="json") for rec in calls[len(dumped) :])
+        return dumped
 
     def _supersede(self, rec: CallRecord, calls: list[CallRecord]) -> None:
         """Drop older attempts' calls from ``rec.turn`` on: a continued attempt starts at
@@ -118,9 +126,7 @@ class CallLedger:
         calls = self._by_rollout.get(rollout_id)
         if not calls:
             return []
-        dumped = self._json.setdefault(rollout_id, [])
-        dumped.extend(rec.model_dump(mode="json") for rec in calls[len(dumped) :])
-        return list(dumped)
+        return list(self._dump_new(rollout_id, calls))
 
     def install(self, records: Iterable[Any]) -> list[str]:
         """Replace the records of every rollout named in ``records``; all or nothing.

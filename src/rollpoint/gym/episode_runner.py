@@ -206,7 +206,7 @@ class EpisodeRunner:
         message = _assistant_message(reply, self._completions_url)
         usage = reply.get("usage") if isinstance(reply.get("usage"), dict) else {}
         version = reply_headers.get(HEADER_POLICY_VERSION, "0")
-        session.model_calls.append(
+        session.add_model_call(
             ModelCall(
                 turn=session.turn,
                 attempt=episode.attempt,

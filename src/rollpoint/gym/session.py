@@ -218,6 +218,13 @@ class Session:
         self._calls_json = []
         self._changes += 1
 
+    def add_model_call(self, call: ModelCall) -> None:
+        """Append ``call`` and dump it now, on the data path: a checkpoint exports every
+        session that made a call since the last one inside its pause."""
+        self._model_calls.append(call)
+        if len(self._calls_json) == len(self._model_calls) - 1:
+            self._calls_json.append(call.model_dump(mode="json"))
+
     @property
     def pending_response(self) -> dict[str, Any] | None:
         return self._pending_response

@@ -134,3 +134,28 @@ def test_a_continued_attempt_supersedes_the_older_attempts_calls_from_its_turn_o
     assert ledger.count == 4
     ledger.record(_rec("r1", 3, attempt=1))  # later turns of the same attempt just append
     assert [(c.turn, c.attempt) for c in ledger.calls("r1")][-2:] == [(2, 1), (3, 1)]
+
+
+def test_a_record_is_dumped_when_filed_and_an_export_dumps_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ledger = CallLedger()
+    ledger.record(_rec("r1", 0))
+    dumps: list[int] = []
+    real = CallRecord.model_dump
+
+    def counted(self: CallRecord, **kw: Any) -> dict[str, Any]:
+        dumps.append(self.turn)
+        return real(self, **kw)
+
+    monkeypatch.setattr(CallRecord, "model_dump", counted)
+    ledger.record(_rec("r1", 1))
+    ledger.record(_rec("r1", 1, attempt=1))  # supersedes turn 1 of attempt 0
+    assert dumps == [1, 1]  # on the data path, as each call is filed
+    exported = ledger.export(["r1"])
+    assert dumps == [1, 1]  # the checkpoint's export dumped nothing
+    monkeypatch.undo()
+    assert exported == [
+        _rec("r1", 0).model_dump(mode="json"),
+        _rec("r1", 1, 1).model_dump(mode="json"),
+    ]

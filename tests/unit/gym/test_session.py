@@ -161,6 +161,32 @@ def test_export_json_is_the_validated_record_dumped_across_exports_and_attempts(
     assert len(first["messages"]) == 3 and first["turn"] == 2
 
 
+def test_a_call_added_is_dumped_then_and_never_again_by_an_export(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    dumps: list[int] = []
+    real = ModelCall.model_dump
+
+    def counted(self: ModelCall, **kw: object) -> dict[str, object]:
+        dumps.append(self.turn)
+        return real(self, **kw)
+
+    monkeypatch.setattr(ModelCall, "model_dump", counted)
+    session = Session(_row("r7", 0))
+    message = {"role": "assistant", "content": "turn 0"}
+    session.add_model_call(ModelCall(turn=0, attempt=0, response=message))
+    assert dumps == [0]  # on the data path
+    session.messages.append(message)
+    session.turn += 1
+    record = session.export_json()
+    assert dumps == [0]  # the checkpoint's export dumped nothing
+    assert record["model_calls"] == [
+        ModelCall(turn=0, attempt=0, response=message).model_dump(mode="json")
+    ]
+    monkeypatch.undo()
+    assert record == session.to_record().model_dump(mode="json")
+
+
 def _apply_tools(session: Session) -> None:
     session.messages.append({"role": "tool", "tool_call_id": "c0", "content": "ok"})
     session.pending_response = None

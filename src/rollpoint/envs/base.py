@@ -119,6 +119,11 @@ class Environment(ABC, Generic[StateT]):
 
     name: ClassVar[str]
     checkpoint_mode: ClassVar[CheckpointMode]
+    reproducible_start: ClassVar[bool] = False
+    """``start(task)`` builds the same state every time for the same task: then an episode
+    no tool call has touched is saved as its task alone, and a restore starts it again
+    (a checkpoint copies no state for the thousands of episodes waiting for their first
+    generation)."""
 
     # ---- tasks -------------------------------------------------------------------------
     def make_tasks(self, n: int, seed: int) -> list[TaskRow]:

@@ -172,6 +172,7 @@ class BlackjackEnvironment(Environment[BlackjackState]):
 
     name: ClassVar[str] = "blackjack"
     checkpoint_mode: ClassVar[CheckpointMode] = CheckpointMode.TURN
+    reproducible_start: ClassVar[bool] = True  # the deal is seeded by the task
 
     def _make_task(self, index: int, rng: random.Random) -> TaskRow:
         return TaskRow(

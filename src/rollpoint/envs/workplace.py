@@ -261,6 +261,7 @@ class WorkplaceEnvironment(Environment[WorkplaceState]):
 
     name: ClassVar[str] = "workplace"
     checkpoint_mode: ClassVar[CheckpointMode] = CheckpointMode.TURN
+    reproducible_start: ClassVar[bool] = True  # an empty calendar and outbox
 
     def _make_task(self, index: int, rng: random.Random) -> TaskRow:
         titles = rng.sample(_TITLES, rng.randint(1, 3))

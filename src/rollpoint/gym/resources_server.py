@@ -124,13 +124,20 @@ class EpisodeRecord(StrictModel):
     packed_state: str | None = None
     """The same export as base64 of zlib-compressed JSON: a workplace SQLite export shrinks
     about 30 times, and compressing costs less than writing the bytes saved."""
+    fresh_start: bool = False
+    """No tool call had touched the episode and its environment starts reproducibly
+    (``Environment.reproducible_start``): its state is ``start(task)``, carried by neither
+    ``state`` nor ``packed_state``."""
     tool_results: list[ToolResultRecord]
     """The idempotency table, so a restored episode never repeats a side effect."""
 
     @model_validator(mode="after")
     def _one_state(self) -> EpisodeRecord:
-        if (self.state is None) == (self.packed_state is None):
-            raise ValueError("a record carries exactly one of 'state' and 'packed_state'")
+        forms = (self.state is not None) + (self.packed_state is not None) + self.fresh_start
+        if forms != 1:
+            raise ValueError(
+                "a record carries exactly one of 'state', 'packed_state' and 'fresh_start'"
+            )
         return self
 
     def exported_state(self) -> dict[str, JsonValue]:
@@ -182,10 +189,15 @@ class _Episode:
     checkpoint writes it while tool calls go on): a change drops it and the next export
     builds a new one."""
 
+    touched: bool = False
+    """A tool call ran on it, or it was installed from a saved state: ``state`` may differ
+    from ``start(task)``."""
+
     def changing(self) -> None:
         """Forget what the last checkpoint built: ``state`` or ``results`` is about to change."""
         self.packed_state = None
         self.record = None
+        self.touched = True
 
 
 def _pack_later(make_export: Callable[[], Mapping[str, Any]]) -> str:
@@ -458,8 +470,11 @@ class ResourcesService:
             return cached[1]
         if episode.task_json is None:
             episode.task_json = episode.task.model_dump(mode="json")
+        fresh = not episode.touched and self.environment.reproducible_start
         packed = episode.packed_state
-        if packed is None:
+        if fresh:
+            pass  # saved as its task: nothing of the state to copy
+        elif packed is None:
             # The export is a copy taken now: tool calls change the state once the pause
             # ends, never the copy, so packing it can wait for the writer's thread.
             # The environment may leave its own encoding for later too (capture_state).
@@ -476,7 +491,8 @@ class ResourcesService:
             "environment": episode.task.environment,
             "task": episode.task_json,
             "state": None,
-            "packed_state": episode.packed_state,
+            "packed_state": None if fresh else episode.packed_state,
+            "fresh_start": fresh,
             "tool_results": [
                 {
                     "turn": turn,
@@ -575,14 +591,19 @@ class ResourcesService:
         try:
             for index, record in enumerate(records):
                 try:
-                    exported = record.exported_state()
-                    state = self.environment.restore_state(record.task, exported)
+                    if record.fresh_start:
+                        state = self.environment.start(record.task)
+                    else:
+                        exported = record.exported_state()
+                        state = self.environment.restore_state(record.task, exported)
                 except RollpointError as exc:
                     raise InvalidCheckpointStateError(
                         f"record {index} (rollout {record.rollout_id}): {exc.message}"
                     ) from None
                 results = {(t.turn, t.call_index): t.result for t in record.tool_results}
-                built[record.rollout_id] = _Episode(record.task, state, results)
+                built[record.rollout_id] = _Episode(
+                    record.task, state, results, touched=not record.fresh_start
+                )
         except BaseException:
             for episode in built.values():
                 self.environment.close(episode.state)

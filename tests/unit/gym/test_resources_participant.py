@@ -88,8 +88,14 @@ def packs(monkeypatch: pytest.MonkeyPatch) -> _CountedPack:
     return counted
 
 
-async def _service(environment: str, *rollout_ids: str) -> ResourcesService:
+async def _service(
+    environment: str, *rollout_ids: str, reproducible: bool = False
+) -> ResourcesService:
+    """``reproducible=False``: every state is copied and packed, even of an episode no tool
+    call touched (what the packing tests look at); True: the environment's own setting."""
     env = get_environment(environment)
+    if not reproducible:
+        env.reproducible_start = False  # type: ignore[misc]
     service = ResourcesService(env)
     (task,) = env.make_tasks(1, seed=3)
     for rollout_id in rollout_ids:
@@ -189,8 +195,8 @@ async def test_a_checkpoint_packs_the_state_and_old_unpacked_records_still_insta
     [
         ({"packed_state": "not base64!"}, "packed_state does not decode"),
         ({"packed_state": "aGVsbG8="}, "packed_state does not decode"),
-        ({"state": {"sqlite": "AAAA"}}, "exactly one of 'state' and 'packed_state'"),
-        ({"packed_state": None}, "exactly one of 'state' and 'packed_state'"),
+        ({"state": {"sqlite": "AAAA"}}, "exactly one of 'state', 'packed_state' and 'fresh_start'"),
+        ({"packed_state": None}, "exactly one of 'state', 'packed_state' and 'fresh_start'"),
     ],
 )
 async def test_a_bad_packed_state_is_refused_with_a_clear_error(
@@ -331,3 +337,42 @@ async def test_a_failing_pack_is_named_by_the_writer_and_by_install(
         "record 0: packed state of rollout r1 could not be made: ValueError: state is not JSON"
     )
     assert target.rollout_ids() == []
+
+
+@pytest.mark.parametrize("environment", ["workplace", "blackjack"])
+async def test_an_untouched_episode_is_saved_as_its_task_and_restores_to_the_same_state(
+    tmp_path: Path, environment: str, packs: _CountedPack
+) -> None:
+    service = await _service(environment, "r1", reproducible=True)
+    assert service.environment.reproducible_start
+    (record,) = _stored(tmp_path, await ResourcesParticipant(service).export([_ep("r1")]))
+    assert record["fresh_start"] is True
+    assert (record["state"], record["packed_state"], packs.calls) == (None, None, 0)
+    target = await _service(environment, reproducible=True)
+    assert await ResourcesParticipant(target).install([record], [_ep("r1")]) == [_ep("r1", 1)]
+    env = service.environment
+    saved = env.export_state(service._episodes["r1"].state)
+    assert env.export_state(target._episodes["r1"].state) == saved
+    # A restored untouched episode is still saved as its task by the next checkpoint.
+    (again,) = await ResourcesParticipant(target).export([_ep("r1", 1)])
+    assert again["fresh_start"] is True
+
+
+async def test_a_tool_call_makes_the_next_checkpoint_copy_the_state(
+    tmp_path: Path, packs: _CountedPack
+) -> None:
+    service = await _service("workplace", "r1", "r2", reproducible=True)
+    call = ToolCall(episode=_ep("r1"), turn=0, call_index=0, arguments=json.dumps(EVENT))
+    await service.call_tool("calendar_create_event", call)
+    stored = _stored(tmp_path, await ResourcesParticipant(service).export([_ep("r1"), _ep("r2")]))
+    by_rollout = {r["rollout_id"]: r for r in stored}
+    assert by_rollout["r1"]["fresh_start"] is False and packs.calls == 1
+    assert by_rollout["r2"]["fresh_start"] is True
+    target = await _service("workplace", reproducible=True)
+    await ResourcesParticipant(target).install(stored, [_ep("r1"), _ep("r2")])
+    replay = await target.call_tool("calendar_create_event", call)
+    assert replay.replayed
+    titles = target.environment.call(
+        target._episodes["r1"].state, "calendar_search_events", {"query": ""}
+    )
+    assert "Team sync" in titles

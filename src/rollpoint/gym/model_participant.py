@@ -63,8 +63,9 @@ class ModelCallRecord(StrictModel):
 _RECORDS = TypeAdapter(list[ModelCallRecord])
 _Exported = tuple[int, int | None, list[dict[str, JsonValue]]]
 """One rollout's last export: (saved attempt, ledger stamp, records)."""
-EXPORT_CHUNK = 256
-"""Rollouts a checkpoint exports between two yields of the event loop."""
+EXPORT_CHUNK = 2048
+"""Rollouts a checkpoint exports between two yields of the event loop (see
+``session_book.EXPORT_CHUNK``)."""
 
 
 class ModelParticipant:

@@ -159,8 +159,9 @@ class EpisodeRecord(StrictModel):
         return state
 
 
-EXPORT_CHUNK = 256
-"""Episodes a checkpoint packs between two yields of the event loop."""
+EXPORT_CHUNK = 2048
+"""Episodes a checkpoint exports between two yields of the event loop (~1 µs each when
+unchanged, ~15 µs when the state is copied; see ``session_book.EXPORT_CHUNK``)."""
 
 
 def pack_state(state: Mapping[str, Any]) -> str:

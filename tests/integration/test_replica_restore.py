@@ -90,9 +90,15 @@ async def test_a_killed_replica_continues_its_snapshot_episodes_once_restarted(
                 attempt,
                 LOST,
             )
+        # More snapshots than retention keeps publish before the replica is back: the
+        # held one is pinned (before, the restore found it pruned and started over).
+        published = [await trainer.coordinator.save() for _ in range(config.snapshot.keep + 1)]
+        assert all(r.published for r in published), [r.blocked_by for r in published]
+        assert h.store.load(held.snapshot_id) == manifest
         endpoints = await h.runtime.restart_replica(LOST)
         await trainer.replica_up(endpoints)
         assert LOST not in trainer.recovery.held
+        assert held.snapshot_id not in h.store.pinned  # released once restored
         summary = await asyncio.wait_for(run, 30)
 
     assert not summary.failed_groups

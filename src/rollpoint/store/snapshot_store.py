@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -125,8 +126,27 @@ class SnapshotStore:
         self.keep = keep
         self._fs = filesystem_for(self.root)
         self._stagings = StagingRegistry()
+        self._pins: Counter[str] = Counter()
         if clean_leftovers:
             self._clean_leftovers()
+
+    # --- retention pins ----------------------------------------------------------------
+
+    def pin(self, snapshot_id: str) -> None:
+        """Keep ``snapshot_id`` through retention until as many :meth:`unpin` calls: a lost
+        replica's held tries are restored from it, however many snapshots publish first."""
+        self._pins[snapshot_id] += 1
+
+    def unpin(self, snapshot_id: str) -> None:
+        """Undo one :meth:`pin`; the next publication prunes the snapshot if it is old."""
+        if self._pins[snapshot_id] <= 1:
+            self._pins.pop(snapshot_id, None)
+        else:
+            self._pins[snapshot_id] -= 1
+
+    @property
+    def pinned(self) -> frozenset[str]:
+        return frozenset(self._pins)
 
     # --- writing -----------------------------------------------------------------------
 
@@ -412,7 +432,9 @@ class SnapshotStore:
         """
         candidates = self._candidates()
         loadable = [c for c in candidates if c.manifest is not None]
-        kept = {c.snapshot_id for c in loadable[: self.keep]} | {protect}
+        # A pin is set and cleared on the event loop while this runs in the publish
+        # thread: a frozenset of the counter is one step under the GIL.
+        kept = {c.snapshot_id for c in loadable[: self.keep]} | {protect} | self.pinned
         oldest_kept = min(
             (c.order_time for c in loadable if c.snapshot_id in kept), default=float("-inf")
         )

@@ -27,6 +27,7 @@ from pydantic import ValidationError
 from rollpoint.protocol.control import (
     DETACHED_WRITE,
     PROTOCOL_VERSION,
+    SCOPE_KEYS,
     AckReply,
     CommitReply,
     ConfirmReply,
@@ -230,6 +231,25 @@ async def _detached_write(t: Trial) -> str:
     await t.refused(Verb.CONFIRM, _ids(t.cid("never")), 404, "not_found")
     on_disk = await _manifest_on_disk(t.local_root, reply, m) if t.local_root else ""
     return f"replied before the write; confirm after resume returned {m.records_file}{on_disk}"
+
+
+@case("scope-keys")
+async def _scope_keys(t: Trial) -> str:
+    status = await t.probe.status()
+    if SCOPE_KEYS not in status.features:
+        return f"not listed in features ({SCOPE_KEYS}): the scope is sent as episode_ids"
+    cid, folder = t.cid(), t.folder()
+    await t.prepare(cid)
+    # Episodes this participant never saw: named, not held, so nothing to save for them.
+    keys = ["conformance-unknown#0", "conformance-unknown#1", "conformance-unknown#0"]
+    body = {**_ids(cid), "checkpoint_dir": folder, "episode_keys": keys}
+    reply = expect_ok(await t.probe.send(Verb.COMMIT, body), CommitReply)
+    check(reply.scope_size == 2, f"keys commit: scope_size {reply.scope_size}, want 2")
+    ids = [{"rollout_id": "conformance-unknown", "attempt": a} for a in (1, 0)]
+    again = expect_ok(await t.commit(cid, folder, ids), CommitReply)
+    check(again == reply, "the same scope named by ids got another reply than by keys")
+    expect_ok(await t.probe.send(Verb.RESUME, {"checkpoint_id": cid}), ResumeReply)
+    return "a scope named by keys is the same commit as by ids"
 
 
 @case("commit-replay")

@@ -107,6 +107,9 @@ class ReplicaRecovery:
             return
         continuing = {e.rollout_id for e in manifest.episodes if e.replica == name}
         held = _Held(manifest, {}, set())
+        # Snapshots go on publishing while the replica restarts: retention must not prune
+        # the one its tries come back from (seen with a snapshot every 2 s, keep 3).
+        self._coordinator.store.pin(manifest.snapshot_id)
         for record in keep:
             if record.rollout_id in continuing:
                 moved = self._ledger.continue_attempt(record.rollout_id)
@@ -137,6 +140,12 @@ class ReplicaRecovery:
             return 0
         if held.timer is not None:
             held.timer.cancel()
+        try:
+            return await self._restore(name, held, dispatcher)
+        finally:
+            self._coordinator.store.unpin(held.manifest.snapshot_id)
+
+    async def _restore(self, name: str, held: _Held, dispatcher: Dispatcher) -> int:
         async with self._coordinator.holding_saves():
             still = self._still_held(name, held)
             if not still:
@@ -170,6 +179,7 @@ class ReplicaRecovery:
             return
         if held.timer is not None:
             held.timer.cancel()
+        self._coordinator.store.unpin(held.manifest.snapshot_id)
         still = self._still_held(name, held)
         if still:
             log.warning("%s: %d held tries start over", reason, len(still))

@@ -176,6 +176,24 @@ def test_publish_prunes_beyond_keep(location: str) -> None:
     assert not filesystem_for(location).exists(store.snapshot_dir("s1"))
 
 
+def test_a_pinned_snapshot_outlives_retention_until_unpinned(location: str) -> None:
+    store = SnapshotStore(location, keep=2)
+    _publish(store, "s1")
+    store.pin("s1")
+    store.pin("s1")  # two holders
+    for sid in ("s2", "s3", "s4"):
+        _publish(store, sid)
+    assert [s.snapshot_id for s in store.list_snapshots(include_invalid=True)] == ["s4", "s3", "s1"]
+    store.unpin("s1")
+    _publish(store, "s5")
+    assert "s1" in [
+        s.snapshot_id for s in store.list_snapshots(include_invalid=True)
+    ]  # one holder left
+    store.unpin("s1")
+    _publish(store, "s6")
+    assert [s.snapshot_id for s in store.list_snapshots(include_invalid=True)] == ["s6", "s5"]
+
+
 def test_a_failed_prune_is_logged_and_skipped(
     location: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -106,9 +106,17 @@ async def _killed_run(config: RunConfig, leg: Leg, kill_after_s: float) -> None:
         # published: what is lost is then what the snapshot itself could not save.
         await asyncio.sleep(kill_after_s)
         store = SnapshotStore(store_root, clean_leftovers=False)
-        seen = len(store.list_snapshots())
-        while len(store.list_snapshots()) == seen and not job.done():  # noqa: ASYNC110
+
+        def published() -> set[str]:
+            return {s.snapshot_id for s in store.list_snapshots()}
+
+        # By id, not by count: once retention keeps its 3, a publication prunes one and
+        # the count stays put (the kill then came after the job had ended).
+        seen = published()
+        while published() <= seen and not job.done():  # noqa: ASYNC110
             await asyncio.sleep(0.02)
+        if job.done():
+            raise RuntimeError(f"the job ended before a snapshot published after {kill_after_s}s")
         leg.calls += await _calls(runtime)
         for child in runtime.group.children:
             if child.alive:

@@ -101,6 +101,11 @@ _WAIT_SLICE_S = 1.0
 """Longest single wait on the participant while preparing (a resume is noticed this fast)."""
 _REOPEN_RETRY_S = 1.0
 """After a failed reopen on lease expiry, try again this much later."""
+COLLECTOR_RELEASE_DELAY_S = 0.25
+"""The collector runs again this long after the phase returns to idle, not at once: held
+off through the cut, its counts are far past the thresholds, and the first allocation would
+start a full collection inside the resume itself, before the reply leaves (1.4 s of a
+100k-session pause was the resume, measured)."""
 
 
 @dataclass(frozen=True)
@@ -165,6 +170,7 @@ class Fence:
         self._lease_changed = asyncio.Event()
         self._watcher: asyncio.Task[None] | None = None
         self._collector: contextlib.ExitStack | None = None
+        self._collector_release: asyncio.TimerHandle | None = None
         """Holds the cyclic collector paused while the phase is not idle."""
 
     # --- read side ---------------------------------------------------------------------
@@ -418,7 +424,7 @@ class Fence:
             await self._close_admission()
             self._hold_collector()
         elif before is not Phase.IDLE and after is Phase.IDLE:
-            self._release_collector()
+            self._release_collector_soon()
             await await_hook("open_admission", self._participant.open_admission())
             if step in (Verb.RESUME, Event.LEASE_EXPIRED) and self._checkpoint_id is not None:
                 self._remember(self._checkpoint_id)
@@ -433,11 +439,23 @@ class Fence:
         # heap of every session (hundreds of ms at 5k sessions, measured), and the cut's
         # own allocations (parsing the scope, exporting) are what would trigger one inside
         # the pause. The lease bounds how long; garbage is collected after the reopen.
+        if self._collector_release is not None:  # still held from the last cut: keep it
+            self._collector_release.cancel()
+            self._collector_release = None
         if self._collector is None:
             self._collector = contextlib.ExitStack()
             self._collector.enter_context(collector_paused())
 
+    def _release_collector_soon(self) -> None:
+        if self._collector is not None and self._collector_release is None:
+            self._collector_release = asyncio.get_running_loop().call_later(
+                COLLECTOR_RELEASE_DELAY_S, self._release_collector
+            )
+
     def _release_collector(self) -> None:
+        if self._collector_release is not None:
+            self._collector_release.cancel()
+            self._collector_release = None
         if self._collector is not None:
             self._collector.close()
             self._collector = None

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from rollpoint.gym import checkpoint_write as checkpoint_write_module
-from rollpoint.gym.fence import ControlSettings, Fence
+from rollpoint.gym.fence import COLLECTOR_RELEASE_DELAY_S, ControlSettings, Fence
 from rollpoint.gym.phase_table import TRANSITIONS, next_phase
 from rollpoint.protocol.control import (
     MAX_REPORTED_BLOCKERS,
@@ -422,6 +422,22 @@ async def test_the_cyclic_gc_is_paused_while_the_participant_is_held_and_back_af
     await fence.commit(commit())
     assert not gc.isenabled()
     await fence.resume(ResumeRequest(checkpoint_id="c1"))
+    # Not inside the resume: a collection started there would hold its reply.
+    assert not gc.isenabled()
+    await asyncio.sleep(COLLECTOR_RELEASE_DELAY_S + 0.1)
+    assert gc.isenabled()
+
+
+async def test_a_prepare_right_after_a_resume_keeps_the_collector_held(
+    fence: Fence, participant: FakeParticipant
+) -> None:
+    await fence.prepare(prepare())
+    await fence.resume(ResumeRequest(checkpoint_id="c1"))
+    await fence.prepare(prepare("c2"))  # before the delayed release fires
+    await asyncio.sleep(COLLECTOR_RELEASE_DELAY_S + 0.1)
+    assert not gc.isenabled()  # the old release must not free the new hold
+    await fence.resume(ResumeRequest(checkpoint_id="c2"))
+    await asyncio.sleep(COLLECTOR_RELEASE_DELAY_S + 0.1)
     assert gc.isenabled()
 
 
@@ -749,6 +765,7 @@ async def test_lease_lapse_reopens_within_a_second_and_logs(
                     break
                 await asyncio.sleep(0.02)
         assert fence.phase is Phase.IDLE and participant.admission_open
+        await asyncio.sleep(COLLECTOR_RELEASE_DELAY_S + 0.1)
         assert gc.isenabled()  # held while prepared; the lapse lets it run again
         assert any(
             "lease expired; reopening" in r.getMessage() and "c1" in r.getMessage()

@@ -53,10 +53,10 @@ import secrets
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from bench.latency import percentile
 from bench.report import BenchResult
@@ -72,7 +72,6 @@ from rollpoint.protocol.control import (
 )
 from rollpoint.protocol.episode import TaskRow
 from rollpoint.protocol.errors import SnapshotError
-from rollpoint.protocol.ids import EpisodeId
 from rollpoint.protocol.manifest import FileEntry, SnapshotManifest
 from rollpoint.protocol.participant import ParticipantKind
 from rollpoint.runtime.embedded import EmbeddedRuntime
@@ -83,6 +82,8 @@ from rollpoint.trainer.ledger import RecoveryLedger
 from rollpoint.trainer.metrics import TrainerMetrics
 from rollpoint.trainer.participant_client import ParticipantAddress, ParticipantClient
 from rollpoint.trainer.trainer_loop import Trainer
+
+T = TypeVar("T")
 
 GROUP_SIZE = 4
 """Rows per prompt group, one ``/run`` stream each (16 at 100k, see :func:`load`)."""
@@ -141,49 +142,27 @@ class TimedParticipant(ParticipantClient):
         super().__init__(address, http)
         self._clock = clock
 
-    async def prepare(self, checkpoint_id: str, deadline_ts: float) -> PrepareReply:
+    async def _timed(self, part: str, checkpoint_id: str, call: Awaitable[T]) -> T:
         t0 = time.monotonic()
         try:
-            return await super().prepare(checkpoint_id, deadline_ts)
+            return await call
         finally:
-            self._clock.note(checkpoint_id, f"prepare:{self.address.kind}", t0)
+            self._clock.note(checkpoint_id, part, t0)
 
-    async def commit(
-        self,
-        checkpoint_id: str,
-        deadline_ts: float,
-        checkpoint_dir: str,
-        scope: list[EpisodeId],
-        *,
-        wait_for_write: bool = True,
-        scope_as_keys: bool = False,
-    ) -> CommitReply:
-        t0 = time.monotonic()
-        try:
-            return await super().commit(
-                checkpoint_id,
-                deadline_ts,
-                checkpoint_dir,
-                scope,
-                wait_for_write=wait_for_write,
-                scope_as_keys=scope_as_keys,
-            )
-        finally:
-            self._clock.note(checkpoint_id, f"commit:{self.address.kind}", t0)
+    async def prepare(self, checkpoint_id: str, *args: Any, **kw: Any) -> PrepareReply:
+        call = super().prepare(checkpoint_id, *args, **kw)
+        return await self._timed(f"prepare:{self.address.kind}", checkpoint_id, call)
 
-    async def confirm(self, checkpoint_id: str, deadline_ts: float) -> ConfirmReply:
-        t0 = time.monotonic()
-        try:
-            return await super().confirm(checkpoint_id, deadline_ts)
-        finally:
-            self._clock.note(checkpoint_id, f"confirm:{self.address.kind}", t0)
+    async def commit(self, checkpoint_id: str, *args: Any, **kw: Any) -> CommitReply:
+        call = super().commit(checkpoint_id, *args, **kw)
+        return await self._timed(f"commit:{self.address.kind}", checkpoint_id, call)
+
+    async def confirm(self, checkpoint_id: str, *args: Any, **kw: Any) -> ConfirmReply:
+        call = super().confirm(checkpoint_id, *args, **kw)
+        return await self._timed(f"confirm:{self.address.kind}", checkpoint_id, call)
 
     async def resume(self, checkpoint_id: str) -> ResumeReply:
-        t0 = time.monotonic()
-        try:
-            return await super().resume(checkpoint_id)
-        finally:
-            self._clock.note(checkpoint_id, "resume", t0)
+        return await self._timed("resume", checkpoint_id, super().resume(checkpoint_id))
 
 
 class TimedStore(SnapshotStore):

@@ -90,7 +90,7 @@ from rollpoint.protocol.errors import (
     StaleCheckpointError,
 )
 from rollpoint.protocol.ids import EpisodeId, is_identifier
-from rollpoint.store.collector_pause import collector_paused
+from rollpoint.store.collector_pause import CollectorHold
 from rollpoint.store.filesystem import resolve_inside
 from rollpoint.store.participant_state import read_participant_state
 
@@ -169,8 +169,7 @@ class Fence:
         self._marks: dict[str, int] = {}
         self._lease_changed = asyncio.Event()
         self._watcher: asyncio.Task[None] | None = None
-        self._collector: contextlib.ExitStack | None = None
-        self._collector_release: asyncio.TimerHandle | None = None
+        self._collector = CollectorHold()
         """Holds the cyclic collector paused while the phase is not idle."""
 
     # --- read side ---------------------------------------------------------------------
@@ -393,7 +392,7 @@ class Fence:
 
     async def aclose(self) -> None:
         """Stop the lease task and let the collector run again. The phase is left as is."""
-        self._release_collector()
+        self._collector.release()
         if self._watcher is not None:
             self._watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -422,9 +421,13 @@ class Fence:
         before, after = self._phase, next_phase(self._phase, step)
         if before is Phase.IDLE and after is not Phase.IDLE:
             await self._close_admission()
-            self._hold_collector()
+            # No cyclic collection while the participant is held: a full collection walks
+            # the heap of every session (hundreds of ms at 5k sessions, measured), and the
+            # cut's own allocations (parsing the scope, exporting) are what would trigger
+            # one inside the pause. The lease bounds how long.
+            self._collector.hold()
         elif before is not Phase.IDLE and after is Phase.IDLE:
-            self._release_collector_soon()
+            self._collector.release_soon(COLLECTOR_RELEASE_DELAY_S)
             await await_hook("open_admission", self._participant.open_admission())
             if step in (Verb.RESUME, Event.LEASE_EXPIRED) and self._checkpoint_id is not None:
                 self._remember(self._checkpoint_id)
@@ -433,32 +436,6 @@ class Fence:
             self._prepared, self._write, self._restored = None, None, None
             self._lease_changed.set()
         self._phase = after
-
-    def _hold_collector(self) -> None:
-        # No cyclic collection while the participant is held: a full collection walks the
-        # heap of every session (hundreds of ms at 5k sessions, measured), and the cut's
-        # own allocations (parsing the scope, exporting) are what would trigger one inside
-        # the pause. The lease bounds how long; garbage is collected after the reopen.
-        if self._collector_release is not None:  # still held from the last cut: keep it
-            self._collector_release.cancel()
-            self._collector_release = None
-        if self._collector is None:
-            self._collector = contextlib.ExitStack()
-            self._collector.enter_context(collector_paused())
-
-    def _release_collector_soon(self) -> None:
-        if self._collector is not None and self._collector_release is None:
-            self._collector_release = asyncio.get_running_loop().call_later(
-                COLLECTOR_RELEASE_DELAY_S, self._release_collector
-            )
-
-    def _release_collector(self) -> None:
-        if self._collector_release is not None:
-            self._collector_release.cancel()
-            self._collector_release = None
-        if self._collector is not None:
-            self._collector.close()
-            self._collector = None
 
     async def _close_admission(self) -> None:
         try:

@@ -1,6 +1,7 @@
 """Pausing Python's cyclic garbage collector while a large document is decoded.
 
-Owns :func:`collector_paused`. Decoding a snapshot (participant records, the ledger)
+Owns :func:`collector_paused`, and :class:`CollectorHold` for a pause that spans several
+calls (a checkpoint participant holds it from prepare to resume). Decoding a snapshot (participant records, the ledger)
 allocates millions of dicts and lists that hold no reference cycles, yet every 700
 allocations trigger a young collection and the older generations' collections walk the
 growing heap again and again: measured, that was three quarters of a restore's time. It
@@ -9,6 +10,7 @@ does not decide what to decode; callers wrap their decoding in it.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import gc
 import threading
@@ -66,3 +68,38 @@ def collector_paused() -> Iterator[None]:
     """The cyclic collector is off inside (shared between threads; see :class:`CollectorPause`)."""
     with _PAUSE:
         yield
+
+
+class CollectorHold:
+    """A collector pause that spans several calls of one event loop: taken by :meth:`hold`,
+    given back by :meth:`release` now or :meth:`release_soon` after a delay; holding again
+    meanwhile keeps it (a pending release is cancelled), so the pause never lapses between
+    two holds. Idempotent both ways."""
+
+    def __init__(self) -> None:
+        self._held: contextlib.ExitStack | None = None
+        self._release: asyncio.TimerHandle | None = None
+
+    @property
+    def held(self) -> bool:
+        return self._held is not None
+
+    def hold(self) -> None:
+        if self._release is not None:
+            self._release.cancel()
+            self._release = None
+        if self._held is None:
+            self._held = contextlib.ExitStack()
+            self._held.enter_context(collector_paused())
+
+    def release_soon(self, delay_s: float) -> None:
+        if self._held is not None and self._release is None:
+            self._release = asyncio.get_running_loop().call_later(delay_s, self.release)
+
+    def release(self) -> None:
+        if self._release is not None:
+            self._release.cancel()
+            self._release = None
+        if self._held is not None:
+            self._held.close()
+            self._held = None

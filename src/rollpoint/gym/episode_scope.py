@@ -87,6 +87,16 @@ class EpisodeScope(Sequence[EpisodeId]):
         return f"EpisodeScope([{shown}{', …' if len(self._keys) > 3 else ''}], {len(self)})"
 
 
+def latest_attempts(scope: Iterable[EpisodeId]) -> dict[str, int]:
+    """Rollout id → its highest attempt in ``scope``: what participants that file their
+    state by rollout (calls, environment state) save it for."""
+    latest: dict[str, int] = {}
+    for rollout_id, attempt in episode_pairs(scope):
+        if attempt > latest.get(rollout_id, -1):
+            latest[rollout_id] = attempt
+    return latest
+
+
 def episode_pairs(scope: Iterable[EpisodeId]) -> Iterator[tuple[str, int]]:
     """``(rollout_id, attempt)`` of each episode of ``scope``: from the keys when it is an
     :class:`EpisodeScope`, else from each id."""

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import JsonValue, TypeAdapter, ValidationError, model_validator
 
 from rollpoint.gym.call_ledger import CallRecord
-from rollpoint.gym.episode_scope import episode_pairs
+from rollpoint.gym.episode_scope import latest_attempts
 from rollpoint.gym.participant import Readiness, RetireOutcome, RetireOutcomeKind
 from rollpoint.protocol.errors import InvalidCheckpointStateError
 from rollpoint.protocol.ids import EpisodeId
@@ -108,7 +108,7 @@ class ModelParticipant:
         last = self._exported
         kept: dict[str, _Exported] = {}
         records: list[dict[str, JsonValue]] = []
-        for index, (rollout_id, attempt) in enumerate(_latest_attempts(scope).items()):
+        for index, (rollout_id, attempt) in enumerate(latest_attempts(scope).items()):
             if index % EXPORT_CHUNK == EXPORT_CHUNK - 1:
                 await asyncio.sleep(0)  # thousands of rollouts: let the proxy breathe
             stamp = ledger.stamp(rollout_id)
@@ -131,7 +131,7 @@ class ModelParticipant:
         self, records: list[dict[str, JsonValue]], scope: list[EpisodeId]
     ) -> list[EpisodeId]:
         parsed = _parse(records)
-        wanted = {e.rollout_id: e for e in _one_per_rollout(scope)}
+        wanted = {r: EpisodeId(rollout_id=r, attempt=a) for r, a in latest_attempts(scope).items()}
         ledger = self._server.ledger
         installed = set(ledger.install(r.call for r in parsed if r.episode.rollout_id in wanted))
         # After a restore the snapshot is the truth: a scoped rollout saved without calls
@@ -163,26 +163,6 @@ class ModelParticipant:
             "recorded_calls": server.ledger.count,
             "calls_total": server.calls_total,
         }
-
-
-def _latest_attempts(scope: Sequence[EpisodeId]) -> dict[str, int]:
-    """Rollout id → its highest scoped attempt, read from the keys (calls are filed by
-    rollout; see :func:`~rollpoint.gym.episode_scope.episode_pairs`)."""
-    latest: dict[str, int] = {}
-    for rollout_id, attempt in episode_pairs(scope):
-        if attempt > latest.get(rollout_id, -1):
-            latest[rollout_id] = attempt
-    return latest
-
-
-def _one_per_rollout(scope: list[EpisodeId]) -> list[EpisodeId]:
-    """The scope with one episode per rollout (its highest attempt): calls are filed by rollout."""
-    latest: dict[str, EpisodeId] = {}
-    for episode in scope:
-        held = latest.get(episode.rollout_id)
-        if held is None or episode.attempt > held.attempt:
-            latest[episode.rollout_id] = episode
-    return list(latest.values())
 
 
 def _parse(records: list[Any]) -> list[ModelCallRecord]:

@@ -52,7 +52,7 @@ from pydantic import Field, JsonValue, ValidationError, model_validator
 from rollpoint.envs.base import Environment, ToolArgumentError
 from rollpoint.envs.registry import get_environment
 from rollpoint.gym.control_plane import close_control_plane, mount_control_plane
-from rollpoint.gym.episode_scope import episode_pairs
+from rollpoint.gym.episode_scope import latest_attempts
 from rollpoint.gym.resources_participant import ResourcesParticipant
 from rollpoint.http.app import create_app
 from rollpoint.http.auth import data_token
@@ -452,12 +452,8 @@ class ResourcesService:
 
     def _latest(self, scope: Iterable[EpisodeId]) -> dict[str, int]:
         """The highest scoped attempt of each rollout with state here, by rollout id."""
-        latest: dict[str, int] = {}
         episodes = self._episodes
-        for rollout_id, attempt in episode_pairs(scope):
-            if rollout_id in episodes and attempt > latest.get(rollout_id, -1):
-                latest[rollout_id] = attempt
-        return latest
+        return {r: a for r, a in latest_attempts(scope).items() if r in episodes}
 
     def _packed_record(self, rollout_id: str, attempt: int) -> dict[str, Any]:
         """``EpisodeRecord(..., packed_state=...).model_dump(mode="json")``, built directly

@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rollpoint.gym.episode_scope import EpisodeScope, episode_pairs
+from rollpoint.gym.episode_scope import EpisodeScope, episode_pairs, latest_attempts
 from rollpoint.protocol.ids import EpisodeId
 
 episodes = st.builds(
@@ -43,3 +43,12 @@ def test_ids_are_built_only_when_read_as_ids() -> None:
 def test_a_rollout_id_with_a_hash_splits_at_the_last_one() -> None:
     # Identifiers cannot hold '#', but the split must not depend on it.
     assert list(EpisodeScope(["a.b:c-1#12"]).pairs()) == [("a.b:c-1", 12)]
+
+
+@given(st.lists(episodes, max_size=30))
+def test_latest_attempts_keeps_each_rollouts_highest_attempt(given_ids: list[EpisodeId]) -> None:
+    expected: dict[str, int] = {}
+    for e in given_ids:
+        expected[e.rollout_id] = max(expected.get(e.rollout_id, -1), e.attempt)
+    assert latest_attempts(given_ids) == expected
+    assert latest_attempts(EpisodeScope.of(given_ids)) == expected

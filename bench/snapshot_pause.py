@@ -108,7 +108,9 @@ UPSTREAM_CONNECTIONS = 2_000
 """Snapshots while the sessions open (not measured), as a job checkpointing every 5 s takes
 them: a session's first export (its full record) then lands in the snapshot after it
 started, not all 10k in the first measured one. ``measure(..., warm=False)`` takes none,
-for the cold figure: the first snapshot after every session opened unsaved."""
+for the cold figure: the first snapshot after every session opened unsaved. (Since the
+servers keep their state images from the coordinator's first ``status``, a cold cut finds
+most records made by the images' sweep; before, it built every one in its pause.)"""
 KINDS = ("model", "agent", "resources")
 PARTS = ("pause", "drain", "mechanism", "park", "commit", "resume", "write", "publish")
 
@@ -601,8 +603,9 @@ async def run(
 async def run_large(sessions: int = 100_000, *, snapshots: int = 4) -> BenchResult:
     """One point past :data:`LARGE`, cold: no snapshot while its sessions open (the first
     attempt, a snapshot every 30 s while opening 400 rows/s, overloaded the agents and
-    rows lost their streams), so the first cut exports every session for the first time
-    and is reported apart; the others are the pause a running job sees."""
+    rows lost their streams), so the first cut is the first that saves every session (the
+    servers' state images were kept from the start, so it copies most of them) and is
+    reported apart; the others are the pause a running job sees."""
     phase = await measure(sessions, snapshots=snapshots, warm=False)
     first, rest = phase.cuts[0], phase.cuts[1:]
     figures = _stats(dataclasses.replace(phase, cuts=rest), f"n{sessions}")

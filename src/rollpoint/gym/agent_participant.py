@@ -8,7 +8,9 @@ language (boundaries, readiness, export, install, retire, ack):
   boundary; new ``/run`` rows are refused with ``RowRefused``);
 - readiness → every session at a boundary (a ``restart_only`` agent is always ready and
   lists its in-flight sessions as restarts);
-- export(scope) → the sessions of the scope plus every finished, unacked reply;
+- export(scope) → the sessions of the scope plus every finished, unacked reply; capture
+  (scope) → the same in two steps (a copy of the book's state image in the pause, the
+  scope's records out of it after);
   install → restored sessions waiting for their next attempt, all or nothing;
 - retire / forget / ack → the book's.
 
@@ -22,7 +24,7 @@ Does not own: sessions, parking, marks (the book), phases and leases (the fence)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from pydantic import JsonValue
@@ -76,7 +78,16 @@ class AgentParticipant:
         await self._book.wait_changed(timeout)
 
     async def export(self, scope: Sequence[EpisodeId]) -> list[dict[str, JsonValue]]:
-        return await self._book.export_yielding(scope)
+        return (await self.capture(scope))()
+
+    async def capture(self, scope: Sequence[EpisodeId]) -> Callable[[], list[dict[str, JsonValue]]]:
+        return await self._book.capture(scope)
+
+    def keep_current(self) -> None:
+        self._book.keep_current()
+
+    async def aclose(self) -> None:
+        await self._book.stop_capturing()
 
     async def install(
         self, records: list[dict[str, JsonValue]], scope: list[EpisodeId]

@@ -13,7 +13,7 @@ fence passes the scope), or token accounting beyond what the engine reports.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Annotated, Any
 
 from pydantic import Field, JsonValue, TypeAdapter, ValidationError
@@ -59,6 +59,12 @@ class CallLedger:
         """Each rollout's change stamp: the value of ``_clock`` at its last change."""
         self._clock = 0
         self._count = 0
+        self._observer: Callable[[str], None] | None = None
+
+    def observe(self, observer: Callable[[str], None]) -> None:
+        """Call ``observer(rollout_id)`` whenever a rollout's records change from now on
+        (a checkpoint participant keeps its saved form current with it)."""
+        self._observer = observer
 
     @property
     def count(self) -> int:
@@ -68,6 +74,10 @@ class CallLedger:
     def __len__(self) -> int:
         return self._count
 
+    def rollout_ids(self) -> list[str]:
+        """The rollouts with records."""
+        return list(self._by_rollout)
+
     def stamp(self, rollout_id: str) -> int | None:
         """A number that changes whenever the rollout's records change and is never given
         to another state of them (None while it has none): equal stamps, same records."""
@@ -76,6 +86,8 @@ class CallLedger:
     def _changed(self, rollout_id: str) -> None:
         self._clock += 1
         self._stamps[rollout_id] = self._clock
+        if self._observer is not None:
+            self._observer(rollout_id)
 
     def record(self, rec: CallRecord) -> None:
         self._changed(rec.rollout_id)
@@ -161,6 +173,8 @@ class CallLedger:
             calls = self._by_rollout.pop(rollout_id, None)
             self._json.pop(rollout_id, None)
             self._stamps.pop(rollout_id, None)
+            if self._observer is not None:
+                self._observer(rollout_id)
             if calls is not None:
                 dropped += len(calls)
         self._count -= dropped

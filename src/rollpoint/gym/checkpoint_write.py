@@ -4,8 +4,11 @@ Owns :class:`CheckpointWrite` (a checkpoint's capture task, its write task, the 
 records until a write succeeds, the manifest after) and :class:`CheckpointWrites`, the last
 :data:`REMEMBERED_WRITES` of them by checkpoint id: what ``commit`` captures and what
 ``confirm`` finds after the checkpoint resumed. A capture is the participant's ``export``
-and the reply built from it; a write encodes, hashes and stores the records in a worker
-thread (:func:`rollpoint.store.participant_state.write_participant_state`).
+(or, for a :class:`~rollpoint.gym.participant.CapturingParticipant`, its ``capture``: a
+copy taken in the pause, and a function that builds the records from it) and the reply;
+a write builds the records if the capture left that for later, then encodes, hashes and
+stores them in a worker thread
+(:func:`rollpoint.store.participant_state.write_participant_state`).
 
 Memory stays bounded: before a new capture, an earlier write still running is awaited and
 an earlier capture nobody asked to write (its checkpoint was aborted) is dropped, so at most
@@ -29,7 +32,7 @@ from typing import Any, TypeVar
 from pydantic import JsonValue
 
 from rollpoint.gym.episode_scope import EpisodeScope
-from rollpoint.gym.participant import Participant, await_hook
+from rollpoint.gym.participant import CapturingParticipant, Participant, await_hook
 from rollpoint.protocol.control import CommitReply, Phase
 from rollpoint.protocol.errors import DeadlineExceededError, SnapshotError
 from rollpoint.protocol.manifest import ParticipantManifest
@@ -64,6 +67,9 @@ class CheckpointWrite:
     records: list[dict[str, JsonValue]] | None = None
     """Kept from the export until a write succeeds, so a failed write is tried again
     without exporting again (the participant has moved on since)."""
+    build: Callable[[], list[dict[str, JsonValue]]] | None = None
+    """What a :class:`CapturingParticipant`'s capture returned: makes ``records`` in the
+    writer's thread, after the pause."""
     manifest: ParticipantManifest | None = None
     exported: dict[str, int | None] | None = None
     """The scoped episodes the written records hold (:func:`exported`), made with the
@@ -131,8 +137,11 @@ class CheckpointWrites:
         # session: full collections on the way walked that whole heap (profiled at 10k
         # sessions: most of a commit's seconds).
         with collector_paused():
-            if write.records is None:
-                write.records = await await_hook("export", p.export(write.scope), SnapshotError)
+            if write.records is None and write.build is None:
+                if isinstance(p, CapturingParticipant):
+                    write.build = await await_hook("capture", p.capture(write.scope), SnapshotError)
+                else:
+                    write.records = await await_hook("export", p.export(write.scope), SnapshotError)
         return CommitReply(
             phase=Phase.COMMITTED,
             checkpoint_id=write.checkpoint_id,
@@ -146,7 +155,11 @@ class CheckpointWrites:
     async def _store(self, write: CheckpointWrite) -> ParticipantManifest:
         if write.manifest is not None:
             return write.manifest
-        assert write.records is not None, "a write is stored only once captured"
+        if write.records is None:
+            assert write.build is not None, "a write is stored only once captured"
+            built = asyncio.to_thread(_built, write.build)
+            write.records = await await_hook("records from the capture", built, SnapshotError)
+            write.build = None
         records = write.records
         store = asyncio.to_thread(
             write_participant_state,
@@ -192,6 +205,12 @@ def exported(records: list[dict[str, JsonValue]], scope: EpisodeScope) -> dict[s
             turn = record.get("turn")
             found[key] = turn if isinstance(turn, int) else None
     return {k: found[k] for k in sorted(found)}
+
+
+def _built(build: Callable[[], list[dict[str, JsonValue]]]) -> list[dict[str, JsonValue]]:
+    # Tens of thousands of new lists and no cycles among them: see collector_pause.
+    with collector_paused():
+        return build()
 
 
 def failed(task: asyncio.Task[Any]) -> bool:

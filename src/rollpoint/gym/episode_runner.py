@@ -217,7 +217,7 @@ class EpisodeRunner:
                 latency_s=latency,
             )
         )
-        session.messages.append(message)
+        session.add_message(message)
         session.turn += 1
         return message
 
@@ -226,7 +226,7 @@ class EpisodeRunner:
         for index, call in enumerate(_tool_calls(message)):
             content = await self._tool_call(session, turn, index, call)
             call_id = call.get("id") if isinstance(call, dict) else None
-            session.messages.append(
+            session.add_message(
                 {
                     "role": "tool",
                     "tool_call_id": call_id if isinstance(call_id, str) else f"call_{turn}_{index}",

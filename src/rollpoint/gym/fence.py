@@ -30,6 +30,11 @@ capture and writes nothing yet; ``confirm`` (which the coordinator sends after t
 writes it and returns the manifest, so encoding and hashing run outside the snapshot pause
 and an aborted checkpoint writes nothing. The captures and writes themselves, and the last
 few kept for ``confirm``, are :mod:`rollpoint.gym.checkpoint_write`'s.
+
+**Full collections.** While a fence runs, its process's automatic full garbage collections
+are off (:mod:`rollpoint.store.collector_schedule`): the fence runs one when its collector
+hold is given back after a checkpoint (when due), the moment furthest from the next
+checkpoint, and a background task runs an overdue one for a process that sees none.
 """
 
 from __future__ import annotations
@@ -47,7 +52,13 @@ from pydantic import JsonValue
 
 from rollpoint.gym.checkpoint_write import REMEMBERED_WRITES, CheckpointWrite, CheckpointWrites
 from rollpoint.gym.episode_scope import EpisodeScope
-from rollpoint.gym.participant import Participant, await_hook, call_hook, hook_error
+from rollpoint.gym.participant import (
+    CapturingParticipant,
+    Participant,
+    await_hook,
+    call_hook,
+    hook_error,
+)
 from rollpoint.gym.phase_table import Event, Step, next_phase
 from rollpoint.protocol.control import (
     DETACHED_WRITE,
@@ -90,7 +101,7 @@ from rollpoint.protocol.errors import (
     StaleCheckpointError,
 )
 from rollpoint.protocol.ids import EpisodeId, is_identifier
-from rollpoint.store.collector_pause import CollectorHold
+from rollpoint.store.collector_schedule import CollectorSchedule, FenceCollector
 from rollpoint.store.filesystem import resolve_inside
 from rollpoint.store.participant_state import read_participant_state
 
@@ -145,7 +156,9 @@ class Fence:
         settings: ControlSettings,
         *,
         clock: Callable[[], float] = time.time,
+        schedule: CollectorSchedule | None = None,
     ) -> None:
+        """``schedule``: whose full collections to run (default: the process's own)."""
         self._participant = participant
         self._settings = settings
         self._clock = clock
@@ -169,8 +182,12 @@ class Fence:
         self._marks: dict[str, int] = {}
         self._lease_changed = asyncio.Event()
         self._watcher: asyncio.Task[None] | None = None
-        self._collector = CollectorHold()
-        """Holds the cyclic collector paused while the phase is not idle."""
+        self._collector = FenceCollector(schedule)
+        """Holds the cyclic collector paused while the phase is not idle, and runs this
+        process's full collections around checkpoints once started."""
+        self._closed = False
+        self._capturing = False
+        """The participant was told to keep its saved form current (:meth:`_first_use`)."""
 
     # --- read side ---------------------------------------------------------------------
 
@@ -200,6 +217,7 @@ class Fence:
             )
 
     def status(self) -> StatusReply:
+        self._first_use()
         p = self._participant
         return StatusReply(
             kind=p.kind,
@@ -391,13 +409,19 @@ class Fence:
             return await self._reap_lease()
 
     async def aclose(self) -> None:
-        """Stop the lease task and let the collector run again. The phase is left as is."""
-        self._collector.release()
+        """Stop the lease and collection tasks (and the participant's capturing, if it
+        captures), and let the collector run again, with its
+        automatic full collections back unless another fence still runs. The phase is
+        left as is."""
+        self._closed = True
+        await self._collector.aclose()
         if self._watcher is not None:
             self._watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._watcher
             self._watcher = None
+        if isinstance(self._participant, CapturingParticipant):
+            await self._participant.aclose()  # its state image's sweep
 
     # --- transitions -------------------------------------------------------------------
 
@@ -554,6 +578,7 @@ class Fence:
             self._lease_changed.set()
         if self._watcher is None or self._watcher.done():
             self._watcher = asyncio.create_task(self._watch_lease(), name="rollpoint-lease")
+        self._first_use()
 
     async def _reap_lease(self) -> bool:
         """Under the lock: reopen if the lease lapsed. Every verb starts here, so a lapsed
@@ -589,6 +614,23 @@ class Fence:
                 continue
             async with self._lock:
                 await self._reap_lease()
+
+    # --- first use ---------------------------------------------------------------------
+
+    def _first_use(self) -> None:
+        """A coordinator asked for the status (it discovers every participant so when a run
+        starts), or a lease began: checkpoints are in use. Start the collector's schedule,
+        and tell a capturing participant to keep its saved form current."""
+        self._collector.start()
+        if self._closed or self._capturing:
+            return
+        if isinstance(self._participant, CapturingParticipant):
+            try:
+                asyncio.get_running_loop()
+            except RuntimeError:
+                return
+            self._capturing = True
+            call_hook("keep_current", self._participant.keep_current)
 
     # --- paths -------------------------------------------------------------------------
 

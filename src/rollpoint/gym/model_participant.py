@@ -11,9 +11,10 @@ server's state, and the saved form of its calls (:class:`ModelCallRecord`):
   session as before that call; on restore the next attempt makes it again. So a prepare
   never waits for a generation. The running calls are reported in the counts;
 - export(scope) → the ledger records of the scope's rollouts, each naming the scoped
-  episode it was saved for (a rollout whose calls did not change since the last export,
-  saved for the same attempt, gets the same record dicts again); install → those records
-  back into the ledger, all or nothing;
+  episode it was saved for; capture(scope) → the same in two steps: in the pause a copy of
+  a :class:`~rollpoint.gym.state_image.StateImage` of every rollout's dumped calls (the
+  ledger reports each change to it), after the pause the scope's records out of the copy;
+  install → those records back into the ledger, all or nothing;
 - retire → an attempt with a call running is reported ``cancelled`` (its reply will be
   refused as ``stale_attempt`` and not filed), any other ``unknown``: the model runs no
   episodes; forget → drop the rollouts' ledger records; ack → nothing is held here.
@@ -24,8 +25,7 @@ the server calls :meth:`~rollpoint.gym.fence.Fence.check_attempt`), nor proxying
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import JsonValue, TypeAdapter, ValidationError, model_validator
@@ -33,6 +33,7 @@ from pydantic import JsonValue, TypeAdapter, ValidationError, model_validator
 from rollpoint.gym.call_ledger import CallRecord
 from rollpoint.gym.episode_scope import latest_attempts
 from rollpoint.gym.participant import Readiness, RetireOutcome, RetireOutcomeKind
+from rollpoint.gym.state_image import StateImage
 from rollpoint.protocol.errors import InvalidCheckpointStateError
 from rollpoint.protocol.ids import EpisodeId
 from rollpoint.protocol.model_base import StrictModel
@@ -61,11 +62,8 @@ class ModelCallRecord(StrictModel):
 
 
 _RECORDS = TypeAdapter(list[ModelCallRecord])
-_Exported = tuple[int, int | None, list[dict[str, JsonValue]]]
-"""One rollout's last export: (saved attempt, ledger stamp, records)."""
-EXPORT_CHUNK = 2048
-"""Rollouts a checkpoint exports between two yields of the event loop (see
-``session_book.EXPORT_CHUNK``)."""
+_Calls = tuple[dict[str, Any], ...]
+"""One rollout's calls as the ledger dumped them (dicts nobody changes)."""
 
 
 class ModelParticipant:
@@ -77,9 +75,13 @@ class ModelParticipant:
 
     def __init__(self, server: ModelServer) -> None:
         self._server = server
-        self._exported: dict[str, _Exported] = {}
-        """rollout id → (saved attempt, ledger stamp, records) of the last export: the
-        records are reused while both match. Only the last export's rollouts are kept."""
+        ledger = server.ledger
+        self._image: StateImage[_Calls] = StateImage(
+            lambda rollout_id: tuple(ledger.calls_json(rollout_id)) or None,
+            ledger.rollout_ids,
+            name="model calls",
+        )
+        ledger.observe(self._image.changed)
 
     @property
     def name(self) -> str:
@@ -104,28 +106,17 @@ class ModelParticipant:
         await self._server.gate.wait_changed(timeout)
 
     async def export(self, scope: Sequence[EpisodeId]) -> list[dict[str, JsonValue]]:
-        ledger = self._server.ledger
-        last = self._exported
-        kept: dict[str, _Exported] = {}
-        records: list[dict[str, JsonValue]] = []
-        for index, (rollout_id, attempt) in enumerate(latest_attempts(scope).items()):
-            if index % EXPORT_CHUNK == EXPORT_CHUNK - 1:
-                await asyncio.sleep(0)  # thousands of rollouts: let the proxy breathe
-            stamp = ledger.stamp(rollout_id)
-            cached = last.get(rollout_id)
-            if cached is None or cached[0] != attempt or cached[1] != stamp:
-                # New dicts, never an update of the old ones: a checkpoint may still be
-                # writing them.
-                saved_for: dict[str, JsonValue] = {"rollout_id": rollout_id, "attempt": attempt}
-                built: list[dict[str, JsonValue]] = [
-                    {"kind": "model_call", "episode": saved_for, "call": call}
-                    for call in ledger.calls_json(rollout_id)
-                ]
-                cached = (attempt, stamp, built)
-            kept[rollout_id] = cached
-            records.extend(cached[2])
-        self._exported = kept
-        return records
+        return (await self.capture(scope))()
+
+    async def capture(self, scope: Sequence[EpisodeId]) -> Callable[[], list[dict[str, JsonValue]]]:
+        image = await self._image.capture()
+        return lambda: _call_records(image, scope)
+
+    def keep_current(self) -> None:
+        self._image.keep_current()
+
+    async def aclose(self) -> None:
+        await self._image.aclose()
 
     async def install(
         self, records: list[dict[str, JsonValue]], scope: list[EpisodeId]
@@ -163,6 +154,20 @@ class ModelParticipant:
             "recorded_calls": server.ledger.count,
             "calls_total": server.calls_total,
         }
+
+
+def _call_records(
+    image: Mapping[str, _Calls], scope: Sequence[EpisodeId]
+) -> list[dict[str, JsonValue]]:
+    """The records of the scope's rollouts out of a captured image, each saved for the
+    rollout's highest scoped attempt (runs in the writer's thread, on the copy)."""
+    records: list[dict[str, JsonValue]] = []
+    for rollout_id, attempt in latest_attempts(scope).items():
+        calls = image.get(rollout_id)
+        if calls:
+            saved_for: dict[str, JsonValue] = {"rollout_id": rollout_id, "attempt": attempt}
+            records.extend({"kind": "model_call", "episode": saved_for, "call": c} for c in calls)
+    return records
 
 
 def _parse(records: list[Any]) -> list[ModelCallRecord]:

@@ -12,7 +12,9 @@ Hooks that a verb calls, in order:
 
 - prepare → ``close_admission`` once, then ``readiness`` / ``wait_changed`` until ready
   or the deadline.
-- commit → ``readiness`` (re-checked), ``export(scope)`` once per checkpoint.
+- commit → ``readiness`` (re-checked), ``export(scope)`` once per checkpoint; or, when the
+  participant also has ``capture`` (:class:`CapturingParticipant`), ``capture(scope)`` in
+  the pause and the function it returns in the writer's thread after it.
 - resume, lease expiry, a failed prepare or restore → ``open_admission`` once.
 - restore → ``close_admission``, then ``install(records, scope)``.
 - retire / forget / ack → the hook of the same name.
@@ -32,6 +34,7 @@ from rollpoint.protocol.ids import EpisodeId
 from rollpoint.protocol.participant import CheckpointMode, ParticipantKind
 
 __all__ = [
+    "CapturingParticipant",
     "Participant",
     "Readiness",
     "RetireOutcome",
@@ -124,6 +127,32 @@ class Participant(Protocol):
 
     def stats(self) -> dict[str, int]:
         """Counters shown by status (sessions, in flight, held replies...)."""
+        ...
+
+
+@runtime_checkable
+class CapturingParticipant(Participant, Protocol):
+    """A participant whose export comes in two steps, so that its pause is a copy.
+
+    ``capture(scope)`` runs in the pause, like ``export``, and returns a function that
+    builds the records ``export(scope)`` would have returned. The fence calls that
+    function in the writer's thread after the checkpoint resumed, while the server goes
+    on: it must read only what the capture copied (values nobody changes afterwards).
+    """
+
+    async def capture(
+        self, scope: Sequence[EpisodeId]
+    ) -> Callable[[], list[dict[str, JsonValue]]]: ...
+
+    def keep_current(self) -> None:
+        """Start keeping what ``capture`` copies current in the background: the fence
+        calls it once, on the event loop, when a coordinator first asks for its status (or
+        first prepares), so a first checkpoint does not build every record in its pause."""
+        ...
+
+    async def aclose(self) -> None:
+        """Stop what capturing started (a background sweep); the fence calls it when it
+        closes."""
         ...
 
 

@@ -6,11 +6,11 @@ Owns the mapping from the :class:`~rollpoint.gym.participant.Participant` hooks 
 - close / open admission → freeze / thaw (tool calls wait at the gate, none is failed);
 - readiness → ready iff no tool call is in flight;
 - export(scope) → one ``episode_state`` record per scoped rollout with state here (the
-  environment's exact export plus the idempotency table), naming the scoped episode; an
-  episode no tool call changed since the last export, saved for the same attempt, gives
-  the same (never changed) record again; a state not packed yet is packed by the
+  environment's exact export plus the idempotency table), naming the scoped episode;
+  capture(scope) → the same in two steps (a copy of the service's state image in the
+  pause, the records out of it after); a state not packed yet is packed by the
   snapshot's writer, after the pause (a ``DeferredValue``, see
-  :meth:`~rollpoint.gym.resources_server.ResourcesService.export_episodes_yielding`);
+  :meth:`~rollpoint.gym.resources_server.ResourcesService.capture`);
   install → those records back (from a file or straight from an export), all or nothing;
 - retire → ``unknown`` for every rollout: this server runs no episodes, it only answers
   calls, and the fence refuses calls of retired attempts; forget → drop the rollouts'
@@ -26,7 +26,7 @@ retire marks (the fence).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from pydantic import JsonValue
@@ -84,9 +84,19 @@ class ResourcesParticipant:
         await self._service.wait_changed(timeout)
 
     async def export(self, scope: Sequence[EpisodeId]) -> list[dict[str, JsonValue]]:
+        return (await self.capture(scope))()
+
+    async def capture(self, scope: Sequence[EpisodeId]) -> Callable[[], list[dict[str, JsonValue]]]:
         if not self._captures:
-            return []
-        return await self._service.export_episodes_yielding(scope)
+            return list
+        return await self._service.capture(scope)
+
+    def keep_current(self) -> None:
+        if self._captures:
+            self._service.keep_current()
+
+    async def aclose(self) -> None:
+        await self._service.aclose()
 
     async def install(
         self, records: list[dict[str, JsonValue]], scope: list[EpisodeId]

@@ -25,9 +25,12 @@ verify only reads and is never held. Start, tools and verify of a retired attemp
 fence's retire marks) are refused with 409 ``stale_attempt`` and apply nothing; the next
 attempt of the same rollout is not retired and finds its state and recorded results.
 
-A checkpoint takes each changed episode's environment export in its pause and leaves
-packing it (JSON, zlib, base64) to the snapshot's writer thread, so the export must be a
-copy that later tool calls do not change (``Environment.export_state`` returns new data).
+Each episode's saved form is kept current in a :class:`~rollpoint.gym.state_image.StateImage`
+once checkpoints are in use: after a tool call changes an episode, the image's sweep takes
+the environment's export (``Environment.capture_state``) between checkpoints, so a
+checkpoint's pause copies the image and takes only the exports of episodes changed since
+the last sweep. Packing an export (JSON, zlib, base64) is left to the snapshot's writer
+thread, so the export must be a copy that later tool calls do not change.
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ from rollpoint.envs.registry import get_environment
 from rollpoint.gym.control_plane import close_control_plane, mount_control_plane
 from rollpoint.gym.episode_scope import latest_attempts
 from rollpoint.gym.resources_participant import ResourcesParticipant
+from rollpoint.gym.state_image import StateImage
 from rollpoint.http.app import create_app
 from rollpoint.http.auth import data_token
 from rollpoint.protocol.episode import (
@@ -159,14 +163,9 @@ class EpisodeRecord(StrictModel):
         return state
 
 
-EXPORT_CHUNK = 2048
-"""Episodes a checkpoint exports between two yields of the event loop (~1 µs each when
-unchanged, ~15 µs when the state is copied; see ``session_book.EXPORT_CHUNK``)."""
-
-
 def pack_state(state: Mapping[str, Any]) -> str:
     """An environment export as :attr:`EpisodeRecord.packed_state`. Level 1: a snapshot's
-    writer pays for it (:meth:`ResourcesService.export_episodes_yielding`), and the higher
+    writer pays for it (:meth:`ResourcesService.capture`), and the higher
     levels save little more on SQLite pages."""
     return base64.b64encode(zlib.compress(orjson.dumps(state), 1)).decode("ascii")
 
@@ -180,24 +179,18 @@ class _Episode:
     task_json: dict[str, Any] | None = None
     """``task`` dumped once: at start, or by the first checkpoint (installed episodes)."""
     packed_state: str | DeferredValue[str] | None = None
-    """``state`` as the last checkpoint packed it, or will pack it: the export is taken in
-    the pause and packed by the writer (a :class:`DeferredValue`, swapped for its string
-    by the next export once made). Cleared before any tool call runs, so a checkpoint
-    exports and packs only the episodes that changed since the one before."""
-    record: tuple[int, dict[str, Any]] | None = None
-    """(saved attempt, record) of the last checkpoint: handed out again while the episode
-    did not change and is saved for the same attempt. Never changed once handed out (a
-    checkpoint writes it while tool calls go on): a change drops it and the next export
-    builds a new one."""
+    """``state`` as the state image last took it: the export is taken on the event loop
+    and packed by a snapshot's writer (a :class:`DeferredValue`, swapped for its string by
+    the next remake once made). Cleared before any tool call runs, so only the episodes
+    that changed are exported and packed again."""
 
     touched: bool = False
     """A tool call ran on it, or it was installed from a saved state: ``state`` may differ
     from ``start(task)``."""
 
     def changing(self) -> None:
-        """Forget what the last checkpoint built: ``state`` or ``results`` is about to change."""
+        """Forget the last export: ``state`` or ``results`` is about to change."""
         self.packed_state = None
-        self.record = None
         self.touched = True
 
 
@@ -255,6 +248,9 @@ class ResourcesService:
         self._changed: asyncio.Event | None = None
         self.attempt_guard: Callable[[EpisodeId], None] | None = None
         """Raises :class:`StaleAttemptError` for a retired attempt (the fence's check)."""
+        self._image: StateImage[dict[str, Any]] = StateImage(
+            self._image_entry, lambda: list(self._episodes), name="episodes"
+        )
 
     # ---- counters and the freeze gate ----------------------------------------------------
     @property
@@ -356,6 +352,7 @@ class ResourcesService:
             state=self.environment.start(task),
             task_json=task.model_dump(mode="json"),
         )
+        self._image.changed(rollout_id)
         return True
 
     async def call_tool(self, tool_name: str, call: ToolCall) -> ToolResult:
@@ -374,6 +371,7 @@ class ResourcesService:
         # Nothing awaits between here and storing the result, so no export sees the new
         # state or result with the old record.
         episode.changing()
+        self._image.changed(call.episode.rollout_id)  # even if the tool raises half-way
         try:
             result = self._run(episode, tool_name, call.arguments)
         finally:
@@ -409,6 +407,7 @@ class ResourcesService:
             episode = self._episodes.pop(rollout_id, None)
             if episode is not None:
                 self.environment.close(episode.state)
+                self._image.changed(rollout_id)
                 released += 1
         return released
 
@@ -426,45 +425,33 @@ class ResourcesService:
 
         Rollouts without state here add nothing (they were not live on this server).
         """
-        return [_made(self._packed_record(r, a)) for r, a in self._latest(scope).items()]
+        return [_made(r) for r in episode_records(self._image.capture_now(), scope)]
 
-    async def export_episodes_yielding(self, scope: Iterable[EpisodeId]) -> list[dict[str, Any]]:
-        """The records of :meth:`export_episodes` as a checkpoint captures them, yielding the
-        event loop every :data:`EXPORT_CHUNK` episodes (exporting thousands at once stalls
-        the server); a checkpoint calls it while the service is frozen, so no state changes
-        in between.
+    async def capture(self, scope: Iterable[EpisodeId]) -> Callable[[], list[dict[str, Any]]]:
+        """A checkpoint's export in two steps: now (in the pause) a copy of the state
+        image, taking the exports of the episodes changed since its last sweep; later, in
+        the snapshot writer's thread, the scope's records out of the copy. A record's
+        ``packed_state`` may be a :class:`DeferredValue` the writer makes;
+        :meth:`install` takes such records as they are, any other reader in memory uses
+        :meth:`export_episodes` or calls :meth:`DeferredValue.value`."""
+        image = await self._image.capture()
+        return partial(episode_records, image, scope)
 
-        Only the environment's export runs here, in the pause: the ``packed_state`` of an
-        episode packed by no earlier checkpoint is a :class:`DeferredValue` that the
-        snapshot's writer makes in its thread
-        (:func:`~rollpoint.store.participant_state.write_participant_state`). :meth:`install`
-        takes these records as they are; any other reader in memory uses
-        :meth:`export_episodes` or calls :meth:`DeferredValue.value`.
-        """
-        latest = list(self._latest(scope).items())
-        records: list[dict[str, Any]] = []
-        for start in range(0, len(latest), EXPORT_CHUNK):
-            records.extend(
-                self._packed_record(r, a) for r, a in latest[start : start + EXPORT_CHUNK]
-            )
-            await asyncio.sleep(0)
-        return records
+    def keep_current(self) -> None:
+        """Keep every episode's saved form current from now on (see :class:`StateImage`)."""
+        self._image.keep_current()
 
-    def _latest(self, scope: Iterable[EpisodeId]) -> dict[str, int]:
-        """The highest scoped attempt of each rollout with state here, by rollout id."""
-        episodes = self._episodes
-        return {r: a for r, a in latest_attempts(scope).items() if r in episodes}
+    async def aclose(self) -> None:
+        await self._image.aclose()
 
-    def _packed_record(self, rollout_id: str, attempt: int) -> dict[str, Any]:
-        """``EpisodeRecord(..., packed_state=...).model_dump(mode="json")``, built directly
-        and only for an episode that changed (or is saved for another attempt) since the
-        last export: a checkpoint saves every in-flight episode inside its pause. Its
-        ``packed_state`` may be deferred (:meth:`export_episodes_yielding`). Validated
-        where it comes back (:meth:`install`). Read-only: it may be handed out again."""
-        episode = self._episodes[rollout_id]
-        cached = episode.record
-        if cached is not None and cached[0] == attempt:
-            return cached[1]
+    def _image_entry(self, rollout_id: str) -> dict[str, Any] | None:
+        """The state image's entry of a rollout: its :class:`EpisodeRecord` as JSON data
+        without ``kind`` and ``episode`` (the attempt it is saved for is the scope's), or
+        None without state here. Its ``packed_state`` may be deferred; the entry is read
+        in the writer's thread and never changed (a change makes a new one)."""
+        episode = self._episodes.get(rollout_id)
+        if episode is None:
+            return None
         if episode.task_json is None:
             episode.task_json = episode.task.model_dump(mode="json")
         fresh = not episode.touched and self.environment.reproducible_start
@@ -472,18 +459,16 @@ class ResourcesService:
         if fresh:
             pass  # saved as its task: nothing of the state to copy
         elif packed is None:
-            # The export is a copy taken now: tool calls change the state once the pause
-            # ends, never the copy, so packing it can wait for the writer's thread.
-            # The environment may leave its own encoding for later too (capture_state).
+            # The export is a copy taken now: later tool calls change the state, never the
+            # copy, so packing it can wait for a writer's thread. The environment may leave
+            # its own encoding for later too (capture_state).
             make_export = self.environment.capture_state(episode.state)
             episode.packed_state = DeferredValue(
                 partial(_pack_later, make_export), f"packed state of rollout {rollout_id}"
             )
         elif isinstance(packed, DeferredValue) and packed.made:
-            episode.packed_state = packed.value()  # a record made from now on holds the string
-        record: dict[str, Any] = {
-            "kind": "episode_state",
-            "episode": {"rollout_id": rollout_id, "attempt": attempt},
+            episode.packed_state = packed.value()  # an entry made from now on holds the string
+        return {
             "rollout_id": rollout_id,
             "environment": episode.task.environment,
             "task": episode.task_json,
@@ -503,8 +488,6 @@ class ResourcesService:
                 for (turn, index), result in episode.results.items()
             ],
         }
-        episode.record = (attempt, record)
-        return record
 
     def _record(self, rollout_id: str, saved_for: EpisodeId | None = None) -> EpisodeRecord:
         episode = self._episodes[rollout_id]
@@ -547,6 +530,7 @@ class ResourcesService:
             if old is not None:
                 self.environment.close(old.state)
             self._episodes[rollout_id] = episode
+            self._image.changed(rollout_id)
         log.info("%s/%s: installed %d episodes", self.name, self.replica, len(built))
         return list(built)
 
@@ -606,6 +590,20 @@ class ResourcesService:
                 self.environment.close(episode.state)
             raise
         return built
+
+
+def episode_records(
+    image: Mapping[str, dict[str, Any]], scope: Iterable[EpisodeId]
+) -> list[dict[str, Any]]:
+    """``EpisodeRecord`` JSON data of each scoped rollout in a captured image, saved for
+    the rollout's highest scoped attempt (runs in the writer's thread, on the copy)."""
+    records: list[dict[str, Any]] = []
+    for rollout_id, attempt in latest_attempts(scope).items():
+        entry = image.get(rollout_id)
+        if entry is not None:
+            saved_for = {"rollout_id": rollout_id, "attempt": attempt}
+            records.append({"kind": "episode_state", "episode": saved_for, **entry})
+    return records
 
 
 # ---- routes --------------------------------------------------------------------------------

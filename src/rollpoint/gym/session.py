@@ -133,6 +133,7 @@ class Session:
 
     __slots__ = (
         "_calls_json",
+        "_changed_hook",
         "_changes",
         "_episode",
         "_exported",
@@ -162,6 +163,7 @@ class Session:
         self.task: asyncio.Task[RowResult] | None = None
         self.result: asyncio.Future[RowResult] | None = None
         self._observer: MoveObserver | None = None
+        self._changed_hook: Callable[[str], None] | None = None
         # Dumped now, on the data path, so a checkpoint does not in its pause.
         self._row_json: dict[str, Any] | None = row.model_dump(mode="json")
         self._calls_json: list[dict[str, Any]] = []
@@ -177,7 +179,7 @@ class Session:
     def row(self, row: RunRow) -> None:
         self._row = row
         self._row_json = None
-        self._changes += 1
+        self._changed()
 
     @property
     def episode(self) -> EpisodeId:
@@ -186,7 +188,7 @@ class Session:
     @episode.setter
     def episode(self, episode: EpisodeId) -> None:
         self._episode = episode
-        self._changes += 1
+        self._changed()
 
     @property
     def messages(self) -> list[dict[str, Any]]:
@@ -196,7 +198,7 @@ class Session:
     @messages.setter
     def messages(self, messages: list[dict[str, Any]]) -> None:
         self._messages = messages
-        self._changes += 1
+        self._changed()
 
     @property
     def turn(self) -> int:
@@ -205,7 +207,7 @@ class Session:
     @turn.setter
     def turn(self, turn: int) -> None:
         self._turn = turn
-        self._changes += 1
+        self._changed()
 
     @property
     def model_calls(self) -> list[ModelCall]:
@@ -216,7 +218,7 @@ class Session:
     def model_calls(self, calls: list[ModelCall]) -> None:
         self._model_calls = calls
         self._calls_json = []
-        self._changes += 1
+        self._changed()
 
     def add_model_call(self, call: ModelCall) -> None:
         """Append ``call`` and dump it now, on the data path: a checkpoint exports every
@@ -224,6 +226,17 @@ class Session:
         self._model_calls.append(call)
         if len(self._calls_json) == len(self._model_calls) - 1:
             self._calls_json.append(call.model_dump(mode="json"))
+        self._changed()
+
+    def add_message(self, message: dict[str, Any]) -> None:
+        """Append ``message`` to the conversation (and report the change)."""
+        self._messages.append(message)
+        self._changed()
+
+    def _changed(self) -> None:
+        self._changes += 1
+        if self._changed_hook is not None:
+            self._changed_hook(self._episode.rollout_id)
 
     @property
     def pending_response(self) -> dict[str, Any] | None:
@@ -232,11 +245,15 @@ class Session:
     @pending_response.setter
     def pending_response(self, response: dict[str, Any] | None) -> None:
         self._pending_response = response
-        self._changes += 1
+        self._changed()
 
-    def observe(self, observer: MoveObserver) -> None:
-        """Report every move from now on (and the current state, as a move from None)."""
+    def observe(self, observer: MoveObserver, changed: Callable[[str], None] | None = None) -> None:
+        """Report every move from now on (and the current state, as a move from None), and
+        with ``changed`` (called with the rollout id) every change of what a checkpoint
+        saves that goes through this class (setters, :meth:`add_model_call`,
+        :meth:`add_message`)."""
         self._observer = observer
+        self._changed_hook = changed
         observer(self, None, self.state)
 
     @property
@@ -278,8 +295,8 @@ class Session:
 
     def export_json(self) -> dict[str, Any]:
         """``to_record().model_dump(mode="json")``, without validating or dumping again
-        what an earlier export already dumped: a checkpoint exports every session in its
-        pause, so this is its per-session cost. A session that did not change since its
+        what an earlier export already dumped: the book's state image calls it for every
+        session that changed, between checkpoints and in their pauses. A session that did not change since its
         last export gets the same dict again; one that did gets a new one. Either way a
         record handed out is never changed afterwards (a checkpoint writes it while the
         session goes on), so treat it as read-only. The record is validated where it comes

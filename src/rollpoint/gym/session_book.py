@@ -5,7 +5,9 @@ continue a restored session, or refuse), one asyncio task per session (owned her
 a request: a client that goes away cancels nothing), per-state counters (readiness is O(1)
 with any number of sessions), the boundary gate that parks sessions for a checkpoint,
 finished replies held until acked (bounded), retire marks, and the export/install of
-sessions for checkpoints.
+sessions for checkpoints. Each session's record is kept current in a
+:class:`~rollpoint.gym.state_image.StateImage` (sessions report their moves and changes to
+it), so a checkpoint's capture copies records instead of exporting 50k sessions in its pause.
 
 Does not own: how an episode is played (the ``play`` function, normally
 :meth:`rollpoint.gym.episode_runner.EpisodeRunner.play`), HTTP, or checkpoint phases (the
@@ -23,7 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from itertools import islice
 from typing import Any, Protocol
 
@@ -39,6 +41,7 @@ from rollpoint.gym.session import (
     SessionRecord,
     SessionState,
 )
+from rollpoint.gym.state_image import StateImage
 from rollpoint.protocol.control import (
     MAX_REPORTED_BLOCKERS,
     Readiness,
@@ -59,12 +62,11 @@ from rollpoint.protocol.participant import CheckpointMode
 log = logging.getLogger(__name__)
 
 _RECORDS = TypeAdapter(list[BookRecord])
-EXPORT_CHUNK = 2048
-"""Sessions a checkpoint exports between two yields of the event loop. Once exporting 5,000
-sessions held this server's loop for seconds and connects to it timed out; now an
-unchanged session costs ~1 µs and a new one ~10 µs, so a chunk holds the loop for ~2-20 ms,
-and fewer yields keep the data plane from stretching the commit (it is the pause)."""
 EVICTION_LOG_EVERY = 1000
+
+SessionEntry = tuple[int, dict[str, Any] | str]
+"""A session's entry in the book's state image: (attempt, its record), or, while the
+session is away from a turn boundary (it cannot be saved then), (attempt, what it is doing)."""
 
 
 class Boundary(Protocol):
@@ -162,6 +164,9 @@ class SessionBook:
         self._reopened.set()
         self._changed = asyncio.Event()
         self._turn_boundary = TurnBoundary(self)
+        self._image: StateImage[SessionEntry] = StateImage(
+            self._image_entry, lambda: list(self._sessions), name="sessions"
+        )
 
     # --- admission ---------------------------------------------------------------------
 
@@ -193,7 +198,7 @@ class SessionBook:
             return self._launch(live)
         session = Session(row)
         self._sessions[episode.rollout_id] = session
-        session.observe(self._on_move)
+        session.observe(self._on_move, self._image.changed)
         return self._launch(session)
 
     def _env_message(self, row: RunRow) -> str:
@@ -354,6 +359,7 @@ class SessionBook:
             self._by_state[new][rollout_id] = session
         elif self._sessions.get(rollout_id) is session:
             del self._sessions[rollout_id]
+        self._image.changed(rollout_id)
         self._notify()
 
     # --- counts ------------------------------------------------------------------------
@@ -469,39 +475,36 @@ class SessionBook:
         session record. A scoped session away from a boundary raises
         :class:`InvalidPhaseError`. A restart-only agent exports no sessions.
         """
-        finished = self._finished_records()
-        return [*self._session_records(episode_pairs(scope)), *finished]
+        return select_records(self._image.capture_now(), scope, self._finished_records())
 
-    async def export_yielding(self, scope: Iterable[EpisodeId]) -> list[dict[str, JsonValue]]:
-        """:meth:`export`, yielding the event loop every :data:`EXPORT_CHUNK` sessions, so
-        a large export does not stall this server's other requests. Held replies are taken
-        first (an ack may land while it yields); sessions do not move while boundaries are
-        closed, which is when a checkpoint calls it."""
+    async def capture(self, scope: Iterable[EpisodeId]) -> Callable[[], list[dict[str, JsonValue]]]:
+        """:meth:`export` in two steps: now, a copy of every session's record (only those
+        changed since the image's last sweep are built, yielding the event loop between
+        chunks) and of the held replies; later, from any thread, the scope's records out of
+        that copy. Sessions do not move while boundaries are closed, which is when a
+        checkpoint calls it."""
         finished = self._finished_records()
-        pairs = list(episode_pairs(scope))
-        records: list[dict[str, JsonValue]] = []
-        for start in range(0, len(pairs), EXPORT_CHUNK):
-            records.extend(self._session_records(pairs[start : start + EXPORT_CHUNK]))
-            await asyncio.sleep(0)
-        return [*records, *finished]
+        image = await self._image.capture()
+        return lambda: select_records(image, scope, finished)
 
-    def _session_records(self, scope: Iterable[tuple[str, int]]) -> list[dict[str, JsonValue]]:
-        """``scope``: ``(rollout_id, attempt)`` pairs (a commit's scope is keys; building an
-        ``EpisodeId`` each would cost more than exporting an unchanged session)."""
-        records: list[dict[str, JsonValue]] = []
-        if self.mode is not CheckpointMode.TURN:
-            return records
-        sessions = self._sessions
-        for rollout_id, attempt in scope:
-            live = sessions.get(rollout_id)
-            if live is None or live.episode.attempt != attempt:
-                continue
-            if not live.at_boundary:
-                raise InvalidPhaseError(
-                    f"session {live.key} is {live.state}, not at a turn boundary"
-                )
-            records.append(live.export_json())
-        return records
+    def keep_current(self) -> None:
+        """Keep every session's record current from now on (see :class:`StateImage`)."""
+        if self.mode is CheckpointMode.TURN:
+            self._image.keep_current()
+
+    async def stop_capturing(self) -> None:
+        """Stop the state image's background sweep (the server is closing)."""
+        await self._image.aclose()
+
+    def _image_entry(self, rollout_id: str) -> SessionEntry | None:
+        """The state image's entry of a rollout: its live session's record (what it is
+        doing, away from a boundary), or no entry (not live here, or a restart-only agent)."""
+        live = self._sessions.get(rollout_id)
+        if live is None or self.mode is not CheckpointMode.TURN:
+            return None
+        if not live.at_boundary:
+            return live.episode.attempt, f"session {live.key} is {live.state}"
+        return live.episode.attempt, live.export_json()
 
     def _finished_records(self) -> list[dict[str, JsonValue]]:
         """The dump of each ``FinishedReplyRecord(reply=...)``, without validating the reply
@@ -534,7 +537,7 @@ class SessionBook:
                 old.move(SessionState.CANCELLED)
             session = Session.from_record(record)
             self._sessions[session.episode.rollout_id] = session
-            session.observe(self._on_move)
+            session.observe(self._on_move, self._image.changed)
         for reply in replies:
             self._hold(reply)
         self._notify()
@@ -577,8 +580,29 @@ class SessionBook:
 
     async def aclose(self) -> None:
         """Cancel every running session and wait for them to stop."""
+        await self._image.aclose()
         tasks = [s.task for s in self._sessions.values() if s.task is not None]
         for session in list(self._sessions.values()):
             self._cancel(session)
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def select_records(
+    image: Mapping[str, SessionEntry],
+    scope: Iterable[EpisodeId],
+    finished: list[dict[str, JsonValue]],
+) -> list[dict[str, JsonValue]]:
+    """The records of the scoped sessions in ``image`` (a copy taken by a capture), then
+    ``finished``. Runs in the writer's thread: it reads only the copy. A scoped session
+    away from a boundary raises :class:`InvalidPhaseError` (readiness rules that out)."""
+    records: list[dict[str, JsonValue]] = []
+    for rollout_id, attempt in episode_pairs(scope):
+        entry = image.get(rollout_id)
+        if entry is None or entry[0] != attempt:
+            continue
+        record = entry[1]
+        if isinstance(record, str):
+            raise InvalidPhaseError(f"{record}, not at a turn boundary")
+        records.append(record)
+    return [*records, *finished]

@@ -129,9 +129,12 @@ class ParticipantClient:
             deadline_ts=deadline_ts,
             checkpoint_dir=checkpoint_dir,
             episode_ids=[] if scope_as_keys else scope,
-            episode_keys=[e.key for e in scope] if scope_as_keys else [],
             wait_for_write=wait_for_write,
         )
+        if scope_as_keys:
+            # Set without validating again: keys of EpisodeIds are well-formed, and checking
+            # 50k of them cost ~13 ms per participant inside the pause (the server checks).
+            body = body.model_copy(update={"episode_keys": [e.key for e in scope]})
         return await self._call("commit", CommitReply, body, deadline_ts)
 
     async def confirm(self, checkpoint_id: str, deadline_ts: float) -> ConfirmReply:

@@ -46,8 +46,10 @@ from rollpoint.protocol.errors import (
     StaleCheckpointError,
 )
 from rollpoint.protocol.ids import EpisodeId
+from rollpoint.store import collector_schedule as collector_schedule_module
+from rollpoint.store.collector_schedule import MAX_GAP_S, CollectorSchedule
 from rollpoint.store.participant_state import read_participant_state
-from tests.unit.gym.fake_participant import FakeParticipant
+from tests.unit.gym.fake_participant import FakeClock, FakeParticipant
 
 E = EpisodeId.from_key
 
@@ -439,6 +441,81 @@ async def test_a_prepare_right_after_a_resume_keeps_the_collector_held(
     await fence.resume(ResumeRequest(checkpoint_id="c2"))
     await asyncio.sleep(COLLECTOR_RELEASE_DELAY_S + 0.1)
     assert gc.isenabled()
+
+
+async def test_full_collections_wait_for_the_end_of_a_checkpoints_pause(
+    participant: FakeParticipant, root: Path, full_collections: list[int]
+) -> None:
+    clock = FakeClock(0.0)
+    schedule = CollectorSchedule(clock)
+    clock.advance(MAX_GAP_S - 1)  # due, not yet overdue
+    before = gc.get_threshold()
+    fence = Fence(participant, ControlSettings("t", str(root)), schedule=schedule)
+    try:
+        fence.status()  # as the coordinator does first
+        assert schedule.attached and gc.get_threshold()[2] > 10**9
+        await fence.prepare(prepare())
+        await fence.commit(commit())
+        await fence.resume(ResumeRequest(checkpoint_id="c1"))
+        assert full_collections == []  # none from prepare to resume, though one was due
+        await asyncio.sleep(COLLECTOR_RELEASE_DELAY_S + 0.1)
+        assert gc.isenabled() and full_collections == [2]
+        # The next checkpoint's end comes too soon after: not due again.
+        await fence.prepare(prepare("c2"))
+        await fence.resume(ResumeRequest(checkpoint_id="c2"))
+        await asyncio.sleep(COLLECTOR_RELEASE_DELAY_S + 0.1)
+        assert full_collections == [2]
+    finally:
+        await fence.aclose()
+    assert not schedule.attached and gc.get_threshold() == before
+
+
+async def test_an_overdue_full_collection_runs_in_the_background_but_not_while_held(
+    participant: FakeParticipant,
+    root: Path,
+    full_collections: list[int],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(collector_schedule_module, "CHECK_EVERY_S", 0.02)
+    clock = FakeClock(0.0)
+    schedule = CollectorSchedule(clock)
+    fence = Fence(participant, ControlSettings("t", str(root)), schedule=schedule)
+    try:
+        await fence.prepare(prepare())
+        clock.advance(MAX_GAP_S)
+        await asyncio.sleep(0.2)
+        assert full_collections == []  # overdue, but a checkpoint holds the participant
+        await fence.resume(ResumeRequest(checkpoint_id="c1"))
+        await asyncio.sleep(COLLECTOR_RELEASE_DELAY_S + 0.1)
+        assert full_collections == [2]  # run as the pause ended (due as well)
+        clock.advance(MAX_GAP_S)
+        await asyncio.sleep(0.2)
+        assert full_collections == [2, 2]  # no checkpoint: the task ran it
+    finally:
+        await fence.aclose()
+    await asyncio.sleep(0.1)
+    clock.advance(MAX_GAP_S)
+    await asyncio.sleep(0.1)
+    assert len(full_collections) == 2  # the task stopped with the fence
+
+
+async def test_fences_attach_on_first_use_and_the_last_close_detaches(
+    participant: FakeParticipant, root: Path, full_collections: list[int]
+) -> None:
+    schedule = CollectorSchedule()
+    before = gc.get_threshold()
+    fences = [Fence(participant, ControlSettings("t", str(root)), schedule=schedule) for _ in "ab"]
+    assert not schedule.attached  # an app factory's loop may not be the one serving it
+    fences[0].status()
+    await fences[1].prepare(prepare())
+    assert schedule.attached and gc.get_threshold()[2] > 10**9
+    await fences[0].aclose()
+    await fences[0].aclose()  # idempotent: detaches once
+    assert schedule.attached and gc.get_threshold()[2] > 10**9
+    await fences[1].aclose()
+    assert not schedule.attached and gc.get_threshold() == before
+    fences[0].status()  # a closed fence does not attach again
+    assert not schedule.attached
 
 
 async def test_a_write_outliving_the_deadline_fails_the_call_and_a_retry_collects_it(
@@ -878,3 +955,57 @@ async def test_status_reports_identity_and_counts(
     assert status.lease_expires_at is None
     assert status.counts == {"sessions": 2, "finished_unacked": 0}
     assert status.retired_rollouts == 0
+
+
+# --- capturing participants: a copy in the pause, records built by the writer ---------------
+class CapturingFake(FakeParticipant):
+    """Copies its state in ``capture`` and builds the records when the writer asks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kept_current = 0
+        self.closed = False
+        self.built_on: list[str] = []
+
+    def keep_current(self) -> None:
+        self.kept_current += 1
+
+    async def capture(self, scope: Any) -> Any:
+        self._hook("capture")
+        copy = dict(self.state)
+
+        def build() -> list[dict[str, Any]]:
+            self.built_on.append(threading.current_thread().name)
+            return [{"episode": e.key, "turns": copy.get(e.key, 0)} for e in scope]
+
+        return build
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+async def test_a_capturing_participant_is_copied_in_the_pause_and_built_after_it(
+    root: Path,
+) -> None:
+    participant = CapturingFake()
+    participant.state = {"r1#0": 3, "r2#0": 1}
+    fence = Fence(participant, ControlSettings(token="t", snapshot_root=str(root)))
+    fence.status()
+    fence.status()
+    assert participant.kept_current == 1  # told once, at the first status
+    await fence.prepare(prepare())
+    detached = commit().model_copy(update={"wait_for_write": False})
+    reply = await fence.commit(detached)
+    assert reply.manifest is None and participant.built_on == []  # nothing built in the pause
+    assert participant.calls["capture"] == 1 and participant.calls["export"] == 0
+    await fence.resume(ResumeRequest(checkpoint_id="c1"))
+    participant.state["r1#0"] = 9  # the sessions moved on after the cut
+    confirmed = await fence.confirm(confirm())
+    assert confirmed.manifest is not None
+    assert participant.built_on and participant.built_on[0] != threading.current_thread().name
+    _, records = read_participant_state(
+        str(state_folder(root)), kind="agent", instance="agent-replica-0", checkpoint_id="c1"
+    )
+    assert records == [{"episode": "r1#0", "turns": 3}, {"episode": "r2#0", "turns": 1}]
+    await fence.aclose()
+    assert participant.closed

@@ -78,7 +78,9 @@ async def test_export_then_install_gives_the_same_ledger_and_names_each_episode(
     assert target_server.ledger.calls("r2") == []  # not in the scope
 
 
-async def test_an_export_reuses_the_records_of_unchanged_rollouts_and_never_changes_them() -> None:
+async def test_an_export_reuses_the_call_dumps_of_unchanged_rollouts_and_never_changes_them() -> (
+    None
+):
     server = _server()
     participant = ModelParticipant(server)
     first = await participant.export([_ep("r1"), _ep("r2")])
@@ -95,12 +97,13 @@ async def test_an_export_reuses_the_records_of_unchanged_rollouts_and_never_chan
         ("r2", 0),
     ]
     assert all(new is not old for new, old in zip(second[:3], first[:3], strict=True))
-    assert second[4] is first[3]  # r2 did not change: its record is handed out again
+    # r2 did not change: its call is not dumped again (the wrapper is made after the pause)
+    assert second[4]["call"] is first[3]["call"]
     # Saved for another attempt, the same calls make a new record naming it.
     third = await participant.export([_ep("r1"), _ep("r2", 1)])
     assert third[4] is not second[4]
     assert third[4]["episode"] == {"rollout_id": "r2", "attempt": 1}
-    assert third[:4] == second[:4] and third[0] is second[0]
+    assert third[:4] == second[:4] and third[0]["call"] is second[0]["call"]
 
 
 async def test_a_bad_record_installs_nothing() -> None:

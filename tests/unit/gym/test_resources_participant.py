@@ -234,7 +234,7 @@ async def test_a_checkpoint_packs_again_only_an_episode_a_tool_call_changed(
     assert unpacked == service.environment.export_state(service._episodes["r1"].state)
 
 
-async def test_an_export_reuses_the_records_of_unchanged_episodes_and_never_changes_them(
+async def test_an_export_reuses_the_state_of_unchanged_episodes_and_never_changes_a_record(
     tmp_path: Path, packs: _CountedPack
 ) -> None:
     service = await _service("workplace", "r1", "r2")
@@ -257,12 +257,15 @@ async def test_an_export_reuses_the_records_of_unchanged_episodes_and_never_chan
         service._episodes["r1"].state
     )
     assert [(t.turn, t.call_index) for t in parsed.tool_results] == [(0, 0)]
-    assert second[1] is first[1]  # r2 did not change: its record is handed out again
+    # r2 did not change: its packed state and results are handed out again, not remade
+    assert second[1] == first[1]
+    assert second[1]["packed_state"] is first[1]["packed_state"]
+    assert second[1]["tool_results"] is first[1]["tool_results"]
     # Saved for another attempt, the same state makes a new record naming it.
     packed = packs.calls
     (third,) = await participant.export([_ep("r2", 1)])
     assert third is not second[1] and third["episode"] == {"rollout_id": "r2", "attempt": 1}
-    assert third["packed_state"] == _made(second[1])["packed_state"]
+    assert _made(third)["packed_state"] == _made(second[1])["packed_state"]
     assert packs.calls == packed  # not packed again
 
 

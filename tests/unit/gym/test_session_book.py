@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from rollpoint.gym.session import Session, SessionState
-from rollpoint.gym.session_book import EXPORT_CHUNK, SessionBook, TurnBoundary
+from rollpoint.gym.session_book import SessionBook, TurnBoundary
 from rollpoint.protocol.control import RetireOutcomeKind
 from rollpoint.protocol.episode import (
     ModelCall,
@@ -329,7 +329,7 @@ async def test_an_export_reuses_the_records_of_what_did_not_change_and_never_cha
     book.submit(_row("b"))
     await _settle()
     scope = [EpisodeId(rollout_id="a"), EpisodeId(rollout_id="b")]
-    first = await book.export_yielding(scope)
+    first = (await book.capture(scope))()
     kept = copy.deepcopy(first)
     # Session a makes its next policy call and gets the reply (as the runner does).
     a = book.session("a")
@@ -339,7 +339,7 @@ async def test_an_export_reuses_the_records_of_what_did_not_change_and_never_cha
     a.messages.append(message)
     a.turn += 1
     a.pending_response = message
-    second = await book.export_yielding(scope)
+    second = (await book.capture(scope))()
     assert first == kept  # what the first export handed out did not change
     assert [r["kind"] for r in second] == ["session", "session", "finished_reply"]
     assert (second[0]["turn"], second[0]["pending_response"]) == (2, message)
@@ -348,7 +348,7 @@ async def test_an_export_reuses_the_records_of_what_did_not_change_and_never_cha
     assert second[1] is first[1]  # b did not change: its record is handed out again
     assert second[2] is first[2]  # nor did the held reply
     book.ack([EpisodeId(rollout_id="done")])
-    assert [r["kind"] for r in await book.export_yielding(scope)] == ["session", "session"]
+    assert [r["kind"] for r in (await book.capture(scope))()] == ["session", "session"]
     await book.aclose()
 
 
@@ -496,30 +496,17 @@ def test_task_rows_are_valid() -> None:
     assert _row("r1").task == TaskRow(task_id="t1", environment="workplace", prompt="Do the task.")
 
 
-async def test_a_large_export_yields_the_event_loop_and_equals_the_plain_export() -> None:
+async def test_a_capture_builds_what_the_plain_export_returns() -> None:
     play = FakePlay()
     play.model.clear()
     book = _book(play)
-    count = EXPORT_CHUNK + 10
+    count = 300
     for i in range(count):
         book.submit(_row(f"r{i}"))
     await _settle()
     book.close_boundaries()
     scope = [EpisodeId(rollout_id=f"r{i}") for i in range(count)]
-    ticks = 0
-
-    async def ticker() -> None:
-        nonlocal ticks
-        while True:
-            ticks += 1
-            await asyncio.sleep(0)
-
-    other = asyncio.create_task(ticker())
-    await asyncio.sleep(0)
-    before = ticks
-    records = await book.export_yielding(scope)
-    other.cancel()
-    assert ticks > before  # another task ran while the export was under way
+    records = (await book.capture(scope))()
     assert records == book.export(scope)
     assert [r["episode"]["rollout_id"] for r in records] == [f"r{i}" for i in range(count)]  # type: ignore[index]
     await book.aclose()

@@ -1,0 +1,180 @@
+"""Scheduling full collections: automatic ones off while attached, run here when due."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from rollpoint.store.collector_pause import collector_paused
+from rollpoint.store.collector_schedule import (
+    MAX_GAP_S,
+    MIN_GAP_S,
+    RATIO,
+    THAW_GAP_S,
+    CollectorSchedule,
+)
+
+
+class FakeClock:
+    def __init__(self, now: float = 0.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture(autouse=True)
+def gc_state() -> Iterator[None]:
+    """Every test here leaves the collector's thresholds and switch as it found them."""
+    thresholds, enabled = gc.get_threshold(), gc.isenabled()
+    yield
+    gc.set_threshold(*thresholds)
+    (gc.enable if enabled else gc.disable)()
+    gc.unfreeze()
+
+
+def collections_while_allocating() -> set[int]:
+    """The generations the automatic collector walks while as many lists are made and kept
+    as the heap holds objects: CPython runs a full collection only once the survivors
+    since the last one pass a quarter of the heap (and gen 2's count its threshold)."""
+    seen: set[int] = set()
+    count = max(20_000, len(gc.get_objects()))
+
+    def record(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            seen.add(info["generation"])
+
+    gc.callbacks.append(record)
+    try:
+        kept = [[i] for i in range(count)]
+        del kept
+    finally:
+        gc.callbacks.remove(record)
+    return seen
+
+
+def test_attached_the_automatic_collector_runs_young_collections_but_no_full_one() -> None:
+    gc.set_threshold(100, 1, 1)
+    assert 2 in collections_while_allocating()  # as a control: unattached, it would
+    schedule = CollectorSchedule()
+    schedule.attach()
+    try:
+        t0, t1, t2 = gc.get_threshold()
+        assert (t0, t1) == (100, 1) and t2 > 10**9
+        seen = collections_while_allocating()
+        assert 0 in seen and 1 in seen and 2 not in seen
+    finally:
+        schedule.detach()
+
+
+def test_attach_is_counted_and_the_last_detach_restores_the_exact_thresholds() -> None:
+    gc.set_threshold(700, 13, 17)
+    schedule = CollectorSchedule()
+    schedule.attach()
+    schedule.attach()
+    schedule.detach()
+    assert schedule.attached and gc.get_threshold()[2] > 10**9
+    schedule.detach()
+    assert not schedule.attached and gc.get_threshold() == (700, 13, 17)
+    with pytest.raises(RuntimeError, match="without a matching attach"):
+        schedule.detach()
+
+
+def test_a_full_collection_is_due_only_after_the_minimum_gap(full_collections: list[int]) -> None:
+    clock = FakeClock()
+    schedule = CollectorSchedule(clock)  # the process start counts as the last one
+    assert not schedule.collect_if_due(MIN_GAP_S - 0.1)
+    assert full_collections == []
+    clock.now = MIN_GAP_S
+    assert schedule.collect_if_due()
+    assert full_collections == [2]
+    clock.now = 2 * MIN_GAP_S - 0.1
+    assert not schedule.collect_if_due()
+    clock.now = 2 * MIN_GAP_S
+    assert schedule.collect_if_due()
+    assert full_collections == [2, 2]
+
+
+def test_a_long_full_collection_pushes_the_next_one_back_by_the_ratio(
+    full_collections: list[int],
+) -> None:
+    clock = FakeClock()
+    length = 2.0  # RATIO * length is past the minimum gap: the ratio decides
+
+    def slow(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start" and info["generation"] == 2:
+            clock.now += length
+
+    schedule = CollectorSchedule(clock)
+    clock.now = MIN_GAP_S
+    gc.callbacks.append(slow)
+    try:
+        assert schedule.collect_if_due()
+        assert schedule.last_duration_s == length
+        ended = MIN_GAP_S + length
+        assert not schedule.collect_if_due(ended + RATIO * length - 0.1)
+        assert not schedule.collect_if_due(ended + MIN_GAP_S)
+        assert schedule.collect_if_due(ended + RATIO * length)
+    finally:
+        gc.callbacks.remove(slow)
+    assert full_collections == [2, 2]
+
+
+def test_nothing_is_due_while_a_pause_holds_the_collector(full_collections: list[int]) -> None:
+    schedule = CollectorSchedule(FakeClock())
+    with collector_paused():
+        assert not schedule.due(10 * MAX_GAP_S)
+        assert not schedule.collect_if_due(10 * MAX_GAP_S)
+        assert not schedule.collect_if_overdue(10 * MAX_GAP_S)
+    assert full_collections == []
+    assert schedule.collect_if_due(10 * MAX_GAP_S)
+    assert full_collections == [2]
+
+
+def test_overdue_only_after_the_maximum_gap(full_collections: list[int]) -> None:
+    schedule = CollectorSchedule(FakeClock())
+    assert schedule.due(MIN_GAP_S) and not schedule.overdue(MAX_GAP_S - 0.1)
+    assert not schedule.collect_if_overdue(MAX_GAP_S - 0.1)
+    assert full_collections == []
+    assert schedule.collect_if_overdue(MAX_GAP_S)
+    assert full_collections == [2]
+    assert not schedule.overdue(MAX_GAP_S)
+    assert schedule.overdue(2 * MAX_GAP_S)
+
+
+class Node:
+    """A container that can sit in a reference cycle."""
+
+    def __init__(self) -> None:
+        self.other: Node | None = None
+
+
+def test_a_scheduled_collection_freezes_its_survivors_and_a_late_one_thaws_first() -> None:
+    clock = FakeClock()
+    schedule = CollectorSchedule(clock)
+    schedule.attach()
+    try:
+        clock.now = MIN_GAP_S
+        assert schedule.collect_if_due()
+        assert gc.get_freeze_count() > 0  # survivors frozen: the next scan skips them
+        # A cycle that becomes garbage once frozen is not found by a collection that
+        # does not thaw...
+        a, b = Node(), Node()
+        a.other, b.other = b, a
+        gc.freeze()
+        probe = weakref.ref(a)
+        del a, b
+        clock.now += MIN_GAP_S * 2
+        assert schedule.collect_if_due()
+        assert probe() is not None
+        # ...and is by the first one past the thaw gap.
+        clock.now += THAW_GAP_S
+        assert schedule.collect_if_due()
+        assert probe() is None
+    finally:
+        schedule.detach()
+    assert gc.get_freeze_count() == 0  # the last detach thaws everything

@@ -210,20 +210,6 @@ FAILED_SAVES = [
         r"agent@replica-0 commit: .*Disconnected",
         id="commit-reply-lost",
     ),
-    # The write runs after the pause (detached) and is confirmed before the publish: a
-    # lost or garbled confirm fails the save like a failed commit, and nothing is published.
-    pytest.param(
-        AGENT,
-        lambda: Fault.drop_reply(path=CONFIRM),
-        r"agent@replica-0 confirm: .*Disconnected",
-        id="confirm-reply-lost",
-    ),
-    pytest.param(
-        RESOURCES,
-        lambda: Fault.garbage(path=CONFIRM, forward=True),
-        r"resources@replica-0 confirm: .*not JSON",
-        id="confirm-answers-garbage",
-    ),
 ]
 
 
@@ -242,6 +228,71 @@ async def test_a_failed_save_leaves_nothing_and_the_run_goes_on(
         assert re.search(blocked_by, failed.blocked_by), failed.blocked_by
         assert_left_nothing(h, failed)
         # The abort reopened everyone at once (no lease had to lapse), resuming each once.
+        await assert_all_idle(h)
+        assert resumes_sent(h) == 1
+        await assert_commits(h)
+        summary = await run
+        await assert_all_idle(h)
+    assert_trained_exactly_once(h, summary)
+
+
+# The write runs after the pause (detached) and is confirmed before the publish. Confirm is
+# idempotent, so one lost or garbled confirm is sent again; a second failure fails the save
+# like a failed commit, and nothing is published.
+CONFIRM_FAULTS = [
+    pytest.param(
+        AGENT,
+        lambda times: Fault.drop_reply(path=CONFIRM, times=times),
+        r"agent@replica-0 confirm: .*Disconnected",
+        id="confirm-reply-lost",
+    ),
+    pytest.param(
+        RESOURCES,
+        lambda times: Fault.garbage(path=CONFIRM, forward=True, times=times),
+        r"resources@replica-0 confirm: .*not JSON",
+        id="confirm-answers-garbage",
+    ),
+]
+
+
+def confirms_sent(h: Harness) -> int:
+    return h.proxy.stats.by_route.get(f"POST {CONFIRM}", 0)
+
+
+@pytest.mark.parametrize(("behind_proxy", "fault", "blocked_by"), CONFIRM_FAULTS)
+async def test_a_confirm_that_fails_once_is_sent_again_and_the_snapshot_is_kept(
+    tmp_path: Path,
+    behind_proxy: ParticipantKind,
+    fault: Callable[[int], Fault],
+    blocked_by: str,
+) -> None:
+    async with harness(job(tmp_path), behind_proxy) as h:
+        run = await h.start()
+        rule = h.proxy.add(fault(1))
+        report = await h.coordinator.save()
+        assert rule.hits == 1
+        assert report.published, report.blocked_by
+        assert confirms_sent(h) == 2
+        assert h.store.verify(report.snapshot_id).checkpoint_id == report.snapshot_id
+        summary = await run
+        await assert_all_idle(h)
+    assert_trained_exactly_once(h, summary)
+
+
+@pytest.mark.parametrize(("behind_proxy", "fault", "blocked_by"), CONFIRM_FAULTS)
+async def test_a_confirm_that_fails_twice_fails_the_save_and_leaves_nothing(
+    tmp_path: Path,
+    behind_proxy: ParticipantKind,
+    fault: Callable[[int], Fault],
+    blocked_by: str,
+) -> None:
+    async with harness(job(tmp_path), behind_proxy) as h:
+        run = await h.start()
+        rule = h.proxy.add(fault(2))
+        failed = await h.coordinator.save()
+        assert rule.hits == 2
+        assert re.search(blocked_by, failed.blocked_by), failed.blocked_by
+        assert_left_nothing(h, failed)
         await assert_all_idle(h)
         assert resumes_sent(h) == 1
         await assert_commits(h)

@@ -19,8 +19,9 @@ Owns the save order of DESIGN §5 and the failure budget. A save:
 8. sorts each in-flight try into saved, finished or restart by its agent's ``exported``;
    writes the trainer's files while each participant writes what it captured (a commit to
    a participant listing ``detached-write`` replies once its state is captured, so encoding,
-   hashing and writing run after the pause), confirms every participant's write, and
-   publishes the manifest last. A write that fails fails the save: nothing is published.
+   hashing and writing run after the pause), confirms every participant's write (a confirm
+   lost on the wire is sent once more: it is idempotent), and publishes the manifest last.
+   A write that fails fails the save: nothing is published.
 
 **Finished replies nobody will seal** (strays, see :mod:`rollpoint.trainer.stray_replies`)
 are acked away on their agents once the pause is over, whatever became of the save.
@@ -57,7 +58,7 @@ from rollpoint.protocol.control import (
     Phase,
     StatusReply,
 )
-from rollpoint.protocol.errors import ConfigError, RollpointError, SnapshotError
+from rollpoint.protocol.errors import ConfigError, RollpointError, SnapshotError, TransportError
 from rollpoint.protocol.manifest import (
     FileEntry,
     ParticipantEntry,
@@ -486,15 +487,28 @@ class SnapshotCoordinator:
         return files
 
     async def _confirm_all(self, cut: Cut) -> list[str]:
-        """Wait for every detached write; one line per participant whose write failed."""
+        """Wait for every detached write; one line per participant whose write failed.
+
+        A confirm lost on the wire (or answered with garbage) is sent once more before the
+        deadline: confirm is idempotent (every confirm of a checkpoint gets the same reply),
+        and at 100k sessions a trainer loop stalled by a long collection can send it on a
+        keep-alive connection its peer has just closed."""
         if not cut.detached:
             return []
         deadline = time.time() + self.config.deadline_seconds
+        clients = list(cut.detached)
         replies = await by_deadline(
-            [c.confirm(cut.checkpoint_id, deadline) for c in cut.detached], deadline
+            [c.confirm(cut.checkpoint_id, deadline) for c in clients], deadline
         )
+        lost = [i for i, r in enumerate(replies) if isinstance(r, TransportError)]
+        if lost and time.time() < deadline:
+            again = await by_deadline(
+                [clients[i].confirm(cut.checkpoint_id, deadline) for i in lost], deadline
+            )
+            for i, reply in zip(lost, again, strict=True):
+                replies[i] = reply
         failed: list[str] = []
-        for client, reply in zip(cut.detached, replies, strict=True):
+        for client, reply in zip(clients, replies, strict=True):
             if isinstance(reply, BaseException):
                 failed.append(failure_line(client, "confirm", reply))
             elif client.address.kind == ParticipantKind.AGENT:

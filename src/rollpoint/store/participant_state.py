@@ -30,6 +30,7 @@ import hashlib
 import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, BinaryIO, NamedTuple
 
 import orjson
@@ -192,12 +193,24 @@ def _write_records(
     hasher = hashlib.sha256()
     count = size = 0
     try:
-        with fs.open_write(temp) as stream:
+        with (
+            fs.open_write(temp) as stream,
+            ThreadPoolExecutor(1, thread_name_prefix="rollpoint-records") as writer,
+        ):
+            # Two stages: this thread encodes the next chunk (orjson holds the GIL) while
+            # the writer thread hashes and writes the last one (both release it). 122 MiB
+            # of sessions here: 0.37-0.39 s serial, 0.28-0.35 s so (the disk alone: 0.1 s;
+            # a third stage, hashing and writing apart, was no faster on 2 cores). At most
+            # one chunk waits beyond the one being encoded.
+            written: Future[None] | None = None
             for chunk, chunk_count in _encode_chunks(records):
-                hasher.update(chunk)
-                stream.write(chunk)
+                if written is not None:
+                    written.result()
+                written = writer.submit(_hash_and_write, hasher, stream, chunk)
                 count += chunk_count
                 size += len(chunk)
+            if written is not None:
+                written.result()
         digest = hasher.hexdigest()
         fs.rename(temp, fs.join(directory, records_file_name(digest)))
     except BaseException:
@@ -207,11 +220,16 @@ def _write_records(
     return _Written(digest, count, size)
 
 
+def _hash_and_write(hasher: hashlib._Hash, stream: BinaryIO, chunk: bytes) -> None:
+    hasher.update(chunk)
+    stream.write(chunk)
+
+
 def _encode_chunks(records: Sequence[Mapping[str, Any]]) -> Iterator[tuple[bytes, int]]:
     """``(bytes, record count)`` chunks of newline-terminated JSON lines, ~8 MiB each.
 
-    Chunks bound memory to one chunk beyond the records themselves; the chunk size
-    adapts to the records' average encoded size.
+    Chunks bound memory to two chunks beyond the records themselves (one being written,
+    one being encoded); the chunk size adapts to the records' average encoded size.
     """
     start, step = 0, _FIRST_CHUNK_RECORDS
     while start < len(records):

@@ -18,6 +18,10 @@ machinery of in-flight requests (coroutines, cells, bound methods: ~170 objects 
 session in an agent, ~230 an in-flight call in a model server, counted at 10k), which
 lives for a whole policy call and holds almost no cycles when it dies.
 
+:class:`IdleCollector` puts a server outside checkpoints on the same schedule, collecting
+only while it has no call in flight (the scripted policy engine, whose full collections at
+10k calls in flight took seconds and freed nothing).
+
 Young collections (generations 0 and 1) stay automatic: they are short and keep the heap
 from growing between full ones. The schedule does not decide *when* a checkpoint ends (the
 fence calls :meth:`CollectorSchedule.collect_if_due` then, and
@@ -227,3 +231,47 @@ class FenceCollector:
         # The hold was just given back: the next checkpoint is as far away as it will be.
         if self._attached:
             self._schedule.collect_if_due()
+
+
+class IdleCollector:
+    """Full collections for a server that takes no part in checkpoints but holds many calls
+    at once (the scripted policy engine): from :meth:`start` to :meth:`aclose` the schedule
+    is attached (no automatic full collection), and every ``check_every_s`` a due one runs
+    if ``busy()`` says no call is in flight. Under load that never lets up none runs: fit
+    only for a heap that makes next to no cyclic garbage (the scripted policy's: every full
+    collection logged at 10k calls in flight found 0 objects, and took 1.1-2.8 s).
+    """
+
+    def __init__(
+        self,
+        busy: Callable[[], bool],
+        schedule: CollectorSchedule | None = None,
+        *,
+        check_every_s: float | None = None,
+    ) -> None:
+        """``check_every_s``: default :data:`CHECK_EVERY_S`."""
+        self._busy = busy
+        self._schedule = collector_schedule() if schedule is None else schedule
+        self._check_every_s = CHECK_EVERY_S if check_every_s is None else check_every_s
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        """Attach and start checking (idempotent; call it on the serving event loop)."""
+        if self._task is None:
+            self._schedule.attach()
+            self._task = asyncio.create_task(self._collect_when_idle(), name="rollpoint-idle-gc")
+
+    async def aclose(self) -> None:
+        """Stop checking and detach (automatic full collections come back)."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+            self._schedule.detach()
+
+    async def _collect_when_idle(self) -> None:
+        while True:
+            await asyncio.sleep(self._check_every_s)
+            if not self._busy():
+                self._schedule.collect_if_due()

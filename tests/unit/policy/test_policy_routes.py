@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import gc
+import itertools
 import time
 from collections.abc import AsyncIterator
 from types import SimpleNamespace
@@ -14,6 +17,8 @@ import pytest
 from rollpoint.policy import scripted_policy
 from rollpoint.policy.openai_wire import ChatCompletion, ChatCompletionChunk, ModelList
 from rollpoint.policy.scripted_policy import PolicySettings, create_policy_app
+from rollpoint.store import collector_schedule
+from rollpoint.store.collector_schedule import CollectorSchedule
 from tests.unit.policy.fake_environments import MAIL, SYNC, WORKPLACE_TOOLS, workplace_prompt
 
 WORKPLACE = {
@@ -204,3 +209,32 @@ def test_settings_refuse_out_of_range_values() -> None:
     for bad in ({"error_rate": 1.5}, {"latency_ms": -1}, {"tokens_per_call": 0}, {"sed": 1}):
         with pytest.raises(ValueError):
             PolicySettings.model_validate(bad)
+
+
+async def test_the_policy_runs_full_collections_only_while_no_call_is_in_flight(
+    monkeypatch: pytest.MonkeyPatch, full_collections: list[int]
+) -> None:
+    monkeypatch.setattr(collector_schedule, "CHECK_EVERY_S", 0.01)
+    thresholds = gc.get_threshold()
+    ticks = itertools.count(step=collector_schedule.MIN_GAP_S)
+    due = CollectorSchedule(lambda: next(ticks))  # a full collection is due at every check
+    app = create_policy_app(PolicySettings(latency_ms=300), schedule=due)
+    async with app.router.lifespan_context(app):
+        assert gc.get_threshold()[2] > 10**9  # CPython's own full collections are off
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://policy"
+        ) as client:
+            body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+            call = asyncio.create_task(client.post("/v1/chat/completions", json=body))
+            await asyncio.sleep(0.05)
+            assert not call.done()
+            full_collections.clear()  # any before the call arrived
+            await asyncio.sleep(0.2)
+            assert full_collections == []  # ~20 checks while the call sleeps
+            assert (await call).status_code == 200
+            for _ in range(200):
+                if full_collections:
+                    break
+                await asyncio.sleep(0.01)
+            assert full_collections, "no full collection once the call was answered"
+    assert gc.get_threshold() == thresholds

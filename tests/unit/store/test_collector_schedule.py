@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import weakref
 from collections.abc import Iterator
@@ -16,6 +17,7 @@ from rollpoint.store.collector_schedule import (
     RATIO,
     THAW_GAP_S,
     CollectorSchedule,
+    IdleCollector,
 )
 
 
@@ -178,3 +180,28 @@ def test_a_scheduled_collection_freezes_its_survivors_and_a_late_one_thaws_first
     finally:
         schedule.detach()
     assert gc.get_freeze_count() == 0  # the last detach thaws everything
+
+
+async def test_an_idle_collector_runs_a_due_full_collection_only_once_nothing_is_busy(
+    full_collections: list[int],
+) -> None:
+    thresholds = gc.get_threshold()
+    clock = FakeClock()
+    schedule = CollectorSchedule(clock)
+    clock.now = MIN_GAP_S  # one is due from now on
+    busy = True
+    collector = IdleCollector(lambda: busy, schedule, check_every_s=0.01)
+    collector.start()
+    try:
+        assert gc.get_threshold()[2] > 10**9  # no automatic full collection while started
+        await asyncio.sleep(0.15)
+        assert full_collections == []  # ~15 checks, all busy
+        busy = False
+        for _ in range(200):
+            if full_collections:
+                break
+            await asyncio.sleep(0.01)
+        assert full_collections == [2]
+    finally:
+        await collector.aclose()
+    assert gc.get_threshold() == thresholds

@@ -9,11 +9,10 @@ Any model name is accepted and echoed back.
 
 It runs full garbage collections only while no call is in flight
 (:class:`~rollpoint.store.collector_schedule.IdleCollector`). Holding 10k calls in a
-benchmark, CPython's own took 1.1-2.8 s each and found nothing to free, and the burst of
-replies after each stall lengthened the next snapshot pause of the servers it feeds: at
-10k sessions (2026-12-01), every pause over 140 ms began within 1.4 s of the end of one,
-and with them off 18 pauses in a row stayed at or under 83 ms. A benchmark of
-checkpointing measured the stand-in engine's collector.
+benchmark, CPython's own took 1.1-2.8 s every few seconds and freed nothing: the stand-in
+engine stalled every call it held. (They were also suspected of lengthening the next
+snapshot pause through the burst of replies after each; with them gone the 10k point
+still had pauses of 125-462 ms, so that was not the only cause. See docs/PERFORMANCE.md.)
 
 Does not own: what to answer (:mod:`rollpoint.policy.playbook`) or the payload shapes
 (:mod:`rollpoint.policy.openai_wire`). Starting the process is the runtime's job.

@@ -101,7 +101,7 @@ from rollpoint.protocol.errors import (
     StaleCheckpointError,
 )
 from rollpoint.protocol.ids import EpisodeId, is_identifier
-from rollpoint.store.collector_schedule import CollectorSchedule, FenceCollector
+from rollpoint.store.collector_schedule import CollectorSchedule, ServerCollector
 from rollpoint.store.filesystem import resolve_inside
 from rollpoint.store.participant_state import read_participant_state
 
@@ -182,7 +182,7 @@ class Fence:
         self._marks: dict[str, int] = {}
         self._lease_changed = asyncio.Event()
         self._watcher: asyncio.Task[None] | None = None
-        self._collector = FenceCollector(schedule)
+        self._collector = ServerCollector(schedule)
         """Holds the cyclic collector paused while the phase is not idle, and runs this
         process's full collections around checkpoints once started."""
         self._closed = False

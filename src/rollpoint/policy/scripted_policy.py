@@ -8,7 +8,7 @@ finish reason, a usage chunk when ``stream_options.include_usage`` asks for it, 
 Any model name is accepted and echoed back.
 
 It runs full garbage collections only while no call is in flight
-(:class:`~rollpoint.store.collector_schedule.IdleCollector`). Holding 10k calls in a
+(:class:`~rollpoint.store.collector_schedule.ServerCollector` with ``idle``). Holding 10k calls in a
 benchmark, CPython's own took 1.1-2.8 s every few seconds and freed nothing: the stand-in
 engine stalled every call it held. (They were also suspected of lengthening the next
 snapshot pause through the burst of replies after each; with them gone the 10k point
@@ -56,7 +56,7 @@ from rollpoint.policy.openai_wire import (
 )
 from rollpoint.policy.playbook import Decision, FinalDecision, Playbook, ToolCallDecision
 from rollpoint.protocol.model_base import StrictModel
-from rollpoint.store.collector_schedule import CollectorSchedule, IdleCollector
+from rollpoint.store.collector_schedule import CollectorSchedule, ServerCollector
 
 _CHARS_PER_TOKEN = 4
 _TOKENS_PER_MESSAGE = 4
@@ -185,7 +185,7 @@ def create_policy_app(
 ) -> FastAPI:
     """``schedule``: the collector schedule to attach (default: this process's)."""
     in_flight = 0
-    collector = IdleCollector(lambda: in_flight > 0, schedule)
+    collector = ServerCollector(schedule, idle=lambda: in_flight == 0)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -18,8 +18,8 @@ machinery of in-flight requests (coroutines, cells, bound methods: ~170 objects 
 session in an agent, ~230 an in-flight call in a model server, counted at 10k), which
 lives for a whole policy call and holds almost no cycles when it dies.
 
-:class:`IdleCollector` puts a server outside checkpoints on the same schedule, collecting
-only while it has no call in flight (the scripted policy engine, whose full collections at
+:class:`ServerCollector` with ``idle`` puts a server outside checkpoints on the same
+schedule, collecting only while it has no call in flight (the scripted policy engine, whose full collections at
 10k calls in flight took seconds and freed nothing).
 
 Young collections (generations 0 and 1) stay automatic: they are short and keep the heap
@@ -59,7 +59,7 @@ scans only what was allocated since; at most this often one thaws them first and
 everything, collecting reference cycles among the frozen (at 100k sessions such a complete
 scan takes seconds; a gc callback logged almost no cyclic garbage at that age)."""
 CHECK_EVERY_S = 5.0
-"""How often a :class:`FenceCollector`'s task looks for an overdue full collection."""
+"""How often a :class:`ServerCollector`'s task looks for an overdue full collection."""
 _NEVER = 2**31 - 1
 """A generation-2 threshold no count reaches (``gc.set_threshold`` takes a C int)."""
 
@@ -160,12 +160,18 @@ def collector_schedule() -> CollectorSchedule:
     return _SCHEDULE
 
 
-class FenceCollector:
-    """One fence's share of its process's collector: the :class:`CollectorHold` that keeps
-    it paused while the participant is held, and, from :meth:`start` to :meth:`aclose`,
-    a place on the schedule: attached, a due collection whenever the hold is given back
-    (a checkpoint just ended), and a task that runs an overdue one every
-    :data:`CHECK_EVERY_S` while nothing is held.
+class ServerCollector:
+    """One server's share of its process's collector: the :class:`CollectorHold` that
+    keeps it paused while a checkpoint holds the server (a fence holds it), and, from
+    :meth:`start` to :meth:`aclose`, a place on the schedule: attached, a due collection
+    whenever the hold is given back (a checkpoint just ended), and a task that looks every
+    :data:`CHECK_EVERY_S`, while nothing is held, for an overdue one.
+
+    ``idle`` is for a server that takes no part in checkpoints but holds many calls at once
+    (the scripted policy engine): the task then runs a *due* collection whenever ``idle()``
+    and none at all otherwise, so under load that never lets up none runs. Fit only for a
+    heap that makes next to no cyclic garbage (the scripted policy's: every full collection
+    logged at 10k calls in flight found 0 objects, and took 1.1-2.8 s).
 
     Not started at construction: an app factory may build the fence inside another event
     loop than the one that serves it. Attached only while the task lives (its end detaches,
@@ -173,8 +179,14 @@ class FenceCollector:
     are never off without something to run them instead.
     """
 
-    def __init__(self, schedule: CollectorSchedule | None = None) -> None:
+    def __init__(
+        self,
+        schedule: CollectorSchedule | None = None,
+        *,
+        idle: Callable[[], bool] | None = None,
+    ) -> None:
         self._schedule = collector_schedule() if schedule is None else schedule
+        self._idle = idle
         self._hold = CollectorHold(on_release=self._after_release)
         self._task: asyncio.Task[None] | None = None
         self._attached = False
@@ -201,7 +213,7 @@ class FenceCollector:
             return
         self._schedule.attach()
         self._attached = True
-        self._task = asyncio.create_task(self._collect_when_overdue(), name="rollpoint-collector")
+        self._task = asyncio.create_task(self._check(), name="rollpoint-collector")
         self._task.add_done_callback(lambda _: self._leave())
 
     async def aclose(self) -> None:
@@ -221,57 +233,17 @@ class FenceCollector:
             self._attached = False
             self._schedule.detach()
 
-    async def _collect_when_overdue(self) -> None:
+    async def _check(self) -> None:
         while True:
             await asyncio.sleep(CHECK_EVERY_S)
-            if not self._hold.held:
+            if self._hold.held:
+                continue
+            if self._idle is None:
                 self._schedule.collect_if_overdue()
+            elif self._idle():
+                self._schedule.collect_if_due()
 
     def _after_release(self) -> None:
         # The hold was just given back: the next checkpoint is as far away as it will be.
         if self._attached:
             self._schedule.collect_if_due()
-
-
-class IdleCollector:
-    """Full collections for a server that takes no part in checkpoints but holds many calls
-    at once (the scripted policy engine): from :meth:`start` to :meth:`aclose` the schedule
-    is attached (no automatic full collection), and every ``check_every_s`` a due one runs
-    if ``busy()`` says no call is in flight. Under load that never lets up none runs: fit
-    only for a heap that makes next to no cyclic garbage (the scripted policy's: every full
-    collection logged at 10k calls in flight found 0 objects, and took 1.1-2.8 s).
-    """
-
-    def __init__(
-        self,
-        busy: Callable[[], bool],
-        schedule: CollectorSchedule | None = None,
-        *,
-        check_every_s: float | None = None,
-    ) -> None:
-        """``check_every_s``: default :data:`CHECK_EVERY_S`."""
-        self._busy = busy
-        self._schedule = collector_schedule() if schedule is None else schedule
-        self._check_every_s = CHECK_EVERY_S if check_every_s is None else check_every_s
-        self._task: asyncio.Task[None] | None = None
-
-    def start(self) -> None:
-        """Attach and start checking (idempotent; call it on the serving event loop)."""
-        if self._task is None:
-            self._schedule.attach()
-            self._task = asyncio.create_task(self._collect_when_idle(), name="rollpoint-idle-gc")
-
-    async def aclose(self) -> None:
-        """Stop checking and detach (automatic full collections come back)."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
-            self._schedule.detach()
-
-    async def _collect_when_idle(self) -> None:
-        while True:
-            await asyncio.sleep(self._check_every_s)
-            if not self._busy():
-                self._schedule.collect_if_due()

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 
+from rollpoint.store import collector_schedule
 from rollpoint.store.collector_pause import collector_paused
 from rollpoint.store.collector_schedule import (
     MAX_GAP_S,
@@ -17,7 +18,7 @@ from rollpoint.store.collector_schedule import (
     RATIO,
     THAW_GAP_S,
     CollectorSchedule,
-    IdleCollector,
+    ServerCollector,
 )
 
 
@@ -183,14 +184,15 @@ def test_a_scheduled_collection_freezes_its_survivors_and_a_late_one_thaws_first
 
 
 async def test_an_idle_collector_runs_a_due_full_collection_only_once_nothing_is_busy(
-    full_collections: list[int],
+    monkeypatch: pytest.MonkeyPatch, full_collections: list[int]
 ) -> None:
+    monkeypatch.setattr(collector_schedule, "CHECK_EVERY_S", 0.01)
     thresholds = gc.get_threshold()
     clock = FakeClock()
     schedule = CollectorSchedule(clock)
     clock.now = MIN_GAP_S  # one is due from now on
     busy = True
-    collector = IdleCollector(lambda: busy, schedule, check_every_s=0.01)
+    collector = ServerCollector(schedule, idle=lambda: not busy)
     collector.start()
     try:
         assert gc.get_threshold()[2] > 10**9  # no automatic full collection while started

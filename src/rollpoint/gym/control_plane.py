@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 
-from rollpoint.gym.control_routes import control_router
+from rollpoint.gym.control_routes import mount_control_routes
 from rollpoint.gym.fence import ControlSettings, Fence
 from rollpoint.gym.participant import Participant
 from rollpoint.http.auth import load_token
@@ -43,7 +43,7 @@ def mount_control_plane(
         token=load_token(), snapshot_root=snapshot_root, lease_grace_s=lease_grace_s
     )
     fence = Fence(participant, settings)
-    app.include_router(control_router(fence, settings))
+    mount_control_routes(app, fence, settings)
     app.state.fence = fence
     return fence
 

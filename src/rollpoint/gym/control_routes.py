@@ -9,7 +9,7 @@ no state and makes no decision: the fence does.
 A server mounts it on its app and stops the fence with the app::
 
     fence = Fence(participant, settings)
-    app.include_router(control_router(fence, settings))
+    mount_control_routes(app, fence, settings)
     # in the app's lifespan, on shutdown: await fence.aclose()
 """
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request, Response
+from fastapi import Depends, FastAPI, Request, Response
 from fastapi.routing import APIRoute
 
 from rollpoint.gym.fence import ControlSettings, Fence
@@ -49,7 +49,7 @@ from rollpoint.protocol.control import (
 )
 from rollpoint.protocol.errors import RollpointError
 
-__all__ = ["ControlSettings", "control_router"]
+__all__ = ["ControlSettings", "mount_control_routes"]
 
 
 def _auth_first(auth: BearerAuth) -> type[APIRoute]:
@@ -72,61 +72,71 @@ def _auth_first(auth: BearerAuth) -> type[APIRoute]:
     return AuthFirstRoute
 
 
-def control_router(fence: Fence, settings: ControlSettings) -> APIRouter:
-    """Every control verb of ``fence``, guarded by ``settings.token``.
+def mount_control_routes(app: FastAPI, fence: Fence, settings: ControlSettings) -> None:
+    """Register every control verb of ``fence`` on ``app``, guarded by ``settings.token``.
 
-    Pass the same settings the fence was built with.
+    Pass the same settings the fence was built with. The routes go on the app's own router,
+    not through ``include_router``: FastAPI >= 0.165 builds an included router's routes on
+    its first request, inside the first prepare's pause, and its build silences a pydantic
+    warning with ``warnings.catch_warnings()``, which races when several servers share a
+    process (the tests do). Routes added here are built now, once, in the caller's thread.
     """
     auth = BearerAuth(settings.token)
-    router = APIRouter(
-        prefix=CONTROL_PREFIX,
-        tags=["checkpoint control"],
-        # The dependency documents the scheme in the OpenAPI schema; the route class enforces it.
-        dependencies=[Depends(auth)],
-        route_class=_auth_first(auth),
-    )
+    route_class = _auth_first(auth)
 
-    @router.get(f"/{Verb.STATUS}")
+    def add(verb: Verb, endpoint: Callable[..., Any], **options: Any) -> None:
+        app.router.add_api_route(
+            f"{CONTROL_PREFIX}/{verb}",
+            endpoint,
+            methods=["GET" if verb is Verb.STATUS else "POST"],
+            tags=["checkpoint control"],
+            # The dependency documents the scheme in the OpenAPI schema; the route class
+            # enforces it.
+            dependencies=[Depends(auth)],
+            route_class_override=route_class,
+            **options,
+        )
+
     async def status() -> StatusReply:
         return fence.status()
 
-    @router.post(f"/{Verb.PREPARE}")
     async def prepare(body: PrepareRequest) -> PrepareReply:
         return await fence.prepare(body)
 
-    @router.post(f"/{Verb.RENEW}")
     async def renew(body: RenewRequest) -> RenewReply:
         return await fence.renew(body)
 
-    @router.post(f"/{Verb.COMMIT}", response_model=CommitReply)
     async def commit(body: CommitRequest) -> Response:
         reply = await fence.commit(body)
         # Serialised once, here: the reply maps every exported episode, and FastAPI
         # would dump, validate and dump it again inside the snapshot pause.
         return Response(reply.model_dump_json(), media_type="application/json")
 
-    @router.post(f"/{Verb.CONFIRM}")
     async def confirm(body: ConfirmRequest) -> ConfirmReply:
         return await fence.confirm(body)
 
-    @router.post(f"/{Verb.RESUME}")
     async def resume(body: ResumeRequest) -> ResumeReply:
         return await fence.resume(body)
 
-    @router.post(f"/{Verb.RESTORE}")
     async def restore(body: RestoreRequest) -> RestoreReply:
         return await fence.restore(body)
 
-    @router.post(f"/{Verb.RETIRE}")
     async def retire(body: RetireRequest) -> RetireReply:
         return await fence.retire(body)
 
-    @router.post(f"/{Verb.FORGET}")
     async def forget(body: ForgetRequest) -> ForgetReply:
         return await fence.forget(body)
 
-    @router.post(f"/{Verb.ACK}")
     async def ack(body: AckRequest) -> AckReply:
         return await fence.ack(body)
 
-    return router
+    add(Verb.STATUS, status)
+    add(Verb.PREPARE, prepare)
+    add(Verb.RENEW, renew)
+    add(Verb.COMMIT, commit, response_model=CommitReply)
+    add(Verb.CONFIRM, confirm)
+    add(Verb.RESUME, resume)
+    add(Verb.RESTORE, restore)
+    add(Verb.RETIRE, retire)
+    add(Verb.FORGET, forget)
+    add(Verb.ACK, ack)

@@ -3,9 +3,11 @@ restore (read + verify + decode) time against snapshot size, measured in one run
 
 The disk figure is a plain sequential write of the same number of bytes in 8 MiB blocks
 with one fsync at the end — the physical limit a snapshot writer can approach. The
-snapshot figure is :func:`write_participant_state` on records shaped like an agent's
-saved sessions (a transcript of a few turns each), fsync included, so the ratio is
-rollpoint's serialisation + hashing + write path against the raw disk.
+snapshot figure is :func:`write_participant_state` on the records real agent sessions
+export (three turns each; :meth:`Session.export_json`, as the agent's state image hands
+them to a write), fsync included, so the ratio is rollpoint's serialisation + hashing +
+write path against the raw disk. The sessions' first export (where each transcript is
+encoded, once in its life) is reported apart as ``first_export_s``.
 """
 
 from __future__ import annotations
@@ -16,9 +18,11 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from bench.report import BenchResult
+from rollpoint.gym.session import Session
+from rollpoint.protocol.episode import ModelCall, RunRow, TaskRow
+from rollpoint.protocol.ids import EpisodeId
 from rollpoint.store.participant_state import read_participant_state, write_participant_state
 
 _BLOCK = 8 << 20
@@ -26,8 +30,9 @@ INSTANCE = "agent-replica-0"
 REPEATS = 2
 
 
-def _records(n: int) -> list[dict[str, Any]]:
-    turn = {
+def _sessions(n: int) -> list[Session]:
+    """``n`` sessions three turns in, played the way the episode runner plays them."""
+    assistant = {
         "role": "assistant",
         "content": None,
         "tool_calls": [
@@ -46,18 +51,19 @@ def _records(n: int) -> list[dict[str, Any]]:
         "tool_call_id": "call_0",
         "content": '{"status": "created", "event": {"id": 1}}',
     }
-    return [
-        {
-            "kind": "session",
-            "episode": {"rollout_id": f"r{i:015x}", "attempt": 0},
-            "turn": 3,
-            "messages": [
-                {"role": "user", "content": "Schedule these events…" * 4},
-                *([turn, tool] * 3),
-            ],
-        }
-        for i in range(n)
-    ]
+    task = TaskRow(task_id="t0", environment="workplace", prompt="Schedule these events…" * 4)
+    sessions = []
+    for i in range(n):
+        episode = EpisodeId(rollout_id=f"r{i:015x}", attempt=0)
+        session = Session(RunRow(task=task, group_id=f"g{i // 4}", row=i % 4, episode=episode))
+        for turn in range(3):
+            message = dict(assistant)
+            session.add_model_call(ModelCall(turn=turn, attempt=0, response=message))
+            session.add_message(message)
+            session.turn += 1
+            session.add_message(dict(tool))
+        sessions.append(session)
+    return sessions
 
 
 def _disk_write(path: Path, size: int) -> float:
@@ -78,7 +84,12 @@ def _best(fn: Callable[[], float], repeats: int) -> float:
 
 
 def _measure(tmp: Path, n: int, repeats: int) -> dict[str, float]:
-    records = _records(n)
+    sessions = _sessions(n)
+    # What the agent's state image hands a write: each session's export, made between
+    # checkpoints (its transcript encoded once in the session's life, not once per write).
+    t0 = time.perf_counter()
+    records = [session.export_json() for session in sessions]
+    first_export_s = time.perf_counter() - t0
     manifest = None
     folders: list[Path] = []
 
@@ -119,6 +130,7 @@ def _measure(tmp: Path, n: int, repeats: int) -> dict[str, float]:
     mib = manifest.bytes / (1 << 20)
     return {
         f"n{n}_mib": mib,
+        f"n{n}_first_export_s": first_export_s,
         f"n{n}_snapshot_write_mib_per_s": mib / write_s,
         f"n{n}_disk_write_mib_per_s": mib / disk_s,
         f"n{n}_write_ratio_to_disk": disk_s / write_s,
@@ -141,7 +153,7 @@ def run(sizes: tuple[int, ...] = (10_000, 100_000), repeats: int = REPEATS) -> B
         figures=figures,
         params={
             "records": ", ".join(str(n) for n in sizes),
-            "record": "one agent session, 3 turns",
+            "record": "one agent session's export, 3 turns",
             "timing": f"wall time, best of {repeats}, snapshot and raw writes alternated",
             "restore": "read + sha256 + count + decode, page cache warm (just written)",
         },

@@ -27,6 +27,7 @@ from rollpoint.protocol.episode import RunRow
 from rollpoint.protocol.ids import EpisodeId
 from rollpoint.protocol.participant import CheckpointMode
 from tests.support.live_server import serve_app
+from tests.support.records import read_back
 
 pytestmark = pytest.mark.integration
 
@@ -67,7 +68,8 @@ def agent_app(settings: AgentSettings) -> FastAPI:
 
     @app.post("/test/export")
     async def export(scope: list[EpisodeId]) -> list[Any]:
-        return book.export(scope)
+        records: list[Any] = read_back(book.export(scope))
+        return records
 
     @app.post("/test/retire")
     async def retire(marks: dict[str, int]) -> list[Any]:

@@ -58,6 +58,7 @@ from rollpoint.protocol.errors import (
 )
 from rollpoint.protocol.ids import EpisodeId
 from rollpoint.protocol.participant import CheckpointMode
+from rollpoint.store.encoded_json import encoded
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +153,7 @@ class SessionBook:
         self._by_state: dict[SessionState, dict[str, Session]] = {s: {} for s in LIVE_STATES}
         self._finished: dict[str, RunReply] = {}
         """Held replies by episode key, oldest first."""
-        self._finished_json: dict[str, tuple[RunReply, dict[str, JsonValue]]] = {}
+        self._finished_json: dict[str, tuple[RunReply, dict[str, Any]]] = {}
         """The record a checkpoint exported for a held reply, with the reply it was made
         of: replies are immutable, so each is dumped once however many checkpoints hold it."""
         self._held: dict[str, set[int]] = {}
@@ -509,13 +510,16 @@ class SessionBook:
     def _finished_records(self) -> list[dict[str, JsonValue]]:
         """The dump of each ``FinishedReplyRecord(reply=...)``, without validating the reply
         again, and made once per held reply: the record of one held at the last export is
-        handed out again (never changed, like the reply it is made of)."""
+        handed out again (never changed, like the reply it is made of). The reply is a
+        pre-encoded :class:`orjson.Fragment`, as in :meth:`Session.export_json`: a held
+        reply is written by every checkpoint until the trainer acks it."""
         cache = self._finished_json
         records: list[dict[str, JsonValue]] = []
         for key, reply in self._finished.items():
             cached = cache.get(key)
             if cached is None or cached[0] is not reply:
-                cached = (reply, {"kind": "finished_reply", "reply": reply.model_dump(mode="json")})
+                reply_json = encoded(reply.model_dump(mode="json"))
+                cached = (reply, {"kind": "finished_reply", "reply": reply_json})
                 cache[key] = cached
             records.append(cached[1])
         return records

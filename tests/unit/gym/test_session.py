@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 
 import pytest
@@ -23,6 +22,7 @@ from rollpoint.gym.session import (
 from rollpoint.protocol.episode import ModelCall, RunRow, TaskRow
 from rollpoint.protocol.errors import InvalidPhaseError
 from rollpoint.protocol.ids import EpisodeId
+from tests.support.records import read_back
 
 S = SessionState
 
@@ -144,17 +144,17 @@ def _play_turn(session: Session) -> None:
 def test_export_json_is_the_validated_record_dumped_across_exports_and_attempts() -> None:
     session = Session(_row("r7", 0))
     _play_turn(session)
-    assert session.export_json() == session.to_record().model_dump(mode="json")
-    # Later exports dump only the new calls; the whole record must still match.
+    assert read_back(session.export_json()) == session.to_record().model_dump(mode="json")
+    # Later exports encode only the new calls and messages; the whole record must still match.
     _play_turn(session)
     session.pending_response = {"role": "assistant", "content": "turn 1"}
     first = session.export_json()
-    assert first == session.to_record().model_dump(mode="json")
-    restored = Session.from_record(SessionRecord.model_validate(first))
+    assert read_back(first) == session.to_record().model_dump(mode="json")
+    restored = Session.from_record(SessionRecord.model_validate(read_back(first)))
     restored.continue_as(_row("r7", 1))
     _play_turn(restored)
     exported = restored.export_json()
-    assert exported == restored.to_record().model_dump(mode="json")
+    assert read_back(exported) == restored.to_record().model_dump(mode="json")
     assert exported["episode"] == {"rollout_id": "r7", "attempt": 1}
     # An export is a copy: the session going on does not change it.
     _play_turn(session)
@@ -180,11 +180,37 @@ def test_a_call_added_is_dumped_then_and_never_again_by_an_export(
     session.turn += 1
     record = session.export_json()
     assert dumps == [0]  # the checkpoint's export dumped nothing
-    assert record["model_calls"] == [
+    assert read_back(record)["model_calls"] == [
         ModelCall(turn=0, attempt=0, response=message).model_dump(mode="json")
     ]
     monkeypatch.undo()
-    assert record == session.to_record().model_dump(mode="json")
+    assert read_back(record) == session.to_record().model_dump(mode="json")
+
+
+def test_an_export_encodes_only_what_was_appended_since_the_last_one() -> None:
+    session = Session(_row("r7", 0))
+    _play_turn(session)
+    first = session.export_json()
+    _play_turn(session)
+    second = session.export_json()
+    # The same encoded objects: nothing exported before was encoded again.
+    assert all(a is b for a, b in zip(first["messages"], second["messages"], strict=False))
+    assert all(a is b for a, b in zip(first["model_calls"], second["model_calls"], strict=False))
+    assert second["row"] is first["row"]
+    assert (len(first["messages"]), len(second["messages"])) == (2, 3)
+    assert read_back(second) == session.to_record().model_dump(mode="json")
+    # Replacing the lists (a restore does) drops what was encoded for the old ones.
+    session.messages = [{"role": "user", "content": "other"}, *session.messages[1:]]
+    third = session.export_json()
+    assert third["messages"][0] is not second["messages"][0]
+    assert read_back(third)["messages"][0] == {"role": "user", "content": "other"}
+
+
+def test_a_message_orjson_cannot_encode_is_exported_as_is_for_the_write_to_name() -> None:
+    session = Session(_row("r7", 0))
+    odd = {"role": "tool", "tool_call_id": "c0", "content": {1j}}
+    session.add_message(odd)
+    assert session.export_json()["messages"][-1] is odd
 
 
 def _apply_tools(session: Session) -> None:
@@ -234,13 +260,13 @@ def test_export_json_reuses_the_record_until_a_change_and_never_changes_one_hand
     _play_turn(session)
     session.pending_response = session.messages[-1]
     first = session.export_json()
-    kept = copy.deepcopy(first)
+    kept = read_back(first)
     assert session.export_json() is first  # nothing changed: the same record again
     change(session)
     second = session.export_json()
-    assert first == kept  # the session went on; the record handed out did not change
-    assert second is not first and second != first
-    assert second == _unchecked_record(session)
+    assert read_back(first) == kept  # the session went on; the record handed out did not change
+    assert second is not first and read_back(second) != kept
+    assert read_back(second) == _unchecked_record(session)
     assert session.export_json() is second
 
 
@@ -260,11 +286,11 @@ def _unchecked_record(session: Session) -> dict[str, object]:
 def test_a_continued_restored_session_exports_its_new_attempt() -> None:
     session = Session(_row("r7", 0))
     _play_turn(session)
-    restored = Session.from_record(SessionRecord.model_validate(session.export_json()))
+    restored = Session.from_record(SessionRecord.model_validate(read_back(session.export_json())))
     first = restored.export_json()
-    kept = copy.deepcopy(first)
+    kept = read_back(first)
     restored.continue_as(_row("r7", 1).model_copy(update={"row": 3}))
-    second = restored.export_json()
-    assert first == kept
+    second = read_back(restored.export_json())
+    assert read_back(first) == kept
     assert (second["episode"], second["row"]["row"]) == ({"rollout_id": "r7", "attempt": 1}, 3)
     assert second == restored.to_record().model_dump(mode="json")

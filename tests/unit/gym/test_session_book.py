@@ -8,7 +8,6 @@ the book is tested without sockets; the real runner is exercised in
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 from typing import Any
 
@@ -35,6 +34,7 @@ from rollpoint.protocol.errors import (
 )
 from rollpoint.protocol.ids import EpisodeId
 from rollpoint.protocol.participant import CheckpointMode
+from tests.support.records import read_back
 
 S = SessionState
 
@@ -254,7 +254,7 @@ async def test_export_then_install_continues_from_the_saved_turn() -> None:
     play.model.set()
     await _settle()
     assert book.session("r1").state is S.AWAITING_MODEL  # type: ignore[union-attr]
-    records = book.export([EpisodeId(rollout_id="r1")])
+    records = read_back(book.export([EpisodeId(rollout_id="r1")]))
     saved = [r for r in records if r["kind"] == "session"]
     assert len(saved) == 1
     assert (saved[0]["turn"], saved[0]["pending_response"]) == (1, None)
@@ -312,7 +312,7 @@ async def test_export_refuses_a_scoped_session_that_is_not_at_a_boundary() -> No
 async def test_export_includes_held_replies_and_install_holds_them_again() -> None:
     book = _book(FakePlay())
     await _result(book.submit(_row("done")))
-    records = book.export([])
+    records = read_back(book.export([]))
     assert [r["kind"] for r in records] == ["finished_reply"]
     fresh = _book(FakePlay())
     assert fresh.install(records) == []
@@ -330,7 +330,7 @@ async def test_an_export_reuses_the_records_of_what_did_not_change_and_never_cha
     await _settle()
     scope = [EpisodeId(rollout_id="a"), EpisodeId(rollout_id="b")]
     first = (await book.capture(scope))()
-    kept = copy.deepcopy(first)
+    kept = read_back(first)
     # Session a makes its next policy call and gets the reply (as the runner does).
     a = book.session("a")
     assert a is not None and a.at_boundary
@@ -340,10 +340,10 @@ async def test_an_export_reuses_the_records_of_what_did_not_change_and_never_cha
     a.turn += 1
     a.pending_response = message
     second = (await book.capture(scope))()
-    assert first == kept  # what the first export handed out did not change
+    assert read_back(first) == kept  # what the first export handed out did not change
     assert [r["kind"] for r in second] == ["session", "session", "finished_reply"]
     assert (second[0]["turn"], second[0]["pending_response"]) == (2, message)
-    assert second[0] == a.to_record().model_dump(mode="json")
+    assert read_back(second)[0] == a.to_record().model_dump(mode="json")
     assert second[0] is not first[0]
     assert second[1] is first[1]  # b did not change: its record is handed out again
     assert second[2] is first[2]  # nor did the held reply
@@ -359,7 +359,7 @@ async def test_install_is_all_or_nothing() -> None:
     source.submit(_row("a"))
     source.submit(_row("b"))
     await _settle()
-    records = source.export([EpisodeId(rollout_id="a"), EpisodeId(rollout_id="b")])
+    records = read_back(source.export([EpisodeId(rollout_id="a"), EpisodeId(rollout_id="b")]))
     await source.aclose()
 
     target = _book(FakePlay())
@@ -386,7 +386,7 @@ async def test_install_keeps_only_the_scope_when_given() -> None:
     source.submit(_row("a"))
     source.submit(_row("b"))
     await _settle()
-    records = source.export([EpisodeId(rollout_id="a"), EpisodeId(rollout_id="b")])
+    records = read_back(source.export([EpisodeId(rollout_id="a"), EpisodeId(rollout_id="b")]))
     await source.aclose()
     target = _book(FakePlay())
     assert target.install(records, scope=[EpisodeId(rollout_id="b")]) == [
@@ -507,6 +507,6 @@ async def test_a_capture_builds_what_the_plain_export_returns() -> None:
     book.close_boundaries()
     scope = [EpisodeId(rollout_id=f"r{i}") for i in range(count)]
     records = (await book.capture(scope))()
-    assert records == book.export(scope)
+    assert read_back(records) == read_back(book.export(scope))
     assert [r["episode"]["rollout_id"] for r in records] == [f"r{i}" for i in range(count)]  # type: ignore[index]
     await book.aclose()

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import gc
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -15,6 +17,7 @@ from rollpoint.protocol.errors import (
     BadRequestError,
     CheckpointConflictError,
     InvalidCheckpointStateError,
+    SnapshotError,
 )
 from rollpoint.protocol.manifest import ParticipantManifest, encode_document
 from rollpoint.protocol.participant import ParticipantKind
@@ -274,6 +277,46 @@ def test_an_unencodable_record_publishes_nothing(location: str) -> None:
 
     assert info.value.message == "record 1 cannot be encoded: cannot encode set"
 
+    assert filesystem_for(location).listdir(_folder(location)) == []
+
+
+class _FullDisk:
+    """A stream whose second write fails as a full disk does (in the writer's thread)."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream, self.writes = stream, 0
+
+    def write(self, chunk: bytes) -> int:
+        self.writes += 1
+        if self.writes == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        written: int = self._stream.write(chunk)
+        return written
+
+
+def test_a_disk_error_while_writing_is_a_snapshot_error_naming_the_folder_and_publishes_nothing(
+    location: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fs_class = type(filesystem_for(location))
+    real = fs_class.open_write
+    streams: list[_FullDisk] = []
+
+    @contextlib.contextmanager
+    def failing(self: Any, path: str) -> Iterator[_FullDisk]:
+        with real(self, path) as stream:
+            streams.append(_FullDisk(stream))
+            yield streams[-1]
+
+    monkeypatch.setattr(fs_class, "open_write", failing)
+    # Two chunks at least: the first chunk holds 256 records.
+    records = [{"i": i, "pad": "x" * 1000} for i in range(1000)]
+
+    with pytest.raises(SnapshotError) as info:
+        _write(location, records)
+
+    assert info.value.message.startswith(f"cannot write participant state in {_folder(location)}")
+    assert info.value.message.endswith("No space left on device")
+    assert [s.writes for s in streams] == [2]
     assert filesystem_for(location).listdir(_folder(location)) == []
 
 

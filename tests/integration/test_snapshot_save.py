@@ -7,6 +7,7 @@ snapshot store holds and checks it against what the servers held at the cut.
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,8 @@ from rollpoint.envs import get_environment
 from rollpoint.gym.resources_server import EpisodeRecord
 from rollpoint.protocol.episode import TaskRow
 from rollpoint.protocol.errors import ConfigError
+from rollpoint.store import collector_schedule as collector_schedule_module
+from rollpoint.store.collector_schedule import collector_schedule
 from rollpoint.store.participant_state import read_participant_state
 from rollpoint.trainer.coordinator import LEDGER_FILE
 from rollpoint.trainer.train_hooks import TrainSample
@@ -123,6 +126,53 @@ async def test_snapshots_of_a_live_job_hold_what_the_servers_held(tmp_path: Path
     snaps = [e for e in events if e["event"] == "snapshot" and e["outcome"] == "published"]
     assert len(snaps) >= len(manifests)
     assert all(e["pause_seconds"] > 0 for e in snaps)
+
+
+async def test_the_trainers_full_collections_run_on_the_schedule_for_the_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Due after every pause (not only 10 s apart), so a short job shows several.
+    monkeypatch.setattr(collector_schedule_module, "MIN_GAP_S", 0.0)
+    schedule = collector_schedule()
+    thresholds = gc.get_threshold()
+    full: list[float] = []
+
+    def record(phase: str, info: dict[str, Any]) -> None:
+        if phase == "start" and info["generation"] == 2:
+            full.append(time.monotonic())
+
+    attached: list[bool] = []
+
+    async def watch() -> None:
+        while True:
+            attached.append(schedule.attached and gc.get_threshold()[2] > 10**9)
+            await asyncio.sleep(0.05)
+
+    # Periodic snapshots only: train checkpoints' back-to-back saves keep the hold taken.
+    config = job(
+        tmp_path,
+        tasks=16,
+        policy={"latency_ms": 100, "error_rate": 0.0},
+        train={"batch_size": 4, "checkpoint_every_steps": None},
+    )
+    gc.callbacks.append(record)
+    try:
+        async with embedded_job(config) as h:
+            watcher = asyncio.create_task(watch())
+            summary = await h.trainer.run()
+            watcher.cancel()
+    finally:
+        gc.callbacks.remove(record)
+    assert summary.episodes == 32 and not summary.failed_groups
+    # CPython's own full collections were off from the run's start (its discovery) to its end
+    assert True in attached and all(attached[attached.index(True) :])
+    # ... and the schedule ran them instead, after pauses (none runs inside one: the
+    # collector is held from the barrier closing to 0.25 s after it reopens).
+    published = [r for r in h.trainer.coordinator.history if r.published]  # type: ignore[union-attr]
+    assert len(published) >= 2 and full
+    # After the run, the collector is as it was: thresholds back, nothing left frozen.
+    assert not schedule.attached and gc.get_threshold() == thresholds
+    assert gc.get_freeze_count() == 0
 
 
 async def test_restart_only_server_is_refused_unless_allowed(tmp_path: Path) -> None:

@@ -1,8 +1,9 @@
 """When a checkpoint participant's process runs its full garbage collections.
 
 Owns :class:`CollectorSchedule`, one per process (:func:`collector_schedule`): while any
-fence is attached, CPython's *automatic* full (generation-2) collections are off and the
-process runs them itself, at moments a fence picks. At 100k in-flight sessions an
+fence (or the trainer's snapshot coordinator, for its run) is attached, CPython's
+*automatic* full (generation-2) collections are off and the process runs them itself, at
+moments a fence or the coordinator picks: right after a checkpoint's pause. At 100k in-flight sessions an
 environment server holds millions of objects, and an automatic full collection takes
 0.5-2.5 s every 10-20 s. The fence already pauses the collector from prepare to just after
 resume (:mod:`rollpoint.store.collector_pause`), but a full collection that *starts* just
@@ -161,8 +162,9 @@ def collector_schedule() -> CollectorSchedule:
 
 
 class ServerCollector:
-    """One server's share of its process's collector: the :class:`CollectorHold` that
-    keeps it paused while a checkpoint holds the server (a fence holds it), and, from
+    """One server's share of its process's collector (or the trainer's: its snapshot
+    coordinator holds one): the :class:`CollectorHold` that keeps it paused while a
+    checkpoint holds the server (a fence holds it; the coordinator, its pause), and, from
     :meth:`start` to :meth:`aclose`, a place on the schedule: attached, a due collection
     whenever the hold is given back (a checkpoint just ended), and a task that looks every
     :data:`CHECK_EVERY_S`, while nothing is held, for an overdue one.

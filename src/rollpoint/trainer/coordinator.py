@@ -66,7 +66,7 @@ from rollpoint.protocol.manifest import (
     topology_fingerprint,
 )
 from rollpoint.protocol.participant import CheckpointMode, ParticipantKind
-from rollpoint.store.collector_pause import collector_paused
+from rollpoint.store.collector_schedule import ServerCollector
 from rollpoint.store.snapshot_store import SnapshotStore
 from rollpoint.store.staging import Staging
 from rollpoint.trainer.control_calls import PREPARE_STAGES, by_deadline, failure_line
@@ -97,6 +97,12 @@ MAX_FAILED_IN_A_ROW = 3
 LEDGER_FILE = "ledger.json"
 TQ_FILE = "tq.json"
 TRAINER_FILE = "trainer.json"
+
+
+COLLECTOR_RELEASE_DELAY_S = 0.25
+"""The collector runs again this long after the barrier reopens, as in a participant's
+fence: a due full collection then runs while the reopened rows are on the wire, not in the
+reopen itself."""
 
 
 class SnapshotCoordinator:
@@ -136,6 +142,10 @@ class SnapshotCoordinator:
         self.history: list[SaveReport] = []
         self.before_save: Callable[[], Awaitable[None]] | None = None
         """Runs before the barrier closes (the trainer flushes retires and forgets: DESIGN §5.1)."""
+        self.collector = ServerCollector()
+        """Holds the cyclic collector paused through each pause. Once started (the trainer
+        loop starts it for its run and closes it after), this process's full collections
+        run on the servers' schedule too: right after a pause, and survivors frozen."""
 
     @property
     def saving(self) -> bool:
@@ -310,8 +320,7 @@ class SnapshotCoordinator:
         # No cyclic collection inside the pause: the trainer's heap holds every in-flight
         # stream and ledger record, and a full collection over it (triggered by the cut's
         # own allocations) measured ~1 s at 10k sessions. Garbage is collected after.
-        collector = contextlib.ExitStack()
-        collector.enter_context(collector_paused())
+        self.collector.hold()
         staging: Staging | None = None
         prepared = Prepared()
         renewer: asyncio.Task[None] | None = None
@@ -343,7 +352,7 @@ class SnapshotCoordinator:
             finally:
                 self.barrier.open()
                 report.pause_s = time.monotonic() - paused_at
-                collector.close()
+                self.collector.release_soon(COLLECTOR_RELEASE_DELAY_S)
         report.acked_away = await ack_strays(prepared.strays)
         if cut is None:
             if staging is not None:

@@ -172,7 +172,7 @@ async def test_the_trainers_full_collections_run_on_the_schedule_for_the_run(
     assert len(published) >= 2 and full
     # After the run, the collector is as it was: thresholds back, nothing left frozen.
     assert not schedule.attached and gc.get_threshold() == thresholds
-    assert gc.get_freeze_count() == 0
+    assert gc.get_freeze_count() == 0 and gc.isenabled()
 
 
 async def test_restart_only_server_is_refused_unless_allowed(tmp_path: Path) -> None:

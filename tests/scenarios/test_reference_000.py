@@ -154,6 +154,9 @@ async def test_retired_episodes_are_marked_retired(tmp_path: Path) -> None:
         ]
         await fronts[A0].heal()
         report = await r.coordinator.save()  # its resume reopens the gate
+        # Given back at once: no trainer run started this coordinator's collector, so a
+        # hold kept past the save would never be released (the collector off for good).
+        assert not r.coordinator.collector.held
         outcome = await asyncio.wait_for(run, 10)
         direct = cluster.clients(http)
         after = await statuses(direct)

@@ -5,10 +5,12 @@ and an agent server, each a real uvicorn server on loopback, each a checkpoint p
 guarded by a control token) but as threads of the test process: it starts in a fraction
 of a second, and it takes settings the runtime does not expose, such as the lease grace.
 
-Each server answers one request before the next one starts: FastAPI builds a route's
-parameter models on its first request, and several apps doing that at once in threads of
-one process race (now and then a route is built from a bare ``FieldInfo`` and pydantic
-warns, which pytest turns into a 500). Separate processes, as in production, never race.
+Each server answers one request before the next one starts. It was added because FastAPI
+(0.165) builds an *included* router's routes on its first request, silencing a pydantic
+warning with ``warnings.catch_warnings()``, and several apps doing that at once in threads
+of one process raced (pytest turned the warning into a 500). The control routes are now
+registered on each app and built when mounted (:mod:`rollpoint.gym.control_routes`), which
+removes the race for every test; the warm-up stays as a readiness check.
 """
 
 from __future__ import annotations

@@ -198,11 +198,20 @@ class ServerCollector:
     def held(self) -> bool:
         return self._hold.held
 
+    @property
+    def started(self) -> bool:
+        """On the schedule: started, not closed (its task runs, automatic full collections
+        are off)."""
+        return self._attached
+
     def hold(self) -> None:
         self._hold.hold()
 
     def release_soon(self, delay_s: float) -> None:
         self._hold.release_soon(delay_s)
+
+    def release(self) -> None:
+        self._hold.release()
 
     def start(self) -> None:
         """Attach and start the overdue task (idempotent; a no-op outside a running event

@@ -352,7 +352,12 @@ class SnapshotCoordinator:
             finally:
                 self.barrier.open()
                 report.pause_s = time.monotonic() - paused_at
-                self.collector.release_soon(COLLECTOR_RELEASE_DELAY_S)
+                if self.collector.started:
+                    self.collector.release_soon(COLLECTOR_RELEASE_DELAY_S)
+                else:
+                    # Nobody will close it (no trainer run started it), and the loop may end
+                    # before a delayed release: the collector would stay off for good.
+                    self.collector.release()
         report.acked_away = await ack_strays(prepared.strays)
         if cut is None:
             if staging is not None:

@@ -39,7 +39,7 @@ ITEMS: dict[str, Item] = {
         snapshot_io.run, (10_000, 50_000) if quick else (10_000, 100_000)
     ),
     "checkpoint_overhead": lambda quick: (
-        checkpoint_overhead.run(every_s=1.0, tasks=64, latency_ms=50)
+        checkpoint_overhead.run(every_s=1.0, tasks=64, latency_ms=50, order=("off", "on"))
         if quick
         else checkpoint_overhead.run(every_s=5.0, tasks=768, latency_ms=100)
     ),

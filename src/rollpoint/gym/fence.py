@@ -101,7 +101,11 @@ from rollpoint.protocol.errors import (
     StaleCheckpointError,
 )
 from rollpoint.protocol.ids import EpisodeId, is_identifier
-from rollpoint.store.collector_schedule import CollectorSchedule, ServerCollector
+from rollpoint.store.collector_schedule import (
+    COLLECTOR_RELEASE_DELAY_S,
+    CollectorSchedule,
+    ServerCollector,
+)
 from rollpoint.store.filesystem import resolve_inside
 from rollpoint.store.participant_state import read_participant_state
 
@@ -112,11 +116,6 @@ _WAIT_SLICE_S = 1.0
 """Longest single wait on the participant while preparing (a resume is noticed this fast)."""
 _REOPEN_RETRY_S = 1.0
 """After a failed reopen on lease expiry, try again this much later."""
-COLLECTOR_RELEASE_DELAY_S = 0.25
-"""The collector runs again this long after the phase returns to idle, not at once: held
-off through the cut, its counts are far past the thresholds, and the first allocation would
-start a full collection inside the resume itself, before the reply leaves (1.4 s of a
-100k-session pause was the resume, measured)."""
 
 
 @dataclass(frozen=True)

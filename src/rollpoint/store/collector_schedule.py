@@ -61,6 +61,13 @@ everything, collecting reference cycles among the frozen (at 100k sessions such 
 scan takes seconds; a gc callback logged almost no cyclic garbage at that age)."""
 CHECK_EVERY_S = 5.0
 """How often a :class:`ServerCollector`'s task looks for an overdue full collection."""
+COLLECTOR_RELEASE_DELAY_S = 0.25
+"""How long after a checkpoint's pause ends a fence or the trainer's coordinator gives its
+hold back (:meth:`ServerCollector.release_soon`), not at once: held off through the cut,
+the collector's counts are far past the thresholds, and the first allocation would start a
+full collection inside the resume itself, before the reply leaves (1.4 s of a
+100k-session pause was the resume, measured); a due scheduled one then runs while the
+reopened work is on the wire."""
 _NEVER = 2**31 - 1
 """A generation-2 threshold no count reaches (``gc.set_threshold`` takes a C int)."""
 

@@ -66,7 +66,7 @@ from rollpoint.protocol.manifest import (
     topology_fingerprint,
 )
 from rollpoint.protocol.participant import CheckpointMode, ParticipantKind
-from rollpoint.store.collector_schedule import ServerCollector
+from rollpoint.store.collector_schedule import COLLECTOR_RELEASE_DELAY_S, ServerCollector
 from rollpoint.store.snapshot_store import SnapshotStore
 from rollpoint.store.staging import Staging
 from rollpoint.trainer.control_calls import PREPARE_STAGES, by_deadline, failure_line
@@ -97,12 +97,6 @@ MAX_FAILED_IN_A_ROW = 3
 LEDGER_FILE = "ledger.json"
 TQ_FILE = "tq.json"
 TRAINER_FILE = "trainer.json"
-
-
-COLLECTOR_RELEASE_DELAY_S = 0.25
-"""The collector runs again this long after the barrier reopens, as in a participant's
-fence: a due full collection then runs while the reopened rows are on the wire, not in the
-reopen itself."""
 
 
 class SnapshotCoordinator:

@@ -25,10 +25,11 @@ schedule, collecting only while it has no call in flight (the scripted policy en
 
 Young collections (generations 0 and 1) stay automatic: they are short and keep the heap
 from growing between full ones. The schedule does not decide *when* a checkpoint ends (the
-fence calls :meth:`CollectorSchedule.collect_if_due` then, and
-:meth:`CollectorSchedule.collect_if_overdue` from a background task for a process that
-sees no checkpoints), does not pause the collector (:mod:`rollpoint.store.collector_pause`)
-and does not track full collections it did not run itself.
+fence calls :meth:`CollectorSchedule.collect_if_due` then, and a background task
+:meth:`CollectorSchedule.collect_if_overdue` for a process that sees no checkpoints, or
+:meth:`CollectorSchedule.collect_if_grown` for one whose heap grows with none ending), does
+not pause the collector (:mod:`rollpoint.store.collector_pause`) and does not track full
+collections it did not run itself.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -61,6 +63,20 @@ everything, collecting reference cycles among the frozen (at 100k sessions such 
 scan takes seconds; a gc callback logged almost no cyclic garbage at that age)."""
 CHECK_EVERY_S = 5.0
 """How often a :class:`ServerCollector`'s task looks for an overdue full collection."""
+GROWTH_BLOCKS = 500_000
+"""A heap that grew by this many allocated blocks (``sys.getallocatedblocks``) since the
+last full collection here has grown enough to collect and freeze, when no checkpoint has
+ended for :data:`QUIET_S` (:meth:`CollectorSchedule.grown`). Without it, a server whose
+sessions opened for a minute with no checkpoint met its first with all of them unfrozen:
+that collection, run just after the first pause, took 2.3-2.5 s in each model and agent
+server at 10k sessions (six servers collecting at once on two cores) and held the next
+pause 261 ms (docs/PERFORMANCE.md, session 8). Collected as it grows, the same heap is
+scanned a slice at a time, each slice frozen behind it (0.4-0.7 s each at a million blocks
+in that run, the first collection after the cut then ~1 ms; half that here, so that a
+resources server's smaller heap is sliced too)."""
+QUIET_S = MIN_GAP_S
+"""No checkpoint ended for this long: a grown heap is collected by the task instead of
+waiting for a pause to end (while checkpoints come, collections follow them)."""
 COLLECTOR_RELEASE_DELAY_S = 0.25
 """How long after a checkpoint's pause ends a fence or the trainer's coordinator gives its
 hold back (:meth:`ServerCollector.release_soon`), not at once: held off through the cut,
@@ -87,10 +103,15 @@ class CollectorSchedule:
         self._last_full = clock()
         self._last_duration = 0.0
         self._last_thaw = self._last_full
+        self._blocks_after = sys.getallocatedblocks()
 
     @property
     def attached(self) -> bool:
         return self._attached > 0
+
+    def now(self) -> float:
+        """The schedule's clock."""
+        return self._clock()
 
     @property
     def last_duration_s(self) -> float:
@@ -127,6 +148,13 @@ class CollectorSchedule:
         """The last full collection is older than :data:`MAX_GAP_S` (the collector is on)."""
         return gc.isenabled() and now - self._last_full >= MAX_GAP_S
 
+    def grown(self, now: float) -> bool:
+        """The heap grew by :data:`GROWTH_BLOCKS` since the last full collection here (or
+        since this schedule was made), and the collector is on. ``now`` is not used: the
+        signature is :meth:`due`'s."""
+        del now
+        return gc.isenabled() and sys.getallocatedblocks() - self._blocks_after >= GROWTH_BLOCKS
+
     def collect_if_due(self, now: float | None = None) -> bool:
         """Run a full collection if :meth:`due` at ``now`` (default: the clock), dated
         ``now`` plus its length; True if it ran."""
@@ -135,6 +163,10 @@ class CollectorSchedule:
     def collect_if_overdue(self, now: float | None = None) -> bool:
         """Run a full collection if :meth:`overdue` at ``now``; True if it ran."""
         return self._collect_if(self.overdue, now)
+
+    def collect_if_grown(self, now: float | None = None) -> bool:
+        """Run a full collection if the heap :meth:`grown`; True if it ran."""
+        return self._collect_if(self.grown, now)
 
     def _collect_if(self, wanted: Callable[[float], bool], now: float | None) -> bool:
         with self._lock:
@@ -147,6 +179,7 @@ class CollectorSchedule:
                 gc.unfreeze()
             found = gc.collect(2)
             gc.freeze()
+            self._blocks_after = sys.getallocatedblocks()
             self._last_duration = self._clock() - started
             self._last_full = now + self._last_duration
             if thaw:
@@ -174,7 +207,8 @@ class ServerCollector:
     checkpoint holds the server (a fence holds it; the coordinator, its pause), and, from
     :meth:`start` to :meth:`aclose`, a place on the schedule: attached, a due collection
     whenever the hold is given back (a checkpoint just ended), and a task that looks every
-    :data:`CHECK_EVERY_S`, while nothing is held, for an overdue one.
+    :data:`CHECK_EVERY_S`, while nothing is held, for an overdue one, and, when no
+    checkpoint has ended for :data:`QUIET_S`, for a heap that has :meth:`~CollectorSchedule.grown`.
 
     ``idle`` is for a server that takes no part in checkpoints but holds many calls at once
     (the scripted policy engine): the task then runs a *due* collection whenever ``idle()``
@@ -200,6 +234,8 @@ class ServerCollector:
         self._task: asyncio.Task[None] | None = None
         self._attached = False
         self._closed = False
+        self._last_release = -float("inf")
+        """When a checkpoint last ended here (the schedule's clock): none yet, long ago."""
 
     @property
     def held(self) -> bool:
@@ -257,11 +293,16 @@ class ServerCollector:
             if self._hold.held:
                 continue
             if self._idle is None:
-                self._schedule.collect_if_overdue()
+                if not self._schedule.collect_if_overdue() and self._quiet():
+                    self._schedule.collect_if_grown()
             elif self._idle():
                 self._schedule.collect_if_due()
 
+    def _quiet(self) -> bool:
+        return self._schedule.now() - self._last_release >= QUIET_S
+
     def _after_release(self) -> None:
         # The hold was just given back: the next checkpoint is as far away as it will be.
+        self._last_release = self._schedule.now()
         if self._attached:
             self._schedule.collect_if_due()

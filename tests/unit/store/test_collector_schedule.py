@@ -15,6 +15,7 @@ from rollpoint.store.collector_pause import collector_paused
 from rollpoint.store.collector_schedule import (
     MAX_GAP_S,
     MIN_GAP_S,
+    QUIET_S,
     RATIO,
     THAW_GAP_S,
     CollectorSchedule,
@@ -149,6 +150,30 @@ def test_overdue_only_after_the_maximum_gap(full_collections: list[int]) -> None
     assert schedule.overdue(2 * MAX_GAP_S)
 
 
+GROWTH = 50_000
+"""A growth threshold for tests: the lists below take one block each, and their items more."""
+
+
+def test_a_grown_heap_is_collected_and_then_not_until_it_grows_again(
+    monkeypatch: pytest.MonkeyPatch, full_collections: list[int]
+) -> None:
+    monkeypatch.setattr(collector_schedule, "GROWTH_BLOCKS", GROWTH)
+    schedule = CollectorSchedule(FakeClock())
+    schedule.attach()
+    try:
+        assert not schedule.collect_if_grown()
+        kept = [[i] for i in range(GROWTH)]
+        assert schedule.collect_if_grown()
+        assert full_collections == [2]
+        assert not schedule.collect_if_grown()  # measured again from this collection
+        more = [[i] for i in range(GROWTH)]
+        assert schedule.collect_if_grown()
+        assert full_collections == [2, 2]
+        del kept, more
+    finally:
+        schedule.detach()
+
+
 class Node:
     """A container that can sit in a reference cycle."""
 
@@ -207,3 +232,29 @@ async def test_an_idle_collector_runs_a_due_full_collection_only_once_nothing_is
     finally:
         await collector.aclose()
     assert gc.get_threshold() == thresholds
+
+
+async def test_a_grown_heap_waits_for_the_checkpoints_to_go_quiet_before_the_task_collects_it(
+    monkeypatch: pytest.MonkeyPatch, full_collections: list[int]
+) -> None:
+    monkeypatch.setattr(collector_schedule, "CHECK_EVERY_S", 0.01)
+    monkeypatch.setattr(collector_schedule, "GROWTH_BLOCKS", GROWTH)
+    clock = FakeClock()
+    schedule = CollectorSchedule(clock)
+    collector = ServerCollector(schedule)
+    collector.start()
+    try:
+        collector.hold()
+        collector.release()  # a checkpoint just ended (nothing due yet: MIN_GAP_S)
+        kept = [[i] for i in range(2 * GROWTH)]
+        await asyncio.sleep(0.15)
+        assert full_collections == []  # ~15 checks, each too soon after the checkpoint
+        clock.now += QUIET_S
+        for _ in range(200):
+            if full_collections:
+                break
+            await asyncio.sleep(0.01)
+        assert full_collections == [2]
+        del kept
+    finally:
+        await collector.aclose()

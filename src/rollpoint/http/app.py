@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
+from fastapi.telemetry import TelemetryConfig
 from starlette.exceptions import HTTPException
 
 from rollpoint.http.auth import guard_data_routes
@@ -46,10 +47,20 @@ def _validation_message(exc: RequestValidationError) -> str:
     return f"invalid field '{loc}': {first.get('msg', 'invalid')}{more}"
 
 
+_NO_TELEMETRY: TelemetryConfig = {"tracing": False, "metrics": False, "logs": False}
+"""FastAPI's native OpenTelemetry off. With it on, every request asks the global
+OpenTelemetry providers whether one is configured: ~4 % of a model server's busy time
+under serial proxied calls (a py-spy profile, docs/PERFORMANCE.md session 8). rollpoint
+reports through the trainer's Prometheus ``/metrics``, each server's ``/rollpoint/v1/stats``
+and the logs."""
+
+
 def create_app(title: str, *, data_token: str | None = None, **kwargs: Any) -> FastAPI:
     """A FastAPI app with rollpoint's envelope; ``data_token`` guards every route but the
     control routes (which carry their own token) and the health and schema pages."""
-    app = FastAPI(title=title, default_response_class=JsonResponse, **kwargs)
+    app = FastAPI(
+        title=title, default_response_class=JsonResponse, telemetry=_NO_TELEMETRY, **kwargs
+    )
     guard_data_routes(app, data_token)
 
     @app.exception_handler(RollpointError)

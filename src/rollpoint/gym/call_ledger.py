@@ -48,6 +48,14 @@ class CallRecord(StrictModel):
 _RECORDS = TypeAdapter(list[CallRecord])
 
 
+def json_form(rec: CallRecord) -> dict[str, Any]:
+    """``rec.model_dump(mode="json")``, made cheaply: a record's fields hold JSON values only
+    (what the model server parsed, or what :meth:`CallLedger.install` validated), so a copy
+    of its field dict is its JSON form, without a walk over every nested value on the data
+    path. Nested values are shared with the record: treat them as read-only."""
+    return dict(rec.__dict__)
+
+
 class CallLedger:
     """Call records indexed by rollout id; records of one rollout stay in call order."""
 
@@ -104,7 +112,7 @@ class CallLedger:
 
     def _dump_new(self, rollout_id: str, calls: list[CallRecord]) -> list[dict[str, Any]]:
         dumped = self._json.setdefault(rollout_id, [])
-        dumped.extend(rec.model_dump(mode="json") for rec in calls[len(dumped) :])
+        dumped.extend(json_form(rec) for rec in calls[len(dumped) :])
         return dumped
 
     def _supersede(self, rec: CallRecord, calls: list[CallRecord]) -> None:

@@ -40,6 +40,7 @@ from fastapi import FastAPI, Query, Request
 from fastapi.responses import Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.types import Receive, Scope, Send
+from yarl import URL
 
 from rollpoint.gym.admission_gate import AdmissionGate
 from rollpoint.gym.call_ledger import CallLedger, CallRecord
@@ -278,7 +279,8 @@ class ModelServer:
         self.calls_total = 0
         self._client: HttpClient | None = None
         base = settings.upstream_url.rstrip("/")
-        self._completions_url = f"{base}/chat/completions"
+        # Parsed once: aiohttp would parse a str URL again on every call.
+        self._completions_url = URL(f"{base}/chat/completions")
         self._models_url = f"{base}/models"
         self._upstream_headers = {"content-type": "application/json"}
         if settings.api_key:
@@ -534,9 +536,14 @@ def create_model_app(settings: ModelServerSettings) -> FastAPI:
     if fence is not None:
         server.attempt_guard = fence.check_attempt
 
-    @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         return await server.chat_completions(request)
+
+    # A Starlette route, not a FastAPI one: it reads the raw body and answers raw bytes,
+    # so FastAPI's request handler (dependencies, exit stack, response checks) was pure
+    # cost on every policy call. Errors still get the envelope (the app's handlers) and
+    # the data token still guards it (a middleware); it is left out of /openapi.json.
+    app.add_route("/v1/chat/completions", chat_completions, methods=["POST"])
 
     @app.get("/v1/models")
     async def models() -> Response:

@@ -7,6 +7,7 @@ from typing import Any
 import orjson
 import pytest
 
+from rollpoint.gym import call_ledger
 from rollpoint.gym.call_ledger import CallLedger, CallRecord
 from rollpoint.protocol.errors import InvalidCheckpointStateError
 
@@ -48,6 +49,32 @@ def test_export_names_only_the_rollouts_asked_for_and_is_json() -> None:
     exported = ledger.export(["r1", "missing", "r1"])
     assert [(r["rollout_id"], r["turn"]) for r in exported] == [("r1", 0), ("r1", 1), ("r1", 2)]
     assert orjson.loads(orjson.dumps(exported)) == exported
+
+
+def test_a_records_json_form_is_its_model_dump_also_when_built_unvalidated() -> None:
+    # The model server builds records with model_construct (defaults filled, nothing checked).
+    built = CallRecord.model_construct(
+        rollout_id="r1",
+        attempt=0,
+        turn=0,
+        request_messages=2,
+        last_message={"role": "tool", "content": "{}", "tool_call_id": "c0"},
+        response={
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f"}}],
+        },
+        finish_reason="tool_calls",
+        latency_s=0.25,
+        streamed=True,
+        logprobs={"content": [{"token": "a", "logprob": -0.5}]},
+    )
+    ledger = CallLedger()
+    ledger.record(built)
+    ledger.record(_rec("r1", 1))
+
+    assert ledger.calls_json("r1") == [c.model_dump(mode="json") for c in ledger.calls("r1")]
+    assert CallLedger().install(ledger.export(["r1"])) == ["r1"]
 
 
 def test_install_into_a_fresh_ledger_gives_the_same_records_and_is_idempotent() -> None:
@@ -142,13 +169,13 @@ def test_a_record_is_dumped_when_filed_and_an_export_dumps_nothing(
     ledger = CallLedger()
     ledger.record(_rec("r1", 0))
     dumps: list[int] = []
-    real = CallRecord.model_dump
+    real = call_ledger.json_form
 
-    def counted(self: CallRecord, **kw: Any) -> dict[str, Any]:
-        dumps.append(self.turn)
-        return real(self, **kw)
+    def counted(rec: CallRecord) -> dict[str, Any]:
+        dumps.append(rec.turn)
+        return real(rec)
 
-    monkeypatch.setattr(CallRecord, "model_dump", counted)
+    monkeypatch.setattr(call_ledger, "json_form", counted)
     ledger.record(_rec("r1", 1))
     ledger.record(_rec("r1", 1, attempt=1))  # supersedes turn 1 of attempt 0
     assert dumps == [1, 1]  # on the data path, as each call is filed

@@ -75,8 +75,11 @@ scanned a slice at a time, each slice frozen behind it (0.4-0.7 s each at a mill
 in that run, the first collection after the cut then ~1 ms; half that here, so that a
 resources server's smaller heap is sliced too)."""
 QUIET_S = MIN_GAP_S
-"""No checkpoint ended for this long: a grown heap is collected by the task instead of
-waiting for a pause to end (while checkpoints come, collections follow them)."""
+"""No checkpoint ended for this long, nor for twice the last gap between two checkpoints'
+ends: a grown heap is collected by the task instead of waiting for a pause to end (while
+checkpoints come, collections follow them). The gap counts because a slow cadence is not a
+stop: at 100k sessions cuts came ~11 s apart in the bench, and a collection at 10 s would
+have met the next prepare."""
 COLLECTOR_RELEASE_DELAY_S = 0.25
 """How long after a checkpoint's pause ends a fence or the trainer's coordinator gives its
 hold back (:meth:`ServerCollector.release_soon`), not at once: held off through the cut,
@@ -236,6 +239,8 @@ class ServerCollector:
         self._closed = False
         self._last_release = -float("inf")
         """When a checkpoint last ended here (the schedule's clock): none yet, long ago."""
+        self._last_gap = 0.0
+        """Between the last two checkpoints' ends (0 before the second)."""
 
     @property
     def held(self) -> bool:
@@ -299,10 +304,13 @@ class ServerCollector:
                 self._schedule.collect_if_due()
 
     def _quiet(self) -> bool:
-        return self._schedule.now() - self._last_release >= QUIET_S
+        return self._schedule.now() - self._last_release >= max(QUIET_S, 2 * self._last_gap)
 
     def _after_release(self) -> None:
         # The hold was just given back: the next checkpoint is as far away as it will be.
-        self._last_release = self._schedule.now()
+        now = self._schedule.now()
+        if self._last_release > -float("inf"):
+            self._last_gap = now - self._last_release
+        self._last_release = now
         if self._attached:
             self._schedule.collect_if_due()

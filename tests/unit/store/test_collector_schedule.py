@@ -258,3 +258,34 @@ async def test_a_grown_heap_waits_for_the_checkpoints_to_go_quiet_before_the_tas
         del kept
     finally:
         await collector.aclose()
+
+
+async def test_after_checkpoints_far_apart_quiet_means_twice_their_gap(
+    monkeypatch: pytest.MonkeyPatch, full_collections: list[int]
+) -> None:
+    monkeypatch.setattr(collector_schedule, "CHECK_EVERY_S", 0.01)
+    monkeypatch.setattr(collector_schedule, "GROWTH_BLOCKS", GROWTH)
+    clock = FakeClock()
+    schedule = CollectorSchedule(clock)
+    collector = ServerCollector(schedule)
+    collector.start()
+    gap = 2 * QUIET_S  # twice that is still short of MAX_GAP_S: nothing overdue below
+    try:
+        for _ in range(2):  # two checkpoints' ends, gap apart (the second runs a due one)
+            collector.hold()
+            collector.release()
+            clock.now += gap
+        full_collections.clear()
+        kept = [[i] for i in range(2 * GROWTH)]
+        clock.now += gap - 1  # just short of twice the gap after the second end
+        await asyncio.sleep(0.15)
+        assert full_collections == []  # quiet for longer than QUIET_S, not for 2 gaps
+        clock.now += 1
+        for _ in range(200):
+            if full_collections:
+                break
+            await asyncio.sleep(0.01)
+        assert full_collections == [2]
+        del kept
+    finally:
+        await collector.aclose()

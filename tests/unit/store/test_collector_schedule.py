@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import weakref
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
@@ -224,68 +224,64 @@ async def test_an_idle_collector_runs_a_due_full_collection_only_once_nothing_is
         await asyncio.sleep(0.15)
         assert full_collections == []  # ~15 checks, all busy
         busy = False
-        for _ in range(200):
-            if full_collections:
-                break
-            await asyncio.sleep(0.01)
+        await until_collected(full_collections)
         assert full_collections == [2]
     finally:
         await collector.aclose()
     assert gc.get_threshold() == thresholds
 
 
-async def test_a_grown_heap_waits_for_the_checkpoints_to_go_quiet_before_the_task_collects_it(
-    monkeypatch: pytest.MonkeyPatch, full_collections: list[int]
-) -> None:
+@pytest.fixture
+async def growing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> AsyncIterator[tuple[FakeClock, ServerCollector]]:
+    """A started collector on a fake clock, checking every 10 ms, with a small growth step."""
     monkeypatch.setattr(collector_schedule, "CHECK_EVERY_S", 0.01)
     monkeypatch.setattr(collector_schedule, "GROWTH_BLOCKS", GROWTH)
     clock = FakeClock()
-    schedule = CollectorSchedule(clock)
-    collector = ServerCollector(schedule)
+    collector = ServerCollector(CollectorSchedule(clock))
     collector.start()
-    try:
-        collector.hold()
-        collector.release()  # a checkpoint just ended (nothing due yet: MIN_GAP_S)
-        kept = [[i] for i in range(2 * GROWTH)]
-        await asyncio.sleep(0.15)
-        assert full_collections == []  # ~15 checks, each too soon after the checkpoint
-        clock.now += QUIET_S
-        for _ in range(200):
-            if full_collections:
-                break
-            await asyncio.sleep(0.01)
-        assert full_collections == [2]
-        del kept
-    finally:
-        await collector.aclose()
+    yield clock, collector
+    await collector.aclose()
+
+
+async def until_collected(full_collections: list[int]) -> None:
+    for _ in range(200):
+        if full_collections:
+            return
+        await asyncio.sleep(0.01)
+
+
+async def test_a_grown_heap_waits_for_the_checkpoints_to_go_quiet_before_the_task_collects_it(
+    growing: tuple[FakeClock, ServerCollector], full_collections: list[int]
+) -> None:
+    clock, collector = growing
+    collector.hold()
+    collector.release()  # a checkpoint just ended (nothing due yet: MIN_GAP_S)
+    kept = [[i] for i in range(2 * GROWTH)]
+    await asyncio.sleep(0.15)
+    assert full_collections == []  # ~15 checks, each too soon after the checkpoint
+    clock.now += QUIET_S
+    await until_collected(full_collections)
+    assert full_collections == [2]
+    del kept
 
 
 async def test_after_checkpoints_far_apart_quiet_means_twice_their_gap(
-    monkeypatch: pytest.MonkeyPatch, full_collections: list[int]
+    growing: tuple[FakeClock, ServerCollector], full_collections: list[int]
 ) -> None:
-    monkeypatch.setattr(collector_schedule, "CHECK_EVERY_S", 0.01)
-    monkeypatch.setattr(collector_schedule, "GROWTH_BLOCKS", GROWTH)
-    clock = FakeClock()
-    schedule = CollectorSchedule(clock)
-    collector = ServerCollector(schedule)
-    collector.start()
+    clock, collector = growing
     gap = 2 * QUIET_S  # twice that is still short of MAX_GAP_S: nothing overdue below
-    try:
-        for _ in range(2):  # two checkpoints' ends, gap apart (the second runs a due one)
-            collector.hold()
-            collector.release()
-            clock.now += gap
-        full_collections.clear()
-        kept = [[i] for i in range(2 * GROWTH)]
-        clock.now += gap - 1  # just short of twice the gap after the second end
-        await asyncio.sleep(0.15)
-        assert full_collections == []  # quiet for longer than QUIET_S, not for 2 gaps
-        clock.now += 1
-        for _ in range(200):
-            if full_collections:
-                break
-            await asyncio.sleep(0.01)
-        assert full_collections == [2]
-        del kept
-    finally:
-        await collector.aclose()
+    for _ in range(2):  # two checkpoints' ends, gap apart (the second runs a due one)
+        collector.hold()
+        collector.release()
+        clock.now += gap
+    full_collections.clear()
+    kept = [[i] for i in range(2 * GROWTH)]
+    clock.now += gap - 1  # just short of twice the gap after the second end
+    await asyncio.sleep(0.15)
+    assert full_collections == []  # quiet for longer than QUIET_S, not for 2 gaps
+    clock.now += 1
+    await until_collected(full_collections)
+    assert full_collections == [2]
+    del kept

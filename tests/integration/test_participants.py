@@ -28,8 +28,9 @@ from fastapi import FastAPI
 from rollpoint.envs.registry import get_environment
 from rollpoint.gym.agent_server import AgentSettings, agent_server_of, create_agent_app
 from rollpoint.gym.control_plane import control_fence
+from rollpoint.gym.episode_record import EpisodeRecord
 from rollpoint.gym.model_server import ModelServerSettings, create_model_app
-from rollpoint.gym.resources_server import EpisodeRecord, create_resources_app
+from rollpoint.gym.resources_server import create_resources_app
 from rollpoint.http.auth import CONTROL_TOKEN_ENV
 from rollpoint.policy.scripted_policy import PolicySettings, create_policy_app
 from rollpoint.protocol.control import CONTROL_PREFIX

@@ -17,7 +17,7 @@ import pytest
 
 from rollpoint.config import RunConfig, parse_config
 from rollpoint.envs import get_environment
-from rollpoint.gym.resources_server import EpisodeRecord
+from rollpoint.gym.episode_record import EpisodeRecord
 from rollpoint.protocol.episode import TaskRow
 from rollpoint.protocol.errors import ConfigError
 from rollpoint.store import collector_schedule as collector_schedule_module

@@ -30,38 +30,40 @@ once checkpoints are in use: after a tool call changes an episode, the image's s
 the environment's export (``Environment.capture_state``) between checkpoints, so a
 checkpoint's pause copies the image and takes only the exports of episodes changed since
 the last sweep. Packing an export (JSON, zlib, base64) is left to the snapshot's writer
-thread, so the export must be a copy that later tool calls do not change.
+thread, so the export must be a copy that later tool calls do not change. The saved form
+itself is :class:`~rollpoint.gym.episode_record.EpisodeRecord`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import contextlib
 import logging
-import zlib
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import orjson
 from fastapi import FastAPI
-from pydantic import Field, JsonValue, ValidationError, model_validator
+from pydantic import Field, JsonValue, ValidationError
 
 from rollpoint.envs.base import Environment, ToolArgumentError
 from rollpoint.envs.registry import get_environment
 from rollpoint.gym.control_plane import close_control_plane, mount_control_plane
-from rollpoint.gym.episode_scope import latest_attempts
+from rollpoint.gym.episode_record import (
+    EpisodeRecord,
+    ToolResultRecord,
+    episode_records,
+    pack_state,
+)
 from rollpoint.gym.resources_participant import ResourcesParticipant
 from rollpoint.gym.state_image import StateImage
 from rollpoint.http.app import create_app
 from rollpoint.http.auth import data_token
 from rollpoint.protocol.episode import (
-    EnvironmentName,
     EpisodeStart,
     TaskRow,
     ToolCall,
@@ -103,71 +105,6 @@ class ReleaseRequest(StrictModel):
 class ReleaseReply(StrictModel):
     released: int
     """How many of the named rollouts had state; unknown ids are not an error."""
-
-
-class ToolResultRecord(StrictModel):
-    turn: Annotated[int, Field(ge=0)]
-    call_index: Annotated[int, Field(ge=0)]
-    result: ToolResult
-
-
-class EpisodeRecord(StrictModel):
-    """One episode as a checkpoint saves it: enough to continue it exactly."""
-
-    kind: Literal["episode_state"] = "episode_state"
-    episode: EpisodeId | None = None
-    """The scoped attempt it was saved for (a checkpoint sets it); the state belongs to the
-    rollout, whatever the attempt."""
-    rollout_id: Identifier
-    environment: EnvironmentName
-    task: TaskRow
-    state: dict[str, JsonValue] | None = None
-    """The environment's own export (``Environment.export_state``), as is. Checkpoints
-    write ``packed_state`` instead; records with ``state`` (older snapshots, the export
-    route) are read as before."""
-    packed_state: str | None = None
-    """The same export as base64 of zlib-compressed JSON: a workplace SQLite export shrinks
-    about 30 times, and compressing costs less than writing the bytes saved."""
-    fresh_start: bool = False
-    """No tool call had touched the episode and its environment starts reproducibly
-    (``Environment.reproducible_start``): its state is ``start(task)``, carried by neither
-    ``state`` nor ``packed_state``."""
-    tool_results: list[ToolResultRecord]
-    """The idempotency table, so a restored episode never repeats a side effect."""
-
-    @model_validator(mode="after")
-    def _one_state(self) -> EpisodeRecord:
-        forms = (self.state is not None) + (self.packed_state is not None) + self.fresh_start
-        if forms != 1:
-            raise ValueError(
-                "a record carries exactly one of 'state', 'packed_state' and 'fresh_start'"
-            )
-        return self
-
-    def exported_state(self) -> dict[str, JsonValue]:
-        """The environment's export, unpacked if packed; InvalidCheckpointStateError if the
-        packed form does not decode to a JSON object."""
-        if self.state is not None:
-            return self.state
-        assert self.packed_state is not None
-        try:
-            state = orjson.loads(
-                zlib.decompress(base64.b64decode(self.packed_state, validate=True))
-            )
-        except (binascii.Error, zlib.error, orjson.JSONDecodeError) as exc:
-            raise InvalidCheckpointStateError(
-                f"packed_state does not decode ({type(exc).__name__}: {exc})"
-            ) from None
-        if not isinstance(state, dict):
-            raise InvalidCheckpointStateError("packed_state is not a JSON object")
-        return state
-
-
-def pack_state(state: Mapping[str, Any]) -> str:
-    """An environment export as :attr:`EpisodeRecord.packed_state`. Level 1: a snapshot's
-    writer pays for it (:meth:`ResourcesService.capture`), and the higher
-    levels save little more on SQLite pages."""
-    return base64.b64encode(zlib.compress(orjson.dumps(state), 1)).decode("ascii")
 
 
 # ---- the service ---------------------------------------------------------------------------
@@ -590,20 +527,6 @@ class ResourcesService:
                 self.environment.close(episode.state)
             raise
         return built
-
-
-def episode_records(
-    image: Mapping[str, dict[str, Any]], scope: Iterable[EpisodeId]
-) -> list[dict[str, Any]]:
-    """``EpisodeRecord`` JSON data of each scoped rollout in a captured image, saved for
-    the rollout's highest scoped attempt (runs in the writer's thread, on the copy)."""
-    records: list[dict[str, Any]] = []
-    for rollout_id, attempt in latest_attempts(scope).items():
-        entry = image.get(rollout_id)
-        if entry is not None:
-            saved_for = {"rollout_id": rollout_id, "attempt": attempt}
-            records.append({"kind": "episode_state", "episode": saved_for, **entry})
-    return records
 
 
 # ---- routes --------------------------------------------------------------------------------

@@ -15,9 +15,10 @@ from pydantic import JsonValue
 
 from rollpoint.envs.registry import get_environment
 from rollpoint.gym import resources_server
+from rollpoint.gym.episode_record import EpisodeRecord, pack_state
 from rollpoint.gym.participant import Participant
 from rollpoint.gym.resources_participant import ResourcesParticipant
-from rollpoint.gym.resources_server import EpisodeRecord, ResourcesService, pack_state
+from rollpoint.gym.resources_server import ResourcesService
 from rollpoint.protocol.control import RetireOutcomeKind
 from rollpoint.protocol.episode import EpisodeStart, ToolCall
 from rollpoint.protocol.errors import InvalidCheckpointStateError

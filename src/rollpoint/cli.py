@@ -229,6 +229,64 @@ def inspect(
 
 
 @app.command()
+def report(
+    workdir: Annotated[Path, typer.Argument(help="The run's workdir.", show_default=False)],
+    output: Annotated[
+        Path | None,
+        typer.Option(
+            "-o", "--output", help="Where to write the page (default: WORKDIR/report.html)."
+        ),
+    ] = None,
+    store: Annotated[
+        str | None,
+        typer.Option("--store", help="Snapshot store path or URL (default: the run's config's)."),
+    ] = None,
+    open_page: Annotated[
+        bool, typer.Option("--open", help="Open the page in the default browser.")
+    ] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print what was written as one JSON object.")
+    ] = False,
+) -> None:
+    """Write one self-contained HTML page of a run: its timeline, pauses, restores, replicas,
+    the latest snapshot's contents and the config it used (works offline, on a live,
+    crashed, resumed or finished run)."""
+    try:
+        from rollpoint.report import read_run, write_report
+    except ImportError as exc:
+        console.print(
+            f"[bold red]error:[/] rollpoint report needs {exc.name}: "
+            "pip install 'rollpoint[report]'",
+            highlight=False,
+        )
+        raise typer.Exit(code=1) from None
+    try:
+        record = read_run(workdir, store)
+    except RollpointError as exc:
+        raise _fail(exc) from None
+    try:
+        target = write_report(record, output)
+    except OSError as exc:
+        console.print(f"[bold red]error:[/] cannot write the report: {exc}", highlight=False)
+        raise typer.Exit(code=1) from None
+    if as_json:
+        doc = {
+            "report": str(target),
+            "state": record.state,
+            "snapshots": len(record.snapshots),
+            "restores": len(record.restores),
+            "runs": len(record.segments),
+        }
+        typer.echo(orjson.dumps(doc).decode())
+    else:
+        out.print(f"report: {target}")
+    if open_page:
+        import webbrowser
+
+        webbrowser.open(target.resolve().as_uri())
+
+
+@app.command()
 def conformance(
     url: Annotated[
         str, typer.Argument(help="Base URL of the participant server.", show_default=False)

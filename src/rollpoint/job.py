@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
 import shutil
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
@@ -31,6 +33,13 @@ from rollpoint.trainer.control_plane import (
 )
 from rollpoint.trainer.metrics import TrainerMetrics
 from rollpoint.trainer.restorer import Restorer, check_config, choose_resume_point
+from rollpoint.trainer.run_events import (
+    EVENTS_FILE,
+    Restore,
+    RunEnd,
+    RunStart,
+    without_secrets,
+)
 from rollpoint.trainer.train_checkpoint import TrainCheckpointStore
 from rollpoint.trainer.trainer_loop import TRAIN_DATA_FILE, RunSummary, Trainer
 
@@ -116,7 +125,8 @@ async def run_job(
         forget_unresumable_run(config.workdir, say)
     else:
         check_config(point.manifest, config_fingerprint(config))
-    metrics = TrainerMetrics(config.workdir / "metrics.jsonl")
+    metrics = TrainerMetrics(config.workdir / "metrics.jsonl", config.workdir / EVENTS_FILE)
+    events = metrics.run_events
     runtime = runtime_for(config, control_token=token, data_token=data_token, snapshot_root=root)
     control_http = HttpClient(token=token, timeout_s=60)
     data_http = HttpClient(token=data_token)
@@ -131,6 +141,16 @@ async def run_job(
             f"metrics at http://{config.host}:{port}/metrics"
         )
         control = ControlPlane(participant_clients(deployment, control_http), store, metrics)
+        events.append(
+            RunStart(
+                ts=time.time(),
+                pid=os.getpid(),
+                runtime=config.runtime,
+                replicas=[r.name for r in deployment.replicas],
+                resume_from=None if point is None else point.manifest.snapshot_id,
+                config=without_secrets(config.model_dump(mode="json")),
+            )
+        )
         restored = None
         if point is not None:
             say(f"restoring snapshot {point.manifest.snapshot_id}")
@@ -144,10 +164,37 @@ async def run_job(
                 f"{len(restored.continued)} episodes continued, {restored.restarted} restarted, "
                 f"{restored.adopted} finished replies adopted, {restored.tq_requeued} TQ items requeued"
             )
+            continued = {(e.rollout_id, e.attempt) for e in restored.continued}
+            events.append(
+                Restore(
+                    ts=time.time(),
+                    snapshot_id=restored.snapshot_id,
+                    train_step=restored.checkpoint.step,
+                    continued=len(restored.continued),
+                    restarted=restored.restarted,
+                    adopted=restored.adopted,
+                    requeued=restored.tq_requeued,
+                    turns_kept=sum(
+                        e.turns_completed
+                        for e in point.manifest.episodes
+                        if (e.rollout_id, e.attempt + 1) in continued
+                    ),
+                )
+            )
         trainer = Trainer(
             config, deployment, tasks, client=data_http, control=control, restored=restored
         )
-        return await drive(trainer, runtime, metrics)
+        summary = await drive(trainer, runtime, metrics)
+        events.append(
+            RunEnd(
+                ts=time.time(),
+                episodes=summary.episodes,
+                train_steps=summary.train_steps,
+                failed_groups=len(summary.failed_groups),
+                elapsed_s=summary.elapsed_s,
+            )
+        )
+        return summary
     finally:
         await control_http.aclose()
         await data_http.aclose()

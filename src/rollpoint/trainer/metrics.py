@@ -1,7 +1,8 @@
 """The trainer's metrics: Prometheus text on ``/metrics`` and one JSON line per event.
 
 Owns the metric objects (one registry per trainer, so two trainers in one process — as in
-tests — never share counters), the HTTP endpoint, and ``<workdir>/metrics.jsonl``. It does
+tests — never share counters), the HTTP endpoint, ``<workdir>/metrics.jsonl`` and the
+:class:`~rollpoint.trainer.run_events.RunEvents` writer of ``<workdir>/events.jsonl``. It does
 not decide when anything is measured: the coordinator and trainer loop call the
 ``record_*`` methods.
 """
@@ -16,12 +17,16 @@ from typing import Any
 import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from rollpoint.trainer.run_events import RunEvents
+
 # Pauses are expected in the milliseconds-to-seconds range; buckets cover 1 ms .. 60 s.
 _PAUSE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
 class TrainerMetrics:
-    def __init__(self, jsonl_path: Path | None = None) -> None:
+    def __init__(self, jsonl_path: Path | None = None, events_path: Path | None = None) -> None:
+        self.run_events = RunEvents(events_path)
+        """The run's event log (``events.jsonl``): restores, replicas, train steps, samples."""
         self.registry = CollectorRegistry()
         r = self.registry
         self.snapshot_pause = Histogram(

@@ -45,6 +45,7 @@ from rollpoint.protocol.errors import (
     RunStalledError,
 )
 from rollpoint.protocol.model_base import StrictModel
+from rollpoint.protocol.participant import ParticipantKind
 from rollpoint.trainer.control_plane import ControlPlane, config_fingerprint
 from rollpoint.trainer.coordinator import SnapshotCoordinator
 from rollpoint.trainer.dispatch_barrier import DispatchBarrier
@@ -56,6 +57,14 @@ from rollpoint.trainer.release_batcher import ReleaseBatcher
 from rollpoint.trainer.replica_recovery import ReplicaRecovery
 from rollpoint.trainer.replica_roster import ReplicaRoster
 from rollpoint.trainer.restorer import RestoredRun
+from rollpoint.trainer.run_events import (
+    SAMPLE_EVERY_S,
+    InFlight,
+    ReplicaDown,
+    ReplicaUp,
+    RunEvents,
+    TrainStep,
+)
 from rollpoint.trainer.train_checkpoint import TrainCheckpointStore, stamp
 from rollpoint.trainer.train_hooks import SimulatedTrainer, TrainHooks, TrainSample
 
@@ -168,6 +177,8 @@ class Trainer:
             self._episodes = self.ledger.counts()[RolloutState.SEALED]
             self._turns = int(doc.get("turns", 0))
             self._reward_sum = float(doc.get("reward_sum", 0.0))
+        self.events = control.metrics.run_events if control is not None else RunEvents(None)
+        """The run's event log (``events.jsonl``; records nothing without a control plane)."""
         self.coordinator: SnapshotCoordinator | None = None
         self.releases: ReleaseBatcher | None = None
         self.recovery: ReplicaRecovery | None = None
@@ -253,6 +264,8 @@ class Trainer:
             if self._policy_version:
                 await self._publish_policy_version(client, self._policy_version)
             side: list[Any] = [self._watch_stall(self.dispatcher)]
+            if self.events.path is not None:
+                side.append(self._sample_in_flight())
             if self.coordinator is not None and self.releases is not None:
                 side += [self._snapshot_loop(self.coordinator), self.releases.run()]
             async with self.dispatcher:
@@ -286,6 +299,12 @@ class Trainer:
         log.warning("replica %s is down; %s carry on", name, ", ".join(self.roster.up) or "none")
         if self.dispatcher is not None and self.recovery is not None:
             self.recovery.hold(name, self.dispatcher)
+            held = self.recovery.held.get(name)
+            self.events.append(
+                ReplicaDown(
+                    ts=time.time(), replica=name, held=0 if held is None else len(held.attempts)
+                )
+            )
         elif self.dispatcher is not None:
             self.dispatcher.replica_lost(name)
         else:
@@ -310,7 +329,8 @@ class Trainer:
         if self._policy_version and self._http is not None:
             await self._publish_policy_version(self._http, self._policy_version, [endpoints])
         if self.dispatcher is not None and self.recovery is not None:
-            await self.recovery.restore(name, self.dispatcher)
+            restored = await self.recovery.restore(name, self.dispatcher)
+            self.events.append(ReplicaUp(ts=time.time(), replica=name, restored=restored))
 
     # --- rollouts --------------------------------------------------------------------
 
@@ -410,6 +430,9 @@ class Trainer:
         every = self.config.train.checkpoint_every_steps
         if every is not None and step % every == 0:
             await self._checkpoint(step)
+        self.events.append(
+            TrainStep(ts=time.time(), step=step, rollouts=len(samples), groups=len(groups))
+        )
         log.info(
             "train step %d: %d rollouts from %d groups; %s",
             step,
@@ -493,6 +516,34 @@ class Trainer:
         while True:
             await asyncio.sleep(every)
             await coordinator.save()
+
+    async def _sample_in_flight(self) -> None:
+        """Episodes in flight per replica (and each model server's call counter) every
+        :data:`SAMPLE_EVERY_S`, for ``rollpoint report``. A status that does not answer
+        within the period is left out of that sample; sampling never fails the run."""
+
+        async def calls(name: str) -> tuple[str, int | None]:
+            for client in self.roster.participants(name):
+                if client.address.kind is ParticipantKind.MODEL:
+                    try:
+                        status = await asyncio.wait_for(client.status(), SAMPLE_EVERY_S)
+                    except (RollpointError, TimeoutError):
+                        return name, None
+                    return name, status.counts.get("calls_total")
+            return name, None
+
+        while True:
+            up = list(self.roster.up)
+            episodes = {name: self.ledger.in_flight_count(name) for name in up}
+            answered = await asyncio.gather(*(calls(name) for name in up))
+            self.events.append(
+                InFlight(
+                    ts=time.time(),
+                    episodes=episodes,
+                    policy_calls={name: n for name, n in answered if n is not None},
+                )
+            )
+            await asyncio.sleep(SAMPLE_EVERY_S)
 
     # --- stall watchdog --------------------------------------------------------------
 

@@ -1,0 +1,139 @@
+"""The report read from hand-made workdirs: what each part of the page shows."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from rollpoint.report import read_run, render_page, write_report
+from rollpoint.trainer.run_events import (
+    InFlight,
+    Restore,
+    RunEnd,
+    RunEvents,
+    RunStart,
+    TrainStep,
+)
+
+
+def _snapshot_line(sid: str, ts: float, outcome: str = "published", **kw: Any) -> bytes:
+    doc = {
+        "ts": ts,
+        "event": "snapshot",
+        "snapshot_id": sid,
+        "outcome": outcome,
+        "pause_seconds": kw.get("pause", 0.05),
+        "prepare_seconds": 0.02,
+        "commit_seconds": 0.01,
+        "write_seconds": kw.get("write", 0.0),
+        "parked_sessions": kw.get("parked", 10),
+        "restarts": 0,
+        "detail": kw.get("detail", ""),
+    }
+    return orjson.dumps(doc) + b"\n"
+
+
+def _start(ts: float, resume_from: str | None = None) -> RunStart:
+    return RunStart(
+        ts=ts,
+        pid=1,
+        runtime="embedded",
+        replicas=["replica-0", "replica-1"],
+        resume_from=resume_from,
+        config={"workdir": "w", "snapshot": {"store": None}, "policy": {"api_key": None}},
+    )
+
+
+def test_a_workdir_without_snapshots_gets_a_page_that_says_so(tmp_path: Path) -> None:
+    RunEvents(tmp_path / "events.jsonl").append(_start(100.0))
+    page = render_page(read_run(tmp_path))
+    assert 'id="no-snapshots"' in page
+    assert "no snapshots yet" in page
+    assert "<svg" not in page.split("Episodes in flight")[0]
+    assert "crashed or still running" in page
+
+
+def test_failed_snapshots_show_their_reason_in_the_table_and_on_hover(tmp_path: Path) -> None:
+    (tmp_path / "metrics.jsonl").write_bytes(
+        _snapshot_line("snap-1-0001", 101.0)
+        + _snapshot_line("snap-2-0002", 102.0, "failed", detail="agent@replica-1 <not ready>")
+        + b'{"ts": 103.0, "event": "snap'  # a torn last line of a killed run
+    )
+    page = render_page(read_run(tmp_path))
+    # The failed mark carries its id and its reason, escaped, as the browser's hover text.
+    title = re.search(r'<g id="snap-2-0002"><title>([^<]*)</title>', page)
+    assert title is not None
+    assert "failed" in title.group(1)
+    assert "agent@replica-1 &lt;not ready&gt;" in title.group(1)
+    assert re.search(r'<g id="snap-1-0001"><title>[^<]*published', page)
+    # The table lists failed attempts first, with why.
+    rows = page.split("Snapshot attempts")[1]
+    assert rows.index("snap-2-0002") < rows.index("snap-1-0001")
+    assert "agent@replica-1 &lt;not ready&gt;" in rows
+    assert "<not ready>" not in page
+
+
+def test_histogram_names_p50_and_p99(tmp_path: Path) -> None:
+    lines = b"".join(
+        _snapshot_line(f"snap-{i}-{i:04d}", 100.0 + i, pause=i / 1000) for i in range(1, 101)
+    )
+    (tmp_path / "metrics.jsonl").write_bytes(lines)
+    page = render_page(read_run(tmp_path))
+    histogram = page.split('id="pause-histogram"')[1].split("</svg>")[0]
+    assert "p50 50.5 ms" in histogram
+    assert "p99 99.0 ms" in histogram
+
+
+def test_a_restore_shows_its_outcome_and_the_calls_the_crash_lost(tmp_path: Path) -> None:
+    # The snapshot's pause ended at 104.0 (its line at 104.5 after 0.5 s of writes).
+    (tmp_path / "metrics.jsonl").write_bytes(_snapshot_line("snap-1-0001", 104.5, write=0.5))
+    events = RunEvents(tmp_path / "events.jsonl")
+    events.append(_start(100.0))
+    for ts, calls in [
+        (103.0, {"replica-0": 50, "replica-1": 40}),
+        (105.0, {"replica-0": 70, "replica-1": 45}),
+        # replica-1 restarted: its counter began again at 0
+        (106.0, {"replica-0": 80, "replica-1": 3}),
+    ]:
+        events.append(
+            InFlight(ts=ts, episodes={"replica-0": 4, "replica-1": 4}, policy_calls=calls)
+        )
+    events.append(_start(110.0, resume_from="snap-1-0001"))
+    events.append(
+        Restore(
+            ts=111.0,
+            snapshot_id="snap-1-0001",
+            train_step=2,
+            continued=6,
+            restarted=1,
+            adopted=2,
+            requeued=3,
+            turns_kept=17,
+        )
+    )
+    events.append(InFlight(ts=112.0, episodes={"replica-0": 2}, policy_calls={"replica-0": 9}))
+    events.append(TrainStep(ts=113.0, step=3, rollouts=4, groups=2))
+    events.append(RunEnd(ts=114.0, episodes=8, train_steps=3, failed_groups=0, elapsed_s=4.0))
+    record = read_run(tmp_path)
+    assert record.state == "finished"
+    assert [s.end is None for s in record.segments] == [True, False]
+    (restore,) = record.restores
+    # after the cut: replica-0 50 -> 70 -> 80 (30), replica-1 40 -> 45 then 3 after a reset (8)
+    assert restore.calls_redone == 38
+    page = render_page(record)
+    restores = page.split("<h2>Restores</h2>")[1].split("</table>")[0]
+    cells = re.findall(r"<td[^>]*>([^<]*)</td>", restores)
+    assert cells[1:] == ["snap-1-0001", "2", "6", "1", "2", "3", "17", "&ge; 38"]
+    assert "restore snap-1-0001" in page.split('id="timeline"')[1]
+    assert 'id="in-flight"' in page
+
+
+def test_write_report_writes_the_page_whole(tmp_path: Path) -> None:
+    (tmp_path / "metrics.jsonl").write_bytes(_snapshot_line("snap-1-0001", 101.0))
+    target = write_report(read_run(tmp_path))
+    assert target == tmp_path / "report.html"
+    assert target.read_text().endswith("</html>\n")
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []

@@ -13,8 +13,10 @@ in any process, next to anything.
 
 from __future__ import annotations
 
+import bisect
 import html
 import io
+import itertools
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -36,6 +38,7 @@ MARK_COLOURS = {
     "replica up": "#6a9f2a",
     "preemption": "#8e44ad",
     "rerun": "#222222",
+    "crash": "#d62728",
 }
 MAX_MARKED_SNAPSHOTS = 400
 """Beyond this many snapshots the timeline draws them as one collection (no per-mark
@@ -85,7 +88,7 @@ def _event_marks(ax: Axes, record: RunRecord, *, label: bool) -> None:
     t0 = record.t0
     seen: set[str] = set()
 
-    def vline(ts: float, kind: str, style: str, text: str = "") -> None:
+    def vline(ts: float, kind: str, style: str, text: str = "", side: str = "left") -> None:
         ax.axvline(
             ts - t0,
             color=MARK_COLOURS[kind],
@@ -101,13 +104,15 @@ def _event_marks(ax: Axes, record: RunRecord, *, label: bool) -> None:
                 xycoords=("data", "axes fraction"),
                 rotation=90,
                 va="top",
-                ha="right",
+                ha=side,
                 fontsize=7,
                 color=MARK_COLOURS[kind],
             )
 
-    for segment in record.segments[1:]:
-        vline(segment.start.ts, "rerun", "-", "rerun")
+    for before, segment in itertools.pairwise(record.segments):
+        if before.end is None:
+            vline(before.last_ts, "crash", ":", "last sign of life", "right")
+        vline(segment.start.ts, "rerun", "-", "rerun", "right")
     for r in record.restores:
         vline(r.event.ts, "restore", "--", f"restore {r.event.snapshot_id}")
     for e in record.replica_events:
@@ -157,7 +162,7 @@ def timeline(record: RunRecord) -> str:
         _event_marks(ax, record, label=True)
         ax.set_ylim(bottom=0)
         ax.set_xlim(left=0)
-        ax.legend(loc="upper left", fontsize=7, framealpha=0.8, ncols=2)
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, frameon=False)
         return _svg(fig, titles)
 
 
@@ -219,18 +224,31 @@ def episodes_in_flight(record: RunRecord) -> str:
         ax.set_title("episodes in flight per replica")
         ax.set_xlabel("seconds since the run started")
         ax.set_ylabel("episodes")
-        for replica in record.replicas:
-            points = [
-                (s.ts - t0, s.episodes[replica]) for s in record.samples if replica in s.episodes
-            ]
-            if points:
+        starts = [segment.start.ts for segment in record.segments]
+        colours = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
+        for i, replica in enumerate(record.replicas):
+            # One line per run of the job: nothing was in flight between a crash and its rerun.
+            runs: dict[int, list[tuple[float, int]]] = {}
+            for sample in record.samples:
+                if replica in sample.episodes:
+                    runs.setdefault(bisect.bisect_right(starts, sample.ts), []).append(
+                        (sample.ts - t0, sample.episodes[replica])
+                    )
+            for n, points in enumerate(runs.values()):
                 xs, ys = zip(*points, strict=True)
-                ax.step(xs, ys, where="post", label=replica, linewidth=1.2)
-        for s in record.snapshots:
-            ax.axvline(s.ts - t0, color=OUTCOME_COLOURS.get(s.outcome, "#999"), alpha=0.15)
+                ax.step(
+                    xs,
+                    ys,
+                    where="post",
+                    label=replica if n == 0 else None,
+                    color=colours[i % len(colours)],
+                    linewidth=1.2,
+                )
+        for snap in record.snapshots:
+            ax.axvline(snap.ts - t0, color=OUTCOME_COLOURS.get(snap.outcome, "#999"), alpha=0.15)
         _event_marks(ax, record, label=False)
         ax.set_xlim(left=0)
         ax.set_ylim(bottom=0)
         if record.replicas:
-            ax.legend(loc="upper right", fontsize=7)
+            ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7, frameon=False)
         return _svg(fig)

@@ -10,6 +10,7 @@ import orjson
 
 from rollpoint.report import read_run, render_page, write_report
 from rollpoint.trainer.run_events import (
+    EVENTS_FILE,
     InFlight,
     Restore,
     RunEnd,
@@ -48,7 +49,7 @@ def _start(ts: float, resume_from: str | None = None) -> RunStart:
 
 
 def test_a_workdir_without_snapshots_gets_a_page_that_says_so(tmp_path: Path) -> None:
-    RunEvents(tmp_path / "events.jsonl").append(_start(100.0))
+    RunEvents(tmp_path / EVENTS_FILE).append(_start(100.0))
     page = render_page(read_run(tmp_path))
     assert 'id="no-snapshots"' in page
     assert "no snapshots yet" in page
@@ -90,7 +91,7 @@ def test_histogram_names_p50_and_p99(tmp_path: Path) -> None:
 def test_a_restore_shows_its_outcome_and_the_calls_the_crash_lost(tmp_path: Path) -> None:
     # The snapshot's pause ended at 104.0 (its line at 104.5 after 0.5 s of writes).
     (tmp_path / "metrics.jsonl").write_bytes(_snapshot_line("snap-1-0001", 104.5, write=0.5))
-    events = RunEvents(tmp_path / "events.jsonl")
+    events = RunEvents(tmp_path / EVENTS_FILE)
     events.append(_start(100.0))
     for ts, calls in [
         (103.0, {"replica-0": 50, "replica-1": 40}),
@@ -137,3 +138,15 @@ def test_write_report_writes_the_page_whole(tmp_path: Path) -> None:
     assert target == tmp_path / "report.html"
     assert target.read_text().endswith("</html>\n")
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_a_chaos_trials_faults_are_marked_on_the_timeline(tmp_path: Path) -> None:
+    (tmp_path / "metrics.jsonl").write_bytes(_snapshot_line("snap-1-0001", 101.0))
+    (tmp_path / "events.jsonl").write_bytes(
+        b'{"run":0,"event":"up","ts":100.0}\n'
+        b'{"run":0,"event":"fault","ts":102.0,"kind":"replica_kill",'
+        b'"detail":"replica_kill of replica-0 (resources) at 1.21s of run 0"}\n'
+    )
+    page = render_page(read_run(tmp_path))
+    assert "replica_kill" in page.split('id="timeline"')[1].split("</svg>")[0]
+    assert "replica_kill of replica-0 (resources)" in page.split("faults</h2>")[1]

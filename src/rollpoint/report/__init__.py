@@ -1,7 +1,7 @@
 """``rollpoint report``: a run at a glance, as one self-contained HTML page.
 
 The package has one module per noun: :mod:`.run_record` reads what the run left behind
-(``metrics.jsonl``, ``events.jsonl``, the snapshot store), :mod:`.figures` draws the plots
+(``metrics.jsonl``, ``run_events.jsonl``, the snapshot store), :mod:`.figures` draws the plots
 as SVG with matplotlib, :mod:`.page` lays out the HTML. :func:`read_run` and :func:`write_report` are the API.
 matplotlib comes with the ``report`` extra (``pip install 'rollpoint[report]'``); the
 rest of rollpoint never imports this package.

@@ -39,6 +39,7 @@ MARK_COLOURS = {
     "preemption": "#8e44ad",
     "rerun": "#222222",
     "crash": "#d62728",
+    "fault injected": "#b8860b",
 }
 MAX_MARKED_SNAPSHOTS = 400
 """Beyond this many snapshots the timeline draws them as one collection (no per-mark
@@ -88,7 +89,7 @@ def _event_marks(ax: Axes, record: RunRecord, *, label: bool) -> None:
     t0 = record.t0
     seen: set[str] = set()
 
-    def vline(ts: float, kind: str, style: str, text: str = "", side: str = "left") -> None:
+    def vline(ts: float, kind: str, style: Any, text: str = "", side: str = "left") -> None:
         ax.axvline(
             ts - t0,
             color=MARK_COLOURS[kind],
@@ -122,6 +123,8 @@ def _event_marks(ax: Axes, record: RunRecord, *, label: bool) -> None:
             vline(e.ts, "replica up", ":", f"{e.replica} up")
     for p in record.preemptions:
         vline(p.ts, "preemption", "-.", f"preempted ({p.signal})")
+    for f in record.faults:
+        vline(f.ts, "fault injected", (0, (1, 3)), f.kind)
 
 
 def timeline(record: RunRecord) -> str:

@@ -125,7 +125,7 @@ def _header(record: RunRecord) -> str:
             f"{len(record.segments)} (a first run and {max(0, len(record.segments) - 1)} reruns)",
         ),
         ("snapshots", f"{published} published, {failed} failed"),
-        ("train steps", str(len(record.train_steps))),
+        ("train steps", _train_steps(record)),
         ("restores", str(len(record.restores))),
         ("snapshot store", record.store_root),
     ]
@@ -141,16 +141,16 @@ def _header(record: RunRecord) -> str:
     notes = []
     if record.newer_lines:
         notes.append(
-            f"{record.newer_lines} lines of events.jsonl are of a newer format than this "
+            f"{record.newer_lines} lines of run_events.jsonl are of a newer format than this "
             "rollpoint reads; they are left out."
         )
     if record.skipped_lines:
-        notes.append(f"{record.skipped_lines} lines of events.jsonl could not be read (torn).")
+        notes.append(f"{record.skipped_lines} lines of run_events.jsonl could not be read (torn).")
     if record.inspect_error:
         notes.append(f"the snapshot store could not be read: {record.inspect_error}")
     if not record.segments:
         notes.append(
-            "no events.jsonl: restores, train steps and replicas are not shown (a run of an "
+            "no run_events.jsonl: restores, train steps and replicas are not shown (a run of an "
             "older rollpoint)."
         )
     note = "".join(f'<p class="note">{_e(n)}</p>' for n in notes)
@@ -158,6 +158,13 @@ def _header(record: RunRecord) -> str:
         f"<h1>rollpoint run report</h1><p class='sub'>{_e(record.workdir)}</p>"
         f'<dl class="summary">{summary}</dl>{note}'
     )
+
+
+def _train_steps(record: RunRecord) -> str:
+    steps = [t.step for t in record.train_steps]
+    again = len(steps) - len(set(steps))
+    text = f"{len(set(steps))}"
+    return text + (f" ({again} trained again after a restore)" if again else "")
 
 
 def _snapshot_table(record: RunRecord) -> str:
@@ -231,10 +238,12 @@ def _replicas(record: RunRecord) -> str:
     for p in record.preemptions:
         what = f"snapshot {p.snapshot_id}" if p.snapshot_id else "no snapshot"
         rows.append((f"{p.ts - t0:.1f}", "", f"preempted ({_e(p.signal)})", _e(what)))
+    for f in record.faults:
+        rows.append((f"{f.ts - t0:.1f}", "", f"fault injected: {_e(f.kind)}", _e(f.detail)))
     if not rows:
         return ""
     rows.sort(key=lambda r: float(r[0]))
-    return "<h2>Replicas and preemptions</h2>" + _table(
+    return "<h2>Replicas, preemptions and faults</h2>" + _table(
         ("at (s)", "replica", "what", "detail"), rows, numeric=frozenset({0})
     )
 

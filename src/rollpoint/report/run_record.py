@@ -1,13 +1,13 @@
 """What a run left behind, read for the report: one :class:`RunRecord` per workdir.
 
-Owns reading ``metrics.jsonl`` (one line per snapshot attempt), ``events.jsonl`` (the
+Owns reading ``metrics.jsonl`` (one line per snapshot attempt), ``run_events.jsonl`` (the
 versioned event log of :mod:`rollpoint.trainer.run_events`) and the snapshot store (what
 ``rollpoint inspect`` shows), and the few numbers derived from them: the run's segments
 (a first run and each rerun), whether the last one ended or crashed, and per restore the
 policy calls re-done. Read-only, like ``inspect``: a live run may be writing right now, and
 a workdir from a crashed run, a resumed run, a chaos trial or a Ray run reads the same way.
 Every file is optional: a run that never snapshotted (or an older rollpoint's workdir,
-without ``events.jsonl``) reads as far as its files go. It draws nothing.
+without ``run_events.jsonl``) reads as far as its files go. It draws nothing.
 """
 
 from __future__ import annotations
@@ -35,6 +35,18 @@ from rollpoint.trainer.run_events import (
 )
 
 METRICS_FILE = "metrics.jsonl"
+CHAOS_EVENTS_FILE = "events.jsonl"
+"""What ``rollpoint chaos`` keeps beside a trial's workdir (:mod:`rollpoint.testing.chaos`):
+its ``fault`` lines are drawn on the timeline."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    """A fault ``rollpoint chaos`` injected into the trial."""
+
+    ts: float
+    kind: str
+    detail: str
 
 
 @dataclass(frozen=True)
@@ -100,11 +112,12 @@ class RunRecord:
     replica_events: list[ReplicaDown | ReplicaUp] = field(default_factory=list)
     preemptions: list[Preemption] = field(default_factory=list)
     samples: list[InFlight] = field(default_factory=list)
+    faults: list[Fault] = field(default_factory=list)
     inspect: dict[str, Any] = field(default_factory=dict)
     """What ``rollpoint inspect --json`` prints for the store."""
     inspect_error: str = ""
     config: dict[str, JsonValue] | None = None
-    """The config of the latest segment (None without ``events.jsonl``)."""
+    """The config of the latest segment (None without ``run_events.jsonl``)."""
     skipped_lines: int = 0
     newer_lines: int = 0
 
@@ -118,7 +131,7 @@ class RunRecord:
     @property
     def state(self) -> str:
         if not self.segments:
-            return "unknown (no events.jsonl)"
+            return "unknown (no run_events.jsonl)"
         if self.segments[-1].end is not None:
             return "finished"
         return "crashed or still running"
@@ -146,6 +159,7 @@ def read_run(workdir: Path, store: str | None = None) -> RunRecord:
         workdir=workdir,
         store_root=root,
         snapshots=_read_snapshots(workdir / METRICS_FILE),
+        faults=_read_faults(workdir / CHAOS_EVENTS_FILE),
         config=config,
         skipped_lines=log.skipped,
         newer_lines=log.newer,
@@ -165,6 +179,14 @@ def read_run(workdir: Path, store: str | None = None) -> RunRecord:
             record.preemptions.append(event)
         elif isinstance(event, InFlight):
             record.samples.append(event)
+    for i, segment in enumerate(record.segments):
+        # A killed run's last snapshot line may come after its last event.
+        until = record.segments[i + 1].start.ts if i + 1 < len(record.segments) else float("inf")
+        last = max(
+            (s.ts for s in record.snapshots if segment.start.ts <= s.ts < until),
+            default=segment.last_ts,
+        )
+        record.segments[i] = Segment(segment.start, segment.end, max(last, segment.last_ts))
     record.restores = [
         RestoreOutcome(e, _calls_redone(e, record)) for e in log.events if isinstance(e, Restore)
     ]
@@ -210,6 +232,22 @@ def _read_snapshots(path: Path) -> list[SnapshotAttempt]:
             )
         except (orjson.JSONDecodeError, AttributeError, KeyError, TypeError, ValueError):
             continue  # a torn last line of a killed run
+    return found
+
+
+def _read_faults(path: Path) -> list[Fault]:
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return []
+    found = []
+    for line in raw.splitlines():
+        try:
+            doc = orjson.loads(line)
+            if isinstance(doc, dict) and doc.get("event") == "fault":
+                found.append(Fault(float(doc["ts"]), str(doc["kind"]), str(doc.get("detail", ""))))
+        except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
+            continue
     return found
 
 

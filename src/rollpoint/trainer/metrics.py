@@ -2,7 +2,7 @@
 
 Owns the metric objects (one registry per trainer, so two trainers in one process — as in
 tests — never share counters), the HTTP endpoint, ``<workdir>/metrics.jsonl`` and the
-:class:`~rollpoint.trainer.run_events.RunEvents` writer of ``<workdir>/events.jsonl``. It does
+:class:`~rollpoint.trainer.run_events.RunEvents` writer of ``<workdir>/run_events.jsonl``. It does
 not decide when anything is measured: the coordinator and trainer loop call the
 ``record_*`` methods.
 """
@@ -26,7 +26,7 @@ _PAUSE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.
 class TrainerMetrics:
     def __init__(self, jsonl_path: Path | None = None, events_path: Path | None = None) -> None:
         self.run_events = RunEvents(events_path)
-        """The run's event log (``events.jsonl``): restores, replicas, train steps, samples."""
+        """The run's event log (``run_events.jsonl``): restores, replicas, train steps, samples."""
         self.registry = CollectorRegistry()
         r = self.registry
         self.snapshot_pause = Histogram(

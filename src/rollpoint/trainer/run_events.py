@@ -1,4 +1,4 @@
-"""The run's event log: ``<workdir>/events.jsonl``, one versioned JSON line per event.
+"""The run's event log: ``<workdir>/run_events.jsonl``, one versioned JSON line per event.
 
 Owns the line format (one pydantic model per ``kind``, every line ``{"v": 1, "ts": ...,
 "kind": ...}``), the writer the run calls (:class:`RunEvents`) and the reader
@@ -31,7 +31,7 @@ from rollpoint.protocol.model_base import StrictModel
 
 log = logging.getLogger(__name__)
 
-EVENTS_FILE = "events.jsonl"
+EVENTS_FILE = "run_events.jsonl"
 EVENTS_VERSION: Final = 1
 """Bump it when a kind changes incompatibly; new kinds and new optional fields are additive."""
 

@@ -178,7 +178,7 @@ class Trainer:
             self._turns = int(doc.get("turns", 0))
             self._reward_sum = float(doc.get("reward_sum", 0.0))
         self.events = control.metrics.run_events if control is not None else RunEvents(None)
-        """The run's event log (``events.jsonl``; records nothing without a control plane)."""
+        """The run's event log (``run_events.jsonl``; records nothing without a control plane)."""
         self.coordinator: SnapshotCoordinator | None = None
         self.releases: ReleaseBatcher | None = None
         self.recovery: ReplicaRecovery | None = None
@@ -427,12 +427,13 @@ class Trainer:
         self._train_steps = step
         self._groups_trained += len(groups)
         self._episodes_trained += len(samples)
-        every = self.config.train.checkpoint_every_steps
-        if every is not None and step % every == 0:
-            await self._checkpoint(step)
+        # Before the checkpoint's snapshot: a kill during it must not hide the step.
         self.events.append(
             TrainStep(ts=time.time(), step=step, rollouts=len(samples), groups=len(groups))
         )
+        every = self.config.train.checkpoint_every_steps
+        if every is not None and step % every == 0:
+            await self._checkpoint(step)
         log.info(
             "train step %d: %d rollouts from %d groups; %s",
             step,

@@ -24,11 +24,11 @@ from rollpoint.trainer.run_events import (
     without_secrets,
 )
 
-GOLDEN = Path(__file__).resolve().parents[2] / "golden" / "events"
+GOLDEN = Path(__file__).resolve().parents[2] / "golden" / "run_events"
 
 
 def test_golden_v1_file_reads_every_kind() -> None:
-    log = read_events(GOLDEN / "events_v1.jsonl")
+    log = read_events(GOLDEN / "run_events_v1.jsonl")
     assert (log.skipped, log.newer) == (0, 0)
     kinds = [type(e) for e in log.events]
     assert kinds == [
@@ -58,7 +58,7 @@ def test_golden_v1_file_reads_every_kind() -> None:
 
 
 def test_written_lines_read_back_in_order(tmp_path: Path) -> None:
-    path = tmp_path / "events.jsonl"
+    path = tmp_path / "run_events.jsonl"
     events = RunEvents(path)
     events.append(TrainStep(ts=1.0, step=1, rollouts=4, groups=2))
     events.preemption("SIGTERM", snapshot_id="snap-1-0001")
@@ -73,7 +73,7 @@ def test_written_lines_read_back_in_order(tmp_path: Path) -> None:
 
 
 def test_a_torn_line_and_a_newer_version_are_skipped_and_counted(tmp_path: Path) -> None:
-    path = tmp_path / "events.jsonl"
+    path = tmp_path / "run_events.jsonl"
     good = orjson.dumps(TrainStep(ts=1.0, step=1, rollouts=4, groups=2).model_dump())
     newer = orjson.dumps({"v": 2, "ts": 2.0, "kind": "train_step", "shape": "new"})
     unknown = orjson.dumps({"v": 1, "ts": 3.0, "kind": "no_such_kind"})
@@ -84,7 +84,7 @@ def test_a_torn_line_and_a_newer_version_are_skipped_and_counted(tmp_path: Path)
 
 
 def test_a_missing_file_reads_as_no_events(tmp_path: Path) -> None:
-    log = read_events(tmp_path / "events.jsonl")
+    log = read_events(tmp_path / "run_events.jsonl")
     assert (log.events, log.skipped, log.newer) == ([], 0, 0)
 
 
@@ -94,7 +94,7 @@ def test_a_writer_without_a_path_writes_nothing(tmp_path: Path) -> None:
 
 
 def test_an_unwritable_file_never_raises_into_the_run(tmp_path: Path) -> None:
-    events = RunEvents(tmp_path / "missing-dir" / "events.jsonl")
+    events = RunEvents(tmp_path / "missing-dir" / "run_events.jsonl")
     events.append(TrainStep(ts=1.0, step=1, rollouts=1, groups=1))
     events.append(TrainStep(ts=2.0, step=2, rollouts=1, groups=1))
     assert not (tmp_path / "missing-dir").exists()

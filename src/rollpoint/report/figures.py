@@ -25,6 +25,7 @@ from typing import Any
 import matplotlib
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 from matplotlib.typing import RcKeyType
 
 from rollpoint.report.run_record import RunRecord, SnapshotAttempt
@@ -193,6 +194,7 @@ def pause_histogram(record: RunRecord) -> str:
         ax.set_xlabel("pause (ms)")
         ax.set_ylabel("snapshots")
         ax.hist(pauses, bins=min(30, max(5, len(pauses))), color="#4c78a8")
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
         ax.axvline(p50, color="#222222", linestyle="--", label=f"p50 {p50:.1f} ms")
         ax.axvline(p99, color="#d62728", linestyle=":", label=f"p99 {p99:.1f} ms")
         ax.legend(fontsize=7)
@@ -227,6 +229,7 @@ def episodes_in_flight(record: RunRecord) -> str:
         ax.set_title("episodes in flight per replica")
         ax.set_xlabel("seconds since the run started")
         ax.set_ylabel("episodes")
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
         starts = [segment.start.ts for segment in record.segments]
         colours = matplotlib.rcParams["axes.prop_cycle"].by_key()["color"]
         for i, replica in enumerate(record.replicas):

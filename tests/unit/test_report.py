@@ -150,3 +150,27 @@ def test_a_chaos_trials_faults_are_marked_on_the_timeline(tmp_path: Path) -> Non
     page = render_page(read_run(tmp_path))
     assert "replica_kill" in page.split('id="timeline"')[1].split("</svg>")[0]
     assert "replica_kill of replica-0 (resources)" in page.split("faults</h2>")[1]
+
+
+def test_the_command_writes_the_page_and_a_missing_workdir_is_one_line(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from rollpoint.cli import app
+
+    (tmp_path / "metrics.jsonl").write_bytes(_snapshot_line("snap-1-0001", 101.0))
+    out = tmp_path / "page.html"
+    result = CliRunner().invoke(app, ["report", str(tmp_path), "-o", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    doc = orjson.loads(result.stdout)
+    assert doc == {
+        "report": str(out),
+        "state": "unknown (no run_events.jsonl)",
+        "snapshots": 1,
+        "restores": 0,
+        "runs": 0,
+    }
+    assert "snap-1-0001" in out.read_text()
+    missing = CliRunner().invoke(app, ["report", str(tmp_path / "nope")])
+    assert missing.exit_code == 2
+    assert "does not exist" in missing.output
+    assert "Traceback" not in missing.output

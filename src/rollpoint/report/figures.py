@@ -141,7 +141,7 @@ def timeline(record: RunRecord) -> str:
             group = [s for s in record.snapshots if s.outcome == outcome]
             if not group:
                 continue
-            xs = [s.ts - t0 for s in group]
+            xs = [s.cut_ts - t0 for s in group]
             ys = [s.pause_s * 1000 for s in group]
             ax.vlines(xs, 0, ys, colors=colour, linewidth=0.8, alpha=0.5)
             ax.scatter(
@@ -251,7 +251,9 @@ def episodes_in_flight(record: RunRecord) -> str:
                     linewidth=1.2,
                 )
         for snap in record.snapshots:
-            ax.axvline(snap.ts - t0, color=OUTCOME_COLOURS.get(snap.outcome, "#999"), alpha=0.15)
+            ax.axvline(
+                snap.cut_ts - t0, color=OUTCOME_COLOURS.get(snap.outcome, "#999"), alpha=0.15
+            )
         _event_marks(ax, record, label=False)
         ax.set_xlim(left=0)
         ax.set_ylim(bottom=0)

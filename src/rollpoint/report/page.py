@@ -176,7 +176,7 @@ def _snapshot_table(record: RunRecord) -> str:
     rows = [
         (
             f'<span id="row-{_e(s.snapshot_id)}">{_e(s.snapshot_id)}</span>',
-            f"{s.ts - t0:.1f}",
+            f"{s.cut_ts - t0:.1f}",
             f'<span class="{_e(s.outcome)}">{_e(s.outcome)}</span>',
             f"{s.pause_s * 1000:.1f}",
             f"{s.prepare_s * 1000:.1f}",
@@ -188,7 +188,7 @@ def _snapshot_table(record: RunRecord) -> str:
         )
         for s in shown
     ]
-    headers = ["snapshot", "at (s)", "outcome", "pause ms", "prepare ms", "commit ms"]
+    headers = ["snapshot", "pause ended (s)", "outcome", "pause ms", "prepare ms", "commit ms"]
     headers += ["write ms", "saved", "restarts", "why it failed"]
     table = _table(headers, rows, numeric=frozenset({1, 3, 4, 5, 6, 7, 8}))
     return f"<h2>Snapshot attempts (failed first, then newest)</h2>{table}{more}"

@@ -76,7 +76,8 @@ class SnapshotAttempt:
 
     @property
     def cut_ts(self) -> float:
-        """About when the pause ended: the line is written after the detached writes."""
+        """About when the pause ended (where the report draws it): the line is written after
+        the detached writes."""
         return self.ts - self.write_s
 
 

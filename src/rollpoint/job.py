@@ -179,6 +179,9 @@ async def run_job(
                         for e in point.manifest.episodes
                         if (e.rollout_id, e.attempt + 1) in continued
                     ),
+                    snapshot_pause_ended_at=point.manifest.created_at
+                    + point.manifest.pause_seconds,
+                    snapshot_pause_s=point.manifest.pause_seconds,
                 )
             )
         trainer = Trainer(

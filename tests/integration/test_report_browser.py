@@ -208,6 +208,8 @@ def test_report_of_a_crashed_and_resumed_run_shows_the_restore(
     restored_from = cells[1]
     assert restored_from in again.stderr
     assert page.locator("#timeline svg text", has_text=f"restore {restored_from}").count() == 1
+    # The restored snapshot has its mark, even when the kill came before its metrics line.
+    assert page.locator(f'#timeline svg g[id="{restored_from}"] title').count() == 1
     # The rerun's mark, its legend entry, and where the killed run's records stop.
     assert page.locator("#timeline svg text", has_text="rerun").count() == 2
     assert page.locator("#timeline svg text", has_text="last sign of life").count() == 1

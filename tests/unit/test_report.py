@@ -7,8 +7,9 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import pytest
 
-from rollpoint.report import read_run, render_page, write_report
+from rollpoint.report import read_run, render_page, run_record, write_report
 from rollpoint.trainer.run_events import (
     EVENTS_FILE,
     InFlight,
@@ -174,3 +175,57 @@ def test_the_command_writes_the_page_and_a_missing_workdir_is_one_line(tmp_path:
     assert missing.exit_code == 2
     assert "does not exist" in missing.output
     assert "Traceback" not in missing.output
+
+
+def test_a_published_snapshot_missing_from_metrics_is_still_drawn(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A run killed right after a publish never wrote that snapshot's metrics line.
+    (tmp_path / "metrics.jsonl").write_bytes(_snapshot_line("snap-1-0001", 101.0))
+    store = {
+        "snapshots": [
+            {"id": "snap-2-0002", "published_at": 102.0, "train_step": 1},
+            {"id": "snap-1-0001", "published_at": 101.0, "train_step": 1},
+        ],
+        "invalid": [],
+        "latest": None,
+    }
+    for entry in store["snapshots"]:
+        entry |= {"pause_seconds": 0.04, "episodes": 3, "restarts": 1}
+    monkeypatch.setattr(run_record, "build_report", lambda root, workdir: store)
+    record = read_run(tmp_path)
+    assert [s.snapshot_id for s in record.snapshots] == ["snap-1-0001", "snap-2-0002"]
+    added = record.snapshots[1]
+    assert (added.published, added.pause_s, added.in_flight) == (True, 0.04, 4)
+    page = render_page(record)
+    assert re.search(r'<g id="snap-2-0002"><title>[^<]*never written', page)
+
+
+def test_a_restored_snapshot_gone_from_metrics_and_store_is_drawn_from_the_restore(
+    tmp_path: Path,
+) -> None:
+    # Killed before its metrics line, then pruned from the store by the rerun's retention.
+    events = RunEvents(tmp_path / EVENTS_FILE)
+    events.append(_start(100.0))
+    events.append(InFlight(ts=101.0, episodes={"replica-0": 3}, policy_calls={"replica-0": 10}))
+    events.append(InFlight(ts=102.0, episodes={"replica-0": 3}, policy_calls={"replica-0": 25}))
+    events.append(_start(105.0, resume_from="snap-9-0009"))
+    events.append(
+        Restore(
+            ts=106.0,
+            snapshot_id="snap-9-0009",
+            train_step=1,
+            continued=3,
+            restarted=0,
+            adopted=0,
+            requeued=0,
+            turns_kept=5,
+            snapshot_pause_ended_at=101.5,
+            snapshot_pause_s=0.03,
+        )
+    )
+    record = read_run(tmp_path)
+    (snap,) = record.snapshots
+    assert (snap.snapshot_id, snap.cut_ts, snap.pause_s) == ("snap-9-0009", 101.5, 0.03)
+    assert record.restores[0].calls_redone == 15
+    assert re.search(r'<g id="snap-9-0009"><title>', render_page(record))

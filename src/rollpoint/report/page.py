@@ -189,7 +189,7 @@ def _snapshot_table(record: RunRecord) -> str:
         for s in shown
     ]
     headers = ["snapshot", "pause ended (s)", "outcome", "pause ms", "prepare ms", "commit ms"]
-    headers += ["write ms", "saved", "restarts", "why it failed"]
+    headers += ["write ms", "saved", "restarts", "why it failed, or a note"]
     table = _table(headers, rows, numeric=frozenset({1, 3, 4, 5, 6, 7, 8}))
     return f"<h2>Snapshot attempts (failed first, then newest)</h2>{table}{more}"
 

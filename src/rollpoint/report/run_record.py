@@ -29,6 +29,7 @@ from rollpoint.trainer.run_events import (
     ReplicaUp,
     Restore,
     RunEnd,
+    RunEvent,
     RunStart,
     TrainStep,
     read_events,
@@ -165,6 +166,14 @@ def read_run(workdir: Path, store: str | None = None) -> RunRecord:
         skipped_lines=log.skipped,
         newer_lines=log.newer,
     )
+    try:
+        record.inspect = build_report(root, workdir=workdir)
+    except (RollpointError, OSError, orjson.JSONDecodeError) as exc:
+        # A torn store still gets a page: the timeline does not need it.
+        record.inspect = {"snapshots": [], "invalid": [], "latest": None}
+        record.inspect_error = exc.message if isinstance(exc, RollpointError) else str(exc)
+    record.snapshots += _published_without_a_line(record, log.events)
+    record.snapshots.sort(key=lambda s: s.ts)
     for event in log.events:
         if isinstance(event, RunStart):
             record.segments.append(Segment(event, None, event.ts))
@@ -191,12 +200,6 @@ def read_run(workdir: Path, store: str | None = None) -> RunRecord:
     record.restores = [
         RestoreOutcome(e, _calls_redone(e, record)) for e in log.events if isinstance(e, Restore)
     ]
-    try:
-        record.inspect = build_report(root, workdir=workdir)
-    except (RollpointError, OSError, orjson.JSONDecodeError) as exc:
-        # A torn store still gets a page: the timeline does not need it.
-        record.inspect = {"snapshots": [], "invalid": [], "latest": None}
-        record.inspect_error = exc.message if isinstance(exc, RollpointError) else str(exc)
     return record
 
 
@@ -234,6 +237,55 @@ def _read_snapshots(path: Path) -> list[SnapshotAttempt]:
         except (orjson.JSONDecodeError, AttributeError, KeyError, TypeError, ValueError):
             continue  # a torn last line of a killed run
     return found
+
+
+NO_LINE = "published; its metrics line was never written (the run was killed first)"
+
+
+def _published_without_a_line(record: RunRecord, events: list[RunEvent]) -> list[SnapshotAttempt]:
+    """Snapshots ``metrics.jsonl`` does not list: a run killed right after a publish never
+    wrote the line, and that snapshot is often the one its rerun restores. Taken from the
+    restore that used it (where its pause ended) or else from the store (at its publish
+    time, a little after)."""
+    listed = {s.snapshot_id for s in record.snapshots}
+    found = []
+    for e in events:
+        if (
+            isinstance(e, Restore)
+            and e.snapshot_id not in listed
+            and e.snapshot_pause_ended_at is not None
+        ):
+            listed.add(e.snapshot_id)
+            found.append(
+                SnapshotAttempt(
+                    snapshot_id=e.snapshot_id,
+                    ts=e.snapshot_pause_ended_at,
+                    outcome="published",
+                    pause_s=e.snapshot_pause_s or 0.0,
+                    prepare_s=0.0,
+                    commit_s=0.0,
+                    write_s=0.0,
+                    parked=e.continued,
+                    restarts=e.restarted,
+                    detail=NO_LINE,
+                )
+            )
+    return found + [
+        SnapshotAttempt(
+            snapshot_id=str(s["id"]),
+            ts=float(s["published_at"]),
+            outcome="published",
+            pause_s=float(s["pause_seconds"]),
+            prepare_s=0.0,
+            commit_s=0.0,
+            write_s=0.0,
+            parked=int(s["episodes"]),
+            restarts=int(s["restarts"]),
+            detail=NO_LINE,
+        )
+        for s in record.inspect.get("snapshots", [])
+        if s["id"] not in listed
+    ]
 
 
 def _read_faults(path: Path) -> list[Fault]:

@@ -81,6 +81,10 @@ class Restore(_Event):
     """TQ items no durable train checkpoint consumed, back for training."""
     turns_kept: NonNegativeInt
     """Policy calls the continued episodes had completed at the cut: not asked again."""
+    snapshot_pause_ended_at: float | None = None
+    """When the snapshot's pause ended (its cut), from its manifest: the report draws the
+    snapshot from it when the killed run wrote no metrics line for it."""
+    snapshot_pause_s: float | None = None
 
 
 class TrainStep(_Event):

@@ -31,12 +31,17 @@ what to do with a call that has no token data (the caller's ``capture_tokens`` s
 
 from __future__ import annotations
 
+import logging
 import math
+import sys
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from rollpoint.protocol.errors import ConfigError, TransportError
+from rollpoint.http.client import HttpClient
+from rollpoint.protocol.errors import ConfigError, LaunchError, RollpointError, TransportError
 from rollpoint.protocol.token_data import is_int32_id
+
+log = logging.getLogger(__name__)
 
 EngineName = Literal["vllm", "sglang", "sglang_native"]
 _TOKEN_ID_PREFIX = "token_id:"
@@ -344,3 +349,35 @@ def adapter_for(engine: str) -> EngineAdapter:
     except KeyError:
         known = ", ".join(sorted(ADAPTERS))
         raise ConfigError(f"unknown engine {engine!r}; known engines: {known}") from None
+
+
+async def check_token_capture(
+    base_url: str, *, engine: str, model: str, api_key: str | None, required: bool
+) -> bool:
+    """Ask the engine for one token with token data, once at start: whether it returns ids.
+
+    An engine that does not is reported on the console and in the log, by name, once;
+    with ``required`` it stops the run (:class:`LaunchError`) instead.
+    """
+    adapter = adapter_for(engine)
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "Say OK."}],
+        "max_tokens": 1,
+        **adapter.request_fields(),
+    }
+    why = ""
+    async with HttpClient(token=api_key, timeout_s=30, connect_timeout_s=5) as client:
+        try:
+            tokens = adapter.read(await client.post_json(f"{base_url}/chat/completions", body))
+        except RollpointError as exc:
+            tokens, why = None, f": {exc.message}"
+    if tokens is not None:
+        return True
+    text = f"policy engine '{engine}' at {base_url} returns no token ids{why}"
+    if required:
+        raise LaunchError(f"{text}; policy.capture_tokens is 'required'")
+    text += "; the run goes on without token data"
+    log.warning(text)
+    print(f"warning: {text}", file=sys.stderr)
+    return False

@@ -151,6 +151,10 @@ class TokenTrace(StrictModel):
     def logprobs(self) -> list[float] | None:
         return None if self.completion_logprobs is None else unpack_floats(self.completion_logprobs)
 
+    def stored_prompt(self) -> list[int] | None:
+        """The prompt ids as stored: the suffix when ``prompt_is_suffix``."""
+        return None if self.prompt_ids is None else unpack_ids(self.prompt_ids)
+
     def prompt(self, context: Sequence[int] | None) -> list[int] | None:
         """The whole prompt of this call, given the episode's tokens before it."""
         if self.prompt_ids is None:

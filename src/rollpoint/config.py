@@ -101,7 +101,7 @@ class PolicyConfig(_Section):
     """Scripted policy only: completion tokens reported per call."""
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
     engine: Literal["vllm", "sglang"] = "vllm"
-    """Which reply shape token data is read from (the scripted policy speaks vLLM's)."""
+    """Which reply shape token data is read from (the scripted policy then speaks it)."""
     capture_tokens: Literal[False, True, "required"] = False
     """True: ask the engine for token ids and logprobs and keep them per turn; an engine
     that returns none is reported once at start and the run goes on without them.

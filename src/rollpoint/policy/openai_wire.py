@@ -155,7 +155,9 @@ class Choice(StrictModel):
     finish_reason: FinishReason
     logprobs: ChoiceLogprobs | None = None
     token_ids: list[int] | None = _OMIT_NONE
-    """With ``return_token_ids`` (vLLM's shape): the sampled ids."""
+    """With ``return_token_ids``: the sampled ids (vLLM's and SGLang's shape)."""
+    prompt_token_ids: list[int] | None = _OMIT_NONE
+    """With ``return_token_ids`` in SGLang's shape: the prompt's ids, on the choice."""
 
 
 class Usage(StrictModel):

@@ -30,7 +30,7 @@ import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Annotated, Any, BinaryIO
+from typing import Annotated, Any, BinaryIO, Literal
 
 import orjson
 from fastapi import FastAPI, Request
@@ -84,6 +84,9 @@ class PolicySettings(StrictModel):
     """The id listed by ``GET /v1/models``, and echoed when a request names no model."""
     call_log: str | None = None
     """A JSONL file to append every reply's token data to (the engine's own log)."""
+    shape: Literal["vllm", "sglang"] = "vllm"
+    """Where token ids go: vLLM's (top-level ``prompt_token_ids``, ids on every stream
+    chunk) or SGLang's OpenAI-compatible server (both on the choice; none when streamed)."""
 
 
 def estimate_prompt_tokens(request: ChatCompletionRequest) -> int:
@@ -211,6 +214,7 @@ class _Reply:
         self.model = request.model or settings.model
         self.decisions = decisions
         self.return_ids = request.return_token_ids
+        self.sglang = settings.shape == "sglang"
         self.logprobs = request.logprobs
         self.as_ids = request.return_tokens_as_token_ids
         self.top = request.top_logprobs
@@ -231,13 +235,17 @@ class _Reply:
             total_tokens=prompt_tokens + completion,
         )
 
-    def _choice_tokens(self, index: int, start: int, stop: int) -> dict[str, Any]:
+    def _choice_tokens(
+        self, index: int, start: int, stop: int, *, streamed: bool = False
+    ) -> dict[str, Any]:
         if self.tokens is None:
             return {}
         tokens = self.tokens[index]
         out: dict[str, Any] = {}
-        if self.return_ids:
+        if self.return_ids and not (streamed and self.sglang):
             out["token_ids"] = tokens.ids[start:stop]
+            if self.sglang:
+                out["prompt_token_ids"] = self.prompt
         if self.logprobs:
             out["logprobs"] = tokens.content(start, stop, as_ids=self.as_ids, top=self.top)
         return out
@@ -258,7 +266,7 @@ class _Reply:
             model=self.model,
             choices=choices,
             usage=self.usage,
-            prompt_token_ids=self.prompt if self.return_ids else None,
+            prompt_token_ids=self.prompt if self.return_ids and not self.sglang else None,
         )
         return body.model_dump_json().encode()
 
@@ -272,15 +280,16 @@ class _Reply:
             spans = _spans(max(n - 1, 0), len(deltas) - 1)
             for j, delta in enumerate(deltas):
                 start, stop = (0, 0) if j == 0 else spans[j - 1]
-                choice = ChunkChoice(index=i, delta=delta, **self._choice_tokens(i, start, stop))
+                tokens = self._choice_tokens(i, start, stop, streamed=True)
+                choice = ChunkChoice(index=i, delta=delta, **tokens)
                 first = i == 0 and j == 0
-                prompt = self.prompt if first and self.return_ids else None
+                prompt = self.prompt if first and self.return_ids and not self.sglang else None
                 chunks.append(self._chunk([choice], prompt=prompt))
             last = ChunkChoice(
                 index=i,
                 delta=Delta(),
                 finish_reason=_finish_reason(decision),
-                **self._choice_tokens(i, max(n - 1, 0), n),
+                **self._choice_tokens(i, max(n - 1, 0), n, streamed=True),
             )
             chunks.append(self._chunk([last]))
         if include_usage:

@@ -161,6 +161,7 @@ class EmbeddedRuntime:
                 "tokens_per_call": cfg.policy.tokens_per_call,
                 "model": cfg.policy.model,
                 "call_log": None if cfg.policy.call_log is None else str(cfg.policy.call_log),
+                "shape": cfg.policy.engine,
             },
         )
         (child,) = await self.group.start([spec])

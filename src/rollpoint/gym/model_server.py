@@ -20,6 +20,12 @@ stream already under way ends as it began, unrecorded).
 Upstream failures: unreachable, timed out or a 5xx → 502 ``transport_error``; a 4xx is passed
 through with its status and body (the engine refused the request, not the plumbing).
 
+Token data: each recorded call keeps choice 0's token ids and logprobs, read by the engine
+adapter of ``engine`` (:mod:`rollpoint.policy.engine_adapters`), streamed or not. A plain
+reply whose token data is malformed is refused with 502 ``transport_error`` naming the field
+and the engine, and nothing is recorded; a stream is relayed as it came and, malformed, left
+unrecorded (logged).
+
 This is the hot path of every policy call. The plain path reads the body once, parses it
 once, forwards the same bytes over one aiohttp session, and returns the engine's bytes;
 only calls carrying episode headers parse the reply, to record it.

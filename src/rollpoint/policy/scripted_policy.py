@@ -5,7 +5,15 @@ Owns the routes ``GET /v1/models`` and ``POST /v1/chat/completions`` (plain JSON
 finish reason, a usage chunk when ``stream_options.include_usage`` asks for it, then
 ``data: [DONE]``), the simulated latency (``latency_ms`` per call) and the token accounting
 (prompt tokens estimated at four characters a token, ``tokens_per_call`` completion tokens).
-Any model name is accepted and echoed back.
+Any model name is accepted and echoed back. ``n`` choices are returned, choice ``i`` decided
+under its own seed.
+
+Token data, when a request asks (``return_token_ids``, ``logprobs``, ``top_logprobs``,
+``return_tokens_as_token_ids``): ids and logprobs from the stand-in tokenizer
+(:mod:`rollpoint.policy.stand_in_tokenizer`), in vLLM's shape or SGLang's
+(``PolicySettings.shape``), streamed and not; ``usage`` then counts those tokens. With
+``call_log`` set, every reply's token data is appended to that JSONL file before the reply
+leaves: the engine's own account, which tests compare rollpoint's records against.
 
 It runs full garbage collections only while no call is in flight
 (:class:`~rollpoint.store.collector_schedule.ServerCollector` with ``idle``). Holding 10k calls in a

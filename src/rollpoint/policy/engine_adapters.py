@@ -17,7 +17,8 @@ The shapes, checked against the engines' sources (the fixtures under
   where ``token`` is ``"token_id:N"`` under ``return_tokens_as_token_ids`` (an older vLLM
   without ``token_ids`` still yields ids that way). Streamed: ``prompt_token_ids`` on a
   chunk (the first), ``token_ids`` and ``logprobs.content`` per chunk choice, in order.
-- ``sglang`` (``python/sglang/srt/entrypoints/openai/protocol.py``): per-choice
+- ``sglang`` (``python/sglang/srt/entrypoints/openai/protocol.py``): the request sets
+  ``return_token_ids`` and ``return_prompt_token_ids``; the reply has per-choice
   ``prompt_token_ids`` and ``token_ids`` and OpenAI ``logprobs.content[]``. Its stream
   chunk choices carry no ids, so a streamed SGLang call reads as None.
 - ``sglang_native`` (SGLang's ``/generate``): ``output_ids``, and with
@@ -233,7 +234,7 @@ class SglangAdapter:
     name = "sglang"
 
     def request_fields(self) -> dict[str, Any]:
-        return {"return_token_ids": True, "logprobs": True}
+        return {"return_token_ids": True, "return_prompt_token_ids": True, "logprobs": True}
 
     def read(self, reply: Any, index: int = 0) -> EngineTokens | None:
         choice = _choice(self.name, reply, index)

@@ -100,6 +100,8 @@ class ChatCompletionRequest(OpenModel):
     """vLLM's extension: top-level ``prompt_token_ids`` and per-choice ``token_ids``."""
     return_tokens_as_token_ids: bool = False
     """vLLM's extension: logprob tokens spelled ``token_id:N``."""
+    return_prompt_token_ids: bool = False
+    """SGLang's extension: per-choice ``prompt_token_ids`` (with ``return_token_ids``)."""
 
     def tool_names(self) -> list[str]:
         """Names of the function tools on offer, in the order given (none when ``tool_choice``

@@ -223,6 +223,7 @@ class _Reply:
         self.decisions = decisions
         self.return_ids = request.return_token_ids
         self.sglang = settings.shape == "sglang"
+        self.return_prompt = request.return_prompt_token_ids
         self.logprobs = request.logprobs
         self.as_ids = request.return_tokens_as_token_ids
         self.top = request.top_logprobs
@@ -252,7 +253,7 @@ class _Reply:
         out: dict[str, Any] = {}
         if self.return_ids and not (streamed and self.sglang):
             out["token_ids"] = tokens.ids[start:stop]
-            if self.sglang:
+            if self.sglang and self.return_prompt:
                 out["prompt_token_ids"] = self.prompt
         if self.logprobs:
             out["logprobs"] = tokens.content(start, stop, as_ids=self.as_ids, top=self.top)

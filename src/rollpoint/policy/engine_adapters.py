@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 
 EngineName = Literal["vllm", "sglang", "sglang_native"]
 _TOKEN_ID_PREFIX = "token_id:"
+_INT32_MAX = 2**31 - 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +65,12 @@ def _bad(engine: str, field: str, what: str) -> TransportError:
 def _ids(engine: str, field: str, value: Any) -> list[int]:
     if not isinstance(value, list):
         raise _bad(engine, field, "is not a list of token ids")
+    # The common case in one pass of builtins (a prompt is thousands of ids, every call);
+    # the slow loop only runs to name the first bad item.
+    if set(map(type, value)) <= {int} and (
+        not value or (min(value) >= 0 and max(value) <= _INT32_MAX)
+    ):
+        return value
     for i, item in enumerate(value):
         if not is_int32_id(item):
             raise _bad(engine, f"{field}[{i}]", f"is not a token id: {item!r}")
@@ -91,6 +98,17 @@ def _content(engine: str, field: str, logprobs: Any) -> list[Any] | None:
 
 
 def _content_logprobs(engine: str, field: str, content: list[Any]) -> list[float]:
+    try:  # the common case in one pass; the loop below names the first bad entry
+        fast = [entry["logprob"] for entry in content]
+    except (TypeError, KeyError):
+        fast = None
+    # (NaN fails ``max(...) <= 0`` only when it is not first: test it on its own.)
+    if (
+        fast is not None
+        and set(map(type, fast)) <= {float}
+        and (not fast or (max(fast) <= 0 and not any(map(math.isnan, fast))))
+    ):
+        return fast
     out = []
     for i, entry in enumerate(content):
         if not isinstance(entry, dict):

@@ -122,14 +122,14 @@ class TokenTrace(StrictModel):
         completion_ids: Sequence[int],
         completion_logprobs: Sequence[float] | None,
         prompt_ids: Sequence[int] | None,
-        context: Sequence[int] | None,
+        context: list[int] | None,
     ) -> TokenTrace:
         """Pack one call's ids; ``context`` is the episode's tokens before it (the previous
         call's prompt then completion), so a prompt that extends it keeps only the suffix."""
         suffix = False
         if prompt_ids is not None and context:
             n = len(context)
-            if len(prompt_ids) >= n and list(prompt_ids[:n]) == list(context):
+            if len(prompt_ids) >= n and list(prompt_ids[:n]) == context:
                 prompt_ids, suffix = prompt_ids[n:], True
         # model_construct: the ids were checked by the adapter; validation is for disk.
         return cls.model_construct(

@@ -11,7 +11,15 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    JsonValue,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from rollpoint.protocol.episode import EnvironmentName
 from rollpoint.protocol.errors import ConfigError
@@ -19,6 +27,65 @@ from rollpoint.protocol.errors import ConfigError
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+SAMPLING_OWNED_KEYS = frozenset(
+    {"model", "messages", "tools", "tool_choice", "stream", "stream_options", "n", "seed"}
+    | {"temperature", "top_p", "max_tokens", "stop", "logprobs", "top_logprobs"}
+)
+"""Request keys the agent sets itself or from named sampling settings: not in ``extra``."""
+
+
+class SamplingConfig(_Section):
+    """What the agent sends with every policy call (None: the engine's own default)."""
+
+    temperature: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    """Most completion tokens per call."""
+    stop: list[Annotated[str, Field(min_length=1)]] | None = None
+    """Stop strings; a single string is taken as a list of one."""
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    """Alternatives per token (needs ``logprobs: true``)."""
+    seed: Literal["episode", "turn", "none"] = "episode"
+    """``episode``: one seed per episode, from its rollout id (stable across attempts and
+    machines); ``turn``: one per (rollout, turn); ``none``: send no seed."""
+    extra: dict[str, JsonValue] = Field(default_factory=dict)
+    """Engine-specific fields passed through as they are (``top_k``, ``min_p``,
+    ``repetition_penalty``, ``chat_template_kwargs``, ...)."""
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _one_stop(cls, value: object) -> object:
+        return [value] if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _check(self) -> SamplingConfig:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        owned = sorted(SAMPLING_OWNED_KEYS & set(self.extra))
+        if owned:
+            raise ValueError(
+                f"extra.{owned[0]} is set by rollpoint (or by its own sampling key), "
+                "not passed through"
+            )
+        return self
+
+    def request_fields(self) -> dict[str, JsonValue]:
+        """The fixed fields of every policy call (the seed is per call, not here)."""
+        fields: dict[str, JsonValue] = dict(self.extra)
+        for key in ("temperature", "top_p", "max_tokens"):
+            value = getattr(self, key)
+            if value is not None:
+                fields[key] = value
+        if self.stop is not None:
+            fields["stop"] = list(self.stop)
+        if self.logprobs:
+            fields["logprobs"] = True
+            if self.top_logprobs is not None:
+                fields["top_logprobs"] = self.top_logprobs
+        return fields
 
 
 class PolicyConfig(_Section):
@@ -32,6 +99,15 @@ class PolicyConfig(_Section):
     """Scripted policy only: share of tool calls that are wrong or malformed."""
     tokens_per_call: Annotated[int, Field(ge=1)] = 48
     """Scripted policy only: completion tokens reported per call."""
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    engine: Literal["vllm", "sglang"] = "vllm"
+    """Which reply shape token data is read from (the scripted policy then speaks it)."""
+    capture_tokens: Literal[False, True, "required"] = False
+    """True: ask the engine for token ids and logprobs and keep them per turn; an engine
+    that returns none is reported once at start and the run goes on without them.
+    ``required``: such an engine stops the run at start instead."""
+    call_log: Path | None = None
+    """Scripted policy only: a JSONL file it appends every reply's token data to."""
 
 
 class TrainConfig(_Section):

@@ -66,3 +66,60 @@ def test_unreadable_and_invalid_yaml_files(tmp_path: Path) -> None:
     listy.write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="mapping of keys"):
         load_config(listy)
+
+
+def test_sampling_settings_become_the_fields_of_every_policy_call() -> None:
+    config = parse_config(
+        {
+            "policy": {
+                "sampling": {
+                    "temperature": 0.6,
+                    "top_p": 0.95,
+                    "max_tokens": 512,
+                    "stop": "</answer>",
+                    "logprobs": True,
+                    "top_logprobs": 3,
+                    "seed": "none",
+                    "extra": {"top_k": 40, "chat_template_kwargs": {"enable_thinking": False}},
+                },
+                "capture_tokens": "required",
+                "engine": "sglang",
+            }
+        }
+    )
+    assert config.policy.sampling.request_fields() == {
+        "top_k": 40,
+        "chat_template_kwargs": {"enable_thinking": False},
+        "temperature": 0.6,
+        "top_p": 0.95,
+        "max_tokens": 512,
+        "stop": ["</answer>"],
+        "logprobs": True,
+        "top_logprobs": 3,
+    }
+    assert (config.policy.capture_tokens, config.policy.engine) == ("required", "sglang")
+    assert parse_config({}).policy.sampling.request_fields() == {}
+
+
+@pytest.mark.parametrize(
+    ("sampling", "message"),
+    [
+        ({"temperature": -0.1}, r"key 'policy.sampling.temperature'"),
+        ({"top_p": 0}, r"key 'policy.sampling.top_p'"),
+        ({"max_tokens": 0}, r"key 'policy.sampling.max_tokens'"),
+        ({"stop": [""]}, r"key 'policy.sampling.stop.0'"),
+        ({"top_logprobs": 2}, r"top_logprobs needs logprobs: true"),
+        ({"seed": "random"}, r"key 'policy.sampling.seed'"),
+        ({"extra": {"n": 4}}, r"extra.n is set by rollpoint"),
+        ({"extra": {"temperature": 1}}, r"extra.temperature is set by rollpoint"),
+        ({"temprature": 1}, r"unknown key 'policy.sampling.temprature'"),
+    ],
+)
+def test_bad_sampling_settings_are_named(sampling: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_config({"policy": {"sampling": sampling}}, source="job.yaml")
+
+
+def test_capture_tokens_takes_a_bool_or_required() -> None:
+    with pytest.raises(ConfigError, match=r"key 'policy.capture_tokens'"):
+        parse_config({"policy": {"capture_tokens": "always"}})

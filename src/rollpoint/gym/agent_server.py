@@ -23,12 +23,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import orjson
 from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
 from rollpoint.gym.agent_participant import AgentParticipant
 from rollpoint.gym.control_plane import close_control_plane, mount_control_plane
@@ -67,6 +67,13 @@ class AgentSettings(BaseModel):
     beyond wait here for one, and only their time on the wire counts against the
     timeouts. None: no cap."""
     model_name: str = "scripted"
+    sampling: dict[str, JsonValue] = {}
+    """Fields every policy call carries (temperature, top_p, engine extras, ...)."""
+    seed_policy: Literal["episode", "turn", "none"] = "episode"
+    capture_tokens: bool = False
+    """Ask the engine for token ids and logprobs and keep them with each model call."""
+    engine: str = "vllm"
+    """The reply shape token data is read from (an engine adapter's name)."""
     snapshot_root: str | None = None
     """Snapshot store root (local path or fsspec URL); set, it mounts the control routes
     (token from ``ROLLPOINT_CONTROL_TOKEN``). None: a plain data server."""
@@ -108,6 +115,9 @@ class AgentServer:
             model_name=s.model_name,
             model_timeout_s=s.model_timeout_s,
             tool_timeout_s=s.tool_timeout_s,
+            sampling=s.sampling,
+            seed_policy=s.seed_policy,
+            engine=s.engine if s.capture_tokens else None,
         )
 
     async def stop(self) -> None:

@@ -7,8 +7,11 @@ lookup, export and release); a change stamp per rollout (so an exporter can reus
 built from calls that did not change); and the all-or-nothing install of exported records
 on restore.
 
+Each record keeps the call's token data as a packed :class:`TokenTrace` (an episode's
+records cost O(its tokens): prompts are stored as the suffix each adds).
+
 Does not own: proxying (the model server), deciding what to keep across a checkpoint (the
-fence passes the scope), or token accounting beyond what the engine reports.
+fence passes the scope), or reading token data out of replies (the engine adapters).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from pydantic import Field, JsonValue, TypeAdapter, ValidationError
 from rollpoint.protocol.errors import InvalidCheckpointStateError
 from rollpoint.protocol.ids import Identifier
 from rollpoint.protocol.model_base import StrictModel
+from rollpoint.protocol.token_data import TokenTrace, context_after
 
 
 class CallRecord(StrictModel):
@@ -42,7 +46,14 @@ class CallRecord(StrictModel):
     latency_s: float = 0.0
     streamed: bool = False
     logprobs: JsonValue = None
-    """Engine logprobs of the choice, when the engine returned them."""
+    """Engine logprobs of the choice as it sent them, when the engine returned some and no
+    token trace holds them (with a trace, its packed logprobs are the record's)."""
+    completion_id: str | None = None
+    """The engine's id of the completion (its reply's ``id``)."""
+    tokens: TokenTrace | None = None
+    """Choice 0's token ids and logprobs, streamed or not, with the prompt ids stored as
+    the suffix since the rollout's previous call when they extend it. None when the
+    engine returned no token data (and in records written before token capture)."""
 
 
 _RECORDS = TypeAdapter(list[CallRecord])
@@ -53,7 +64,12 @@ def json_form(rec: CallRecord) -> dict[str, Any]:
     (what the model server parsed, or what :meth:`CallLedger.install` validated), so a copy
     of its field dict is its JSON form, without a walk over every nested value on the data
     path. Nested values are shared with the record: treat them as read-only."""
-    return dict(rec.__dict__)
+    form = dict(rec.__dict__)
+    tokens = form.get("tokens")
+    if tokens is not None:
+        # A trace's fields are strings, ints and a bool: its field dict is its JSON form.
+        form["tokens"] = dict(tokens.__dict__)
+    return form
 
 
 class CallLedger:
@@ -128,6 +144,12 @@ class CallLedger:
             dumped = self._json.get(rec.rollout_id)
             if dumped is not None:
                 del dumped[len(calls) :]
+
+    def context_before(self, rollout_id: str, turn: int) -> list[int] | None:
+        """The rollout's token sequence before its call of ``turn`` (the last earlier
+        call's prompt and completion), the base a new call's prompt is chained on."""
+        earlier = (r.tokens for r in self._by_rollout.get(rollout_id, ()) if r.turn < turn)
+        return context_after(earlier)
 
     def calls(self, rollout_id: str) -> list[CallRecord]:
         """The records of one rollout, oldest first (empty for an unknown rollout)."""

@@ -37,6 +37,7 @@ from pydantic import BaseModel, ValidationError
 from rollpoint.gym.session import Session, SessionState
 from rollpoint.gym.session_book import TurnBoundary
 from rollpoint.http.client import HttpClient
+from rollpoint.policy.engine_adapters import EngineAdapter, adapter_for
 from rollpoint.protocol.episode import (
     EpisodeStart,
     ModelCall,
@@ -53,6 +54,7 @@ from rollpoint.protocol.ids import (
     HEADER_ROLLOUT_ID,
     HEADER_TURN,
 )
+from rollpoint.protocol.token_data import TokenTrace, context_after
 
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 
@@ -60,6 +62,12 @@ _TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 def episode_seed(rollout_id: str) -> int:
     """The sampling seed of an episode: stable across attempts, processes and machines."""
     digest = hashlib.blake2b(rollout_id.encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "big") & 0x7FFFFFFF
+
+
+def turn_seed(rollout_id: str, turn: int) -> int:
+    """The sampling seed of one turn of an episode (``policy.sampling.seed: turn``)."""
+    digest = hashlib.blake2b(f"{rollout_id}/{turn}".encode(), digest_size=4).digest()
     return int.from_bytes(digest, "big") & 0x7FFFFFFF
 
 
@@ -109,7 +117,12 @@ class EpisodeRunner:
         model_name: str,
         model_timeout_s: float,
         tool_timeout_s: float,
+        sampling: dict[str, Any] | None = None,
+        seed_policy: Literal["episode", "turn", "none"] = "episode",
+        engine: str | None = None,
     ) -> None:
+        """``sampling``: fields every policy call carries; ``engine``: the adapter whose
+        token data to request and keep (None: no token capture)."""
         self._client = client
         self._completions_url = f"{model_url.rstrip('/')}/v1/chat/completions"
         self._resources = resources_url.rstrip("/")
@@ -118,6 +131,12 @@ class EpisodeRunner:
         self._model_timeout_s = model_timeout_s
         self._tool_timeout_s = tool_timeout_s
         self._tools: asyncio.Task[list[Any]] | None = None
+        self._seed_policy = seed_policy
+        self._adapter: EngineAdapter | None = None if engine is None else adapter_for(engine)
+        # Built once: the sampling settings, then what the adapter needs to return ids.
+        self._fixed: dict[str, Any] = dict(sampling or {})
+        if self._adapter is not None:
+            self._fixed.update(self._adapter.request_fields())
 
     async def play(self, session: Session, boundary: TurnBoundary) -> RunReply:
         await self._start(session)
@@ -180,10 +199,14 @@ class EpisodeRunner:
     ) -> dict[str, Any]:
         episode = session.episode
         body: dict[str, Any] = {
+            **self._fixed,
             "model": self._model_name,
             "messages": session.messages,
-            "seed": episode_seed(episode.rollout_id),
         }
+        if self._seed_policy == "episode":
+            body["seed"] = episode_seed(episode.rollout_id)
+        elif self._seed_policy == "turn":
+            body["seed"] = turn_seed(episode.rollout_id, session.turn)
         if tools:
             body["tools"] = tools
         headers = {
@@ -204,8 +227,12 @@ class EpisodeRunner:
         # session as before the call, so it never has to wait for a generation.
         await boundary.hold_reply(session)
         message = _assistant_message(reply, self._completions_url)
+        # Read (and checked) before anything is kept: malformed token data fails the call.
+        tokens = self._tokens(session, reply)
         usage = reply.get("usage") if isinstance(reply.get("usage"), dict) else {}
         version = reply_headers.get(HEADER_POLICY_VERSION, "0")
+        completion_id = reply.get("id")
+        finish = reply["choices"][0].get("finish_reason")
         session.add_model_call(
             ModelCall(
                 turn=session.turn,
@@ -215,11 +242,30 @@ class EpisodeRunner:
                 completion_tokens=_int(usage.get("completion_tokens")),
                 policy_version=int(version) if version.isdigit() else 0,
                 latency_s=latency,
+                completion_id=completion_id if isinstance(completion_id, str) else None,
+                finish_reason=finish if isinstance(finish, str) else None,
+                tokens=tokens,
             )
         )
         session.add_message(message)
         session.turn += 1
         return message
+
+    def _tokens(self, session: Session, reply: Any) -> TokenTrace | None:
+        """The token trace of choice 0, chained on the episode's earlier calls; None without
+        capture or when the engine sent no token data."""
+        if self._adapter is None:
+            return None
+        read = self._adapter.read(reply)
+        if read is None:
+            return None
+        return TokenTrace.build(
+            engine=self._adapter.name,
+            completion_ids=read.completion_ids,
+            completion_logprobs=read.logprobs,
+            prompt_ids=read.prompt_ids,
+            context=context_after(call.tokens for call in session.model_calls),
+        )
 
     async def _apply_tools(self, session: Session, message: dict[str, Any]) -> None:
         turn = session.turn - 1  # the pending response belongs to the last policy call

@@ -20,6 +20,12 @@ stream already under way ends as it began, unrecorded).
 Upstream failures: unreachable, timed out or a 5xx → 502 ``transport_error``; a 4xx is passed
 through with its status and body (the engine refused the request, not the plumbing).
 
+Token data: each recorded call keeps choice 0's token ids and logprobs, read by the engine
+adapter of ``engine`` (:mod:`rollpoint.policy.engine_adapters`), streamed or not. A plain
+reply whose token data is malformed is refused with 502 ``transport_error`` naming the field
+and the engine, and nothing is recorded; a stream is relayed as it came and, malformed, left
+unrecorded (logged).
+
 This is the hot path of every policy call. The plain path reads the body once, parses it
 once, forwards the same bytes over one aiohttp session, and returns the engine's bytes;
 only calls carrying episode headers parse the reply, to record it.
@@ -49,6 +55,7 @@ from rollpoint.gym.model_participant import ModelParticipant
 from rollpoint.http.app import create_app
 from rollpoint.http.auth import data_token
 from rollpoint.http.client import HttpClient
+from rollpoint.policy.engine_adapters import EngineTokens, TokenStream, adapter_for
 from rollpoint.protocol.errors import BadRequestError, StaleAttemptError, TransportError
 from rollpoint.protocol.ids import (
     HEADER_ATTEMPT,
@@ -60,6 +67,7 @@ from rollpoint.protocol.ids import (
     is_identifier,
 )
 from rollpoint.protocol.model_base import StrictModel
+from rollpoint.protocol.token_data import TokenTrace
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +83,8 @@ class ModelServerSettings(BaseModel):
     replica: Identifier = "replica-0"
     api_key: str | None = None
     """Sent upstream as ``Authorization: Bearer``; the callers' own auth is never forwarded."""
+    engine: str = "vllm"
+    """The reply shape token data is read from, when a reply carries any."""
     call_timeout_s: Annotated[float, Field(gt=0)] = 600.0
     """Upper bound on one upstream call, a whole stream included."""
     snapshot_root: str | None = None
@@ -181,13 +191,16 @@ def _usage_tokens(usage: Any) -> tuple[int, int]:
 class StreamAssembler:
     """Rebuilds the assistant message of choice 0 from OpenAI SSE chunks as they pass by."""
 
-    def __init__(self) -> None:
+    def __init__(self, tokens: TokenStream | None = None) -> None:
+        self.tokens = tokens
+        """Fed every parsed event: the engine adapter's reader of the stream's token data."""
         self._buf = bytearray()
         self._content: list[str] = []
         self._role = "assistant"
         self._tools: dict[int, dict[str, Any]] = {}
         self.finish_reason: str | None = None
         self.usage: Any = None
+        self.completion_id: str | None = None
 
     def feed(self, chunk: bytes) -> None:
         self._buf += chunk
@@ -206,6 +219,10 @@ class StreamAssembler:
             return
         if not isinstance(event, dict):
             return
+        if self.tokens is not None:
+            self.tokens.feed(event)
+        if isinstance(event.get("id"), str):
+            self.completion_id = event["id"]
         if isinstance(event.get("usage"), dict):
             self.usage = event["usage"]
         for choice in event.get("choices") or ():
@@ -277,6 +294,7 @@ class ModelServer:
         """Raises :class:`StaleAttemptError` for a retired attempt (the fence's check)."""
         self.policy_version = 0
         self.calls_total = 0
+        self._adapter = adapter_for(settings.engine)
         self._client: HttpClient | None = None
         base = settings.upstream_url.rstrip("/")
         # Parsed once: aiohttp would parse a str URL again on every call.
@@ -385,6 +403,8 @@ class ModelServer:
             message = _clean_message(choice["message"])
         except (orjson.JSONDecodeError, KeyError, IndexError, TypeError, AttributeError):
             raise TransportError("upstream reply is not an OpenAI chat completion") from None
+        # Malformed token data raises here: the call fails whole and nothing is filed.
+        read = self._adapter.read(reply)
         self._record(
             tag,
             payload,
@@ -395,6 +415,8 @@ class ModelServer:
             latency=latency,
             streamed=False,
             logprobs=choice.get("logprobs"),
+            read=read,
+            completion_id=reply.get("id"),
         )
 
     def _record(
@@ -409,8 +431,21 @@ class ModelServer:
         latency: float,
         streamed: bool,
         logprobs: Any = None,
+        read: EngineTokens | None = None,
+        completion_id: Any = None,
     ) -> None:
         messages = payload["messages"]
+        trace = None
+        if read is not None:
+            trace = TokenTrace.build(
+                engine=self._adapter.name,
+                completion_ids=read.completion_ids,
+                completion_logprobs=read.logprobs,
+                prompt_ids=read.prompt_ids,
+                context=self.ledger.context_before(tag.rollout_id, tag.turn),
+            )
+            if read.logprobs is not None:
+                logprobs = None  # the trace holds them, packed
         last = messages[-1] if messages and isinstance(messages[-1], dict) else None
         prompt, completion = _usage_tokens(usage)
         # model_construct: the data is ours or the engine's, already parsed; validation
@@ -430,6 +465,8 @@ class ModelServer:
                 latency_s=latency,
                 streamed=streamed,
                 logprobs=logprobs,
+                completion_id=completion_id if isinstance(completion_id, str) else None,
+                tokens=trace,
             )
         )
 
@@ -465,7 +502,7 @@ class ModelServer:
             return self._upstream_refusal(*refusal)
 
         async def relay() -> AsyncIterator[bytes]:
-            assembler = StreamAssembler() if tag is not None else None
+            assembler = StreamAssembler(self._adapter.stream()) if tag is not None else None
             try:
                 async for chunk in resp.content.iter_any():
                     if assembler is not None:
@@ -476,6 +513,12 @@ class ModelServer:
                 return
             self.calls_total += 1
             if assembler is not None and tag is not None and not self._retired(tag):
+                try:
+                    read = assembler.tokens.result() if assembler.tokens is not None else None
+                except TransportError as exc:
+                    # The bytes are relayed already; the call is just not filed (never half).
+                    log.warning("stream of %s not recorded: %s", tag.rollout_id, exc.message)
+                    return
                 self._record(
                     tag,
                     payload,
@@ -485,6 +528,8 @@ class ModelServer:
                     version=version,
                     latency=time.perf_counter() - started,
                     streamed=True,
+                    read=read,
+                    completion_id=assembler.completion_id,
                 )
 
         return _HeldStream(

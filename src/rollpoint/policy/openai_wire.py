@@ -92,6 +92,16 @@ class ChatCompletionRequest(OpenModel):
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    n: Annotated[int, Field(ge=1, le=128)] = 1
+    """Choices to return, each decided under its own seed."""
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] = 0
+    return_token_ids: bool = False
+    """vLLM's extension: top-level ``prompt_token_ids`` and per-choice ``token_ids``."""
+    return_tokens_as_token_ids: bool = False
+    """vLLM's extension: logprob tokens spelled ``token_id:N``."""
+    return_prompt_token_ids: bool = False
+    """SGLang's extension: per-choice ``prompt_token_ids`` (with ``return_token_ids``)."""
 
     def tool_names(self) -> list[str]:
         """Names of the function tools on offer, in the order given (none when ``tool_choice``
@@ -124,11 +134,32 @@ class AssistantMessage(StrictModel):
     tool_calls: list[ToolCall] | None = _OMIT_NONE
 
 
+class TopLogprob(StrictModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class TokenLogprob(StrictModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(StrictModel):
+    content: list[TokenLogprob]
+
+
 class Choice(StrictModel):
     index: int = 0
     message: AssistantMessage
     finish_reason: FinishReason
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
+    token_ids: list[int] | None = _OMIT_NONE
+    """With ``return_token_ids``: the sampled ids (vLLM's and SGLang's shape)."""
+    prompt_token_ids: list[int] | None = _OMIT_NONE
+    """With ``return_token_ids`` in SGLang's shape: the prompt's ids, on the choice."""
 
 
 class Usage(StrictModel):
@@ -145,6 +176,8 @@ class ChatCompletion(StrictModel):
     model: str
     choices: list[Choice]
     usage: Usage
+    prompt_token_ids: list[int] | None = _OMIT_NONE
+    """With ``return_token_ids`` (vLLM's shape): the prompt's ids."""
 
 
 class FunctionDelta(StrictModel):
@@ -169,7 +202,8 @@ class ChunkChoice(StrictModel):
     index: int = 0
     delta: Delta
     finish_reason: FinishReason | None = None
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
+    token_ids: list[int] | None = _OMIT_NONE
 
 
 class ChatCompletionChunk(StrictModel):
@@ -180,6 +214,8 @@ class ChatCompletionChunk(StrictModel):
     choices: list[ChunkChoice]
     """Empty on the trailing usage chunk (``stream_options.include_usage``)."""
     usage: Usage | None = _OMIT_NONE
+    prompt_token_ids: list[int] | None = _OMIT_NONE
+    """On the first chunk, with ``return_token_ids``."""
 
 
 class ModelCard(StrictModel):

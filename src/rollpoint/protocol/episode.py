@@ -19,6 +19,7 @@ from pydantic import Field, JsonValue
 
 from rollpoint.protocol.ids import EpisodeId, Identifier
 from rollpoint.protocol.model_base import StrictModel
+from rollpoint.protocol.token_data import TokenTrace
 
 EnvironmentName = Literal["workplace", "blackjack", "math"]
 
@@ -59,7 +60,14 @@ class ModelCall(StrictModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     policy_version: int = 0
+    """The version the model server stamped on the reply (``x-rollpoint-policy-version``)."""
     latency_s: float = 0.0
+    completion_id: str | None = None
+    """The engine's id of the completion (its reply's ``id``), when it gave one."""
+    finish_reason: str | None = None
+    tokens: TokenTrace | None = None
+    """The token ids and logprobs the engine sampled, when token capture is on and the
+    engine returned them. Records written before token capture have none."""
 
 
 class RunReply(StrictModel):

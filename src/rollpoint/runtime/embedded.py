@@ -16,6 +16,7 @@ from types import TracebackType
 from rollpoint.config import RunConfig
 from rollpoint.http.auth import CONTROL_TOKEN_ENV, DATA_TOKEN_ENV
 from rollpoint.http.client import HttpClient
+from rollpoint.policy.engine_adapters import check_token_capture
 from rollpoint.protocol.deployment import Deployment, ReplicaEndpoints
 from rollpoint.protocol.errors import LaunchError, RollpointError
 from rollpoint.runtime.process_group import ProcessGroup
@@ -128,7 +129,21 @@ class EmbeddedRuntime:
                 break  # the children list changed: look again on the next tick
 
     async def start_policy(self) -> str:
-        """Start the scripted policy (or check ``policy.base_url``); its ``/v1`` URL."""
+        """Start the scripted policy (or check ``policy.base_url``); its ``/v1`` URL. With
+        ``policy.capture_tokens``, check once that the engine returns token ids."""
+        url = await self._start_policy()
+        cfg = self.config.policy
+        if cfg.capture_tokens:
+            await check_token_capture(
+                url,
+                engine=cfg.engine,
+                model=cfg.model,
+                api_key=cfg.api_key,
+                required=cfg.capture_tokens == "required",
+            )
+        return url
+
+    async def _start_policy(self) -> str:
         cfg = self.config
         if cfg.policy.base_url is not None:
             url = cfg.policy.base_url.rstrip("/")
@@ -145,6 +160,8 @@ class EmbeddedRuntime:
                 "error_rate": cfg.policy.error_rate,
                 "tokens_per_call": cfg.policy.tokens_per_call,
                 "model": cfg.policy.model,
+                "call_log": None if cfg.policy.call_log is None else str(cfg.policy.call_log),
+                "shape": cfg.policy.engine,
             },
         )
         (child,) = await self.group.start([spec])

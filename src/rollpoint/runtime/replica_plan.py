@@ -56,6 +56,12 @@ class ReplicaPlan(StrictModel):
     """Set: every server is a checkpoint participant writing under it. None: data plane only."""
     upstream_connections: int | None = None
     """Each agent's cap on connections to its model and resources servers (None: no cap)."""
+    sampling: dict[str, JsonValue] = {}
+    """Fields every policy call carries (``policy.sampling``)."""
+    seed_policy: str = "episode"
+    capture_tokens: bool = False
+    engine: str = "vllm"
+    """The reply shape token data is read from (``policy.engine``)."""
 
     @classmethod
     def of(cls, config: RunConfig, *, policy_url: str, snapshot_root: str | None) -> ReplicaPlan:
@@ -69,6 +75,10 @@ class ReplicaPlan(StrictModel):
             base_port=config.base_port,
             snapshot_root=snapshot_root,
             upstream_connections=config.upstream_connections,
+            sampling=config.policy.sampling.request_fields(),
+            seed_policy=config.policy.sampling.seed,
+            capture_tokens=bool(config.policy.capture_tokens),
+            engine=config.policy.engine,
         )
 
     def _port(self, offset: int, restarted: bool) -> int:
@@ -95,7 +105,11 @@ class ReplicaPlan(StrictModel):
             host=self.host,
             port=self._port(2 + 3 * index, restarted),
             settings=self._settings(
-                index, "model", upstream_url=self.policy_url, api_key=self.api_key
+                index,
+                "model",
+                upstream_url=self.policy_url,
+                api_key=self.api_key,
+                engine=self.engine,
             ),
         )
         return [resources, model]
@@ -118,6 +132,10 @@ class ReplicaPlan(StrictModel):
                 checkpoint_mode=self.checkpoint_mode,
                 model_name=self.model_name,
                 upstream_connections=self.upstream_connections,
+                sampling=self.sampling,
+                seed_policy=self.seed_policy,
+                capture_tokens=self.capture_tokens,
+                engine=self.engine,
             ),
         )
 

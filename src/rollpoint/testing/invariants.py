@@ -141,7 +141,9 @@ def _parse_line(number: int, data: Any) -> TrainedRollout:
         rollout_id=str(data["rollout_id"]),
         attempt=int(data["attempt"]),
         reward=float(data["reward"]),
-        turns=int(data["turns"]),
+        # ``turns`` is the list of per-call entries; lines written before token capture
+        # held the count there.
+        turns=len(data["turns"]) if isinstance(data["turns"], list) else int(data["turns"]),
         messages=list(data["messages"]),
         model_calls=None
         if calls is None

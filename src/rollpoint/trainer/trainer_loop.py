@@ -480,7 +480,10 @@ class Trainer:
                     "messages": s.messages,
                     "train_step": step,
                     "policy_version": min(versions, default=default_version),
-                    "turns": s.turns,
+                    "turn_count": s.turns,
+                    # One entry per model call: the ids and logprobs the engine sampled and
+                    # the policy version that sampled them (schema: docs/protocol.md).
+                    "turns": [t.to_json() for t in s.trajectory],
                     # Which attempt asked each turn: a continued episode shows its pre-cut
                     # turns answered once, by the attempt before the restore.
                     "model_calls": [{"turn": c.turn, "attempt": c.attempt} for c in s.model_calls],

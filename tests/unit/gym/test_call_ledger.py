@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -10,6 +11,7 @@ import pytest
 from rollpoint.gym import call_ledger
 from rollpoint.gym.call_ledger import CallLedger, CallRecord
 from rollpoint.protocol.errors import InvalidCheckpointStateError
+from rollpoint.protocol.token_data import TokenTrace
 
 
 def _rec(rollout_id: str, turn: int, attempt: int = 0) -> CallRecord:
@@ -186,3 +188,34 @@ def test_a_record_is_dumped_when_filed_and_an_export_dumps_nothing(
         _rec("r1", 0).model_dump(mode="json"),
         _rec("r1", 1, 1).model_dump(mode="json"),
     ]
+
+
+GOLDEN = Path(__file__).parents[2] / "golden" / "records"
+
+
+def test_records_written_before_token_capture_still_install() -> None:
+    old = orjson.loads((GOLDEN / "call_record_v1.json").read_bytes())["records"]
+    ledger = CallLedger()
+    assert ledger.install(old) == ["r7"]
+    (rec,) = ledger.calls("r7")
+    assert (rec.tokens, rec.completion_id, rec.policy_version) == (None, None, 2)
+
+
+def test_a_token_trace_round_trips_and_a_torn_one_is_refused() -> None:
+    trace = TokenTrace.build(
+        engine="vllm",
+        completion_ids=[5, 6],
+        completion_logprobs=[-0.5, -1.0],
+        prompt_ids=[1, 2],
+        context=None,
+    )
+    ledger = CallLedger()
+    ledger.record(_rec("r1", 0).model_copy(update={"tokens": trace, "completion_id": "c1"}))
+    exported = orjson.loads(orjson.dumps(ledger.export(["r1"])))
+    again = CallLedger()
+    again.install(exported)
+    assert again.calls("r1")[0].tokens == trace
+    assert again.context_before("r1", 1) == [1, 2, 5, 6]
+    exported[0]["tokens"]["completion_count"] = 3
+    with pytest.raises(InvalidCheckpointStateError, match="completion_count 3"):
+        CallLedger().install(exported)

@@ -16,6 +16,7 @@ wire) and ``retryable`` (whether trying the same thing again later can help)::
     │   ├── CheckpointConflictError 409 checkpoint_conflict
     │   ├── StaleCheckpointError    409 stale_checkpoint
     │   ├── StaleAttemptError       409 stale_attempt
+    │   ├── IdempotencyConflictError 409 idempotency_conflict (a key reused for another call)
     │   ├── AdmissionClosedError    409 admission_closed       retryable
     │   ├── DeadlineExceededError   409 deadline_exceeded      retryable
     │   └── InvalidCheckpointStateError 422 invalid_checkpoint_state
@@ -108,6 +109,14 @@ class StaleCheckpointError(ProtocolError):
 
 class StaleAttemptError(ProtocolError):
     code = "stale_attempt"
+    status = 409
+
+
+class IdempotencyConflictError(ProtocolError):
+    """An idempotency key came back with another call (another tool or other arguments):
+    a bug in the caller, refused rather than answered with the first call's result."""
+
+    code = "idempotency_conflict"
     status = 409
 
 

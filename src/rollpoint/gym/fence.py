@@ -175,7 +175,9 @@ class Fence:
         self._prepared: PrepareReply | None = None
         self._write: CheckpointWrite | None = None
         """The active checkpoint's commit; cleared when the phase returns to idle."""
-        self._writes = CheckpointWrites(participant, self._instance, clock)
+        self._writes = CheckpointWrites(
+            participant, self._instance, clock, root=settings.snapshot_root
+        )
         """The last commits by checkpoint id, kept past their resume for ``confirm``."""
         self._restored: _RestoreMemo | None = None
         self._marks: dict[str, int] = {}
@@ -556,6 +558,7 @@ class Fence:
                 kind=self._participant.kind.value,
                 instance=instance,
                 checkpoint_id=source,
+                root=self._settings.snapshot_root,
             )
             _, found = await await_hook("state read", read, RestoreError)
             records.extend(found)

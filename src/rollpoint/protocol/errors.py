@@ -12,6 +12,7 @@ wire) and ``retryable`` (whether trying the same thing again later can help)::
     │   ├── BadRequestError         400 bad_request
     │   ├── UnauthorizedError       401 unauthorized
     │   ├── NotFoundError           404 not_found
+    │   ├── UnsupportedMediaTypeError 415 unsupported_media_type (a body that is not UTF-8 JSON)
     │   ├── InvalidPhaseError       409 invalid_phase
     │   ├── CheckpointConflictError 409 checkpoint_conflict
     │   ├── StaleCheckpointError    409 stale_checkpoint
@@ -90,6 +91,14 @@ class UnauthorizedError(ProtocolError):
 class NotFoundError(ProtocolError):
     code = "not_found"
     status = 404
+
+
+class UnsupportedMediaTypeError(ProtocolError):
+    """A request body sent without ``Content-Type: application/json`` (or with a charset
+    other than UTF-8): the wire takes UTF-8 JSON only."""
+
+    code = "unsupported_media_type"
+    status = 415
 
 
 class InvalidPhaseError(ProtocolError):

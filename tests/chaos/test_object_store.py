@@ -89,10 +89,16 @@ def write_config(tmp_path: Path) -> Path:
 
 
 def published(fs: Any) -> list[str]:
-    """Snapshot ids whose manifest object exists, oldest first (by publication time)."""
+    """Snapshot ids whose manifest object exists and decodes, oldest first (by publication
+    time)."""
     fs.invalidate_cache()
-    manifests = fs.glob(f"{BUCKET}/{PREFIX}/snapshots/*/manifest.json")
-    stamped = [(orjson.loads(fs.cat_file(m))["published_at"], m.split("/")[-2]) for m in manifests]
+    stamped = []
+    for manifest in fs.glob(f"{BUCKET}/{PREFIX}/snapshots/*/manifest.json"):
+        try:
+            published_at = orjson.loads(fs.cat_file(manifest))["published_at"]
+        except orjson.JSONDecodeError:
+            continue  # the one the test tampered with
+        stamped.append((published_at, manifest.split("/")[-2]))
     return [snapshot_id for _, snapshot_id in sorted(stamped)]
 
 
@@ -158,12 +164,33 @@ def test_a_run_on_an_object_store_killed_and_rerun_trains_every_row_once(
     ]
     assert found == [], invariants.report(found)
     # The rerun published on the object store; retention removed whole snapshots only,
-    # and never an object of one it kept.
+    # and never an object a kept snapshot references.
     final = published(s3)
     assert final and final[-1] not in {usable, missing, tampered, *older}
+    s3.invalidate_cache()
+    prefixes = {p.rsplit("/", 1)[-1] for p in s3.ls(f"{BUCKET}/{PREFIX}/snapshots")}
+    assert prefixes == set(final), f"left behind: {sorted(prefixes - set(final))}"
     for snapshot_id in final:
-        assert f"{BUCKET}/{PREFIX}/snapshots/{snapshot_id}/manifest.json" in objects(
-            s3, snapshot_id
-        )
+        found_objects = objects(s3, snapshot_id)
+        missing_objects = referenced(s3, snapshot_id) - found_objects
+        assert not missing_objects, f"{snapshot_id} lost {sorted(missing_objects)}"
+        # The manifest is the publication point: written after every object it names.
+        stamps = {o: s3.info(o)["LastModified"] for o in found_objects}
+        manifest_at = stamps.pop(f"{BUCKET}/{PREFIX}/snapshots/{snapshot_id}/manifest.json")
+        assert all(manifest_at >= at for at in stamps.values()), (snapshot_id, stamps)
     if usable in final:
         assert objects(s3, usable) == kept_objects
+
+
+def referenced(fs: Any, snapshot_id: str) -> set[str]:
+    """Every object a published snapshot's manifest names, directly or through a
+    participant's manifest (its records file)."""
+    folder = f"{BUCKET}/{PREFIX}/snapshots/{snapshot_id}"
+    manifest = orjson.loads(fs.cat_file(f"{folder}/manifest.json"))
+    names = {f"{folder}/manifest.json"}
+    names |= {f"{folder}/{entry['path']}" for entry in manifest["files"].values()}
+    for participant in manifest["participants"]:
+        path = f"{folder}/{participant['manifest_path']}"
+        state = orjson.loads(fs.cat_file(path))
+        names |= {path, f"{path.rpartition('/')[0]}/{state['records_file']}"}
+    return names

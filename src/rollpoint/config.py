@@ -124,7 +124,9 @@ class SnapshotConfig(_Section):
     every_seconds: Annotated[float, Field(gt=0)] | None = None
     """Take a snapshot this often; None takes them only at train checkpoints."""
     keep: Annotated[int, Field(ge=1)] = 3
-    deadline_seconds: Annotated[float, Field(gt=0)] = 10.0
+    deadline_seconds: Annotated[float, Field(gt=0, le=3000)] = 10.0
+    """At most 3,000 s: a participant refuses a deadline more than an hour ahead of its
+    clock (``ControlSettings.max_deadline_ahead_s``), and clocks may differ a little."""
     retry_after_seconds: Annotated[float, Field(ge=0)] = 1.0
     """Three failed snapshots in a row stop the run only once the failures also span this
     long: back-to-back saves (train checkpoints) that fail within milliseconds while a

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
@@ -142,6 +143,92 @@ def test_a_refused_control_request_changes_nothing(target: Target, verb: Verb) -
             )
 
     refusal_changes_nothing()
+
+
+def _coercible(value: Any) -> bool:
+    """Whether ``value`` holds a number or bool somewhere."""
+    if isinstance(value, bool | int | float):
+        return True
+    if isinstance(value, dict):
+        return any(_coercible(v) for v in value.values())
+    return isinstance(value, list) and any(_coercible(v) for v in value)
+
+
+def _coerced(value: Any, draw: Any) -> Any:
+    """``value`` (a coercible JSON value) with one number or bool swapped for a form lax
+    parsing would coerce back: a number or bool as its string, a bool as a number, an int
+    as a float, a float as a bool."""
+    if isinstance(value, bool):
+        return draw(st.sampled_from([str(value).lower(), int(value)]))
+    if isinstance(value, int | float):
+        other = float(value) if isinstance(value, int) else True
+        return draw(st.sampled_from([str(value), other]))
+    if isinstance(value, dict):
+        key = draw(st.sampled_from(sorted(k for k, v in value.items() if _coercible(v))))
+        return {**value, key: _coerced(value[key], draw)}
+    index = draw(st.sampled_from([i for i, v in enumerate(value) if _coercible(v)]))
+    return [*value[:index], _coerced(value[index], draw), *value[index + 1 :]]
+
+
+@st.composite
+def _spoiled(draw: Any, body: Any) -> tuple[str, bytes, str | None]:
+    """(what, bytes, content type) of a valid ``body`` made undecodable or coerced."""
+    raw = orjson.dumps(body)
+    kind = draw(st.sampled_from(["truncated", "utf-16", "content type", "coerced"]))
+    if kind == "truncated":
+        return kind, raw[: draw(st.integers(0, len(raw) - 1))], "application/json"
+    if kind == "utf-16":
+        return (
+            kind,
+            raw.decode().encode(draw(st.sampled_from(["utf-16", "utf-32"]))),
+            "application/json",
+        )
+    if kind == "content type":
+        types = [
+            None,
+            "text/plain",
+            "application/x-www-form-urlencoded",
+            "application/json; charset=latin-1",
+        ]
+        return kind, raw, draw(st.sampled_from(types))
+    if not _coercible(body):  # nothing to coerce: send it truncated instead
+        return "truncated", raw[:-1], "application/json"
+    return kind, orjson.dumps(_coerced(body, draw)), "application/json"
+
+
+STRICT_STATUS = {"truncated": {400}, "utf-16": {400}, "content type": {415}, "coerced": {422}}
+STRICT_EXAMPLES = {"agent": 20, "model": 8, "resources": 8}
+
+
+@pytest.mark.parametrize("verb", [v for v in Verb if v is not Verb.STATUS], ids=str)
+def test_a_body_the_strict_wire_cannot_take_is_a_4xx_saying_why_and_changes_nothing(
+    target: Target, verb: Verb
+) -> None:
+    """Valid bodies (schemathesis' positive cases, aimed at the held checkpoint) cut short,
+    sent in UTF-16/32, under another content type, or with one field in a form lax parsing
+    coerces (``"4"`` for 4, ``1`` for true, ``1.0`` for 1): each is refused, with the status
+    of its kind, and the status of the participant does not move."""
+    cases = target.operation(verb).as_strategy(GenerationMode.POSITIVE)
+
+    @bounded(STRICT_EXAMPLES[target.kind])
+    @given(case=cases, start=st.sampled_from(Start), data=st.data())
+    def spoiled_is_refused(case: Case, start: Start, data: st.DataObject) -> None:
+        target.enter(start)
+        try:
+            target.aim(case)
+            kind, raw, content_type = data.draw(_spoiled(case.body))
+            headers = dict(AUTH) | ({} if content_type is None else {"content-type": content_type})
+            before = target.fingerprint()
+            reply = httpx.post(f"{target.url}{CONTROL_PREFIX}/{verb}", content=raw, headers=headers)
+            after = target.fingerprint()
+        finally:
+            target.reset()
+        sent = f"{kind}: {raw[:200]!r} as {content_type}"
+        assert reply.status_code in STRICT_STATUS[kind], f"{verb} {sent}: {reply.text[:300]}"
+        assert error_code(reply.content) is not None, f"{verb} {sent}: no envelope"
+        assert after == before, f"{verb} {sent} changed status {before} -> {after}"
+
+    spoiled_is_refused()
 
 
 # --- bugs the fuzzer found, each pinned by the test of its fix ---------------------------

@@ -26,6 +26,7 @@ from rollpoint.protocol.episode import EpisodeStart, TaskRow, ToolCall
 from rollpoint.protocol.errors import (
     BadRequestError,
     ConfigError,
+    IdempotencyConflictError,
     InvalidCheckpointStateError,
     NotFoundError,
 )
@@ -140,8 +141,9 @@ async def test_same_idempotency_key_replays_the_first_result_and_applies_once(
     url = f"{base_url}/tools/calendar_create_event"
     first = await client.post_json(url, call(0, 0, SYNC))
     assert first["is_error"] is False and first["replayed"] is False
-    # Another attempt of the same rollout, different arguments: still the stored first result.
-    again = call(0, 0, DEMO)
+    # Another attempt of the same rollout, the same call (key order and spacing do not
+    # count): the stored first result.
+    again = call(0, 0, json.dumps(dict(reversed(SYNC.items())), indent=2))
     again["episode"]["attempt"] = 1
     second = await client.post_json(url, again)
     assert second == {**first, "replayed": True}
@@ -149,6 +151,32 @@ async def test_same_idempotency_key_replays_the_first_result_and_applies_once(
     # A new key applies again.
     await client.post_json(url, call(2, 0, DEMO))
     assert [e["title"] for e in await search(client, base_url, 3, "")] == ["Team sync", "Demo"]
+
+
+@pytest.mark.parametrize(
+    ("tool", "arguments"),
+    [
+        ("email_send", {"to": "b@example.com", "subject": "s", "body": "b"}),  # another tool
+        ("calendar_create_event", DEMO),  # other arguments
+        ("calendar_create_event", '{"title": "Team sync"'),  # malformed arguments
+    ],
+)
+async def test_same_idempotency_key_other_tool_or_arguments_is_409_and_runs_nothing(
+    client: HttpClient, base_url: str, tool: str, arguments: Any
+) -> None:
+    await start(client, base_url)
+    first = await client.post_json(f"{base_url}/tools/calendar_create_event", call(0, 0, SYNC))
+    assert first["is_error"] is False
+    async with httpx.AsyncClient() as raw:
+        reply = await raw.post(f"{base_url}/tools/{tool}", json=call(0, 0, arguments))
+    assert reply.status_code == 409
+    error = reply.json()["error"]
+    assert error["code"] == "idempotency_conflict" and error["retryable"] is False
+    assert "rollout 'r1', turn 0, call 0" in error["message"]
+    # Nothing ran: no second event, no email sent.
+    assert [e["title"] for e in await search(client, base_url, 1, "")] == ["Team sync"]
+    sent = await client.post_json(f"{base_url}/tools/email_list_sent", call(2, 0, {}))
+    assert json.loads(sent["content"]) == []
 
 
 @pytest.mark.parametrize(
@@ -174,7 +202,7 @@ async def test_bad_calls_are_tool_errors_for_the_model_not_server_errors(
     assert reply["is_error"] is True
     assert message in reply["content"]
     # The error is the first result of its key, like any other.
-    replay = await client.post_json(f"{base_url}/tools/{tool}", call(0, 0, SYNC))
+    replay = await client.post_json(f"{base_url}/tools/{tool}", call(0, 0, arguments))
     assert replay == {**reply, "replayed": True}
     assert await search(client, base_url, 1, "") == []
 
@@ -302,9 +330,12 @@ async def test_export_then_install_into_a_fresh_server_reproduces_state_and_idem
     with serve_app(fresh) as other_url:
         assert await search(client, other_url, 1, "") == before
         replay = await client.post_json(
-            f"{other_url}/tools/calendar_create_event", call(0, 0, DEMO)
+            f"{other_url}/tools/calendar_create_event", call(0, 0, SYNC)
         )
         assert replay == {**first, "replayed": True}
+        # The fingerprint came back with the table: the same key for another call is refused.
+        with pytest.raises(IdempotencyConflictError, match="turn 0, call 0"):
+            await client.post_json(f"{other_url}/tools/calendar_create_event", call(0, 0, DEMO))
         assert await search(client, other_url, 5, "") == before
         # The copy and the original are independent from here on.
         await client.post_json(

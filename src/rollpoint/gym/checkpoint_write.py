@@ -89,8 +89,18 @@ class CheckpointWrite:
 class CheckpointWrites:
     """The commits of one participant, by checkpoint id, newest last."""
 
-    def __init__(self, participant: Participant, instance: str, clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        participant: Participant,
+        instance: str,
+        clock: Callable[[], float],
+        *,
+        root: str | None = None,
+    ) -> None:
+        """``root``: the snapshot root every write stays inside, checked as each file is
+        opened (:mod:`rollpoint.store.contained_filesystem`)."""
         self._participant = participant
+        self._root = root
         self._instance = instance
         self._clock = clock
         self._writes: OrderedDict[str, CheckpointWrite] = OrderedDict()
@@ -168,6 +178,7 @@ class CheckpointWrites:
             instance=self._instance,
             checkpoint_id=write.checkpoint_id,
             records=records,
+            root=self._root,
         )
         manifest = await await_hook("state write", store, SnapshotError)
         write.exported = await asyncio.to_thread(exported, records, write.scope)

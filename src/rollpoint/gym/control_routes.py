@@ -2,9 +2,14 @@
 
 Owns the HTTP face of a :class:`~rollpoint.gym.fence.Fence`: one route per verb of
 :mod:`rollpoint.protocol.control`, each guarded by the control bearer token and each
-parsing its body into the verb's strict request model (a malformed body is a 422 naming
-the field, rendered by :func:`rollpoint.http.app.create_app`; nothing changes). It holds
-no state and makes no decision: the fence does.
+reading its body with :func:`rollpoint.http.app.strict_json_body` into the verb's request
+model, in pydantic's strict mode: ``application/json`` in UTF-8 only (415 otherwise), a
+body that is not JSON or is cut short is a 400 saying so, and a malformed field (a string
+for a number, a number or string for a bool) is a 422 naming it; nothing changes. FastAPI's
+own body parsing (lax: it would coerce ``"1"`` to ``1``) never runs for these routes: the
+route class calls the endpoint with the strictly parsed body, and the signatures only
+document the bodies in the OpenAPI schema. It holds no state and makes no decision: the
+fence does.
 
 A server mounts it on its app and stops the fence with the app::
 
@@ -20,9 +25,10 @@ from typing import Any
 
 from fastapi import Depends, FastAPI, Request, Response
 from fastapi.routing import APIRoute
+from pydantic import BaseModel
 
 from rollpoint.gym.fence import ControlSettings, Fence
-from rollpoint.http.app import error_response
+from rollpoint.http.app import error_response, strict_json_body
 from rollpoint.http.auth import BearerAuth
 from rollpoint.protocol.control import (
     CONTROL_PREFIX,
@@ -51,25 +57,49 @@ from rollpoint.protocol.errors import RollpointError
 
 __all__ = ["ControlSettings", "mount_control_routes"]
 
+_REQUESTS: dict[Verb, type[BaseModel]] = {
+    Verb.PREPARE: PrepareRequest,
+    Verb.RENEW: RenewRequest,
+    Verb.COMMIT: CommitRequest,
+    Verb.CONFIRM: ConfirmRequest,
+    Verb.RESUME: ResumeRequest,
+    Verb.RESTORE: RestoreRequest,
+    Verb.RETIRE: RetireRequest,
+    Verb.FORGET: ForgetRequest,
+    Verb.ACK: AckRequest,
+}
+"""Each verb's request model, read strictly by the route class (status takes no body)."""
 
-def _auth_first(auth: BearerAuth) -> type[APIRoute]:
-    """A route class that checks the token before FastAPI reads the body, so a caller
-    without the token learns nothing about the body's shape (401 comes before 422)."""
 
-    class AuthFirstRoute(APIRoute):
+def _control_route(auth: BearerAuth, bodies: dict[str, type[BaseModel]]) -> type[APIRoute]:
+    """A route class that checks the token before the body is read, so a caller without
+    the token learns nothing about the body's shape (401 comes before 415, 400 and 422),
+    then reads the body strictly (``bodies``: request model by route path) and calls the
+    endpoint with it. A refusal raised here or by the fence is rendered by the app's
+    error handlers, as from any route."""
+
+    class ControlRoute(APIRoute):
         def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
             handler = super().get_route_handler()
+            model = bodies.get(self.path)
+            endpoint = self.endpoint
 
             async def checked(request: Request) -> Response:
                 try:
                     auth.check(request.headers.get("authorization"))
                 except RollpointError as exc:
                     return error_response(exc)
-                return await handler(request)
+                if model is None:
+                    return await handler(request)  # status: no body
+                reply = await endpoint(await strict_json_body(request, model))
+                if isinstance(reply, Response):
+                    return reply
+                assert isinstance(reply, BaseModel), "a control verb replies with its model"
+                return Response(reply.model_dump_json(), media_type="application/json")
 
             return checked
 
-    return AuthFirstRoute
+    return ControlRoute
 
 
 def mount_control_routes(app: FastAPI, fence: Fence, settings: ControlSettings) -> None:
@@ -82,9 +112,12 @@ def mount_control_routes(app: FastAPI, fence: Fence, settings: ControlSettings) 
     process (the tests do). Routes added here are built now, once, in the caller's thread.
     """
     auth = BearerAuth(settings.token)
-    route_class = _auth_first(auth)
+    bodies: dict[str, type[BaseModel]] = {}
+    route_class = _control_route(auth, bodies)
 
     def add(verb: Verb, endpoint: Callable[..., Any], **options: Any) -> None:
+        if verb in _REQUESTS:
+            bodies[f"{CONTROL_PREFIX}/{verb}"] = _REQUESTS[verb]
         app.router.add_api_route(
             f"{CONTROL_PREFIX}/{verb}",
             endpoint,

@@ -1,7 +1,8 @@
 """One episode of a resources server as a checkpoint saves it, and the packing of its state.
 
 Owns :class:`EpisodeRecord` (the task, the environment's export, the idempotency table:
-enough to continue the episode exactly, with no tool side effect applied twice), the packed
+enough to continue the episode exactly, with no tool side effect applied twice), the
+fingerprint of a tool call that the table keeps per key (:func:`call_fingerprint`), the packed
 form of an export (:func:`pack_state`: JSON, zlib, base64) and the records of a checkpoint's
 scope from a captured state image (:func:`episode_records`).
 
@@ -13,12 +14,13 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
 import zlib
 from collections.abc import Iterable, Mapping
 from typing import Annotated, Any, Literal
 
 import orjson
-from pydantic import Field, JsonValue, model_validator
+from pydantic import Field, JsonValue, StringConstraints, model_validator
 
 from rollpoint.gym.episode_scope import latest_attempts
 from rollpoint.protocol.episode import EnvironmentName, TaskRow, ToolResult
@@ -31,6 +33,30 @@ class ToolResultRecord(StrictModel):
     turn: Annotated[int, Field(ge=0)]
     call_index: Annotated[int, Field(ge=0)]
     result: ToolResult
+    fingerprint: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")] | None = None
+    """:func:`call_fingerprint` of the call that made ``result``; a replay of the key with
+    another fingerprint is refused. None in records saved before fingerprints: any call
+    under such a key replays its result, as it did then."""
+
+
+def call_fingerprint(tool_name: str, raw_arguments: str) -> str:
+    """sha256 (hex) of the tool's name and the canonical JSON of the call's arguments.
+
+    Arguments that parse as JSON are compared by value (key order and spacing do not
+    count; "" is ``{}``, as the tool sees it); malformed ones by their exact text.
+    """
+    arguments: bytes
+    if not raw_arguments.strip():
+        arguments = b"{}"
+    else:
+        try:
+            arguments = orjson.dumps(orjson.loads(raw_arguments), option=orjson.OPT_SORT_KEYS)
+        except orjson.JSONDecodeError:
+            arguments = b"raw:" + raw_arguments.encode("utf-8", "surrogatepass")
+    hasher = hashlib.sha256(tool_name.encode("utf-8", "surrogatepass"))
+    hasher.update(b"\x00")
+    hasher.update(arguments)
+    return hasher.hexdigest()
 
 
 class EpisodeRecord(StrictModel):

@@ -89,6 +89,7 @@ from rollpoint.protocol.control import (
     Verb,
 )
 from rollpoint.protocol.errors import (
+    BadRequestError,
     CheckpointConflictError,
     ConfigError,
     DeadlineExceededError,
@@ -128,6 +129,10 @@ class ControlSettings:
     """Local folder or fsspec URL; commit and restore name folders relative to it."""
     lease_grace_s: float = 2.0
     """The lease lapses this long after the last deadline, then the participant reopens."""
+    max_deadline_ahead_s: float = 3600.0
+    """A ``deadline_ts`` further ahead of this participant's clock than this is refused
+    (400): a deadline holds admission closed until it lapses, and one of ``1e12`` (a
+    duration or milliseconds sent for Unix seconds) would close it for good."""
 
     def __post_init__(self) -> None:
         if not self.token.strip():
@@ -138,6 +143,10 @@ class ControlSettings:
             raise ConfigError("snapshot_root is empty: give the folder snapshots are written to")
         if not math.isfinite(self.lease_grace_s) or self.lease_grace_s < 0:
             raise ConfigError(f"lease_grace_s must be >= 0 seconds, got {self.lease_grace_s}")
+        if not math.isfinite(self.max_deadline_ahead_s) or self.max_deadline_ahead_s <= 0:
+            raise ConfigError(
+                f"max_deadline_ahead_s must be > 0 seconds, got {self.max_deadline_ahead_s}"
+            )
 
 
 @dataclass(frozen=True)
@@ -175,7 +184,9 @@ class Fence:
         self._prepared: PrepareReply | None = None
         self._write: CheckpointWrite | None = None
         """The active checkpoint's commit; cleared when the phase returns to idle."""
-        self._writes = CheckpointWrites(participant, self._instance, clock)
+        self._writes = CheckpointWrites(
+            participant, self._instance, clock, root=settings.snapshot_root
+        )
         """The last commits by checkpoint id, kept past their resume for ``confirm``."""
         self._restored: _RestoreMemo | None = None
         self._marks: dict[str, int] = {}
@@ -486,6 +497,13 @@ class Fence:
             raise DeadlineExceededError(
                 f"{verb} {checkpoint_id}: deadline {deadline_ts:.3f} passed {late:.3f}s ago"
             )
+        horizon = self._settings.max_deadline_ahead_s
+        if -late > horizon:
+            raise BadRequestError(
+                f"{verb} {checkpoint_id}: deadline_ts {deadline_ts:.3f} is {-late:.0f}s ahead, "
+                f"more than this participant accepts (max_deadline_ahead_s {horizon:g}); "
+                "deadline_ts is absolute Unix seconds, not a duration"
+            )
 
     # --- prepare and commit ------------------------------------------------------------
 
@@ -556,6 +574,7 @@ class Fence:
                 kind=self._participant.kind.value,
                 instance=instance,
                 checkpoint_id=source,
+                root=self._settings.snapshot_root,
             )
             _, found = await await_hook("state read", read, RestoreError)
             records.extend(found)

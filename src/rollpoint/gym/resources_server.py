@@ -1,7 +1,8 @@
 """The resources server: tools with per-episode environment state, and their idempotency.
 
 Owns the episodes of one replica (by rollout id: the environment state, the task and the
-idempotency table ``(rollout_id, turn, call_index) → ToolResult``), the freeze gate, and the
+idempotency table ``(rollout_id, turn, call_index) → ToolResult`` with the fingerprint of
+the call that made it), the freeze gate, and the
 HTTP routes. The environment itself (tools, verifier, state export) is
 :mod:`rollpoint.envs`; the checkpoint control routes (prepare, commit, restore…) are
 mounted when a snapshot root is given, and drive :class:`ResourcesService` through
@@ -13,7 +14,9 @@ Routes (see ``docs/architecture.md``):
 - ``GET /tools`` → :class:`ToolsReply`
 - ``POST /episodes/start`` :class:`EpisodeStart` → :class:`StartReply` (idempotent per rollout)
 - ``POST /tools/{name}`` :class:`ToolCall` → :class:`ToolResult`; a bad call is a tool
-  error for the model, never a 5xx; a known key replays the first result; unknown
+  error for the model, never a 5xx; a known key with the same call (tool and arguments,
+  :func:`~rollpoint.gym.episode_record.call_fingerprint`) replays the first result, with
+  another call it is 409 ``idempotency_conflict`` naming the key and runs nothing; unknown
   episode → 404 ``not_found``
 - ``POST /episodes/verify`` :class:`VerifyRequest` → :class:`VerifyReply`
 - ``POST /episodes/release`` :class:`ReleaseRequest` → :class:`ReleaseReply`
@@ -56,6 +59,7 @@ from rollpoint.gym.control_plane import close_control_plane, mount_control_plane
 from rollpoint.gym.episode_record import (
     EpisodeRecord,
     ToolResultRecord,
+    call_fingerprint,
     episode_records,
     pack_state,
 )
@@ -73,6 +77,7 @@ from rollpoint.protocol.episode import (
 )
 from rollpoint.protocol.errors import (
     BadRequestError,
+    IdempotencyConflictError,
     InvalidCheckpointStateError,
     NotFoundError,
     RollpointError,
@@ -113,6 +118,9 @@ class _Episode:
     task: TaskRow
     state: Any
     results: dict[tuple[int, int], ToolResult] = field(default_factory=dict)
+    fingerprints: dict[tuple[int, int], str] = field(default_factory=dict)
+    """The :func:`call_fingerprint` of each key's first call; a key restored from a record
+    saved without one has none, and replays for any call."""
     task_json: dict[str, Any] | None = None
     """``task`` dumped once: at start, or by the first checkpoint (installed episodes)."""
     packed_state: str | DeferredValue[str] | None = None
@@ -293,15 +301,24 @@ class ResourcesService:
         return True
 
     async def call_tool(self, tool_name: str, call: ToolCall) -> ToolResult:
-        """Run one tool call once per idempotency key; a known key replays the first result."""
+        """Run one tool call once per idempotency key; a known key replays the first result
+        if the call is the same, and is :class:`IdempotencyConflictError` if it is not."""
         self._guard(call.episode)
         await self._pass_gate()
         # Again: the attempt may have been retired while the call waited at the gate.
         self._guard(call.episode)
         episode = self._episode(call.episode.rollout_id)
         key = (call.turn, call.call_index)
+        fingerprint = call_fingerprint(tool_name, call.arguments)
         stored = episode.results.get(key)
         if stored is not None:
+            first = episode.fingerprints.get(key)
+            if first is not None and first != fingerprint:
+                raise IdempotencyConflictError(
+                    f"idempotency key (rollout {call.episode.rollout_id!r}, turn {call.turn}, "
+                    f"call {call.call_index}) was first used for another call (another tool "
+                    f"or other arguments); this call to {tool_name!r} was not run"
+                )
             return stored.model_copy(update={"replayed": True})
         self._in_flight += 1
         self._notify()
@@ -315,6 +332,7 @@ class ResourcesService:
             self._in_flight -= 1
             self._notify()
         episode.results[key] = result
+        episode.fingerprints[key] = fingerprint
         return result
 
     def _run(self, episode: _Episode, tool_name: str, raw_arguments: str) -> ToolResult:
@@ -421,6 +439,7 @@ class ResourcesService:
                         "is_error": result.is_error,
                         "replayed": result.replayed,
                     },
+                    "fingerprint": episode.fingerprints.get((turn, index)),
                 }
                 for (turn, index), result in episode.results.items()
             ],
@@ -435,7 +454,12 @@ class ResourcesService:
             task=episode.task,
             state=self.environment.export_state(episode.state),
             tool_results=[
-                ToolResultRecord(turn=turn, call_index=index, result=result)
+                ToolResultRecord(
+                    turn=turn,
+                    call_index=index,
+                    result=result,
+                    fingerprint=episode.fingerprints.get((turn, index)),
+                )
                 for (turn, index), result in episode.results.items()
             ],
         )
@@ -519,8 +543,13 @@ class ResourcesService:
                         f"record {index} (rollout {record.rollout_id}): {exc.message}"
                     ) from None
                 results = {(t.turn, t.call_index): t.result for t in record.tool_results}
+                fingerprints = {
+                    (t.turn, t.call_index): t.fingerprint
+                    for t in record.tool_results
+                    if t.fingerprint is not None
+                }
                 built[record.rollout_id] = _Episode(
-                    record.task, state, results, touched=not record.fresh_start
+                    record.task, state, results, fingerprints, touched=not record.fresh_start
                 )
         except BaseException:
             for episode in built.values():

@@ -2,15 +2,17 @@
 
 Owns: JSON rendering (orjson), the error envelope (every :class:`RollpointError` becomes
 ``{"error": {code, message, retryable}}`` with its status; a malformed body becomes a 422
-whose message names the field, one that cannot be decoded a 400 ``bad_request``), and
-``GET /healthz``, and the data token in front of the data routes when one is given
-(:class:`rollpoint.http.auth.DataRouteGuard`). Servers add their own routes.
+whose message names the field, one that cannot be decoded a 400 ``bad_request``), the
+strict reading of a request body (:func:`strict_json_body`: UTF-8 JSON with its content
+type, validated in pydantic's strict mode), and ``GET /healthz``, and the data token in
+front of the data routes when one is given (:class:`rollpoint.http.auth.DataRouteGuard`).
+Servers add their own routes.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 from fastapi import FastAPI, Request
@@ -18,12 +20,15 @@ from fastapi.exception_handlers import http_exception_handler
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
 from fastapi.telemetry import TelemetryConfig
+from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
 from rollpoint.http.auth import guard_data_routes
-from rollpoint.protocol.errors import BadRequestError, RollpointError
+from rollpoint.protocol.errors import BadRequestError, RollpointError, UnsupportedMediaTypeError
 
 log = logging.getLogger(__name__)
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
 
 
 class JsonResponse(Response):
@@ -45,6 +50,59 @@ def _validation_message(exc: RequestValidationError) -> str:
     loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or "body"
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
     return f"invalid field '{loc}': {first.get('msg', 'invalid')}{more}"
+
+
+async def strict_json_body(request: Request, model: type[ModelT]) -> ModelT:
+    """The request's body as ``model``, read the way the wire is documented.
+
+    - ``Content-Type`` must be ``application/json`` (a ``charset`` parameter, if any,
+      ``utf-8``): otherwise :class:`UnsupportedMediaTypeError` (415) saying what was sent;
+    - the bytes must be UTF-8 (no UTF-16, no byte order mark) and one complete JSON value:
+      otherwise :class:`BadRequestError` (400) saying so (a truncated body is named as such);
+    - the value is validated in pydantic's strict mode, so nothing is coerced (no string to
+      number or bool, no bool to int, no float to int; a JSON integer is still a number
+      for a float field): a bad field is :class:`RequestValidationError`, the 422 naming it.
+    """
+    _check_json_content_type(request.headers.get("content-type"))
+    raw = await request.body()
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise BadRequestError(
+            f"the request body is not UTF-8 (byte {exc.start}): JSON on this wire must be UTF-8"
+        ) from None
+    if raw.startswith(b"\xef\xbb\xbf"):
+        raise BadRequestError("the request body starts with a byte order mark; send plain UTF-8")
+    try:
+        return model.model_validate_json(raw, strict=True)
+    except ValidationError as exc:
+        errors = exc.errors(include_url=False)
+        if errors and errors[0]["type"] == "json_invalid":
+            detail = str(errors[0].get("ctx", {}).get("error", "invalid JSON"))
+            hint = " (truncated?)" if detail.startswith("EOF") else ""
+            raise BadRequestError(
+                f"the request body is not valid JSON{hint}: {detail} ({len(raw)} bytes)"
+            ) from None
+        raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in errors]) from None
+
+
+def _check_json_content_type(header: str | None) -> None:
+    if header is None or not header.strip():
+        raise UnsupportedMediaTypeError(
+            "the request has no Content-Type; send the JSON body as 'application/json'"
+        )
+    media_type, *params = (part.strip() for part in header.split(";"))
+    if media_type.lower() != "application/json":
+        raise UnsupportedMediaTypeError(
+            f"the request's Content-Type is {media_type!r}; send the JSON body as "
+            "'application/json'"
+        )
+    for param in params:
+        name, _, value = param.partition("=")
+        if name.strip().lower() == "charset" and value.strip().strip('"').lower() != "utf-8":
+            raise UnsupportedMediaTypeError(
+                f"the request's charset is {value.strip()!r}; JSON on this wire must be UTF-8"
+            )
 
 
 _NO_TELEMETRY: TelemetryConfig = {"tracing": False, "metrics": False, "logs": False}

@@ -46,8 +46,14 @@ Each verb: phases before → after; replay rule; refusals (409 unless noted).
   invalid_phase.
 - ``POST ack(episode_ids)``: any phase → same; acking twice is a no-op.
 
-Every request is strict (an unknown or malformed field is a 422 naming the field) and a
-refused call changes nothing.
+Every request is strict and a refused call changes nothing: the body is UTF-8 JSON sent
+as ``application/json`` (415 ``unsupported_media_type`` otherwise; a body that is not JSON,
+or is cut short, is a 400 saying so), validated in pydantic's strict mode (an unknown
+field, a missing one, or a value of another JSON type, such as ``"1"`` for a number,
+``true`` or ``1`` where the other is expected, ``1.0`` for an integer, is a 422 naming the
+field; a JSON integer is a number, so it is a valid ``deadline_ts``). A ``deadline_ts``
+more than the participant's horizon ahead of its clock (``max_deadline_ahead_s``, one hour
+by default) is a 400 naming it.
 """
 
 from __future__ import annotations

@@ -12,10 +12,12 @@ wire) and ``retryable`` (whether trying the same thing again later can help)::
     │   ├── BadRequestError         400 bad_request
     │   ├── UnauthorizedError       401 unauthorized
     │   ├── NotFoundError           404 not_found
+    │   ├── UnsupportedMediaTypeError 415 unsupported_media_type (a body that is not UTF-8 JSON)
     │   ├── InvalidPhaseError       409 invalid_phase
     │   ├── CheckpointConflictError 409 checkpoint_conflict
     │   ├── StaleCheckpointError    409 stale_checkpoint
     │   ├── StaleAttemptError       409 stale_attempt
+    │   ├── IdempotencyConflictError 409 idempotency_conflict (a key reused for another call)
     │   ├── AdmissionClosedError    409 admission_closed       retryable
     │   ├── DeadlineExceededError   409 deadline_exceeded      retryable
     │   └── InvalidCheckpointStateError 422 invalid_checkpoint_state
@@ -91,6 +93,14 @@ class NotFoundError(ProtocolError):
     status = 404
 
 
+class UnsupportedMediaTypeError(ProtocolError):
+    """A request body sent without ``Content-Type: application/json`` (or with a charset
+    other than UTF-8): the wire takes UTF-8 JSON only."""
+
+    code = "unsupported_media_type"
+    status = 415
+
+
 class InvalidPhaseError(ProtocolError):
     code = "invalid_phase"
     status = 409
@@ -108,6 +118,14 @@ class StaleCheckpointError(ProtocolError):
 
 class StaleAttemptError(ProtocolError):
     code = "stale_attempt"
+    status = 409
+
+
+class IdempotencyConflictError(ProtocolError):
+    """An idempotency key came back with another call (another tool or other arguments):
+    a bug in the caller, refused rather than answered with the first call's result."""
+
+    code = "idempotency_conflict"
     status = 409
 
 

@@ -13,6 +13,10 @@ checkpoint id, the records file's size, digest and record count before returning
 anything; every failure is an :class:`InvalidCheckpointStateError` naming the file and
 what differs.
 
+Given the store's ``root``, a local folder is read and written through
+:class:`~rollpoint.store.contained_filesystem.ContainedFilesystem`: each file is opened
+inside the root at the moment it is opened, never through a symlink.
+
 It does not know what a record means (each participant does) nor where the folder sits
 in a snapshot (:mod:`rollpoint.store.snapshot_store`). Records are encoded with orjson:
 non-finite floats are written as ``null``; a
@@ -50,6 +54,7 @@ from rollpoint.protocol.manifest import (
 )
 from rollpoint.protocol.participant import ParticipantKind
 from rollpoint.store.collector_pause import collector_paused
+from rollpoint.store.contained_filesystem import filesystem_within
 from rollpoint.store.deferred_value import DeferredValue
 from rollpoint.store.digest import iter_blocks
 from rollpoint.store.filesystem import Filesystem, filesystem_for
@@ -77,14 +82,17 @@ def write_participant_state(
     instance: str,
     checkpoint_id: str,
     records: Sequence[Mapping[str, Any]],
+    root: str | None = None,
 ) -> ParticipantManifest:
     """Write ``records`` and then their manifest into ``directory``; return the manifest.
 
     Writing the same state again (a retried commit) returns the existing manifest; any
     other state already published in ``directory`` is a :class:`CheckpointConflictError`.
+    With ``root`` (the store's root, ``directory`` inside it), every file is opened inside
+    it without following a symlink (:func:`_filesystem`).
     """
     participant_kind = _check_identity(kind, instance, checkpoint_id)
-    fs = filesystem_for(directory)
+    fs = _filesystem(directory, root)
     manifest_path = fs.join(directory, MANIFEST_NAME)
     existing = _existing_manifest(fs, manifest_path)
     if existing is not None:
@@ -111,10 +119,11 @@ def write_participant_state(
 
 
 def read_participant_state(
-    directory: str, *, kind: str, instance: str, checkpoint_id: str
+    directory: str, *, kind: str, instance: str, checkpoint_id: str, root: str | None = None
 ) -> tuple[ParticipantManifest, list[dict[str, Any]]]:
-    """The verified manifest and records of one participant's state in ``directory``."""
-    fs = filesystem_for(directory)
+    """The verified manifest and records of one participant's state in ``directory``
+    (inside ``root`` when given, as :func:`write_participant_state`)."""
+    fs = _filesystem(directory, root)
     manifest = _read_manifest(fs, directory, kind, instance, checkpoint_id)
     records: list[dict[str, Any]] = []
     _scan_records(fs, directory, manifest, records)
@@ -122,13 +131,21 @@ def read_participant_state(
 
 
 def verify_participant_state(
-    directory: str, *, kind: str, instance: str, checkpoint_id: str
+    directory: str, *, kind: str, instance: str, checkpoint_id: str, root: str | None = None
 ) -> ParticipantManifest:
     """Check the state in ``directory`` as :func:`read_participant_state` does, decoding nothing."""
-    fs = filesystem_for(directory)
+    fs = _filesystem(directory, root)
     manifest = _read_manifest(fs, directory, kind, instance, checkpoint_id)
     _scan_records(fs, directory, manifest, None)
     return manifest
+
+
+def _filesystem(directory: str, root: str | None) -> Filesystem:
+    """Without ``root``: ``directory``'s own filesystem. With it: for a local root, one
+    that checks each open inside the root at the moment it happens, so a symlink put in
+    the store after the request was checked (between a commit and its confirm) is refused
+    rather than followed out of it."""
+    return filesystem_for(directory) if root is None else filesystem_within(root, directory)
 
 
 # --- writing ---------------------------------------------------------------------------

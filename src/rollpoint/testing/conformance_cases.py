@@ -411,8 +411,67 @@ _MALFORMED: list[tuple[str, Verb, Any, str | None]] = [
     ("a zero deadline", Verb.PREPARE, {**_ANY_PREPARE, "deadline_ts": 0}, "deadline_ts"),
     ("a negative attempt", Verb.ACK, {"episode_ids": [_NEGATIVE_ATTEMPT]}, "episode_ids"),
     ("an empty list", Verb.FORGET, {"rollout_ids": []}, "rollout_ids"),
-    ("a body that is not JSON", Verb.PREPARE, b"{not json", None),
     ("a body that is not an object", Verb.RESUME, ["@"], None),
+]
+_EPISODE = {"rollout_id": "r", "attempt": 0}
+_ANY_COMMIT = {**_ANY_PREPARE, "checkpoint_dir": "strict", "episode_ids": []}
+_COERCED: list[tuple[str, Verb, Any, str]] = [
+    # (what, verb, body, the field the 422 must name): the strict wire coerces nothing.
+    (
+        "a number as a string",
+        Verb.PREPARE,
+        {**_ANY_PREPARE, "deadline_ts": "4000000000"},
+        "deadline_ts",
+    ),
+    ("a bool for a number", Verb.PREPARE, {**_ANY_PREPARE, "deadline_ts": True}, "deadline_ts"),
+    ("an int as a string", Verb.ACK, {"episode_ids": [{**_EPISODE, "attempt": "1"}]}, "attempt"),
+    ("a bool for an int", Verb.ACK, {"episode_ids": [{**_EPISODE, "attempt": True}]}, "attempt"),
+    ("a float for an int", Verb.ACK, {"episode_ids": [{**_EPISODE, "attempt": 1.0}]}, "attempt"),
+    ("a number for a string", Verb.PREPARE, {**_ANY_PREPARE, "checkpoint_id": 7}, "checkpoint_id"),
+    (
+        "a string for a bool",
+        Verb.COMMIT,
+        {**_ANY_COMMIT, "wait_for_write": "yes"},
+        "wait_for_write",
+    ),
+    ("a number for a bool", Verb.COMMIT, {**_ANY_COMMIT, "wait_for_write": 1}, "wait_for_write"),
+]
+_UNDECODABLE: list[tuple[str, bytes | None, str | None, int, str, str]] = [
+    # (what, body (None: a valid prepare), content type, status, code, what the message says)
+    (
+        "a body that is not JSON",
+        b"{not json",
+        "application/json",
+        400,
+        "bad_request",
+        "not valid JSON",
+    ),
+    (
+        "a truncated body",
+        b'{"checkpoint_id": "x", "dead',
+        "application/json",
+        400,
+        "bad_request",
+        "truncated",
+    ),
+    (
+        "UTF-16 JSON",
+        '{"checkpoint_id": "x"}'.encode("utf-16"),
+        "application/json",
+        400,
+        "bad_request",
+        "UTF-8",
+    ),
+    ("no content type", None, None, 415, "unsupported_media_type", "Content-Type"),
+    ("a text/plain body", None, "text/plain", 415, "unsupported_media_type", "text/plain"),
+    (
+        "a latin-1 charset",
+        None,
+        "application/json; charset=latin-1",
+        415,
+        "unsupported_media_type",
+        "UTF-8",
+    ),
 ]
 
 
@@ -442,6 +501,35 @@ async def _malformed(t: Trial) -> str:
         f"a malformed renew: the 422 does not name 'deadline_ts': {message}",
     )
     return f"{len(_MALFORMED) + 1} malformed bodies: 422 naming the field, nothing changed"
+
+
+@case("strict-wire")
+async def _strict_wire(t: Trial) -> str:
+    cid = t.cid()
+    for what, verb, body, name in _COERCED:
+        try:
+            message = await t.refused(verb, _fill(body, cid), 422, "bad_request")
+        except CaseFailed as exc:
+            raise CaseFailed(f"{what}: {exc}") from None
+        check(name in message, f"{what}: the 422 does not name {name!r}: {message}")
+    valid = orjson.dumps({"checkpoint_id": cid, "deadline_ts": deadline()})
+    for what, raw, content_type, status, code, says in _UNDECODABLE:
+        body = valid if raw is None else raw
+        try:
+            message = await t.refused(Verb.PREPARE, body, status, code, content_type=content_type)
+        except CaseFailed as exc:
+            raise CaseFailed(f"{what}: {exc}") from None
+        check(says in message, f"{what}: the {status} does not say {says!r}: {message}")
+    far = {"checkpoint_id": cid, "deadline_ts": 1e12}
+    message = await t.refused(Verb.PREPARE, far, 400, "bad_request")
+    check("deadline_ts" in message, f"a deadline 1e12: the 400 does not name it: {message}")
+    # JSON has one number type: an integer is a valid deadline.
+    whole = {"checkpoint_id": cid, "deadline_ts": int(deadline())}
+    expect_ok(await t.probe.send(Verb.PREPARE, whole), PrepareReply)
+    return (
+        f"{len(_COERCED)} coerced fields: 422; {len(_UNDECODABLE)} undecodable bodies: 400/415 "
+        "saying why; a deadline past the horizon: 400; an integer deadline accepted"
+    )
 
 
 _ESCAPES = ["../x", "/abs", "a/../../x", "a/../b", "a\\b", "file:///tmp/x", "a/\x00b", "./"]

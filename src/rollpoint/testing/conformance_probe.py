@@ -77,12 +77,20 @@ class Probe:
         self.token = token
         self.authorization = f"Bearer {token}"
 
-    async def send(self, verb: Verb, body: Any = None, *, authorization: str | None = "") -> Reply:
+    async def send(
+        self,
+        verb: Verb,
+        body: Any = None,
+        *,
+        authorization: str | None = "",
+        content_type: str | None = "application/json",
+    ) -> Reply:
         """``GET status``, or ``POST verb`` with ``body`` as JSON (bytes are sent as they are).
 
-        ``authorization`` "" sends the right token, None sends no header, else that value.
+        ``authorization`` "" sends the right token, None sends no header, else that value;
+        ``content_type`` None sends no ``Content-Type``.
         """
-        headers = {"content-type": "application/json"}
+        headers = {} if content_type is None else {"content-type": content_type}
         if authorization is not None:
             headers["authorization"] = authorization or self.authorization
         url = f"{self._base}/{verb}"
@@ -217,9 +225,18 @@ class Trial:
         ]
         check(not changed, f"after {after_what} the status changed: {'; '.join(changed)}")
 
-    async def refused(self, verb: Verb, body: Any, status: int, code: str) -> str:
+    async def refused(
+        self,
+        verb: Verb,
+        body: Any,
+        status: int,
+        code: str,
+        *,
+        content_type: str | None = "application/json",
+    ) -> str:
         """Send, expect the refusal, and check the participant's status did not move."""
         before = await self.probe.status()
-        message = expect_refused(await self.probe.send(verb, body), status, code)
+        reply = await self.probe.send(verb, body, content_type=content_type)
+        message = expect_refused(reply, status, code)
         await self.unchanged(before, f"a refused {verb}")
         return message

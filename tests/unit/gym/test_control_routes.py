@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 from fastapi.routing import APIRoute
 
@@ -143,6 +144,115 @@ async def test_malformed_bodies_are_422_naming_the_field_and_change_nothing(
     reply = await post(client, "prepare", body)
     assert reply.status_code == 422 and field in error_of(reply)["message"]
     assert fence.phase is Phase.IDLE and participant.calls["close_admission"] == 0
+
+
+@pytest.mark.parametrize(
+    ("verb", "body", "field"),
+    [
+        ("prepare", {"checkpoint_id": "c1", "deadline_ts": "4000000000"}, "deadline_ts"),
+        ("prepare", {"checkpoint_id": "c1", "deadline_ts": True}, "deadline_ts"),
+        ("prepare", {"checkpoint_id": 7, "deadline_ts": 4e9}, "checkpoint_id"),
+        ("ack", {"episode_ids": [{"rollout_id": "r1", "attempt": "1"}]}, "attempt"),
+        ("ack", {"episode_ids": [{"rollout_id": "r1", "attempt": True}]}, "attempt"),
+        ("ack", {"episode_ids": [{"rollout_id": "r1", "attempt": 1.0}]}, "attempt"),
+        (
+            "commit",
+            {
+                "checkpoint_id": "c1",
+                "deadline_ts": 4e9,
+                "checkpoint_dir": "d",
+                "wait_for_write": "yes",
+            },
+            "wait_for_write",
+        ),
+        (
+            "commit",
+            {"checkpoint_id": "c1", "deadline_ts": 4e9, "checkpoint_dir": "d", "wait_for_write": 0},
+            "wait_for_write",
+        ),
+    ],
+)
+async def test_the_strict_wire_coerces_nothing(
+    client: httpx.AsyncClient,
+    fence: Fence,
+    participant: FakeParticipant,
+    verb: str,
+    body: dict[str, Any],
+    field: str,
+) -> None:
+    reply = await post(client, verb, body)
+    assert reply.status_code == 422, reply.text
+    assert error_of(reply)["code"] == "bad_request" and field in error_of(reply)["message"]
+    assert fence.phase is Phase.IDLE and participant.calls["close_admission"] == 0
+
+
+async def test_a_json_integer_is_a_valid_deadline(client: httpx.AsyncClient, fence: Fence) -> None:
+    reply = await post(
+        client, "prepare", {"checkpoint_id": "c1", "deadline_ts": int(time.time()) + 5}
+    )
+    assert reply.status_code == 200, reply.text
+    assert fence.phase is Phase.PREPARED
+
+
+@pytest.mark.parametrize(
+    ("content", "content_type", "status", "says"),
+    [
+        (
+            b'{"checkpoint_id": "c1", "deadl',
+            "application/json",
+            400,
+            "not valid JSON (truncated?): EOF",
+        ),
+        (b"{not json", "application/json", 400, "not valid JSON: key must be a string"),
+        (b"", "application/json", 400, "(truncated?)"),
+        ('{"checkpoint_id": "c1"}'.encode("utf-16"), "application/json", 400, "is not UTF-8"),
+        (b'\xef\xbb\xbf{"checkpoint_id": "c1"}', "application/json", 400, "byte order mark"),
+        (b'{"checkpoint_id": "c1"}', None, 415, "has no Content-Type"),
+        (b'{"checkpoint_id": "c1"}', "text/plain", 415, "Content-Type is 'text/plain'"),
+        (
+            b'{"checkpoint_id": "c1"}',
+            "application/json; charset=utf-16",
+            415,
+            "charset is 'utf-16'",
+        ),
+    ],
+)
+async def test_a_body_that_is_not_utf8_json_says_so_and_changes_nothing(
+    client: httpx.AsyncClient,
+    fence: Fence,
+    participant: FakeParticipant,
+    content: bytes,
+    content_type: str | None,
+    status: int,
+    says: str,
+) -> None:
+    headers = AUTH | ({} if content_type is None else {"content-type": content_type})
+    reply = await client.post(f"{CONTROL_PREFIX}/prepare", content=content, headers=headers)
+    assert reply.status_code == status, reply.text
+    code = "unsupported_media_type" if status == 415 else "bad_request"
+    assert error_of(reply)["code"] == code and says in error_of(reply)["message"]
+    assert fence.phase is Phase.IDLE and participant.calls["close_admission"] == 0
+
+
+async def test_a_charset_of_utf8_is_fine(client: httpx.AsyncClient, fence: Fence) -> None:
+    headers = AUTH | {"content-type": "application/json; charset=UTF-8"}
+    content = orjson.dumps(prepare_body())
+    reply = await client.post(f"{CONTROL_PREFIX}/prepare", content=content, headers=headers)
+    assert reply.status_code == 200, reply.text
+
+
+@pytest.mark.parametrize("deadline_ts", [1e12, 1796000000000.0])
+async def test_a_deadline_past_the_horizon_is_refused_naming_it(
+    client: httpx.AsyncClient, fence: Fence, participant: FakeParticipant, deadline_ts: float
+) -> None:
+    reply = await post(client, "prepare", {"checkpoint_id": "c1", "deadline_ts": deadline_ts})
+    assert reply.status_code == 400, reply.text
+    message = error_of(reply)["message"]
+    assert "deadline_ts" in message and "max_deadline_ahead_s 3600" in message
+    assert fence.phase is Phase.IDLE and participant.calls["close_admission"] == 0
+    # Within the horizon it is taken.
+    ok = await post(client, "prepare", {"checkpoint_id": "c1", "deadline_ts": time.time() + 3000})
+    assert ok.status_code == 200, ok.text
 
 
 async def test_a_path_outside_the_root_is_400_naming_it(

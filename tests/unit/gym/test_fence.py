@@ -609,6 +609,9 @@ def confirm(cid: str = "c1", deadline: float | None = None) -> ConfirmRequest:
     return ConfirmRequest(checkpoint_id=cid, deadline_ts=deadline or soon())
 
 
+STATE_IN_STAGING = "staging/s1/agent/agent-replica-0"
+
+
 def state_folder(root: Path, directory: str = "snap-1") -> Path:
     return root / directory / "agent" / "agent-replica-0"
 
@@ -658,6 +661,54 @@ async def test_a_failed_detached_write_fails_confirm_and_the_next_confirm_writes
     blocker.unlink()
     confirmed = await fence.confirm(confirm())
     assert confirmed.manifest.count == 2 and participant.calls["export"] == 1
+
+
+def everything_under(folder: Path) -> list[str]:
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
+
+
+@pytest.mark.parametrize("swapped", ["staging/s1", "staging/s1/agent", STATE_IN_STAGING])
+async def test_a_symlink_swap_in_the_staging_folder_after_commit_and_before_confirm_is_refused(
+    fence: Fence, participant: FakeParticipant, root: Path, tmp_path: Path, swapped: str
+) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (root / "staging" / "s1").mkdir(parents=True)
+    await fence.prepare(prepare())
+    await fence.commit(detached(directory="staging/s1"))
+    await fence.resume(ResumeRequest(checkpoint_id="c1"))
+    # Checked when the commit named it; swapped for a symlink out of the store after.
+    target = root / swapped
+    target.parent.mkdir(parents=True, exist_ok=True)
+    if target.exists():
+        target.rmdir()
+    target.symlink_to(outside, target_is_directory=True)
+
+    with pytest.raises(BadRequestError, match=rf"symlink at '{target.name}' inside the store"):
+        await fence.confirm(confirm())
+    assert everything_under(outside) == []
+    # The store put right, the same confirm writes the capture where it belongs.
+    target.unlink()
+    confirmed = await fence.confirm(confirm())
+    manifest, _ = read_participant_state(
+        str(root / STATE_IN_STAGING), kind="agent", instance="agent-replica-0", checkpoint_id="c1"
+    )
+    assert confirmed.manifest == manifest and participant.calls["export"] == 1
+
+
+async def test_a_restore_never_reads_a_records_file_through_a_symlink(
+    fence: Fence, participant: FakeParticipant, root: Path, tmp_path: Path
+) -> None:
+    await committed_snapshot(root)
+    (records,) = state_folder(root).glob("records-*.jsonl")
+    copy = tmp_path / "outside.jsonl"
+    copy.write_bytes(records.read_bytes())
+    records.unlink()
+    records.symlink_to(copy)  # the same bytes, from outside the store
+
+    err = await refused(fence, participant, fence.restore(restore(source="c1")), BadRequestError)
+    assert "symlink" in err.message and records.name in err.message
+    assert participant.calls["install"] == 0
 
 
 @pytest.fixture

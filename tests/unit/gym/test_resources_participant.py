@@ -15,13 +15,13 @@ from pydantic import JsonValue
 
 from rollpoint.envs.registry import get_environment
 from rollpoint.gym import resources_server
-from rollpoint.gym.episode_record import EpisodeRecord, pack_state
+from rollpoint.gym.episode_record import EpisodeRecord, call_fingerprint, pack_state
 from rollpoint.gym.participant import Participant
 from rollpoint.gym.resources_participant import ResourcesParticipant
 from rollpoint.gym.resources_server import ResourcesService
 from rollpoint.protocol.control import RetireOutcomeKind
 from rollpoint.protocol.episode import EpisodeStart, ToolCall
-from rollpoint.protocol.errors import InvalidCheckpointStateError
+from rollpoint.protocol.errors import IdempotencyConflictError, InvalidCheckpointStateError
 from rollpoint.protocol.ids import EpisodeId
 from rollpoint.protocol.manifest import ParticipantManifest
 from rollpoint.protocol.participant import CheckpointMode
@@ -380,3 +380,42 @@ async def test_a_tool_call_makes_the_next_checkpoint_copy_the_state(
         target._episodes["r1"].state, "calendar_search_events", {"query": ""}
     )
     assert "Team sync" in titles
+
+
+async def test_the_call_fingerprint_survives_a_snapshot_and_old_records_replay_any_call(
+    tmp_path: Path,
+) -> None:
+    service = await _service("workplace", "r1")
+    call = ToolCall(episode=_ep("r1"), turn=0, call_index=0, arguments=json.dumps(EVENT))
+    other = call.model_copy(update={"arguments": json.dumps({**EVENT, "title": "Demo"})})
+    first = await service.call_tool("calendar_create_event", call)
+    (stored,) = _stored(tmp_path, await ResourcesParticipant(service).export([_ep("r1")]))
+    saved: dict[str, Any] = dict(EpisodeRecord.model_validate(stored).tool_results[0])
+    assert saved["fingerprint"] == call_fingerprint("calendar_create_event", call.arguments)
+
+    restored = await _service("workplace")
+    await ResourcesParticipant(restored).install([stored], [_ep("r1")])
+    assert await restored.call_tool("calendar_create_event", call) == first.model_copy(
+        update={"replayed": True}
+    )
+    for tool, changed in (("calendar_create_event", other), ("email_send", call)):
+        with pytest.raises(IdempotencyConflictError, match=r"rollout 'r1', turn 0, call 0"):
+            await restored.call_tool(tool, changed)
+
+    # A record saved before fingerprints existed: the key replays for any call, as before.
+    (old_result,) = copy.deepcopy(stored["tool_results"])  # type: ignore[misc]
+    del old_result["fingerprint"]  # type: ignore[union-attr]
+    old = {**stored, "tool_results": [old_result]}
+    older = await _service("workplace")
+    await ResourcesParticipant(older).install([old], [_ep("r1")])
+    assert (await older.call_tool("email_send", other)).replayed
+
+
+def test_a_fingerprint_compares_arguments_by_value() -> None:
+    same = call_fingerprint("email_send", '{"to": "a@b.c", "n": 1}')
+    assert call_fingerprint("email_send", '{ "n":1,"to":"a@b.c"}') == same
+    assert call_fingerprint("email_list_sent", "") == call_fingerprint("email_list_sent", "{}")
+    assert call_fingerprint("email_send", '{"to": "a@b.c", "n": 2}') != same
+    assert call_fingerprint("calendar_search_events", '{"to": "a@b.c", "n": 1}') != same
+    # Malformed arguments are compared by their text.
+    assert call_fingerprint("email_send", '{"to"') != call_fingerprint("email_send", '{"to" ')

@@ -2,11 +2,15 @@
 
 Owns user-facing I/O only: argument parsing, rich progress and tables, and turning every
 :class:`RollpointError` into one red line and a non-zero exit (2 for bad input).
+
+Imports are lazy: at import time this module loads typer, rich's console and the error
+tree only, so ``rollpoint --help`` and ``rollpoint version`` answer fast. Each command
+imports what it runs (the trainer, aiohttp, the servers) in its own body;
+``tests/unit/test_cli_imports.py`` holds the line.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import secrets
 import signal
@@ -15,15 +19,10 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, TypeVar
 
-import orjson
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from rollpoint import __version__
-from rollpoint.config import load_config
-from rollpoint.job import drive_quietly, prepare_workdir, run_job
 from rollpoint.protocol.errors import ConfigError, RollpointError
 
 app = typer.Typer(
@@ -46,6 +45,7 @@ ConfigArg = Annotated[Path, typer.Argument(help="The run's YAML config.", show_d
 
 def _run_async(make: Callable[[], Awaitable[T]]) -> T:
     """Run a coroutine; SIGTERM cancels it like Ctrl-C does, so cleanup always runs."""
+    import asyncio
 
     async def _main() -> T:
         task = asyncio.current_task()
@@ -69,6 +69,18 @@ def _say(message: str) -> None:
 async def _drive_with_progress(
     trainer: Trainer, runtime: Runtime, metrics: TrainerMetrics
 ) -> RunSummary:
+    import asyncio
+
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
+    from rollpoint.job import drive_quietly
+
     total = sum(len(trainer.ledger.group_records(g)) for g in trainer.ledger.group_ids())
     columns = (
         TextColumn("[bold]{task.description}"),
@@ -114,6 +126,11 @@ def run(
     ] = False,
 ) -> None:
     """Run a job to the end on the runtime the config names (``runtime:``)."""
+    from rich.table import Table
+
+    from rollpoint.config import load_config
+    from rollpoint.job import prepare_workdir, run_job
+
     try:
         config = load_config(config_path)
         prepare_workdir(config.workdir, fresh=fresh, force=force)
@@ -152,6 +169,12 @@ def serve(
     WORKDIR/control.token and the data token (for /run, tools and chat) to WORKDIR/data.token,
     both readable by you only, for your coordinator and trainer to send as bearer tokens.
     """
+    import asyncio
+
+    import orjson
+    from rich.table import Table
+
+    from rollpoint.config import load_config
     from rollpoint.runtime.embedded import EmbeddedRuntime
     from rollpoint.trainer.control_plane import snapshot_root
 
@@ -216,6 +239,8 @@ def inspect(
     ] = False,
 ) -> None:
     """Show the snapshots of a run and what the latest one holds."""
+    import orjson
+
     from rollpoint.snapshot_report import build_report, render_report
 
     try:
@@ -284,7 +309,7 @@ def chaos(
 @app.command()
 def version() -> None:
     """Print the version."""
-    out.print(__version__)
+    typer.echo(__version__)
 
 
 def _setup_logging(workdir: Path) -> None:

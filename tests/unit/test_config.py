@@ -66,3 +66,16 @@ def test_unreadable_and_invalid_yaml_files(tmp_path: Path) -> None:
     listy.write_text("- 1\n- 2\n")
     with pytest.raises(ConfigError, match="mapping of keys"):
         load_config(listy)
+
+
+def test_metrics_port_and_host_are_validated_and_named() -> None:
+    config = parse_config({"metrics": {"port": 9464}})
+    assert (config.metrics.port, config.metrics_host) == (9464, "127.0.0.1")
+    with pytest.raises(ConfigError, match=r"key 'metrics.port'"):
+        parse_config({"metrics": {"port": 70000}})
+    with pytest.raises(ConfigError, match=r"unknown key 'metrics.prot'"):
+        parse_config({"metrics": {"prot": 1}})
+    with pytest.raises(ConfigError, match=r"metrics.host '0.0.0.0' is not loopback"):
+        parse_config({"metrics": {"host": "0.0.0.0"}})
+    opened = parse_config({"metrics": {"host": "0.0.0.0"}, "allow_remote_bind": True})
+    assert opened.metrics_host == "0.0.0.0"

@@ -5,7 +5,8 @@ proxied to ``upstream_url``; the :class:`~rollpoint.gym.admission_gate.Admission
 completion passes; the :class:`~rollpoint.gym.call_ledger.CallLedger` that files each call
 carrying the episode headers; the policy version stamped on every completion (reply header
 ``x-rollpoint-policy-version`` and the ledger record); and the routes
-``GET /rollpoint/v1/calls``, ``POST /rollpoint/v1/policy_version``, ``GET /rollpoint/v1/stats``.
+``GET /rollpoint/v1/calls``, ``POST /rollpoint/v1/policy_version``, ``GET /rollpoint/v1/stats``;
+and ``GET /metrics`` (calls, in flight, waiting at the gate, latency, tokens of recorded calls).
 
 Does not own: checkpoint control (with ``snapshot_root`` set, the control routes are mounted
 and :class:`~rollpoint.gym.model_participant.ModelParticipant` lets the fence close and open
@@ -49,6 +50,7 @@ from rollpoint.gym.model_participant import ModelParticipant
 from rollpoint.http.app import create_app
 from rollpoint.http.auth import data_token
 from rollpoint.http.client import HttpClient
+from rollpoint.http.server_metrics import CALL_BUCKETS, Reading, ServerMetrics
 from rollpoint.protocol.errors import BadRequestError, StaleAttemptError, TransportError
 from rollpoint.protocol.ids import (
     HEADER_ATTEMPT,
@@ -277,6 +279,16 @@ class ModelServer:
         """Raises :class:`StaleAttemptError` for a retired attempt (the fence's check)."""
         self.policy_version = 0
         self.calls_total = 0
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        """Tokens of the recorded calls (those with episode headers), from the engine's usage."""
+        self.metrics = ServerMetrics(server=settings.name, replica=settings.replica)
+        self.metrics.read(self._readings)
+        self.call_seconds = self.metrics.histogram(
+            "rollpoint_model_call_seconds",
+            "Policy calls: admitted at the gate to the engine's last byte",
+            CALL_BUCKETS,
+        )
         self._client: HttpClient | None = None
         base = settings.upstream_url.rstrip("/")
         # Parsed once: aiohttp would parse a str URL again on every call.
@@ -312,6 +324,32 @@ class ModelServer:
             "gate_open": self.gate.is_open,
         }
 
+    def _readings(self) -> list[Reading]:
+        return [
+            Reading("rollpoint_model_calls", "Policy calls answered", self.calls_total, "counter"),
+            Reading("rollpoint_model_calls_in_flight", "Calls past the gate", self.gate.in_flight),
+            Reading("rollpoint_model_calls_waiting", "Calls held at the gate", self.gate.waiting),
+            Reading("rollpoint_model_gate_open", "1 while the gate admits", int(self.gate.is_open)),
+            Reading(
+                "rollpoint_model_tokens",
+                "Tokens of recorded calls, by kind",
+                self.prompt_tokens,
+                "counter",
+                {"kind": "prompt"},
+            ),
+            Reading(
+                "rollpoint_model_tokens",
+                "Tokens of recorded calls, by kind",
+                self.completion_tokens,
+                "counter",
+                {"kind": "completion"},
+            ),
+            Reading(
+                "rollpoint_model_recorded_calls", "Calls in the call ledger", self.ledger.count
+            ),
+            Reading("rollpoint_model_policy_version", "Policy version", self.policy_version),
+        ]
+
     async def chat_completions(self, request: Request) -> Response:
         body = await request.body()
         try:
@@ -333,6 +371,7 @@ class ModelServer:
                 status, content_type, raw = await self._post_upstream(body)
                 latency = time.perf_counter() - started
         self.calls_total += 1
+        self.call_seconds.observe(latency)
         if status >= 400:
             return self._upstream_refusal(status, content_type, raw)
         if tag is not None:
@@ -413,6 +452,8 @@ class ModelServer:
         messages = payload["messages"]
         last = messages[-1] if messages and isinstance(messages[-1], dict) else None
         prompt, completion = _usage_tokens(usage)
+        self.prompt_tokens += prompt
+        self.completion_tokens += completion
         # model_construct: the data is ours or the engine's, already parsed; validation
         # happens where records come back from disk (CallLedger.install).
         self.ledger.record(
@@ -475,6 +516,7 @@ class ModelServer:
                 log.warning("upstream stream broke: %s: %s", type(exc).__name__, exc)
                 return
             self.calls_total += 1
+            self.call_seconds.observe(time.perf_counter() - started)
             if assembler is not None and tag is not None and not self._retired(tag):
                 self._record(
                     tag,
@@ -527,6 +569,7 @@ def create_model_app(settings: ModelServerSettings) -> FastAPI:
         data_token=data_token(),
     )
     app.state.model_server = server
+    server.metrics.mount(app)
     fence = mount_control_plane(
         app,
         ModelParticipant(server),

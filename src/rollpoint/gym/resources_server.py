@@ -17,6 +17,8 @@ Routes (see ``docs/architecture.md``):
   episode → 404 ``not_found``
 - ``POST /episodes/verify`` :class:`VerifyRequest` → :class:`VerifyReply`
 - ``POST /episodes/release`` :class:`ReleaseRequest` → :class:`ReleaseReply`
+- ``GET /metrics``: tool calls applied, idempotent replays, 409 refusals of tool calls by
+  code (``rollpoint_resources_conflicts_total``), live episodes, calls in flight
 
 Tool calls run synchronously on the event loop (they are tiny): between the idempotency
 lookup and storing the result nothing else runs, so no lock is needed. While frozen, the
@@ -63,6 +65,7 @@ from rollpoint.gym.resources_participant import ResourcesParticipant
 from rollpoint.gym.state_image import StateImage
 from rollpoint.http.app import create_app
 from rollpoint.http.auth import data_token
+from rollpoint.http.server_metrics import Reading, ServerMetrics
 from rollpoint.protocol.episode import (
     EpisodeStart,
     TaskRow,
@@ -75,6 +78,7 @@ from rollpoint.protocol.errors import (
     BadRequestError,
     InvalidCheckpointStateError,
     NotFoundError,
+    ProtocolError,
     RollpointError,
 )
 from rollpoint.protocol.ids import EpisodeId, Identifier
@@ -182,6 +186,12 @@ class ResourcesService:
         self._thawed.set()
         self._in_flight = 0
         self._waiting = 0
+        self.tool_calls = 0
+        """Tool calls applied (each idempotency key once)."""
+        self.tool_replays = 0
+        """Tool calls answered from the idempotency table: a known key, nothing applied."""
+        self.conflicts: Counter[str] = Counter()
+        """409 refusals of tool calls, by error code (:meth:`count_conflict`)."""
         self._changed: asyncio.Event | None = None
         self.attempt_guard: Callable[[EpisodeId], None] | None = None
         """Raises :class:`StaleAttemptError` for a retired attempt (the fence's check)."""
@@ -190,6 +200,42 @@ class ResourcesService:
         )
 
     # ---- counters and the freeze gate ----------------------------------------------------
+    def count_conflict(self, code: str) -> None:
+        """One tool call refused with a 409 of ``code`` (the route calls it for every 409,
+        whichever check raised it: retired attempts and any conflict added later)."""
+        self.conflicts[code] += 1
+
+    def readings(self) -> list[Reading]:
+        """What ``/metrics`` shows, read at each scrape."""
+        out = [
+            Reading(
+                "rollpoint_resources_tool_calls", "Tool calls applied", self.tool_calls, "counter"
+            ),
+            Reading(
+                "rollpoint_resources_tool_replays",
+                "Tool calls answered from the idempotency table (nothing applied)",
+                self.tool_replays,
+                "counter",
+            ),
+            Reading("rollpoint_resources_episodes", "Live episodes", len(self._episodes)),
+            Reading(
+                "rollpoint_resources_tool_calls_in_flight", "Tool calls running", self._in_flight
+            ),
+        ]
+        doc = "Tool calls refused with 409, by code"
+        # One series even before the first refusal, so a dashboard's query names a live metric.
+        for code in sorted({"stale_attempt", *self.conflicts}):
+            out.append(
+                Reading(
+                    "rollpoint_resources_conflicts",
+                    doc,
+                    self.conflicts[code],
+                    "counter",
+                    {"code": code},
+                )
+            )
+        return out
+
     @property
     def episode_count(self) -> int:
         return len(self._episodes)
@@ -302,7 +348,9 @@ class ResourcesService:
         key = (call.turn, call.call_index)
         stored = episode.results.get(key)
         if stored is not None:
+            self.tool_replays += 1
             return stored.model_copy(update={"replayed": True})
+        self.tool_calls += 1
         self._in_flight += 1
         self._notify()
         # Nothing awaits between here and storing the result, so no export sees the new
@@ -557,6 +605,9 @@ def create_resources_app(
         f"rollpoint {name} ({replica}, {env.name})", lifespan=lifespan, data_token=data_token()
     )
     app.state.resources_service = service
+    metrics = ServerMetrics(server=name, replica=replica)
+    metrics.read(service.readings)
+    metrics.mount(app)
     fence = mount_control_plane(
         app,
         ResourcesParticipant(service),
@@ -577,7 +628,12 @@ def create_resources_app(
 
     @app.post("/tools/{name}")
     async def call_tool(name: str, body: ToolCall) -> ToolResult:
-        return await service.call_tool(name, body)
+        try:
+            return await service.call_tool(name, body)
+        except ProtocolError as exc:
+            if exc.status == 409:
+                service.count_conflict(exc.code)
+            raise
 
     @app.post("/episodes/verify")
     async def verify_episode(body: VerifyRequest) -> VerifyReply:

@@ -1,7 +1,8 @@
 """The model server: an OpenAI-compatible proxy in front of the inference engine.
 
 Owns: ``POST /v1/chat/completions`` (plain and ``stream: true``) and ``GET /v1/models``
-proxied to ``upstream_url``; the :class:`~rollpoint.gym.admission_gate.AdmissionGate` every
+proxied to ``upstream_url``, and ``GET /v1/models/{id}`` answered from the upstream's list
+(engines differ on whether they serve it; an id not listed is 404 ``model_not_found``); the :class:`~rollpoint.gym.admission_gate.AdmissionGate` every
 completion passes; the :class:`~rollpoint.gym.call_ledger.CallLedger` that files each call
 carrying the episode headers; the policy version stamped on every completion (reply header
 ``x-rollpoint-policy-version`` and the ledger record); and the routes
@@ -51,7 +52,12 @@ from rollpoint.http.app import create_app
 from rollpoint.http.auth import data_token
 from rollpoint.http.client import HttpClient
 from rollpoint.http.server_metrics import CALL_BUCKETS, Reading, ServerMetrics
-from rollpoint.protocol.errors import BadRequestError, StaleAttemptError, TransportError
+from rollpoint.protocol.errors import (
+    BadRequestError,
+    ModelNotFoundError,
+    StaleAttemptError,
+    TransportError,
+)
 from rollpoint.protocol.ids import (
     HEADER_ATTEMPT,
     HEADER_POLICY_VERSION,
@@ -77,6 +83,10 @@ class ModelServerSettings(BaseModel):
     replica: Identifier = "replica-0"
     api_key: str | None = None
     """Sent upstream as ``Authorization: Bearer``; the callers' own auth is never forwarded."""
+    upstream_data_token: bool = False
+    """Send this server's data token (``$ROLLPOINT_DATA_TOKEN``) upstream when ``api_key``
+    is None: the built-in scripted policy guards its routes with it. Never set for an
+    engine of the user's, which must not see the run's token."""
     call_timeout_s: Annotated[float, Field(gt=0)] = 600.0
     """Upper bound on one upstream call, a whole stream included."""
     snapshot_root: str | None = None
@@ -295,8 +305,11 @@ class ModelServer:
         self._completions_url = URL(f"{base}/chat/completions")
         self._models_url = f"{base}/models"
         self._upstream_headers = {"content-type": "application/json"}
-        if settings.api_key:
-            self._upstream_headers["authorization"] = f"Bearer {settings.api_key}"
+        upstream_key = settings.api_key
+        if upstream_key is None and settings.upstream_data_token:
+            upstream_key = data_token()
+        if upstream_key:
+            self._upstream_headers["authorization"] = f"Bearer {upstream_key}"
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -394,6 +407,20 @@ class ModelServer:
         if status >= 400:
             return self._upstream_refusal(status, content_type, raw)
         return Response(raw, media_type=content_type)
+
+    async def model(self, model_id: str) -> Response:
+        """One model's card, found in the upstream's list."""
+        listing = await self.models()
+        if listing.status_code >= 400:
+            return listing
+        try:
+            cards = orjson.loads(bytes(listing.body))["data"]
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            raise TransportError("upstream's model list is not an OpenAI model list") from None
+        for card in cards if isinstance(cards, list) else ():
+            if isinstance(card, dict) and card.get("id") == model_id:
+                return Response(orjson.dumps(card), media_type="application/json")
+        raise ModelNotFoundError(f"the model '{model_id}' does not exist upstream")
 
     async def _post_upstream(self, body: bytes) -> tuple[int, str, bytes]:
         try:
@@ -591,6 +618,11 @@ def create_model_app(settings: ModelServerSettings) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> Response:
         return await server.models()
+
+    # :path: model ids may hold slashes ("org/name").
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> Response:
+        return await server.model(model_id)
 
     @app.get("/rollpoint/v1/calls")
     async def calls(rollout_id: Annotated[str, Query(min_length=1)]) -> dict[str, Any]:

@@ -109,7 +109,9 @@ class DataRouteGuard:
         try:
             self._auth.check(authorization)
         except UnauthorizedError as exc:
-            body = orjson.dumps(exc.to_wire())
+            # OpenAI's routes answer in OpenAI's shape (see rollpoint.http.app).
+            wire = exc.to_openai_wire() if path.startswith("/v1/") else exc.to_wire()
+            body = orjson.dumps(wire)
             await send(
                 {
                     "type": "http.response.start",

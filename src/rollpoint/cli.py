@@ -416,8 +416,9 @@ def _setup_logging(workdir: Path) -> None:
     root = logging.getLogger()
     root.addHandler(handler)
     root.setLevel(logging.INFO)
-    warnings = _ConsoleWarnings(logging.WARNING)
-    logging.getLogger("rollpoint").addHandler(warnings)
+    library = logging.getLogger("rollpoint")
+    if not any(isinstance(h, _ConsoleWarnings) for h in library.handlers):
+        library.addHandler(_ConsoleWarnings(logging.WARNING))
 
 
 def _reflow_help() -> None:

@@ -17,8 +17,8 @@ Routes (see ``docs/architecture.md``):
   episode → 404 ``not_found``
 - ``POST /episodes/verify`` :class:`VerifyRequest` → :class:`VerifyReply`
 - ``POST /episodes/release`` :class:`ReleaseRequest` → :class:`ReleaseReply`
-- ``GET /metrics``: tool calls applied, idempotent replays, 409 refusals of tool calls by
-  code (``rollpoint_resources_conflicts_total``), live episodes, calls in flight
+- ``GET /metrics``: tool calls applied, idempotent replays, 409 refusals of starts and tool
+  calls by code (``rollpoint_resources_conflicts_total``), live episodes, calls in flight
 
 Tool calls run synchronously on the event loop (they are tiny): between the idempotency
 lookup and storing the result nothing else runs, so no lock is needed. While frozen, the
@@ -42,7 +42,7 @@ import asyncio
 import contextlib
 import logging
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -191,7 +191,7 @@ class ResourcesService:
         self.tool_replays = 0
         """Tool calls answered from the idempotency table: a known key, nothing applied."""
         self.conflicts: Counter[str] = Counter()
-        """409 refusals of tool calls, by error code (:meth:`count_conflict`)."""
+        """409 refusals of start and tool calls, by error code (:meth:`counting_conflicts`)."""
         self._changed: asyncio.Event | None = None
         self.attempt_guard: Callable[[EpisodeId], None] | None = None
         """Raises :class:`StaleAttemptError` for a retired attempt (the fence's check)."""
@@ -200,10 +200,18 @@ class ResourcesService:
         )
 
     # ---- counters and the freeze gate ----------------------------------------------------
-    def count_conflict(self, code: str) -> None:
-        """One tool call refused with a 409 of ``code`` (the route calls it for every 409,
-        whichever check raised it: retired attempts and any conflict added later)."""
-        self.conflicts[code] += 1
+    @contextlib.contextmanager
+    def counting_conflicts(self) -> Iterator[None]:
+        """Count a 409 raised inside by its code (``rollpoint_resources_conflicts_total``).
+
+        The start and tool routes run in it, so every 409 they answer is counted, whichever
+        check raised it: retired attempts, and any conflict a later check adds."""
+        try:
+            yield
+        except ProtocolError as exc:
+            if exc.status == 409:
+                self.conflicts[exc.code] += 1
+            raise
 
     def readings(self) -> list[Reading]:
         """What ``/metrics`` shows, read at each scrape."""
@@ -222,7 +230,7 @@ class ResourcesService:
                 "rollpoint_resources_tool_calls_in_flight", "Tool calls running", self._in_flight
             ),
         ]
-        doc = "Tool calls refused with 409, by code"
+        doc = "Episode starts and tool calls refused with 409, by code"
         # One series even before the first refusal, so a dashboard's query names a live metric.
         for code in sorted({"stale_attempt", *self.conflicts}):
             out.append(
@@ -624,16 +632,13 @@ def create_resources_app(
 
     @app.post("/episodes/start")
     async def start_episode(body: EpisodeStart) -> StartReply:
-        return StartReply(created=await service.start(body))
+        with service.counting_conflicts():
+            return StartReply(created=await service.start(body))
 
     @app.post("/tools/{name}")
     async def call_tool(name: str, body: ToolCall) -> ToolResult:
-        try:
+        with service.counting_conflicts():
             return await service.call_tool(name, body)
-        except ProtocolError as exc:
-            if exc.status == 409:
-                service.count_conflict(exc.code)
-            raise
 
     @app.post("/episodes/verify")
     async def verify_episode(body: VerifyRequest) -> VerifyReply:

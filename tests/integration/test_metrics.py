@@ -35,7 +35,7 @@ def job(tmp_path: Path, **overrides: Any) -> RunConfig:
     raw: dict[str, Any] = {
         "workdir": str(tmp_path / "run"),
         "environment": "workplace",
-        "tasks": 12,
+        "tasks": 16,
         "group_size": 2,
         "replicas": 2,
         "concurrency": 8,
@@ -77,6 +77,23 @@ async def test_counters_move_during_a_run_and_match_train_data(tmp_path: Path) -
         await eventually(caught_up, "the counters to catch up with train_data.jsonl")
         assert first.total("rollpoint_episodes_trained_total") <= len(rows)
         assert first.total("rollpoint_train_steps_total") <= max(r["train_step"] for r in rows)
+        # A second scrape while the run still goes: the counters have moved.
+        later: list[Scrape] = []
+
+        async def moved() -> bool:
+            now = await scrape(trainer_url)
+            later[:] = [now]
+            return all(
+                now.total(name) > first.total(name)
+                for name in ("rollpoint_train_steps_total", "rollpoint_episodes_finished_total")
+            )
+
+        await eventually(moved, "a later train step and more episodes on /metrics", within_s=60)
+        assert not run.done(), "the run ended before the second scrape: make it longer"
+        second = later[0]
+        assert second.total("rollpoint_episodes_trained_total") > first.total(
+            "rollpoint_episodes_trained_total"
+        )
         summary = await run
         final = await scrape(trainer_url)
         servers = {
@@ -87,7 +104,7 @@ async def test_counters_move_during_a_run_and_match_train_data(tmp_path: Path) -
         }
 
     rows = train_rows(data)
-    assert summary.episodes == len(rows) == 24 and not summary.failed_groups
+    assert summary.episodes == len(rows) == 32 and not summary.failed_groups
     # Grew between the two scrapes, and ended where train_data.jsonl ended.
     assert final.total("rollpoint_episodes_trained_total") == len(rows)
     assert final.total("rollpoint_episodes_trained_total") > first.total(

@@ -2,11 +2,15 @@
 
 Owns user-facing I/O only: argument parsing, rich progress and tables, and turning every
 :class:`RollpointError` into one red line and a non-zero exit (2 for bad input).
+
+Imports are lazy: at import time this module loads typer, rich's console and the error
+tree only, so ``rollpoint --help`` and ``rollpoint version`` answer fast. Each command
+imports what it runs (the trainer, aiohttp, the servers) in its own body;
+``tests/unit/test_cli_imports.py`` holds the line.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import secrets
 import signal
@@ -15,24 +19,22 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, TypeVar
 
-import orjson
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-from rich.table import Table
 
 from rollpoint import __version__
-from rollpoint.config import load_config
-from rollpoint.job import drive_quietly, prepare_workdir, run_job
 from rollpoint.protocol.errors import ConfigError, RollpointError
 
 app = typer.Typer(
-    add_completion=False,
     no_args_is_help=True,
     help="Checkpoint and recover in-flight agent rollouts.",
 )
 console = Console(stderr=True)
 out = Console()
+
+PROGRESS_EVERY_S = 3.0
+"""Without a terminal (a pipe, a batch job's log), ``run`` prints one plain progress line
+this often instead of redrawing a bar."""
 
 T = TypeVar("T")
 
@@ -41,11 +43,14 @@ if TYPE_CHECKING:
     from rollpoint.trainer.metrics import TrainerMetrics
     from rollpoint.trainer.trainer_loop import RunSummary, Trainer
 
-ConfigArg = Annotated[Path, typer.Argument(help="The run's YAML config.", show_default=False)]
+ConfigArg = Annotated[
+    Path, typer.Argument(help="The run's YAML config.", show_default=False, metavar="CONFIG")
+]
 
 
 def _run_async(make: Callable[[], Awaitable[T]]) -> T:
     """Run a coroutine; SIGTERM cancels it like Ctrl-C does, so cleanup always runs."""
+    import asyncio
 
     async def _main() -> T:
         task = asyncio.current_task()
@@ -55,6 +60,24 @@ def _run_async(make: Callable[[], Awaitable[T]]) -> T:
         return await make()
 
     return asyncio.run(_main())
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        typer.echo(__version__)
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    show_version: Annotated[
+        bool,
+        typer.Option(
+            "--version", callback=_show_version, is_eager=True, help="Print the version and exit."
+        ),
+    ] = False,
+) -> None:
+    """Checkpoint and recover in-flight agent rollouts."""
 
 
 def _fail(exc: RollpointError) -> typer.Exit:
@@ -69,6 +92,18 @@ def _say(message: str) -> None:
 async def _drive_with_progress(
     trainer: Trainer, runtime: Runtime, metrics: TrainerMetrics
 ) -> RunSummary:
+    import asyncio
+
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
+    from rollpoint.job import drive_quietly
+
     total = sum(len(trainer.ledger.group_records(g)) for g in trainer.ledger.group_ids())
     columns = (
         TextColumn("[bold]{task.description}"),
@@ -80,6 +115,8 @@ async def _drive_with_progress(
         ),
         TimeElapsedColumn(),
     )
+    if not console.is_terminal:
+        return await _drive_with_lines(trainer, runtime, metrics, total)
     with Progress(*columns, console=console, transient=False) as progress:
         bar = progress.add_task("episodes", total=total, turns=0, reward=0.0, steps=0, pause="-")
         job = asyncio.create_task(drive_quietly(trainer, runtime, metrics))
@@ -105,6 +142,54 @@ async def _drive_with_progress(
         return job.result()
 
 
+async def _drive_with_lines(
+    trainer: Trainer, runtime: Runtime, metrics: TrainerMetrics, total: int
+) -> RunSummary:
+    """Progress for a pipe or a log file: one plain line every few seconds, and at the end."""
+    import asyncio
+    import time
+
+    from rollpoint.job import drive_quietly
+
+    started = time.monotonic()
+
+    def line() -> None:
+        s = trainer.stats
+        pause = "-" if metrics.last_pause_s is None else f"{metrics.last_pause_s * 1000:.0f} ms"
+        elapsed = int(time.monotonic() - started)
+        console.print(
+            f"episodes {s.episodes_finished}/{total} · in flight {s.in_flight} · turns {s.turns}"
+            f" · reward {s.reward_mean:.3f} · steps {s.train_steps} · last pause {pause}"
+            f" · {elapsed // 60}:{elapsed % 60:02d}",
+            highlight=False,
+            soft_wrap=True,
+        )
+
+    job = asyncio.create_task(drive_quietly(trainer, runtime, metrics))
+    try:
+        while not job.done():
+            await asyncio.wait({job}, timeout=PROGRESS_EVERY_S)
+            line()
+    finally:
+        if not job.done():
+            job.cancel()
+            await asyncio.gather(job, return_exceptions=True)
+    return job.result()
+
+
+class _ConsoleWarnings(logging.Handler):
+    """The library's warnings (a snapshot skipped or failed, a replica down) on the console
+    as well as in rollpoint.log: an operator watching ``run`` must not have to read the log."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            message = record.getMessage()
+        except Exception:  # a bad format string must not break the run
+            self.handleError(record)
+            return
+        console.print(f"[yellow]warning:[/] {message}", highlight=False, soft_wrap=True)
+
+
 @app.command()
 def run(
     config_path: ConfigArg,
@@ -113,7 +198,18 @@ def run(
         bool, typer.Option("--force", help="With --fresh: delete a non-empty workdir.")
     ] = False,
 ) -> None:
-    """Run a job to the end on the runtime the config names (``runtime:``)."""
+    """Run a job to the end; run the same command again after a crash to resume it.
+
+    The config's runtime key picks where the servers run: embedded (local processes, the
+    default) or ray. Warnings (a snapshot skipped or failed, a replica down) show here and
+    in WORKDIR/rollpoint.log.
+    """
+    from rich.table import Table
+
+    from rollpoint.config import load_config
+    from rollpoint.full_table import print_full
+    from rollpoint.job import prepare_workdir, run_job
+
     try:
         config = load_config(config_path)
         prepare_workdir(config.workdir, fresh=fresh, force=force)
@@ -129,7 +225,7 @@ def run(
     table = Table(title="run finished", show_header=False)
     for key, value in summary.model_dump().items():
         table.add_row(key, f"{value:.3f}" if isinstance(value, float) else str(value))
-    out.print(table)
+    print_full(out, table)
 
 
 @app.command()
@@ -149,9 +245,17 @@ def serve(
     """Start only the environment servers and print their URLs (bring your own trainer).
 
     Every server is a checkpoint participant; the control token is written to
-    WORKDIR/control.token and the data token (for /run, tools and chat) to WORKDIR/data.token,
-    both readable by you only, for your coordinator and trainer to send as bearer tokens.
+    WORKDIR/control.token and the data token (for /run, tools, chat and the scripted
+    policy) to WORKDIR/data.token, both readable by you only, for your coordinator and
+    trainer to send as bearer tokens. Each server serves Prometheus metrics at /metrics.
     """
+    import asyncio
+
+    import orjson
+    from rich.table import Table
+
+    from rollpoint.config import load_config
+    from rollpoint.full_table import print_full
     from rollpoint.runtime.embedded import EmbeddedRuntime
     from rollpoint.trainer.control_plane import snapshot_root
 
@@ -183,14 +287,17 @@ def serve(
                 typer.echo(orjson.dumps(doc).decode())
             table = Table(title=f"rollpoint servers ({config.environment})")
             for col in ("replica", "model", "agent", "resources"):
-                table.add_column(col, overflow="fold")
+                table.add_column(col)
             for r in runtime.deployment.replicas:
                 table.add_row(r.name, r.model_url, r.agent_url, r.resources_url)
             if not as_json:
-                out.print(table)
-                out.print(f"policy: {runtime.deployment.policy_url}")
-                out.print(f"control token: {token_file} (snapshots under {snapshot_root(config)})")
-                out.print(f"data token: {data_file or 'none (data routes open)'}")
+                print_full(out, table)
+                for text in (
+                    f"policy: {runtime.deployment.policy_url}",
+                    f"control token: {token_file} (snapshots under {snapshot_root(config)})",
+                    f"data token: {data_file or 'none (data routes open)'}",
+                ):
+                    out.print(text, soft_wrap=True, highlight=False)
             console.print("serving; Ctrl-C to stop")
             await asyncio.Event().wait()
 
@@ -206,7 +313,9 @@ def serve(
 
 @app.command()
 def inspect(
-    workdir: Annotated[Path, typer.Argument(help="The run's workdir.", show_default=False)],
+    workdir: Annotated[
+        Path, typer.Argument(help="The run's workdir.", show_default=False, metavar="WORKDIR")
+    ],
     store: Annotated[
         str | None,
         typer.Option("--store", help="Snapshot store path or URL (default: WORKDIR/snapshots)."),
@@ -215,7 +324,13 @@ def inspect(
         bool, typer.Option("--json", help="Print one JSON object, for scripts.")
     ] = False,
 ) -> None:
-    """Show the snapshots of a run and what the latest one holds."""
+    """Show the snapshots of a run and what the latest one holds.
+
+    Exits 0 when a snapshot can be restored, 1 when none can (none published, or every one
+    damaged: a rerun would then start over), 2 for a workdir that does not exist.
+    """
+    import orjson
+
     from rollpoint.snapshot_report import build_report, render_report
 
     try:
@@ -226,6 +341,8 @@ def inspect(
         typer.echo(orjson.dumps(report).decode())
     else:
         render_report(report, out)
+    if report["latest"] is None:
+        raise typer.Exit(code=1)
 
 
 @app.command()
@@ -251,6 +368,8 @@ def report(
     """Write one self-contained HTML page of a run: its timeline, pauses, restores, replicas,
     the latest snapshot's contents and the config it used (works offline, on a live,
     crashed, resumed or finished run)."""
+    import orjson
+
     try:
         from rollpoint.report import read_run, write_report
     except ImportError as exc:
@@ -289,7 +408,10 @@ def report(
 @app.command()
 def conformance(
     url: Annotated[
-        str, typer.Argument(help="Base URL of the participant server.", show_default=False)
+        str,
+        typer.Argument(
+            help="Base URL of the participant server.", show_default=False, metavar="URL"
+        ),
     ],
     token_file: Annotated[
         Path, typer.Option("--token-file", help="File holding the control token.")
@@ -319,9 +441,12 @@ def chaos(
     ] = 180.0,
 ) -> None:
     """Run the job N times under random faults (process and replica kills, lost replies,
-    partitions, slow participants) and check the invariants of DESIGN §8 after each.
+    partitions, slow participants) and check after each that nothing was lost or done twice.
 
-    Trials work in WORKDIR/chaos/trial-<k>. Exit code 1 when any invariant was violated.
+    The checks: every row trained exactly once, no tool side effect applied twice, no turn
+    finished before a snapshot asked again, the next snapshot still commits, and refusals
+    leave nothing changed. Trials work in WORKDIR/chaos/trial-<k>. Exit code 1 when any
+    check failed.
     """
     from rollpoint.testing.chaos import chaos_command
 
@@ -342,7 +467,7 @@ def chaos(
 @app.command()
 def version() -> None:
     """Print the version."""
-    out.print(__version__)
+    typer.echo(__version__)
 
 
 def _setup_logging(workdir: Path) -> None:
@@ -351,9 +476,25 @@ def _setup_logging(workdir: Path) -> None:
     root = logging.getLogger()
     root.addHandler(handler)
     root.setLevel(logging.INFO)
+    library = logging.getLogger("rollpoint")
+    if not any(isinstance(h, _ConsoleWarnings) for h in library.handlers):
+        library.addHandler(_ConsoleWarnings(logging.WARNING))
+
+
+def _reflow_help() -> None:
+    """Commands' help as paragraphs of plain words: typer keeps a docstring's line breaks
+    as they are in the source, which cut sentences mid-line in a wider or narrower terminal."""
+    import inspect as pyinspect
+
+    for command in app.registered_commands:
+        doc = command.help or (command.callback.__doc__ if command.callback else None)
+        if doc:
+            paragraphs = pyinspect.cleandoc(doc).split("\n\n")
+            command.help = "\n\n".join(" ".join(p.split()) for p in paragraphs)
 
 
 def main() -> None:
+    _reflow_help()
     try:
         app()
     except RollpointError as exc:  # pragma: no cover - commands catch their own

@@ -24,6 +24,8 @@ from pydantic import (
 from rollpoint.protocol.episode import EnvironmentName
 from rollpoint.protocol.errors import ConfigError
 
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -146,6 +148,15 @@ class RayConfig(_Section):
     """CPUs Ray reserves for each replica actor (its three server processes)."""
 
 
+class MetricsConfig(_Section):
+    """Where the trainer serves Prometheus ``/metrics`` (each server also serves its own)."""
+
+    host: str | None = None
+    """None: the run's ``host``. Anything but loopback needs ``allow_remote_bind``."""
+    port: Annotated[int, Field(ge=0, le=65535)] = 0
+    """0 picks a free port (printed at start); set one for a fixed scrape target."""
+
+
 class RunConfig(_Section):
     workdir: Path = Path("runs/demo")
     environment: EnvironmentName = "workplace"
@@ -168,6 +179,7 @@ class RunConfig(_Section):
     runtime: Literal["embedded", "ray"] = "embedded"
     """``embedded``: every server a local process; ``ray``: each replica a Ray actor."""
     ray: RayConfig = Field(default_factory=RayConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     seed: int = 0
     host: str = "127.0.0.1"
     base_port: Annotated[int, Field(ge=1, le=65000)] | None = None
@@ -187,11 +199,20 @@ class RunConfig(_Section):
     def _check(self) -> RunConfig:
         if self.dataset is None and self.tasks is None:
             raise ValueError("give either 'tasks' or 'dataset'")
-        if not self.allow_remote_bind and self.host not in ("127.0.0.1", "localhost", "::1"):
+        if not self.allow_remote_bind and self.host not in _LOOPBACK:
             raise ValueError(
                 f"host {self.host!r} is not loopback; set allow_remote_bind: true to listen on it"
             )
+        if not self.allow_remote_bind and self.metrics.host not in (None, *_LOOPBACK):
+            raise ValueError(
+                f"metrics.host {self.metrics.host!r} is not loopback;"
+                " set allow_remote_bind: true to listen on it"
+            )
         return self
+
+    @property
+    def metrics_host(self) -> str:
+        return self.metrics.host or self.host
 
 
 def _format_validation_error(source: str, exc: ValidationError) -> str:

@@ -134,11 +134,11 @@ async def run_job(
         deployment = await runtime.start()
         if route is not None:
             deployment = await route(deployment)
-        port = metrics.serve(config.host)
+        port = metrics.serve(config.metrics_host, config.metrics.port)
         say(
             f"servers up: {config.replicas} replica(s) on the {config.runtime} runtime, "
             f"policy at {deployment.policy_url}; "
-            f"metrics at http://{config.host}:{port}/metrics"
+            f"metrics at http://{config.metrics_host}:{port}/metrics"
         )
         control = ControlPlane(participant_clients(deployment, control_http), store, metrics)
         events.append(

@@ -13,6 +13,7 @@ import orjson
 from rich.console import Console
 from rich.table import Table
 
+from rollpoint.full_table import print_full
 from rollpoint.protocol.errors import ConfigError
 from rollpoint.store.snapshot_store import SnapshotStore
 from rollpoint.trainer.coordinator import TQ_FILE
@@ -90,16 +91,17 @@ def render_report(report: dict[str, Any], console: Console) -> None:
             str(s["episodes"]),
             str(s["restarts"]),
         )
-    console.print(table)
+    print_full(console, table)
     for bad in report["invalid"]:
-        console.print(f"[yellow]not usable[/]: {bad['id']}: {bad['reason']}")
+        console.print(f"[yellow]not usable[/]: {bad['id']}: {bad['reason']}", soft_wrap=True)
     latest = report["latest"]
     if latest is None:
-        console.print("no published snapshot")
+        console.print("no usable snapshot")
         return
     console.print(
         f"latest: [bold]{latest['id']}[/] at train step {latest['train_step']}, "
-        f"pause {latest['pause_seconds'] * 1000:.1f} ms, TQ holds {latest['tq_size']} rollouts"
+        f"pause {latest['pause_seconds'] * 1000:.1f} ms, TQ holds {latest['tq_size']} rollouts",
+        soft_wrap=True,
     )
     episodes = Table(title=f"saved episodes ({len(latest['episodes'])})")
     for col in ("episode", "replica", "group", "row", "turns completed"):
@@ -112,7 +114,7 @@ def render_report(report: dict[str, Any], console: Console) -> None:
             str(e["row"]),
             str(e["turns_completed"]),
         )
-    console.print(episodes)
+    print_full(console, episodes)
     if latest["restarts"] or latest["finished"]:
         other = Table(title="restarts and finished replies held at the cut")
         for col in ("episode", "replica", "what"):
@@ -123,10 +125,10 @@ def render_report(report: dict[str, Any], console: Console) -> None:
             other.add_row(
                 f"{f['rollout_id']}#{f['attempt']}", f["replica"], "finished; adopted on restore"
             )
-        console.print(other)
+        print_full(console, other)
     parts = Table(title="participants")
     for col in ("kind", "name", "replica", "mode"):
         parts.add_column(col)
     for p in latest["participants"]:
         parts.add_row(p["kind"], p["name"], p["replica"], p["mode"])
-    console.print(parts)
+    print_full(console, parts)

@@ -98,6 +98,9 @@ async def test_a_killed_replica_continues_its_snapshot_episodes_once_restarted(
         endpoints = await h.runtime.restart_replica(LOST)
         await trainer.replica_up(endpoints)
         assert LOST not in trainer.recovery.held
+        sample = h.metrics.registry.get_sample_value
+        assert sample("rollpoint_restores_total", {"kind": "replica"}) == 1
+        assert sample("rollpoint_restored_episodes_total", {"outcome": "continued"}) >= 1
         assert held.snapshot_id not in h.store.pinned  # released once restored
         summary = await asyncio.wait_for(run, 30)
 

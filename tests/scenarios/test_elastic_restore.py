@@ -159,6 +159,15 @@ async def test_a_one_replica_snapshot_restores_onto_two_replicas(tmp_path: Path)
     assert summary.failed_groups == {}
     continued = continued_from_the_cut(again.train_rows(), point.manifest)
     assert continued == {e.rollout_id for e in point.manifest.episodes}
+    # /metrics counts the restore and what it did with the snapshot's episodes.
+    sample = again.metrics.registry.get_sample_value
+    assert sample("rollpoint_restores_total", {"kind": "start"}) == 1
+    assert sample("rollpoint_restored_episodes_total", {"outcome": "continued"}) == len(
+        restored.continued
+    )
+    assert sample("rollpoint_restored_episodes_total", {"outcome": "restarted"}) == (
+        restored.restarted
+    )
 
 
 async def test_state_that_is_not_portable_refuses_to_move_before_anything_is_installed(

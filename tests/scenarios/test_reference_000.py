@@ -82,7 +82,7 @@ def scrape(port: int) -> dict[str, float]:
         text = reply.read().decode()
     samples = {}
     for line in text.splitlines():
-        if line.startswith("snapshot_pause_seconds_") and " " in line:
+        if line.startswith("rollpoint_snapshot_pause_seconds_") and " " in line:
             name, value = line.rsplit(" ", 1)
             samples[name] = float(value)
     return samples
@@ -120,8 +120,10 @@ async def test_snapshot_pause_is_measured(tmp_path: Path) -> None:
         assert manifest.pause_seconds == event["pause_seconds"] == report.pause_s
         assert event["pause_seconds"] >= event["prepare_seconds"] > 0
     # Prometheus: one observation per snapshot, their sum the pauses measured.
-    assert exposed["snapshot_pause_seconds_count"] == 2
-    assert exposed["snapshot_pause_seconds_sum"] == pytest.approx(slow.pause_s + quick.pause_s)
+    assert exposed["rollpoint_snapshot_pause_seconds_count"] == 2
+    assert exposed["rollpoint_snapshot_pause_seconds_sum"] == pytest.approx(
+        slow.pause_s + quick.pause_s
+    )
 
 
 # --- save 4: no test noticed if retired episodes were never marked retired ---------------

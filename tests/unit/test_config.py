@@ -123,3 +123,16 @@ def test_bad_sampling_settings_are_named(sampling: dict[str, object], message: s
 def test_capture_tokens_takes_a_bool_or_required() -> None:
     with pytest.raises(ConfigError, match=r"key 'policy.capture_tokens'"):
         parse_config({"policy": {"capture_tokens": "always"}})
+
+
+def test_metrics_port_and_host_are_validated_and_named() -> None:
+    config = parse_config({"metrics": {"port": 9464}})
+    assert (config.metrics.port, config.metrics_host) == (9464, "127.0.0.1")
+    with pytest.raises(ConfigError, match=r"key 'metrics.port'"):
+        parse_config({"metrics": {"port": 70000}})
+    with pytest.raises(ConfigError, match=r"unknown key 'metrics.prot'"):
+        parse_config({"metrics": {"prot": 1}})
+    with pytest.raises(ConfigError, match=r"metrics.host '0.0.0.0' is not loopback"):
+        parse_config({"metrics": {"host": "0.0.0.0"}})
+    opened = parse_config({"metrics": {"host": "0.0.0.0"}, "allow_remote_bind": True})
+    assert opened.metrics_host == "0.0.0.0"

@@ -8,6 +8,7 @@ startup, closed at shutdown, when running sessions are cancelled too). Routes:
   per row, in the order rows finish. Rows run as tasks of the book, not of the request: a
   client that goes away cancels nothing, and a failed row never ends its siblings.
 - ``GET /rollpoint/v1/sessions`` → session counts by state, boundaries, readiness.
+- ``GET /metrics`` → the same counts for Prometheus (``rollpoint_agent_sessions{state}``).
 - ``POST /rollpoint/v1/ack`` ``{"episodes": [EpisodeId]}`` → ``{"acked": [...]}``: releases
   finished replies (the book's :meth:`~SessionBook.ack` is the one implementation; the
   control plane's ``ack`` verb calls the same method and is the official one).
@@ -33,11 +34,12 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue
 from rollpoint.gym.agent_participant import AgentParticipant
 from rollpoint.gym.control_plane import close_control_plane, mount_control_plane
 from rollpoint.gym.episode_runner import EpisodeRunner
-from rollpoint.gym.session import Session
+from rollpoint.gym.session import LIVE_STATES, Session, SessionState
 from rollpoint.gym.session_book import SessionBook, TurnBoundary
 from rollpoint.http.app import create_app
 from rollpoint.http.auth import data_token
 from rollpoint.http.client import HttpClient
+from rollpoint.http.server_metrics import Reading, ServerMetrics
 from rollpoint.protocol.control import MAX_BATCH
 from rollpoint.protocol.episode import EnvironmentName, RowResult, RunReply, RunRequest
 from rollpoint.protocol.errors import TransportError
@@ -134,6 +136,34 @@ class AgentServer:
             raise TransportError("agent server is not started")
         return await self._runner.play(session, boundary)
 
+    def readings(self) -> list[Reading]:
+        """What ``/metrics`` shows, read at each scrape."""
+        counts = self.book.counts()
+        doc = "Live sessions by state"
+        out = [
+            Reading("rollpoint_agent_sessions", doc, counts.get(str(s), 0), labels={"state": s})
+            for s in SessionState
+            if s in LIVE_STATES
+        ]
+        out += [
+            Reading(
+                "rollpoint_agent_replies_unacked",
+                "Finished replies kept until the trainer acks them",
+                counts.get("finished_unacked", 0),
+            ),
+            Reading(
+                "rollpoint_agent_retired_rollouts",
+                "Rollouts with a retire mark",
+                counts.get("retired_rollouts", 0),
+            ),
+            Reading(
+                "rollpoint_agent_boundaries_open",
+                "1 while sessions may leave their turn boundaries",
+                int(self.book.boundaries_open),
+            ),
+        ]
+        return out
+
     def sessions(self) -> dict[str, Any]:
         readiness = self.book.readiness()
         return {
@@ -182,6 +212,9 @@ def create_agent_app(settings: AgentSettings) -> FastAPI:
         data_token=data_token(),
     )
     app.state.agent_server = server
+    metrics = ServerMetrics(server=settings.name, replica=settings.replica)
+    metrics.read(server.readings)
+    metrics.mount(app)
     mount_control_plane(
         app,
         AgentParticipant(server),

@@ -1,11 +1,13 @@
 """The model server: an OpenAI-compatible proxy in front of the inference engine.
 
 Owns: ``POST /v1/chat/completions`` (plain and ``stream: true``) and ``GET /v1/models``
-proxied to ``upstream_url``; the :class:`~rollpoint.gym.admission_gate.AdmissionGate` every
+proxied to ``upstream_url``, and ``GET /v1/models/{id}`` answered from the upstream's list
+(engines differ on whether they serve it; an id not listed is 404 ``model_not_found``); the :class:`~rollpoint.gym.admission_gate.AdmissionGate` every
 completion passes; the :class:`~rollpoint.gym.call_ledger.CallLedger` that files each call
 carrying the episode headers; the policy version stamped on every completion (reply header
 ``x-rollpoint-policy-version`` and the ledger record); and the routes
-``GET /rollpoint/v1/calls``, ``POST /rollpoint/v1/policy_version``, ``GET /rollpoint/v1/stats``.
+``GET /rollpoint/v1/calls``, ``POST /rollpoint/v1/policy_version``, ``GET /rollpoint/v1/stats``;
+and ``GET /metrics`` (calls, in flight, waiting at the gate, latency, tokens of recorded calls).
 
 Does not own: checkpoint control (with ``snapshot_root`` set, the control routes are mounted
 and :class:`~rollpoint.gym.model_participant.ModelParticipant` lets the fence close and open
@@ -55,8 +57,14 @@ from rollpoint.gym.model_participant import ModelParticipant
 from rollpoint.http.app import create_app
 from rollpoint.http.auth import data_token
 from rollpoint.http.client import HttpClient
+from rollpoint.http.server_metrics import CALL_BUCKETS, Reading, ServerMetrics
 from rollpoint.policy.engine_adapters import EngineTokens, TokenStream, adapter_for
-from rollpoint.protocol.errors import BadRequestError, StaleAttemptError, TransportError
+from rollpoint.protocol.errors import (
+    BadRequestError,
+    ModelNotFoundError,
+    StaleAttemptError,
+    TransportError,
+)
 from rollpoint.protocol.ids import (
     HEADER_ATTEMPT,
     HEADER_POLICY_VERSION,
@@ -85,6 +93,10 @@ class ModelServerSettings(BaseModel):
     """Sent upstream as ``Authorization: Bearer``; the callers' own auth is never forwarded."""
     engine: str = "vllm"
     """The reply shape token data is read from, when a reply carries any."""
+    upstream_data_token: bool = False
+    """Send this server's data token (``$ROLLPOINT_DATA_TOKEN``) upstream when ``api_key``
+    is None: the built-in scripted policy guards its routes with it. Never set for an
+    engine of the user's, which must not see the run's token."""
     call_timeout_s: Annotated[float, Field(gt=0)] = 600.0
     """Upper bound on one upstream call, a whole stream included."""
     snapshot_root: str | None = None
@@ -295,14 +307,27 @@ class ModelServer:
         self.policy_version = 0
         self.calls_total = 0
         self._adapter = adapter_for(settings.engine)
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        """Tokens of the recorded calls (those with episode headers), from the engine's usage."""
+        self.metrics = ServerMetrics(server=settings.name, replica=settings.replica)
+        self.metrics.read(self._readings)
+        self.call_seconds = self.metrics.histogram(
+            "rollpoint_model_call_seconds",
+            "Policy calls: admitted at the gate to the engine's last byte",
+            CALL_BUCKETS,
+        )
         self._client: HttpClient | None = None
         base = settings.upstream_url.rstrip("/")
         # Parsed once: aiohttp would parse a str URL again on every call.
         self._completions_url = URL(f"{base}/chat/completions")
         self._models_url = f"{base}/models"
         self._upstream_headers = {"content-type": "application/json"}
-        if settings.api_key:
-            self._upstream_headers["authorization"] = f"Bearer {settings.api_key}"
+        upstream_key = settings.api_key
+        if upstream_key is None and settings.upstream_data_token:
+            upstream_key = data_token()
+        if upstream_key:
+            self._upstream_headers["authorization"] = f"Bearer {upstream_key}"
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -330,6 +355,32 @@ class ModelServer:
             "gate_open": self.gate.is_open,
         }
 
+    def _readings(self) -> list[Reading]:
+        return [
+            Reading("rollpoint_model_calls", "Policy calls answered", self.calls_total, "counter"),
+            Reading("rollpoint_model_calls_in_flight", "Calls past the gate", self.gate.in_flight),
+            Reading("rollpoint_model_calls_waiting", "Calls held at the gate", self.gate.waiting),
+            Reading("rollpoint_model_gate_open", "1 while the gate admits", int(self.gate.is_open)),
+            Reading(
+                "rollpoint_model_tokens",
+                "Tokens of recorded calls, by kind",
+                self.prompt_tokens,
+                "counter",
+                {"kind": "prompt"},
+            ),
+            Reading(
+                "rollpoint_model_tokens",
+                "Tokens of recorded calls, by kind",
+                self.completion_tokens,
+                "counter",
+                {"kind": "completion"},
+            ),
+            Reading(
+                "rollpoint_model_recorded_calls", "Calls in the call ledger", self.ledger.count
+            ),
+            Reading("rollpoint_model_policy_version", "Policy version", self.policy_version),
+        ]
+
     async def chat_completions(self, request: Request) -> Response:
         body = await request.body()
         try:
@@ -351,6 +402,7 @@ class ModelServer:
                 status, content_type, raw = await self._post_upstream(body)
                 latency = time.perf_counter() - started
         self.calls_total += 1
+        self.call_seconds.observe(latency)
         if status >= 400:
             return self._upstream_refusal(status, content_type, raw)
         if tag is not None:
@@ -373,6 +425,20 @@ class ModelServer:
         if status >= 400:
             return self._upstream_refusal(status, content_type, raw)
         return Response(raw, media_type=content_type)
+
+    async def model(self, model_id: str) -> Response:
+        """One model's card, found in the upstream's list."""
+        listing = await self.models()
+        if listing.status_code >= 400:
+            return listing
+        try:
+            cards = orjson.loads(bytes(listing.body))["data"]
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            raise TransportError("upstream's model list is not an OpenAI model list") from None
+        for card in cards if isinstance(cards, list) else ():
+            if isinstance(card, dict) and card.get("id") == model_id:
+                return Response(orjson.dumps(card), media_type="application/json")
+        raise ModelNotFoundError(f"the model '{model_id}' does not exist upstream")
 
     async def _post_upstream(self, body: bytes) -> tuple[int, str, bytes]:
         try:
@@ -448,6 +514,8 @@ class ModelServer:
                 logprobs = None  # the trace holds them, packed
         last = messages[-1] if messages and isinstance(messages[-1], dict) else None
         prompt, completion = _usage_tokens(usage)
+        self.prompt_tokens += prompt
+        self.completion_tokens += completion
         # model_construct: the data is ours or the engine's, already parsed; validation
         # happens where records come back from disk (CallLedger.install).
         self.ledger.record(
@@ -512,6 +580,7 @@ class ModelServer:
                 log.warning("upstream stream broke: %s: %s", type(exc).__name__, exc)
                 return
             self.calls_total += 1
+            self.call_seconds.observe(time.perf_counter() - started)
             if assembler is not None and tag is not None and not self._retired(tag):
                 try:
                     read = assembler.tokens.result() if assembler.tokens is not None else None
@@ -572,6 +641,7 @@ def create_model_app(settings: ModelServerSettings) -> FastAPI:
         data_token=data_token(),
     )
     app.state.model_server = server
+    server.metrics.mount(app)
     fence = mount_control_plane(
         app,
         ModelParticipant(server),
@@ -593,6 +663,11 @@ def create_model_app(settings: ModelServerSettings) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> Response:
         return await server.models()
+
+    # :path: model ids may hold slashes ("org/name").
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> Response:
+        return await server.model(model_id)
 
     @app.get("/rollpoint/v1/calls")
     async def calls(rollout_id: Annotated[str, Query(min_length=1)]) -> dict[str, Any]:

@@ -20,6 +20,8 @@ Routes (see ``docs/architecture.md``):
   episode → 404 ``not_found``
 - ``POST /episodes/verify`` :class:`VerifyRequest` → :class:`VerifyReply`
 - ``POST /episodes/release`` :class:`ReleaseRequest` → :class:`ReleaseReply`
+- ``GET /metrics``: tool calls applied, idempotent replays, 409 refusals of starts and tool
+  calls by code (``rollpoint_resources_conflicts_total``), live episodes, calls in flight
 
 Tool calls run synchronously on the event loop (they are tiny): between the idempotency
 lookup and storing the result nothing else runs, so no lock is needed. While frozen, the
@@ -43,7 +45,7 @@ import asyncio
 import contextlib
 import logging
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
@@ -67,6 +69,7 @@ from rollpoint.gym.resources_participant import ResourcesParticipant
 from rollpoint.gym.state_image import StateImage
 from rollpoint.http.app import create_app
 from rollpoint.http.auth import data_token
+from rollpoint.http.server_metrics import Reading, ServerMetrics
 from rollpoint.protocol.episode import (
     EpisodeStart,
     TaskRow,
@@ -80,6 +83,7 @@ from rollpoint.protocol.errors import (
     IdempotencyConflictError,
     InvalidCheckpointStateError,
     NotFoundError,
+    ProtocolError,
     RollpointError,
 )
 from rollpoint.protocol.ids import EpisodeId, Identifier
@@ -190,6 +194,12 @@ class ResourcesService:
         self._thawed.set()
         self._in_flight = 0
         self._waiting = 0
+        self.tool_calls = 0
+        """Tool calls applied (each idempotency key once)."""
+        self.tool_replays = 0
+        """Tool calls answered from the idempotency table: a known key, nothing applied."""
+        self.conflicts: Counter[str] = Counter()
+        """409 refusals of start and tool calls, by error code (:meth:`counting_conflicts`)."""
         self._changed: asyncio.Event | None = None
         self.attempt_guard: Callable[[EpisodeId], None] | None = None
         """Raises :class:`StaleAttemptError` for a retired attempt (the fence's check)."""
@@ -198,6 +208,50 @@ class ResourcesService:
         )
 
     # ---- counters and the freeze gate ----------------------------------------------------
+    @contextlib.contextmanager
+    def counting_conflicts(self) -> Iterator[None]:
+        """Count a 409 raised inside by its code (``rollpoint_resources_conflicts_total``).
+
+        The start and tool routes run in it, so every 409 they answer is counted, whichever
+        check raised it: retired attempts, and any conflict a later check adds."""
+        try:
+            yield
+        except ProtocolError as exc:
+            if exc.status == 409:
+                self.conflicts[exc.code] += 1
+            raise
+
+    def readings(self) -> list[Reading]:
+        """What ``/metrics`` shows, read at each scrape."""
+        out = [
+            Reading(
+                "rollpoint_resources_tool_calls", "Tool calls applied", self.tool_calls, "counter"
+            ),
+            Reading(
+                "rollpoint_resources_tool_replays",
+                "Tool calls answered from the idempotency table (nothing applied)",
+                self.tool_replays,
+                "counter",
+            ),
+            Reading("rollpoint_resources_episodes", "Live episodes", len(self._episodes)),
+            Reading(
+                "rollpoint_resources_tool_calls_in_flight", "Tool calls running", self._in_flight
+            ),
+        ]
+        doc = "Episode starts and tool calls refused with 409, by code"
+        # One series even before the first refusal, so a dashboard's query names a live metric.
+        for code in sorted({"stale_attempt", *self.conflicts}):
+            out.append(
+                Reading(
+                    "rollpoint_resources_conflicts",
+                    doc,
+                    self.conflicts[code],
+                    "counter",
+                    {"code": code},
+                )
+            )
+        return out
+
     @property
     def episode_count(self) -> int:
         return len(self._episodes)
@@ -319,7 +373,9 @@ class ResourcesService:
                     f"call {call.call_index}) was first used for another call (another tool "
                     f"or other arguments); this call to {tool_name!r} was not run"
                 )
+            self.tool_replays += 1
             return stored.model_copy(update={"replayed": True})
+        self.tool_calls += 1
         self._in_flight += 1
         self._notify()
         # Nothing awaits between here and storing the result, so no export sees the new
@@ -586,6 +642,9 @@ def create_resources_app(
         f"rollpoint {name} ({replica}, {env.name})", lifespan=lifespan, data_token=data_token()
     )
     app.state.resources_service = service
+    metrics = ServerMetrics(server=name, replica=replica)
+    metrics.read(service.readings)
+    metrics.mount(app)
     fence = mount_control_plane(
         app,
         ResourcesParticipant(service),
@@ -602,11 +661,13 @@ def create_resources_app(
 
     @app.post("/episodes/start")
     async def start_episode(body: EpisodeStart) -> StartReply:
-        return StartReply(created=await service.start(body))
+        with service.counting_conflicts():
+            return StartReply(created=await service.start(body))
 
     @app.post("/tools/{name}")
     async def call_tool(name: str, body: ToolCall) -> ToolResult:
-        return await service.call_tool(name, body)
+        with service.counting_conflicts():
+            return await service.call_tool(name, body)
 
     @app.post("/episodes/verify")
     async def verify_episode(body: VerifyRequest) -> VerifyReply:

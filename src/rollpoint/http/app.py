@@ -2,11 +2,12 @@
 
 Owns: JSON rendering (orjson), the error envelope (every :class:`RollpointError` becomes
 ``{"error": {code, message, retryable}}`` with its status; a malformed body becomes a 422
-whose message names the field, one that cannot be decoded a 400 ``bad_request``), the
-strict reading of a request body (:func:`strict_json_body`: UTF-8 JSON with its content
-type, validated in pydantic's strict mode), and ``GET /healthz``, and the data token in
-front of the data routes when one is given (:class:`rollpoint.http.auth.DataRouteGuard`).
-Servers add their own routes.
+whose message names the field, one that cannot be decoded a 400 ``bad_request``; on the
+OpenAI-compatible routes, ``/v1/*``, the envelope also carries OpenAI's ``type`` and
+``param``, and an unknown ``/v1`` route is a 404 in that shape too), the strict reading of a
+request body (:func:`strict_json_body`: UTF-8 JSON with its content type, validated in
+pydantic's strict mode), ``GET /healthz``, and the data token in front of the data routes
+when one is given (:class:`rollpoint.http.auth.DataRouteGuard`). Servers add their own routes.
 """
 
 from __future__ import annotations
@@ -24,7 +25,12 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
 
 from rollpoint.http.auth import guard_data_routes
-from rollpoint.protocol.errors import BadRequestError, RollpointError, UnsupportedMediaTypeError
+from rollpoint.protocol.errors import (
+    BadRequestError,
+    NotFoundError,
+    RollpointError,
+    UnsupportedMediaTypeError,
+)
 
 log = logging.getLogger(__name__)
 
@@ -38,18 +44,33 @@ class JsonResponse(Response):
         return orjson.dumps(content)
 
 
-def error_response(err: RollpointError) -> JsonResponse:
-    return JsonResponse(err.to_wire(), status_code=err.status)
+OPENAI_PREFIX = "/v1/"
+"""Routes under it speak OpenAI's API: their errors take OpenAI's shape."""
+
+
+def error_response(
+    err: RollpointError, path: str = "", *, param: str | None = None, status: int | None = None
+) -> JsonResponse:
+    """The envelope of ``err`` with its status (or ``status``); OpenAI's shape when
+    ``path`` is an OpenAI route."""
+    openai = path.startswith(OPENAI_PREFIX)
+    body = err.to_openai_wire(param) if openai else err.to_wire()
+    return JsonResponse(body, status_code=err.status if status is None else status)
+
+
+def _validation_field(exc: RequestValidationError) -> str:
+    errors = exc.errors()
+    if not errors:
+        return "body"
+    return ".".join(str(p) for p in errors[0].get("loc", ()) if p != "body") or "body"
 
 
 def _validation_message(exc: RequestValidationError) -> str:
     errors = exc.errors()
     if not errors:
         return "invalid request"
-    first = errors[0]
-    loc = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or "body"
     more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-    return f"invalid field '{loc}': {first.get('msg', 'invalid')}{more}"
+    return f"invalid field '{_validation_field(exc)}': {errors[0].get('msg', 'invalid')}{more}"
 
 
 async def strict_json_body(request: Request, model: type[ModelT]) -> ModelT:
@@ -122,27 +143,26 @@ def create_app(title: str, *, data_token: str | None = None, **kwargs: Any) -> F
     guard_data_routes(app, data_token)
 
     @app.exception_handler(RollpointError)
-    async def _rollpoint_error(_: Request, exc: RollpointError) -> Response:
-        return error_response(exc)
+    async def _rollpoint_error(request: Request, exc: RollpointError) -> Response:
+        return error_response(exc, request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError) -> Response:
-        body = {
-            "error": {
-                "code": "bad_request",
-                "message": _validation_message(exc),
-                "retryable": False,
-            }
-        }
-        return JsonResponse(body, status_code=422)
+    async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
+        # A body that does not match the route's model: 422, the field named.
+        err = BadRequestError(_validation_message(exc))
+        return error_response(err, request.url.path, param=_validation_field(exc), status=422)
 
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, exc: HTTPException) -> Response:
         # FastAPI answers a body it cannot decode (say, not UTF-8) with a bare 400 of its
         # own; every refusal of ours carries the envelope. Others (404/405 of an unknown
-        # route) keep FastAPI's shape.
+        # route) keep FastAPI's shape, but on OpenAI's routes, where clients expect theirs.
+        path = request.url.path
         if exc.status_code == 400:
-            return error_response(BadRequestError(f"the request body: {exc.detail}"))
+            return error_response(BadRequestError(f"the request body: {exc.detail}"), path)
+        if exc.status_code == 404 and path.startswith(OPENAI_PREFIX):
+            unknown = NotFoundError(f"no route {request.method} {path}")
+            return error_response(unknown, path)
         return await http_exception_handler(request, exc)
 
     @app.get("/healthz")

@@ -4,7 +4,8 @@ Owns loading a token (a file, else an environment variable; there is no default 
 :class:`BearerAuth`, a FastAPI dependency that accepts a request only when its
 ``Authorization: Bearer <token>`` matches, compared in constant time, and
 :class:`DataRouteGuard`, the middleware that puts the data token (``$ROLLPOINT_DATA_TOKEN``,
-optional) in front of every route but the control routes and the health and schema pages.
+optional) in front of every route but the control routes and the health, metrics and schema
+pages.
 The control routes use the control token, data routes (``/run``, tools, chat) their own, so
 a holder of one cannot call the other. A token is never logged nor echoed in an error.
 """
@@ -78,8 +79,11 @@ def data_token() -> str | None:
     return os.environ.get(DATA_TOKEN_ENV, "").strip() or None
 
 
-# Open without the data token: liveness probes and the API's own description.
-_OPEN_PATHS = frozenset({"/healthz", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
+# Open without the data token: liveness probes, Prometheus scrapes (counts only, see
+# rollpoint.http.server_metrics) and the API's own description.
+_OPEN_PATHS = frozenset(
+    {"/healthz", "/metrics", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}
+)
 
 
 class DataRouteGuard:
@@ -105,7 +109,9 @@ class DataRouteGuard:
         try:
             self._auth.check(authorization)
         except UnauthorizedError as exc:
-            body = orjson.dumps(exc.to_wire())
+            # OpenAI's routes answer in OpenAI's shape (see rollpoint.http.app).
+            wire = exc.to_openai_wire() if path.startswith("/v1/") else exc.to_wire()
+            body = orjson.dumps(wire)
             await send(
                 {
                     "type": "http.response.start",

@@ -1,12 +1,16 @@
 """The scripted policy server: a deterministic, seeded OpenAI-compatible chat-completions API.
 
-Owns the routes ``GET /v1/models`` and ``POST /v1/chat/completions`` (plain JSON, or SSE when
+Owns the routes ``GET /v1/models``, ``GET /v1/models/{id}`` and ``POST /v1/chat/completions`` (plain JSON, or SSE when
 ``stream`` is true: a role chunk, content or tool-call delta chunks, a chunk carrying the
 finish reason, a usage chunk when ``stream_options.include_usage`` asks for it, then
 ``data: [DONE]``), the simulated latency (``latency_ms`` per call) and the token accounting
 (prompt tokens estimated at four characters a token, ``tokens_per_call`` completion tokens).
-Any model name is accepted and echoed back. ``n`` choices are returned, choice ``i`` decided
-under its own seed.
+It serves one model, ``model``: a request naming another is refused with 404
+``model_not_found``; one naming none is answered as ``model``. ``n`` choices are returned,
+choice ``i`` decided under its own seed. Errors take OpenAI's shape (:mod:`rollpoint.http.app`).
+With ``$ROLLPOINT_DATA_TOKEN`` set (the runtime sets it as for every server), every route but
+``/healthz`` needs that token, like every other data route; the model servers send it
+(``upstream_data_token``).
 
 Token data, when a request asks (``return_token_ids``, ``logprobs``, ``top_logprobs``,
 ``return_tokens_as_token_ids``): ids and logprobs from the stand-in tokenizer
@@ -47,6 +51,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import Field, ValidationError
 
 from rollpoint.http.app import create_app
+from rollpoint.http.auth import data_token
 from rollpoint.policy import stand_in_tokenizer as stand_in
 from rollpoint.policy.openai_wire import (
     AssistantMessage,
@@ -69,6 +74,7 @@ from rollpoint.policy.openai_wire import (
     Usage,
 )
 from rollpoint.policy.playbook import Decision, FinalDecision, Playbook, ToolCallDecision
+from rollpoint.protocol.errors import ModelNotFoundError
 from rollpoint.protocol.model_base import StrictModel
 from rollpoint.store.collector_schedule import CollectorSchedule, ServerCollector
 
@@ -389,20 +395,35 @@ def create_policy_app(
                 call_log.close()
             await collector.aclose()
 
-    app = create_app("scripted-policy", lifespan=lifespan)
+    app = create_app("scripted-policy", lifespan=lifespan, data_token=data_token())
     playbook = Playbook(seed=settings.seed, error_rate=settings.error_rate)
     delay_s = settings.latency_ms / 1000
     models = ModelList(data=[ModelCard(id=settings.model, created=int(time.time()))])
     models_body = models.model_dump_json().encode()
 
+    card_body = models.data[0].model_dump_json().encode()
+
+    def check_model(model: str | None) -> None:
+        if model is not None and model != settings.model:
+            raise ModelNotFoundError(
+                f"the model '{model}' does not exist (this policy serves '{settings.model}')"
+            )
+
     @app.get("/v1/models")
     async def list_models() -> Response:
         return Response(models_body, media_type="application/json")
+
+    # :path: model ids may hold slashes ("org/name").
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> Response:
+        check_model(model_id)
+        return Response(card_body, media_type="application/json")
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         nonlocal in_flight
         chat = await _read_request(request)
+        check_model(chat.model)
         decisions = [playbook.decide(chat if i == 0 else _reseeded(chat, i)) for i in range(chat.n)]
         reply = _Reply(settings, chat, decisions)
         if call_log is not None:

@@ -12,6 +12,7 @@ wire) and ``retryable`` (whether trying the same thing again later can help)::
     │   ├── BadRequestError         400 bad_request
     │   ├── UnauthorizedError       401 unauthorized
     │   ├── NotFoundError           404 not_found
+    │   │   └── ModelNotFoundError  404 model_not_found    (OpenAI's code for an unknown model)
     │   ├── UnsupportedMediaTypeError 415 unsupported_media_type (a body that is not UTF-8 JSON)
     │   ├── InvalidPhaseError       409 invalid_phase
     │   ├── CheckpointConflictError 409 checkpoint_conflict
@@ -27,7 +28,10 @@ wire) and ``retryable`` (whether trying the same thing again later can help)::
     └── RestoreError                restore_refused          (a restore that cannot be exact)
 
 On the wire every refusal is ``{"error": {"code", "message", "retryable"}}`` with the
-error's status; :func:`error_from_wire` turns it back into the same class.
+error's status; :func:`error_from_wire` turns it back into the same class. On the
+OpenAI-compatible routes (``/v1/*``) the same object also carries OpenAI's ``type`` and
+``param`` (:meth:`RollpointError.to_openai_wire`), so OpenAI clients raise their own typed
+errors and rollpoint's clients still read ``code``.
 """
 
 from __future__ import annotations
@@ -41,6 +45,8 @@ class RollpointError(Exception):
     code: ClassVar[str] = "internal"
     status: ClassVar[int] = 500
     retryable: ClassVar[bool] = False
+    param: ClassVar[str | None] = None
+    """The request field at fault, for OpenAI's ``error.param`` (None: no one field)."""
 
     def __init__(self, message: str) -> None:
         super().__init__(message)
@@ -48,6 +54,22 @@ class RollpointError(Exception):
 
     def to_wire(self) -> dict[str, Any]:
         return {"error": {"code": self.code, "message": self.message, "retryable": self.retryable}}
+
+    def to_openai_wire(self, param: str | None = None) -> dict[str, Any]:
+        """The envelope in OpenAI's shape (``message``, ``type``, ``param``, ``code``), plus
+        ``retryable``; ``param`` overrides the class's."""
+        kind = OPENAI_ERROR_TYPES.get(self.status)
+        if kind is None:
+            kind = "server_error" if self.status >= 500 else "invalid_request_error"
+        return {
+            "error": {
+                "message": self.message,
+                "type": kind,
+                "param": param if param is not None else self.param,
+                "code": self.code,
+                "retryable": self.retryable,
+            }
+        }
 
     def __reduce__(self) -> tuple[Any, ...]:
         # Errors cross process boundaries (Ray, multiprocessing): keep them picklable.
@@ -99,6 +121,14 @@ class UnsupportedMediaTypeError(ProtocolError):
 
     code = "unsupported_media_type"
     status = 415
+
+
+class ModelNotFoundError(NotFoundError):
+    """A model id no engine behind this URL serves."""
+
+    code = "model_not_found"
+    status = 404
+    param = "model"
 
 
 class InvalidPhaseError(ProtocolError):
@@ -166,6 +196,19 @@ class RunStalledError(RollpointError):
     """No row result arrived for the stall timeout (snapshot pauses not counted)."""
 
     code = "run_stalled"
+
+
+OPENAI_ERROR_TYPES: dict[int, str] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "invalid_request_error",
+    409: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+}
+"""OpenAI's ``error.type`` by status; other 4xx are ``invalid_request_error``, 5xx
+``server_error``."""
 
 
 def _all_subclasses(cls: type[RollpointError]) -> list[type[RollpointError]]:

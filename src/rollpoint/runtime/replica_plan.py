@@ -48,6 +48,9 @@ class ReplicaPlan(StrictModel):
     policy_url: str
     """The engine the model servers proxy to (ending in ``/v1``)."""
     api_key: str | None
+    builtin_policy: bool = False
+    """The engine is the scripted policy this run started: the model servers send it the
+    data token (it guards its routes like every data route)."""
     model_name: str
     checkpoint_mode: str
     base_port: int | None
@@ -70,6 +73,7 @@ class ReplicaPlan(StrictModel):
             environment=config.environment,
             policy_url=policy_url,
             api_key=config.policy.api_key,
+            builtin_policy=config.policy.base_url is None,
             model_name=config.policy.model,
             checkpoint_mode=_checkpoint_mode(config.environment),
             base_port=config.base_port,
@@ -110,6 +114,7 @@ class ReplicaPlan(StrictModel):
                 upstream_url=self.policy_url,
                 api_key=self.api_key,
                 engine=self.engine,
+                upstream_data_token=self.builtin_policy,
             ),
         )
         return [resources, model]

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import (
     AsyncGenerator,
     Awaitable,
@@ -147,6 +147,8 @@ class Dispatcher:
         self.results_total = 0
         """Row results received (replies, failures, refusals): the stall watchdog's pulse."""
         self.resent_refused = 0
+        self.failed_rows: Counter[str] = Counter()
+        """Row failures by error code (the trainer's ``rollpoint_rows_failed_total``)."""
 
     # --- public --------------------------------------------------------------------
 
@@ -353,6 +355,8 @@ class Dispatcher:
             self._streams[replica].discard(stream)
         lost = self._drop_pending(stream)
         if lost:
+            # Rows that never came back: they fail as a lot, with no code of their own.
+            self.failed_rows["stream_lost"] += len(lost)
             self._given_up.lose(group, lost, reason)
 
     async def _admit(self, rows: int, *, priority: bool) -> None:
@@ -416,6 +420,8 @@ class Dispatcher:
         self._slots.release(1)
         self.results_total += 1
         group = stream.group
+        if isinstance(result, RowFailure):
+            self.failed_rows[result.code] += 1
         if isinstance(result, RowFailure) and result.transport:
             self._picker.suspect(stream.replica)
         else:

@@ -4,23 +4,100 @@ Owns the metric objects (one registry per trainer, so two trainers in one proces
 tests — never share counters), the HTTP endpoint, ``<workdir>/metrics.jsonl`` and the
 :class:`~rollpoint.trainer.run_events.RunEvents` writer of ``<workdir>/run_events.jsonl``. It does
 not decide when anything is measured: the coordinator and trainer loop call the
-``record_*`` methods.
+``record_*`` methods, and the trainer loop hands :meth:`TrainerMetrics.watch` a function
+that returns its counts (:class:`RunCounts`), read at each scrape, so the data plane pays
+nothing per row. Every name starts with ``rollpoint_``; docs/guide.md lists them.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import orjson
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
 
+from rollpoint.protocol.errors import ConfigError
 from rollpoint.trainer.run_events import RunEvents
 
 # Pauses are expected in the milliseconds-to-seconds range; buckets cover 1 ms .. 60 s.
 _PAUSE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+@dataclass(frozen=True, slots=True)
+class RunCounts:
+    """The trainer loop's counts at one moment (what a scrape reads)."""
+
+    episodes_finished: int
+    """Rollouts sealed, since the run began (a resumed run counts the snapshot's too)."""
+    episodes_trained: int
+    """Rollouts written to train_data.jsonl: its line count."""
+    train_steps: int
+    """The last train step taken: the highest ``train_step`` in train_data.jsonl."""
+    in_flight: int
+    """Rows dispatched and not finished (the ledger's in-flight set)."""
+    waiting: int
+    """Rows waiting for the barrier, a replica or a row slot."""
+    failed_groups: int
+    replicas_up: int
+    resent: Mapping[str, int] = field(default_factory=dict)
+    """Rows sent again, by why: ``given_up`` (fresh, under a new rollout id) or ``refused``."""
+    adopted_replies: int = 0
+    """Given-up tries whose stored reply was fetched and sealed instead of rerun."""
+    failed_rows: Mapping[str, int] = field(default_factory=dict)
+    """Row failures by error code (transport ones are re-sent; the others fail a group)."""
+
+
+class _RunCollector(Collector):
+    """Reads :class:`RunCounts` at scrape time."""
+
+    def __init__(self) -> None:
+        self.source: Callable[[], RunCounts] | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        if self.source is None:
+            return
+        c = self.source()
+        for name, doc, value in (
+            ("rollpoint_episodes_finished", "Rollouts sealed", c.episodes_finished),
+            (
+                "rollpoint_episodes_trained",
+                "Rollouts written to train_data.jsonl",
+                c.episodes_trained,
+            ),
+            ("rollpoint_train_steps", "Train steps taken", c.train_steps),
+            ("rollpoint_groups_failed", "Prompt groups that failed", c.failed_groups),
+            (
+                "rollpoint_replies_adopted",
+                "Given-up tries whose stored reply was sealed",
+                c.adopted_replies,
+            ),
+        ):
+            yield CounterMetricFamily(name, doc, value=value)
+        resent = CounterMetricFamily(
+            "rollpoint_rows_resent", "Rows sent again, by reason", labels=["reason"]
+        )
+        for reason in ("given_up", "refused"):
+            resent.add_metric([reason], c.resent.get(reason, 0))
+        yield resent
+        failed = CounterMetricFamily(
+            "rollpoint_rows_failed", "Row failures by error code", labels=["code"]
+        )
+        for code, n in sorted(c.failed_rows.items()):
+            failed.add_metric([code], n)
+        yield failed
+        for name, doc, value in (
+            ("rollpoint_episodes_in_flight", "Rows dispatched and not finished", c.in_flight),
+            ("rollpoint_episodes_waiting", "Rows waiting to be sent", c.waiting),
+            ("rollpoint_replicas_up", "Replicas the trainer sends to", c.replicas_up),
+        ):
+            yield GaugeMetricFamily(name, doc, value=value)
 
 
 class TrainerMetrics:
@@ -29,47 +106,102 @@ class TrainerMetrics:
         """The run's event log (``run_events.jsonl``): restores, replicas, train steps, samples."""
         self.registry = CollectorRegistry()
         r = self.registry
+        self._run = _RunCollector()
+        r.register(self._run)
         self.snapshot_pause = Histogram(
-            "snapshot_pause_seconds",
+            "rollpoint_snapshot_pause_seconds",
             "Dispatch barrier closed to reopened, per snapshot attempt",
             registry=r,
             buckets=_PAUSE_BUCKETS,
         )
         self.prepare_seconds = Histogram(
-            "snapshot_prepare_seconds",
+            "rollpoint_snapshot_prepare_seconds",
             "Staged prepare of every participant",
             registry=r,
             buckets=_PAUSE_BUCKETS,
         )
         self.commit_seconds = Histogram(
-            "snapshot_commit_seconds",
+            "rollpoint_snapshot_commit_seconds",
             "Commit of every participant",
             registry=r,
             buckets=_PAUSE_BUCKETS,
         )
         self.write_seconds = Histogram(
-            "snapshot_write_seconds",
+            "rollpoint_snapshot_write_seconds",
             "After the pause: participants' detached writes confirmed and the trainer's files written",
             registry=r,
             buckets=_PAUSE_BUCKETS,
         )
-        self.snapshots = Counter("snapshots_total", "Snapshots by outcome", ["outcome"], registry=r)
+        self.snapshots = Counter(
+            "rollpoint_snapshots", "Snapshots by outcome", ["outcome"], registry=r
+        )
+        for outcome in ("published", "failed"):
+            self.snapshots.labels(outcome=outcome)  # both series exist from the start
         self.parked_sessions = Gauge(
-            "snapshot_parked_sessions", "Sessions saved by the last snapshot", registry=r
+            "rollpoint_episodes_parked",
+            "Episodes parked at a turn boundary and saved by the last published snapshot",
+            registry=r,
         )
         self.restarts = Counter(
-            "snapshot_restarts_total", "In-flight episodes a snapshot could not capture", registry=r
+            "rollpoint_snapshot_restarts",
+            "In-flight episodes a snapshot could not capture (they start over after a restore)",
+            registry=r,
         )
-        self.episodes = Counter("episodes_finished_total", "Rollouts sealed", registry=r)
-        self.train_steps = Counter("train_steps_total", "Train steps taken", registry=r)
+        self.restores = Counter(
+            "rollpoint_restores",
+            "Restores: 'start' (a run resumed from a snapshot) or 'replica' (a lost replica's"
+            " tries put back on it)",
+            ["kind"],
+            registry=r,
+        )
+        self.restored_episodes = Counter(
+            "rollpoint_restored_episodes",
+            "What restores did with the episodes of their snapshot, by outcome",
+            ["outcome"],
+            registry=r,
+        )
+        for kind in ("start", "replica"):
+            self.restores.labels(kind=kind)
+        for outcome in ("continued", "restarted", "adopted", "requeued"):
+            self.restored_episodes.labels(outcome=outcome)
         self.last_pause_s: float | None = None
         self._jsonl_path = jsonl_path
         self._lock = threading.Lock()
         self._server: Any = None
 
+    def watch(self, source: Callable[[], RunCounts]) -> None:
+        """Read the run's counts from ``source`` at every scrape (the trainer loop's)."""
+        self._run.source = source
+
+    def record_restore(
+        self,
+        kind: str,
+        *,
+        continued: int,
+        restarted: int = 0,
+        adopted: int = 0,
+        requeued: int = 0,
+    ) -> None:
+        self.restores.labels(kind=kind).inc()
+        for outcome, n in (
+            ("continued", continued),
+            ("restarted", restarted),
+            ("adopted", adopted),
+            ("requeued", requeued),
+        ):
+            self.restored_episodes.labels(outcome=outcome).inc(n)
+
     def serve(self, host: str = "127.0.0.1", port: int = 0) -> int:
-        """Serve ``/metrics`` in a background thread; return the bound port."""
-        server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        """Serve ``/metrics`` in a background thread; return the bound port.
+
+        A port that cannot be bound is a :class:`ConfigError` naming ``metrics.port``."""
+        try:
+            server, _thread = start_http_server(port, addr=host, registry=self.registry)
+        except OSError as exc:
+            raise ConfigError(
+                f"metrics: cannot listen on {host}:{port} (metrics.host, metrics.port):"
+                f" {exc.strerror or exc}"
+            ) from None
         self._server = server
         return int(server.server_port)
 

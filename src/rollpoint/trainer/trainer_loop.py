@@ -53,6 +53,7 @@ from rollpoint.trainer.dispatcher import Dispatcher, GroupOutcome
 from rollpoint.trainer.finished_queue import FinishedQueue, GroupBatch
 from rollpoint.trainer.grpo import advantages_by_episode
 from rollpoint.trainer.ledger import RecoveryLedger, RolloutState
+from rollpoint.trainer.metrics import RunCounts
 from rollpoint.trainer.release_batcher import ReleaseBatcher
 from rollpoint.trainer.replica_recovery import ReplicaRecovery
 from rollpoint.trainer.replica_roster import ReplicaRoster
@@ -179,6 +180,17 @@ class Trainer:
             self._reward_sum = float(doc.get("reward_sum", 0.0))
         self.events = control.metrics.run_events if control is not None else RunEvents(None)
         """The run's event log (``run_events.jsonl``; records nothing without a control plane)."""
+        self._metrics = control.metrics if control is not None else None
+        if self._metrics is not None:
+            self._metrics.watch(self.run_counts)
+            if restored is not None:
+                self._metrics.record_restore(
+                    "start",
+                    continued=len(restored.continued),
+                    restarted=restored.restarted,
+                    adopted=restored.adopted,
+                    requeued=restored.tq_requeued,
+                )
         self.coordinator: SnapshotCoordinator | None = None
         self.releases: ReleaseBatcher | None = None
         self.recovery: ReplicaRecovery | None = None
@@ -229,6 +241,22 @@ class Trainer:
             groups_total=len(self.ledger.group_ids()),
             groups_trained=self._groups_trained,
             policy_version=self._policy_version,
+        )
+
+    def run_counts(self) -> RunCounts:
+        """The counts ``/metrics`` shows (read at each scrape)."""
+        d = self.dispatcher
+        return RunCounts(
+            episodes_finished=self._episodes,
+            episodes_trained=self._episodes_trained,
+            train_steps=self._train_steps,
+            in_flight=self.ledger.in_flight_count(),
+            waiting=0 if d is None else d.waiting_rows,
+            failed_groups=len(self._failed),
+            replicas_up=len(self.roster.up),
+            resent={} if d is None else {"given_up": d.resent_fresh, "refused": d.resent_refused},
+            adopted_replies=0 if d is None else d.adopted,
+            failed_rows={} if d is None else dict(d.failed_rows),
         )
 
     async def run(self) -> RunSummary:
@@ -331,6 +359,8 @@ class Trainer:
         if self.dispatcher is not None and self.recovery is not None:
             restored = await self.recovery.restore(name, self.dispatcher)
             self.events.append(ReplicaUp(ts=time.time(), replica=name, restored=restored))
+            if restored and self._metrics is not None:
+                self._metrics.record_restore("replica", continued=restored)
 
     # --- rollouts --------------------------------------------------------------------
 

@@ -22,12 +22,12 @@ from rollpoint.store.collector_schedule import CollectorSchedule
 from tests.unit.policy.fake_environments import MAIL, SYNC, WORKPLACE_TOOLS, workplace_prompt
 
 WORKPLACE = {
-    "model": "any-model/name",
+    "model": "scripted",
     "messages": [{"role": "user", "content": workplace_prompt([SYNC], [MAIL])}],
     "tools": WORKPLACE_TOOLS,
     "seed": 7,
 }
-MATH = {"model": "m", "messages": [{"role": "user", "content": "What is 17 * 23?"}]}
+MATH = {"model": "scripted", "messages": [{"role": "user", "content": "What is 17 * 23?"}]}
 
 
 def client_for(settings: PolicySettings) -> httpx.AsyncClient:
@@ -63,7 +63,7 @@ async def test_tool_call_is_in_openai_format(client: httpx.AsyncClient) -> None:
     assert reply["id"].startswith("chatcmpl-")
     assert reply["object"] == "chat.completion"
     assert before <= reply["created"] <= time.time() + 1
-    assert reply["model"] == "any-model/name"
+    assert reply["model"] == "scripted"
     (choice,) = reply["choices"]
     assert choice["finish_reason"] == "tool_calls"
     message = choice["message"]
@@ -224,7 +224,7 @@ async def test_the_policy_runs_full_collections_only_while_no_call_is_in_flight(
         async with httpx.AsyncClient(
             transport=httpx.ASGITransport(app=app), base_url="http://policy"
         ) as client:
-            body = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+            body = {"model": "scripted", "messages": [{"role": "user", "content": "hi"}]}
             call = asyncio.create_task(client.post("/v1/chat/completions", json=body))
             await asyncio.sleep(0.05)
             assert not call.done()

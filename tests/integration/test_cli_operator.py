@@ -132,7 +132,8 @@ def test_run_in_a_pipe_prints_plain_progress_lines_while_it_runs(tmp_path: Path)
     config = write_config(
         tmp_path,
         tasks=16,
-        policy={"latency_ms": 120, "error_rate": 0.0},
+        # Long enough (about 6 s of policy time) for a periodic line before the final one.
+        policy={"latency_ms": 300, "error_rate": 0.0},
         metrics={"port": port},
     )
     run = Watched(config)

@@ -253,7 +253,7 @@ async def test_the_start_check_names_an_engine_without_ids(
     from rollpoint.protocol.errors import LaunchError
 
     scripted, _ = engine
-    kw: dict[str, Any] = {"engine": "vllm", "model": "m", "api_key": None}
+    kw: dict[str, Any] = {"engine": "vllm", "model": "scripted", "api_key": None}
     assert await check_token_capture(scripted + "/v1", required=True, **kw) is True
     with serve_app(plain_engine()) as url:
         assert await check_token_capture(url + "/v1", required=False, **kw) is False

@@ -71,6 +71,8 @@ class RayConfig(_Section):
 class RunConfig(_Section):
     workdir: Path = Path("runs/demo")
     environment: EnvironmentName = "workplace"
+    """A built-in name, a name an installed package registers (entry-point group
+    ``rollpoint.environments``) or an import path ``package.module:ClassName``."""
     tasks: Annotated[int, Field(ge=1)] | None = 32
     """Number of synthetic tasks; ignored when ``dataset`` is given."""
     dataset: Path | None = None
@@ -131,9 +133,18 @@ def parse_config(data: object, *, source: str = "config") -> RunConfig:
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected a mapping of keys at the top level")
     try:
-        return RunConfig.model_validate(data)
+        config = RunConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(_format_validation_error(source, exc)) from None
+    # Resolved now, before any server starts: a plugin that does not load is one line here,
+    # not three dead server processes. (Each server process resolves it again.)
+    from rollpoint.envs.registry import resolve_environment
+
+    try:
+        resolve_environment(config.environment)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: key 'environment': {exc}") from None
+    return config
 
 
 def load_config(path: Path) -> RunConfig:

@@ -1,10 +1,28 @@
-"""The registry of built-in environments: a name from a config or a task row → an instance.
+"""Which environment a config or a task row names: a reference → an :class:`Environment` class.
 
-Owns only the name → class table; what each environment does lives in its own module.
+Owns resolving an environment *reference*, which is one of:
+
+- a built-in name (``workplace``, ``blackjack``, ``math``);
+- a name an installed package registers in the entry-point group ``rollpoint.environments``
+  (``[project.entry-points."rollpoint.environments"] sandbox = "sandbox_env:SandboxEnvironment"``);
+- an import path ``package.module:ClassName``.
+
+Every failure is one :class:`ConfigError` line naming the reference and what was tried: a
+name nothing provides, a module that fails to import, a missing attribute, something that is
+not an :class:`Environment` subclass, or a name two providers claim. The config is resolved
+when it is loaded, before any server starts; each server process resolves the same
+reference again (servers are separate processes), so a resolution is cached per process.
+
+What each environment does lives in its own module; this one owns only the lookup.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
+import inspect
+import re
+from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
 from rollpoint.envs.base import Environment
@@ -13,20 +31,110 @@ from rollpoint.envs.math import MathEnvironment
 from rollpoint.envs.workplace import WorkplaceEnvironment
 from rollpoint.protocol.errors import ConfigError
 
-_ENVIRONMENTS: dict[str, type[Environment[Any]]] = {
+ENTRY_POINT_GROUP = "rollpoint.environments"
+
+_BUILTIN: dict[str, type[Environment[Any]]] = {
     cls.name: cls for cls in (WorkplaceEnvironment, BlackjackEnvironment, MathEnvironment)
 }
+_IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+
+
+def _entry_points() -> list[EntryPoint]:
+    return list(entry_points(group=ENTRY_POINT_GROUP))
+
+
+def _provider(ep: EntryPoint) -> str:
+    dist = ep.dist
+    return f"package {dist.name}" if dist is not None else f"entry point {ep.value}"
 
 
 def environment_names() -> list[str]:
-    """The names of the built-in environments, sorted."""
-    return sorted(_ENVIRONMENTS)
+    """The names a config may use without an import path: built-ins and registered, sorted."""
+    return sorted(set(_BUILTIN) | {ep.name for ep in _entry_points()})
 
 
-def get_environment(name: str) -> Environment[Any]:
-    """A new instance of the environment called ``name``; ConfigError naming the valid ones."""
-    cls = _ENVIRONMENTS.get(name)
-    if cls is None:
-        valid = ", ".join(environment_names())
-        raise ConfigError(f"unknown environment {name!r} (valid: {valid})")
-    return cls()
+def _load_import_path(ref: str, *, via: str) -> type[Environment[Any]]:
+    module_name, _, attr_path = ref.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # any failure of the author's module is the user's to read
+        raise ConfigError(
+            f"environment {via}: cannot import module {module_name!r} ({type(exc).__name__}: {exc})"
+        ) from None
+    value: object = module
+    for part in attr_path.split("."):
+        try:
+            value = getattr(value, part)
+        except AttributeError:
+            raise ConfigError(
+                f"environment {via}: module {module_name!r} has no attribute {attr_path!r}"
+            ) from None
+    if not (inspect.isclass(value) and issubclass(value, Environment)):
+        raise ConfigError(
+            f"environment {via}: {ref} is {_describe(value)}, not a subclass of"
+            " rollpoint.envs.Environment"
+        )
+    if inspect.isabstract(value):
+        missing = ", ".join(sorted(getattr(value, "__abstractmethods__", ())))
+        raise ConfigError(f"environment {via}: {ref} is abstract (does not define {missing})")
+    if not isinstance(getattr(value, "name", None), str):
+        raise ConfigError(f"environment {via}: {ref} has no class attribute 'name' (a string)")
+    return value
+
+
+def _describe(value: object) -> str:
+    if inspect.isclass(value):
+        return f"the class {value.__module__}.{value.__qualname__}"
+    return f"a {type(value).__name__}"
+
+
+@functools.cache
+def resolve_environment(ref: str) -> type[Environment[Any]]:
+    """The class ``ref`` names (see the module docstring); ConfigError saying what was tried."""
+    if ":" in ref:
+        if not _IMPORT_PATH.match(ref):
+            raise ConfigError(
+                f"environment {ref!r}: not an import path (want package.module:ClassName)"
+            )
+        return _load_import_path(ref, via=repr(ref))
+    claims = [ep for ep in _entry_points() if ep.name == ref]
+    providers = (["rollpoint (built-in)"] if ref in _BUILTIN else []) + [
+        _provider(ep) for ep in claims
+    ]
+    if len(providers) > 1:
+        raise ConfigError(
+            f"environment {ref!r} is claimed by {' and '.join(sorted(set(providers)))}"
+            f" (entry-point group {ENTRY_POINT_GROUP}); name it by import path instead"
+        )
+    if ref in _BUILTIN:
+        return _BUILTIN[ref]
+    if claims:
+        (ep,) = claims
+        return _load_import_path(ep.value, via=f"{ref!r} ({_provider(ep)}: {ep.value})")
+    raise ConfigError(
+        f"unknown environment {ref!r} (valid: {', '.join(environment_names())};"
+        f" or an import path package.module:ClassName)"
+    )
+
+
+def get_environment(ref: str) -> Environment[Any]:
+    """A new instance of the environment ``ref`` names; ConfigError saying what was tried."""
+    cls = resolve_environment(ref)
+    try:
+        return cls()
+    except Exception as exc:
+        raise ConfigError(
+            f"environment {ref!r}: {cls.__qualname__}() failed ({type(exc).__name__}: {exc})"
+        ) from None
+
+
+def environment_matches(ref: str, environment: Environment[Any] | type[Environment[Any]]) -> bool:
+    """Whether a task row's ``environment`` names this environment: its own ``name``, or a
+    reference that resolves to its class (a row may name it by import path or entry point)."""
+    cls = environment if isinstance(environment, type) else type(environment)
+    if ref == cls.name:
+        return True
+    try:
+        return resolve_environment(ref) is cls
+    except ConfigError:
+        return False

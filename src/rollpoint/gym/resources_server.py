@@ -51,7 +51,7 @@ from fastapi import FastAPI
 from pydantic import Field, JsonValue, ValidationError
 
 from rollpoint.envs.base import Environment, ToolArgumentError
-from rollpoint.envs.registry import get_environment
+from rollpoint.envs.registry import environment_matches, get_environment
 from rollpoint.gym.control_plane import close_control_plane, mount_control_plane
 from rollpoint.gym.episode_record import (
     EpisodeRecord,
@@ -270,7 +270,7 @@ class ResourcesService:
         await self._pass_gate()
         self._guard(request.episode)
         task, rollout_id = request.task, request.episode.rollout_id
-        if task.environment != self.environment.name:
+        if not environment_matches(task.environment, self.environment):
             raise BadRequestError(
                 f"task {task.task_id} is for {task.environment!r};"
                 f" this server runs {self.environment.name!r}"
@@ -488,7 +488,10 @@ class ResourcesService:
                 f"record {index}: field '{loc}': {err['msg']}"
             ) from None
         name = self.environment.name
-        if parsed.environment != name or parsed.task.environment != name:
+        if not (
+            environment_matches(parsed.environment, self.environment)
+            and environment_matches(parsed.task.environment, self.environment)
+        ):
             raise InvalidCheckpointStateError(
                 f"record {index} (rollout {parsed.rollout_id}) is for {parsed.environment!r};"
                 f" this server runs {name!r}"

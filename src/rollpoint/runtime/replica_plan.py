@@ -35,9 +35,17 @@ def replica_of(server_name: str) -> str | None:
 
 
 def _checkpoint_mode(environment: str) -> str:
-    from rollpoint.envs import get_environment
+    from rollpoint.envs.registry import resolve_environment
 
-    return str(get_environment(environment).checkpoint_mode)
+    return str(resolve_environment(environment).checkpoint_mode)
+
+
+def _environment_name(environment: str) -> str:
+    """The environment's own name (what its resources server reports on ``/tools``), which
+    the agent checks; the reference (maybe an import path) is what the resources load."""
+    from rollpoint.envs.registry import resolve_environment
+
+    return resolve_environment(environment).name
 
 
 class ReplicaPlan(StrictModel):
@@ -114,7 +122,7 @@ class ReplicaPlan(StrictModel):
                 "agent",
                 model_url=model_url,
                 resources_url=resources_url,
-                environment=self.environment,
+                environment=_environment_name(self.environment),
                 checkpoint_mode=self.checkpoint_mode,
                 model_name=self.model_name,
                 upstream_connections=self.upstream_connections,

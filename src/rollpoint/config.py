@@ -32,6 +32,9 @@ class PolicyConfig(_Section):
     """Scripted policy only: share of tool calls that are wrong or malformed."""
     tokens_per_call: Annotated[int, Field(ge=1)] = 48
     """Scripted policy only: completion tokens reported per call."""
+    tool_turns: Annotated[int, Field(ge=0, le=1024)] = 3
+    """Scripted policy only, environments it has no playbook for: tool-calling turns (each
+    one offered tool, seeded schema-valid arguments) before its final answer."""
 
 
 class TrainConfig(_Section):

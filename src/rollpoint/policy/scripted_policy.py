@@ -76,6 +76,8 @@ class PolicySettings(StrictModel):
     """Completion tokens reported in ``usage`` for every call."""
     model: str = "scripted"
     """The id listed by ``GET /v1/models``, and echoed when a request names no model."""
+    tool_turns: Annotated[int, Field(ge=0, le=1024)] = 3
+    """Environments without a built-in playbook: tool-calling turns before the final answer."""
 
 
 def estimate_prompt_tokens(request: ChatCompletionRequest) -> int:
@@ -196,7 +198,9 @@ def create_policy_app(
             await collector.aclose()
 
     app = create_app("scripted-policy", lifespan=lifespan)
-    playbook = Playbook(seed=settings.seed, error_rate=settings.error_rate)
+    playbook = Playbook(
+        seed=settings.seed, error_rate=settings.error_rate, tool_turns=settings.tool_turns
+    )
     delay_s = settings.latency_ms / 1000
     models = ModelList(data=[ModelCard(id=settings.model, created=int(time.time()))])
     models_body = models.model_dump_json().encode()

@@ -73,6 +73,7 @@ from rollpoint.protocol.episode import (
 )
 from rollpoint.protocol.errors import (
     BadRequestError,
+    EpisodeError,
     InvalidCheckpointStateError,
     NotFoundError,
     RollpointError,
@@ -131,8 +132,16 @@ class _Episode:
         self.touched = True
 
 
-def _pack_later(make_export: Callable[[], Mapping[str, Any]]) -> str:
-    return pack_state(make_export())
+def _pack_later(make_export: Callable[[], Mapping[str, Any]], environment: str) -> str:
+    exported = make_export()
+    try:
+        return pack_state(exported)
+    except TypeError as exc:  # orjson's encode error is one: a set, bytes, a non-str key
+        # The author's mistake, told in their terms: the snapshot fails (DeferredValue
+        # names the rollout) and the run goes on.
+        raise EpisodeError(
+            f"environment {environment!r}: export_state returned data that is not JSON-safe ({exc})"
+        ) from None
 
 
 def _made(record: dict[str, Any]) -> dict[str, Any]:
@@ -401,7 +410,8 @@ class ResourcesService:
             # its own encoding for later too (capture_state).
             make_export = self.environment.capture_state(episode.state)
             episode.packed_state = DeferredValue(
-                partial(_pack_later, make_export), f"packed state of rollout {rollout_id}"
+                partial(_pack_later, make_export, self.environment.name),
+                f"packed state of rollout {rollout_id}",
             )
         elif isinstance(packed, DeferredValue) and packed.made:
             episode.packed_state = packed.value()  # an entry made from now on holds the string

@@ -47,7 +47,9 @@ def load_tasks_for(config: RunConfig) -> list[TaskRow]:
     if config.dataset is not None:
         tasks = load_tasks(config.dataset)
         cls = resolve_environment(config.environment)
-        wrong = [t.task_id for t in tasks if not environment_matches(t.environment, cls)]
+        wrong = [
+            t.task_id for t in tasks if not environment_matches(t.environment, cls, resolve=True)
+        ]
         if wrong:
             raise ConfigError(
                 f"{config.dataset}: task {wrong[0]} is for another environment than '{config.environment}'"

@@ -27,7 +27,7 @@ def _row_error(where: str, exc: ValidationError) -> ConfigError:
 def _same_environment(row: str, wanted: str) -> bool:
     from rollpoint.envs.registry import environment_matches, resolve_environment
 
-    return row == wanted or environment_matches(row, resolve_environment(wanted))
+    return row == wanted or environment_matches(row, resolve_environment(wanted), resolve=True)
 
 
 def load_tasks(path: Path, *, environment: str | None = None) -> list[TaskRow]:

@@ -11,14 +11,14 @@ Every failure is one :class:`ConfigError` line naming the reference and what was
 name nothing provides, a module that fails to import, a missing attribute, something that is
 not an :class:`Environment` subclass, or a name two providers claim. The config is resolved
 when it is loaded, before any server starts; each server process resolves the same
-reference again (servers are separate processes), so a resolution is cached per process.
+reference again (servers are separate processes); resolutions are kept per process, and a
+task row off the wire is matched against them without importing anything.
 
 What each environment does lives in its own module; this one owns only the lookup.
 """
 
 from __future__ import annotations
 
-import functools
 import importlib
 import inspect
 import re
@@ -88,9 +88,20 @@ def _describe(value: object) -> str:
     return f"a {type(value).__name__}"
 
 
-@functools.cache
+_RESOLVED: dict[str, type[Environment[Any]]] = {}
+"""Every reference this process resolved, and its class: what :func:`environment_matches`
+may consult without importing anything."""
+
+
 def resolve_environment(ref: str) -> type[Environment[Any]]:
     """The class ``ref`` names (see the module docstring); ConfigError saying what was tried."""
+    cls = _RESOLVED.get(ref)
+    if cls is None:
+        cls = _RESOLVED[ref] = _resolve(ref)
+    return cls
+
+
+def _resolve(ref: str) -> type[Environment[Any]]:
     if ":" in ref:
         if not _IMPORT_PATH.match(ref):
             raise ConfigError(
@@ -128,12 +139,23 @@ def get_environment(ref: str) -> Environment[Any]:
         ) from None
 
 
-def environment_matches(ref: str, environment: Environment[Any] | type[Environment[Any]]) -> bool:
+def environment_matches(
+    ref: str,
+    environment: Environment[Any] | type[Environment[Any]],
+    *,
+    resolve: bool = False,
+) -> bool:
     """Whether a task row's ``environment`` names this environment: its own ``name``, or a
-    reference that resolves to its class (a row may name it by import path or entry point)."""
+    reference that resolves to its class (a row may name it by import path or entry point).
+
+    ``resolve=False`` (servers: rows come off the wire) consults only the references this
+    process already resolved and imports nothing: a request must never make a server import
+    a module it names. ``resolve=True`` (a local dataset) resolves ``ref`` if need be."""
     cls = environment if isinstance(environment, type) else type(environment)
     if ref == cls.name:
         return True
+    if not resolve:
+        return _RESOLVED.get(ref) is cls
     try:
         return resolve_environment(ref) is cls
     except ConfigError:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import textwrap
 from collections.abc import Iterator
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import rollpoint.envs
+import rollpoint.envs.registry as registry
 from rollpoint.config import parse_config
 from rollpoint.envs import (
     ConfigError,
@@ -50,14 +52,14 @@ class CounterEnvironment(Environment[dict]):
 @pytest.fixture(autouse=True)
 def fresh_lookup(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
     """Each test's modules and distributions live in its own folder on sys.path."""
-    resolve_environment.cache_clear()
+    # Resolutions are kept per process: each test starts with none.
+    monkeypatch.setattr(registry, "_RESOLVED", {})
     monkeypatch.syspath_prepend(str(tmp_path))
     before = set(sys.modules)
     yield tmp_path
     for name in set(sys.modules) - before:
         if name.startswith("plug_"):
             del sys.modules[name]
-    resolve_environment.cache_clear()
 
 
 def write_module(root: Path, name: str, source: str) -> None:
@@ -240,3 +242,16 @@ def test_a_package_claiming_a_builtin_name_is_a_conflict(tmp_path: Path) -> None
         ConfigError, match=r"'math' is claimed by package shadow_env and rollpoint \(built-in\)"
     ):
         resolve_environment("math")
+
+
+def test_a_server_matches_a_row_without_importing_what_it_names(tmp_path: Path) -> None:
+    write_module(tmp_path, "plug_side_effect", "import os\nos.environ['PLUG_IMPORTED'] = '1'\n")
+    write_module(tmp_path, "plug_known", COUNTER_ENV)
+    env = get_environment("plug_known:CounterEnvironment")  # what a server resolved at start
+    assert environment_matches("plug_known:CounterEnvironment", env)
+    assert not environment_matches("plug_side_effect:Anything", env)
+    assert "plug_side_effect" not in sys.modules and "PLUG_IMPORTED" not in os.environ
+    # A local dataset may name it any way that resolves: that may import.
+    assert not environment_matches("plug_side_effect:Anything", env, resolve=True)
+    assert "plug_side_effect" in sys.modules
+    os.environ.pop("PLUG_IMPORTED", None)

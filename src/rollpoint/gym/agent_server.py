@@ -31,13 +31,13 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from rollpoint.gym.agent_participant import AgentParticipant
-from rollpoint.gym.control_plane import close_control_plane, mount_control_plane
 from rollpoint.gym.episode_runner import EpisodeRunner
 from rollpoint.gym.session import Session
 from rollpoint.gym.session_book import SessionBook, TurnBoundary
 from rollpoint.http.app import create_app
-from rollpoint.http.auth import data_token
+from rollpoint.http.auth import data_token, load_token
 from rollpoint.http.client import HttpClient
+from rollpoint.participant import close_control_plane, mount_participant
 from rollpoint.protocol.control import MAX_BATCH
 from rollpoint.protocol.episode import EnvironmentName, RowResult, RunReply, RunRequest
 from rollpoint.protocol.errors import TransportError
@@ -172,12 +172,14 @@ def create_agent_app(settings: AgentSettings) -> FastAPI:
         data_token=data_token(),
     )
     app.state.agent_server = server
-    mount_control_plane(
-        app,
-        AgentParticipant(server),
-        snapshot_root=settings.snapshot_root,
-        lease_grace_s=settings.lease_grace_s,
-    )
+    if settings.snapshot_root is not None:
+        mount_participant(
+            app,
+            AgentParticipant(server),
+            token=load_token(),
+            snapshot_root=settings.snapshot_root,
+            lease_grace_s=settings.lease_grace_s,
+        )
 
     @app.post("/run")
     async def run(request: RunRequest) -> StreamingResponse:

@@ -52,7 +52,6 @@ from pydantic import Field, JsonValue, ValidationError
 
 from rollpoint.envs.base import Environment, ToolArgumentError
 from rollpoint.envs.registry import environment_matches, get_environment
-from rollpoint.gym.control_plane import close_control_plane, mount_control_plane
 from rollpoint.gym.episode_record import (
     EpisodeRecord,
     ToolResultRecord,
@@ -60,9 +59,9 @@ from rollpoint.gym.episode_record import (
     pack_state,
 )
 from rollpoint.gym.resources_participant import ResourcesParticipant
-from rollpoint.gym.state_image import StateImage
 from rollpoint.http.app import create_app
-from rollpoint.http.auth import data_token
+from rollpoint.http.auth import data_token, load_token
+from rollpoint.participant import StateImage, close_control_plane, mount_participant
 from rollpoint.protocol.episode import (
     EpisodeStart,
     TaskRow,
@@ -570,12 +569,15 @@ def create_resources_app(
         f"rollpoint {name} ({replica}, {env.name})", lifespan=lifespan, data_token=data_token()
     )
     app.state.resources_service = service
-    fence = mount_control_plane(
-        app,
-        ResourcesParticipant(service),
-        snapshot_root=snapshot_root,
-        lease_grace_s=lease_grace_s,
-    )
+    fence = None
+    if snapshot_root is not None:
+        fence = mount_participant(
+            app,
+            ResourcesParticipant(service),
+            token=load_token(),
+            snapshot_root=snapshot_root,
+            lease_grace_s=lease_grace_s,
+        )
     if fence is not None:
         service.attempt_guard = fence.check_attempt
     tools = ToolsReply(environment=env.name, tools=env.tools())

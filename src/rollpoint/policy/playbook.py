@@ -34,7 +34,7 @@ import hashlib
 import random
 import re
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 from fractions import Fraction
 from typing import Any, TypeVar
@@ -184,11 +184,11 @@ class Turn:
     episode_rng: random.Random
     """Seeded by the conversation's opening: the same on every turn of one episode."""
     blunder: bool
-    turn_rng: random.Random = field(default_factory=random.Random)
+    turn_rng: random.Random
     """Seeded by the whole transcript: this turn's own draws (the generic playbook's)."""
-    specs: Mapping[str, dict[str, Any] | None] = field(default_factory=dict)
+    specs: Mapping[str, dict[str, Any] | None]
     """The JSON schema of each offered tool's arguments, by name (None: no schema)."""
-    tool_turns: int = 0
+    tool_turns: int
     """The generic playbook's number of tool-calling turns before its final answer."""
 
 

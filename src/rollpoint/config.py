@@ -76,6 +76,9 @@ class RunConfig(_Section):
     environment: EnvironmentName = "workplace"
     """A built-in name, a name an installed package registers (entry-point group
     ``rollpoint.environments``) or an import path ``package.module:ClassName``."""
+    agent_loop: str | None = None
+    """A custom agent loop by import path ``package.module:ClassName`` (``rollpoint.loops``);
+    None sends the policy the transcript as it is."""
     tasks: Annotated[int, Field(ge=1)] | None = 32
     """Number of synthetic tasks; ignored when ``dataset`` is given."""
     dataset: Path | None = None
@@ -147,6 +150,13 @@ def parse_config(data: object, *, source: str = "config") -> RunConfig:
         resolve_environment(config.environment)
     except ConfigError as exc:
         raise ConfigError(f"{source}: key 'environment': {exc}") from None
+    if config.agent_loop is not None:
+        from rollpoint.loops import resolve_agent_loop
+
+        try:
+            resolve_agent_loop(config.agent_loop)
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: key 'agent_loop': {exc}") from None
     return config
 
 

@@ -60,6 +60,8 @@ class CallLog:
     def __init__(self, app: Any) -> None:
         self.app = app
         self.calls: list[tuple[int | None, int]] = []
+        self.sent: dict[int | None, list[list[dict[str, Any]]]] = {}
+        """Every request's messages, by episode seed."""
         self._lock = threading.Lock()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -83,6 +85,7 @@ class CallLog:
         turn = sum(1 for m in request["messages"] if m.get("role") == "assistant")
         with self._lock:
             self.calls.append((request.get("seed"), turn))
+            self.sent.setdefault(request.get("seed"), []).append(request["messages"])
 
     def counts(self) -> Counter[tuple[int | None, int]]:
         with self._lock:
@@ -201,12 +204,9 @@ def expected_tree(task: TaskRow, messages: list[dict[str, Any]]) -> tuple[bytes,
     return pack_tree(files), appends
 
 
-def test_sigkill_and_rerun_trains_every_row_once_applies_each_append_once_and_regenerates_nothing(
-    tmp_path: Path, sandbox_dirs: Path, policy: tuple[str, CallLog]
-) -> None:
-    policy_url, log = policy
-    config = write_config(tmp_path, policy={"base_url": policy_url})
-    workdir = tmp_path / "run"
+def crash_and_rerun(config: Path, workdir: Path) -> list[invariants.TrainedRollout]:
+    """SIGKILL the run once a snapshot follows its first train checkpoint, rerun it to the
+    end; the rollouts it trained, each row once (checked), some of them continued."""
     started: list[RunProcess] = []
     try:
         run = RunProcess(config)
@@ -225,11 +225,21 @@ def test_sigkill_and_rerun_trains_every_row_once_applies_each_append_once_and_re
 
     match = _CONTINUED.search(reruns[0].stderr)
     assert match and int(match.group(1)) > 0, reruns[0].stderr[-2000:]
-    tasks = {t.task_id: t for t in load_tasks(TASKS, environment=REF)}
+    tasks = load_tasks(TASKS, environment=REF)
     rollouts, unreadable = invariants.read_train_data(workdir)
-    expected = invariants.expected_rows(tasks.values(), GROUP_SIZE)
+    expected = invariants.expected_rows(tasks, GROUP_SIZE)
     found = [*unreadable, *invariants.check_exactly_once(rollouts, expected)]
     assert found == [], invariants.report(found)
+    return rollouts
+
+
+def test_sigkill_and_rerun_trains_every_row_once_applies_each_append_once_and_regenerates_nothing(
+    tmp_path: Path, sandbox_dirs: Path, policy: tuple[str, CallLog]
+) -> None:
+    policy_url, log = policy
+    config = write_config(tmp_path, policy={"base_url": policy_url})
+    rollouts = crash_and_rerun(config, tmp_path / "run")
+    tasks = {t.task_id: t for t in load_tasks(TASKS, environment=REF)}
 
     # No append applied twice: from the final trees the environment itself wrote.
     kept = {p.name for p in sandbox_dirs.glob("*.tar")}
@@ -315,3 +325,38 @@ def test_an_export_that_is_not_json_safe_fails_that_snapshot_and_the_run_goes_on
     assert any(e["outcome"] == "published" and e["ts"] > failed[-1]["ts"] for e in snapshots), (
         "no snapshot was published after the failed one"
     )
+
+
+# ---- a custom agent loop -------------------------------------------------------------------
+LOOP = "sandbox_env.summary_loop:SummarizingLoop"
+
+
+def test_a_custom_loop_gets_its_state_back_after_sigkill_and_rerun(
+    tmp_path: Path, sandbox_dirs: Path, policy: tuple[str, CallLog]
+) -> None:
+    from sandbox_env.summary_loop import SummarizingLoop
+
+    policy_url, log = policy
+    config = write_config(tmp_path, policy={"base_url": policy_url}, agent_loop=LOOP)
+    rollouts = crash_and_rerun(config, tmp_path / "run")
+
+    # Every request the policy got is what the loop makes from the transcript, its state
+    # threaded turn by turn from the start: a restore that lost the state (or handed back
+    # another) would have sent a prompt without the summary it had.
+    loop = SummarizingLoop()
+    resumed_with_summary = 0
+    for r in rollouts:
+        assistants = [i for i, m in enumerate(r.messages) if m["role"] == "assistant"]
+        expected, state = [], None
+        for turn, index in enumerate(assistants):
+            sent, state = loop.prompt(state, r.messages[:index], turn)
+            expected.append(sent)
+        logged = log.sent[episode_seed(r.rollout_id)]
+        stray = [m for m in logged if m not in expected]
+        assert stray == [], f"{r.subject}: the policy was sent a prompt the loop does not make"
+        assert r.model_calls is not None
+        first_after = min(c.turn for c in r.model_calls if c.attempt == r.attempt)
+        if r.attempt >= 1 and first_after >= SummarizingLoop.every and first_after > 0:
+            assert expected[first_after][1]["content"].startswith("Summary of the earlier steps")
+            resumed_with_summary += 1
+    assert resumed_with_summary > 0, "no rollout continued past a fold: nothing was restored"

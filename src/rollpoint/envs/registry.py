@@ -19,9 +19,6 @@ What each environment does lives in its own module; this one owns only the looku
 
 from __future__ import annotations
 
-import importlib
-import inspect
-import re
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
@@ -29,6 +26,7 @@ from rollpoint.envs.base import Environment
 from rollpoint.envs.blackjack import BlackjackEnvironment
 from rollpoint.envs.math import MathEnvironment
 from rollpoint.envs.workplace import WorkplaceEnvironment
+from rollpoint.import_path import is_import_path, load_class
 from rollpoint.protocol.errors import ConfigError
 
 ENTRY_POINT_GROUP = "rollpoint.environments"
@@ -36,7 +34,6 @@ ENTRY_POINT_GROUP = "rollpoint.environments"
 _BUILTIN: dict[str, type[Environment[Any]]] = {
     cls.name: cls for cls in (WorkplaceEnvironment, BlackjackEnvironment, MathEnvironment)
 }
-_IMPORT_PATH = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 
 
 def _entry_points() -> list[EntryPoint]:
@@ -54,38 +51,12 @@ def environment_names() -> list[str]:
 
 
 def _load_import_path(ref: str, *, via: str) -> type[Environment[Any]]:
-    module_name, _, attr_path = ref.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except Exception as exc:  # any failure of the author's module is the user's to read
-        raise ConfigError(
-            f"environment {via}: cannot import module {module_name!r} ({type(exc).__name__}: {exc})"
-        ) from None
-    value: object = module
-    for part in attr_path.split("."):
-        try:
-            value = getattr(value, part)
-        except AttributeError:
-            raise ConfigError(
-                f"environment {via}: module {module_name!r} has no attribute {attr_path!r}"
-            ) from None
-    if not (inspect.isclass(value) and issubclass(value, Environment)):
-        raise ConfigError(
-            f"environment {via}: {ref} is {_describe(value)}, not a subclass of"
-            " rollpoint.envs.Environment"
-        )
-    if inspect.isabstract(value):
-        missing = ", ".join(sorted(getattr(value, "__abstractmethods__", ())))
-        raise ConfigError(f"environment {via}: {ref} is abstract (does not define {missing})")
-    if not isinstance(getattr(value, "name", None), str):
+    cls: type[Environment[Any]] = load_class(
+        ref, Environment, what="environment", base_name="rollpoint.envs.Environment", via=via
+    )
+    if not isinstance(getattr(cls, "name", None), str):
         raise ConfigError(f"environment {via}: {ref} has no class attribute 'name' (a string)")
-    return value
-
-
-def _describe(value: object) -> str:
-    if inspect.isclass(value):
-        return f"the class {value.__module__}.{value.__qualname__}"
-    return f"a {type(value).__name__}"
+    return cls
 
 
 _RESOLVED: dict[str, type[Environment[Any]]] = {}
@@ -102,11 +73,7 @@ def resolve_environment(ref: str) -> type[Environment[Any]]:
 
 
 def _resolve(ref: str) -> type[Environment[Any]]:
-    if ":" in ref:
-        if not _IMPORT_PATH.match(ref):
-            raise ConfigError(
-                f"environment {ref!r}: not an import path (want package.module:ClassName)"
-            )
+    if is_import_path(ref):
         return _load_import_path(ref, via=repr(ref))
     claims = [ep for ep in _entry_points() if ep.name == ref]
     providers = (["rollpoint (built-in)"] if ref in _BUILTIN else []) + [

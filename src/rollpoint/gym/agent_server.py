@@ -37,6 +37,7 @@ from rollpoint.gym.session_book import SessionBook, TurnBoundary
 from rollpoint.http.app import create_app
 from rollpoint.http.auth import data_token, load_token
 from rollpoint.http.client import HttpClient
+from rollpoint.loops import resolve_agent_loop
 from rollpoint.participant import close_control_plane, mount_participant
 from rollpoint.protocol.control import MAX_BATCH
 from rollpoint.protocol.episode import EnvironmentName, RowResult, RunReply, RunRequest
@@ -67,6 +68,8 @@ class AgentSettings(BaseModel):
     beyond wait here for one, and only their time on the wire counts against the
     timeouts. None: no cap."""
     model_name: str = "scripted"
+    agent_loop: str | None = None
+    """A custom agent loop by import path (``rollpoint.loops``); None: the built-in one."""
     snapshot_root: str | None = None
     """Snapshot store root (local path or fsspec URL); set, it mounts the control routes
     (token from ``ROLLPOINT_CONTROL_TOKEN``). None: a plain data server."""
@@ -108,6 +111,7 @@ class AgentServer:
             model_name=s.model_name,
             model_timeout_s=s.model_timeout_s,
             tool_timeout_s=s.tool_timeout_s,
+            loop=None if s.agent_loop is None else resolve_agent_loop(s.agent_loop)(),
         )
 
     async def stop(self) -> None:

@@ -37,6 +37,7 @@ from pydantic import BaseModel, ValidationError
 from rollpoint.gym.session import Session, SessionState
 from rollpoint.gym.session_book import TurnBoundary
 from rollpoint.http.client import HttpClient
+from rollpoint.loops import AgentLoop
 from rollpoint.protocol.episode import (
     EpisodeStart,
     ModelCall,
@@ -109,6 +110,7 @@ class EpisodeRunner:
         model_name: str,
         model_timeout_s: float,
         tool_timeout_s: float,
+        loop: AgentLoop | None = None,
     ) -> None:
         self._client = client
         self._completions_url = f"{model_url.rstrip('/')}/v1/chat/completions"
@@ -118,6 +120,7 @@ class EpisodeRunner:
         self._model_timeout_s = model_timeout_s
         self._tool_timeout_s = tool_timeout_s
         self._tools: asyncio.Task[list[Any]] | None = None
+        self._loop = loop
 
     async def play(self, session: Session, boundary: TurnBoundary) -> RunReply:
         await self._start(session)
@@ -179,9 +182,13 @@ class EpisodeRunner:
         self, session: Session, tools: list[Any], boundary: TurnBoundary
     ) -> dict[str, Any]:
         episode = session.episode
+        messages: list[dict[str, Any]] = session.messages
+        loop_state = session.loop_state
+        if self._loop is not None:
+            messages, loop_state = self._loop.prompt(loop_state, messages, session.turn)
         body: dict[str, Any] = {
             "model": self._model_name,
-            "messages": session.messages,
+            "messages": messages,
             "seed": episode_seed(episode.rollout_id),
         }
         if tools:
@@ -218,6 +225,8 @@ class EpisodeRunner:
             )
         )
         session.add_message(message)
+        if self._loop is not None:
+            session.loop_state = loop_state  # kept with the reply: the turn boundary
         session.turn += 1
         return message
 

@@ -64,6 +64,8 @@ class ReplicaPlan(StrictModel):
     """Set: every server is a checkpoint participant writing under it. None: data plane only."""
     upstream_connections: int | None = None
     """Each agent's cap on connections to its model and resources servers (None: no cap)."""
+    agent_loop: str | None = None
+    """The agents' custom loop by import path (None: the built-in one)."""
 
     @classmethod
     def of(cls, config: RunConfig, *, policy_url: str, snapshot_root: str | None) -> ReplicaPlan:
@@ -77,6 +79,7 @@ class ReplicaPlan(StrictModel):
             base_port=config.base_port,
             snapshot_root=snapshot_root,
             upstream_connections=config.upstream_connections,
+            agent_loop=config.agent_loop,
         )
 
     def _port(self, offset: int, restarted: bool) -> int:
@@ -126,6 +129,7 @@ class ReplicaPlan(StrictModel):
                 checkpoint_mode=self.checkpoint_mode,
                 model_name=self.model_name,
                 upstream_connections=self.upstream_connections,
+                agent_loop=self.agent_loop,
             ),
         )
 

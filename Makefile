@@ -7,21 +7,24 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint typecheck unit bench bench-quick lock clean
 
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml constraints.txt examples/sandbox_env/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[dev]'
+	# The example environment, installed as a user would (tests/examples runs it).
+	$(BIN)/python -m pip install --quiet --no-deps -e examples/sandbox_env
 	touch $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/rollpoint run examples/workplace.yaml --fresh --force
 
 lint: $(STAMP)
-	$(BIN)/ruff format --check src tests bench
-	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff format --check src tests bench examples
+	$(BIN)/ruff check src tests bench examples
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
+	$(BIN)/mypy examples/sandbox_env/src/sandbox_env
 
 test: lint typecheck
 	$(BIN)/python -m pytest -q

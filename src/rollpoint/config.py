@@ -110,6 +110,9 @@ class PolicyConfig(_Section):
     ``required``: such an engine stops the run at start instead."""
     call_log: Path | None = None
     """Scripted policy only: a JSONL file it appends every reply's token data to."""
+    tool_turns: Annotated[int, Field(ge=0, le=1024)] = 3
+    """Scripted policy only, environments it has no playbook for: tool-calling turns (each
+    one offered tool, seeded schema-valid arguments) before its final answer."""
 
 
 class TrainConfig(_Section):
@@ -160,6 +163,11 @@ class MetricsConfig(_Section):
 class RunConfig(_Section):
     workdir: Path = Path("runs/demo")
     environment: EnvironmentName = "workplace"
+    """A built-in name, a name an installed package registers (entry-point group
+    ``rollpoint.environments``) or an import path ``package.module:ClassName``."""
+    agent_loop: str | None = None
+    """A custom agent loop by import path ``package.module:ClassName`` (``rollpoint.loops``);
+    None sends the policy the transcript as it is."""
     tasks: Annotated[int, Field(ge=1)] | None = 32
     """Number of synthetic tasks; ignored when ``dataset`` is given."""
     dataset: Path | None = None
@@ -230,9 +238,25 @@ def parse_config(data: object, *, source: str = "config") -> RunConfig:
     if not isinstance(data, dict):
         raise ConfigError(f"{source}: expected a mapping of keys at the top level")
     try:
-        return RunConfig.model_validate(data)
+        config = RunConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(_format_validation_error(source, exc)) from None
+    # Resolved now, before any server starts: a plugin that does not load is one line here,
+    # not three dead server processes. (Each server process resolves it again.)
+    from rollpoint.envs.registry import resolve_environment
+
+    try:
+        resolve_environment(config.environment)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: key 'environment': {exc}") from None
+    if config.agent_loop is not None:
+        from rollpoint.loops import resolve_agent_loop
+
+        try:
+            resolve_agent_loop(config.agent_loop)
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: key 'agent_loop': {exc}") from None
+    return config
 
 
 def load_config(path: Path) -> RunConfig:

@@ -51,10 +51,14 @@ Route = Callable[[Deployment], Awaitable[Deployment]]
 
 def load_tasks_for(config: RunConfig) -> list[TaskRow]:
     from rollpoint.envs import get_environment, load_tasks
+    from rollpoint.envs.registry import environment_matches, resolve_environment
 
     if config.dataset is not None:
         tasks = load_tasks(config.dataset)
-        wrong = [t.task_id for t in tasks if t.environment != config.environment]
+        cls = resolve_environment(config.environment)
+        wrong = [
+            t.task_id for t in tasks if not environment_matches(t.environment, cls, resolve=True)
+        ]
         if wrong:
             raise ConfigError(
                 f"{config.dataset}: task {wrong[0]} is for another environment than '{config.environment}'"

@@ -24,6 +24,12 @@ def _row_error(where: str, exc: ValidationError) -> ConfigError:
     return ConfigError(f"{where}: key '{loc}': {err['msg']}")
 
 
+def _same_environment(row: str, wanted: str) -> bool:
+    from rollpoint.envs.registry import environment_matches, resolve_environment
+
+    return row == wanted or environment_matches(row, resolve_environment(wanted), resolve=True)
+
+
 def load_tasks(path: Path, *, environment: str | None = None) -> list[TaskRow]:
     """Every task row of a JSONL file; blank lines are skipped.
 
@@ -51,7 +57,7 @@ def load_tasks(path: Path, *, environment: str | None = None) -> list[TaskRow]:
             task = TaskRow.model_validate(data)
         except ValidationError as exc:
             raise _row_error(where, exc) from None
-        if environment is not None and task.environment != environment:
+        if environment is not None and not _same_environment(task.environment, environment):
             raise ConfigError(
                 f"{where}: task {task.task_id} is for {task.environment!r}, not {environment!r}"
             )

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import JsonValue
 
-from rollpoint.gym.participant import Readiness, RetireOutcome
+from rollpoint.participant import Readiness, RetireOutcome
 from rollpoint.protocol.ids import EpisodeId
 from rollpoint.protocol.participant import CheckpointMode, ParticipantKind
 

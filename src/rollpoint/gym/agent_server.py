@@ -32,14 +32,15 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
 from rollpoint.gym.agent_participant import AgentParticipant
-from rollpoint.gym.control_plane import close_control_plane, mount_control_plane
 from rollpoint.gym.episode_runner import EpisodeRunner
 from rollpoint.gym.session import LIVE_STATES, Session, SessionState
 from rollpoint.gym.session_book import SessionBook, TurnBoundary
 from rollpoint.http.app import create_app
-from rollpoint.http.auth import data_token
+from rollpoint.http.auth import data_token, load_token
 from rollpoint.http.client import HttpClient
 from rollpoint.http.server_metrics import Reading, ServerMetrics
+from rollpoint.loops import resolve_agent_loop
+from rollpoint.participant import close_control_plane, mount_participant
 from rollpoint.protocol.control import MAX_BATCH
 from rollpoint.protocol.episode import EnvironmentName, RowResult, RunReply, RunRequest
 from rollpoint.protocol.errors import TransportError
@@ -76,6 +77,8 @@ class AgentSettings(BaseModel):
     """Ask the engine for token ids and logprobs and keep them with each model call."""
     engine: str = "vllm"
     """The reply shape token data is read from (an engine adapter's name)."""
+    agent_loop: str | None = None
+    """A custom agent loop by import path (``rollpoint.loops``); None: the built-in one."""
     snapshot_root: str | None = None
     """Snapshot store root (local path or fsspec URL); set, it mounts the control routes
     (token from ``ROLLPOINT_CONTROL_TOKEN``). None: a plain data server."""
@@ -120,6 +123,7 @@ class AgentServer:
             sampling=s.sampling,
             seed_policy=s.seed_policy,
             engine=s.engine if s.capture_tokens else None,
+            loop=None if s.agent_loop is None else resolve_agent_loop(s.agent_loop)(),
         )
 
     async def stop(self) -> None:
@@ -215,12 +219,14 @@ def create_agent_app(settings: AgentSettings) -> FastAPI:
     metrics = ServerMetrics(server=settings.name, replica=settings.replica)
     metrics.read(server.readings)
     metrics.mount(app)
-    mount_control_plane(
-        app,
-        AgentParticipant(server),
-        snapshot_root=settings.snapshot_root,
-        lease_grace_s=settings.lease_grace_s,
-    )
+    if settings.snapshot_root is not None:
+        mount_participant(
+            app,
+            AgentParticipant(server),
+            token=load_token(),
+            snapshot_root=settings.snapshot_root,
+            lease_grace_s=settings.lease_grace_s,
+        )
 
     @app.post("/run")
     async def run(request: RunRequest) -> StreamingResponse:

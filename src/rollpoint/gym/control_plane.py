@@ -22,7 +22,7 @@ from rollpoint.gym.fence import ControlSettings, Fence
 from rollpoint.gym.participant import Participant
 from rollpoint.http.auth import load_token
 
-__all__ = ["close_control_plane", "control_fence", "mount_control_plane"]
+__all__ = ["close_control_plane", "control_fence", "mount_control_plane", "mount_participant"]
 
 
 def mount_control_plane(
@@ -39,8 +39,33 @@ def mount_control_plane(
     app.state.fence = None
     if snapshot_root is None:
         return None
+    return mount_participant(
+        app,
+        participant,
+        token=load_token(),
+        snapshot_root=snapshot_root,
+        lease_grace_s=lease_grace_s,
+    )
+
+
+def mount_participant(
+    app: FastAPI,
+    participant: Participant,
+    *,
+    token: str,
+    snapshot_root: str,
+    lease_grace_s: float = 2.0,
+) -> Fence:
+    """Make ``app`` a checkpoint participant: a fence over ``participant`` and the control
+    routes, guarded by ``token`` (passed explicitly: nothing is read from the environment).
+
+    The SDK's one mounting function (``rollpoint.participant``); the built-in servers reach
+    it through :func:`mount_control_plane`, which reads their token from the environment.
+    Returns the fence (also on ``app.state.fence``); close it with
+    :func:`close_control_plane` when the app shuts down.
+    """
     settings = ControlSettings(
-        token=load_token(), snapshot_root=snapshot_root, lease_grace_s=lease_grace_s
+        token=token, snapshot_root=snapshot_root, lease_grace_s=lease_grace_s
     )
     fence = Fence(participant, settings)
     mount_control_routes(app, fence, settings)

@@ -22,7 +22,7 @@ from typing import Annotated, Any, Literal
 import orjson
 from pydantic import Field, JsonValue, StringConstraints, model_validator
 
-from rollpoint.gym.episode_scope import latest_attempts
+from rollpoint.participant import latest_attempts
 from rollpoint.protocol.episode import EnvironmentName, TaskRow, ToolResult
 from rollpoint.protocol.errors import InvalidCheckpointStateError
 from rollpoint.protocol.ids import EpisodeId, Identifier

@@ -37,6 +37,7 @@ from pydantic import BaseModel, ValidationError
 from rollpoint.gym.session import Session, SessionState
 from rollpoint.gym.session_book import TurnBoundary
 from rollpoint.http.client import HttpClient
+from rollpoint.loops import AgentLoop
 from rollpoint.policy.engine_adapters import EngineAdapter, adapter_for
 from rollpoint.protocol.episode import (
     EpisodeStart,
@@ -120,6 +121,7 @@ class EpisodeRunner:
         sampling: dict[str, Any] | None = None,
         seed_policy: Literal["episode", "turn", "none"] = "episode",
         engine: str | None = None,
+        loop: AgentLoop | None = None,
     ) -> None:
         """``sampling``: fields every policy call carries; ``engine``: the adapter whose
         token data to request and keep (None: no token capture)."""
@@ -137,6 +139,7 @@ class EpisodeRunner:
         self._fixed: dict[str, Any] = dict(sampling or {})
         if self._adapter is not None:
             self._fixed.update(self._adapter.request_fields())
+        self._loop = loop
 
     async def play(self, session: Session, boundary: TurnBoundary) -> RunReply:
         await self._start(session)
@@ -198,10 +201,14 @@ class EpisodeRunner:
         self, session: Session, tools: list[Any], boundary: TurnBoundary
     ) -> dict[str, Any]:
         episode = session.episode
+        messages: list[dict[str, Any]] = session.messages
+        loop_state = session.loop_state
+        if self._loop is not None:
+            messages, loop_state = self._loop.prompt(loop_state, messages, session.turn)
         body: dict[str, Any] = {
             **self._fixed,
             "model": self._model_name,
-            "messages": session.messages,
+            "messages": messages,
         }
         if self._seed_policy == "episode":
             body["seed"] = episode_seed(episode.rollout_id)
@@ -248,6 +255,8 @@ class EpisodeRunner:
             )
         )
         session.add_message(message)
+        if self._loop is not None:
+            session.loop_state = loop_state  # kept with the reply: the turn boundary
         session.turn += 1
         return message
 

@@ -241,7 +241,7 @@ class Fence:
             lease_expires_at=self._lease_expires_at,
             counts=call_hook("stats", p.stats),
             retired_rollouts=len(self._marks),
-            portable=bool(getattr(p, "portable", True)),
+            portable=p.portable,
         )
 
     # --- verbs -------------------------------------------------------------------------

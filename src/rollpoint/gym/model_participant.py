@@ -31,9 +31,13 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import JsonValue, TypeAdapter, ValidationError, model_validator
 
 from rollpoint.gym.call_ledger import CallRecord
-from rollpoint.gym.episode_scope import latest_attempts
-from rollpoint.gym.participant import Readiness, RetireOutcome, RetireOutcomeKind
-from rollpoint.gym.state_image import StateImage
+from rollpoint.participant import (
+    Readiness,
+    RetireOutcome,
+    RetireOutcomeKind,
+    StateImage,
+    latest_attempts,
+)
 from rollpoint.protocol.errors import InvalidCheckpointStateError
 from rollpoint.protocol.ids import EpisodeId
 from rollpoint.protocol.model_base import StrictModel
@@ -72,6 +76,8 @@ class ModelParticipant:
     kind = ParticipantKind.MODEL
     mode = CheckpointMode.TURN
     features: tuple[str, ...] = ("admission-gate", "call-ledger", "generation-cut")
+    portable = True
+    """Its call records are plain data: they restore onto any replica's model server."""
 
     def __init__(self, server: ModelServer) -> None:
         self._server = server

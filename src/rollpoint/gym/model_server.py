@@ -50,14 +50,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.types import Receive, Scope, Send
 from yarl import URL
 
-from rollpoint.gym.admission_gate import AdmissionGate
 from rollpoint.gym.call_ledger import CallLedger, CallRecord
-from rollpoint.gym.control_plane import close_control_plane, mount_control_plane
 from rollpoint.gym.model_participant import ModelParticipant
 from rollpoint.http.app import create_app
-from rollpoint.http.auth import data_token
+from rollpoint.http.auth import data_token, load_token
 from rollpoint.http.client import HttpClient
 from rollpoint.http.server_metrics import CALL_BUCKETS, Reading, ServerMetrics
+from rollpoint.participant import AdmissionGate, close_control_plane, mount_participant
 from rollpoint.policy.engine_adapters import EngineTokens, TokenStream, adapter_for
 from rollpoint.protocol.errors import (
     BadRequestError,
@@ -642,12 +641,15 @@ def create_model_app(settings: ModelServerSettings) -> FastAPI:
     )
     app.state.model_server = server
     server.metrics.mount(app)
-    fence = mount_control_plane(
-        app,
-        ModelParticipant(server),
-        snapshot_root=settings.snapshot_root,
-        lease_grace_s=settings.lease_grace_s,
-    )
+    fence = None
+    if settings.snapshot_root is not None:
+        fence = mount_participant(
+            app,
+            ModelParticipant(server),
+            token=load_token(),
+            snapshot_root=settings.snapshot_root,
+            lease_grace_s=settings.lease_grace_s,
+        )
     if fence is not None:
         server.attempt_guard = fence.check_attempt
 

@@ -67,6 +67,11 @@ class Participant(Protocol):
 
     @property
     def mode(self) -> CheckpointMode: ...
+    @property
+    def portable(self) -> bool:
+        """Whether its saved episodes may be restored onto another replica (an elastic
+        restore refuses to move state that is not); reported by status."""
+        ...
 
     @property
     def features(self) -> tuple[str, ...]:

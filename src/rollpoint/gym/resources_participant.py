@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import JsonValue
 
-from rollpoint.gym.participant import Readiness, RetireOutcome, RetireOutcomeKind
+from rollpoint.participant import Readiness, RetireOutcome, RetireOutcomeKind
 from rollpoint.protocol.ids import EpisodeId
 from rollpoint.protocol.participant import CheckpointMode, ParticipantKind
 

@@ -56,8 +56,7 @@ from fastapi import FastAPI
 from pydantic import Field, JsonValue, ValidationError
 
 from rollpoint.envs.base import Environment, ToolArgumentError
-from rollpoint.envs.registry import get_environment
-from rollpoint.gym.control_plane import close_control_plane, mount_control_plane
+from rollpoint.envs.registry import environment_matches, get_environment
 from rollpoint.gym.episode_record import (
     EpisodeRecord,
     ToolResultRecord,
@@ -66,10 +65,10 @@ from rollpoint.gym.episode_record import (
     pack_state,
 )
 from rollpoint.gym.resources_participant import ResourcesParticipant
-from rollpoint.gym.state_image import StateImage
 from rollpoint.http.app import create_app
-from rollpoint.http.auth import data_token
+from rollpoint.http.auth import data_token, load_token
 from rollpoint.http.server_metrics import Reading, ServerMetrics
+from rollpoint.participant import StateImage, close_control_plane, mount_participant
 from rollpoint.protocol.episode import (
     EpisodeStart,
     TaskRow,
@@ -80,6 +79,7 @@ from rollpoint.protocol.episode import (
 )
 from rollpoint.protocol.errors import (
     BadRequestError,
+    EpisodeError,
     IdempotencyConflictError,
     InvalidCheckpointStateError,
     NotFoundError,
@@ -143,8 +143,16 @@ class _Episode:
         self.touched = True
 
 
-def _pack_later(make_export: Callable[[], Mapping[str, Any]]) -> str:
-    return pack_state(make_export())
+def _pack_later(make_export: Callable[[], Mapping[str, Any]], environment: str) -> str:
+    exported = make_export()
+    try:
+        return pack_state(exported)
+    except TypeError as exc:  # orjson's encode error is one: a set, bytes, a non-str key
+        # The author's mistake, told in their terms: the snapshot fails (DeferredValue
+        # names the rollout) and the run goes on.
+        raise EpisodeError(
+            f"environment {environment!r}: export_state returned data that is not JSON-safe ({exc})"
+        ) from None
 
 
 def _made(record: dict[str, Any]) -> dict[str, Any]:
@@ -332,7 +340,7 @@ class ResourcesService:
         await self._pass_gate()
         self._guard(request.episode)
         task, rollout_id = request.task, request.episode.rollout_id
-        if task.environment != self.environment.name:
+        if not environment_matches(task.environment, self.environment):
             raise BadRequestError(
                 f"task {task.task_id} is for {task.environment!r};"
                 f" this server runs {self.environment.name!r}"
@@ -475,7 +483,8 @@ class ResourcesService:
             # its own encoding for later too (capture_state).
             make_export = self.environment.capture_state(episode.state)
             episode.packed_state = DeferredValue(
-                partial(_pack_later, make_export), f"packed state of rollout {rollout_id}"
+                partial(_pack_later, make_export, self.environment.name),
+                f"packed state of rollout {rollout_id}",
             )
         elif isinstance(packed, DeferredValue) and packed.made:
             episode.packed_state = packed.value()  # an entry made from now on holds the string
@@ -568,7 +577,10 @@ class ResourcesService:
                 f"record {index}: field '{loc}': {err['msg']}"
             ) from None
         name = self.environment.name
-        if parsed.environment != name or parsed.task.environment != name:
+        if not (
+            environment_matches(parsed.environment, self.environment)
+            and environment_matches(parsed.task.environment, self.environment)
+        ):
             raise InvalidCheckpointStateError(
                 f"record {index} (rollout {parsed.rollout_id}) is for {parsed.environment!r};"
                 f" this server runs {name!r}"
@@ -645,12 +657,15 @@ def create_resources_app(
     metrics = ServerMetrics(server=name, replica=replica)
     metrics.read(service.readings)
     metrics.mount(app)
-    fence = mount_control_plane(
-        app,
-        ResourcesParticipant(service),
-        snapshot_root=snapshot_root,
-        lease_grace_s=lease_grace_s,
-    )
+    fence = None
+    if snapshot_root is not None:
+        fence = mount_participant(
+            app,
+            ResourcesParticipant(service),
+            token=load_token(),
+            snapshot_root=snapshot_root,
+            lease_grace_s=lease_grace_s,
+        )
     if fence is not None:
         service.attempt_guard = fence.check_attempt
     tools = ToolsReply(environment=env.name, tools=env.tools())

@@ -98,6 +98,8 @@ class SessionRecord(StrictModel):
     model_calls: list[ModelCall]
     pending_response: dict[str, JsonValue] | None = None
     """The last assistant message when its tool calls were not applied yet."""
+    loop_state: JsonValue = None
+    """A custom agent loop's state after the last applied turn (``rollpoint.loops``)."""
 
     @model_validator(mode="after")
     def _consistent(self) -> SessionRecord:
@@ -139,6 +141,7 @@ class Session:
         "_changes",
         "_episode",
         "_exported",
+        "_loop_state",
         "_messages",
         "_messages_json",
         "_model_calls",
@@ -163,6 +166,7 @@ class Session:
         self._turn = 0
         self._model_calls: list[ModelCall] = []
         self._pending_response: dict[str, Any] | None = None
+        self._loop_state: JsonValue = None
         self.task: asyncio.Task[RowResult] | None = None
         self.result: asyncio.Future[RowResult] | None = None
         self._observer: MoveObserver | None = None
@@ -254,6 +258,17 @@ class Session:
         self._pending_response = response
         self._changed()
 
+    @property
+    def loop_state(self) -> JsonValue:
+        """A custom agent loop's state, saved with the session (JSON, never changed in
+        place: the loop returns a new value each turn)."""
+        return self._loop_state
+
+    @loop_state.setter
+    def loop_state(self, state: JsonValue) -> None:
+        self._loop_state = state
+        self._changed()
+
     def observe(self, observer: MoveObserver, changed: Callable[[str], None] | None = None) -> None:
         """Report every move from now on (and the current state, as a move from None), and
         with ``changed`` (called with the rollout id) every change of what a checkpoint
@@ -298,6 +313,7 @@ class Session:
             turn=self.turn,
             model_calls=self.model_calls,
             pending_response=self.pending_response,
+            loop_state=self.loop_state,
         )
 
     def export_json(self) -> dict[str, Any]:
@@ -336,6 +352,7 @@ class Session:
             "turn": self._turn,
             "model_calls": list(cached),
             "pending_response": None if pending is None else dict(pending),
+            "loop_state": self._loop_state,
         }
         self._exported = (stamp, record)
         return record
@@ -350,4 +367,5 @@ class Session:
         session.model_calls = list(record.model_calls)
         if record.pending_response is not None:
             session.pending_response = dict(record.pending_response)
+        session.loop_state = record.loop_state
         return session

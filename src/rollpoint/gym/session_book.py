@@ -31,7 +31,6 @@ from typing import Any, Protocol
 
 from pydantic import JsonValue, TypeAdapter, ValidationError
 
-from rollpoint.gym.episode_scope import episode_pairs
 from rollpoint.gym.session import (
     BUSY_STATES,
     LIVE_STATES,
@@ -41,7 +40,7 @@ from rollpoint.gym.session import (
     SessionRecord,
     SessionState,
 )
-from rollpoint.gym.state_image import StateImage
+from rollpoint.participant import StateImage, episode_pairs
 from rollpoint.protocol.control import (
     MAX_REPORTED_BLOCKERS,
     Readiness,

@@ -4,7 +4,11 @@ Owns: recognising the environment from the tools offered (``calendar_*`` → wor
 ``blackjack_*`` → blackjack, no tools and a ``What is`` prompt → math, anything else →
 unknown), reading the state of the episode from the conversation (the task prompt, every
 assistant tool call and the tool result answering it, matched by ``tool_call_id``), and one
-playbook per environment. The prompt formats and tool results it parses are the fixed
+playbook per environment, and the generic playbook for every other environment: from the
+tool specs of the request alone, ``tool_turns`` turns each calling one offered tool with
+seeded arguments valid for its JSON schema (:mod:`.schema_arguments`), then a final answer
+naming what it did. With that, an environment nobody taught the policy runs, snapshots and
+resumes with no LLM. The prompt formats and tool results it parses are the fixed
 contract of ``docs/architecture.md`` ("Built-in environments"); it never imports the
 environments themselves.
 
@@ -29,7 +33,7 @@ from __future__ import annotations
 import hashlib
 import random
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from fractions import Fraction
@@ -38,6 +42,7 @@ from typing import Any, TypeVar
 import orjson
 
 from rollpoint.policy.openai_wire import ChatCompletionRequest, ChatMessage
+from rollpoint.policy.schema_arguments import sample_arguments
 
 T = TypeVar("T")
 
@@ -47,7 +52,7 @@ class Environment(StrEnum):
     BLACKJACK = "blackjack"
     MATH = "math"
     UNKNOWN = "unknown"
-    """Nothing we know: answer politely, call no tool."""
+    """Nothing we know: play it from the tool specs (:func:`play_generic`)."""
 
 
 class Mistake(StrEnum):
@@ -179,6 +184,12 @@ class Turn:
     episode_rng: random.Random
     """Seeded by the conversation's opening: the same on every turn of one episode."""
     blunder: bool
+    turn_rng: random.Random
+    """Seeded by the whole transcript: this turn's own draws (the generic playbook's)."""
+    specs: Mapping[str, dict[str, Any] | None]
+    """The JSON schema of each offered tool's arguments, by name (None: no schema)."""
+    tool_turns: int
+    """The generic playbook's number of tool-calling turns before its final answer."""
 
 
 _EVENT_RE = re.compile(
@@ -305,7 +316,26 @@ def play_math(turn: Turn) -> Intent | str:
 
 
 def play_unknown(turn: Turn) -> Intent | str:
+    if turn.specs and turn.tool_turns > 0:
+        return play_generic(turn)
     return "Sorry, I can't help with this request: none of the tools offered fit a task I know."
+
+
+def play_generic(turn: Turn) -> Intent | str:
+    """Any environment, from its tool specs: ``tool_turns`` calls, then a final answer.
+
+    Every tool-calling turn counts, a refused one too, so an episode ends after the same
+    number of turns whatever the tools answer. The tool and its arguments are drawn from
+    the turn's own rng: the same transcript gets the same call in every process.
+    """
+    made = turn.transcript.exchanges
+    names = sorted(turn.specs)
+    if len(made) >= turn.tool_turns or not names:
+        ok = sum(1 for ex in made if ex.ok)
+        used = ", ".join(sorted({ex.name for ex in made})) or "no tool"
+        return f"Done: {len(made)} tool call(s) ({ok} succeeded) using {used}."
+    name = turn.turn_rng.choice(names)
+    return Intent(name, sample_arguments(turn.specs[name], turn.turn_rng))
 
 
 _PLAYS: dict[Environment, Callable[[Turn], Intent | str]] = {
@@ -342,7 +372,12 @@ def _wrong_type(intent: Intent, rng: random.Random) -> tuple[str, str]:
 
 
 def _unknown_tool(intent: Intent, rng: random.Random) -> tuple[str, str]:
-    prefix = "calendar" if intent.name.startswith(("calendar_", "email_")) else "blackjack"
+    if intent.name.startswith(("calendar_", "email_")):
+        prefix = "calendar"
+    elif intent.name.startswith("blackjack_"):
+        prefix = "blackjack"
+    else:
+        prefix = intent.name.partition("_")[0]
     return f"{prefix}_delete_everything", orjson.dumps(intent.arguments).decode()
 
 
@@ -389,14 +424,26 @@ def _rng(digest: bytes) -> random.Random:
     return random.Random(int.from_bytes(digest[:8], "big"))
 
 
+def _specs(request: ChatCompletionRequest, offered: Sequence[str]) -> dict[str, Any]:
+    wanted = set(offered)
+    return {
+        t.function.name: t.function.parameters
+        for t in request.tools or ()
+        if t.function is not None and t.function.name in wanted
+    }
+
+
 class Playbook:
     """Decides one turn: ``decide(request)`` is a pure function of the seeds and the request."""
 
-    def __init__(self, *, seed: int = 0, error_rate: float = 0.0) -> None:
+    def __init__(self, *, seed: int = 0, error_rate: float = 0.0, tool_turns: int = 3) -> None:
         if not 0.0 <= error_rate <= 1.0:
             raise ValueError(f"error_rate must be within [0, 1], got {error_rate}")
+        if tool_turns < 0:
+            raise ValueError(f"tool_turns must be >= 0, got {tool_turns}")
         self.seed = seed
         self.error_rate = error_rate
+        self.tool_turns = tool_turns
 
     def decide(self, request: ChatCompletionRequest) -> Decision:
         tools = request.tool_names()
@@ -408,8 +455,11 @@ class Playbook:
         turn_digest = _digest(seeds, messages, tools)
         turn_rng = _rng(turn_digest)
         transcript = read_transcript(request.messages, tools)
-        turn = Turn(transcript, episode_rng, blunder=turn_rng.random() < self.error_rate)
-        outcome = _PLAYS[recognise(transcript)](turn)
+        blunder = turn_rng.random() < self.error_rate
+        environment = recognise(transcript)
+        specs = _specs(request, tools) if environment is Environment.UNKNOWN else {}
+        turn = Turn(transcript, episode_rng, blunder, turn_rng, specs, self.tool_turns)
+        outcome = _PLAYS[environment](turn)
         if isinstance(outcome, str):
             return FinalDecision(outcome)
         call_id = "call_" + turn_digest.hex()[:24]

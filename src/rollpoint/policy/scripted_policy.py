@@ -101,6 +101,8 @@ class PolicySettings(StrictModel):
     shape: Literal["vllm", "sglang"] = "vllm"
     """Where token ids go: vLLM's (top-level ``prompt_token_ids``, ids on every stream
     chunk) or SGLang's OpenAI-compatible server (both on the choice; none when streamed)."""
+    tool_turns: Annotated[int, Field(ge=0, le=1024)] = 3
+    """Environments without a built-in playbook: tool-calling turns before the final answer."""
 
 
 def estimate_prompt_tokens(request: ChatCompletionRequest) -> int:
@@ -396,7 +398,9 @@ def create_policy_app(
             await collector.aclose()
 
     app = create_app("scripted-policy", lifespan=lifespan, data_token=data_token())
-    playbook = Playbook(seed=settings.seed, error_rate=settings.error_rate)
+    playbook = Playbook(
+        seed=settings.seed, error_rate=settings.error_rate, tool_turns=settings.tool_turns
+    )
     delay_s = settings.latency_ms / 1000
     models = ModelList(data=[ModelCard(id=settings.model, created=int(time.time()))])
     models_body = models.model_dump_json().encode()

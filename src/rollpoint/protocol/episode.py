@@ -21,7 +21,16 @@ from rollpoint.protocol.ids import EpisodeId, Identifier
 from rollpoint.protocol.model_base import StrictModel
 from rollpoint.protocol.token_data import TokenTrace
 
-EnvironmentName = Literal["workplace", "blackjack", "math"]
+EnvironmentName = Annotated[
+    str,
+    Field(
+        min_length=1,
+        max_length=256,
+        pattern=r"^[A-Za-z_][\w.-]*(:[A-Za-z_][\w.]*)?$",
+    ),
+]
+"""An environment reference: a built-in or registered name (``workplace``, ``sandbox``) or an
+import path ``package.module:ClassName``; :mod:`rollpoint.envs.registry` resolves it."""
 
 
 class TaskRow(StrictModel):

@@ -159,6 +159,7 @@ class EmbeddedRuntime:
                 "latency_ms": cfg.policy.latency_ms,
                 "error_rate": cfg.policy.error_rate,
                 "tokens_per_call": cfg.policy.tokens_per_call,
+                "tool_turns": cfg.policy.tool_turns,
                 "model": cfg.policy.model,
                 "call_log": None if cfg.policy.call_log is None else str(cfg.policy.call_log),
                 "shape": cfg.policy.engine,

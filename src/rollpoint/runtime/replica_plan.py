@@ -35,9 +35,17 @@ def replica_of(server_name: str) -> str | None:
 
 
 def _checkpoint_mode(environment: str) -> str:
-    from rollpoint.envs import get_environment
+    from rollpoint.envs.registry import resolve_environment
 
-    return str(get_environment(environment).checkpoint_mode)
+    return str(resolve_environment(environment).checkpoint_mode)
+
+
+def _environment_name(environment: str) -> str:
+    """The environment's own name (what its resources server reports on ``/tools``), which
+    the agent checks; the reference (maybe an import path) is what the resources load."""
+    from rollpoint.envs.registry import resolve_environment
+
+    return resolve_environment(environment).name
 
 
 class ReplicaPlan(StrictModel):
@@ -65,6 +73,8 @@ class ReplicaPlan(StrictModel):
     capture_tokens: bool = False
     engine: str = "vllm"
     """The reply shape token data is read from (``policy.engine``)."""
+    agent_loop: str | None = None
+    """The agents' custom loop by import path (None: the built-in one)."""
 
     @classmethod
     def of(cls, config: RunConfig, *, policy_url: str, snapshot_root: str | None) -> ReplicaPlan:
@@ -83,6 +93,7 @@ class ReplicaPlan(StrictModel):
             seed_policy=config.policy.sampling.seed,
             capture_tokens=bool(config.policy.capture_tokens),
             engine=config.policy.engine,
+            agent_loop=config.agent_loop,
         )
 
     def _port(self, offset: int, restarted: bool) -> int:
@@ -133,7 +144,7 @@ class ReplicaPlan(StrictModel):
                 "agent",
                 model_url=model_url,
                 resources_url=resources_url,
-                environment=self.environment,
+                environment=_environment_name(self.environment),
                 checkpoint_mode=self.checkpoint_mode,
                 model_name=self.model_name,
                 upstream_connections=self.upstream_connections,
@@ -141,6 +152,7 @@ class ReplicaPlan(StrictModel):
                 seed_policy=self.seed_policy,
                 capture_tokens=self.capture_tokens,
                 engine=self.engine,
+                agent_loop=self.agent_loop,
             ),
         )
 

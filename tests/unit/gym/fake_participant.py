@@ -50,6 +50,7 @@ class FakeParticipant:
         self.replica = replica
         self.mode = CheckpointMode.TURN
         self.features: tuple[str, ...] = ("turn-boundary",)
+        self.portable = True
         self.clock = clock
         self.admission_open = True
         self.calls: Counter[str] = Counter()

@@ -110,9 +110,16 @@ def test_tool_call_ids_differ_from_turn_to_turn() -> None:
     assert later.call_id != first.call_id
 
 
-def test_unknown_tools_get_a_polite_final_message() -> None:
+def test_unknown_tools_are_played_by_the_generic_playbook() -> None:
     tools = [tool_spec("weather_lookup", {"city": "string"})]
     decision = ask(SLOPPY, [{"role": "user", "content": "What is the weather?"}], tools)
+    assert isinstance(decision, ToolCallDecision) and decision.name == "weather_lookup"
+
+
+def test_unknown_tools_with_no_tool_turns_get_a_polite_final_message() -> None:
+    tools = [tool_spec("weather_lookup", {"city": "string"})]
+    playbook = Playbook(seed=5, error_rate=0.5, tool_turns=0)
+    decision = ask(playbook, [{"role": "user", "content": "What is the weather?"}], tools)
     assert isinstance(decision, FinalDecision) and "Sorry" in decision.text
 
 

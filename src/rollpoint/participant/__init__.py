@@ -1,0 +1,62 @@
+"""The participant SDK: what makes any ASGI server (FastAPI or Starlette) a checkpoint participant.
+
+The public, stable surface (``__all__``, pinned by a test); the modules behind it live in
+``rollpoint.gym`` for now and are not part of it:
+
+- the hooks a server implements: :class:`Participant` (``kind``, ``name``, ``replica``,
+  ``mode``, ``portable``, ``features``, admission, readiness, export, install, retire,
+  forget, ack, stats) and :class:`CapturingParticipant` (a two-step export whose pause is a
+  copy), with the values they return (:class:`Readiness`, :class:`RetireOutcome`,
+  :class:`RetireOutcomeKind`);
+- :class:`Fence`, which runs one participant's phase machine, lease, retire marks and
+  replays, and :class:`ControlSettings`, its token, snapshot root and lease grace;
+- :func:`mount_participant`, the one function that mounts the control routes over a fence,
+  with the control token passed explicitly; :func:`close_control_plane` on shutdown,
+  :func:`control_fence` to find it again;
+- :class:`StateImage`, a participant's saved form kept current between checkpoints so a
+  capture copies a dict, and the scope readers :class:`EpisodeScope`,
+  :func:`episode_pairs`, :func:`latest_attempts`;
+- :class:`AdmissionGate`, the gate a server closes to hold new work while a checkpoint is
+  prepared;
+- the identities and modes on the protocol: :class:`EpisodeId`, :class:`CheckpointMode`,
+  :class:`ParticipantKind`.
+
+The built-in model, agent and resources servers use the SDK through this package; see
+docs/environments.md ("Wrapping an existing server with the SDK").
+"""
+
+from rollpoint.gym.admission_gate import AdmissionGate
+from rollpoint.gym.control_plane import close_control_plane, control_fence, mount_participant
+from rollpoint.gym.episode_scope import EpisodeScope, episode_pairs, latest_attempts
+from rollpoint.gym.fence import ControlSettings, Fence
+from rollpoint.gym.participant import (
+    CapturingParticipant,
+    Participant,
+    Readiness,
+    RetireOutcome,
+    RetireOutcomeKind,
+)
+from rollpoint.gym.state_image import StateImage
+from rollpoint.protocol.ids import EpisodeId
+from rollpoint.protocol.participant import CheckpointMode, ParticipantKind
+
+__all__ = [
+    "AdmissionGate",
+    "CapturingParticipant",
+    "CheckpointMode",
+    "ControlSettings",
+    "EpisodeId",
+    "EpisodeScope",
+    "Fence",
+    "Participant",
+    "ParticipantKind",
+    "Readiness",
+    "RetireOutcome",
+    "RetireOutcomeKind",
+    "StateImage",
+    "close_control_plane",
+    "control_fence",
+    "episode_pairs",
+    "latest_attempts",
+    "mount_participant",
+]

@@ -1,0 +1,362 @@
+"""The sandbox example tested like a product: conformance of its servers, and a crash.
+
+``rollpoint serve`` starts the sandbox's servers (by import path) and ``rollpoint
+conformance`` checks each one, as an environment author would. Then a real ``rollpoint run``
+on the sandbox is SIGKILLed after a snapshot and rerun to the end, and held to:
+
+- every row trained exactly once (I1, from ``train_data.jsonl``);
+- no append applied twice, counted from the episodes' final trees (the environment writes
+  each one to ``$SANDBOX_KEEP_FINAL``): every trained rollout's tree is the one its
+  successful calls build from the task's starting files, so an append applied twice
+  (a line more) has no matching tree;
+- continued episodes not regenerated, counted from the policy's own log: the policy is a
+  server of this test (it outlives the killed run) and notes each request's episode seed
+  and turn; every turn a continued rollout kept from before the cut was asked exactly once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import subprocess
+import sys
+import threading
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterator, MutableMapping
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+import yaml
+from sandbox_env import TASKS
+from sandbox_env.tree import pack_tree
+
+from rollpoint.envs import TaskRow, load_tasks
+from rollpoint.gym.episode_runner import episode_seed
+from rollpoint.policy.scripted_policy import PolicySettings, create_policy_app
+from rollpoint.testing import invariants
+from tests.support.live_server import serve_app
+from tests.support.run_process import Finished, RunProcess
+from tests.support.serve_process import served
+
+pytestmark = pytest.mark.chaos
+
+REF = "sandbox_env:SandboxEnvironment"
+GROUP_SIZE = 2
+MAX_RERUNS = 3
+_CONTINUED = re.compile(r"(\d+)\s+episodes\s+continued")
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+
+class CallLog:
+    """ASGI layer over the scripted policy: one ``(seed, turn)`` per chat request it gets
+    (the turn is the number of assistant messages the request carries)."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.calls: list[tuple[int | None, int]] = []
+        self.sent: dict[int | None, list[list[dict[str, Any]]]] = {}
+        """Every request's messages, by episode seed."""
+        self._lock = threading.Lock()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] != "/v1/chat/completions":
+            await self.app(scope, receive, send)
+            return
+        chunks: list[bytes] = []
+
+        async def noted() -> Message:
+            message = await receive()
+            if message["type"] == "http.request":
+                chunks.append(message.get("body", b""))
+                if not message.get("more_body"):
+                    self._note(b"".join(chunks))
+            return message
+
+        await self.app(scope, noted, send)
+
+    def _note(self, body: bytes) -> None:
+        request = orjson.loads(body)
+        turn = sum(1 for m in request["messages"] if m.get("role") == "assistant")
+        with self._lock:
+            self.calls.append((request.get("seed"), turn))
+            self.sent.setdefault(request.get("seed"), []).append(request["messages"])
+
+    def counts(self) -> Counter[tuple[int | None, int]]:
+        with self._lock:
+            return Counter(self.calls)
+
+
+@pytest.fixture
+def policy() -> Iterator[tuple[str, CallLog]]:
+    settings = PolicySettings(seed=0, latency_ms=40, error_rate=0.0, tool_turns=6)
+    log = CallLog(create_policy_app(settings))
+    with serve_app(log) as url:  # type: ignore[arg-type]
+        yield f"{url}/v1", log
+
+
+def write_config(tmp_path: Path, **overrides: object) -> Path:
+    config: dict[str, object] = {
+        "workdir": str(tmp_path / "run"),
+        "environment": REF,
+        "dataset": str(TASKS),
+        "group_size": GROUP_SIZE,
+        "max_turns": 10,
+        "replicas": 2,
+        "concurrency": 8,
+        "policy": {"latency_ms": 40, "error_rate": 0, "tool_turns": 6},
+        "snapshot": {"every_seconds": 0.3},
+        "train": {"batch_size": 4},
+    }
+    config.update(overrides)
+    path = tmp_path / "job.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+@pytest.fixture
+def sandbox_dirs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The servers' sandboxes, and the final trees, under the test's folder."""
+    monkeypatch.setenv("SANDBOX_ROOT", str(tmp_path / "sandboxes"))
+    monkeypatch.setenv("SANDBOX_KEEP_FINAL", str(tmp_path / "final"))
+    return tmp_path / "final"
+
+
+# ---- conformance -------------------------------------------------------------------------
+def test_rollpoint_conformance_passes_on_every_sandbox_server(
+    tmp_path: Path, sandbox_dirs: Path
+) -> None:
+    config = write_config(tmp_path, replicas=1)
+    with served(config) as deployment:
+        (replica,) = deployment["replicas"]
+        token_file = deployment["control_token_file"]
+        for role in ("resources_url", "model_url", "agent_url"):
+            done = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "rollpoint",
+                    "conformance",
+                    replica[role],
+                    "--token-file",
+                    token_file,
+                    "--json",
+                ],
+                capture_output=True,
+                text=True,
+                timeout=300,
+            )
+            assert done.returncode == 0, f"{role}: {done.stdout[-3000:]}{done.stderr[-2000:]}"
+            report = orjson.loads(done.stdout)
+            failed = [c for c in report["cases"] if not c["passed"]]
+            assert report["cases"] and failed == [], f"{role}: {failed}"
+
+
+# ---- a crash -----------------------------------------------------------------------------
+def _published(workdir: Path) -> set[str]:
+    store = workdir / invariants.SNAPSHOT_STORE_DIR / "snapshots"
+    return {p.parent.name for p in store.glob("*/manifest.json")}
+
+
+def _has_checkpoint(workdir: Path) -> bool:
+    return any((workdir / invariants.CHECKPOINTS_DIR).glob("step-*.json"))
+
+
+def _rerun_until_ok(config: Path, started: list[RunProcess]) -> list[Finished]:
+    runs: list[Finished] = []
+    while len(runs) < MAX_RERUNS:
+        started.append(RunProcess(config))
+        runs.append(started[-1].finish())
+        if runs[-1].returncode == 0:
+            return runs
+        assert "Traceback" not in runs[-1].stderr, runs[-1].stderr[-3000:]
+    raise AssertionError("reruns failed:\n" + "\n---\n".join(r.stderr[-1500:] for r in runs))
+
+
+def _calls(messages: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any], str]]:
+    """Every tool call of a transcript with its arguments and the result it got."""
+    results = {m.get("tool_call_id"): m.get("content") for m in messages if m["role"] == "tool"}
+    calls = []
+    for message in messages:
+        for call in message.get("tool_calls") or ():
+            arguments = orjson.loads(call["function"]["arguments"] or "{}")
+            calls.append((call["function"]["name"], arguments, str(results.get(call["id"]))))
+    return calls
+
+
+def expected_tree(task: TaskRow, messages: list[dict[str, Any]]) -> tuple[bytes, int]:
+    """The tree a rollout's successful calls build from the task's files, and its appends."""
+    files = {p: str(t).encode() for p, t in dict(task.params["files"]).items()}  # type: ignore[arg-type]
+    appends = 0
+    for name, args, result in _calls(messages):
+        if result.startswith("error"):
+            continue
+        if name == "fs_write":
+            files[args["path"]] = args["content"].encode()
+        elif name == "fs_append":
+            files[args["path"]] = files.get(args["path"], b"") + (args["line"] + "\n").encode()
+            appends += 1
+    return pack_tree(files), appends
+
+
+def crash_and_rerun(config: Path, workdir: Path) -> list[invariants.TrainedRollout]:
+    """SIGKILL the run once a snapshot follows its first train checkpoint, rerun it to the
+    end; the rollouts it trained, each row once (checked), some of them continued."""
+    started: list[RunProcess] = []
+    try:
+        run = RunProcess(config)
+        started.append(run)
+        run.wait_until(lambda: _has_checkpoint(workdir), "a train checkpoint")
+        before = _published(workdir)
+        run.wait_until(lambda: bool(_published(workdir) - before), "a snapshot after it")
+        assert run.proc.poll() is None, f"the run ended before the kill:\n{run.stderr[-2000:]}"
+        assert run.kill() == [], "processes outlived the killed run"
+
+        reruns = _rerun_until_ok(config, started)
+    finally:
+        for proc in started:
+            if proc.proc.poll() is None:
+                proc.kill()
+
+    match = _CONTINUED.search(reruns[0].stderr)
+    assert match and int(match.group(1)) > 0, reruns[0].stderr[-2000:]
+    tasks = load_tasks(TASKS, environment=REF)
+    rollouts, unreadable = invariants.read_train_data(workdir)
+    expected = invariants.expected_rows(tasks, GROUP_SIZE)
+    found = [*unreadable, *invariants.check_exactly_once(rollouts, expected)]
+    assert found == [], invariants.report(found)
+    return rollouts
+
+
+def test_sigkill_and_rerun_trains_every_row_once_applies_each_append_once_and_regenerates_nothing(
+    tmp_path: Path, sandbox_dirs: Path, policy: tuple[str, CallLog]
+) -> None:
+    policy_url, log = policy
+    config = write_config(tmp_path, policy={"base_url": policy_url})
+    rollouts = crash_and_rerun(config, tmp_path / "run")
+    tasks = {t.task_id: t for t in load_tasks(TASKS, environment=REF)}
+
+    # No append applied twice: from the final trees the environment itself wrote.
+    kept = {p.name for p in sandbox_dirs.glob("*.tar")}
+    appends = 0
+    for r in rollouts:
+        tree, made = expected_tree(tasks[r.task_id], r.messages)
+        name = f"{r.task_id}-{hashlib.sha256(tree).hexdigest()}.tar"
+        assert name in kept, f"{r.subject}: its final tree is not the one its calls build"
+        appends += made
+    assert appends > 0, "no append happened: the check above proved nothing"
+
+    # Continued episodes not regenerated: from the policy's own log.
+    asked = log.counts()
+    kept_turns = [
+        (r, call.turn)
+        for r in rollouts
+        if r.attempt >= 1 and r.model_calls is not None
+        for call in r.model_calls
+        if call.attempt < r.attempt
+    ]
+    assert kept_turns, "no continued rollout kept a turn from before the cut"
+    regenerated = [
+        f"{r.subject} turn {turn}: asked {asked[(episode_seed(r.rollout_id), turn)]} times"
+        for r, turn in kept_turns
+        if asked[(episode_seed(r.rollout_id), turn)] != 1
+    ]
+    assert regenerated == [], "\n".join(regenerated)
+
+
+# ---- an author's mistake -------------------------------------------------------------------
+FLAKY_ENV = '''
+from sandbox_env import SandboxEnvironment
+
+
+class FlakyExport(SandboxEnvironment):
+    """One task's episodes export a set (not JSON-safe) once a tool touched them; such an
+    episode lives a few turns, so a snapshot or two fail, then the others go through."""
+
+    def capture_state(self, state):
+        made = super().capture_state(state)
+        if all(r.path != "license.txt" for r in state.requirements):
+            return made
+        return lambda: {**made(), "seen": {1, 2}}
+'''
+
+
+def test_an_export_that_is_not_json_safe_fails_that_snapshot_and_the_run_goes_on(
+    tmp_path: Path, sandbox_dirs: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    plugins = tmp_path / "plugins"
+    plugins.mkdir()
+    (plugins / "flaky_env.py").write_text(FLAKY_ENV)
+    monkeypatch.setenv("PYTHONPATH", f"{plugins}:{':'.join(sys.path)}")
+    config = write_config(
+        tmp_path,
+        environment="flaky_env:FlakyExport",
+        policy={"latency_ms": 40, "error_rate": 0, "tool_turns": 6},
+        # However slow this machine makes those episodes, failed snapshots never end the run.
+        snapshot={"every_seconds": 0.3, "retry_after_seconds": 600},
+    )
+    run = RunProcess(config)
+    finished = run.finish(timeout_s=240)
+
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    workdir = tmp_path / "run"
+    rollouts, unreadable = invariants.read_train_data(workdir)
+    tasks = load_tasks(TASKS, environment=REF)
+    found = [
+        *unreadable,
+        *invariants.check_exactly_once(rollouts, invariants.expected_rows(tasks, GROUP_SIZE)),
+    ]
+    assert found == [], invariants.report(found)
+    events = [orjson.loads(line) for line in (workdir / "metrics.jsonl").read_bytes().splitlines()]
+    snapshots = [e for e in events if e.get("event") == "snapshot"]
+    failed = [e for e in snapshots if e["outcome"] == "failed"]
+    assert failed, "no snapshot failed: the bad export was never written"
+    detail = str(failed[0].get("detail"))
+    assert re.search(
+        r"packed state of rollout \S+ could not be made: environment 'sandbox': export_state"
+        r" returned data that is not JSON-safe \(Type is not JSON serializable: set\)",
+        detail,
+    ), detail
+    assert any(e["outcome"] == "published" and e["ts"] > failed[-1]["ts"] for e in snapshots), (
+        "no snapshot was published after the failed one"
+    )
+
+
+# ---- a custom agent loop -------------------------------------------------------------------
+LOOP = "sandbox_env.summary_loop:SummarizingLoop"
+
+
+def test_a_custom_loop_gets_its_state_back_after_sigkill_and_rerun(
+    tmp_path: Path, sandbox_dirs: Path, policy: tuple[str, CallLog]
+) -> None:
+    from sandbox_env.summary_loop import SummarizingLoop
+
+    policy_url, log = policy
+    config = write_config(tmp_path, policy={"base_url": policy_url}, agent_loop=LOOP)
+    rollouts = crash_and_rerun(config, tmp_path / "run")
+
+    # Every request the policy got is what the loop makes from the transcript, its state
+    # threaded turn by turn from the start: a restore that lost the state (or handed back
+    # another) would have sent a prompt without the summary it had.
+    loop = SummarizingLoop()
+    resumed_with_summary = 0
+    for r in rollouts:
+        assistants = [i for i, m in enumerate(r.messages) if m["role"] == "assistant"]
+        expected, state = [], None
+        for turn, index in enumerate(assistants):
+            sent, state = loop.prompt(state, r.messages[:index], turn)
+            expected.append(sent)
+        logged = log.sent[episode_seed(r.rollout_id)]
+        stray = [m for m in logged if m not in expected]
+        assert stray == [], f"{r.subject}: the policy was sent a prompt the loop does not make"
+        assert r.model_calls is not None
+        first_after = min(c.turn for c in r.model_calls if c.attempt == r.attempt)
+        if r.attempt >= 1 and first_after >= SummarizingLoop.every and first_after > 0:
+            assert expected[first_after][1]["content"].startswith("Summary of the earlier steps")
+            resumed_with_summary += 1
+    assert resumed_with_summary > 0, "no rollout continued past a fold: nothing was restored"

@@ -1,0 +1,109 @@
+"""The participant SDK's public surface (``rollpoint.participant``), and the servers using it."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import httpx
+import pytest
+from fastapi import FastAPI
+
+import rollpoint.participant
+from rollpoint.http.auth import CONTROL_TOKEN_ENV
+from rollpoint.participant import Participant, close_control_plane, control_fence, mount_participant
+from rollpoint.protocol.control import CONTROL_PREFIX
+from tests.unit.gym.fake_participant import FakeParticipant
+
+GYM = Path(rollpoint.participant.__file__).parents[1] / "gym"
+SDK_MODULES = {
+    "admission_gate",
+    "checkpoint_write",
+    "control_plane",
+    "control_routes",
+    "episode_scope",
+    "fence",
+    "participant",
+    "phase_table",
+    "state_image",
+}
+"""The modules behind the SDK: only rollpoint.participant (and each other) import them."""
+SERVERS = [
+    "model_server",
+    "agent_server",
+    "resources_server",
+    "model_participant",
+    "agent_participant",
+    "resources_participant",
+    "session_book",
+    "episode_record",
+]
+
+
+def test_the_public_surface_is_pinned() -> None:
+    assert rollpoint.participant.__all__ == [
+        "AdmissionGate",
+        "CapturingParticipant",
+        "CheckpointMode",
+        "ControlSettings",
+        "EpisodeId",
+        "EpisodeScope",
+        "Fence",
+        "Participant",
+        "ParticipantKind",
+        "Readiness",
+        "RetireOutcome",
+        "RetireOutcomeKind",
+        "StateImage",
+        "close_control_plane",
+        "control_fence",
+        "episode_pairs",
+        "latest_attempts",
+        "mount_participant",
+    ]
+    for name in rollpoint.participant.__all__:
+        assert getattr(rollpoint.participant, name) is not None
+
+
+@pytest.mark.parametrize("module", SERVERS)
+def test_the_built_in_servers_reach_the_sdk_only_through_the_package(module: str) -> None:
+    tree = ast.parse((GYM / f"{module}.py").read_text())
+    private = [
+        f"line {node.lineno}: from {node.module} import ..."
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom)
+        and node.module is not None
+        and node.module.startswith("rollpoint.gym.")
+        and node.module.removeprefix("rollpoint.gym.") in SDK_MODULES
+    ]
+    assert private == []
+
+
+def test_portable_is_part_of_the_protocol() -> None:
+    # Declared, not read with a default: a server without it is not a participant.
+    assert isinstance(FakeParticipant(), Participant)
+    without = FakeParticipant()
+    del without.portable
+    assert not isinstance(without, Participant)
+
+
+async def test_mount_participant_guards_the_routes_with_the_token_it_is_given(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv(CONTROL_TOKEN_ENV, raising=False)  # nothing read from the environment
+    app = FastAPI()
+    participant = FakeParticipant()
+    participant.portable = False
+    token = "sdk-token-0123456789abcdef"
+    fence = mount_participant(app, participant, token=token, snapshot_root=str(tmp_path))
+    assert control_fence(app) is fence
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://sdk") as client:
+        refused = await client.get(f"{CONTROL_PREFIX}/status")
+        status = await client.get(
+            f"{CONTROL_PREFIX}/status", headers={"authorization": f"Bearer {token}"}
+        )
+    assert refused.status_code == 401
+    assert status.status_code == 200
+    assert status.json()["portable"] is False  # declared by the participant, read as such
+    await close_control_plane(app)

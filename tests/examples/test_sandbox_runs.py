@@ -355,8 +355,10 @@ def test_a_custom_loop_gets_its_state_back_after_sigkill_and_rerun(
         stray = [m for m in logged if m not in expected]
         assert stray == [], f"{r.subject}: the policy was sent a prompt the loop does not make"
         assert r.model_calls is not None
-        first_after = min(c.turn for c in r.model_calls if c.attempt == r.attempt)
-        if r.attempt >= 1 and first_after >= SummarizingLoop.every and first_after > 0:
+        # None: the last attempt made no policy call (saved after its final answer, it
+        # only had its check left to run).
+        first_after = min((c.turn for c in r.model_calls if c.attempt == r.attempt), default=None)
+        if r.attempt >= 1 and first_after is not None and first_after >= SummarizingLoop.every:
             assert expected[first_after][1]["content"].startswith("Summary of the earlier steps")
             resumed_with_summary += 1
     assert resumed_with_summary > 0, "no rollout continued past a fold: nothing was restored"

@@ -49,6 +49,7 @@ class EmbeddedRuntime:
         participant (control routes on); without, they serve the data plane only. With
         ``data_token`` the replicas' data routes need it (the policy keeps its api_key)."""
         self.config = config
+        self._data_token = data_token
         env = {CONTROL_TOKEN_ENV: control_token} if control_token else {}
         if data_token:
             env[DATA_TOKEN_ENV] = data_token
@@ -138,7 +139,8 @@ class EmbeddedRuntime:
                 url,
                 engine=cfg.engine,
                 model=cfg.model,
-                api_key=cfg.api_key,
+                # The built-in policy guards its routes with the run's data token.
+                api_key=cfg.api_key if cfg.base_url is not None else self._data_token,
                 required=cfg.capture_tokens == "required",
             )
         return url

@@ -24,7 +24,8 @@ from rich.table import Table
 from rollpoint import __version__
 from rollpoint.config import load_config
 from rollpoint.job import drive_quietly, prepare_workdir, run_job
-from rollpoint.protocol.errors import ConfigError, RollpointError
+from rollpoint.preemption import StopRequest, signal_name
+from rollpoint.protocol.errors import ConfigError, RollpointError, RunPreemptedError
 
 app = typer.Typer(
     add_completion=False,
@@ -44,15 +45,29 @@ if TYPE_CHECKING:
 ConfigArg = Annotated[Path, typer.Argument(help="The run's YAML config.", show_default=False)]
 
 
-def _run_async(make: Callable[[], Awaitable[T]]) -> T:
-    """Run a coroutine; SIGTERM cancels it like Ctrl-C does, so cleanup always runs."""
+def _run_async(make: Callable[[StopRequest], Awaitable[T]]) -> T:
+    """Run a coroutine with SIGTERM and SIGINT handled by a :class:`StopRequest` (a run
+    takes a final snapshot on the first); a signal that cancels it outright ends in a
+    :class:`RunPreemptedError`, after every cleanup ran."""
 
     async def _main() -> T:
         task = asyncio.current_task()
+        assert task is not None
         loop = asyncio.get_running_loop()
-        if task is not None:
-            loop.add_signal_handler(signal.SIGTERM, task.cancel)
-        return await make()
+        stop = StopRequest(cancel=task.cancel)
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.signal, signum)
+        try:
+            return await make(stop)
+        except asyncio.CancelledError:
+            if not stop.cancelled:
+                raise
+            why = "a second signal" if stop.received > 1 else "before the trainer ran"
+            raise RunPreemptedError(
+                f"stopped at once by {signal_name(stop.signum or signal.SIGTERM)} ({why}; "
+                "no final snapshot): the latest published snapshot holds the run",
+                stop.exit_code,
+            ) from None
 
     return asyncio.run(_main())
 
@@ -119,8 +134,13 @@ def run(
         prepare_workdir(config.workdir, fresh=fresh, force=force)
         _setup_logging(config.workdir)
         summary = _run_async(
-            lambda: run_job(config, fresh=fresh, say=_say, drive=_drive_with_progress)
+            lambda stop: run_job(
+                config, fresh=fresh, say=_say, drive=_drive_with_progress, stop=stop
+            )
         )
+    except RunPreemptedError as exc:
+        console.print(f"[yellow]{exc.message}[/]", highlight=False, soft_wrap=True)
+        raise typer.Exit(code=exc.exit_code) from None
     except RollpointError as exc:
         raise _fail(exc) from None
     except KeyboardInterrupt:
@@ -162,7 +182,7 @@ def serve(
         path.write_text(token + "\n")
         return token
 
-    async def _serve() -> None:
+    async def _serve(stop: StopRequest) -> None:
         token_file = config.workdir / "control.token"
         token = _private_token(token_file)
         data_file = None if open_data_routes else config.workdir / "data.token"
@@ -198,6 +218,9 @@ def serve(
         config = load_config(config_path)
         config.workdir.mkdir(parents=True, exist_ok=True)
         _run_async(_serve)
+    except RunPreemptedError as exc:
+        # Serving has no state of its own to save: a signal just stops the servers.
+        console.print(f"stopped by {signal_name(exc.exit_code - 128)}; servers stopped")
     except RollpointError as exc:
         raise _fail(exc) from None
     except (KeyboardInterrupt, asyncio.CancelledError):

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from rollpoint.config import RunConfig
 from rollpoint.http.client import HttpClient
+from rollpoint.preemption import StopRequest, drive_until_stopped
 from rollpoint.protocol.deployment import Deployment
 from rollpoint.protocol.episode import TaskRow
 from rollpoint.protocol.errors import ConfigError
@@ -101,9 +102,11 @@ async def run_job(
     drive: Drive = drive_quietly,
     route: Route | None = None,
     data_token: str | None = None,
+    stop: StopRequest | None = None,
 ) -> RunSummary:
     """``data_token`` guards the servers' data routes (one is made when None); a caller that
-    talks to the servers itself (a benchmark reading their stats) passes its own."""
+    talks to the servers itself (a benchmark reading their stats) passes its own. With
+    ``stop`` a signal ends the run after one final snapshot (see :mod:`rollpoint.preemption`)."""
     tasks = load_tasks_for(config)
     token = secrets.token_urlsafe(32)
     # The data plane has a token of its own: whoever can call /run cannot snapshot or restore.
@@ -147,7 +150,15 @@ async def run_job(
         trainer = Trainer(
             config, deployment, tasks, client=data_http, control=control, restored=restored
         )
-        return await drive(trainer, runtime, metrics)
+        if stop is None:
+            return await drive(trainer, runtime, metrics)
+        return await drive_until_stopped(
+            drive(trainer, runtime, metrics),
+            trainer,
+            stop,
+            grace_s=config.preemption.grace_seconds,
+            previous=None if point is None else point.manifest.snapshot_id,
+        )
     finally:
         await control_http.aclose()
         await data_http.aclose()

@@ -25,6 +25,8 @@ class PolicyCalls:
     """Chat completions received."""
     in_flight: int = 0
     """Received and not yet answered in full."""
+    authorizations: set[str] = field(default_factory=set)
+    """Every ``Authorization`` header the calls carried."""
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def snapshot(self) -> tuple[int, int]:
@@ -41,9 +43,11 @@ class _Counter:
         if scope["type"] != "http" or not scope["path"].endswith("/chat/completions"):
             await self._app(scope, receive, send)
             return
+        auth = dict(scope["headers"]).get(b"authorization", b"").decode()
         with self._calls.lock:
             self._calls.total += 1
             self._calls.in_flight += 1
+            self._calls.authorizations.add(auth)
         try:
             await self._app(scope, receive, send)
         finally:

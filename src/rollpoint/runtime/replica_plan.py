@@ -47,7 +47,6 @@ class ReplicaPlan(StrictModel):
     environment: str
     policy_url: str
     """The engine the model servers proxy to (ending in ``/v1``)."""
-    api_key: str | None
     model_name: str
     checkpoint_mode: str
     base_port: int | None
@@ -63,7 +62,6 @@ class ReplicaPlan(StrictModel):
             host=config.host,
             environment=config.environment,
             policy_url=policy_url,
-            api_key=config.policy.api_key,
             model_name=config.policy.model,
             checkpoint_mode=_checkpoint_mode(config.environment),
             base_port=config.base_port,
@@ -94,9 +92,9 @@ class ReplicaPlan(StrictModel):
             name=f"model-{replica}",
             host=self.host,
             port=self._port(2 + 3 * index, restarted),
-            settings=self._settings(
-                index, "model", upstream_url=self.policy_url, api_key=self.api_key
-            ),
+            # The engine's api_key is no setting: settings travel on the command line, which
+            # every user of the machine can read. It reaches the model servers by environment.
+            settings=self._settings(index, "model", upstream_url=self.policy_url),
         )
         return [resources, model]
 

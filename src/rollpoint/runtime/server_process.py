@@ -43,8 +43,13 @@ def build_app(spec: ServerSpec) -> FastAPI:
         return create_policy_app(PolicySettings.model_validate(spec.settings))
     if spec.kind == "model":
         from rollpoint.gym.model_server import ModelServerSettings, create_model_app
+        from rollpoint.http.auth import POLICY_API_KEY_ENV
 
-        return create_model_app(ModelServerSettings.model_validate(spec.settings))
+        model = ModelServerSettings.model_validate(spec.settings)
+        api_key = os.environ.get(POLICY_API_KEY_ENV)
+        if api_key:  # by environment: a command line is readable by every user
+            model = model.model_copy(update={"api_key": api_key})
+        return create_model_app(model)
     if spec.kind == "agent":
         from rollpoint.gym.agent_server import AgentSettings, create_agent_app
 

@@ -23,6 +23,7 @@ from rollpoint.protocol.deployment import Deployment
 from rollpoint.protocol.episode import TaskRow
 from rollpoint.protocol.errors import ConfigError
 from rollpoint.runtime.contract import Runtime, runtime_for
+from rollpoint.start_checks import check_store_writable, check_workdir_writable, unreadable
 from rollpoint.store.snapshot_store import SnapshotStore
 from rollpoint.trainer.control_plane import (
     ControlPlane,
@@ -63,7 +64,7 @@ def prepare_workdir(workdir: Path, *, fresh: bool, force: bool) -> None:
         if not force:
             raise ConfigError(f"workdir {workdir} is not empty; --fresh needs --force to delete it")
         shutil.rmtree(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
+    check_workdir_writable(workdir)
 
 
 def forget_unresumable_run(workdir: Path, say: Callable[[str], None]) -> None:
@@ -112,9 +113,13 @@ async def run_job(
     # The data plane has a token of its own: whoever can call /run cannot snapshot or restore.
     data_token = data_token or secrets.token_urlsafe(32)
     root = snapshot_root(config)
-    store = await asyncio.to_thread(SnapshotStore, root, config.snapshot.keep)
+    await asyncio.to_thread(check_store_writable, root)  # before any server starts
     checkpoints = TrainCheckpointStore(config.workdir / "checkpoints")
-    point = None if fresh else await asyncio.to_thread(choose_resume_point, store, checkpoints)
+    try:
+        store = await asyncio.to_thread(SnapshotStore, root, config.snapshot.keep)
+        point = None if fresh else await asyncio.to_thread(choose_resume_point, store, checkpoints)
+    except OSError as exc:
+        raise unreadable(exc, "the snapshot store") from None
     if point is None:
         forget_unresumable_run(config.workdir, say)
     else:
@@ -137,11 +142,14 @@ async def run_job(
         restored = None
         if point is not None:
             say(f"restoring snapshot {point.manifest.snapshot_id}")
-            restored = await Restorer(control.participants).restore(
-                point,
-                train_data=config.workdir / TRAIN_DATA_FILE,
-                continue_episodes=config.recovery == "turn",
-            )
+            try:
+                restored = await Restorer(control.participants).restore(
+                    point,
+                    train_data=config.workdir / TRAIN_DATA_FILE,
+                    continue_episodes=config.recovery == "turn",
+                )
+            except OSError as exc:
+                raise unreadable(exc, f"restoring snapshot {point.manifest.snapshot_id}") from None
             say(
                 f"resumed from snapshot {restored.snapshot_id} at train step {restored.checkpoint.step}: "
                 f"{len(restored.continued)} episodes continued, {restored.restarted} restarted, "

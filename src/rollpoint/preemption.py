@@ -23,9 +23,12 @@ import logging
 import signal
 import time
 from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 from rollpoint.protocol.errors import RollpointError, RunPreemptedError
-from rollpoint.trainer.trainer_loop import RunSummary, Trainer
+
+if TYPE_CHECKING:  # the CLI imports this module for StopRequest: keep it light
+    from rollpoint.trainer.trainer_loop import RunSummary, Trainer
 
 log = logging.getLogger(__name__)
 

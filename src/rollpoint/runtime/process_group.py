@@ -136,14 +136,16 @@ class ProcessGroup:
             else:
                 with contextlib.suppress(ProcessLookupError):
                     child.process.send_signal(signal.SIGTERM)
-        for child in self.children:
-            try:
-                await asyncio.wait_for(child.process.wait(), timeout_s)
-            except TimeoutError:
+        # One deadline for all (they stop side by side): a preempted run's grace counts it.
+        waits = [asyncio.ensure_future(c.process.wait()) for c in self.children]
+        if waits:
+            await asyncio.wait(waits, timeout=timeout_s)
+        for child, wait in zip(self.children, waits, strict=True):
+            if not wait.done():
                 log.warning("%s did not stop within %.0fs; killing it", child.spec.name, timeout_s)
                 with contextlib.suppress(ProcessLookupError):
                     child.process.kill()
-                await child.process.wait()
+            await wait
             if child.process.stdin is not None:
                 child.process.stdin.close()
         for pump in self._pumps:

@@ -1,12 +1,23 @@
-"""Work re-done after a crash: turn-level recovery against ``recovery: restart``.
+"""Work re-done after a stop, on a job shaped like agentic RL: three ways to die, side by side.
 
-The same job (seeded, deterministic policy, no policy mistakes) runs three ways in one go:
-without a crash (the baseline), and killed at the same moment then resumed, once with
-``recovery: turn`` and once with ``recovery: restart``. The kill is real: every server
-process of the run gets SIGKILL and the trainer stops where it is; the rerun restores from
-the newest published snapshot. Policy calls are counted by the model servers
-(``calls_total``) of each run; re-done work is what the crashed job needed beyond the
-baseline, in policy calls and in seconds of rollout time.
+The job: workplace tasks of 8-15 events (and at most one email) to schedule and confirm, so
+every episode takes 17-32 turns of the scripted policy (no mistakes, 300 ms a call), with
+snapshots every 5 s. It runs once without a stop (the baseline), then three times stopped at
+the same moment (a seeded random share of the baseline's run time) and resumed:
+
+- ``sigterm``: a real SIGTERM to this process, handled as ``rollpoint run`` handles it (the
+  preemption: a final snapshot within the grace, then the servers stop);
+- ``sigkill``: every server process SIGKILLed at that moment and the trainer stopped where it
+  is (``recovery: turn``: the rerun continues each saved episode from its last turn);
+- ``restart``: the same SIGKILL with ``recovery: restart`` (every unfinished episode starts
+  over from its prompt: the baseline that turn-level recovery is measured against).
+
+Policy calls are counted by the model servers (``calls_total``) of each run: read just
+before the servers stop (SIGTERM, and the end of every full run) or just before the kill.
+Re-done work is what a stopped job needed beyond the baseline, in policy calls and in
+seconds of rollout time (from the trainer's start to its end, both runs summed), each also
+as a ratio to ``restart``'s. For ``sigterm`` the policy calls in flight at the signal are
+read from the model servers as it is sent: the goal is to re-do no more than those.
 """
 
 from __future__ import annotations
@@ -14,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import random
 import secrets
 import signal
 import tempfile
@@ -22,16 +34,31 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from bench.report import BenchResult
 from rollpoint.config import RunConfig, parse_config
+from rollpoint.envs.workplace import ExpectedEmail, ExpectedEvent, WorkplaceParams, workplace_prompt
 from rollpoint.http.client import HttpClient
 from rollpoint.job import drive_quietly, run_job
+from rollpoint.preemption import StopRequest
+from rollpoint.protocol.episode import TaskRow
+from rollpoint.protocol.errors import RunPreemptedError
 from rollpoint.runtime.contract import Runtime
 from rollpoint.runtime.embedded import EmbeddedRuntime
-from rollpoint.store.snapshot_store import SnapshotStore
-from rollpoint.trainer.control_plane import snapshot_root
 from rollpoint.trainer.metrics import TrainerMetrics
 from rollpoint.trainer.trainer_loop import RunSummary, Trainer
+
+LATENCY_MS = 300
+SNAPSHOT_EVERY_S = 5.0
+GROUP_SIZE = 4
+CONCURRENCY = 32
+EVENTS = (8, 15)
+"""Events per task: 2 turns each (create, then search to confirm), plus an email turn (or
+not) and the final answer: 17-32 turns."""
+STOP_AT_SHARE = (0.3, 0.7)
+"""The stop comes at a seeded random share of the baseline's run time in this range."""
+CASES = ("sigterm", "sigkill", "restart")
 
 
 class Killed(Exception):
@@ -42,38 +69,75 @@ class Killed(Exception):
 class Leg:
     calls: int = 0
     seconds: float = 0.0
+    in_flight_at_stop: int = 0
 
 
 # The model servers' /stats is a data route: the bench hands run_job the token it reads with.
 DATA_TOKEN = secrets.token_urlsafe(16)
 
 
-async def _calls(runtime: Runtime) -> int:
+async def _stats(runtime: Runtime) -> list[dict[str, Any]]:
     assert runtime.deployment is not None
     async with HttpClient(token=DATA_TOKEN, timeout_s=10) as http:
-        stats = await asyncio.gather(
-            *(
-                http.get_json(f"{r.model_url}/rollpoint/v1/stats")
-                for r in runtime.deployment.replicas
+        return list(
+            await asyncio.gather(
+                *(
+                    http.get_json(f"{r.model_url}/rollpoint/v1/stats")
+                    for r in runtime.deployment.replicas
+                )
             )
         )
-    return sum(int(s["calls_total"]) for s in stats)
 
 
-def _config(workdir: Path, recovery: str, tasks: int) -> RunConfig:
+async def _calls(runtime: Runtime) -> int:
+    return sum(int(s["calls_total"]) for s in await _stats(runtime))
+
+
+def write_dataset(path: Path, tasks: int, seed: int) -> None:
+    """Workplace tasks long enough for 17-32 turns an episode."""
+    rng = random.Random(seed)
+    lines = []
+    for i in range(tasks):
+        events = [
+            ExpectedEvent(
+                title=f"Meeting {i}-{k}",
+                date=f"2025-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d}",
+                start_time=f"{rng.randint(8, 17):02d}:{rng.choice((0, 30)):02d}",
+                duration_minutes=rng.choice((15, 30, 45, 60)),
+            )
+            for k in range(rng.randint(*EVENTS))
+        ]
+        emails = [
+            ExpectedEmail(to="ana@example.com", subject=f"Agenda for {events[0].title}")
+            for _ in range(rng.randint(0, 1))
+        ]
+        params = WorkplaceParams(events=events, emails=emails)
+        row = TaskRow(
+            task_id=f"long-{i:04d}",
+            environment="workplace",
+            prompt=workplace_prompt(params),
+            params=params.model_dump(mode="json"),
+        )
+        lines.append(orjson.dumps(row.model_dump(mode="json")))
+    path.write_bytes(b"\n".join(lines) + b"\n")
+
+
+def _config(workdir: Path, dataset: Path, recovery: str) -> RunConfig:
     config = parse_config(
         {
             "workdir": str(workdir),
             "environment": "workplace",
-            "tasks": tasks,
-            "group_size": 4,
-            "max_turns": 8,
+            "dataset": str(dataset),
+            "tasks": None,
+            "group_size": GROUP_SIZE,
+            "max_turns": 40,
             "replicas": 2,
-            "concurrency": 32,
-            "policy": {"latency_ms": 40, "error_rate": 0.0},
+            "concurrency": CONCURRENCY,
+            "policy": {"latency_ms": LATENCY_MS, "error_rate": 0.0},
             "train": {"batch_size": 16},
-            "snapshot": {"every_seconds": 0.5},
+            "snapshot": {"every_seconds": SNAPSHOT_EVERY_S},
             "recovery": recovery,
+            "preemption": {"grace_seconds": 25},
         }
     )
     config.workdir.mkdir(parents=True, exist_ok=True)
@@ -95,29 +159,17 @@ async def _full_run(config: RunConfig, leg: Leg) -> RunSummary:
     return await run_job(config, fresh=False, say=_say, drive=drive, data_token=DATA_TOKEN)
 
 
-async def _killed_run(config: RunConfig, leg: Leg, kill_after_s: float) -> None:
-    store_root = snapshot_root(config)
-
+async def _killed_run(config: RunConfig, leg: Leg, stop_after_s: float) -> None:
     async def drive(trainer: Trainer, runtime: Runtime, metrics: TrainerMetrics) -> Any:
         assert isinstance(runtime, EmbeddedRuntime), "the kill needs local server processes"
         t0 = time.monotonic()
         job = asyncio.create_task(drive_quietly(trainer, runtime, metrics))
-        # Kill at the same moment of the job in both modes, as soon as a snapshot is
-        # published: what is lost is then what the snapshot itself could not save.
-        await asyncio.sleep(kill_after_s)
-        store = SnapshotStore(store_root, clean_leftovers=False)
-
-        def published() -> set[str]:
-            return {s.snapshot_id for s in store.list_snapshots()}
-
-        # By id, not by count: once retention keeps its 3, a publication prunes one and
-        # the count stays put (the kill then came after the job had ended).
-        seen = published()
-        while published() <= seen and not job.done():  # noqa: ASYNC110
-            await asyncio.sleep(0.02)
+        await asyncio.wait({job}, timeout=stop_after_s)
         if job.done():
-            raise RuntimeError(f"the job ended before a snapshot published after {kill_after_s}s")
-        leg.calls += await _calls(runtime)
+            raise RuntimeError(f"the job ended before the kill at {stop_after_s:.1f}s")
+        stats = await _stats(runtime)
+        leg.calls += sum(int(s["calls_total"]) for s in stats)
+        leg.in_flight_at_stop = sum(int(s["in_flight"]) for s in stats)
         for child in runtime.group.children:
             if child.alive:
                 os.kill(child.process.pid, signal.SIGKILL)
@@ -130,44 +182,95 @@ async def _killed_run(config: RunConfig, leg: Leg, kill_after_s: float) -> None:
         await run_job(config, fresh=False, say=_say, drive=drive, data_token=DATA_TOKEN)
 
 
-KILL_AT_SHARE = 0.4
-"""The kill comes this far into the crash-free baseline's run time: a fixed moment would
-land after the end once the job gets faster (it did)."""
+async def _preempted_run(config: RunConfig, leg: Leg, stop_after_s: float) -> str:
+    """SIGTERM to this very process, through the handler ``rollpoint run`` installs."""
+    loop = asyncio.get_running_loop()
+    main = asyncio.current_task()
+    assert main is not None
+    stop = StopRequest(cancel=main.cancel)
+    loop.add_signal_handler(signal.SIGTERM, stop.signal, signal.SIGTERM)
+
+    async def drive(trainer: Trainer, runtime: Runtime, metrics: TrainerMetrics) -> RunSummary:
+        t0 = time.monotonic()
+        job = asyncio.create_task(drive_quietly(trainer, runtime, metrics))
+        try:
+            await asyncio.wait({job}, timeout=stop_after_s)
+            if job.done():
+                raise RuntimeError(f"the job ended before the signal at {stop_after_s:.1f}s")
+            leg.in_flight_at_stop = sum(int(s["in_flight"]) for s in await _stats(runtime))
+            os.kill(os.getpid(), signal.SIGTERM)
+            return await job
+        except asyncio.CancelledError:
+            # The final snapshot is published: the servers stop once this returns.
+            job.cancel()
+            await asyncio.gather(job, return_exceptions=True)
+            leg.seconds += time.monotonic() - t0
+            leg.calls += await _calls(runtime)
+            raise
+
+    try:
+        await run_job(config, fresh=False, say=_say, drive=drive, data_token=DATA_TOKEN, stop=stop)
+    except RunPreemptedError as exc:
+        return exc.message
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
+    raise RuntimeError("the job was not preempted")
 
 
-async def run(tasks: int = 32, kill_after_s: float | None = None) -> BenchResult:
+async def run(tasks: int = 16, seed: int = 0) -> BenchResult:
     figures: dict[str, float | int | str] = {}
     with tempfile.TemporaryDirectory() as tmp:
+        dataset = Path(tmp) / "tasks.jsonl"
+        write_dataset(dataset, tasks, seed)
         base = Leg()
-        await _full_run(_config(Path(tmp) / "baseline", "turn", tasks), base)
+        await _full_run(_config(Path(tmp) / "baseline", dataset, "turn"), base)
         figures["baseline_policy_calls"] = base.calls
         figures["baseline_seconds"] = base.seconds
-        if kill_after_s is None:
-            kill_after_s = round(KILL_AT_SHARE * base.seconds, 2)
-        figures["kill_after_s"] = kill_after_s
-        for mode in ("turn", "restart"):
-            leg = Leg()
-            config = _config(Path(tmp) / mode, mode, tasks)
-            await _killed_run(config, leg, kill_after_s)
-            figures[f"{mode}_calls_before_kill"] = leg.calls
+        share = random.Random(seed).uniform(*STOP_AT_SHARE)
+        stop_after_s = round(share * base.seconds, 2)
+        figures["stop_after_s"] = stop_after_s
+        legs: dict[str, Leg] = {}
+        for case in CASES:
+            leg = legs[case] = Leg()
+            config = _config(Path(tmp) / case, dataset, "restart" if case == "restart" else "turn")
+            if case == "sigterm":
+                figures["sigterm_line"] = await _preempted_run(config, leg, stop_after_s)
+            else:
+                await _killed_run(config, leg, stop_after_s)
             await _full_run(config, leg)
-            figures[f"{mode}_policy_calls_redone"] = leg.calls - base.calls
-            figures[f"{mode}_seconds_redone"] = leg.seconds - base.seconds
-        turn, restart = figures["turn_policy_calls_redone"], figures["restart_policy_calls_redone"]
-        assert isinstance(turn, int) and isinstance(restart, int)
-        figures["redone_calls_ratio_turn_over_restart"] = (
-            turn / restart if restart else float("nan")
+        restart_calls = legs["restart"].calls - base.calls
+        restart_s = legs["restart"].seconds - base.seconds
+        for case in CASES:
+            leg = legs[case]
+            calls, seconds = leg.calls - base.calls, leg.seconds - base.seconds
+            figures[f"{case}_calls_in_flight_at_stop"] = leg.in_flight_at_stop
+            figures[f"{case}_policy_calls_redone"] = calls
+            figures[f"{case}_seconds_redone"] = seconds
+            figures[f"{case}_calls_ratio_to_restart"] = (
+                calls / restart_calls if restart_calls else float("nan")
+            )
+            figures[f"{case}_seconds_ratio_to_restart"] = (
+                seconds / restart_s if restart_s else float("nan")
+            )
+        sigterm = legs["sigterm"]
+        figures["goal_sigterm_redone_le_in_flight"] = str(
+            sigterm.calls - base.calls <= sigterm.in_flight_at_stop
         )
+        ratio = figures["sigkill_calls_ratio_to_restart"]
+        assert isinstance(ratio, float)
+        figures["goal_sigkill_le_0.15_of_restart"] = str(ratio <= 0.15)
     return BenchResult(
         key="crash_rework",
-        title="work re-done after a crash: turn-level recovery vs recovery: restart",
+        title="work re-done after a stop: SIGTERM with grace, SIGKILL, recovery: restart",
         figures=figures,
         params={
             "tasks": tasks,
-            "group_size": 4,
+            "group_size": GROUP_SIZE,
             "replicas": 2,
-            "policy_latency_ms": 40,
-            "snapshot_every_s": 0.5,
-            "kill": f"SIGKILL of every server at the first snapshot published after {kill_after_s}s",
+            "concurrency": CONCURRENCY,
+            "turns_per_episode": "17-32",
+            "policy_latency_ms": LATENCY_MS,
+            "snapshot_every_s": SNAPSHOT_EVERY_S,
+            "stop": f"at {stop_after_s}s (a seeded share {STOP_AT_SHARE} of the baseline)",
         },
     )

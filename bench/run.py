@@ -34,7 +34,7 @@ async def _sync(fn: Callable[..., BenchResult], *args: object) -> BenchResult:
 ITEMS: dict[str, Item] = {
     "model_overhead": lambda quick: model_overhead.run(calls=1500 if quick else 5000),
     "episode_throughput": lambda quick: episode_throughput.run(tasks=32 if quick else 128),
-    "crash_rework": lambda quick: crash_rework.run(tasks=24 if quick else 64),
+    "crash_rework": lambda quick: crash_rework.run(tasks=8 if quick else 24),
     "snapshot_io": lambda quick: _sync(
         snapshot_io.run, (10_000, 50_000) if quick else (10_000, 100_000)
     ),

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import logging
 import secrets
-import signal
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -23,7 +22,7 @@ import typer
 from rich.console import Console
 
 from rollpoint import __version__
-from rollpoint.protocol.errors import ConfigError, RollpointError
+from rollpoint.protocol.errors import ConfigError, RollpointError, RunPreemptedError
 
 app = typer.Typer(
     no_args_is_help=True,
@@ -39,6 +38,7 @@ this often instead of redrawing a bar."""
 T = TypeVar("T")
 
 if TYPE_CHECKING:
+    from rollpoint.preemption import StopRequest
     from rollpoint.runtime.contract import Runtime
     from rollpoint.trainer.metrics import TrainerMetrics
     from rollpoint.trainer.trainer_loop import RunSummary, Trainer
@@ -48,16 +48,33 @@ ConfigArg = Annotated[
 ]
 
 
-def _run_async(make: Callable[[], Awaitable[T]]) -> T:
-    """Run a coroutine; SIGTERM cancels it like Ctrl-C does, so cleanup always runs."""
+def _run_async(make: Callable[[StopRequest], Awaitable[T]]) -> T:
+    """Run a coroutine with SIGTERM and SIGINT handled by a :class:`StopRequest` (a run
+    takes a final snapshot on the first); a signal that cancels it outright ends in a
+    :class:`RunPreemptedError`, after every cleanup ran."""
     import asyncio
+    import signal
+
+    from rollpoint.preemption import StopRequest, signal_name
 
     async def _main() -> T:
         task = asyncio.current_task()
+        assert task is not None
         loop = asyncio.get_running_loop()
-        if task is not None:
-            loop.add_signal_handler(signal.SIGTERM, task.cancel)
-        return await make()
+        stop = StopRequest(cancel=task.cancel)
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, stop.signal, signum)
+        try:
+            return await make(stop)
+        except asyncio.CancelledError:
+            if not stop.cancelled:
+                raise
+            why = "a second signal" if stop.received > 1 else "before the trainer ran"
+            raise RunPreemptedError(
+                f"stopped at once by {signal_name(stop.signum or signal.SIGTERM)} ({why}; "
+                "no final snapshot): the latest published snapshot holds the run",
+                stop.exit_code,
+            ) from None
 
     return asyncio.run(_main())
 
@@ -215,8 +232,13 @@ def run(
         prepare_workdir(config.workdir, fresh=fresh, force=force)
         _setup_logging(config.workdir)
         summary = _run_async(
-            lambda: run_job(config, fresh=fresh, say=_say, drive=_drive_with_progress)
+            lambda stop: run_job(
+                config, fresh=fresh, say=_say, drive=_drive_with_progress, stop=stop
+            )
         )
+    except RunPreemptedError as exc:
+        console.print(f"[yellow]{exc.message}[/]", highlight=False, soft_wrap=True)
+        raise typer.Exit(code=exc.exit_code) from None
     except RollpointError as exc:
         raise _fail(exc) from None
     except KeyboardInterrupt:
@@ -256,6 +278,7 @@ def serve(
 
     from rollpoint.config import load_config
     from rollpoint.full_table import print_full
+    from rollpoint.preemption import signal_name
     from rollpoint.runtime.embedded import EmbeddedRuntime
     from rollpoint.trainer.control_plane import snapshot_root
 
@@ -266,7 +289,7 @@ def serve(
         path.write_text(token + "\n")
         return token
 
-    async def _serve() -> None:
+    async def _serve(stop: StopRequest) -> None:
         token_file = config.workdir / "control.token"
         token = _private_token(token_file)
         data_file = None if open_data_routes else config.workdir / "data.token"
@@ -305,6 +328,9 @@ def serve(
         config = load_config(config_path)
         config.workdir.mkdir(parents=True, exist_ok=True)
         _run_async(_serve)
+    except RunPreemptedError as exc:
+        # Serving has no state of its own to save: a signal just stops the servers.
+        console.print(f"stopped by {signal_name(exc.exit_code - 128)}; servers stopped")
     except RollpointError as exc:
         raise _fail(exc) from None
     except (KeyboardInterrupt, asyncio.CancelledError):

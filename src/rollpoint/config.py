@@ -141,6 +141,16 @@ class SnapshotConfig(_Section):
     """A path or fsspec URL; None keeps snapshots under <workdir>/snapshots."""
 
 
+class PreemptionConfig(_Section):
+    """What ``rollpoint run`` does on SIGTERM or SIGINT (a scheduler's notice, Ctrl-C)."""
+
+    grace_seconds: Annotated[float, Field(gt=0)] = 25.0
+    """From the signal to the exit: one last snapshot, then the servers stop. Inside
+    Kubernetes' default terminationGracePeriodSeconds (30); set it below your scheduler's
+    kill delay (Slurm: the time ``--signal`` gives, or KillWait). A snapshot that cannot
+    finish in time is abandoned and the previous one holds the run."""
+
+
 class RayConfig(_Section):
     """Where the replicas run when ``runtime: ray``; ignored on the embedded runtime."""
 
@@ -180,6 +190,7 @@ class RunConfig(_Section):
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     snapshot: SnapshotConfig = Field(default_factory=SnapshotConfig)
+    preemption: PreemptionConfig = Field(default_factory=PreemptionConfig)
     recovery: Literal["turn", "restart"] = "turn"
     """After a crash, ``turn`` continues every saved episode from its last completed turn;
     ``restart`` starts every unfinished episode over from its prompt (the baseline that

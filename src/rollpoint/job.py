@@ -20,10 +20,12 @@ from pathlib import Path
 
 from rollpoint.config import RunConfig
 from rollpoint.http.client import HttpClient
+from rollpoint.preemption import StopRequest, drive_until_stopped
 from rollpoint.protocol.deployment import Deployment
 from rollpoint.protocol.episode import TaskRow
 from rollpoint.protocol.errors import ConfigError
 from rollpoint.runtime.contract import Runtime, runtime_for
+from rollpoint.start_checks import check_store_writable, check_workdir_writable, unreadable
 from rollpoint.store.snapshot_store import SnapshotStore
 from rollpoint.trainer.control_plane import (
     ControlPlane,
@@ -75,7 +77,7 @@ def prepare_workdir(workdir: Path, *, fresh: bool, force: bool) -> None:
         if not force:
             raise ConfigError(f"workdir {workdir} is not empty; --fresh needs --force to delete it")
         shutil.rmtree(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
+    check_workdir_writable(workdir)
 
 
 def forget_unresumable_run(workdir: Path, say: Callable[[str], None]) -> None:
@@ -114,17 +116,23 @@ async def run_job(
     drive: Drive = drive_quietly,
     route: Route | None = None,
     data_token: str | None = None,
+    stop: StopRequest | None = None,
 ) -> RunSummary:
     """``data_token`` guards the servers' data routes (one is made when None); a caller that
-    talks to the servers itself (a benchmark reading their stats) passes its own."""
+    talks to the servers itself (a benchmark reading their stats) passes its own. With
+    ``stop`` a signal ends the run after one final snapshot (see :mod:`rollpoint.preemption`)."""
     tasks = load_tasks_for(config)
     token = secrets.token_urlsafe(32)
     # The data plane has a token of its own: whoever can call /run cannot snapshot or restore.
     data_token = data_token or secrets.token_urlsafe(32)
     root = snapshot_root(config)
-    store = await asyncio.to_thread(SnapshotStore, root, config.snapshot.keep)
+    await asyncio.to_thread(check_store_writable, root)  # before any server starts
     checkpoints = TrainCheckpointStore(config.workdir / "checkpoints")
-    point = None if fresh else await asyncio.to_thread(choose_resume_point, store, checkpoints)
+    try:
+        store = await asyncio.to_thread(SnapshotStore, root, config.snapshot.keep)
+        point = None if fresh else await asyncio.to_thread(choose_resume_point, store, checkpoints)
+    except OSError as exc:
+        raise unreadable(exc, "the snapshot store") from None
     if point is None:
         forget_unresumable_run(config.workdir, say)
     else:
@@ -158,11 +166,14 @@ async def run_job(
         restored = None
         if point is not None:
             say(f"restoring snapshot {point.manifest.snapshot_id}")
-            restored = await Restorer(control.participants).restore(
-                point,
-                train_data=config.workdir / TRAIN_DATA_FILE,
-                continue_episodes=config.recovery == "turn",
-            )
+            try:
+                restored = await Restorer(control.participants).restore(
+                    point,
+                    train_data=config.workdir / TRAIN_DATA_FILE,
+                    continue_episodes=config.recovery == "turn",
+                )
+            except OSError as exc:
+                raise unreadable(exc, f"restoring snapshot {point.manifest.snapshot_id}") from None
             say(
                 f"resumed from snapshot {restored.snapshot_id} at train step {restored.checkpoint.step}: "
                 f"{len(restored.continued)} episodes continued, {restored.restarted} restarted, "
@@ -191,7 +202,16 @@ async def run_job(
         trainer = Trainer(
             config, deployment, tasks, client=data_http, control=control, restored=restored
         )
-        summary = await drive(trainer, runtime, metrics)
+        if stop is None:
+            summary = await drive(trainer, runtime, metrics)
+        else:
+            summary = await drive_until_stopped(
+                drive(trainer, runtime, metrics),
+                trainer,
+                stop,
+                grace_s=config.preemption.grace_seconds,
+                previous=None if point is None else point.manifest.snapshot_id,
+            )
         events.append(
             RunEnd(
                 ts=time.time(),

@@ -26,6 +26,9 @@ from rollpoint.protocol.errors import ConfigError, UnauthorizedError
 CONTROL_TOKEN_ENV = "ROLLPOINT_CONTROL_TOKEN"
 DATA_TOKEN_ENV = "ROLLPOINT_DATA_TOKEN"
 """Optional: when set, a server's data routes need it and its outbound data calls send it."""
+POLICY_API_KEY_ENV = "ROLLPOINT_POLICY_API_KEY"
+"""Optional: the engine's key (``policy.api_key``) a model server sends upstream. Secrets
+reach server processes by environment, never on their command line."""
 
 
 def load_token(env_var: str = CONTROL_TOKEN_ENV, file: Path | None = None) -> str:

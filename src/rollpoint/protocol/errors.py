@@ -25,7 +25,8 @@ wire) and ``retryable`` (whether trying the same thing again later can help)::
     ├── EpisodeError                episode_failed           (a bad rollout is data, not a crash)
     ├── SnapshotError               snapshot_failed          retryable (one failed save)
     ├── RunStalledError             run_stalled              (no row result for too long)
-    └── RestoreError                restore_refused          (a restore that cannot be exact)
+    ├── RestoreError                restore_refused          (a restore that cannot be exact)
+    └── RunPreemptedError           run_preempted            (SIGTERM/SIGINT; CLI exit 143/130)
 
 On the wire every refusal is ``{"error": {"code", "message", "retryable"}}`` with the
 error's status; :func:`error_from_wire` turns it back into the same class. On the
@@ -196,6 +197,19 @@ class RunStalledError(RollpointError):
     """No row result arrived for the stall timeout (snapshot pauses not counted)."""
 
     code = "run_stalled"
+
+
+class RunPreemptedError(RollpointError):
+    """The run stopped on a signal; the message says which snapshot holds it."""
+
+    code = "run_preempted"
+
+    def __init__(self, message: str, exit_code: int = 143) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.message, self.exit_code))
 
 
 OPENAI_ERROR_TYPES: dict[int, str] = {

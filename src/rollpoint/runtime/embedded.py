@@ -14,7 +14,7 @@ from pathlib import Path
 from types import TracebackType
 
 from rollpoint.config import RunConfig
-from rollpoint.http.auth import CONTROL_TOKEN_ENV, DATA_TOKEN_ENV
+from rollpoint.http.auth import CONTROL_TOKEN_ENV, DATA_TOKEN_ENV, POLICY_API_KEY_ENV
 from rollpoint.http.client import HttpClient
 from rollpoint.policy.engine_adapters import check_token_capture
 from rollpoint.protocol.deployment import Deployment, ReplicaEndpoints
@@ -53,6 +53,8 @@ class EmbeddedRuntime:
         env = {CONTROL_TOKEN_ENV: control_token} if control_token else {}
         if data_token:
             env[DATA_TOKEN_ENV] = data_token
+        if config.policy.api_key:
+            env[POLICY_API_KEY_ENV] = config.policy.api_key
         self.group = ProcessGroup(log_dir or config.workdir / "logs", env=env)
         self._snapshot_root = snapshot_root if control_token and snapshot_root else None
         self.deployment: Deployment | None = None

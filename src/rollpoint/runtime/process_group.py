@@ -2,8 +2,11 @@
 
 Owns process lifetimes only. Each child gets a pipe on stdin that it watches (see
 :mod:`rollpoint.runtime.server_process`), so if this process dies — even by SIGKILL — the
-children notice EOF and exit within seconds. :meth:`ProcessGroup.stop` sends SIGTERM,
-waits, then SIGKILLs stragglers: no orphans on a normal exit, Ctrl-C or SIGTERM.
+children notice EOF and exit within seconds. The same pipe is how they are stopped:
+:meth:`ProcessGroup.stop` closes it (a child that watches it ignores SIGINT and SIGTERM while
+this process lives, so a signal to the whole process group leaves the servers serving until
+the launcher is done with them), waits, then SIGKILLs stragglers: no orphans on a normal
+exit, Ctrl-C or SIGTERM.
 """
 
 from __future__ import annotations
@@ -123,19 +126,26 @@ class ProcessGroup:
             self.children.remove(child)
 
     async def stop(self, timeout_s: float = 5.0) -> None:
-        """SIGTERM every child, wait, SIGKILL what is left; safe to call twice."""
+        """Close every child's stdin (SIGTERM to one that does not watch it), wait, SIGKILL
+        what is left; safe to call twice."""
         for child in self.children:
-            if child.alive:
+            if not child.alive:
+                continue
+            if child.spec.watch_parent and child.process.stdin is not None:
+                child.process.stdin.close()
+            else:
                 with contextlib.suppress(ProcessLookupError):
                     child.process.send_signal(signal.SIGTERM)
-        for child in self.children:
-            try:
-                await asyncio.wait_for(child.process.wait(), timeout_s)
-            except TimeoutError:
-                log.warning("%s ignored SIGTERM; killing it", child.spec.name)
+        # One deadline for all (they stop side by side): a preempted run's grace counts it.
+        waits = [asyncio.ensure_future(c.process.wait()) for c in self.children]
+        if waits:
+            await asyncio.wait(waits, timeout=timeout_s)
+        for child, wait in zip(self.children, waits, strict=True):
+            if not wait.done():
+                log.warning("%s did not stop within %.0fs; killing it", child.spec.name, timeout_s)
                 with contextlib.suppress(ProcessLookupError):
                     child.process.kill()
-                await child.process.wait()
+            await wait
             if child.process.stdin is not None:
                 child.process.stdin.close()
         for pump in self._pumps:

@@ -16,6 +16,8 @@ import asyncio
 import contextlib
 import logging
 import os
+import signal
+import threading
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -94,11 +96,14 @@ class RayRuntime:
             # A Ray instance of our own: no dashboard, no usage reporting.
             os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
             local = {"include_dashboard": False}
+        handlers = _signal_handlers()
         try:
             ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING, **local)
         except (ConnectionError, RuntimeError, ValueError) as exc:
             where = "a local Ray instance" if address is None else f"Ray at {address}"
             raise LaunchError(f"cannot start or reach {where}: {exc}") from None
+        finally:
+            _restore(handlers)
         self._owns_ray = True
 
     def _check_room(self) -> None:
@@ -235,6 +240,24 @@ class RayRuntime:
                 raise LaunchError(
                     f"{child.spec.name} exited unexpectedly (code {child.process.returncode}); see {child.log_path}"
                 )
+
+
+_RUN_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+def _signal_handlers() -> dict[int, Any]:
+    return {signum: signal.getsignal(signum) for signum in _RUN_SIGNALS}
+
+
+def _restore(handlers: dict[int, Any]) -> None:
+    """Put back the handlers ``ray.init`` replaced: its core worker installs one for SIGTERM
+    that logs and dies, and the driver's own (a final snapshot, ``rollpoint.preemption``)
+    must stay the one that answers."""
+    if threading.current_thread() is not threading.main_thread():
+        return  # only the main thread may set handlers (and then the caller owns signals)
+    for signum, handler in handlers.items():
+        if handler is not None:
+            signal.signal(signum, handler)
 
 
 async def _outcome(watch: Any) -> str:

@@ -55,7 +55,6 @@ class ReplicaPlan(StrictModel):
     environment: str
     policy_url: str
     """The engine the model servers proxy to (ending in ``/v1``)."""
-    api_key: str | None
     builtin_policy: bool = False
     """The engine is the scripted policy this run started: the model servers send it the
     data token (it guards its routes like every data route)."""
@@ -82,7 +81,6 @@ class ReplicaPlan(StrictModel):
             host=config.host,
             environment=config.environment,
             policy_url=policy_url,
-            api_key=config.policy.api_key,
             builtin_policy=config.policy.base_url is None,
             model_name=config.policy.model,
             checkpoint_mode=_checkpoint_mode(config.environment),
@@ -119,11 +117,12 @@ class ReplicaPlan(StrictModel):
             name=f"model-{replica}",
             host=self.host,
             port=self._port(2 + 3 * index, restarted),
+            # The engine's api_key is no setting: settings travel on the command line, which
+            # every user of the machine can read. It reaches the model servers by environment.
             settings=self._settings(
                 index,
                 "model",
                 upstream_url=self.policy_url,
-                api_key=self.api_key,
                 engine=self.engine,
                 upstream_data_token=self.builtin_policy,
             ),

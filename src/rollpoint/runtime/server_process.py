@@ -2,9 +2,12 @@
 
 Builds the app the spec names, binds its socket itself (port 0 → a free port, no race
 with other launches), prints one :class:`ReadyLine` on stdout, and serves until told to
-stop. With ``watch_parent`` it also exits when its standard input reaches EOF — which
-happens when the launcher dies for any reason, SIGKILL included — so a killed
-``rollpoint run`` never leaves servers behind.
+stop. With ``watch_parent`` its standard input is the launcher's leash: the launcher stops
+it by closing that pipe, and EOF also comes when the launcher dies for any reason, SIGKILL
+included, so a killed ``rollpoint run`` never leaves servers behind. While the launcher
+lives, such a server ignores SIGINT and SIGTERM: Ctrl-C in a terminal signals the whole
+foreground process group, and schedulers (Slurm's ``scancel``, a container runtime) signal
+every process of a job, but the launcher still needs its servers for one last snapshot.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import signal
 import socket
 import sys
 import threading
+from types import FrameType
 
 import orjson
 import uvicorn
@@ -39,8 +43,13 @@ def build_app(spec: ServerSpec) -> FastAPI:
         return create_policy_app(PolicySettings.model_validate(spec.settings))
     if spec.kind == "model":
         from rollpoint.gym.model_server import ModelServerSettings, create_model_app
+        from rollpoint.http.auth import POLICY_API_KEY_ENV
 
-        return create_model_app(ModelServerSettings.model_validate(spec.settings))
+        model = ModelServerSettings.model_validate(spec.settings)
+        api_key = os.environ.get(POLICY_API_KEY_ENV)
+        if api_key:  # by environment: a command line is readable by every user
+            model = model.model_copy(update={"api_key": api_key})
+        return create_model_app(model)
     if spec.kind == "agent":
         from rollpoint.gym.agent_server import AgentSettings, create_agent_app
 
@@ -75,12 +84,37 @@ def bind_socket(host: str, port: int, *, owner: str) -> socket.socket:
     return sock
 
 
-def _watch_stdin(server: uvicorn.Server) -> None:
-    """Block on stdin; EOF means the launcher is gone, so shut down (hard, if need be)."""
+class _LeashedServer(uvicorn.Server):
+    """A uvicorn server that leaves SIGINT and SIGTERM to its launcher while it lives.
+
+    uvicorn installs its own handlers for both signals while it serves (replacing an
+    ignored SIGINT), so ignoring them is done here, in its handler."""
+
+    def __init__(self, config: uvicorn.Config, *, leashed: bool) -> None:
+        super().__init__(config)
+        self.leashed = leashed
+        """True while the launcher holds the other end of stdin (``watch_parent``)."""
+        self._parent = os.getppid()
+
+    def launcher_alive(self) -> bool:
+        # A launcher that died makes this process an orphan (re-parented) before the EOF
+        # may have been read: either sign means nobody will stop us.
+        return self.leashed and os.getppid() == self._parent
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.launcher_alive():
+            log.info("ignoring signal %d: the launcher stops this server", sig)
+            return
+        super().handle_exit(sig, frame)
+
+
+def _watch_stdin(server: _LeashedServer) -> None:
+    """Block on stdin; EOF means the launcher stops us or is gone: shut down (hard, if need be)."""
     with contextlib.suppress(Exception):
         while sys.stdin.buffer.read(4096):
             pass
-    log.warning("launcher went away; shutting down")
+    server.leashed = False
+    log.info("standard input closed (the launcher stops this server, or is gone); shutting down")
     server.should_exit = True
     timer = threading.Timer(_SHUTDOWN_GRACE_S, lambda: os._exit(0))
     timer.daemon = True
@@ -95,7 +129,7 @@ def serve(spec: ServerSpec) -> None:
     config = uvicorn.Config(
         app, log_level="warning", access_log=False, lifespan="on", timeout_graceful_shutdown=2
     )
-    server = uvicorn.Server(config)
+    server = _LeashedServer(config, leashed=spec.watch_parent)
 
     async def _main() -> None:
         serve_task = asyncio.create_task(server.serve(sockets=[sock]))
@@ -117,9 +151,13 @@ def serve(spec: ServerSpec) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the launcher owns Ctrl-C; it stops us by SIGTERM
     try:
         spec = ServerSpec.model_validate(orjson.loads(args[0]))
+        if spec.watch_parent:
+            # The launcher owns Ctrl-C and SIGTERM and stops us by closing stdin; a signal
+            # to the group before uvicorn's handlers are in place must not end start-up.
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
         serve(spec)
     except RollpointError as exc:
         sys.stderr.write(f"error: {exc.message}\n")

@@ -237,9 +237,19 @@ class SnapshotCoordinator:
 
     # --- save --------------------------------------------------------------------------
 
-    async def save(self) -> SaveReport:
+    async def save(self, *, final: bool = False, drain_s: float = 0.0) -> SaveReport:
         """Take one snapshot. A failed one is reported (and counted); the third failure in
-        a row raises :class:`SnapshotError` naming what blocked each."""
+        a row raises :class:`SnapshotError` naming what blocked each.
+
+        ``final``: the run stops once this save is over (preemption). A good cut does not
+        resume the participants: they stay held, their leases renewed, until the snapshot
+        is published, so no policy call starts after the cut only to be lost with the
+        servers. A cut that fails resumes them as usual.
+
+        ``drain_s``: once the model servers' gates are closed, wait up to this long for the
+        policy calls already running to finish before the agents are asked to park, so
+        their replies are applied and saved instead of made again after a restore (the
+        generation cut saves a session as before a call still running)."""
         async with self._lock:
             if self.before_save is not None:
                 try:
@@ -248,7 +258,7 @@ class SnapshotCoordinator:
                     log.warning("before a snapshot: %s", exc.message)
             self._sequence += 1
             snapshot_id = f"snap-{int(time.time() * 1000)}-{self._sequence:04d}"
-            report = await self._save(snapshot_id)
+            report = await self._save(snapshot_id, final=final, drain_s=drain_s)
             self.history.append(report)
             self.metrics.record_snapshot(
                 outcome="published" if report.published else "failed",
@@ -289,7 +299,9 @@ class SnapshotCoordinator:
                 )
             return report
 
-    async def _save(self, snapshot_id: str) -> SaveReport:
+    async def _save(
+        self, snapshot_id: str, *, final: bool = False, drain_s: float = 0.0
+    ) -> SaveReport:
         report = SaveReport(snapshot_id=snapshot_id, published=False)
         clients = self.participants
         try:
@@ -323,7 +335,9 @@ class SnapshotCoordinator:
             deadline = time.time() + self.config.deadline_seconds
             renewer = asyncio.create_task(self._renew_leases(checkpoint_id, prepared.clients))
             t0 = time.monotonic()
-            await self._prepare_all(clients, checkpoint_id, deadline, prepared)
+            await self._prepare_all(
+                clients, checkpoint_id, deadline, prepared, drain_until=time.time() + drain_s
+            )
             report.prepare_s = time.monotonic() - t0
             staging = await asyncio.to_thread(self.store.begin, snapshot_id)
             t1 = time.monotonic()
@@ -336,13 +350,13 @@ class SnapshotCoordinator:
             log.exception("snapshot %s failed unexpectedly", snapshot_id)
             report.blocked_by = f"{type(exc).__name__}: {exc}"
         finally:
-            if renewer is not None:
-                renewer.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await renewer
+            held = final and cut is not None
+            if renewer is not None and not held:
+                await _stop(renewer)
             # Resume is the abort before a publish and the reopen after a good cut: one path.
             try:
-                await self._resumer.resume_all(checkpoint_id, prepared.clients)
+                if not held:
+                    await self._resumer.resume_all(checkpoint_id, prepared.clients)
             finally:
                 self.barrier.open()
                 report.pause_s = time.monotonic() - paused_at
@@ -357,6 +371,16 @@ class SnapshotCoordinator:
             if staging is not None:
                 await asyncio.to_thread(self.store.abort, staging)
             return report
+        try:
+            return await self._write_and_publish(cut, prepared, report)
+        finally:
+            if renewer is not None and not renewer.done():
+                await _stop(renewer)  # a final save's participants were held until now
+
+    async def _write_and_publish(
+        self, cut: Cut, prepared: Prepared, report: SaveReport
+    ) -> SaveReport:
+        snapshot_id = report.snapshot_id
         t2 = time.monotonic()
         try:
             files = await self._write_all(cut)
@@ -391,6 +415,8 @@ class SnapshotCoordinator:
         checkpoint_id: str,
         deadline: float,
         prepared: Prepared,
+        *,
+        drain_until: float = 0.0,
     ) -> None:
         for stage in PREPARE_STAGES:
             stage_clients = [p for p in clients if p.address.kind == stage]
@@ -419,6 +445,8 @@ class SnapshotCoordinator:
                     prepared.finished_unacked.update(e.key for e in reply.report.finished_unacked)
             if blocked:
                 raise SnapshotError("; ".join(blocked))
+            if stage == ParticipantKind.MODEL and drain_until > time.time():
+                await _drain(stage_clients, min(drain_until, deadline))
 
     async def _commit_all(
         self,
@@ -567,3 +595,26 @@ class SnapshotCoordinator:
 
 
 _DISCOVER_RETRY_S = 0.2
+
+
+_DRAIN_POLL_S = 0.05
+
+
+async def _drain(models: list[ParticipantClient], until: float) -> None:
+    """Wait until no model server of ``models`` runs a call (their gates are closed, so the
+    count only falls), or until ``until``; a status that fails just ends the wait."""
+    while time.time() < until:
+        try:
+            statuses = await asyncio.gather(*(m.status() for m in models))
+        except RollpointError:
+            return
+        running = sum(s.counts.get("in_flight", 0) for s in statuses)
+        if not running:
+            return
+        await asyncio.sleep(_DRAIN_POLL_S)
+
+
+async def _stop(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task

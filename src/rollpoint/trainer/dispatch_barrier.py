@@ -7,7 +7,8 @@ paused by a snapshot. It does not know about rows or the ledger: a row waiting h
 queued, not in flight (the dispatcher marks it dispatched only once it passes).
 
 ``close`` and ``open`` are synchronous and idempotent, so the coordinator can call them
-from any step of a save or an abort without tracking whether it already did.
+from any step of a save or an abort without tracking whether it already did. ``seal`` closes
+it for good (a preempted run: no row is sent again, whatever a save in progress reopens).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ class DispatchBarrier:
         self._paused_before = 0.0
         self._pauses = 0
         self._waiting = 0
+        self._sealed = False
 
     @property
     def is_open(self) -> bool:
@@ -50,9 +52,18 @@ class DispatchBarrier:
             self._pauses += 1
             self._open.clear()
 
+    @property
+    def sealed(self) -> bool:
+        return self._sealed
+
+    def seal(self) -> None:
+        """Close for good: :meth:`open` does nothing from now on. Idempotent."""
+        self.close()
+        self._sealed = True
+
     def open(self) -> None:
-        """Let waiting senders through and restart the pause clock. Idempotent."""
-        if self._closed_at is not None:
+        """Let waiting senders through and restart the pause clock. Idempotent; sealed, a no-op."""
+        if self._closed_at is not None and not self._sealed:
             self._paused_before += max(0.0, self._clock() - self._closed_at)
             self._closed_at = None
             self._open.set()

@@ -384,7 +384,11 @@ class Dispatcher:
             # stop reading early instead of leaving that to the garbage collector.
             stream_lines = cast(
                 AsyncGenerator[Any, None],
-                self._client.stream_ndjson(url, request.model_dump(mode="json")),
+                # Bounded by the row deadlines (on the pause clock: a snapshot pause may keep
+                # the stream silent longer than any fixed time); they cancel this task.
+                self._client.stream_ndjson(
+                    url, request.model_dump(mode="json"), caller_deadline=True
+                ),
             )
             async with aclosing(stream_lines) as lines:
                 async for line in lines:

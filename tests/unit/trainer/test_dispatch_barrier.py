@@ -57,3 +57,13 @@ async def test_wait_open_blocks_until_the_barrier_opens() -> None:
     barrier.open()
     await asyncio.wait_for(waiter, 1)
     assert barrier.is_open
+
+
+async def test_a_sealed_barrier_stays_closed_whatever_opens_it() -> None:
+    barrier = DispatchBarrier()
+    barrier.seal()
+    waiter = asyncio.create_task(barrier.wait_open())
+    barrier.open()  # a save in progress reopening after its cut
+    await asyncio.sleep(0.02)
+    assert barrier.sealed and not barrier.is_open and not waiter.done()
+    waiter.cancel()

@@ -153,6 +153,7 @@ def serve(
     both readable by you only, for your coordinator and trainer to send as bearer tokens.
     """
     from rollpoint.runtime.embedded import EmbeddedRuntime
+    from rollpoint.store.workdir_lock import lock_workdir
     from rollpoint.trainer.control_plane import snapshot_root
 
     def _private_token(path: Path) -> str:
@@ -196,7 +197,7 @@ def serve(
 
     try:
         config = load_config(config_path)
-        config.workdir.mkdir(parents=True, exist_ok=True)
+        lock_workdir(config.workdir)  # one writer per workdir, before the token files
         _run_async(_serve)
     except RollpointError as exc:
         raise _fail(exc) from None

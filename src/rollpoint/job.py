@@ -23,6 +23,7 @@ from rollpoint.protocol.episode import TaskRow
 from rollpoint.protocol.errors import ConfigError
 from rollpoint.runtime.contract import Runtime, runtime_for
 from rollpoint.store.snapshot_store import SnapshotStore
+from rollpoint.store.workdir_lock import lock_workdir
 from rollpoint.trainer.control_plane import (
     ControlPlane,
     config_fingerprint,
@@ -56,13 +57,19 @@ def load_tasks_for(config: RunConfig) -> list[TaskRow]:
 
 
 def prepare_workdir(workdir: Path, *, fresh: bool, force: bool) -> None:
-    """--fresh starts over: on an empty workdir, or with --force on a used one."""
-    used = workdir.exists() and any(workdir.iterdir())
-    if fresh and used:
+    """Lock the workdir for this process (one writer: a second run is refused before it
+    touches anything), then --fresh starts over: on an empty workdir, or with --force on
+    a used one (everything but the lock goes)."""
+    lock = lock_workdir(workdir)
+    contents = [p for p in workdir.iterdir() if p.name != lock.path.name]
+    if fresh and contents:
         if not force:
             raise ConfigError(f"workdir {workdir} is not empty; --fresh needs --force to delete it")
-        shutil.rmtree(workdir)
-    workdir.mkdir(parents=True, exist_ok=True)
+        for path in contents:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
 
 
 def forget_unresumable_run(workdir: Path, say: Callable[[str], None]) -> None:
@@ -104,6 +111,7 @@ async def run_job(
 ) -> RunSummary:
     """``data_token`` guards the servers' data routes (one is made when None); a caller that
     talks to the servers itself (a benchmark reading their stats) passes its own."""
+    lock_workdir(config.workdir)  # held already when the CLI prepared the workdir
     tasks = load_tasks_for(config)
     token = secrets.token_urlsafe(32)
     # The data plane has a token of its own: whoever can call /run cannot snapshot or restore.

@@ -22,6 +22,7 @@ wire) and ``retryable`` (whether trying the same thing again later can help)::
     ├── EpisodeError                episode_failed           (a bad rollout is data, not a crash)
     ├── SnapshotError               snapshot_failed          retryable (one failed save)
     ├── RunStalledError             run_stalled              (no row result for too long)
+    ├── WorkdirBusyError            workdir_busy             (another process holds the workdir)
     └── RestoreError                restore_refused          (a restore that cannot be exact)
 
 On the wire every refusal is ``{"error": {"code", "message", "retryable"}}`` with the
@@ -148,6 +149,13 @@ class RunStalledError(RollpointError):
     """No row result arrived for the stall timeout (snapshot pauses not counted)."""
 
     code = "run_stalled"
+
+
+class WorkdirBusyError(RollpointError):
+    """Another live process holds the workdir's lock: one writer per workdir."""
+
+    code = "workdir_busy"
+    status = 409
 
 
 def _all_subclasses(cls: type[RollpointError]) -> list[type[RollpointError]]:

@@ -31,7 +31,7 @@ from rollpoint.trainer.control_plane import (
     snapshot_root,
 )
 from rollpoint.trainer.metrics import TrainerMetrics
-from rollpoint.trainer.restorer import Restorer, check_config, choose_resume_point
+from rollpoint.trainer.restorer import Restorer, check_config, find_resume_point
 from rollpoint.trainer.train_checkpoint import TrainCheckpointStore
 from rollpoint.trainer.trainer_loop import TRAIN_DATA_FILE, RunSummary, Trainer
 
@@ -119,7 +119,13 @@ async def run_job(
     root = snapshot_root(config)
     store = await asyncio.to_thread(SnapshotStore, root, config.snapshot.keep)
     checkpoints = TrainCheckpointStore(config.workdir / "checkpoints")
-    point = None if fresh else await asyncio.to_thread(choose_resume_point, store, checkpoints)
+    point, skipped = (
+        (None, []) if fresh else await asyncio.to_thread(find_resume_point, store, checkpoints)
+    )
+    for item in skipped:
+        # On the console, not only in rollpoint.log: a skipped snapshot is progress given up.
+        log.warning("%s", item.line())
+        say(f"warning: {item.line()}")
     if point is None:
         forget_unresumable_run(config.workdir, say)
     else:

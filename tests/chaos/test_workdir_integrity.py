@@ -10,14 +10,17 @@ must refuse.
 from __future__ import annotations
 
 import re
+import shutil
 from pathlib import Path
 
+import orjson
 import pytest
 
 from tests.chaos.test_crash_recovery import (
     Start,
     assert_invariants,
     crash,
+    rerun_until_ok,
     start,
     wait_for_resumable_snapshot,
     write_config,
@@ -58,3 +61,48 @@ def test_two_reruns_at_once_one_is_refused_before_touching_anything(
     assert "Traceback" not in loser.stderr
     assert "servers up" not in loser.stderr and "restoring" not in loser.stderr
     assert_invariants(config, finished[both.index(winner)])
+
+
+# ---- what the workdir holds ----------------------------------------------------------------
+def manifests(workdir: Path) -> dict[str, dict[str, object]]:
+    """Every published snapshot's manifest document, by snapshot id."""
+    folder = workdir / "snapshots" / "snapshots"
+    return {p.parent.name: orjson.loads(p.read_bytes()) for p in folder.glob("*/manifest.json")}
+
+
+def checkpoint_steps(workdir: Path) -> list[int]:
+    return sorted(int(p.stem.split("-")[1]) for p in (workdir / "checkpoints").glob("step-*.json"))
+
+
+def test_a_flipped_train_step_in_a_manifest_is_skipped_on_the_console(
+    tmp_path: Path, start: Start
+) -> None:
+    config = write_config(tmp_path, snapshot={"every_seconds": 0.3, "keep": 20})
+    workdir = tmp_path / "run"
+    run = start(config)
+    run.wait_until(lambda: len(checkpoint_steps(workdir)) >= 3, "three train checkpoints")
+    crash(run)
+    # As if the kill landed between the last train checkpoint and its snapshot: the newest
+    # snapshot is one step behind the newest checkpoint. Then one digit of its train step is
+    # flipped to that checkpoint's step, so an unsealed manifest would compose with it.
+    top = checkpoint_steps(workdir)[-1]
+    docs = manifests(workdir)
+    for sid, doc in docs.items():
+        if int(doc["train_step"]) >= top:  # type: ignore[call-overload]
+            shutil.rmtree(workdir / "snapshots" / "snapshots" / sid)
+    left = {sid: doc for sid, doc in docs.items() if int(doc["train_step"]) < top}  # type: ignore[call-overload]
+    newest = max(left, key=lambda sid: float(left[sid]["published_at"]))  # type: ignore[arg-type]
+    assert int(left[newest]["train_step"]) >= 1, left[newest]  # type: ignore[call-overload]
+    path = workdir / "snapshots" / "snapshots" / newest / "manifest.json"
+    text = path.read_text()
+    flipped = text.replace(f'"train_step": {left[newest]["train_step"]}', f'"train_step": {top}')
+    assert flipped != text
+    path.write_text(flipped)
+
+    reruns = rerun_until_ok(start, config)
+
+    assert f"warning: skipping snapshot {newest}:" in reruns[0].stderr, reruns[0].stderr[-2000:]
+    assert "field 'train_step'" in reruns[0].stderr
+    resumed = re.search(r"resumed\s+from\s+snapshot\s+(\S+)", reruns[0].stderr)
+    assert resumed and resumed.group(1) != newest, reruns[0].stderr[-2000:]
+    assert_invariants(config, reruns[-1])

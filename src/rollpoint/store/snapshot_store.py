@@ -4,7 +4,7 @@ Owns the layout of a run's snapshot root (a local folder or an fsspec URL)::
 
     <root>/staging/<snapshot_id>/            being written (local roots only)
     <root>/snapshots/<snapshot_id>/          published once manifest.json is in it
-        manifest.json                        SnapshotManifest, written last
+        manifest.json                        SnapshotManifest, written last and sealed
         <files>                              ledger, TQ... (FileEntry digests in the manifest)
         participants/<kind>/<instance>/      one participant's state (participant_state)
     <root>/latest                            LatestPointer to the newest published snapshot
@@ -14,7 +14,10 @@ into ``snapshots/`` (atomic) and then writes the manifest (temp file + rename); 
 fsspec URL there is no cheap folder rename, so the snapshot is written in its final
 folder from the start (copy-free) and the manifest, one object put, is the publication
 point. Either way a folder without a manifest was never published and is never listed
-as valid. ``latest`` is moved after the manifest and is advisory: readers choose the
+as valid. The manifest is sealed at publication (:func:`seal_manifest`): it carries the
+digest of every file it names (the trainer's files and each participant's manifest) and
+of each of its own fields, so a reader refuses a manifest edited after the fact, naming
+the field. ``latest`` is moved after the manifest and is advisory: readers choose the
 newest snapshot that verifies, so a crash between the two loses nothing.
 
 It does not know what the trainer's files or the participants' records mean, nor when a
@@ -45,10 +48,12 @@ from rollpoint.protocol.manifest import (
     SNAPSHOT_MANIFEST_VERSION,
     FileEntry,
     LatestPointer,
+    ParticipantEntry,
     SnapshotManifest,
     decode_document,
     encode_document,
     load_snapshot_manifest,
+    seal_manifest,
 )
 from rollpoint.protocol.model_base import StrictModel
 from rollpoint.protocol.participant import ParticipantKind
@@ -198,11 +203,13 @@ class SnapshotStore:
         """
         self._stagings.advance(staging, StagingAction.BEGIN_PUBLISH)
         try:
-            self._check_publishable(staging, manifest)
+            participants = self._check_publishable(staging, manifest)
         except BaseException:
             self._stagings.advance(staging, StagingAction.REFUSE)
             raise
-        published = manifest.model_copy(update={"published_at": time.time()})
+        published = seal_manifest(
+            manifest.model_copy(update={"published_at": time.time(), "participants": participants})
+        )
         final = self.snapshot_dir(staging.snapshot_id)
         moved = staging.path == final
         try:
@@ -295,14 +302,21 @@ class SnapshotStore:
         summaries = [self._summarize(name) for name in self._fs.listdir(self._snapshots_root())]
         if not include_invalid:
             summaries = [summary for summary in summaries if summary.valid]
-        summaries.sort(
-            key=lambda s: (
-                s.published_at if s.published_at is not None else float("-inf"),
-                s.snapshot_id,
-            ),
-            reverse=True,
-        )
+        summaries.sort(key=lambda s: (self._order_time(s), s.snapshot_id), reverse=True)
         return summaries
+
+    def _order_time(self, summary: SnapshotSummary) -> float:
+        """When it was published; for a manifest that does not load (tampered), the time
+        its file was written, so it is listed (and skipped, with its reason) in its place
+        rather than last."""
+        if summary.published_at is not None:
+            return summary.published_at
+        manifest_path = self._fs.join(self._snapshots_root(), summary.snapshot_id, MANIFEST_NAME)
+        try:
+            modified = self._fs.modified(manifest_path) if self._fs.exists(manifest_path) else None
+        except OSError:
+            modified = None
+        return modified if modified is not None else float("-inf")
 
     def latest(self) -> SnapshotManifest | None:
         """The newest snapshot that verifies; a broken newer one is skipped with a warning."""
@@ -332,7 +346,11 @@ class SnapshotStore:
         except BadRequestError as exc:
             raise InvalidCheckpointStateError(f"snapshot manifest: {exc.message}") from None
 
-    def _check_publishable(self, staging: Staging, manifest: SnapshotManifest) -> None:
+    def _check_publishable(
+        self, staging: Staging, manifest: SnapshotManifest
+    ) -> list[ParticipantEntry]:
+        """Refuse a manifest its staging folder does not match; return its participant
+        entries stamped with the digest of each participant's manifest file."""
         if manifest.snapshot_id != staging.snapshot_id:
             raise BadRequestError(
                 f"manifest is for snapshot {manifest.snapshot_id}, staging is {staging.snapshot_id}"
@@ -354,6 +372,17 @@ class SnapshotStore:
                 f"snapshot {staging.snapshot_id} names files its staging folder lacks: "
                 + ", ".join(missing)
             )
+        entries = []
+        for participant in manifest.participants:
+            path = resolve_inside(staging.path, participant.manifest_path)
+            try:
+                digest = digest_bytes(self._fs.read_bytes(path))
+            except OSError as exc:
+                raise SnapshotError(f"cannot read {path}: {exc}") from None
+            entries.append(
+                participant.model_copy(update={"sha256": digest.sha256, "bytes": digest.bytes})
+            )
+        return entries
 
     def _verify_contents(self, manifest: SnapshotManifest) -> None:
         folder = self.snapshot_dir(manifest.snapshot_id)
@@ -373,6 +402,14 @@ class SnapshotStore:
                 instance=participant.instance,
                 checkpoint_id=manifest.checkpoint_id,
             )
+            if participant.sha256 is not None and participant.bytes is not None:
+                # Its records are digest-checked above; this covers the manifest's own fields.
+                entry = FileEntry(
+                    path=participant.manifest_path,
+                    sha256=participant.sha256,
+                    bytes=participant.bytes,
+                )
+                self._verify_file(folder, f"{participant.instance} manifest", entry)
 
     def _verify_file(self, folder: str, name: str, entry: FileEntry) -> None:
         path = self._inside(folder, entry.path)

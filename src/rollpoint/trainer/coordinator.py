@@ -230,7 +230,8 @@ class SnapshotCoordinator:
     def fingerprint(self, clients: list[ParticipantClient] | None = None) -> str:
         return topology_fingerprint(
             [
-                e.model_dump(mode="json") | {"features": []}
+                # The digests are the store's, stamped at publication: not the topology.
+                e.model_dump(mode="json", exclude={"sha256", "bytes"}) | {"features": []}
                 for e in self.participant_entries(clients)
             ]
         )
@@ -540,6 +541,7 @@ class SnapshotCoordinator:
             created_at=cut.created_at,
             train_step=int(cut.trainer_doc.get("train_step", 0)),
             policy_version=int(cut.trainer_doc.get("policy_version", 0)),
+            committed_step=cut.tq.committed_step if cut.tq is not None else 0,
             pause_seconds=pause_s,
             topology_fingerprint=self.fingerprint(cut.participants),
             participants=self.participant_entries(cut.participants),

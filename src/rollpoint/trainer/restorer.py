@@ -3,8 +3,11 @@
 Owns choosing what to resume from and putting every piece back:
 
 1. the newest published snapshot that composes with a durable train checkpoint (TQ's
-   committed step ≤ checkpoint step ≤ the snapshot's train step); a corrupt or partial
-   snapshot is skipped with a warning for the previous one; none → fresh start;
+   committed step ≤ checkpoint step ≤ the snapshot's train step); a corrupt, partial or
+   tampered snapshot (a file or a sealed field that does not match, or a train step,
+   policy version or committed step that disagrees with its ``trainer.json`` / ``tq.json``)
+   is skipped, the reason returned for the console, for the previous one
+   (:func:`find_resume_point`); what to do when none is usable is the job's;
 2. the config keys the saved state depends on must match (a mismatch names the key);
    ``replicas`` may change (:data:`ELASTIC_CONFIG_KEYS`);
 3. every saved replica is placed on a live one (:func:`place`): the replica that saved it
@@ -46,7 +49,12 @@ import orjson
 from pydantic import JsonValue
 
 from rollpoint.protocol.control import StatusReply
-from rollpoint.protocol.errors import ConfigError, RestoreError, RollpointError
+from rollpoint.protocol.errors import (
+    ConfigError,
+    InvalidCheckpointStateError,
+    RestoreError,
+    RollpointError,
+)
 from rollpoint.protocol.ids import EpisodeId
 from rollpoint.protocol.manifest import SavedEpisode, SnapshotManifest
 from rollpoint.protocol.participant import ParticipantKind
@@ -98,15 +106,28 @@ class RestoredRun:
     """Saved replica → the live replica its state went to (differs after an elastic restore)."""
 
 
-def choose_resume_point(
+@dataclass(frozen=True)
+class Skipped:
+    """A snapshot the restore could not use, and why (shown on the console)."""
+
+    snapshot_id: str
+    reason: str
+
+    def line(self) -> str:
+        return f"skipping snapshot {self.snapshot_id}: {self.reason}"
+
+
+def find_resume_point(
     store: SnapshotStore, checkpoints: TrainCheckpointStore
-) -> ResumePoint | None:
-    """The newest usable snapshot that composes with a durable train checkpoint, or None."""
+) -> tuple[ResumePoint | None, list[Skipped]]:
+    """The newest usable snapshot that composes with a durable train checkpoint (or None),
+    and every newer snapshot skipped on the way, with the reason."""
     available = checkpoints.available()
+    skipped: list[Skipped] = []
     for summary in store.list_snapshots(include_invalid=True):
         sid = summary.snapshot_id
         if not summary.valid:
-            log.warning("skipping snapshot %s: %s", sid, summary.reason)
+            skipped.append(Skipped(sid, summary.reason or "unusable"))
             continue
         try:
             manifest = store.verify(sid)
@@ -115,21 +136,61 @@ def choose_resume_point(
             trainer_doc = orjson.loads(store.read_file(sid, TRAINER_FILE))
             with collector_paused():  # the ledger decodes into millions of objects
                 ledger_doc, tq_doc = orjson.loads(ledger_bytes), orjson.loads(tq_bytes)
-        except (RollpointError, orjson.JSONDecodeError) as exc:
+            committed = int(tq_doc.get("committed_step", 0))
+            _cross_check(manifest, trainer_doc, committed)
+        except (RollpointError, orjson.JSONDecodeError, TypeError, ValueError) as exc:
             detail = exc.message if isinstance(exc, RollpointError) else str(exc)
-            log.warning("skipping snapshot %s: %s", sid, detail)
+            skipped.append(Skipped(sid, detail))
             continue
-        committed = int(tq_doc.get("committed_step", 0))
         for checkpoint in available:
             if committed <= checkpoint.step <= manifest.train_step:
-                return ResumePoint(manifest, checkpoint, ledger_doc, tq_doc, trainer_doc)
-        log.warning(
-            "skipping snapshot %s: no train checkpoint between its committed step %d and its train step %d",
-            sid,
-            committed,
-            manifest.train_step,
+                return ResumePoint(manifest, checkpoint, ledger_doc, tq_doc, trainer_doc), skipped
+        steps = ", ".join(str(c.step) for c in available)
+        skipped.append(
+            Skipped(
+                sid,
+                f"no train checkpoint between its committed step {committed} and its "
+                f"train step {manifest.train_step} (checkpoints: {steps})",
+            )
         )
-    return None
+    return None, skipped
+
+
+def choose_resume_point(
+    store: SnapshotStore, checkpoints: TrainCheckpointStore
+) -> ResumePoint | None:
+    """:func:`find_resume_point`, the skipped snapshots logged as warnings."""
+    point, skipped = find_resume_point(store, checkpoints)
+    for item in skipped:
+        log.warning("%s", item.line())
+    return point
+
+
+def _cross_check(manifest: SnapshotManifest, trainer_doc: Any, committed: int) -> None:
+    """The fields the restore trusts, against the digest-checked trainer files they were
+    copied from: a manifest that disagrees names the field (an unsealed, older manifest
+    is caught here too)."""
+    if not isinstance(trainer_doc, dict):
+        raise InvalidCheckpointStateError(
+            f"{TRAINER_FILE} of snapshot {manifest.snapshot_id} is not an object"
+        )
+    pairs = [
+        ("train_step", manifest.train_step, trainer_doc.get("train_step"), TRAINER_FILE),
+        (
+            "policy_version",
+            manifest.policy_version,
+            trainer_doc.get("policy_version"),
+            TRAINER_FILE,
+        ),
+    ]
+    if manifest.committed_step is not None:
+        pairs.append(("committed_step", manifest.committed_step, committed, TQ_FILE))
+    for name, in_manifest, in_file, file_name in pairs:
+        if in_manifest != in_file:
+            raise InvalidCheckpointStateError(
+                f"manifest field '{name}' is {in_manifest} but {file_name} says {in_file!r} "
+                "(tampered or corrupt)"
+            )
 
 
 ELASTIC_CONFIG_KEYS = frozenset({"replicas"})

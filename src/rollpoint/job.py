@@ -33,6 +33,7 @@ from rollpoint.trainer.control_plane import (
 from rollpoint.trainer.metrics import TrainerMetrics
 from rollpoint.trainer.restorer import Restorer, check_config, find_resume_point
 from rollpoint.trainer.train_checkpoint import TrainCheckpointStore
+from rollpoint.trainer.train_data import TrainData
 from rollpoint.trainer.trainer_loop import TRAIN_DATA_FILE, RunSummary, Trainer
 
 log = logging.getLogger(__name__)
@@ -126,10 +127,16 @@ async def run_job(
         # On the console, not only in rollpoint.log: a skipped snapshot is progress given up.
         log.warning("%s", item.line())
         say(f"warning: {item.line()}")
+    train_data: TrainData | None = None
     if point is None:
         forget_unresumable_run(config.workdir, say)
     else:
         check_config(point.manifest, config_fingerprint(config))
+        # Before any server starts: a train data file that does not match its checkpoint
+        # is refused here, naming the file, and left as it is.
+        train_data = await asyncio.to_thread(
+            TrainData.verify, config.workdir / TRAIN_DATA_FILE, point.checkpoint.coverage
+        )
     metrics = TrainerMetrics(config.workdir / "metrics.jsonl")
     runtime = runtime_for(config, control_token=token, data_token=data_token, snapshot_root=root)
     control_http = HttpClient(token=token, timeout_s=60)
@@ -150,7 +157,7 @@ async def run_job(
             say(f"restoring snapshot {point.manifest.snapshot_id}")
             restored = await Restorer(control.participants).restore(
                 point,
-                train_data=config.workdir / TRAIN_DATA_FILE,
+                train_data=train_data or config.workdir / TRAIN_DATA_FILE,
                 continue_episodes=config.recovery == "turn",
             )
             say(

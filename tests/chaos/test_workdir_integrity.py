@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import orjson
@@ -70,6 +71,12 @@ def manifests(workdir: Path) -> dict[str, dict[str, object]]:
     return {p.parent.name: orjson.loads(p.read_bytes()) for p in folder.glob("*/manifest.json")}
 
 
+def progress(workdir: Path) -> dict[Path, bytes]:
+    """train_data.jsonl and every train checkpoint, as bytes."""
+    files = [workdir / "train_data.jsonl", *(workdir / "checkpoints").glob("step-*.json")]
+    return {p: p.read_bytes() for p in files}
+
+
 def checkpoint_steps(workdir: Path) -> list[int]:
     return sorted(int(p.stem.split("-")[1]) for p in (workdir / "checkpoints").glob("step-*.json"))
 
@@ -105,4 +112,65 @@ def test_a_flipped_train_step_in_a_manifest_is_skipped_on_the_console(
     assert "field 'train_step'" in reruns[0].stderr
     resumed = re.search(r"resumed\s+from\s+snapshot\s+(\S+)", reruns[0].stderr)
     assert resumed and resumed.group(1) != newest, reruns[0].stderr[-2000:]
+    assert_invariants(config, reruns[-1])
+
+
+def _edit_a_line(workdir: Path) -> None:
+    """Change one character of a covered row, keeping the file's size."""
+    path = workdir / "train_data.jsonl"
+    data = path.read_bytes()
+    at = data.index(b'"reward":') + len(b'"reward":')
+    digit = data[at : at + 1]
+    swapped = b"0" if digit != b"0" else b"1"
+    path.write_bytes(data[:at] + swapped + data[at + 1 :])
+
+
+def _truncate_mid_line(workdir: Path) -> None:
+    path = workdir / "train_data.jsonl"
+    data = path.read_bytes()
+    path.write_bytes(data[: data.index(b"\n") + 40])
+
+
+def _checkpoints_500_bytes_short(workdir: Path) -> None:
+    """Every checkpoint's length 500 bytes short: on main the rerun cut mid-line (exit 0)."""
+    for path in (workdir / "checkpoints").glob("step-*.json"):
+        doc = orjson.loads(path.read_bytes())
+        if doc["train_data_bytes"] > 500:
+            doc["train_data_bytes"] -= 500
+            path.write_bytes(orjson.dumps(doc))
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [_edit_a_line, _truncate_mid_line, _checkpoints_500_bytes_short],
+    ids=["edited-line", "truncated-file", "checkpoint-500-bytes-short"],
+)
+def test_damaged_train_data_is_refused_naming_it_and_nothing_is_deleted(
+    tmp_path: Path, start: Start, damage: Callable[[Path], None]
+) -> None:
+    config = write_config(tmp_path)
+    workdir = tmp_path / "run"
+    run = start(config)
+    run.wait_until(lambda: len(checkpoint_steps(workdir)) >= 2, "two train checkpoints")
+    wait_for_resumable_snapshot(run, workdir)
+    crash(run)
+    train_data = workdir / "train_data.jsonl"
+    good = progress(workdir)
+    damage(workdir)
+    kept = progress(workdir)
+    snapshots = set(manifests(workdir))
+
+    refused = start(config).finish()
+
+    assert refused.returncode != 0, refused.stderr[-2000:]
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and str(train_data) in errors[0], refused.stderr[-2000:]
+    assert "Traceback" not in refused.stderr and "servers up" not in refused.stderr
+    assert progress(workdir) == kept and set(manifests(workdir)) == snapshots
+
+    # The first way out: put the files back as they were, and the run resumes.
+    for path, data in good.items():
+        path.write_bytes(data)
+    reruns = rerun_until_ok(start, config)
+    assert "resumed from snapshot" in reruns[0].stderr, reruns[0].stderr[-2000:]
     assert_invariants(config, reruns[-1])

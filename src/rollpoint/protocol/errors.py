@@ -23,6 +23,7 @@ wire) and ``retryable`` (whether trying the same thing again later can help)::
     ├── SnapshotError               snapshot_failed          retryable (one failed save)
     ├── RunStalledError             run_stalled              (no row result for too long)
     ├── WorkdirBusyError            workdir_busy             (another process holds the workdir)
+    ├── StorageError                storage_failed           (a file could not be written: disk full, I/O, permissions)
     └── RestoreError                restore_refused          (a restore that cannot be exact)
 
 On the wire every refusal is ``{"error": {"code", "message", "retryable"}}`` with the
@@ -149,6 +150,14 @@ class RunStalledError(RollpointError):
     """No row result arrived for the stall timeout (snapshot pauses not counted)."""
 
     code = "run_stalled"
+
+
+class StorageError(RollpointError):
+    """A file the trainer must write durably (train data, a train checkpoint) could not be
+    written: the run stops with the path and the reason (disk full, I/O error, permissions)."""
+
+    code = "storage_failed"
+    status = 507
 
 
 class WorkdirBusyError(RollpointError):

@@ -26,7 +26,8 @@ Owns choosing what to resume from and putting every piece back:
    do tries the saved ledger holds queued for a replica: their state died with its
    servers), finished replies held by an agent are fetched again under their own
    identity (adopted, not rerun); TQ puts back what no durable train checkpoint consumed;
-   ``train_data.jsonl`` is cut back to the checkpoint.
+   ``train_data.jsonl`` is cut back to the checkpoint, only to a boundary that verifies
+   (its digest, line count and a line end: :mod:`.train_data`), else refused unchanged.
 
 :meth:`Restorer.restore_replica` does step 5 alone for one replica restarted mid-run
 (:mod:`.replica_recovery` decides what to restore and moves the ledger).
@@ -38,7 +39,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -70,6 +70,7 @@ from rollpoint.trainer.finished_queue import FinishedQueue
 from rollpoint.trainer.ledger import RecoveryLedger, RolloutState
 from rollpoint.trainer.participant_client import ParticipantClient
 from rollpoint.trainer.train_checkpoint import TrainCheckpoint, TrainCheckpointStore
+from rollpoint.trainer.train_data import TrainData
 
 log = logging.getLogger(__name__)
 
@@ -104,6 +105,8 @@ class RestoredRun:
     tq_requeued: int = 0
     placement: dict[str, str] = field(default_factory=dict)
     """Saved replica → the live replica its state went to (differs after an elastic restore)."""
+    train_data: TrainData | None = None
+    """train_data.jsonl cut back to the checkpoint's verified end, its digest running on."""
 
 
 @dataclass(frozen=True)
@@ -309,13 +312,19 @@ class Restorer:
         self,
         point: ResumePoint,
         *,
-        train_data: Path,
+        train_data: Path | TrainData,
         deadline_s: float = 30.0,
         continue_episodes: bool = True,
     ) -> RestoredRun:
         """``continue_episodes=False`` is ``recovery: restart``: the saved episodes start over
-        from their prompts (their sessions are not installed); the rest is the same."""
+        from their prompts (their sessions are not installed); the rest is the same.
+        ``train_data``: the file, or the file already verified against the checkpoint
+        (:meth:`TrainData.verify`); either way it is checked before anything is installed."""
         manifest = point.manifest
+        if not isinstance(train_data, TrainData):
+            train_data = await asyncio.to_thread(
+                TrainData.verify, train_data, point.checkpoint.coverage
+            )
         placement = await self._check_topology(manifest)
         ledger = RecoveryLedger.from_document(
             point.ledger_doc, what=f"ledger of snapshot {manifest.snapshot_id}"
@@ -333,6 +342,7 @@ class Restorer:
             tq=tq,
             trainer_doc=point.trainer_doc,
             placement=placement.target_of,
+            train_data=train_data,
         )
         # A queued try pinned to a replica waits for state (a session, a held reply) that
         # lived only in the servers that crashed: it is not in this snapshot, so start over.
@@ -356,7 +366,7 @@ class Restorer:
             ledger.requeue(finished.rollout_id, keep_replica=True, pin=holder)
             run.adopted += 1
         run.tq_requeued = tq.rewind(point.checkpoint.step)
-        await asyncio.to_thread(_cut_back, train_data, point.checkpoint.train_data_bytes)
+        await asyncio.to_thread(train_data.cut_back)
         return run
 
     async def restore_replica(
@@ -528,23 +538,3 @@ def _check_cut(manifest: SnapshotManifest, ledger: RecoveryLedger) -> None:
         raise RestoreError(
             f"snapshot {manifest.snapshot_id} does not match its ledger: {'; '.join(problems)}"
         )
-
-
-def _cut_back(train_data: Path, size: int) -> None:
-    """Forget what was trained after the checkpoint: those rollouts are back in TQ."""
-    if not train_data.exists():
-        if size:
-            raise RestoreError(
-                f"{train_data} is missing but the train checkpoint says it held {size} bytes"
-            )
-        return
-    actual = train_data.stat().st_size
-    if actual < size:
-        raise RestoreError(
-            f"{train_data} holds {actual} bytes but the train checkpoint says {size}: it was truncated"
-        )
-    if actual > size:
-        with train_data.open("r+b") as out:
-            out.truncate(size)
-            out.flush()
-            os.fsync(out.fileno())

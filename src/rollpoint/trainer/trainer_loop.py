@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import os
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -57,6 +56,7 @@ from rollpoint.trainer.replica_recovery import ReplicaRecovery
 from rollpoint.trainer.replica_roster import ReplicaRoster
 from rollpoint.trainer.restorer import RestoredRun
 from rollpoint.trainer.train_checkpoint import TrainCheckpointStore, stamp
+from rollpoint.trainer.train_data import TrainData
 from rollpoint.trainer.train_hooks import SimulatedTrainer, TrainHooks, TrainSample
 
 log = logging.getLogger(__name__)
@@ -136,6 +136,12 @@ class Trainer:
         self.dispatcher: Dispatcher | None = None
         """Built by :meth:`run` (it needs the running loop's HTTP client)."""
         self.train_data_path: Path = config.workdir / TRAIN_DATA_FILE
+        self.train_data = (
+            restored.train_data
+            if restored is not None and restored.train_data is not None
+            else TrainData.open(self.train_data_path)
+        )
+        """Appends each step's rows with a running digest: what a checkpoint covers."""
         self.last_metrics: dict[str, float] = {}
         if restored is None:
             for task in tasks:
@@ -463,10 +469,7 @@ class Trainer:
                 },
                 option=orjson.OPT_APPEND_NEWLINE,
             )
-        with self.train_data_path.open("ab") as out:
-            out.write(lines)
-            out.flush()
-            os.fsync(out.fileno())
+        self.train_data.append(bytes(lines))
 
     async def _checkpoint(self, step: int) -> None:
         """A durable train checkpoint, then TQ lets go of what it consumed, then a snapshot
@@ -474,7 +477,7 @@ class Trainer:
         checkpoint = stamp(
             step,
             self._policy_version,
-            self.train_data_path,
+            self.train_data.coverage(),
             self._episodes_trained,
             self._groups_trained,
         )

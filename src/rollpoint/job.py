@@ -1,7 +1,9 @@
 """One job, start to finish: what ``rollpoint run`` does, on the runtime the config names.
 
-Owns the order of a run: pick the snapshot to resume from (or start over), check the config
-against it, start the servers, restore, run the trainer with the replica supervisor beside
+Owns the order of a run: lock the workdir (one writer), pick the snapshot to resume from
+(starting over only on a workdir that holds no progress: train data or checkpoints with no
+usable snapshot are refused with one line, never deleted), check the config and the train
+data against it, start the servers, restore, run the trainer with the replica supervisor beside
 it, and stop everything on every exit path. It owns no display: callers pass ``say`` for
 messages and ``drive`` to watch the trainer (the CLI draws progress; chaos trials do not),
 and may reroute the deployment (chaos trials put fault proxies in the path).
@@ -20,7 +22,7 @@ from rollpoint.config import RunConfig
 from rollpoint.http.client import HttpClient
 from rollpoint.protocol.deployment import Deployment
 from rollpoint.protocol.episode import TaskRow
-from rollpoint.protocol.errors import ConfigError
+from rollpoint.protocol.errors import ConfigError, RestoreError
 from rollpoint.runtime.contract import Runtime, runtime_for
 from rollpoint.store.snapshot_store import SnapshotStore
 from rollpoint.store.workdir_lock import lock_workdir
@@ -31,7 +33,7 @@ from rollpoint.trainer.control_plane import (
     snapshot_root,
 )
 from rollpoint.trainer.metrics import TrainerMetrics
-from rollpoint.trainer.restorer import Restorer, check_config, find_resume_point
+from rollpoint.trainer.restorer import Restorer, Skipped, check_config, find_resume_point
 from rollpoint.trainer.train_checkpoint import TrainCheckpointStore
 from rollpoint.trainer.train_data import TrainData
 from rollpoint.trainer.trainer_loop import TRAIN_DATA_FILE, RunSummary, Trainer
@@ -73,14 +75,44 @@ def prepare_workdir(workdir: Path, *, fresh: bool, force: bool) -> None:
                 path.unlink()
 
 
-def forget_unresumable_run(workdir: Path, say: Callable[[str], None]) -> None:
-    """Outputs of a run that left no usable snapshot: its rollouts start over, so what it
-    trained on is dropped too (every group is then trained exactly once)."""
-    leftovers = [workdir / TRAIN_DATA_FILE, workdir / "checkpoints"]
-    if any(p.exists() for p in leftovers):
-        say(f"no usable snapshot in {workdir}; starting the job over")
-        (workdir / TRAIN_DATA_FILE).unlink(missing_ok=True)
-        shutil.rmtree(workdir / "checkpoints", ignore_errors=True)
+def progress_in(workdir: Path) -> list[str]:
+    """What a run left that a fresh start would lose: train data, train checkpoints."""
+    found = []
+    train_data = workdir / TRAIN_DATA_FILE
+    if train_data.exists() and train_data.stat().st_size > 0:
+        found.append(f"{TRAIN_DATA_FILE}: {train_data.stat().st_size} bytes")
+    steps = TrainCheckpointStore(workdir / "checkpoints").steps()
+    if steps:
+        found.append(f"train checkpoints of steps {', '.join(map(str, steps[-5:]))}")
+    return found
+
+
+def refuse_unresumable_run(workdir: Path, root: str, skipped: list[Skipped]) -> None:
+    """No usable snapshot: a fresh start is the default only for a workdir with no
+    progress; anything else is refused with what was found and the two ways out."""
+    found = progress_in(workdir)
+    if not found:
+        return
+    if skipped:
+        shown = "; ".join(f"{s.snapshot_id}: {_clip(s.reason)}" for s in skipped[:_SHOWN])
+        more = f" (and {len(skipped) - _SHOWN} more)" if len(skipped) > _SHOWN else ""
+        why = f"every snapshot in {root} is unusable: {shown}{more}"
+    else:
+        why = f"no snapshot in {root}"
+    raise RestoreError(
+        f"{workdir} holds progress ({'; '.join(found)}) but {why}; nothing was deleted: "
+        "fix the snapshot store (put the snapshot folders back, or point snapshot.store at "
+        "them), or start over with --fresh --force (deletes this progress)"
+    )
+
+
+_SHOWN = 3
+_CLIP = 200
+
+
+def _clip(text: str) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= _CLIP else line[: _CLIP - 1] + "…"
 
 
 async def drive_quietly(trainer: Trainer, runtime: Runtime, metrics: TrainerMetrics) -> RunSummary:
@@ -128,8 +160,13 @@ async def run_job(
         log.warning("%s", item.line())
         say(f"warning: {item.line()}")
     train_data: TrainData | None = None
-    if point is None:
-        forget_unresumable_run(config.workdir, say)
+    if point is None and fresh:
+        if progress_in(config.workdir):
+            raise ConfigError(
+                f"workdir {config.workdir} holds progress; starting over needs --fresh --force"
+            )
+    elif point is None:
+        refuse_unresumable_run(config.workdir, root, skipped)
     else:
         check_config(point.manifest, config_fingerprint(config))
         # Before any server starts: a train data file that does not match its checkpoint

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import orjson
@@ -26,6 +26,7 @@ from tests.chaos.test_crash_recovery import (
     wait_for_resumable_snapshot,
     write_config,
 )
+from tests.support.full_disk import FullDisk, InjectedDisk, tmpfs_at
 from tests.support.run_process import RunProcess
 
 pytestmark = pytest.mark.chaos
@@ -171,6 +172,143 @@ def test_damaged_train_data_is_refused_naming_it_and_nothing_is_deleted(
     # The first way out: put the files back as they were, and the run resumes.
     for path, data in good.items():
         path.write_bytes(data)
+    reruns = rerun_until_ok(start, config)
+    assert "resumed from snapshot" in reruns[0].stderr, reruns[0].stderr[-2000:]
+    assert_invariants(config, reruns[-1])
+
+
+# ---- a full snapshot disk, and a workdir whose snapshots are gone ---------------------------
+@pytest.fixture(params=["tmpfs", "injected"])
+def disk(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[FullDisk]:
+    """``WORKDIR/snapshots`` on a disk the test fills and frees: a real tmpfs where one can
+    be mounted, else the trainer's store writes failing with ENOSPC (tests/support/full_disk)."""
+    if request.param == "tmpfs":
+        with tmpfs_at(tmp_path / "run" / "snapshots") as mounted:
+            if mounted is None:
+                pytest.skip("no tmpfs can be mounted here (needs root)")
+            yield mounted
+            mounted.free()
+    else:
+        injected = InjectedDisk(tmp_path)
+        yield injected
+        injected.free()
+
+
+def published_steps(workdir: Path) -> list[int]:
+    return sorted(int(doc["train_step"]) for doc in manifests(workdir).values())  # type: ignore[call-overload]
+
+
+def test_a_full_snapshot_disk_for_longer_than_a_checkpoint_interval_then_the_rerun_resumes(
+    tmp_path: Path, start: Start, disk: FullDisk
+) -> None:
+    # Failures never stop this run: its train checkpoints go on while no snapshot can publish.
+    config = write_config(
+        tmp_path, tasks=24, snapshot={"every_seconds": 0.3, "retry_after_seconds": 600}
+    )
+    workdir = tmp_path / "run"
+    run = RunProcess(config, launcher=disk.launcher)
+    try:
+        wait_for_resumable_snapshot(run, workdir)
+        disk.fill()
+        last = published_steps(workdir)[-1]
+        # Past the checkpoint retention (3) of the last snapshot that published.
+        run.wait_until(
+            lambda: checkpoint_steps(workdir)[-1] >= last + 4,
+            "train checkpoints four steps past the last snapshot",
+        )
+        assert published_steps(workdir)[-1] == last, "a snapshot published on a full disk"
+        crash(run)
+    finally:
+        if run.proc.poll() is None:
+            run.kill()
+    trained = (workdir / "train_data.jsonl").read_bytes()
+    disk.free()
+
+    reruns = rerun_until_ok(start, config)
+
+    assert "resumed from snapshot" in reruns[0].stderr, reruns[0].stderr[-2000:]
+    first_row = trained[: trained.index(b"\n") + 1]
+    assert (workdir / "train_data.jsonl").read_bytes().startswith(first_row), "train data deleted"
+    assert_invariants(config, reruns[-1])
+
+
+def test_failed_snapshots_on_a_full_disk_stop_the_run_with_one_line_saying_what_to_free(
+    tmp_path: Path, start: Start, disk: FullDisk
+) -> None:
+    config = write_config(
+        tmp_path, tasks=24, snapshot={"every_seconds": 0.3, "retry_after_seconds": 0.5}
+    )
+    workdir = tmp_path / "run"
+    run = RunProcess(config, launcher=disk.launcher)
+    try:
+        wait_for_resumable_snapshot(run, workdir)
+        disk.fill()
+        stopped = run.finish()
+    finally:
+        if run.proc.poll() is None:
+            run.kill()
+
+    assert stopped.returncode == 1, stopped.stderr[-2000:]
+    errors = [line for line in stopped.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, stopped.stderr[-3000:]
+    assert "snapshots failed in a row" in errors[0] and "(the disk is full)" in errors[0]
+    assert "free space there" in errors[0] and len(errors[0]) < 400, errors[0]
+    assert "Traceback" not in stopped.stderr
+
+    disk.free()
+    reruns = rerun_until_ok(start, config)
+    assert "resumed from snapshot" in reruns[0].stderr, reruns[0].stderr[-2000:]
+    assert_invariants(config, reruns[-1])
+
+
+def _move_the_store(workdir: Path) -> Callable[[], None]:
+    store = workdir / "snapshots"
+    away = workdir.parent / "moved-store"
+    store.rename(away)
+    return lambda: away.rename(store)
+
+
+def _corrupt_every_manifest(workdir: Path) -> Callable[[], None]:
+    saved = {}
+    for sid in manifests(workdir):
+        path = workdir / "snapshots" / "snapshots" / sid / "manifest.json"
+        saved[path] = path.read_bytes()
+        path.write_bytes(saved[path].replace(b'"policy_version": ', b'"policy_version": 1'))
+
+    def put_back() -> None:
+        for path, data in saved.items():
+            path.write_bytes(data)
+
+    return put_back
+
+
+@pytest.mark.parametrize(
+    ("lose", "why"),
+    [(_move_the_store, "but no snapshot in"), (_corrupt_every_manifest, "is unusable: snap-")],
+    ids=["store-moved", "every-snapshot-corrupt"],
+)
+def test_progress_with_no_usable_snapshot_is_refused_and_nothing_is_deleted(
+    tmp_path: Path, start: Start, lose: Callable[[Path], Callable[[], None]], why: str
+) -> None:
+    config = write_config(tmp_path)
+    workdir = tmp_path / "run"
+    run = start(config)
+    wait_for_resumable_snapshot(run, workdir)
+    crash(run)
+    before = progress(workdir)
+    put_back = lose(workdir)
+
+    refused = start(config).finish()
+
+    assert refused.returncode != 0, refused.stderr[-2000:]
+    errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, refused.stderr[-3000:]
+    assert "holds progress (train_data.jsonl:" in errors[0] and why in errors[0], errors[0]
+    assert "fix the snapshot store" in errors[0] and "--fresh --force" in errors[0]
+    assert "Traceback" not in refused.stderr and "servers up" not in refused.stderr
+    assert progress(workdir) == before
+
+    put_back()
     reruns = rerun_until_ok(start, config)
     assert "resumed from snapshot" in reruns[0].stderr, reruns[0].stderr[-2000:]
     assert_invariants(config, reruns[-1])

@@ -31,7 +31,7 @@ import hashlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from rollpoint.protocol.errors import (
@@ -57,6 +57,7 @@ from rollpoint.protocol.manifest import (
 )
 from rollpoint.protocol.model_base import StrictModel
 from rollpoint.protocol.participant import ParticipantKind
+from rollpoint.store import retention
 from rollpoint.store.digest import digest_bytes, digest_file
 from rollpoint.store.filesystem import (
     filesystem_for,
@@ -65,6 +66,7 @@ from rollpoint.store.filesystem import (
     resolve_inside,
 )
 from rollpoint.store.participant_state import MANIFEST_NAME, verify_participant_state
+from rollpoint.store.retention import Span
 from rollpoint.store.staging import (
     PARTICIPANTS_DIR,
     Staging,
@@ -132,6 +134,12 @@ class SnapshotStore:
         self._fs = filesystem_for(self.root)
         self._stagings = StagingRegistry()
         self._pins: Counter[str] = Counter()
+        self._loaded: dict[str, SnapshotManifest] = {}
+        """Manifests already loaded for ordering and retention (a manifest never changes
+        once published; :meth:`verify` and :meth:`load` always read afresh)."""
+        self.checkpoint_steps: Callable[[], list[int]] | None = None
+        """The durable train checkpoint steps present, when the trainer keeps any: retention
+        then never prunes the last snapshot that composes with one (:mod:`.retention`)."""
         if clean_leftovers:
             self._clean_leftovers()
 
@@ -167,6 +175,9 @@ class SnapshotStore:
                     f"snapshot {snapshot_id} already exists or is being written in {self.root}"
                 )
             self._fs.makedirs(path)
+        except OSError as exc:
+            self._stagings.forget(snapshot_id)
+            raise SnapshotError(f"cannot create {path}: {exc}") from None
         except BaseException:
             self._stagings.forget(snapshot_id)
             raise
@@ -318,6 +329,10 @@ class SnapshotStore:
             modified = None
         return modified if modified is not None else float("-inf")
 
+    def spans(self) -> list[Span]:
+        """Every loadable published snapshot's composing span, newest first (for retention)."""
+        return [_span(c.manifest) for c in self._candidates() if c.manifest is not None]
+
     def latest(self) -> SnapshotManifest | None:
         """The newest snapshot that verifies; a broken newer one is skipped with a warning."""
         for candidate in self._candidates():
@@ -441,11 +456,12 @@ class SnapshotStore:
             if not self._fs.exists(manifest_path):
                 continue
             try:
-                manifest = self.load(name)
+                manifest = self._loaded.get(name) or self.load(name)
             except RollpointError as exc:
                 when = self._fs.modified(manifest_path) or 0.0
                 out.append(_Candidate(name, when, None, exc.message))
                 continue
+            self._loaded[name] = manifest
             out.append(_Candidate(name, manifest.published_at, manifest, None))
         out.sort(key=lambda c: (c.order_time, c.snapshot_id), reverse=True)
         return out
@@ -463,7 +479,8 @@ class SnapshotStore:
             )
 
     def _prune(self, protect: str) -> None:
-        """Keep the ``keep`` newest loadable snapshots and the broken ones newer than them.
+        """Keep the ``keep`` newest loadable snapshots and the broken ones newer than them,
+        and (with train checkpoints) the newest one that composes with one of them.
 
         Digests are not checked here: that would read every byte at every publication.
         """
@@ -472,6 +489,15 @@ class SnapshotStore:
         # A pin is set and cleared on the event loop while this runs in the publish
         # thread: a frozenset of the counter is one step under the GIL.
         kept = {c.snapshot_id for c in loadable[: self.keep]} | {protect} | self.pinned
+        if self.checkpoint_steps is not None:
+            decided = retention.plan(
+                [_span(c.manifest) for c in loadable if c.manifest is not None],
+                self.checkpoint_steps(),
+                keep_snapshots=self.keep,
+                keep_checkpoints=0,
+                protect=kept,
+            )
+            kept = set(decided.snapshots)
         oldest_kept = min(
             (c.order_time for c in loadable if c.snapshot_id in kept), default=float("-inf")
         )
@@ -483,6 +509,7 @@ class SnapshotStore:
             path = self._fs.join(self._snapshots_root(), candidate.snapshot_id)
             try:
                 self._fs.remove_tree(path)
+                self._loaded.pop(candidate.snapshot_id, None)
                 log.info("pruned snapshot %s", candidate.snapshot_id)
             except OSError as exc:
                 log.warning("could not prune snapshot %s (skipped): %s", path, exc)
@@ -507,6 +534,10 @@ class SnapshotStore:
                 log.warning("removed unpublished folder %s left by an earlier process", folder)
             except OSError as exc:
                 log.warning("could not remove leftover folder %s (skipped): %s", folder, exc)
+
+
+def _span(manifest: SnapshotManifest) -> Span:
+    return Span(manifest.snapshot_id, manifest.committed_step or 0, manifest.train_step)
 
 
 def _check_snapshot_id(snapshot_id: str) -> None:

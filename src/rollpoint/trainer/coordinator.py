@@ -42,7 +42,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
@@ -283,11 +285,7 @@ class SnapshotCoordinator:
                 len(self._failures) >= MAX_FAILED_IN_A_ROW
                 and failing_for >= self.config.retry_after_seconds
             ):
-                raise SnapshotError(
-                    f"{len(self._failures)} snapshots failed in a row; stopping the run after "
-                    f"{failing_for:.1f}s of failures: "
-                    + "; ".join(self._failures[-MAX_FAILED_IN_A_ROW:])
-                )
+                raise SnapshotError(stop_message(self._failures, failing_for, self.store.root))
             return report
 
     async def _save(self, snapshot_id: str) -> SaveReport:
@@ -569,3 +567,43 @@ class SnapshotCoordinator:
 
 
 _DISCOVER_RETRY_S = 0.2
+
+_STORAGE_FAULTS = {
+    errno.ENOSPC: "the disk is full",
+    errno.EDQUOT: "the disk quota is used up",
+    errno.EIO: "an I/O error",
+    errno.EROFS: "the filesystem is read-only",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "permission denied",
+}
+_FAILURE_CHARS = 240
+"""Each blocker named in the stop message is cut to this: the message stays one line."""
+
+
+def storage_fault(failure: str) -> str | None:
+    """What a failed save's blocker says about the store's disk, if it was one of the write
+    faults an operator fixes by freeing space or fixing permissions (from the OS's words:
+    a participant reports its failed write over the wire as text)."""
+    for code, meaning in _STORAGE_FAULTS.items():
+        if os.strerror(code) in failure:
+            return meaning
+    return None
+
+
+def stop_message(failures: list[str], failing_for: float, root: str) -> str:
+    """One line: how many failed, and what to do; for a full or unwritable store, what to
+    free, else the last blockers, each cut short."""
+    count = len(failures)
+    last = failures[-MAX_FAILED_IN_A_ROW:]
+    faults = [storage_fault(f) for f in last]
+    head = (
+        f"{count} snapshots failed in a row; stopping the run after {failing_for:.1f}s of failures"
+    )
+    if all(faults):
+        return (
+            f"{head}: the snapshot store {root} cannot be written ({faults[-1]}); free space "
+            "there (older snapshots of other runs, or a lower snapshot.keep) or fix its "
+            "permissions, then rerun: the run resumes from its last snapshot"
+        )
+    shown = [f if len(f) <= _FAILURE_CHARS else f[: _FAILURE_CHARS - 1] + "…" for f in last]
+    return f"{head}: " + "; ".join(" ".join(f.split()) for f in shown)

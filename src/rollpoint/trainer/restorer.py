@@ -127,7 +127,14 @@ def find_resume_point(
     and every newer snapshot skipped on the way, with the reason."""
     available = checkpoints.available()
     skipped: list[Skipped] = []
-    for summary in store.list_snapshots(include_invalid=True):
+    try:
+        summaries = store.list_snapshots(include_invalid=True)
+    except OSError as exc:
+        raise RestoreError(
+            f"cannot read the snapshot store {store.root}: {exc.strerror or exc}; "
+            "fix its permissions or mount, then rerun (nothing was changed)"
+        ) from None
+    for summary in summaries:
         sid = summary.snapshot_id
         if not summary.valid:
             skipped.append(Skipped(sid, summary.reason or "unusable"))

@@ -118,7 +118,8 @@ class _Candidate:
 
     snapshot_id: str
     order_time: float
-    manifest: SnapshotManifest | None
+    span: Span | None
+    """What it composes with; None when its manifest does not load."""
     error: str | None
 
 
@@ -134,9 +135,11 @@ class SnapshotStore:
         self._fs = filesystem_for(self.root)
         self._stagings = StagingRegistry()
         self._pins: Counter[str] = Counter()
-        self._loaded: dict[str, SnapshotManifest] = {}
-        """Manifests already loaded for ordering and retention (a manifest never changes
-        once published; :meth:`verify` and :meth:`load` always read afresh)."""
+        self._loaded: dict[str, tuple[float, Span]] = {}
+        """Publication time and span of manifests already loaded, for ordering and
+        retention (a manifest never changes once published; a manifest of 100k episodes
+        is tens of MB of objects, so only these are kept; :meth:`verify` and :meth:`load`
+        always read afresh)."""
         self.checkpoint_steps: Callable[[], list[int]] | None = None
         """The durable train checkpoint steps present, when the trainer keeps any: retention
         then never prunes the last snapshot that composes with one (:mod:`.retention`)."""
@@ -331,7 +334,7 @@ class SnapshotStore:
 
     def spans(self) -> list[Span]:
         """Every loadable published snapshot's composing span, newest first (for retention)."""
-        return [_span(c.manifest) for c in self._candidates() if c.manifest is not None]
+        return [c.span for c in self._candidates() if c.span is not None]
 
     def latest(self) -> SnapshotManifest | None:
         """The newest snapshot that verifies; a broken newer one is skipped with a warning."""
@@ -455,14 +458,16 @@ class SnapshotStore:
             manifest_path = self._fs.join(self._snapshots_root(), name, MANIFEST_NAME)
             if not self._fs.exists(manifest_path):
                 continue
-            try:
-                manifest = self._loaded.get(name) or self.load(name)
-            except RollpointError as exc:
-                when = self._fs.modified(manifest_path) or 0.0
-                out.append(_Candidate(name, when, None, exc.message))
-                continue
-            self._loaded[name] = manifest
-            out.append(_Candidate(name, manifest.published_at, manifest, None))
+            brief = self._loaded.get(name)
+            if brief is None:
+                try:
+                    manifest = self.load(name)
+                except RollpointError as exc:
+                    when = self._fs.modified(manifest_path) or 0.0
+                    out.append(_Candidate(name, when, None, exc.message))
+                    continue
+                brief = self._loaded[name] = (manifest.published_at, _span(manifest))
+            out.append(_Candidate(name, brief[0], brief[1], None))
         out.sort(key=lambda c: (c.order_time, c.snapshot_id), reverse=True)
         return out
 
@@ -485,13 +490,13 @@ class SnapshotStore:
         Digests are not checked here: that would read every byte at every publication.
         """
         candidates = self._candidates()
-        loadable = [c for c in candidates if c.manifest is not None]
+        loadable = [c for c in candidates if c.span is not None]
         # A pin is set and cleared on the event loop while this runs in the publish
         # thread: a frozenset of the counter is one step under the GIL.
         kept = {c.snapshot_id for c in loadable[: self.keep]} | {protect} | self.pinned
         if self.checkpoint_steps is not None:
             decided = retention.plan(
-                [_span(c.manifest) for c in loadable if c.manifest is not None],
+                [c.span for c in loadable if c.span is not None],
                 self.checkpoint_steps(),
                 keep_snapshots=self.keep,
                 keep_checkpoints=0,
@@ -504,7 +509,7 @@ class SnapshotStore:
         for candidate in candidates:
             if candidate.snapshot_id in kept:
                 continue
-            if candidate.manifest is None and candidate.order_time >= oldest_kept:
+            if candidate.span is None and candidate.order_time >= oldest_kept:
                 continue
             path = self._fs.join(self._snapshots_root(), candidate.snapshot_id)
             try:

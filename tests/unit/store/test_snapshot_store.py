@@ -167,6 +167,20 @@ def test_a_flipped_field_in_a_published_manifest_is_refused_naming_it(location: 
     assert store.latest() is None
 
 
+def test_retention_keeps_the_last_snapshot_that_composes_with_a_kept_checkpoint(
+    location: str,
+) -> None:
+    store = SnapshotStore(location, keep=2)
+    store.checkpoint_steps = lambda: [5]  # the only durable train checkpoint
+    for sid, step in [("s1", 5), ("s2", 7), ("s3", 8), ("s4", 9)]:
+        staging, manifest = _stage(store, sid)
+        span = {"committed_step": step, "train_step": step}
+        store.publish(staging, manifest.model_copy(update=span))
+
+    # s3 and s4 are the newest; neither composes with step 5, so s1 stays and s2 goes.
+    assert [s.snapshot_id for s in store.list_snapshots()] == ["s4", "s3", "s1"]
+
+
 def test_local_staging_is_renamed_into_snapshots_on_publish(tmp_path: Path) -> None:
     store = SnapshotStore(str(tmp_path))
     staging, manifest = _stage(store, "s1")

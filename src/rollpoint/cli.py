@@ -280,6 +280,7 @@ def serve(
     from rollpoint.full_table import print_full
     from rollpoint.preemption import signal_name
     from rollpoint.runtime.embedded import EmbeddedRuntime
+    from rollpoint.store.workdir_lock import lock_workdir
     from rollpoint.trainer.control_plane import snapshot_root
 
     def _private_token(path: Path) -> str:
@@ -326,7 +327,7 @@ def serve(
 
     try:
         config = load_config(config_path)
-        config.workdir.mkdir(parents=True, exist_ok=True)
+        lock_workdir(config.workdir)  # one writer per workdir, before the token files
         _run_async(_serve)
     except RunPreemptedError as exc:
         # Serving has no state of its own to save: a signal just stops the servers.

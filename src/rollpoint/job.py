@@ -1,7 +1,9 @@
 """One job, start to finish: what ``rollpoint run`` does, on the runtime the config names.
 
-Owns the order of a run: pick the snapshot to resume from (or start over), check the config
-against it, start the servers, restore, run the trainer with the replica supervisor beside
+Owns the order of a run: lock the workdir (one writer), pick the snapshot to resume from
+(starting over only on a workdir that holds no progress: train data or checkpoints with no
+usable snapshot are refused with one line, never deleted), check the config and the train
+data against it, start the servers, restore, run the trainer with the replica supervisor beside
 it, and stop everything on every exit path. It owns no display: callers pass ``say`` for
 messages and ``drive`` to watch the trainer (the CLI draws progress; chaos trials do not),
 and may reroute the deployment (chaos trials put fault proxies in the path).
@@ -23,10 +25,11 @@ from rollpoint.http.client import HttpClient
 from rollpoint.preemption import StopRequest, drive_until_stopped
 from rollpoint.protocol.deployment import Deployment
 from rollpoint.protocol.episode import TaskRow
-from rollpoint.protocol.errors import ConfigError
+from rollpoint.protocol.errors import ConfigError, RestoreError
 from rollpoint.runtime.contract import Runtime, runtime_for
 from rollpoint.start_checks import check_store_writable, check_workdir_writable, unreadable
 from rollpoint.store.snapshot_store import SnapshotStore
+from rollpoint.store.workdir_lock import lock_workdir
 from rollpoint.trainer.control_plane import (
     ControlPlane,
     config_fingerprint,
@@ -34,7 +37,7 @@ from rollpoint.trainer.control_plane import (
     snapshot_root,
 )
 from rollpoint.trainer.metrics import TrainerMetrics
-from rollpoint.trainer.restorer import Restorer, check_config, choose_resume_point
+from rollpoint.trainer.restorer import Restorer, Skipped, check_config, find_resume_point
 from rollpoint.trainer.run_events import (
     EVENTS_FILE,
     Restore,
@@ -43,6 +46,7 @@ from rollpoint.trainer.run_events import (
     without_secrets,
 )
 from rollpoint.trainer.train_checkpoint import TrainCheckpointStore
+from rollpoint.trainer.train_data import TrainData
 from rollpoint.trainer.trainer_loop import TRAIN_DATA_FILE, RunSummary, Trainer
 
 log = logging.getLogger(__name__)
@@ -71,23 +75,60 @@ def load_tasks_for(config: RunConfig) -> list[TaskRow]:
 
 
 def prepare_workdir(workdir: Path, *, fresh: bool, force: bool) -> None:
-    """--fresh starts over: on an empty workdir, or with --force on a used one."""
-    used = workdir.exists() and any(workdir.iterdir())
-    if fresh and used:
+    """Lock the workdir for this process (one writer: a second run is refused before it
+    touches anything), then --fresh starts over: on an empty workdir, or with --force on
+    a used one (everything but the lock goes)."""
+    lock = lock_workdir(workdir)
+    contents = [p for p in workdir.iterdir() if p.name != lock.path.name]
+    if fresh and contents:
         if not force:
             raise ConfigError(f"workdir {workdir} is not empty; --fresh needs --force to delete it")
-        shutil.rmtree(workdir)
+        for path in contents:
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
     check_workdir_writable(workdir)
 
 
-def forget_unresumable_run(workdir: Path, say: Callable[[str], None]) -> None:
-    """Outputs of a run that left no usable snapshot: its rollouts start over, so what it
-    trained on is dropped too (every group is then trained exactly once)."""
-    leftovers = [workdir / TRAIN_DATA_FILE, workdir / "checkpoints"]
-    if any(p.exists() for p in leftovers):
-        say(f"no usable snapshot in {workdir}; starting the job over")
-        (workdir / TRAIN_DATA_FILE).unlink(missing_ok=True)
-        shutil.rmtree(workdir / "checkpoints", ignore_errors=True)
+def progress_in(workdir: Path) -> list[str]:
+    """What a run left that a fresh start would lose: train data, train checkpoints."""
+    found = []
+    train_data = workdir / TRAIN_DATA_FILE
+    if train_data.exists() and train_data.stat().st_size > 0:
+        found.append(f"{TRAIN_DATA_FILE}: {train_data.stat().st_size} bytes")
+    steps = TrainCheckpointStore(workdir / "checkpoints").steps()
+    if steps:
+        found.append(f"train checkpoints of steps {', '.join(map(str, steps[-5:]))}")
+    return found
+
+
+def refuse_unresumable_run(workdir: Path, root: str, skipped: list[Skipped]) -> None:
+    """No usable snapshot: a fresh start is the default only for a workdir with no
+    progress; anything else is refused with what was found and the two ways out."""
+    found = progress_in(workdir)
+    if not found:
+        return
+    if skipped:
+        shown = "; ".join(f"{s.snapshot_id}: {_clip(s.reason)}" for s in skipped[:_SHOWN])
+        more = f" (and {len(skipped) - _SHOWN} more)" if len(skipped) > _SHOWN else ""
+        why = f"every snapshot in {root} is unusable: {shown}{more}"
+    else:
+        why = f"no snapshot in {root}"
+    raise RestoreError(
+        f"{workdir} holds progress ({'; '.join(found)}) but {why}; nothing was deleted: "
+        "fix the snapshot store (put the snapshot folders back, or point snapshot.store at "
+        "them), or start over with --fresh --force (deletes this progress)"
+    )
+
+
+_SHOWN = 3
+_CLIP = 200
+
+
+def _clip(text: str) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= _CLIP else line[: _CLIP - 1] + "…"
 
 
 async def drive_quietly(trainer: Trainer, runtime: Runtime, metrics: TrainerMetrics) -> RunSummary:
@@ -121,6 +162,7 @@ async def run_job(
     """``data_token`` guards the servers' data routes (one is made when None); a caller that
     talks to the servers itself (a benchmark reading their stats) passes its own. With
     ``stop`` a signal ends the run after one final snapshot (see :mod:`rollpoint.preemption`)."""
+    lock_workdir(config.workdir)  # held already when the CLI prepared the workdir
     tasks = load_tasks_for(config)
     token = secrets.token_urlsafe(32)
     # The data plane has a token of its own: whoever can call /run cannot snapshot or restore.
@@ -130,13 +172,30 @@ async def run_job(
     checkpoints = TrainCheckpointStore(config.workdir / "checkpoints")
     try:
         store = await asyncio.to_thread(SnapshotStore, root, config.snapshot.keep)
-        point = None if fresh else await asyncio.to_thread(choose_resume_point, store, checkpoints)
+        point, skipped = (
+            (None, []) if fresh else await asyncio.to_thread(find_resume_point, store, checkpoints)
+        )
     except OSError as exc:
         raise unreadable(exc, "the snapshot store") from None
-    if point is None:
-        forget_unresumable_run(config.workdir, say)
+    for item in skipped:
+        # A warning reaches the console as well as rollpoint.log (the CLI's warning handler):
+        # a skipped snapshot is progress given up.
+        log.warning("%s", item.line())
+    train_data: TrainData | None = None
+    if point is None and fresh:
+        if progress_in(config.workdir):
+            raise ConfigError(
+                f"workdir {config.workdir} holds progress; starting over needs --fresh --force"
+            )
+    elif point is None:
+        refuse_unresumable_run(config.workdir, root, skipped)
     else:
         check_config(point.manifest, config_fingerprint(config))
+        # Before any server starts: a train data file that does not match its checkpoint
+        # is refused here, naming the file, and left as it is.
+        train_data = await asyncio.to_thread(
+            TrainData.verify, config.workdir / TRAIN_DATA_FILE, point.checkpoint.coverage
+        )
     metrics = TrainerMetrics(config.workdir / "metrics.jsonl", config.workdir / EVENTS_FILE)
     events = metrics.run_events
     runtime = runtime_for(config, control_token=token, data_token=data_token, snapshot_root=root)
@@ -169,7 +228,7 @@ async def run_job(
             try:
                 restored = await Restorer(control.participants).restore(
                     point,
-                    train_data=config.workdir / TRAIN_DATA_FILE,
+                    train_data=train_data or config.workdir / TRAIN_DATA_FILE,
                     continue_episodes=config.recovery == "turn",
                 )
             except OSError as exc:

@@ -22,7 +22,7 @@ from rollpoint.protocol.control import Phase
 from rollpoint.protocol.episode import RunRow, ToolCall
 from rollpoint.protocol.errors import RestoreError, StaleAttemptError
 from rollpoint.protocol.ids import HEADER_ATTEMPT, HEADER_ROLLOUT_ID, HEADER_TURN, EpisodeId
-from rollpoint.protocol.manifest import FileEntry, encode_document
+from rollpoint.protocol.manifest import FileEntry, encode_document, seal_manifest
 from rollpoint.protocol.participant import ParticipantKind
 from rollpoint.store.digest import digest_bytes
 from rollpoint.store.snapshot_store import SnapshotStore
@@ -550,7 +550,7 @@ def publish_tampered(store: SnapshotStore, snapshot_id: str, ledger: bytes) -> N
     entry = FileEntry(path=LEDGER_FILE, sha256=digest.sha256, bytes=digest.bytes)
     files = {**manifest.files, LEDGER_FILE: entry}
     (folder / "manifest.json").write_bytes(
-        encode_document(manifest.model_copy(update={"files": files}))
+        encode_document(seal_manifest(manifest.model_copy(update={"files": files})))
     )
     store.verify(snapshot_id)  # every digest checks out: only the contents disagree
 

@@ -44,14 +44,18 @@ class Finished:
 class RunProcess:
     """``python -m rollpoint run CONFIG`` started now, in a new session."""
 
-    def __init__(self, config: Path, *args: str) -> None:
+    def __init__(
+        self, config: Path, *args: str, launcher: tuple[str, ...] = ("-m", "rollpoint")
+    ) -> None:
+        """``launcher``: what runs the CLI (``-m rollpoint``; a test wrapper that injects
+        faults first, e.g. ``tests/support/full_disk.py``)."""
         self.started_at = time.time()
         self._chunks: list[bytes] = []
         self._servers: set[int] = set()
         self._servers_seen_at = 0.0
         self._lock = threading.Lock()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "rollpoint", "run", str(config), *args],
+            [sys.executable, *launcher, "run", str(config), *args],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,

@@ -25,6 +25,8 @@ wire) and ``retryable`` (whether trying the same thing again later can help)::
     ├── EpisodeError                episode_failed           (a bad rollout is data, not a crash)
     ├── SnapshotError               snapshot_failed          retryable (one failed save)
     ├── RunStalledError             run_stalled              (no row result for too long)
+    ├── WorkdirBusyError            workdir_busy             (another process holds the workdir)
+    ├── StorageError                storage_failed           (a file could not be written: disk full, I/O, permissions)
     ├── RestoreError                restore_refused          (a restore that cannot be exact)
     └── RunPreemptedError           run_preempted            (SIGTERM/SIGINT; CLI exit 143/130)
 
@@ -197,6 +199,21 @@ class RunStalledError(RollpointError):
     """No row result arrived for the stall timeout (snapshot pauses not counted)."""
 
     code = "run_stalled"
+
+
+class StorageError(RollpointError):
+    """A file the trainer must write durably (train data, a train checkpoint) could not be
+    written: the run stops with the path and the reason (disk full, I/O error, permissions)."""
+
+    code = "storage_failed"
+    status = 507
+
+
+class WorkdirBusyError(RollpointError):
+    """Another live process holds the workdir's lock: one writer per workdir."""
+
+    code = "workdir_busy"
+    status = 409
 
 
 class RunPreemptedError(RollpointError):

@@ -5,8 +5,12 @@ back after a crash, possibly with a newer rollpoint:
 
 - :class:`ParticipantManifest` (schema 1): one participant's exported state, written
   last into the participant's folder after its records file.
-- :class:`SnapshotManifest` (schema 2): one published snapshot, written last into the
-  snapshot folder; its presence is what makes the snapshot exist.
+- :class:`SnapshotManifest` (schema 4): one published snapshot, written last into the
+  snapshot folder; its presence is what makes the snapshot exist. It is sealed
+  (:func:`seal_manifest`): ``seal`` holds the sha256 of every other top-level field, so a
+  field changed after publication (a flipped digit in ``train_step``) is refused naming
+  the field, and every file it names carries its digest (trainer files and each
+  participant's manifest).
 - :class:`LatestPointer` (schema 1): the ``latest`` file naming the newest snapshot.
 
 Every document carries ``schema_version``, and :func:`load_versioned` is the one way to
@@ -23,9 +27,17 @@ Schema history of :class:`SnapshotManifest`:
   guess. A version-1 document that already carries ``pause_seconds`` or ``restarts``
   was not written by a version-1 writer and is refused.
 - **2**: adds ``restarts`` and ``pause_seconds``.
-- **3**: current. Adds ``finished``: the in-flight episodes whose finished reply an agent
-  held at the cut (the no-drain save). Migration 2 → 3 adds an empty list, which is exact:
-  a version-2 writer drained on-wire replies before the cut, so it never saved one.
+- **3**: adds ``finished``: the in-flight episodes whose finished reply an agent held at
+  the cut (the no-drain save). Migration 2 → 3 adds an empty list, which is exact: a
+  version-2 writer drained on-wire replies before the cut, so it never saved one.
+- **4**: current. Adds ``seal`` (the sha256 of every other field), ``committed_step`` (TQ's
+  committed train step at the cut: what retention and the restore compose with) and each
+  participant entry's ``sha256`` and ``bytes`` (of its participant manifest file). A
+  version-4 document must carry all of them and its seal must match, or it is refused.
+  Reading rule for older ones: migration 3 → 4 sets them to ``null`` (nothing is invented:
+  an older snapshot was never sealed); it loads unsealed, its participant manifests are
+  checked by their own records digests as before, and the restore still cross-checks its
+  train step and policy version against its digest-checked ``trainer.json``.
 """
 
 from __future__ import annotations
@@ -52,7 +64,7 @@ RecordsFileName = Annotated[str, StringConstraints(pattern=r"^records-[0-9a-f]{1
 NonNegativeInt = Annotated[int, Field(ge=0)]
 
 PARTICIPANT_MANIFEST_VERSION = 1
-SNAPSHOT_MANIFEST_VERSION = 3
+SNAPSHOT_MANIFEST_VERSION = 4
 LATEST_POINTER_VERSION = 1
 
 
@@ -91,6 +103,11 @@ class ParticipantEntry(StrictModel):
     instance: Identifier
     manifest_path: str
     """Path of its :class:`ParticipantManifest`, relative to the snapshot folder."""
+    sha256: Sha256Hex | None = None
+    """sha256 of that manifest file, stamped by the store at publication (None: a
+    manifest older than schema 4, or an entry not published yet)."""
+    bytes: NonNegativeInt | None = None
+    """Size of that manifest file (None as for ``sha256``)."""
 
 
 class RestartEpisode(StrictModel):
@@ -130,6 +147,9 @@ class SnapshotManifest(StrictModel):
     """Unix time of publication; stamped by the snapshot store when it publishes."""
     train_step: NonNegativeInt
     policy_version: NonNegativeInt
+    committed_step: NonNegativeInt | None = 0
+    """TQ's committed train step at the cut: the snapshot composes with a durable train
+    checkpoint at a step between this and ``train_step`` (None: older than schema 4)."""
     pause_seconds: Annotated[float, Field(ge=0)]
     """How long the data plane was paused for the cut."""
     topology_fingerprint: Sha256Hex
@@ -145,6 +165,9 @@ class SnapshotManifest(StrictModel):
     """The trainer's files in the snapshot (ledger, TQ), keyed by name."""
     config_fingerprint: dict[str, JsonValue]
     """The config keys a restore must match (environment, group_size, replicas, ...)."""
+    seal: dict[str, Sha256Hex] | None = None
+    """Field name → sha256 of that field's canonical JSON, for every other field: stamped
+    by :func:`seal_manifest` at publication (None: older than schema 4, or not published)."""
 
 
 class LatestPointer(StrictModel):
@@ -174,7 +197,28 @@ def _snapshot_v2_to_v3(doc: dict[str, Any]) -> dict[str, Any]:
     return doc
 
 
-SNAPSHOT_MANIFEST_MIGRATIONS: dict[int, Migration] = {1: _snapshot_v1_to_v2, 2: _snapshot_v2_to_v3}
+def _snapshot_v3_to_v4(doc: dict[str, Any]) -> dict[str, Any]:
+    for field in ("seal", "committed_step"):
+        if field in doc:
+            raise ValueError(f"a version 3 document has no '{field}' field")
+    doc["seal"] = None
+    doc["committed_step"] = None
+    participants = doc.get("participants")
+    if isinstance(participants, list):
+        for entry in participants:
+            if isinstance(entry, dict):
+                if "sha256" in entry or "bytes" in entry:
+                    raise ValueError("a version 3 participant entry has no digest")
+                entry["sha256"] = None
+                entry["bytes"] = None
+    return doc
+
+
+SNAPSHOT_MANIFEST_MIGRATIONS: dict[int, Migration] = {
+    1: _snapshot_v1_to_v2,
+    2: _snapshot_v2_to_v3,
+    3: _snapshot_v3_to_v4,
+}
 PARTICIPANT_MANIFEST_MIGRATIONS: dict[int, Migration] = {}
 LATEST_POINTER_MIGRATIONS: dict[int, Migration] = {}
 
@@ -270,9 +314,67 @@ def load_participant_manifest(doc: Mapping[str, Any], what: str) -> ParticipantM
 
 
 def load_snapshot_manifest(doc: Mapping[str, Any], what: str) -> SnapshotManifest:
-    return load_versioned(
+    """A snapshot manifest of any supported version; one of schema 4 or later must be
+    sealed, and its seal must match every field (refused naming the first that differs)."""
+    version = _schema_version(doc, SNAPSHOT_MANIFEST_VERSION, what)
+    if version >= SEALED_SINCE:
+        _check_seal(doc, what)
+    manifest = load_versioned(
         doc, SnapshotManifest, SNAPSHOT_MANIFEST_MIGRATIONS, SNAPSHOT_MANIFEST_VERSION, what
     )
+    if version >= SEALED_SINCE:
+        if manifest.committed_step is None:
+            raise InvalidCheckpointStateError(
+                f"{what}: field 'committed_step' is null, but schema {version} requires it"
+            )
+        for p in manifest.participants:
+            if p.sha256 is None or p.bytes is None:
+                raise InvalidCheckpointStateError(
+                    f"{what}: field 'participants': {p.instance} has no digest of its "
+                    f"manifest, but schema {version} requires one"
+                )
+    return manifest
+
+
+SEALED_SINCE = 4
+"""The first snapshot manifest schema that carries a seal."""
+
+
+def field_digests(doc: Mapping[str, Any]) -> dict[str, str]:
+    """sha256 of each top-level field but ``seal``, over its canonical JSON (sorted keys)."""
+    return {
+        name: hashlib.sha256(orjson.dumps(value, option=orjson.OPT_SORT_KEYS)).hexdigest()
+        for name, value in doc.items()
+        if name != "seal"
+    }
+
+
+def seal_manifest(manifest: SnapshotManifest) -> SnapshotManifest:
+    """``manifest`` with its seal: written by the store at publication, after the last
+    field (``published_at``, the participants' digests) is set."""
+    return manifest.model_copy(update={"seal": field_digests(manifest.model_dump(mode="json"))})
+
+
+def _check_seal(doc: Mapping[str, Any], what: str) -> None:
+    seal = doc.get("seal")
+    if not isinstance(seal, dict):
+        raise InvalidCheckpointStateError(
+            f"{what}: field 'seal' is missing or not an object: the manifest is not sealed"
+        )
+    actual = field_digests(doc)
+    changed = sorted(name for name in actual.keys() & seal.keys() if actual[name] != seal[name])
+    added = sorted(actual.keys() - seal.keys())
+    removed = sorted(seal.keys() - actual.keys())
+    if changed:
+        more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
+        raise InvalidCheckpointStateError(
+            f"{what}: field '{changed[0]}'{more} does not match the manifest's seal "
+            "(changed after publication: tampered or corrupt)"
+        )
+    if added or removed:
+        name = (added or removed)[0]
+        how = "is not covered by" if added else "is missing but listed in"
+        raise InvalidCheckpointStateError(f"{what}: field '{name}' {how} the manifest's seal")
 
 
 def load_latest_pointer(doc: Mapping[str, Any], what: str) -> LatestPointer:

@@ -4,7 +4,7 @@ Owns the layout of a run's snapshot root (a local folder or an fsspec URL)::
 
     <root>/staging/<snapshot_id>/            being written (local roots only)
     <root>/snapshots/<snapshot_id>/          published once manifest.json is in it
-        manifest.json                        SnapshotManifest, written last
+        manifest.json                        SnapshotManifest, written last and sealed
         <files>                              ledger, TQ... (FileEntry digests in the manifest)
         participants/<kind>/<instance>/      one participant's state (participant_state)
     <root>/latest                            LatestPointer to the newest published snapshot
@@ -14,7 +14,10 @@ into ``snapshots/`` (atomic) and then writes the manifest (temp file + rename); 
 fsspec URL there is no cheap folder rename, so the snapshot is written in its final
 folder from the start (copy-free) and the manifest, one object put, is the publication
 point. Either way a folder without a manifest was never published and is never listed
-as valid. ``latest`` is moved after the manifest and is advisory: readers choose the
+as valid. The manifest is sealed at publication (:func:`seal_manifest`): it carries the
+digest of every file it names (the trainer's files and each participant's manifest) and
+of each of its own fields, so a reader refuses a manifest edited after the fact, naming
+the field. ``latest`` is moved after the manifest and is advisory: readers choose the
 newest snapshot that verifies, so a crash between the two loses nothing.
 
 It does not know what the trainer's files or the participants' records mean, nor when a
@@ -28,7 +31,7 @@ import hashlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from rollpoint.protocol.errors import (
@@ -45,13 +48,16 @@ from rollpoint.protocol.manifest import (
     SNAPSHOT_MANIFEST_VERSION,
     FileEntry,
     LatestPointer,
+    ParticipantEntry,
     SnapshotManifest,
     decode_document,
     encode_document,
     load_snapshot_manifest,
+    seal_manifest,
 )
 from rollpoint.protocol.model_base import StrictModel
 from rollpoint.protocol.participant import ParticipantKind
+from rollpoint.store import retention
 from rollpoint.store.digest import digest_bytes, digest_file
 from rollpoint.store.filesystem import (
     filesystem_for,
@@ -60,6 +66,7 @@ from rollpoint.store.filesystem import (
     resolve_inside,
 )
 from rollpoint.store.participant_state import MANIFEST_NAME, verify_participant_state
+from rollpoint.store.retention import Span
 from rollpoint.store.staging import (
     PARTICIPANTS_DIR,
     Staging,
@@ -111,7 +118,8 @@ class _Candidate:
 
     snapshot_id: str
     order_time: float
-    manifest: SnapshotManifest | None
+    span: Span | None
+    """What it composes with; None when its manifest does not load."""
     error: str | None
 
 
@@ -127,6 +135,14 @@ class SnapshotStore:
         self._fs = filesystem_for(self.root)
         self._stagings = StagingRegistry()
         self._pins: Counter[str] = Counter()
+        self._loaded: dict[str, tuple[float, Span]] = {}
+        """Publication time and span of manifests already loaded, for ordering and
+        retention (a manifest never changes once published; a manifest of 100k episodes
+        is tens of MB of objects, so only these are kept; :meth:`verify` and :meth:`load`
+        always read afresh)."""
+        self.checkpoint_steps: Callable[[], list[int]] | None = None
+        """The durable train checkpoint steps present, when the trainer keeps any: retention
+        then never prunes the last snapshot that composes with one (:mod:`.retention`)."""
         if clean_leftovers:
             self._clean_leftovers()
 
@@ -162,6 +178,9 @@ class SnapshotStore:
                     f"snapshot {snapshot_id} already exists or is being written in {self.root}"
                 )
             self._fs.makedirs(path)
+        except OSError as exc:
+            self._stagings.forget(snapshot_id)
+            raise SnapshotError(f"cannot create {path}: {exc}") from None
         except BaseException:
             self._stagings.forget(snapshot_id)
             raise
@@ -198,11 +217,13 @@ class SnapshotStore:
         """
         self._stagings.advance(staging, StagingAction.BEGIN_PUBLISH)
         try:
-            self._check_publishable(staging, manifest)
+            participants = self._check_publishable(staging, manifest)
         except BaseException:
             self._stagings.advance(staging, StagingAction.REFUSE)
             raise
-        published = manifest.model_copy(update={"published_at": time.time()})
+        published = seal_manifest(
+            manifest.model_copy(update={"published_at": time.time(), "participants": participants})
+        )
         final = self.snapshot_dir(staging.snapshot_id)
         moved = staging.path == final
         try:
@@ -295,14 +316,25 @@ class SnapshotStore:
         summaries = [self._summarize(name) for name in self._fs.listdir(self._snapshots_root())]
         if not include_invalid:
             summaries = [summary for summary in summaries if summary.valid]
-        summaries.sort(
-            key=lambda s: (
-                s.published_at if s.published_at is not None else float("-inf"),
-                s.snapshot_id,
-            ),
-            reverse=True,
-        )
+        summaries.sort(key=lambda s: (self._order_time(s), s.snapshot_id), reverse=True)
         return summaries
+
+    def _order_time(self, summary: SnapshotSummary) -> float:
+        """When it was published; for a manifest that does not load (tampered), the time
+        its file was written, so it is listed (and skipped, with its reason) in its place
+        rather than last."""
+        if summary.published_at is not None:
+            return summary.published_at
+        manifest_path = self._fs.join(self._snapshots_root(), summary.snapshot_id, MANIFEST_NAME)
+        try:
+            modified = self._fs.modified(manifest_path) if self._fs.exists(manifest_path) else None
+        except OSError:
+            modified = None
+        return modified if modified is not None else float("-inf")
+
+    def spans(self) -> list[Span]:
+        """Every loadable published snapshot's composing span, newest first (for retention)."""
+        return [c.span for c in self._candidates() if c.span is not None]
 
     def latest(self) -> SnapshotManifest | None:
         """The newest snapshot that verifies; a broken newer one is skipped with a warning."""
@@ -332,7 +364,11 @@ class SnapshotStore:
         except BadRequestError as exc:
             raise InvalidCheckpointStateError(f"snapshot manifest: {exc.message}") from None
 
-    def _check_publishable(self, staging: Staging, manifest: SnapshotManifest) -> None:
+    def _check_publishable(
+        self, staging: Staging, manifest: SnapshotManifest
+    ) -> list[ParticipantEntry]:
+        """Refuse a manifest its staging folder does not match; return its participant
+        entries stamped with the digest of each participant's manifest file."""
         if manifest.snapshot_id != staging.snapshot_id:
             raise BadRequestError(
                 f"manifest is for snapshot {manifest.snapshot_id}, staging is {staging.snapshot_id}"
@@ -354,6 +390,17 @@ class SnapshotStore:
                 f"snapshot {staging.snapshot_id} names files its staging folder lacks: "
                 + ", ".join(missing)
             )
+        entries = []
+        for participant in manifest.participants:
+            path = resolve_inside(staging.path, participant.manifest_path)
+            try:
+                digest = digest_bytes(self._fs.read_bytes(path))
+            except OSError as exc:
+                raise SnapshotError(f"cannot read {path}: {exc}") from None
+            entries.append(
+                participant.model_copy(update={"sha256": digest.sha256, "bytes": digest.bytes})
+            )
+        return entries
 
     def _verify_contents(self, manifest: SnapshotManifest) -> None:
         folder = self.snapshot_dir(manifest.snapshot_id)
@@ -373,6 +420,14 @@ class SnapshotStore:
                 instance=participant.instance,
                 checkpoint_id=manifest.checkpoint_id,
             )
+            if participant.sha256 is not None and participant.bytes is not None:
+                # Its records are digest-checked above; this covers the manifest's own fields.
+                entry = FileEntry(
+                    path=participant.manifest_path,
+                    sha256=participant.sha256,
+                    bytes=participant.bytes,
+                )
+                self._verify_file(folder, f"{participant.instance} manifest", entry)
 
     def _verify_file(self, folder: str, name: str, entry: FileEntry) -> None:
         path = self._inside(folder, entry.path)
@@ -403,13 +458,16 @@ class SnapshotStore:
             manifest_path = self._fs.join(self._snapshots_root(), name, MANIFEST_NAME)
             if not self._fs.exists(manifest_path):
                 continue
-            try:
-                manifest = self.load(name)
-            except RollpointError as exc:
-                when = self._fs.modified(manifest_path) or 0.0
-                out.append(_Candidate(name, when, None, exc.message))
-                continue
-            out.append(_Candidate(name, manifest.published_at, manifest, None))
+            brief = self._loaded.get(name)
+            if brief is None:
+                try:
+                    manifest = self.load(name)
+                except RollpointError as exc:
+                    when = self._fs.modified(manifest_path) or 0.0
+                    out.append(_Candidate(name, when, None, exc.message))
+                    continue
+                brief = self._loaded[name] = (manifest.published_at, _span(manifest))
+            out.append(_Candidate(name, brief[0], brief[1], None))
         out.sort(key=lambda c: (c.order_time, c.snapshot_id), reverse=True)
         return out
 
@@ -426,26 +484,37 @@ class SnapshotStore:
             )
 
     def _prune(self, protect: str) -> None:
-        """Keep the ``keep`` newest loadable snapshots and the broken ones newer than them.
+        """Keep the ``keep`` newest loadable snapshots and the broken ones newer than them,
+        and (with train checkpoints) the newest one that composes with one of them.
 
         Digests are not checked here: that would read every byte at every publication.
         """
         candidates = self._candidates()
-        loadable = [c for c in candidates if c.manifest is not None]
+        loadable = [c for c in candidates if c.span is not None]
         # A pin is set and cleared on the event loop while this runs in the publish
         # thread: a frozenset of the counter is one step under the GIL.
         kept = {c.snapshot_id for c in loadable[: self.keep]} | {protect} | self.pinned
+        if self.checkpoint_steps is not None:
+            decided = retention.plan(
+                [c.span for c in loadable if c.span is not None],
+                self.checkpoint_steps(),
+                keep_snapshots=self.keep,
+                keep_checkpoints=0,
+                protect=kept,
+            )
+            kept = set(decided.snapshots)
         oldest_kept = min(
             (c.order_time for c in loadable if c.snapshot_id in kept), default=float("-inf")
         )
         for candidate in candidates:
             if candidate.snapshot_id in kept:
                 continue
-            if candidate.manifest is None and candidate.order_time >= oldest_kept:
+            if candidate.span is None and candidate.order_time >= oldest_kept:
                 continue
             path = self._fs.join(self._snapshots_root(), candidate.snapshot_id)
             try:
                 self._fs.remove_tree(path)
+                self._loaded.pop(candidate.snapshot_id, None)
                 log.info("pruned snapshot %s", candidate.snapshot_id)
             except OSError as exc:
                 log.warning("could not prune snapshot %s (skipped): %s", path, exc)
@@ -470,6 +539,10 @@ class SnapshotStore:
                 log.warning("removed unpublished folder %s left by an earlier process", folder)
             except OSError as exc:
                 log.warning("could not remove leftover folder %s (skipped): %s", folder, exc)
+
+
+def _span(manifest: SnapshotManifest) -> Span:
+    return Span(manifest.snapshot_id, manifest.committed_step or 0, manifest.train_step)
 
 
 def _check_snapshot_id(snapshot_id: str) -> None:

@@ -35,6 +35,7 @@ from rollpoint.protocol.errors import ConfigError, RollpointError
 from rollpoint.protocol.participant import ParticipantKind
 from rollpoint.runtime.contract import Runtime
 from rollpoint.runtime.embedded import EmbeddedRuntime, replica_name, replica_of
+from rollpoint.store.workdir_lock import lock_workdir
 from rollpoint.testing.chaos_plan import PROXIED, ChaosFault, PlannedFault, TrialEvent, TrialPlan
 from rollpoint.testing.fault import Fault
 from rollpoint.testing.fault_proxy import FaultProxy
@@ -261,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         config = trial_config(plan)
-        config.workdir.mkdir(parents=True, exist_ok=True)
+        lock_workdir(config.workdir)  # one run per trial folder, taken before its log
         _setup_logging(config)
         summary = asyncio.run(run_trial(plan, config))
     except RollpointError as exc:

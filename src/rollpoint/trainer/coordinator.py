@@ -42,7 +42,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
@@ -230,7 +232,8 @@ class SnapshotCoordinator:
     def fingerprint(self, clients: list[ParticipantClient] | None = None) -> str:
         return topology_fingerprint(
             [
-                e.model_dump(mode="json") | {"features": []}
+                # The digests are the store's, stamped at publication: not the topology.
+                e.model_dump(mode="json", exclude={"sha256", "bytes"}) | {"features": []}
                 for e in self.participant_entries(clients)
             ]
         )
@@ -292,11 +295,7 @@ class SnapshotCoordinator:
                 len(self._failures) >= MAX_FAILED_IN_A_ROW
                 and failing_for >= self.config.retry_after_seconds
             ):
-                raise SnapshotError(
-                    f"{len(self._failures)} snapshots failed in a row; stopping the run after "
-                    f"{failing_for:.1f}s of failures: "
-                    + "; ".join(self._failures[-MAX_FAILED_IN_A_ROW:])
-                )
+                raise SnapshotError(stop_message(self._failures, failing_for, self.store.root))
             return report
 
     async def _save(
@@ -568,6 +567,7 @@ class SnapshotCoordinator:
             created_at=cut.created_at,
             train_step=int(cut.trainer_doc.get("train_step", 0)),
             policy_version=int(cut.trainer_doc.get("policy_version", 0)),
+            committed_step=cut.tq.committed_step if cut.tq is not None else 0,
             pause_seconds=pause_s,
             topology_fingerprint=self.fingerprint(cut.participants),
             participants=self.participant_entries(cut.participants),
@@ -618,3 +618,44 @@ async def _stop(task: asyncio.Task[None]) -> None:
     task.cancel()
     with contextlib.suppress(asyncio.CancelledError):
         await task
+
+
+_STORAGE_FAULTS = {
+    errno.ENOSPC: "the disk is full",
+    errno.EDQUOT: "the disk quota is used up",
+    errno.EIO: "an I/O error",
+    errno.EROFS: "the filesystem is read-only",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "permission denied",
+}
+_FAILURE_CHARS = 240
+"""Each blocker named in the stop message is cut to this: the message stays one line."""
+
+
+def storage_fault(failure: str) -> str | None:
+    """What a failed save's blocker says about the store's disk, if it was one of the write
+    faults an operator fixes by freeing space or fixing permissions (from the OS's words:
+    a participant reports its failed write over the wire as text)."""
+    for code, meaning in _STORAGE_FAULTS.items():
+        if os.strerror(code) in failure:
+            return meaning
+    return None
+
+
+def stop_message(failures: list[str], failing_for: float, root: str) -> str:
+    """One line: how many failed, and what to do; for a full or unwritable store, what to
+    free, else the last blockers, each cut short."""
+    count = len(failures)
+    last = failures[-MAX_FAILED_IN_A_ROW:]
+    faults = [storage_fault(f) for f in last]
+    head = (
+        f"{count} snapshots failed in a row; stopping the run after {failing_for:.1f}s of failures"
+    )
+    if all(faults):
+        return (
+            f"{head}: the snapshot store {root} cannot be written ({faults[-1]}); free space "
+            "there (older snapshots of other runs, or a lower snapshot.keep) or fix its "
+            "permissions, then rerun: the run resumes from its last snapshot"
+        )
+    shown = [f if len(f) <= _FAILURE_CHARS else f[: _FAILURE_CHARS - 1] + "…" for f in last]
+    return f"{head}: " + "; ".join(" ".join(f.split()) for f in shown)

@@ -3,8 +3,11 @@
 Owns choosing what to resume from and putting every piece back:
 
 1. the newest published snapshot that composes with a durable train checkpoint (TQ's
-   committed step ≤ checkpoint step ≤ the snapshot's train step); a corrupt or partial
-   snapshot is skipped with a warning for the previous one; none → fresh start;
+   committed step ≤ checkpoint step ≤ the snapshot's train step); a corrupt, partial or
+   tampered snapshot (a file or a sealed field that does not match, or a train step,
+   policy version or committed step that disagrees with its ``trainer.json`` / ``tq.json``)
+   is skipped, the reason returned for the console, for the previous one
+   (:func:`find_resume_point`); what to do when none is usable is the job's;
 2. the config keys the saved state depends on must match (a mismatch names the key);
    ``replicas`` may change (:data:`ELASTIC_CONFIG_KEYS`);
 3. every saved replica is placed on a live one (:func:`place`): the replica that saved it
@@ -23,7 +26,8 @@ Owns choosing what to resume from and putting every piece back:
    do tries the saved ledger holds queued for a replica: their state died with its
    servers), finished replies held by an agent are fetched again under their own
    identity (adopted, not rerun); TQ puts back what no durable train checkpoint consumed;
-   ``train_data.jsonl`` is cut back to the checkpoint.
+   ``train_data.jsonl`` is cut back to the checkpoint, only to a boundary that verifies
+   (its digest, line count and a line end: :mod:`.train_data`), else refused unchanged.
 
 :meth:`Restorer.restore_replica` does step 5 alone for one replica restarted mid-run
 (:mod:`.replica_recovery` decides what to restore and moves the ledger).
@@ -35,7 +39,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -46,7 +49,12 @@ import orjson
 from pydantic import JsonValue
 
 from rollpoint.protocol.control import StatusReply
-from rollpoint.protocol.errors import ConfigError, RestoreError, RollpointError
+from rollpoint.protocol.errors import (
+    ConfigError,
+    InvalidCheckpointStateError,
+    RestoreError,
+    RollpointError,
+)
 from rollpoint.protocol.ids import EpisodeId
 from rollpoint.protocol.manifest import SavedEpisode, SnapshotManifest
 from rollpoint.protocol.participant import ParticipantKind
@@ -62,6 +70,7 @@ from rollpoint.trainer.finished_queue import FinishedQueue
 from rollpoint.trainer.ledger import RecoveryLedger, RolloutState
 from rollpoint.trainer.participant_client import ParticipantClient
 from rollpoint.trainer.train_checkpoint import TrainCheckpoint, TrainCheckpointStore
+from rollpoint.trainer.train_data import TrainData
 
 log = logging.getLogger(__name__)
 
@@ -96,17 +105,39 @@ class RestoredRun:
     tq_requeued: int = 0
     placement: dict[str, str] = field(default_factory=dict)
     """Saved replica → the live replica its state went to (differs after an elastic restore)."""
+    train_data: TrainData | None = None
+    """train_data.jsonl cut back to the checkpoint's verified end, its digest running on."""
 
 
-def choose_resume_point(
+@dataclass(frozen=True)
+class Skipped:
+    """A snapshot the restore could not use, and why (shown on the console)."""
+
+    snapshot_id: str
+    reason: str
+
+    def line(self) -> str:
+        return f"skipping snapshot {self.snapshot_id}: {self.reason}"
+
+
+def find_resume_point(
     store: SnapshotStore, checkpoints: TrainCheckpointStore
-) -> ResumePoint | None:
-    """The newest usable snapshot that composes with a durable train checkpoint, or None."""
+) -> tuple[ResumePoint | None, list[Skipped]]:
+    """The newest usable snapshot that composes with a durable train checkpoint (or None),
+    and every newer snapshot skipped on the way, with the reason."""
     available = checkpoints.available()
-    for summary in store.list_snapshots(include_invalid=True):
+    skipped: list[Skipped] = []
+    try:
+        summaries = store.list_snapshots(include_invalid=True)
+    except OSError as exc:
+        raise RestoreError(
+            f"cannot read the snapshot store {store.root}: {exc.strerror or exc}; "
+            "fix its permissions or mount, then rerun (nothing was changed)"
+        ) from None
+    for summary in summaries:
         sid = summary.snapshot_id
         if not summary.valid:
-            log.warning("skipping snapshot %s: %s", sid, summary.reason)
+            skipped.append(Skipped(sid, summary.reason or "unusable"))
             continue
         try:
             manifest = store.verify(sid)
@@ -115,21 +146,61 @@ def choose_resume_point(
             trainer_doc = orjson.loads(store.read_file(sid, TRAINER_FILE))
             with collector_paused():  # the ledger decodes into millions of objects
                 ledger_doc, tq_doc = orjson.loads(ledger_bytes), orjson.loads(tq_bytes)
-        except (RollpointError, orjson.JSONDecodeError) as exc:
+            committed = int(tq_doc.get("committed_step", 0))
+            _cross_check(manifest, trainer_doc, committed)
+        except (RollpointError, orjson.JSONDecodeError, TypeError, ValueError) as exc:
             detail = exc.message if isinstance(exc, RollpointError) else str(exc)
-            log.warning("skipping snapshot %s: %s", sid, detail)
+            skipped.append(Skipped(sid, detail))
             continue
-        committed = int(tq_doc.get("committed_step", 0))
         for checkpoint in available:
             if committed <= checkpoint.step <= manifest.train_step:
-                return ResumePoint(manifest, checkpoint, ledger_doc, tq_doc, trainer_doc)
-        log.warning(
-            "skipping snapshot %s: no train checkpoint between its committed step %d and its train step %d",
-            sid,
-            committed,
-            manifest.train_step,
+                return ResumePoint(manifest, checkpoint, ledger_doc, tq_doc, trainer_doc), skipped
+        steps = ", ".join(str(c.step) for c in available)
+        skipped.append(
+            Skipped(
+                sid,
+                f"no train checkpoint between its committed step {committed} and its "
+                f"train step {manifest.train_step} (checkpoints: {steps})",
+            )
         )
-    return None
+    return None, skipped
+
+
+def choose_resume_point(
+    store: SnapshotStore, checkpoints: TrainCheckpointStore
+) -> ResumePoint | None:
+    """:func:`find_resume_point`, the skipped snapshots logged as warnings."""
+    point, skipped = find_resume_point(store, checkpoints)
+    for item in skipped:
+        log.warning("%s", item.line())
+    return point
+
+
+def _cross_check(manifest: SnapshotManifest, trainer_doc: Any, committed: int) -> None:
+    """The fields the restore trusts, against the digest-checked trainer files they were
+    copied from: a manifest that disagrees names the field (an unsealed, older manifest
+    is caught here too)."""
+    if not isinstance(trainer_doc, dict):
+        raise InvalidCheckpointStateError(
+            f"{TRAINER_FILE} of snapshot {manifest.snapshot_id} is not an object"
+        )
+    pairs = [
+        ("train_step", manifest.train_step, trainer_doc.get("train_step"), TRAINER_FILE),
+        (
+            "policy_version",
+            manifest.policy_version,
+            trainer_doc.get("policy_version"),
+            TRAINER_FILE,
+        ),
+    ]
+    if manifest.committed_step is not None:
+        pairs.append(("committed_step", manifest.committed_step, committed, TQ_FILE))
+    for name, in_manifest, in_file, file_name in pairs:
+        if in_manifest != in_file:
+            raise InvalidCheckpointStateError(
+                f"manifest field '{name}' is {in_manifest} but {file_name} says {in_file!r} "
+                "(tampered or corrupt)"
+            )
 
 
 ELASTIC_CONFIG_KEYS = frozenset({"replicas"})
@@ -248,13 +319,19 @@ class Restorer:
         self,
         point: ResumePoint,
         *,
-        train_data: Path,
+        train_data: Path | TrainData,
         deadline_s: float = 30.0,
         continue_episodes: bool = True,
     ) -> RestoredRun:
         """``continue_episodes=False`` is ``recovery: restart``: the saved episodes start over
-        from their prompts (their sessions are not installed); the rest is the same."""
+        from their prompts (their sessions are not installed); the rest is the same.
+        ``train_data``: the file, or the file already verified against the checkpoint
+        (:meth:`TrainData.verify`); either way it is checked before anything is installed."""
         manifest = point.manifest
+        if not isinstance(train_data, TrainData):
+            train_data = await asyncio.to_thread(
+                TrainData.verify, train_data, point.checkpoint.coverage
+            )
         placement = await self._check_topology(manifest)
         ledger = RecoveryLedger.from_document(
             point.ledger_doc, what=f"ledger of snapshot {manifest.snapshot_id}"
@@ -272,6 +349,7 @@ class Restorer:
             tq=tq,
             trainer_doc=point.trainer_doc,
             placement=placement.target_of,
+            train_data=train_data,
         )
         # A queued try pinned to a replica waits for state (a session, a held reply) that
         # lived only in the servers that crashed: it is not in this snapshot, so start over.
@@ -295,7 +373,7 @@ class Restorer:
             ledger.requeue(finished.rollout_id, keep_replica=True, pin=holder)
             run.adopted += 1
         run.tq_requeued = tq.rewind(point.checkpoint.step)
-        await asyncio.to_thread(_cut_back, train_data, point.checkpoint.train_data_bytes)
+        await asyncio.to_thread(train_data.cut_back)
         return run
 
     async def restore_replica(
@@ -467,23 +545,3 @@ def _check_cut(manifest: SnapshotManifest, ledger: RecoveryLedger) -> None:
         raise RestoreError(
             f"snapshot {manifest.snapshot_id} does not match its ledger: {'; '.join(problems)}"
         )
-
-
-def _cut_back(train_data: Path, size: int) -> None:
-    """Forget what was trained after the checkpoint: those rollouts are back in TQ."""
-    if not train_data.exists():
-        if size:
-            raise RestoreError(
-                f"{train_data} is missing but the train checkpoint says it held {size} bytes"
-            )
-        return
-    actual = train_data.stat().st_size
-    if actual < size:
-        raise RestoreError(
-            f"{train_data} holds {actual} bytes but the train checkpoint says {size}: it was truncated"
-        )
-    if actual > size:
-        with train_data.open("r+b") as out:
-            out.truncate(size)
-            out.flush()
-            os.fsync(out.fileno())

@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-import os
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -46,6 +45,7 @@ from rollpoint.protocol.errors import (
 )
 from rollpoint.protocol.model_base import StrictModel
 from rollpoint.protocol.participant import ParticipantKind
+from rollpoint.store import retention
 from rollpoint.trainer.control_plane import ControlPlane, config_fingerprint
 from rollpoint.trainer.coordinator import SnapshotCoordinator
 from rollpoint.trainer.dispatch_barrier import DispatchBarrier
@@ -67,6 +67,7 @@ from rollpoint.trainer.run_events import (
     TrainStep,
 )
 from rollpoint.trainer.train_checkpoint import TrainCheckpointStore, stamp
+from rollpoint.trainer.train_data import TrainData
 from rollpoint.trainer.train_hooks import SimulatedTrainer, TrainHooks, TrainSample
 
 log = logging.getLogger(__name__)
@@ -146,6 +147,12 @@ class Trainer:
         self.dispatcher: Dispatcher | None = None
         """Built by :meth:`run` (it needs the running loop's HTTP client)."""
         self.train_data_path: Path = config.workdir / TRAIN_DATA_FILE
+        self.train_data = (
+            restored.train_data
+            if restored is not None and restored.train_data is not None
+            else TrainData.open(self.train_data_path)
+        )
+        """Appends each step's rows with a running digest: what a checkpoint covers."""
         self.last_metrics: dict[str, float] = {}
         if restored is None:
             for task in tasks:
@@ -155,6 +162,7 @@ class Trainer:
         self._client = client
         self._http: HttpClient | None = None
         """The data-plane client while :meth:`run` runs."""
+        self._restored = restored is not None
         self._lost_before_run: set[str] = set()
         self._stall_timeout_s = stall_timeout_s
         self._started = False
@@ -207,6 +215,8 @@ class Trainer:
                 trainer_state=self.state,
                 config_fingerprint=config_fingerprint(config),
             )
+            # Snapshot retention never prunes the last snapshot a kept checkpoint needs.
+            control.store.checkpoint_steps = self.checkpoints.steps
             self.releases = ReleaseBatcher(self.roster, self.ledger, barrier=self.barrier)
             self.coordinator.before_save = self.releases.flush
             deadline_s = config.snapshot.deadline_seconds
@@ -291,6 +301,11 @@ class Trainer:
                 self.coordinator.collector.start()
             if self._policy_version:
                 await self._publish_policy_version(client, self._policy_version)
+            if self.coordinator is not None and not self._restored and self._snapshots_on:
+                # A snapshot before the first row is sent: whatever this run trains is then
+                # resumable (it composes with step 0), so a rerun never finds train data
+                # with no snapshot to go with it (it refuses that rather than delete it).
+                await self.coordinator.save()
             side: list[Any] = [self._watch_stall(self.dispatcher)]
             if self.events.path is not None:
                 side.append(self._sample_in_flight())
@@ -520,10 +535,7 @@ class Trainer:
                 },
                 option=orjson.OPT_APPEND_NEWLINE,
             )
-        with self.train_data_path.open("ab") as out:
-            out.write(lines)
-            out.flush()
-            os.fsync(out.fileno())
+        self.train_data.append(bytes(lines))
 
     async def _checkpoint(self, step: int) -> None:
         """A durable train checkpoint, then TQ lets go of what it consumed, then a snapshot
@@ -531,14 +543,37 @@ class Trainer:
         checkpoint = stamp(
             step,
             self._policy_version,
-            self.train_data_path,
+            self.train_data.coverage(),
             self._episodes_trained,
             self._groups_trained,
         )
-        await asyncio.to_thread(self.checkpoints.save, checkpoint)
+        protect = await asyncio.to_thread(self._steps_to_keep, step)
+        await asyncio.to_thread(self.checkpoints.save, checkpoint, protect=protect)
         self.tq.commit(step)
         if self.coordinator is not None:
             await self.coordinator.save()
+
+    @property
+    def _snapshots_on(self) -> bool:
+        """Whether this run takes snapshots by itself (a caller may also call save)."""
+        return (
+            self.config.train.checkpoint_every_steps is not None
+            or self.config.snapshot.every_seconds is not None
+        )
+
+    def _steps_to_keep(self, step: int) -> frozenset[int]:
+        """The train checkpoints retention keeps once ``step``'s is written: never one a
+        kept snapshot composes with (one decision with the snapshots': :mod:`retention`)."""
+        if self.coordinator is None:
+            return frozenset()
+        store = self.coordinator.store
+        return retention.plan(
+            store.spans(),
+            [*self.checkpoints.steps(), step],
+            keep_snapshots=store.keep,
+            keep_checkpoints=self.checkpoints.keep,
+            protect=store.pinned,
+        ).checkpoints
 
     # --- snapshots -------------------------------------------------------------------
 

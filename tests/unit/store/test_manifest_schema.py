@@ -34,22 +34,87 @@ def load_golden_snapshot(name: str) -> SnapshotManifest:
     return load_snapshot_manifest(decode_document(path.read_bytes(), what), what)
 
 
-def test_golden_v3_loads_and_reencodes_to_the_same_bytes() -> None:
-    manifest = load_golden_snapshot("snapshot_manifest_v3.json")
+def test_golden_v4_loads_and_reencodes_to_the_same_bytes() -> None:
+    manifest = load_golden_snapshot("snapshot_manifest_v4.json")
 
-    assert manifest.schema_version == SNAPSHOT_MANIFEST_VERSION == 3
+    assert manifest.schema_version == SNAPSHOT_MANIFEST_VERSION == 4
     assert len(manifest.participants) == 6
+    assert all(p.sha256 is not None and p.bytes is not None for p in manifest.participants)
+    assert manifest.committed_step == 12
+    assert manifest.seal is not None and "train_step" in manifest.seal
     assert [e.turns_completed for e in manifest.episodes] == [3, 5, 0]
     assert manifest.restarts[0].rollout_id == "r9e8d7c6b5a493827"
     assert [f.rollout_id for f in manifest.finished] == ["r0f1e2d3c4b5a6978"]
-    assert encode_document(manifest) == (GOLDEN / "snapshot_manifest_v3.json").read_bytes()
+    assert encode_document(manifest) == (GOLDEN / "snapshot_manifest_v4.json").read_bytes()
+
+
+def test_golden_v4_with_a_flipped_train_step_is_refused_naming_the_field() -> None:
+    with pytest.raises(InvalidCheckpointStateError) as info:
+        load_golden_snapshot("snapshot_manifest_v4_flipped_train_step.json")
+
+    assert "snapshot_manifest_v4_flipped_train_step.json" in info.value.message
+    assert "field 'train_step' does not match the manifest's seal" in info.value.message
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("policy_version", 11),
+        ("episodes", []),
+        ("participants", []),
+        ("committed_step", 11),
+        ("config_fingerprint", {}),
+    ],
+)
+def test_any_field_the_restore_trusts_is_covered_by_the_seal(field: str, value: object) -> None:
+    doc = orjson.loads((GOLDEN / "snapshot_manifest_v4.json").read_bytes())
+    doc[field] = value
+
+    with pytest.raises(InvalidCheckpointStateError, match=f"field '{field}' does not match"):
+        load_snapshot_manifest(doc, "doc")
+
+
+def test_golden_v4_without_its_seal_is_refused() -> None:
+    with pytest.raises(InvalidCheckpointStateError, match="the manifest is not sealed"):
+        load_golden_snapshot("snapshot_manifest_v4_unsealed.json")
+
+
+def test_a_field_added_to_a_sealed_manifest_is_refused() -> None:
+    doc = orjson.loads((GOLDEN / "snapshot_manifest_v4.json").read_bytes())
+    doc["surprise"] = 1
+
+    with pytest.raises(InvalidCheckpointStateError, match="'surprise' is not covered by the"):
+        load_snapshot_manifest(doc, "doc")
+
+
+def test_golden_v3_migrates_to_v4_unsealed() -> None:
+    v3 = load_golden_snapshot("snapshot_manifest_v3.json")
+    v4 = load_golden_snapshot("snapshot_manifest_v4.json")
+
+    assert v3.schema_version == 4
+    assert v3.seal is None and v3.committed_step is None
+    assert all(p.sha256 is None and p.bytes is None for p in v3.participants)
+    unsealed = {"seal", "committed_step", "participants"}
+    assert v3.model_dump(exclude=unsealed) == v4.model_dump(exclude=unsealed)
+    strip = {"__all__": {"sha256", "bytes"}}
+    assert v3.model_dump(include={"participants"}, exclude={"participants": strip}) == (
+        v4.model_dump(include={"participants"}, exclude={"participants": strip})
+    )
+
+
+def test_a_v3_document_carrying_a_seal_is_refused_not_guessed() -> None:
+    doc = orjson.loads((GOLDEN / "snapshot_manifest_v3.json").read_bytes())
+    doc["seal"] = {}
+
+    with pytest.raises(InvalidCheckpointStateError, match="cannot migrate schema_version 3 to 4"):
+        load_snapshot_manifest(doc, "doc")
 
 
 def test_golden_v2_migrates_to_v3_with_no_finished_replies() -> None:
     v2 = load_golden_snapshot("snapshot_manifest_v2.json")
     v3 = load_golden_snapshot("snapshot_manifest_v3.json")
 
-    assert v2.schema_version == 3
+    assert v2.schema_version == 4
     assert v2.finished == []
     assert v2.model_dump(exclude={"finished"}) == v3.model_dump(exclude={"finished"})
 
@@ -58,7 +123,7 @@ def test_golden_v1_migrates_to_current() -> None:
     v1 = load_golden_snapshot("snapshot_manifest_v1.json")
     v2 = load_golden_snapshot("snapshot_manifest_v2.json")
 
-    assert v1.schema_version == 3
+    assert v1.schema_version == 4
     assert v1.pause_seconds == pytest.approx(0.184)
     assert v1.restarts == []
     same_fields = v1.model_dump(exclude={"restarts", "pause_seconds"})
@@ -79,7 +144,7 @@ def test_newer_golden_is_refused_with_upgrade_advice() -> None:
 
     assert "snapshot_manifest_v9_newer.json" in info.value.message
     assert (
-        "schema_version 9 is newer than this rollpoint understands (max 3); upgrade rollpoint"
+        "schema_version 9 is newer than this rollpoint understands (max 4); upgrade rollpoint"
         in info.value.message
     )
 

@@ -26,6 +26,7 @@ from rollpoint.protocol.manifest import (
     ParticipantEntry,
     SavedEpisode,
     SnapshotManifest,
+    field_digests,
     topology_fingerprint,
 )
 from rollpoint.store.filesystem import filesystem_for, resolve_inside
@@ -122,6 +123,62 @@ def test_publish_then_load_verify_and_read_back(location: str) -> None:
         checkpoint_id="ckpt-s1",
     )
     assert records == [{"rollout_id": "r1", "turn": 2, "who": "agent-replica-0"}]
+
+
+def test_a_published_manifest_is_sealed_and_names_each_participant_manifest_digest(
+    location: str,
+) -> None:
+    store = SnapshotStore(location)
+    published = _publish(store, "s1")
+    fs = filesystem_for(location)
+
+    assert published.seal is not None and set(published.seal) >= {"train_step", "participants"}
+    for p in published.participants:
+        data = fs.read_bytes(_snapshot_file(store, "s1", p.manifest_path))
+        assert (p.sha256, p.bytes) == (hashlib.sha256(data).hexdigest(), len(data))
+
+
+def test_an_edited_participant_manifest_is_refused_by_its_digest(location: str) -> None:
+    store = SnapshotStore(location)
+    published = _publish(store, "s1")
+    fs = filesystem_for(location)
+    path = _snapshot_file(store, "s1", published.participants[0].manifest_path)
+    doc = orjson.loads(fs.read_bytes(path))
+    doc["written_at"] += 1  # nothing else checks this field: only the digest can tell
+    fs.write_bytes(path, orjson.dumps(doc))
+
+    with pytest.raises(InvalidCheckpointStateError, match="does not match the manifest"):
+        store.verify("s1")
+    [summary] = store.list_snapshots(include_invalid=True)
+    assert not summary.valid
+
+
+def test_a_flipped_field_in_a_published_manifest_is_refused_naming_it(location: str) -> None:
+    store = SnapshotStore(location)
+    _publish(store, "s1")
+    fs = filesystem_for(location)
+    path = _snapshot_file(store, "s1", "manifest.json")
+    doc = orjson.loads(fs.read_bytes(path))
+    doc["train_step"] += 1
+    fs.write_bytes(path, orjson.dumps(doc))
+
+    with pytest.raises(InvalidCheckpointStateError, match="field 'train_step' does not match"):
+        store.verify("s1")
+    assert store.latest() is None
+
+
+def test_retention_keeps_the_last_snapshot_that_composes_with_a_kept_checkpoint(
+    location: str,
+) -> None:
+    store = SnapshotStore(location, keep=2)
+    store.checkpoint_steps = lambda: [5]  # the only durable train checkpoint
+    for sid, step in [("s1", 5), ("s2", 7), ("s3", 8), ("s4", 9)]:
+        staging, manifest = _stage(store, sid)
+        span = {"committed_step": step, "train_step": step}
+        store.publish(staging, manifest.model_copy(update=span))
+
+    # s3 and s4 are the newest; neither composes with step 5, so s1 stays and s2 goes.
+    assert [s.snapshot_id for s in store.list_snapshots()] == ["s4", "s3", "s1"]
 
 
 def test_local_staging_is_renamed_into_snapshots_on_publish(tmp_path: Path) -> None:
@@ -358,7 +415,7 @@ def test_a_refused_manifest_leaves_the_staging_open(location: str) -> None:
     store = SnapshotStore(location)
     staging, manifest = _stage(store, "s1")
 
-    with pytest.raises(BadRequestError, match="must have schema_version 3, got 1"):
+    with pytest.raises(BadRequestError, match="must have schema_version 4, got 1"):
         store.publish(staging, manifest.model_copy(update={"schema_version": 1}))
     store.write_file(staging, "late.json", b"{}")
     store.publish(staging, manifest)
@@ -439,6 +496,7 @@ def test_a_manifest_entry_that_escapes_the_snapshot_is_refused(location: str) ->
     path = _snapshot_file(store, "s1", "manifest.json")
     doc = orjson.loads(fs.read_bytes(path))
     doc["files"]["ledger"]["path"] = "../../latest"
+    doc["seal"] = field_digests(doc)  # resealed: the path itself must be refused
     fs.write_bytes(path, orjson.dumps(doc))
 
     with pytest.raises(InvalidCheckpointStateError, match=r"contains '\.\.'"):

@@ -1,0 +1,47 @@
+"""Retention of snapshots and train checkpoints as one decision (store/retention.py)."""
+
+from __future__ import annotations
+
+from rollpoint.store.retention import Span, plan
+
+
+def spans(*ranges: tuple[int, int]) -> list[Span]:
+    """Newest first: snapshot s<k> composes with steps [committed, train]."""
+    return [Span(f"s{i}", c, t) for i, (c, t) in enumerate(ranges)]
+
+
+def test_a_checkpoint_a_kept_snapshot_composes_with_is_never_pruned() -> None:
+    # Snapshot writes failed from step 2 on: checkpoints 3..6 came, no snapshot after 2.
+    decided = plan(spans((2, 2), (1, 1)), [1, 2, 3, 4, 5, 6], keep_snapshots=3, keep_checkpoints=3)
+
+    assert decided.checkpoints == {4, 5, 6, 2, 1}
+    assert decided.snapshots == {"s0", "s1"}
+
+
+def test_only_the_newest_checkpoint_in_a_span_is_kept_for_it() -> None:
+    decided = plan(spans((1, 4)), [1, 2, 3, 4, 5, 6, 7], keep_snapshots=1, keep_checkpoints=2)
+
+    assert decided.checkpoints == {6, 7, 4}
+
+
+def test_the_last_snapshot_that_composes_with_a_checkpoint_is_kept() -> None:
+    # The three newest compose with no checkpoint present (theirs were lost); s3 does.
+    decided = plan(
+        spans((9, 9), (8, 8), (7, 7), (5, 5), (4, 4)), [5, 6], keep_snapshots=3, keep_checkpoints=3
+    )
+
+    assert decided.snapshots == {"s0", "s1", "s2", "s3"}
+    assert 5 in decided.checkpoints
+
+
+def test_step_zero_needs_no_file_and_protected_snapshots_stay() -> None:
+    decided = plan(
+        spans((0, 0), (0, 0), (0, 0), (0, 0)),
+        [],
+        keep_snapshots=2,
+        keep_checkpoints=3,
+        protect={"s3"},
+    )
+
+    assert decided.snapshots == {"s0", "s1", "s3"}
+    assert decided.checkpoints == frozenset()

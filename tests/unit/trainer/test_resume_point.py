@@ -1,0 +1,74 @@
+"""Choosing what to resume from: fields cross-checked against the trainer's own files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+import pytest
+
+from rollpoint.protocol.errors import RestoreError
+from rollpoint.protocol.manifest import SnapshotManifest
+from rollpoint.store.snapshot_store import SnapshotStore
+from rollpoint.trainer.coordinator import LEDGER_FILE, TQ_FILE, TRAINER_FILE
+from rollpoint.trainer.restorer import find_resume_point
+from rollpoint.trainer.train_checkpoint import TrainCheckpointStore
+
+
+def publish(store: SnapshotStore, sid: str, *, train_step: int, in_trainer_json: int) -> None:
+    """A snapshot whose manifest says ``train_step`` while its trainer.json says
+    ``in_trainer_json`` (a writer with a bug: the manifest is sealed as it is)."""
+    staging = store.begin(sid)
+    files = {
+        LEDGER_FILE: store.write_file(staging, LEDGER_FILE, b"{}"),
+        TQ_FILE: store.write_file(staging, TQ_FILE, orjson.dumps({"committed_step": 0})),
+        TRAINER_FILE: store.write_file(
+            staging,
+            TRAINER_FILE,
+            orjson.dumps({"train_step": in_trainer_json, "policy_version": 0}),
+        ),
+    }
+    manifest = SnapshotManifest(
+        snapshot_id=sid,
+        checkpoint_id=sid,
+        created_at=1.0,
+        train_step=train_step,
+        policy_version=0,
+        committed_step=0,
+        pause_seconds=0.0,
+        topology_fingerprint="0" * 64,
+        participants=[],
+        episodes=[],
+        restarts=[],
+        finished=[],
+        files=files,
+        config_fingerprint={},
+    )
+    store.publish(staging, manifest)
+
+
+def test_a_manifest_that_disagrees_with_its_trainer_json_is_skipped_naming_the_field(
+    tmp_path: Path,
+) -> None:
+    store = SnapshotStore(str(tmp_path / "snapshots"), keep=5)
+    publish(store, "s1", train_step=0, in_trainer_json=0)
+    publish(store, "s2", train_step=1, in_trainer_json=0)
+
+    point, skipped = find_resume_point(store, TrainCheckpointStore(tmp_path / "checkpoints"))
+
+    assert point is not None and point.manifest.snapshot_id == "s1"
+    assert [s.snapshot_id for s in skipped] == ["s2"]
+    assert "manifest field 'train_step' is 1 but trainer.json says 0" in skipped[0].reason
+
+
+def test_an_unreadable_store_is_one_line_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = SnapshotStore(str(tmp_path / "snapshots"))
+
+    def refuse(**_: object) -> None:
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(store, "list_snapshots", refuse)
+    with pytest.raises(RestoreError, match=r"cannot read the snapshot store .*: Permission denied"):
+        find_resume_point(store, TrainCheckpointStore(tmp_path / "checkpoints"))

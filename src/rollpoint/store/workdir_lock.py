@@ -60,8 +60,10 @@ def lock_workdir(workdir: Path) -> WorkdirLock:
             path = workdir / LOCK_NAME
             fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
+            # The lock file is the first thing a run writes: the same words as the
+            # start check's (rollpoint.start_checks) for a workdir that cannot be written.
             raise ConfigError(
-                f"workdir {workdir}: cannot create {LOCK_NAME}: {exc.strerror}"
+                f"workdir {workdir} is not writable: {exc.strerror} (creating {LOCK_NAME})"
             ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -108,6 +108,11 @@ class PolicyConfig(_Section):
     ``required``: such an engine stops the run at start instead."""
     call_log: Path | None = None
     """Scripted policy only: a JSONL file it appends every reply's token data to."""
+    token_latency_ms: Annotated[float, Field(ge=0)] = 0.0
+    """Scripted policy only: decode time per completion token (with token capture, each
+    token is streamed as it is decoded, so a snapshot can cut a generation mid-way)."""
+    reasoning_tokens: Annotated[int, Field(ge=0)] = 0
+    """Scripted policy only: stand-in reasoning tokens before every tool call."""
 
 
 class TrainConfig(_Section):

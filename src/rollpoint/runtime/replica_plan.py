@@ -110,6 +110,8 @@ class ReplicaPlan(StrictModel):
                 upstream_url=self.policy_url,
                 api_key=self.api_key,
                 engine=self.engine,
+                # The generation cut needs token ids for a prefix: on with token capture.
+                cut_generations=self.capture_tokens,
             ),
         )
         return [resources, model]

@@ -26,6 +26,14 @@ reply whose token data is malformed is refused with 502 ``transport_error`` nami
 and the engine, and nothing is recorded; a stream is relayed as it came and, malformed, left
 unrecorded (logged).
 
+Generation cut (``cut_generations``, on with token capture for an engine whose stream
+carries ids): a tagged one-choice plain call is sent upstream streamed and its plain reply
+assembled from the chunks (the engine's fields, in its order), so :attr:`ModelServer.partials`
+always holds the output so far of every such call (streamed callers' too); a call whose
+rollout has a saved prefix installed (:attr:`ModelServer.prefixes`) continues from it, or
+is decoded from scratch with the refusal counted (:mod:`rollpoint.gym.generation_cut`).
+An engine that answers a streamed request with plain JSON is passed through as it answered.
+
 This is the hot path of every policy call. The plain path reads the body once, parses it
 once, forwards the same bytes over one aiohttp session, and returns the engine's bytes;
 only calls carrying episode headers parse the reply, to record it.

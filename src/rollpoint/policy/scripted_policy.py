@@ -15,6 +15,16 @@ Token data, when a request asks (``return_token_ids``, ``logprobs``, ``top_logpr
 ``call_log`` set, every reply's token data is appended to that JSONL file before the reply
 leaves: the engine's own account, which tests compare rollpoint's records against.
 
+Long generations, for the generation cut: ``token_latency_ms`` makes each completion token
+take that long, a stream then sending one token a chunk as it is "decoded";
+``reasoning_tokens`` puts stand-in reasoning text before every tool call. A request with
+``continue_final_message: true`` whose last message is a partial assistant message this
+engine produced continues it (vLLM's rendering: the prompt ids end with the prefix's) and
+decodes only the rest, with the positions and so the logprobs of the uninterrupted call:
+prefix + continuation is exactly that call's output. The call log then has the
+``prefix_token_ids`` it was given beside the ``token_ids`` it decoded. ``accept_prefix:
+false`` answers such requests with a 400, as an engine that cannot take a prefix does.
+
 It runs full garbage collections only while no call is in flight
 (:class:`~rollpoint.store.collector_schedule.ServerCollector` with ``idle``). Holding 10k calls in a
 benchmark, CPython's own took 1.1-2.8 s every few seconds and freed nothing: the stand-in

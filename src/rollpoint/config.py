@@ -108,6 +108,10 @@ class PolicyConfig(_Section):
     ``required``: such an engine stops the run at start instead."""
     call_log: Path | None = None
     """Scripted policy only: a JSONL file it appends every reply's token data to."""
+    generation_cut: bool = True
+    """With ``capture_tokens``: save the prefix of every call in flight at a snapshot and
+    continue it after a restore (the model server then streams every call from the engine).
+    False proxies calls as they come, and a crash decodes them again."""
     token_latency_ms: Annotated[float, Field(ge=0)] = 0.0
     """Scripted policy only: decode time per completion token (with token capture, each
     token is streamed as it is decoded, so a snapshot can cut a generation mid-way)."""

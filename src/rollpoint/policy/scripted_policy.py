@@ -47,7 +47,7 @@ import itertools
 import os
 import time
 import zlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Annotated, Any, BinaryIO, Literal
 
@@ -113,6 +113,9 @@ class PolicySettings(StrictModel):
     reasoning_tokens: Annotated[int, Field(ge=0)] = 0
     """Stand-in tokens of reasoning text before every tool call (the assistant message's
     content), as reasoning models think before they act: a long generation to cut."""
+    decode_log: str | None = None
+    """A JSONL file with one line per paced generation (``token_latency_ms``) as it ends or
+    is cut off: ``{"id", "decoded", "max_tokens"}``, the tokens it actually decoded."""
     accept_prefix: bool = True
     """Whether ``continue_final_message`` is honoured; False answers it with a 400, as an
     engine that cannot continue a prefix does."""
@@ -473,11 +476,20 @@ async def _sse(chunks: list[bytes]) -> AsyncIterator[bytes]:
         yield chunk
 
 
-async def _timed_sse(chunks: list[tuple[bytes, int]], per_token_s: float) -> AsyncIterator[bytes]:
-    for chunk, tokens in chunks:
-        if tokens:
-            await asyncio.sleep(tokens * per_token_s)
-        yield chunk
+async def _timed_sse(
+    chunks: list[tuple[bytes, int]], per_token_s: float, done: Callable[[int], None]
+) -> AsyncIterator[bytes]:
+    """The chunks at their decode pace; ``done(tokens decoded)`` however the stream ends
+    (a caller that goes away cuts it)."""
+    decoded = 0
+    try:
+        for chunk, tokens in chunks:
+            if tokens:
+                await asyncio.sleep(tokens * per_token_s)
+                decoded += tokens
+            yield chunk
+    finally:
+        done(decoded)
 
 
 def _continuation(
@@ -513,20 +525,34 @@ def create_policy_app(
     collector = ServerCollector(schedule, idle=lambda: in_flight == 0)
 
     call_log: BinaryIO | None = None
+    decode_log: BinaryIO | None = None
+
+    def note_decoded(reply_id: str, tokens: int, asked: ChatCompletionRequest) -> None:
+        if decode_log is not None:
+            line = {
+                "id": reply_id,
+                "decoded": tokens,
+                "max_tokens": asked.model_extra and asked.model_extra.get("max_tokens"),
+            }
+            decode_log.write(orjson.dumps(line, option=orjson.OPT_APPEND_NEWLINE))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        nonlocal call_log
+        nonlocal call_log, decode_log
         collector.start()
         if settings.call_log is not None:
             # Unbuffered appends: each reply's line is in the file before the reply leaves,
             # so a run killed at any moment still has the engine's account of every call.
             call_log = open(settings.call_log, "ab", buffering=0)  # noqa: SIM115, ASYNC230
+        if settings.decode_log is not None:
+            decode_log = open(settings.decode_log, "ab", buffering=0)  # noqa: SIM115, ASYNC230
         try:
             yield
         finally:
             if call_log is not None:
                 call_log.close()
+            if decode_log is not None:
+                decode_log.close()
             await collector.aclose()
 
     app = create_app("scripted-policy", lifespan=lifespan)
@@ -557,20 +583,29 @@ def create_policy_app(
         if call_log is not None:
             call_log.write(reply.log_line(asked))
         timed = token_delay_s > 0 and reply.tokens is not None
-        if delay_s > 0 or (timed and not chat.stream):
+        streamed_timed = timed and chat.stream and chat.n == 1
+        if delay_s > 0 or (timed and not streamed_timed):
             in_flight += 1
+            decoded = 0
             try:
-                await asyncio.sleep(delay_s + (reply.completion_tokens * token_delay_s))
+                await asyncio.sleep(delay_s)
+                if timed and not streamed_timed:
+                    for _ in range(reply.completion_tokens):
+                        await asyncio.sleep(token_delay_s)
+                        decoded += 1
             finally:
                 in_flight -= 1
+                if timed and not streamed_timed:
+                    note_decoded(reply.id, decoded, asked)
         if not chat.stream:
             return Response(reply.completion(), media_type="application/json")
         include_usage = chat.stream_options is not None and chat.stream_options.include_usage
-        if timed and chat.n == 1:
+        if streamed_timed:
             timed_chunks = reply.timed_stream(include_usage=include_usage)
-            return StreamingResponse(
-                _counted(_timed_sse(timed_chunks, token_delay_s)), media_type="text/event-stream"
+            body = _timed_sse(
+                timed_chunks, token_delay_s, lambda n: note_decoded(reply.id, n, asked)
             )
+            return StreamingResponse(_counted(body), media_type="text/event-stream")
         chunks = reply.stream(include_usage=include_usage)
         return StreamingResponse(_sse(chunks), media_type="text/event-stream")
 

@@ -60,6 +60,7 @@ class ReplicaPlan(StrictModel):
     """Fields every policy call carries (``policy.sampling``)."""
     seed_policy: str = "episode"
     capture_tokens: bool = False
+    generation_cut: bool = True
     engine: str = "vllm"
     """The reply shape token data is read from (``policy.engine``)."""
 
@@ -78,6 +79,7 @@ class ReplicaPlan(StrictModel):
             sampling=config.policy.sampling.request_fields(),
             seed_policy=config.policy.sampling.seed,
             capture_tokens=bool(config.policy.capture_tokens),
+            generation_cut=config.policy.generation_cut,
             engine=config.policy.engine,
         )
 
@@ -111,7 +113,7 @@ class ReplicaPlan(StrictModel):
                 api_key=self.api_key,
                 engine=self.engine,
                 # The generation cut needs token ids for a prefix: on with token capture.
-                cut_generations=self.capture_tokens,
+                cut_generations=self.capture_tokens and self.generation_cut,
             ),
         )
         return [resources, model]

@@ -342,3 +342,28 @@ async def test_a_prefix_ending_inside_a_utf8_character_is_regenerated(tmp_path: 
 async def test_a_prefix_that_used_the_token_budget_up_is_regenerated(tmp_path: Path) -> None:
     reason, _, _ = await regenerated(tmp_path, replacement=request(max_tokens=5))
     assert reason == "max_tokens"
+
+
+async def test_a_streamed_caller_is_cut_too_and_its_replacement_decoded_from_scratch(
+    tmp_path: Path,
+) -> None:
+    # A caller that streams is relayed chunk by chunk; its partial output is known and saved
+    # all the same, but a streamed replacement is relayed, not stitched: decoded anew.
+    body = request(stream=True)
+    with engine(tmp_path) as (url, log):
+        async with model(url) as first:
+            records = await cut_mid_generation(first, body)
+        prefix = prefix_of(records)
+        assert prefix.count >= 12 and prefix.digest_ok()
+        async with model(url) as second:
+            await second.participant.install(records, [EpisodeId(rollout_id="r1")])
+            reply = await second.http.post(
+                "/v1/chat/completions", json=body, headers=tags("r1", 1), timeout=30
+            )
+            assert reply.status_code == 200 and b"data: [DONE]" in reply.content
+            (rec,) = second.server.ledger.calls("r1")
+            stats = second.server.stats()["generation_cut"]
+    assert (rec.regenerated, rec.segments, rec.continued_tokens) == ("streamed_caller", None, 0)
+    assert stats == {"continued": 0, "continued_tokens": 0, "regenerated": {"streamed_caller": 1}}
+    assert rec.completion_id is not None
+    assert "prefix_token_ids" not in engine_log(log)[rec.completion_id]

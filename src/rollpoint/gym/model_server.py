@@ -447,9 +447,12 @@ class ModelServer:
         self._guard(tag)
         cut = self._cut
         if payload.get("stream") is True:
+            # A streamed caller is relayed as it comes: its saved prefix is not continued.
+            regenerated = None
             if cut and tag is not None and self._take_prefix(tag) is not None:
-                self._refused(tag, "streamed_caller")
-            return await self._stream(body, payload, tag)
+                regenerated = "streamed_caller"
+                self._refused(tag, regenerated)
+            return await self._stream(body, payload, tag, regenerated)
         if cut and tag is not None:
             if payload.get("n", 1) in (1, None):
                 return await self._plain_cut(payload, tag)
@@ -709,7 +712,11 @@ class ModelServer:
         )
 
     async def _stream(
-        self, body: bytes, payload: dict[str, Any], tag: EpisodeTag | None
+        self,
+        body: bytes,
+        payload: dict[str, Any],
+        tag: EpisodeTag | None,
+        regenerated: str | None = None,
     ) -> Response:
         stack = AsyncExitStack()
         await stack.enter_async_context(self.gate.admit())
@@ -779,6 +786,7 @@ class ModelServer:
                     streamed=True,
                     read=read,
                     completion_id=assembler.completion_id,
+                    regenerated=regenerated,
                 )
 
         return _HeldStream(

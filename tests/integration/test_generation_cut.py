@@ -340,8 +340,15 @@ async def test_a_prefix_ending_inside_a_utf8_character_is_regenerated(tmp_path: 
 
 
 async def test_a_prefix_that_used_the_token_budget_up_is_regenerated(tmp_path: Path) -> None:
-    reason, _, _ = await regenerated(tmp_path, replacement=request(max_tokens=5))
+    # (The scripted engine ignores max_tokens: the call is cut past its budget.)
+    reason, _, _ = await regenerated(tmp_path, body=request(max_tokens=12))
     assert reason == "max_tokens"
+
+
+async def test_a_replacement_asking_something_else_is_regenerated(tmp_path: Path) -> None:
+    reason, reply, _ = await regenerated(tmp_path, replacement=request(seed=12))
+    assert reason == "request_changed"
+    assert reply["choices"][0]["token_ids"]
 
 
 async def test_a_streamed_caller_is_cut_too_and_its_replacement_decoded_from_scratch(

@@ -19,7 +19,9 @@ Owns:
   continuation for this engine, or switched off), ``engine_refused`` (the engine answered
   the continuation with a 4xx), ``digest_mismatch``, ``policy_newer`` (the prefix's policy
   version is newer than the engine's current one), ``max_tokens`` (the prefix used the
-  budget up), ``streamed_caller`` and ``choices`` (only plain, one-choice calls continue).
+  budget up), ``streamed_caller`` and ``choices`` (only plain, one-choice calls continue),
+  ``request_changed`` (the replacement's request body is not the cut call's: another
+  conversation, seed or sampling setting would not continue the same generation).
 - The continuation request per engine (:func:`continuation_body`): the partial assistant
   message with ``continue_final_message: true`` (vLLM also ``add_generation_prompt:
   false``; SGLang's request has no such field), ``max_tokens`` reduced by the prefix.
@@ -65,6 +67,7 @@ REFUSALS = (
     "max_tokens",
     "streamed_caller",
     "choices",
+    "request_changed",
 )
 
 _CONSTRAINING_FIELDS = (
@@ -124,6 +127,8 @@ class CallPrefix(StrictModel):
     """False when the prefix's bytes end inside a UTF-8 character."""
     tool_call_started: bool = False
     reasoning_started: bool = False
+    request_digest: str | None = None
+    """BLAKE2b-128 of the cut call's request body: its replacement must send the same."""
     digest: str
 
     @property
@@ -148,7 +153,12 @@ class CallPrefix(StrictModel):
             self.completion_logprobs,
             self.prompt_ids,
             self.segments,
+            self.request_digest,
         )
+
+
+def request_digest(body: bytes) -> str:
+    return hashlib.blake2b(body, digest_size=16).hexdigest()
 
 
 def prefix_digest(
@@ -158,9 +168,13 @@ def prefix_digest(
     logprobs: str | None,
     prompt: str | None,
     segments: list[TokenSegment],
+    request: str | None = None,
 ) -> str:
     h = hashlib.blake2b(digest_size=16)
-    for part in (engine, text, ids, logprobs or "-", prompt or "-", segments_header(segments)):
+    parts = [engine, text, ids, logprobs or "-", prompt or "-", segments_header(segments)]
+    if request is not None:  # absent from prefixes saved before it was
+        parts.append(request)
+    for part in parts:
         h.update(part.encode("utf-8", "surrogatepass"))
         h.update(b"\x00")
     return h.hexdigest()
@@ -187,6 +201,8 @@ class PartialCall:
     reasoning_started: bool = False
     saw_ids: bool = False
     saw_logprobs: bool = False
+    request: str | None = None
+    """The request body's digest (:func:`request_digest`)."""
 
     def feed(self, event: dict[str, Any]) -> None:
         if self.prompt is None and isinstance(event.get("prompt_token_ids"), list):
@@ -226,6 +242,8 @@ class PartialCall:
     def continuing(
         cls, prefix: CallPrefix, *, attempt: int, version: int, prompt: list[int] | None
     ) -> PartialCall:
+        """The partial output of ``prefix``'s replacement call: the prefix, then what the
+        continuation decodes (a snapshot during it saves both segments)."""
         ids = prefix.ids()
         logprobs = prefix.logprobs()
         return cls(
@@ -238,6 +256,7 @@ class PartialCall:
             entries=[] if logprobs is None else prefix_entries(ids, logprobs),
             text=[prefix.text],
             prompt=prompt,
+            request=prefix.request_digest,
         )
 
 
@@ -281,6 +300,9 @@ class FrozenPartial:
         packed_ids = pack_ids(ids)
         packed_lp = None if logprobs is None else pack_floats(logprobs)
         packed_prompt = None if call.prompt is None else pack_ids(call.prompt)
+        digest = prefix_digest(
+            engine, text, packed_ids, packed_lp, packed_prompt, segments, call.request
+        )
         return CallPrefix(
             rollout_id=call.rollout_id,
             attempt=call.attempt,
@@ -295,7 +317,8 @@ class FrozenPartial:
             utf8_complete=_utf8_complete(entries, text),
             tool_call_started=self.tool_call_started,
             reasoning_started=self.reasoning_started,
-            digest=prefix_digest(engine, text, packed_ids, packed_lp, packed_prompt, segments),
+            request_digest=call.request,
+            digest=digest,
         )
 
 
@@ -323,8 +346,10 @@ def refusal(
     engine: str,
     enabled: bool,
     policy_version: int,
+    request: str | None = None,
 ) -> str | None:
-    """Why ``prefix`` must not be continued for this request (None: continue it)."""
+    """Why ``prefix`` must not be continued for this request (None: continue it);
+    ``request``: the digest of the replacement's request body."""
     if not enabled or engine not in _CONTINUABLE_ENGINES:
         return "engine_unsupported"
     if payload.get("stream") is True:
@@ -342,6 +367,8 @@ def refusal(
         return "constrained_decoding"
     if not prefix.digest_ok():
         return "digest_mismatch"
+    if prefix.request_digest is not None and request != prefix.request_digest:
+        return "request_changed"
     if prefix.policy_version > policy_version:
         return "policy_newer"
     if prefix.tool_call_started:

@@ -69,6 +69,7 @@ from rollpoint.gym.generation_cut import (
     PartialCall,
     continuation_body,
     refusal,
+    request_digest,
     segments_header,
     stitch,
 )
@@ -455,7 +456,7 @@ class ModelServer:
             return await self._stream(body, payload, tag, regenerated)
         if cut and tag is not None:
             if payload.get("n", 1) in (1, None):
-                return await self._plain_cut(payload, tag)
+                return await self._plain_cut(body, payload, tag)
             if self._take_prefix(tag) is not None:
                 self._refused(tag, "choices")
         async with self.gate.admit():
@@ -479,11 +480,14 @@ class ModelServer:
         self.cut.refused(reason)
         log.info("saved prefix of %s turn %d regenerated: %s", tag.rollout_id, tag.turn, reason)
 
-    async def _plain_cut(self, payload: dict[str, Any], tag: EpisodeTag) -> Response:
+    async def _plain_cut(
+        self, raw_body: bytes, payload: dict[str, Any], tag: EpisodeTag
+    ) -> Response:
         """A plain call streamed from the engine (its partial output known throughout),
         continued from its saved prefix when there is one and nothing refuses it."""
         prefix = self._take_prefix(tag)
         reason: str | None = None
+        asked = request_digest(raw_body)
         async with self.gate.admit():
             self._guard(tag)
             with self.running.track(tag):
@@ -497,6 +501,7 @@ class ModelServer:
                         engine=self._adapter.name,
                         enabled=self.settings.continue_prefixes,
                         policy_version=version,
+                        request=asked,
                     )
                 if prefix is not None and reason is None:
                     partial = PartialCall.continuing(
@@ -508,7 +513,9 @@ class ModelServer:
                         # An engine that cannot take the prefix says so with a 4xx.
                         reason, up = "engine_refused", None
                 if up is None:
-                    partial = PartialCall(tag.rollout_id, tag.attempt, tag.turn, version)
+                    partial = PartialCall(
+                        tag.rollout_id, tag.attempt, tag.turn, version, request=asked
+                    )
                     body = {**payload, "stream": True, "stream_options": {"include_usage": True}}
                     up = await self._stream_upstream(body, partial)
                 latency = time.perf_counter() - started
@@ -748,7 +755,9 @@ class ModelServer:
 
         partial = None
         if self.settings.cut_generations and tag is not None:
-            partial = PartialCall(tag.rollout_id, tag.attempt, tag.turn, version)
+            partial = PartialCall(
+                tag.rollout_id, tag.attempt, tag.turn, version, request=request_digest(body)
+            )
 
         async def relay() -> AsyncIterator[bytes]:
             assembler = (

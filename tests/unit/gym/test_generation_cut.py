@@ -11,7 +11,13 @@ from typing import Any
 import orjson
 import pytest
 
-from rollpoint.gym.generation_cut import CallPrefix, PartialCall, continuation_body, refusal
+from rollpoint.gym.generation_cut import (
+    CallPrefix,
+    PartialCall,
+    continuation_body,
+    refusal,
+    request_digest,
+)
 from rollpoint.gym.model_participant import ModelParticipant
 from rollpoint.gym.model_server import ModelServer, ModelServerSettings
 from rollpoint.protocol.ids import EpisodeId
@@ -117,6 +123,24 @@ def test_engine_policy_and_digest_rules() -> None:
     assert not tampered.digest_ok() and why(tampered) == "digest_mismatch"
 
 
+def test_the_replacement_must_send_the_cut_calls_request() -> None:
+    call = PartialCall("r1", 0, 0, 2, request=request_digest(b'{"seed":1}'))
+    call.feed(chunk("Let", [1]))
+    prefix = call.freeze().prefix("vllm")
+    assert prefix is not None and prefix.digest_ok()
+    same = request_digest(b'{"seed":1}')
+    assert (
+        refusal(payload(), prefix, engine="vllm", enabled=True, policy_version=2, request=same)
+        is None
+    )
+    other = request_digest(b'{"seed":2}')
+    assert refusal(
+        payload(), prefix, engine="vllm", enabled=True, policy_version=2, request=other
+    ) == ("request_changed")
+    # The request digest is covered by the prefix's digest.
+    assert not prefix.model_copy(update={"request_digest": other}).digest_ok()
+
+
 @pytest.mark.parametrize(
     ("engine", "name"),
     [("vllm", "vllm_chat_continue_request.json"), ("sglang", "sglang_chat_continue_request.json")],
@@ -144,6 +168,7 @@ async def test_a_saved_prefix_of_format_1_installs_and_waits_for_its_call() -> N
     # Saved again by the next snapshot while its call has not come.
     records = await participant.export([EpisodeId(rollout_id="r7", attempt=1)])
     assert [r["kind"] for r in records] == ["model_prefix"]
-    assert records[0]["prefix"] == golden[0]["prefix"]
+    # Written before prefixes kept their request's digest: none, and still its own digest.
+    assert records[0]["prefix"] == {**golden[0]["prefix"], "request_digest": None}
     participant.forget(["r7"])
     assert "r7" not in server.prefixes

@@ -4,6 +4,10 @@ Both servers run as real processes (the embedded runtime's launcher), the client
 aiohttp session, and the engine is the scripted policy at zero latency, so the difference is
 the proxy hop: admission gate, call ledger, forwarding.
 
+With token capture the model server streams every tagged call from the engine for the
+generation cut (and assembles the plain reply): the ``cut_`` figures time that against the
+plain proxy, both asked for token ids and logprobs, alternating call by call as below.
+
 One call at a time shows the hop's own cost. There the direct and the proxied calls
 alternate, call by call (which of the pair goes first alternates too), so the two latency
 distributions see the same host: measured in two blocks one after the other, the direct
@@ -35,6 +39,8 @@ BODY = orjson.dumps(
         "messages": [{"role": "user", "content": "What is 17 * 23? Answer with the number only."}],
     }
 )
+TOKEN_BODY = orjson.dumps({**orjson.loads(BODY), "return_token_ids": True, "logprobs": True})
+"""What an agent with ``policy.capture_tokens`` sends (vLLM's fields)."""
 
 
 def _headers(episode: str | None, turn: int) -> dict[str, str]:
@@ -73,7 +79,12 @@ async def _drive(
 
 
 async def _alternate(
-    direct_url: str, proxied_url: str, calls: int
+    direct_url: str,
+    proxied_url: str,
+    calls: int,
+    *,
+    body: bytes = BODY,
+    direct_episode: str | None = None,
 ) -> tuple[list[float], list[float]]:
     """``calls`` pairs of one direct and one proxied call, one call in flight at a time."""
     direct: list[float] = []
@@ -83,7 +94,7 @@ async def _alternate(
         async def call(url: str, episode: str | None, turn: int) -> float:
             t0 = time.perf_counter()
             async with session.post(
-                f"{url}/v1/chat/completions", data=BODY, headers=_headers(episode, turn)
+                f"{url}/v1/chat/completions", data=body, headers=_headers(episode, turn)
             ) as resp:
                 await resp.read()
                 assert resp.status == 200, resp.status
@@ -92,11 +103,11 @@ async def _alternate(
         for timed in (False, True):  # warm up connections and code paths, then measure
             for i in range(calls if timed else min(200, calls)):
                 if i % 2:
-                    d = await call(direct_url, None, i)
+                    d = await call(direct_url, direct_episode, i)
                     p = await call(proxied_url, "bench-serial", i)
                 else:
                     p = await call(proxied_url, "bench-serial", i)
-                    d = await call(direct_url, None, i)
+                    d = await call(direct_url, direct_episode, i)
                 if timed:
                     direct.append(d)
                     proxied.append(p)
@@ -141,6 +152,20 @@ async def run(calls: int = 3000, concurrency: int = 32) -> BenchResult:
             serial = max(300, calls // 5)
             direct, proxied = await _alternate(policy.url, model.url, serial)
             figures |= _figures("serial", direct, proxied, sum(direct), sum(proxied))
+            (cut,) = await group.start(
+                [
+                    ServerSpec(
+                        kind="model",
+                        name="model-cut",
+                        settings={"upstream_url": f"{policy.url}/v1", "cut_generations": True},
+                    )
+                ]
+            )
+            # "direct" here is the plain proxy: the figures are what the cut adds to it.
+            plain, streamed = await _alternate(
+                model.url, cut.url, serial, body=TOKEN_BODY, direct_episode="bench-plain"
+            )
+            figures |= _figures("cut", plain, streamed, sum(plain), sum(streamed))
             direct, direct_s = await _drive(policy.url, calls, concurrency, episode_headers=False)
             proxied, proxied_s = await _drive(model.url, calls, concurrency, episode_headers=True)
             figures |= _figures("concurrent", direct, proxied, direct_s, proxied_s)

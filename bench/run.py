@@ -15,6 +15,7 @@ from bench import (
     checkpoint_overhead,
     crash_rework,
     episode_throughput,
+    generation_cut,
     ledger_scaling,
     model_overhead,
     runtime_compare,
@@ -55,9 +56,10 @@ ITEMS: dict[str, Item] = {
     ),
     "runtime_compare": lambda quick: runtime_compare.run(),
     "snapshot_pause_100k": lambda quick: snapshot_pause.run_large(100_000, snapshots=4),
+    "generation_cut": lambda quick: generation_cut.run(),
 }
 # Items too slow for --quick: they run in the full suite, or by name with --only.
-FULL_ONLY = {"runtime_compare", "snapshot_pause_100k"}
+FULL_ONLY = {"runtime_compare", "snapshot_pause_100k", "generation_cut"}
 
 
 async def _main(keys: list[str], quick: bool) -> list[BenchResult]:

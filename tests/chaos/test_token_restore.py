@@ -41,7 +41,10 @@ def stamped_versions(workdir: Path, snapshot_id: str) -> dict[tuple[str, int], i
     versions: dict[tuple[str, int], int] = {}
     for records in (folder / "participants" / "model").glob("*/records-*.jsonl"):
         for raw in records.read_bytes().splitlines():
-            call = orjson.loads(raw)["call"]
+            record = orjson.loads(raw)
+            if record["kind"] != "model_call":
+                continue  # a saved prefix (the generation cut)
+            call = record["call"]
             versions[(call["rollout_id"], call["turn"])] = call["policy_version"]
     return versions
 

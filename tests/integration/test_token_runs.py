@@ -72,7 +72,12 @@ def corrupting_proxy(upstream: str, calls: set[int]) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def completions(request: Request) -> Response:
-        body = await request.body()
+        # A plain-only engine: it answers a streamed request (the model server streams
+        # every call for the generation cut) with plain JSON, which is what it corrupts.
+        asked = orjson.loads(await request.body())
+        asked.pop("stream", None)
+        asked.pop("stream_options", None)
+        body = orjson.dumps(asked)
         async with httpx.AsyncClient(timeout=30) as client:
             reply = await client.post(
                 upstream + "/v1/chat/completions",

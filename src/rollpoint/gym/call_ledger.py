@@ -24,7 +24,7 @@ from pydantic import Field, JsonValue, TypeAdapter, ValidationError
 from rollpoint.protocol.errors import InvalidCheckpointStateError
 from rollpoint.protocol.ids import Identifier
 from rollpoint.protocol.model_base import StrictModel
-from rollpoint.protocol.token_data import TokenTrace, context_after
+from rollpoint.protocol.token_data import TokenSegment, TokenTrace, context_after
 
 
 class CallRecord(StrictModel):
@@ -54,6 +54,15 @@ class CallRecord(StrictModel):
     """Choice 0's token ids and logprobs, streamed or not, with the prompt ids stored as
     the suffix since the rollout's previous call when they extend it. None when the
     engine returned no token data (and in records written before token capture)."""
+    segments: list[TokenSegment] | None = None
+    """A call continued from a prefix saved at a snapshot: the policy version of each run
+    of its completion tokens (prefix first). None for a call decoded in one go (and in
+    records written before the generation cut)."""
+    continued_tokens: Annotated[int, Field(ge=0)] = 0
+    """Completion tokens taken from the saved prefix, not decoded again."""
+    regenerated: str | None = None
+    """Why a saved prefix of this call was not continued (a refusal of
+    :mod:`rollpoint.gym.generation_cut`): the call was decoded from scratch."""
 
 
 _RECORDS = TypeAdapter(list[CallRecord])
@@ -69,6 +78,9 @@ def json_form(rec: CallRecord) -> dict[str, Any]:
     if tokens is not None:
         # A trace's fields are strings, ints and a bool: its field dict is its JSON form.
         form["tokens"] = dict(tokens.__dict__)
+    segments = form.get("segments")
+    if segments is not None:
+        form["segments"] = [dict(s.__dict__) for s in segments]
     return form
 
 

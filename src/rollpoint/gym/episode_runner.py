@@ -34,6 +34,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+from rollpoint.gym.generation_cut import HEADER_TOKEN_SEGMENTS, parse_segments_header
 from rollpoint.gym.session import Session, SessionState
 from rollpoint.gym.session_book import TurnBoundary
 from rollpoint.http.client import HttpClient
@@ -252,6 +253,7 @@ class EpisodeRunner:
                 completion_id=completion_id if isinstance(completion_id, str) else None,
                 finish_reason=finish if isinstance(finish, str) else None,
                 tokens=tokens,
+                segments=parse_segments_header(reply_headers.get(HEADER_TOKEN_SEGMENTS)),
             )
         )
         session.add_message(message)

@@ -15,6 +15,13 @@ server's state, and the saved form of its calls (:class:`ModelCallRecord`):
   a :class:`~rollpoint.gym.state_image.StateImage` of every rollout's dumped calls (the
   ledger reports each change to it), after the pause the scope's records out of the copy;
   install → those records back into the ledger, all or nothing;
+- generation cut: capture(scope) also takes, in the pause, the lengths of the output so far
+  of every scoped call in flight (O(1) each, :meth:`ModelServer.cut_state`), and after the
+  pause saves each as a ``model_prefix`` record (:class:`ModelPrefixRecord`: its token ids,
+  logprobs, text, policy versions and digest); an installed prefix not yet continued is
+  saved again. install puts the prefixes back on the server, where the replacement call
+  of the same turn continues from them (:mod:`rollpoint.gym.generation_cut`). Snapshots
+  written before the cut have no such records and install as before;
 - retire → an attempt with a call running is reported ``cancelled`` (its reply will be
   refused as ``stale_attempt`` and not filed), any other ``unknown``: the model runs no
   episodes; forget → drop the rollouts' ledger records; ack → nothing is held here.
@@ -26,11 +33,12 @@ the server calls :meth:`~rollpoint.gym.fence.Fence.check_attempt`), nor proxying
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import JsonValue, TypeAdapter, ValidationError, model_validator
+from pydantic import Field, JsonValue, TypeAdapter, ValidationError, model_validator
 
 from rollpoint.gym.call_ledger import CallRecord
+from rollpoint.gym.generation_cut import CallPrefix, FrozenPartial
 from rollpoint.participant import (
     Readiness,
     RetireOutcome,
@@ -65,7 +73,25 @@ class ModelCallRecord(StrictModel):
         return self
 
 
-_RECORDS = TypeAdapter(list[ModelCallRecord])
+class ModelPrefixRecord(StrictModel):
+    """The saved prefix of one call in flight at the snapshot."""
+
+    kind: Literal["model_prefix"] = "model_prefix"
+    episode: EpisodeId
+    prefix: CallPrefix
+
+    @model_validator(mode="after")
+    def _same_rollout(self) -> ModelPrefixRecord:
+        if self.prefix.rollout_id != self.episode.rollout_id:
+            raise ValueError(
+                f"a prefix of rollout {self.prefix.rollout_id!r} saved for {self.episode.key}"
+            )
+        return self
+
+
+_RECORDS = TypeAdapter(
+    list[Annotated[ModelCallRecord | ModelPrefixRecord, Field(discriminator="kind")]]
+)
 _Calls = tuple[dict[str, Any], ...]
 """One rollout's calls as the ledger dumped them (dicts nobody changes)."""
 
@@ -116,7 +142,10 @@ class ModelParticipant:
 
     async def capture(self, scope: Sequence[EpisodeId]) -> Callable[[], list[dict[str, JsonValue]]]:
         image = await self._image.capture()
-        return lambda: _call_records(image, scope)
+        attempts = latest_attempts(scope)
+        cut = self._server.cut_state(attempts)
+        engine = self._server.settings.engine
+        return lambda: [*_call_records(image, scope), *_prefix_records(cut, attempts, engine)]
 
     def keep_current(self) -> None:
         self._image.keep_current()
@@ -130,7 +159,19 @@ class ModelParticipant:
         parsed = _parse(records)
         wanted = {r: EpisodeId(rollout_id=r, attempt=a) for r, a in latest_attempts(scope).items()}
         ledger = self._server.ledger
-        installed = set(ledger.install(r.call for r in parsed if r.episode.rollout_id in wanted))
+        installed = set(
+            ledger.install(
+                r.call
+                for r in parsed
+                if isinstance(r, ModelCallRecord) and r.episode.rollout_id in wanted
+            )
+        )
+        prefixes = self._server.prefixes
+        for rollout_id in wanted:
+            prefixes.pop(rollout_id, None)
+        for r in parsed:
+            if isinstance(r, ModelPrefixRecord) and r.episode.rollout_id in wanted:
+                prefixes[r.episode.rollout_id] = r.prefix
         # After a restore the snapshot is the truth: a scoped rollout saved without calls
         # has none, whatever this ledger held for it.
         ledger.release(r for r in wanted if r not in installed)
@@ -147,6 +188,8 @@ class ModelParticipant:
 
     def forget(self, rollout_ids: list[str]) -> list[str]:
         ledger = self._server.ledger
+        for rollout_id in rollout_ids:
+            self._server.prefixes.pop(rollout_id, None)
         return [r for r in dict.fromkeys(rollout_ids) if ledger.release([r])]
 
     def ack(self, episodes: list[EpisodeId]) -> list[EpisodeId]:
@@ -176,7 +219,26 @@ def _call_records(
     return records
 
 
-def _parse(records: list[Any]) -> list[ModelCallRecord]:
+def _prefix_records(
+    cut: Sequence[FrozenPartial | CallPrefix], attempts: Mapping[str, int], engine: str
+) -> list[dict[str, JsonValue]]:
+    """The saved prefixes (in the writer's thread: slicing and packing the token lists)."""
+    records: list[dict[str, JsonValue]] = []
+    for item in cut:
+        prefix = item if isinstance(item, CallPrefix) else item.prefix(engine)
+        if prefix is None:
+            continue
+        saved_for: dict[str, JsonValue] = {
+            "rollout_id": prefix.rollout_id,
+            "attempt": attempts[prefix.rollout_id],
+        }
+        records.append(
+            {"kind": "model_prefix", "episode": saved_for, "prefix": prefix.model_dump(mode="json")}
+        )
+    return records
+
+
+def _parse(records: list[Any]) -> list[ModelCallRecord | ModelPrefixRecord]:
     try:
         return _RECORDS.validate_python(records)
     except ValidationError as exc:

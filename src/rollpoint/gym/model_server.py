@@ -28,6 +28,14 @@ reply whose token data is malformed is refused with 502 ``transport_error`` nami
 and the engine, and nothing is recorded; a stream is relayed as it came and, malformed, left
 unrecorded (logged).
 
+Generation cut (``cut_generations``, on with token capture for an engine whose stream
+carries ids): a tagged one-choice plain call is sent upstream streamed and its plain reply
+assembled from the chunks (the engine's fields, in its order), so :attr:`ModelServer.partials`
+always holds the output so far of every such call (streamed callers' too); a call whose
+rollout has a saved prefix installed (:attr:`ModelServer.prefixes`) continues from it, or
+is decoded from scratch with the refusal counted (:mod:`rollpoint.gym.generation_cut`).
+An engine that answers a streamed request with plain JSON is passed through as it answered.
+
 This is the hot path of every policy call. The plain path reads the body once, parses it
 once, forwards the same bytes over one aiohttp session, and returns the engine's bytes;
 only calls carrying episode headers parse the reply, to record it.
@@ -39,6 +47,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
+from dataclasses import dataclass
 from itertools import islice
 from typing import Annotated, Any
 
@@ -51,6 +60,19 @@ from starlette.types import Receive, Scope, Send
 from yarl import URL
 
 from rollpoint.gym.call_ledger import CallLedger, CallRecord
+from rollpoint.gym.generation_cut import (
+    HEADER_TOKEN_SEGMENTS,
+    STREAMS_TOKEN_IDS,
+    CallPrefix,
+    CutCounts,
+    FrozenPartial,
+    PartialCall,
+    continuation_body,
+    refusal,
+    request_digest,
+    segments_header,
+    stitch,
+)
 from rollpoint.gym.model_participant import ModelParticipant
 from rollpoint.http.app import create_app
 from rollpoint.http.auth import data_token, load_token
@@ -74,7 +96,7 @@ from rollpoint.protocol.ids import (
     is_identifier,
 )
 from rollpoint.protocol.model_base import StrictModel
-from rollpoint.protocol.token_data import TokenTrace
+from rollpoint.protocol.token_data import TokenSegment, TokenTrace
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +125,13 @@ class ModelServerSettings(BaseModel):
     (token from ``ROLLPOINT_CONTROL_TOKEN``). None: a plain data server."""
     lease_grace_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 2.0
     """A checkpoint's lease lapses this long after its deadline, then the gate reopens."""
+    cut_generations: bool = False
+    """Stream every tagged one-choice call from the engine (a plain caller still gets a
+    plain reply), so a snapshot saves the prefix of each call in flight and the
+    replacement call after a restore continues it (:mod:`rollpoint.gym.generation_cut`).
+    On with ``policy.capture_tokens`` (a prefix needs token ids)."""
+    continue_prefixes: bool = True
+    """False: the engine cannot take a prefix; saved prefixes are regenerated (counted)."""
 
 
 class PolicyVersionRequest(StrictModel):
@@ -202,9 +231,15 @@ def _usage_tokens(usage: Any) -> tuple[int, int]:
 class StreamAssembler:
     """Rebuilds the assistant message of choice 0 from OpenAI SSE chunks as they pass by."""
 
-    def __init__(self, tokens: TokenStream | None = None) -> None:
+    def __init__(
+        self, tokens: TokenStream | None = None, partial: PartialCall | None = None
+    ) -> None:
         self.tokens = tokens
         """Fed every parsed event: the engine adapter's reader of the stream's token data."""
+        self.partial = partial
+        """Fed every parsed event too: the call's partial output, for the generation cut."""
+        self.created: Any = None
+        self.model: Any = None
         self._buf = bytearray()
         self._content: list[str] = []
         self._role = "assistant"
@@ -232,8 +267,12 @@ class StreamAssembler:
             return
         if self.tokens is not None:
             self.tokens.feed(event)
+        if self.partial is not None:
+            self.partial.feed(event)
         if isinstance(event.get("id"), str):
             self.completion_id = event["id"]
+        if self.created is None:
+            self.created, self.model = event.get("created"), event.get("model")
         if isinstance(event.get("usage"), dict):
             self.usage = event["usage"]
         for choice in event.get("choices") or ():
@@ -269,10 +308,48 @@ class StreamAssembler:
                 entry["function"]["arguments"] += fn["arguments"]
 
     def message(self) -> dict[str, Any]:
+        return _clean_message(self.reply_message())
+
+    def reply_message(self) -> dict[str, Any]:
+        """The message as a plain reply carries it (content null next to tool calls)."""
         message: dict[str, Any] = {"role": self._role, "content": "".join(self._content) or None}
         if self._tools:
             message["tool_calls"] = [self._tools[i] for i in sorted(self._tools)]
-        return _clean_message(message)
+        return message
+
+    def reply(self, partial: PartialCall, ids_from: int, entries_from: int) -> dict[str, Any]:
+        """The plain ``chat.completion`` the engine would have answered, from the stream
+        (in the order of OpenAI's and vLLM's fields; a continuation's own tokens only)."""
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": self.reply_message(),
+            "finish_reason": self.finish_reason,
+            "logprobs": (
+                {"content": partial.entries[entries_from:]} if partial.saw_logprobs else None
+            ),
+        }
+        if partial.saw_ids:
+            choice["token_ids"] = partial.ids[ids_from:]
+        reply: dict[str, Any] = {
+            "id": self.completion_id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+            "usage": self.usage,
+        }
+        if partial.prompt is not None:
+            reply["prompt_token_ids"] = partial.prompt
+        return reply
+
+
+@dataclass(slots=True)
+class _Upstream:
+    """How the engine answered a streamed request: refused, streamed, or plain JSON."""
+
+    refusal: tuple[int, str, bytes] | None = None
+    assembler: StreamAssembler | None = None
+    plain: bytes | None = None
 
 
 class _HeldStream(StreamingResponse):
@@ -305,6 +382,11 @@ class ModelServer:
         """Raises :class:`StaleAttemptError` for a retired attempt (the fence's check)."""
         self.policy_version = 0
         self.calls_total = 0
+        self.partials: dict[int, PartialCall] = {}
+        """The output so far of every call streamed from the engine now (generation cut)."""
+        self.prefixes: dict[str, CallPrefix] = {}
+        """Saved prefixes installed by a restore, by rollout, until its replacement call."""
+        self.cut = CutCounts()
         self._adapter = adapter_for(settings.engine)
         self.prompt_tokens = 0
         self.completion_tokens = 0
@@ -316,6 +398,9 @@ class ModelServer:
             "Policy calls: admitted at the gate to the engine's last byte",
             CALL_BUCKETS,
         )
+        # An engine whose stream carries no token ids (SGLang's OpenAI server) gives no
+        # prefix to save: its calls are proxied as they come.
+        self._cut = settings.cut_generations and self._adapter.name in STREAMS_TOKEN_IDS
         self._client: HttpClient | None = None
         base = settings.upstream_url.rstrip("/")
         # Parsed once: aiohttp would parse a str URL again on every call.
@@ -352,6 +437,7 @@ class ModelServer:
             "recorded_calls": self.ledger.count,
             "policy_version": self.policy_version,
             "gate_open": self.gate.is_open,
+            "generation_cut": self.cut.as_dict(),
         }
 
     def _readings(self) -> list[Reading]:
@@ -378,7 +464,49 @@ class ModelServer:
                 "rollpoint_model_recorded_calls", "Calls in the call ledger", self.ledger.count
             ),
             Reading("rollpoint_model_policy_version", "Policy version", self.policy_version),
+            Reading(
+                "rollpoint_model_calls_continued",
+                "Replacement calls continued from a saved generation prefix",
+                self.cut.continued,
+                "counter",
+            ),
+            Reading(
+                "rollpoint_model_tokens_spared",
+                "Decode tokens a continued call did not generate again (its prefix)",
+                self.cut.continued_tokens,
+                "counter",
+            ),
+            *(
+                Reading(
+                    "rollpoint_model_calls_regenerated",
+                    "Replacement calls decoded from scratch instead of continued, by reason",
+                    count,
+                    "counter",
+                    {"reason": reason},
+                )
+                for reason, count in sorted(self.cut.regenerated.items())
+            ),
         ]
+
+    def cut_state(self, scope: Mapping[str, int]) -> list[FrozenPartial | CallPrefix]:
+        """In the pause, O(calls): the in-flight calls of the scoped episodes (their lengths
+        only) and the installed prefixes of scoped rollouts still waiting for their call."""
+        out: list[FrozenPartial | CallPrefix] = [
+            p.freeze() for p in self.partials.values() if scope.get(p.rollout_id) == p.attempt
+        ]
+        out.extend(p for r, p in self.prefixes.items() if r in scope)
+        return out
+
+    def _take_prefix(self, tag: EpisodeTag | None) -> CallPrefix | None:
+        """The saved prefix a replacement call continues: same rollout and turn, a later
+        attempt. A prefix its rollout has moved past is dropped."""
+        if tag is None:
+            return None
+        prefix = self.prefixes.get(tag.rollout_id)
+        if prefix is None or prefix.attempt >= tag.attempt:
+            return None
+        del self.prefixes[tag.rollout_id]
+        return prefix if prefix.turn == tag.turn else None
 
     async def chat_completions(self, request: Request) -> Response:
         body = await request.body()
@@ -390,8 +518,19 @@ class ModelServer:
             raise BadRequestError("request body must be a JSON object with a 'messages' list")
         tag = EpisodeTag.from_headers(request.headers)
         self._guard(tag)
+        cut = self._cut
         if payload.get("stream") is True:
-            return await self._stream(body, payload, tag)
+            # A streamed caller is relayed as it comes: its saved prefix is not continued.
+            regenerated = None
+            if cut and tag is not None and self._take_prefix(tag) is not None:
+                regenerated = "streamed_caller"
+                self._refused(tag, regenerated)
+            return await self._stream(body, payload, tag, regenerated)
+        if cut and tag is not None:
+            if payload.get("n", 1) in (1, None):
+                return await self._plain_cut(body, payload, tag)
+            if self._take_prefix(tag) is not None:
+                self._refused(tag, "choices")
         async with self.gate.admit():
             # Again: the attempt may have been retired while the call waited at the gate.
             self._guard(tag)
@@ -409,6 +548,131 @@ class ModelServer:
             self._guard(tag)
             self._record_reply(tag, payload, raw, version, latency)
         return Response(raw, media_type=content_type, headers={HEADER_POLICY_VERSION: str(version)})
+
+    def _refused(self, tag: EpisodeTag, reason: str) -> None:
+        self.cut.refused(reason)
+        log.info("saved prefix of %s turn %d regenerated: %s", tag.rollout_id, tag.turn, reason)
+
+    async def _plain_cut(
+        self, raw_body: bytes, payload: dict[str, Any], tag: EpisodeTag
+    ) -> Response:
+        """A plain call streamed from the engine (its partial output known throughout),
+        continued from its saved prefix when there is one and nothing refuses it."""
+        prefix = self._take_prefix(tag)
+        reason: str | None = None
+        asked = request_digest(raw_body)
+        async with self.gate.admit():
+            self._guard(tag)
+            with self.running.track(tag):
+                version = self.policy_version
+                started = time.perf_counter()
+                up: _Upstream | None = None
+                if prefix is not None:
+                    reason = refusal(
+                        payload,
+                        prefix,
+                        engine=self._adapter.name,
+                        enabled=self.settings.continue_prefixes,
+                        policy_version=version,
+                        request=asked,
+                    )
+                if prefix is not None and reason is None:
+                    partial = PartialCall.continuing(
+                        prefix, attempt=tag.attempt, version=version, prompt=prefix.prompt()
+                    )
+                    body = continuation_body(payload, prefix, self._adapter.name)
+                    up = await self._stream_upstream(body, partial)
+                    if up.refusal is not None:
+                        # An engine that cannot take the prefix says so with a 4xx.
+                        reason, up = "engine_refused", None
+                if up is None:
+                    partial = PartialCall(
+                        tag.rollout_id, tag.attempt, tag.turn, version, request=asked
+                    )
+                    body = {**payload, "stream": True, "stream_options": {"include_usage": True}}
+                    up = await self._stream_upstream(body, partial)
+                latency = time.perf_counter() - started
+        self.calls_total += 1
+        if up.refusal is not None:
+            return self._upstream_refusal(*up.refusal)
+        continued = prefix is not None and reason is None
+        raw = up.plain
+        if raw is not None:
+            # An engine that answers plain JSON to a streamed request: its reply as it is.
+            try:
+                reply = orjson.loads(raw)
+                if not isinstance(reply["choices"][0]["message"], dict):
+                    raise TypeError
+            except (orjson.JSONDecodeError, KeyError, IndexError, TypeError):
+                raise TransportError("upstream reply is not an OpenAI chat completion") from None
+            fresh = len(reply["choices"][0].get("token_ids") or ())
+        else:
+            assert up.assembler is not None
+            # A continuation's partial starts with the prefix: the reply holds its own
+            # tokens, and the prefix goes back in front when it is stitched.
+            skip_ids = skip_entries = 0
+            if continued and prefix is not None:
+                skip_ids = prefix.count
+                skip_entries = prefix.count if prefix.completion_logprobs is not None else 0
+            reply = up.assembler.reply(partial, skip_ids, skip_entries)
+            fresh = len(partial.ids) - skip_ids
+        segments = None
+        headers = {HEADER_POLICY_VERSION: str(version)}
+        if continued and prefix is not None:
+            segments = [*prefix.segments, TokenSegment(policy_version=version, tokens=fresh)]
+            stitch(reply, prefix)
+            raw = None
+            self.cut.continued += 1
+            self.cut.continued_tokens += prefix.count
+            headers[HEADER_TOKEN_SEGMENTS] = segments_header(segments)
+        elif prefix is not None and reason is not None:
+            self._refused(tag, reason)
+        # Retired while it ran: its caller was stopped, so the reply is refused, not filed.
+        self._guard(tag)
+        choice = reply["choices"][0]
+        # Malformed token data raises here: the call fails whole and nothing is filed.
+        read = self._adapter.read(reply)
+        self._record(
+            tag,
+            payload,
+            _clean_message(choice["message"]),
+            choice.get("finish_reason"),
+            reply.get("usage"),
+            version=version,
+            latency=latency,
+            streamed=False,
+            read=read,
+            completion_id=reply.get("id"),
+            segments=segments,
+            continued_tokens=prefix.count if segments is not None and prefix is not None else 0,
+            regenerated=reason,
+        )
+        body_out = raw if raw is not None else orjson.dumps(reply)
+        return Response(body_out, media_type="application/json", headers=headers)
+
+    async def _stream_upstream(self, body: dict[str, Any], partial: PartialCall) -> _Upstream:
+        """POST ``body`` (streamed) and read the whole stream, ``partial`` kept current and
+        listed in :attr:`partials` while it runs; or the engine's refusal (status >= 400),
+        or its plain reply when it answered JSON."""
+        key = id(partial)
+        self.partials[key] = partial
+        try:
+            async with self.session.post(
+                self._completions_url, data=orjson.dumps(body), headers=self._upstream_headers
+            ) as resp:
+                if resp.status >= 400:
+                    return _Upstream(refusal=(resp.status, resp.content_type, await resp.read()))
+                if resp.content_type != "text/event-stream":
+                    return _Upstream(plain=await resp.read())
+                assembler = StreamAssembler(partial=partial)
+                async for chunk in resp.content.iter_any():
+                    assembler.feed(chunk)
+                assembler.feed(b"\n")
+                return _Upstream(assembler=assembler)
+        except _UPSTREAM_ERRORS as exc:
+            raise self._unreachable(exc) from None
+        finally:
+            del self.partials[key]
 
     def _guard(self, tag: EpisodeTag | None) -> None:
         if tag is not None and self.attempt_guard is not None:
@@ -498,6 +762,9 @@ class ModelServer:
         logprobs: Any = None,
         read: EngineTokens | None = None,
         completion_id: Any = None,
+        segments: list[TokenSegment] | None = None,
+        continued_tokens: int = 0,
+        regenerated: str | None = None,
     ) -> None:
         messages = payload["messages"]
         trace = None
@@ -534,11 +801,18 @@ class ModelServer:
                 logprobs=logprobs,
                 completion_id=completion_id if isinstance(completion_id, str) else None,
                 tokens=trace,
+                segments=segments,
+                continued_tokens=continued_tokens,
+                regenerated=regenerated,
             )
         )
 
     async def _stream(
-        self, body: bytes, payload: dict[str, Any], tag: EpisodeTag | None
+        self,
+        body: bytes,
+        payload: dict[str, Any],
+        tag: EpisodeTag | None,
+        regenerated: str | None = None,
     ) -> Response:
         stack = AsyncExitStack()
         await stack.enter_async_context(self.gate.admit())
@@ -568,8 +842,18 @@ class ModelServer:
             self.calls_total += 1
             return self._upstream_refusal(*refusal)
 
+        partial = None
+        if self.settings.cut_generations and tag is not None:
+            partial = PartialCall(
+                tag.rollout_id, tag.attempt, tag.turn, version, request=request_digest(body)
+            )
+
         async def relay() -> AsyncIterator[bytes]:
-            assembler = StreamAssembler(self._adapter.stream()) if tag is not None else None
+            assembler = (
+                StreamAssembler(self._adapter.stream(), partial) if tag is not None else None
+            )
+            if partial is not None:
+                self.partials[id(partial)] = partial
             try:
                 async for chunk in resp.content.iter_any():
                     if assembler is not None:
@@ -578,6 +862,9 @@ class ModelServer:
             except _UPSTREAM_ERRORS as exc:
                 log.warning("upstream stream broke: %s: %s", type(exc).__name__, exc)
                 return
+            finally:
+                if partial is not None:
+                    self.partials.pop(id(partial), None)
             self.calls_total += 1
             self.call_seconds.observe(time.perf_counter() - started)
             if assembler is not None and tag is not None and not self._retired(tag):
@@ -598,6 +885,7 @@ class ModelServer:
                     streamed=True,
                     read=read,
                     completion_id=assembler.completion_id,
+                    regenerated=regenerated,
                 )
 
         return _HeldStream(

@@ -19,6 +19,16 @@ Token data, when a request asks (``return_token_ids``, ``logprobs``, ``top_logpr
 ``call_log`` set, every reply's token data is appended to that JSONL file before the reply
 leaves: the engine's own account, which tests compare rollpoint's records against.
 
+Long generations, for the generation cut: ``token_latency_ms`` makes each completion token
+take that long, a stream then sending one token a chunk as it is "decoded";
+``reasoning_tokens`` puts stand-in reasoning text before every tool call. A request with
+``continue_final_message: true`` whose last message is a partial assistant message this
+engine produced continues it (vLLM's rendering: the prompt ids end with the prefix's) and
+decodes only the rest, with the positions and so the logprobs of the uninterrupted call:
+prefix + continuation is exactly that call's output. The call log then has the
+``prefix_token_ids`` it was given beside the ``token_ids`` it decoded. ``accept_prefix:
+false`` answers such requests with a 400, as an engine that cannot take a prefix does.
+
 It runs full garbage collections only while no call is in flight
 (:class:`~rollpoint.store.collector_schedule.ServerCollector` with ``idle``). Holding 10k calls in a
 benchmark, CPython's own took 1.1-2.8 s every few seconds and freed nothing: the stand-in
@@ -40,7 +50,8 @@ import asyncio
 import itertools
 import os
 import time
-from collections.abc import AsyncIterator
+import zlib
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Annotated, Any, BinaryIO, Literal
 
@@ -73,8 +84,8 @@ from rollpoint.policy.openai_wire import (
     TopLogprob,
     Usage,
 )
-from rollpoint.policy.playbook import Decision, FinalDecision, Playbook, ToolCallDecision
-from rollpoint.protocol.errors import ModelNotFoundError
+from rollpoint.policy.playbook import Decision, FinalDecision, Playbook
+from rollpoint.protocol.errors import BadRequestError, ModelNotFoundError
 from rollpoint.protocol.model_base import StrictModel
 from rollpoint.store.collector_schedule import CollectorSchedule, ServerCollector
 
@@ -103,6 +114,18 @@ class PolicySettings(StrictModel):
     chunk) or SGLang's OpenAI-compatible server (both on the choice; none when streamed)."""
     tool_turns: Annotated[int, Field(ge=0, le=1024)] = 3
     """Environments without a built-in playbook: tool-calling turns before the final answer."""
+    token_latency_ms: Annotated[float, Field(ge=0)] = 0.0
+    """Decode time per completion token (on top of ``latency_ms``): a stream then sends
+    each token in its own chunk as it is "sampled", so a generation can be cut mid-way."""
+    reasoning_tokens: Annotated[int, Field(ge=0)] = 0
+    """Stand-in tokens of reasoning text before every tool call (the assistant message's
+    content), as reasoning models think before they act: a long generation to cut."""
+    decode_log: str | None = None
+    """A JSONL file with one line per paced generation (``token_latency_ms``) as it ends or
+    is cut off: ``{"id", "decoded", "max_tokens"}``, the tokens it actually decoded."""
+    accept_prefix: bool = True
+    """Whether ``continue_final_message`` is honoured; False answers it with a 400, as an
+    engine that cannot continue a prefix does."""
 
 
 def estimate_prompt_tokens(request: ChatCompletionRequest) -> int:
@@ -122,53 +145,106 @@ def _finish_reason(decision: Decision) -> FinishReason:
     return "stop" if isinstance(decision, FinalDecision) else "tool_calls"
 
 
-def _message(decision: Decision) -> AssistantMessage:
+def reasoning_text(call_id: str, tokens: int) -> str:
+    """``tokens`` stand-in tokens of "reasoning" (four characters each), a pure function of
+    the call id (itself a function of the seeds and the conversation)."""
+    return "".join(f"{zlib.crc32(f'{call_id}/{i}'.encode()) % 4096:03x} " for i in range(tokens))
+
+
+def _message(decision: Decision, reasoning_tokens: int = 0) -> AssistantMessage:
     if isinstance(decision, FinalDecision):
         return AssistantMessage(content=decision.text)
     call = ToolCall(
         id=decision.call_id,
         function=FunctionCall(name=decision.name, arguments=decision.arguments),
     )
-    return AssistantMessage(content=None, tool_calls=[call])
+    content = reasoning_text(decision.call_id, reasoning_tokens) if reasoning_tokens else None
+    return AssistantMessage(content=content, tool_calls=[call])
+
+
+def _cut(message: AssistantMessage, prefix: str) -> AssistantMessage:
+    """What is left of ``message`` to generate after ``prefix`` of its content."""
+    if not prefix:
+        return message
+    rest = (message.content or "")[len(prefix) :]
+    if message.tool_calls:
+        return AssistantMessage(content=rest or None, tool_calls=message.tool_calls)
+    return AssistantMessage(content=rest)
 
 
 def _pieces(text: str) -> list[str]:
     return [text[i : i + _STREAM_PIECE_CHARS] for i in range(0, len(text), _STREAM_PIECE_CHARS)]
 
 
-def _deltas(decision: Decision) -> list[Delta]:
-    if isinstance(decision, FinalDecision):
+def _deltas(message: AssistantMessage) -> list[Delta]:
+    """Content in pieces, then each tool call's head and its arguments in pieces."""
+    if not message.tool_calls:
         return [
             Delta(role="assistant", content=""),
-            *(Delta(content=p) for p in _pieces(decision.text)),
+            *(Delta(content=p) for p in _pieces(message.content or "")),
         ]
-    return _tool_call_deltas(decision)
+    deltas = [Delta(role="assistant")]
+    if message.content:
+        deltas += [Delta(content=p) for p in _pieces(message.content)]
+    for call in message.tool_calls:
+        deltas += _tool_call_deltas(call)
+    return deltas
 
 
-def _tool_call_deltas(decision: ToolCallDecision) -> list[Delta]:
+def _tool_call_deltas(call: ToolCall) -> list[Delta]:
     head = ToolCallDelta(
         index=0,
-        id=decision.call_id,
+        id=call.id,
         type="function",
-        function=FunctionDelta(name=decision.name, arguments=""),
+        function=FunctionDelta(name=call.function.name, arguments=""),
     )
     tail = (
         Delta(tool_calls=[ToolCallDelta(index=0, function=FunctionDelta(arguments=p))])
-        for p in _pieces(decision.arguments)
+        for p in _pieces(call.function.arguments)
     )
-    return [Delta(role="assistant"), Delta(tool_calls=[head]), *tail]
+    return [Delta(tool_calls=[head]), *tail]
+
+
+def _token_deltas(message: AssistantMessage) -> list[tuple[Delta, int]]:
+    """One delta per decoded token (with how many tokens it carries), as an engine streams
+    at one token a chunk: the role, each content token, each tool call's head (its marker,
+    name and arguments marker tokens) then each arguments token. The end token rides on
+    the finish chunk."""
+    groups: list[tuple[Delta, int]] = [(Delta(role="assistant", content=""), 0)]
+    groups += [(Delta(content=t.text), 1) for t in stand_in.encode(message.content or "")]
+    for call in message.tool_calls or ():
+        head = ToolCallDelta(
+            index=0,
+            id=call.id,
+            type="function",
+            function=FunctionDelta(name=call.function.name, arguments=""),
+        )
+        groups.append((Delta(tool_calls=[head]), 2 + len(stand_in.encode(call.function.name))))
+        groups += [
+            (
+                Delta(
+                    tool_calls=[ToolCallDelta(index=0, function=FunctionDelta(arguments=t.text))]
+                ),
+                1,
+            )
+            for t in stand_in.encode(call.function.arguments)
+        ]
+    return groups
 
 
 class _Tokens:
-    """One choice's stand-in token data: ids, their text, and their logprobs."""
+    """One choice's stand-in token data: ids, their text, and their logprobs, from token
+    ``start`` on (a continuation generates only what follows its prefix; positions, and so
+    logprobs, are those of the whole message: the same as the uninterrupted call's)."""
 
-    def __init__(self, decision: Decision, seed: int, index: int) -> None:
-        message = _message(decision)
+    def __init__(self, message: AssistantMessage, seed: int, index: int, start: int = 0) -> None:
         calls = [(c.function.name, c.function.arguments) for c in message.tool_calls or ()]
-        self.tokens = stand_in.message_body(message.content or "", calls)
+        whole = stand_in.message_body(message.content or "", calls)
+        self.prefix_ids = [t.id for t in whole[:start]]
+        self.tokens = whole[start:]
         self.ids = [t.id for t in self.tokens]
         self.logprobs = [
-            stand_in.logprob(seed, index, pos, t.id) for pos, t in enumerate(self.tokens)
+            stand_in.logprob(seed, index, start + pos, t.id) for pos, t in enumerate(self.tokens)
         ]
 
     def content(self, start: int, stop: int, *, as_ids: bool, top: int) -> ChoiceLogprobs:
@@ -223,12 +299,22 @@ class _Reply:
     """
 
     def __init__(
-        self, settings: PolicySettings, request: ChatCompletionRequest, decisions: list[Decision]
+        self,
+        settings: PolicySettings,
+        request: ChatCompletionRequest,
+        decisions: list[Decision],
+        prefix: str = "",
     ) -> None:
+        """``prefix``: the content already generated (``continue_final_message``); the
+        request's messages are then the conversation before the partial assistant one."""
         self.id = "chatcmpl-" + os.urandom(12).hex()
         self.created = int(time.time())
         self.model = request.model or settings.model
         self.decisions = decisions
+        whole = [_message(d, settings.reasoning_tokens) for d in decisions]
+        self.messages = [_cut(m, prefix) for m in whole]
+        start = len(prefix) // _CHARS_PER_TOKEN
+        self.prefix_given = bool(prefix)
         self.return_ids = request.return_token_ids
         self.sglang = settings.shape == "sglang"
         self.return_prompt = request.return_prompt_token_ids
@@ -239,13 +325,16 @@ class _Reply:
         self.tokens: list[_Tokens] | None = None
         if self.return_ids or self.logprobs:
             seed = request.seed or 0
-            self.prompt = _prompt_ids(request)
-            self.tokens = [_Tokens(d, seed, i) for i, d in enumerate(decisions)]
+            self.tokens = [_Tokens(m, seed, i, start) for i, m in enumerate(whole)]
+            # As vLLM renders continue_final_message: the final message left open, so the
+            # prefix's tokens end the prompt.
+            self.prompt = _prompt_ids(request) + self.tokens[0].prefix_ids
             prompt_tokens = len(self.prompt)
             completion = sum(len(t.ids) for t in self.tokens)
         else:
             prompt_tokens = estimate_prompt_tokens(request)
             completion = settings.tokens_per_call * len(decisions)
+        self.completion_tokens = completion
         self.usage = Usage(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion,
@@ -271,7 +360,7 @@ class _Reply:
         choices = [
             Choice(
                 index=i,
-                message=_message(d),
+                message=self.messages[i],
                 finish_reason=_finish_reason(d),
                 **self._choice_tokens(i, 0, len(self.tokens[i].ids) if self.tokens else 0),
             )
@@ -290,7 +379,7 @@ class _Reply:
     def stream(self, *, include_usage: bool) -> list[bytes]:
         chunks: list[bytes] = []
         for i, decision in enumerate(self.decisions):
-            deltas = _deltas(decision)
+            deltas = _deltas(self.messages[i])
             # The ids ride on the content deltas after the role delta, spread evenly; the
             # end token rides on the chunk that carries the finish reason.
             n = len(self.tokens[i].ids) if self.tokens else 0
@@ -312,6 +401,32 @@ class _Reply:
         if include_usage:
             chunks.append(self._chunk([], usage=self.usage))
         return [*chunks, _SSE_DONE]
+
+    def timed_stream(self, *, include_usage: bool) -> list[tuple[bytes, int]]:
+        """Choice 0 at one token a chunk, each chunk with the tokens it carries (to wait
+        for): role, content and tool-call tokens, then the finish chunk with the end token."""
+        decision, tokens = self.decisions[0], self.tokens[0] if self.tokens else None
+        n = len(tokens.ids) if tokens else 0
+        chunks: list[tuple[bytes, int]] = []
+        at = 0
+        for j, (delta, count) in enumerate(_token_deltas(self.messages[0])):
+            stop = min(at + count, max(n - 1, 0))
+            choice = ChunkChoice(
+                index=0, delta=delta, **self._choice_tokens(0, at, stop, streamed=True)
+            )
+            prompt = self.prompt if j == 0 and self.return_ids and not self.sglang else None
+            chunks.append((self._chunk([choice], prompt=prompt), stop - at))
+            at = stop
+        last = ChunkChoice(
+            index=0,
+            delta=Delta(),
+            finish_reason=_finish_reason(decision),
+            **self._choice_tokens(0, at, n, streamed=True),
+        )
+        chunks.append((self._chunk([last]), n - at))
+        if include_usage:
+            chunks.append((self._chunk([], usage=self.usage), 0))
+        return [*chunks, (_SSE_DONE, 0)]
 
     def _chunk(
         self,
@@ -342,13 +457,16 @@ class _Reply:
             }
             for i, d in enumerate(self.decisions)
         ]
-        line = {
+        line: dict[str, Any] = {
             "id": self.id,
             "created": self.created,
             "request": asked,
             "prompt_token_ids": self.prompt,
             "choices": choices,
         }
+        if self.prefix_given and self.tokens is not None:
+            # Given, not generated: what this call decoded is ``token_ids`` alone.
+            line["prefix_token_ids"] = self.tokens[0].prefix_ids
         return orjson.dumps(line, option=orjson.OPT_APPEND_NEWLINE)
 
 
@@ -363,6 +481,39 @@ def _spans(count: int, parts: int) -> list[tuple[int, int]]:
 async def _sse(chunks: list[bytes]) -> AsyncIterator[bytes]:
     for chunk in chunks:
         yield chunk
+
+
+async def _timed_sse(
+    chunks: list[tuple[bytes, int]], per_token_s: float, done: Callable[[int], None]
+) -> AsyncIterator[bytes]:
+    """The chunks at their decode pace; ``done(tokens decoded)`` however the stream ends
+    (a caller that goes away cuts it)."""
+    decoded = 0
+    try:
+        for chunk, tokens in chunks:
+            if tokens:
+                await asyncio.sleep(tokens * per_token_s)
+                decoded += tokens
+            yield chunk
+    finally:
+        done(decoded)
+
+
+def _continuation(
+    chat: ChatCompletionRequest, settings: PolicySettings
+) -> tuple[ChatCompletionRequest, str]:
+    """The conversation before the partial assistant message, and that message's content,
+    for a ``continue_final_message`` request (400 when it cannot be taken)."""
+    last = chat.messages[-1]
+    if not settings.accept_prefix:
+        raise BadRequestError("continue_final_message is not supported by this engine")
+    if last.role != "assistant" or last.tool_calls or len(chat.messages) < 2:
+        raise BadRequestError("continue_final_message needs a final assistant message")
+    if getattr(chat, "add_generation_prompt", True) is not False and settings.shape == "vllm":
+        raise BadRequestError(
+            "continue_final_message and add_generation_prompt cannot both be true"
+        )
+    return chat.model_copy(update={"messages": chat.messages[:-1]}), last.text
 
 
 async def _read_request(request: Request) -> ChatCompletionRequest:
@@ -381,20 +532,34 @@ def create_policy_app(
     collector = ServerCollector(schedule, idle=lambda: in_flight == 0)
 
     call_log: BinaryIO | None = None
+    decode_log: BinaryIO | None = None
+
+    def note_decoded(reply_id: str, tokens: int, asked: ChatCompletionRequest) -> None:
+        if decode_log is not None:
+            line = {
+                "id": reply_id,
+                "decoded": tokens,
+                "max_tokens": asked.model_extra and asked.model_extra.get("max_tokens"),
+            }
+            decode_log.write(orjson.dumps(line, option=orjson.OPT_APPEND_NEWLINE))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        nonlocal call_log
+        nonlocal call_log, decode_log
         collector.start()
         if settings.call_log is not None:
             # Unbuffered appends: each reply's line is in the file before the reply leaves,
             # so a run killed at any moment still has the engine's account of every call.
             call_log = open(settings.call_log, "ab", buffering=0)  # noqa: SIM115, ASYNC230
+        if settings.decode_log is not None:
+            decode_log = open(settings.decode_log, "ab", buffering=0)  # noqa: SIM115, ASYNC230
         try:
             yield
         finally:
             if call_log is not None:
                 call_log.close()
+            if decode_log is not None:
+                decode_log.close()
             await collector.aclose()
 
     app = create_app("scripted-policy", lifespan=lifespan, data_token=data_token())
@@ -402,6 +567,7 @@ def create_policy_app(
         seed=settings.seed, error_rate=settings.error_rate, tool_turns=settings.tool_turns
     )
     delay_s = settings.latency_ms / 1000
+    token_delay_s = settings.token_latency_ms / 1000
     models = ModelList(data=[ModelCard(id=settings.model, created=int(time.time()))])
     models_body = models.model_dump_json().encode()
 
@@ -428,20 +594,53 @@ def create_policy_app(
         nonlocal in_flight
         chat = await _read_request(request)
         check_model(chat.model)
+        asked, prefix = chat, ""
+        if getattr(chat, "continue_final_message", False) is True:
+            chat, prefix = _continuation(chat, settings)
         decisions = [playbook.decide(chat if i == 0 else _reseeded(chat, i)) for i in range(chat.n)]
-        reply = _Reply(settings, chat, decisions)
+        reply = _Reply(settings, chat, decisions, prefix)
+        if prefix:
+            whole = _message(decisions[0], settings.reasoning_tokens).content or ""
+            if len(prefix) % _CHARS_PER_TOKEN or not whole.startswith(prefix):
+                # Deterministic by design: only a prefix this engine itself produced.
+                raise BadRequestError("the final assistant message is not a prefix of this call")
         if call_log is not None:
-            call_log.write(reply.log_line(chat))
-        if delay_s > 0:
+            call_log.write(reply.log_line(asked))
+        timed = token_delay_s > 0 and reply.tokens is not None
+        streamed_timed = timed and chat.stream and chat.n == 1
+        if delay_s > 0 or (timed and not streamed_timed):
             in_flight += 1
+            decoded = 0
             try:
                 await asyncio.sleep(delay_s)
+                if timed and not streamed_timed:
+                    for _ in range(reply.completion_tokens):
+                        await asyncio.sleep(token_delay_s)
+                        decoded += 1
             finally:
                 in_flight -= 1
+                if timed and not streamed_timed:
+                    note_decoded(reply.id, decoded, asked)
         if not chat.stream:
             return Response(reply.completion(), media_type="application/json")
         include_usage = chat.stream_options is not None and chat.stream_options.include_usage
+        if streamed_timed:
+            timed_chunks = reply.timed_stream(include_usage=include_usage)
+            body = _timed_sse(
+                timed_chunks, token_delay_s, lambda n: note_decoded(reply.id, n, asked)
+            )
+            return StreamingResponse(_counted(body), media_type="text/event-stream")
         chunks = reply.stream(include_usage=include_usage)
         return StreamingResponse(_sse(chunks), media_type="text/event-stream")
+
+    async def _counted(body: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        # A decoding stream holds its call: no full collection while it runs.
+        nonlocal in_flight
+        in_flight += 1
+        try:
+            async for chunk in body:
+                yield chunk
+        finally:
+            in_flight -= 1
 
     return app

@@ -19,7 +19,7 @@ from pydantic import Field, JsonValue
 
 from rollpoint.protocol.ids import EpisodeId, Identifier
 from rollpoint.protocol.model_base import StrictModel
-from rollpoint.protocol.token_data import TokenTrace
+from rollpoint.protocol.token_data import TokenSegment, TokenTrace
 
 EnvironmentName = Annotated[
     str,
@@ -77,6 +77,10 @@ class ModelCall(StrictModel):
     tokens: TokenTrace | None = None
     """The token ids and logprobs the engine sampled, when token capture is on and the
     engine returned them. Records written before token capture have none."""
+    segments: list[TokenSegment] | None = None
+    """A call continued after a restore from the prefix saved at a snapshot: the policy
+    version of each run of its completion tokens, prefix first (the model server's
+    ``x-rollpoint-token-segments`` header). None for a call decoded in one go."""
 
 
 class RunReply(StrictModel):

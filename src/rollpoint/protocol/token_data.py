@@ -1,6 +1,7 @@
 """Token data of one policy call as rollpoint saves it: exact ids and logprobs, packed.
 
-Owns: :class:`TokenTrace` (the wire and on-disk form, shared by the agent's model calls,
+Owns: :class:`TokenSegment` (the policy version of each run of a continued call's tokens),
+:class:`TokenTrace` (the wire and on-disk form, shared by the agent's model calls,
 the model server's call ledger and the trained rows), the packed array codec (little-endian
 int32 ids and float32 logprobs, base64 text: a 1k-token turn is ~5.4 KiB of ids and
 logprobs instead of ~15 KiB of JSON numbers), and the prompt chaining rule that keeps an
@@ -163,6 +164,15 @@ class TokenTrace(StrictModel):
         if self.prompt_is_suffix:
             return [*(context or ()), *stored]
         return stored
+
+
+class TokenSegment(StrictModel):
+    """A run of a call's completion tokens sampled under one policy version: a call continued
+    after a restore from its saved prefix has two or more (the prefix's, then the
+    continuation's), in order; their counts add up to the completion's length."""
+
+    policy_version: Annotated[int, Field(ge=0)]
+    tokens: Annotated[int, Field(ge=0)]
 
 
 def context_after(traces: Iterable[TokenTrace | None]) -> list[int] | None:

@@ -167,6 +167,8 @@ class EmbeddedRuntime:
                 "model": cfg.policy.model,
                 "call_log": None if cfg.policy.call_log is None else str(cfg.policy.call_log),
                 "shape": cfg.policy.engine,
+                "token_latency_ms": cfg.policy.token_latency_ms,
+                "reasoning_tokens": cfg.policy.reasoning_tokens,
             },
         )
         (child,) = await self.group.start([spec])

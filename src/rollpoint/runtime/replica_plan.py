@@ -70,6 +70,7 @@ class ReplicaPlan(StrictModel):
     """Fields every policy call carries (``policy.sampling``)."""
     seed_policy: str = "episode"
     capture_tokens: bool = False
+    generation_cut: bool = True
     engine: str = "vllm"
     """The reply shape token data is read from (``policy.engine``)."""
     agent_loop: str | None = None
@@ -90,6 +91,7 @@ class ReplicaPlan(StrictModel):
             sampling=config.policy.sampling.request_fields(),
             seed_policy=config.policy.sampling.seed,
             capture_tokens=bool(config.policy.capture_tokens),
+            generation_cut=config.policy.generation_cut,
             engine=config.policy.engine,
             agent_loop=config.agent_loop,
         )
@@ -125,6 +127,8 @@ class ReplicaPlan(StrictModel):
                 upstream_url=self.policy_url,
                 engine=self.engine,
                 upstream_data_token=self.builtin_policy,
+                # The generation cut needs token ids for a prefix: on with token capture.
+                cut_generations=self.capture_tokens and self.generation_cut,
             ),
         )
         return [resources, model]

@@ -40,6 +40,9 @@ class TrainTurn:
     completion_logprobs: list[float] | None
     prompt_token_ids: list[int] | None
     prompt_is_suffix: bool
+    segments: list[dict[str, int]] | None = None
+    """A call continued after a restore from its saved prefix: ``{policy_version, tokens}``
+    per run of ``completion_token_ids``, prefix first (None: one run, ``policy_version``)."""
 
     @classmethod
     def from_call(cls, call: ModelCall) -> TrainTurn:
@@ -54,6 +57,7 @@ class TrainTurn:
             completion_logprobs=None if trace is None else trace.logprobs(),
             prompt_token_ids=None if trace is None else trace.stored_prompt(),
             prompt_is_suffix=False if trace is None else trace.prompt_is_suffix,
+            segments=(None if call.segments is None else [s.model_dump() for s in call.segments]),
         )
 
     def to_json(self) -> dict[str, JsonValue]:
@@ -67,6 +71,7 @@ class TrainTurn:
             "completion_logprobs": self.completion_logprobs,  # type: ignore[dict-item]
             "prompt_token_ids": self.prompt_token_ids,  # type: ignore[dict-item]
             "prompt_is_suffix": self.prompt_is_suffix,
+            "segments": self.segments,  # type: ignore[dict-item]
         }
 
 

@@ -17,8 +17,12 @@ Row admission, in order: a held finished reply is returned as is; an attempt at 
 rollout's retire mark is refused (``stale_attempt``); a row for another environment is a data
 failure; a rollout that holds another attempt here is a transport failure
 (``attempt_conflict``: retire the old one first); a running session of the same attempt is
-joined; while boundaries are closed a new row is refused (:class:`RowRefused`: it never ran); a restored session continues under the
-attempt it waits for; otherwise a new session starts.
+joined; while boundaries are closed a new row is refused (:class:`RowRefused`: it never ran);
+a restored session continues under the attempt it waits for; otherwise a new session starts.
+
+The boundaries are the SDK's :class:`~rollpoint.participant.AdmissionGate`, the one gate
+all three servers use: closing it refuses new rows, parks running sessions at their next
+boundary (counted as ``waiting``) and its change signal carries the sessions' moves.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from rollpoint.gym.session import (
     SessionRecord,
     SessionState,
 )
-from rollpoint.participant import StateImage, episode_pairs
+from rollpoint.participant import AdmissionGate, StateImage, episode_pairs
 from rollpoint.protocol.control import (
     MAX_REPORTED_BLOCKERS,
     Readiness,
@@ -159,10 +163,10 @@ class SessionBook:
         """rollout_id → attempts whose finished reply is held (an index of ``_finished``)."""
         self._marks: dict[str, int] = {}
         self._evicted = 0
-        self._open = True
-        self._reopened = asyncio.Event()
-        self._reopened.set()
-        self._changed = asyncio.Event()
+        self._gate = AdmissionGate()
+        """The turn boundaries: closed for a checkpoint. New rows are refused while it is
+        closed (never held: a refused row never ran), running sessions wait at their next
+        boundary, and every session move wakes its watchers (the fence's readiness wait)."""
         self._turn_boundary = TurnBoundary(self)
         self._image: StateImage[SessionEntry] = StateImage(
             self._image_entry, lambda: list(self._sessions), name="sessions"
@@ -188,7 +192,7 @@ class SessionBook:
         if live is not None and live.state is not SessionState.RESTORED:
             assert live.result is not None
             return live.result
-        if not self._open:
+        if not self._gate.is_open:
             reason = "turn boundaries are closed for a checkpoint; send the row again later"
             return _done(
                 RowRefused(episode=episode, group_id=row.group_id, row=row.row, reason=reason)
@@ -280,34 +284,26 @@ class SessionBook:
 
     @property
     def boundaries_open(self) -> bool:
-        return self._open
+        return self._gate.is_open
 
     def close_boundaries(self) -> None:
         """From now on sessions park at their next boundary and new rows are refused."""
-        if self._open:
-            self._open = False
-            self._reopened.clear()
-            self._notify()
+        self._gate.close()
 
     def open_boundaries(self) -> None:
-        if not self._open:
-            self._open = True
-            self._reopened.set()
-            self._notify()
+        self._gate.open()
 
     async def boundary(self, session: Session) -> None:
         """A turn boundary of ``session``: returns at once while open, else parks it."""
-        if self._open:
+        if self._gate.is_open:
             return
         session.move(SessionState.PARKED)
-        while not self._open:
-            await self._reopened.wait()
+        await self._gate.wait_open()
 
     async def hold_reply(self, session: Session) -> None:
         """A policy reply of ``session`` arrived: while boundaries are closed it waits here,
         unapplied, and the session stays ``awaiting_model`` (at a boundary)."""
-        while not self._open:
-            await self._reopened.wait()
+        await self._gate.wait_open()
 
     def readiness(self) -> Readiness:
         """Whether every session is at a boundary. O(number of states), not of sessions."""
@@ -340,16 +336,10 @@ class SessionBook:
 
     async def wait_changed(self, timeout: float | None) -> bool:  # noqa: ASYNC109
         """Wait for any session move or boundary change; False when ``timeout`` passed first."""
-        changed = self._changed
-        try:
-            await asyncio.wait_for(changed.wait(), timeout)
-        except TimeoutError:
-            return False
-        return True
+        return await self._gate.wait_changed(timeout)
 
     def _notify(self) -> None:
-        self._changed.set()
-        self._changed = asyncio.Event()
+        self._gate.notify()
 
     def _on_move(self, session: Session, old: SessionState | None, new: SessionState) -> None:
         rollout_id = session.episode.rollout_id

@@ -220,13 +220,15 @@ def create_agent_app(settings: AgentSettings) -> FastAPI:
     metrics.read(server.readings)
     metrics.mount(app)
     if settings.snapshot_root is not None:
-        mount_participant(
+        fence = mount_participant(
             app,
             AgentParticipant(server),
             token=load_token(),
             snapshot_root=settings.snapshot_root,
             lease_grace_s=settings.lease_grace_s,
         )
+        # One copy of the retire marks: the fence writes them, /run admission reads them.
+        server.book.marks = fence.marks
 
     @app.post("/run")
     async def run(request: RunRequest) -> StreamingResponse:

@@ -4,8 +4,11 @@ Owns: admitting ``/run`` rows (run, join a running session, replay a finished re
 continue a restored session, or refuse), one asyncio task per session (owned here, never by
 a request: a client that goes away cancels nothing), per-state counters (readiness is O(1)
 with any number of sessions), the boundary gate that parks sessions for a checkpoint,
-finished replies held until acked (bounded), retire marks, and the export/install of
-sessions for checkpoints. Each session's record is kept current in a
+finished replies held until acked (bounded), and the export/install of sessions for
+checkpoints. It reads the retire marks (:attr:`SessionBook.marks`, the fence's own
+:class:`~rollpoint.participant.RetireMarks` once a control plane is mounted) and keeps none
+of its own: the fence raises them before it calls :meth:`SessionBook.retire`, which stops
+the attempts they cover. Each session's record is kept current in a
 :class:`~rollpoint.gym.state_image.StateImage` (sessions report their moves and changes to
 it), so a checkpoint's capture copies records instead of exporting 50k sessions in its pause.
 
@@ -14,7 +17,7 @@ Does not own: how an episode is played (the ``play`` function, normally
 fence calls :meth:`close_boundaries`, :meth:`readiness`, :meth:`export`, ...).
 
 Row admission, in order: a held finished reply is returned as is; an attempt at or under its
-rollout's retire mark is refused (``stale_attempt``); a row for another environment is a data
+rollout's retire mark (:attr:`SessionBook.marks`) is refused (``stale_attempt``); a row for another environment is a data
 failure; a rollout that holds another attempt here is a transport failure
 (``attempt_conflict``: retire the old one first); a running session of the same attempt is
 joined; while boundaries are closed a new row is refused (:class:`RowRefused`: it never ran);
@@ -44,7 +47,7 @@ from rollpoint.gym.session import (
     SessionRecord,
     SessionState,
 )
-from rollpoint.participant import AdmissionGate, StateImage, episode_pairs
+from rollpoint.participant import AdmissionGate, RetireMarks, StateImage, episode_pairs
 from rollpoint.protocol.control import (
     MAX_REPORTED_BLOCKERS,
     Readiness,
@@ -161,7 +164,10 @@ class SessionBook:
         of: replies are immutable, so each is dumped once however many checkpoints hold it."""
         self._held: dict[str, set[int]] = {}
         """rollout_id → attempts whose finished reply is held (an index of ``_finished``)."""
-        self._marks: dict[str, int] = {}
+        self.marks = RetireMarks()
+        """The retire marks ``/run`` admission reads: the fence's (the agent server sets
+        ``book.marks = fence.marks`` when it mounts the control plane). Without a control
+        plane nothing retires, and these stay empty. The book never writes them."""
         self._evicted = 0
         self._gate = AdmissionGate()
         """The turn boundaries: closed for a checkpoint. New rows are refused while it is
@@ -180,7 +186,7 @@ class SessionBook:
         reply = self._finished.get(episode.key)
         if reply is not None:
             return _done(reply)
-        mark = self._marks.get(episode.rollout_id)
+        mark = self.marks.get(episode.rollout_id)
         if mark is not None and episode.attempt <= mark:
             err = StaleAttemptError(f"attempt {episode.key} was retired (mark {mark})")
             return _done(row_failure(row, err))
@@ -358,7 +364,7 @@ class SessionBook:
         out = {str(state): len(sessions) for state, sessions in self._by_state.items()}
         out["live"] = len(self._sessions)
         out["finished_unacked"] = len(self._finished)
-        out["retired_rollouts"] = len(self._marks)
+        out["retired_rollouts"] = len(self.marks)
         return out
 
     def session(self, rollout_id: str) -> Session | None:
@@ -413,11 +419,10 @@ class SessionBook:
     # --- retire / forget ---------------------------------------------------------------
 
     def retire(self, marks: dict[str, int]) -> list[RetireOutcome]:
-        """Raise each rollout's mark; stop its live attempts at or under it; report each."""
+        """Stop each rollout's live attempt at or under its mark in ``marks`` (the marks the
+        fence now holds, already raised) and report what was found for each."""
         outcomes: list[RetireOutcome] = []
-        for rollout_id, attempt in marks.items():
-            mark = max(attempt, self._marks.get(rollout_id, -1))
-            self._marks[rollout_id] = mark
+        for rollout_id, mark in marks.items():
             found = False
             live = self._sessions.get(rollout_id)
             if live is not None and live.episode.attempt <= mark:
@@ -449,12 +454,9 @@ class SessionBook:
         if session.task is not None:
             session.task.cancel()
 
-    def forget(self, rollout_ids: Iterable[str]) -> list[str]:
-        """Drop retire marks; returns the rollout ids that had one."""
-        return [r for r in rollout_ids if self._marks.pop(r, None) is not None]
-
     def retire_mark(self, rollout_id: str) -> int | None:
-        return self._marks.get(rollout_id)
+        """The mark ``/run`` admission reads for ``rollout_id`` (see :attr:`marks`)."""
+        return self.marks.get(rollout_id)
 
     # --- export / install --------------------------------------------------------------
 

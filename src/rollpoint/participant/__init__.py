@@ -10,6 +10,8 @@ The public, stable surface (``__all__``, pinned by a test); the modules behind i
   :class:`RetireOutcomeKind`);
 - :class:`Fence`, which runs one participant's phase machine, lease, retire marks and
   replays, and :class:`ControlSettings`, its token, snapshot root and lease grace;
+  :class:`RetireMarks`, the marks themselves (``Fence.marks``: the fence writes them, a
+  server reads them or calls ``Fence.check_attempt``);
 - :func:`mount_participant`, the one function that mounts the control routes over a fence,
   with the control token passed explicitly; :func:`close_control_plane` on shutdown,
   :func:`control_fence` to find it again;
@@ -36,6 +38,7 @@ from rollpoint.gym.participant import (
     RetireOutcome,
     RetireOutcomeKind,
 )
+from rollpoint.gym.retire_marks import RetireMarks
 from rollpoint.gym.state_image import StateImage
 from rollpoint.protocol.ids import EpisodeId
 from rollpoint.protocol.participant import CheckpointMode, ParticipantKind
@@ -51,6 +54,7 @@ __all__ = [
     "Participant",
     "ParticipantKind",
     "Readiness",
+    "RetireMarks",
     "RetireOutcome",
     "RetireOutcomeKind",
     "StateImage",

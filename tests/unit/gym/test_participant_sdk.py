@@ -52,6 +52,7 @@ def test_the_public_surface_is_pinned() -> None:
         "Participant",
         "ParticipantKind",
         "Readiness",
+        "RetireMarks",
         "RetireOutcome",
         "RetireOutcomeKind",
         "StateImage",

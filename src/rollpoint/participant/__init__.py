@@ -1,7 +1,7 @@
 """The participant SDK: what makes any ASGI server (FastAPI or Starlette) a checkpoint participant.
 
-The public, stable surface (``__all__``, pinned by a test); the modules behind it live in
-``rollpoint.gym`` for now and are not part of it:
+The public, stable surface (``__all__``, pinned by a test); the modules behind it (in this
+package) are not part of it:
 
 - the hooks a server implements: :class:`Participant` (``kind``, ``name``, ``replica``,
   ``mode``, ``portable``, ``features``, admission, readiness, export, install, retire,
@@ -27,19 +27,23 @@ The built-in model, agent and resources servers use the SDK through this package
 docs/environments.md ("Wrapping an existing server with the SDK").
 """
 
-from rollpoint.gym.admission_gate import AdmissionGate
-from rollpoint.gym.control_plane import close_control_plane, control_fence, mount_participant
-from rollpoint.gym.episode_scope import EpisodeScope, episode_pairs, latest_attempts
-from rollpoint.gym.fence import ControlSettings, Fence
-from rollpoint.gym.participant import (
+from rollpoint.participant.admission_gate import AdmissionGate
+from rollpoint.participant.control_plane import (
+    close_control_plane,
+    control_fence,
+    mount_participant,
+)
+from rollpoint.participant.episode_scope import EpisodeScope, episode_pairs, latest_attempts
+from rollpoint.participant.fence import ControlSettings, Fence
+from rollpoint.participant.participant import (
     CapturingParticipant,
     Participant,
     Readiness,
     RetireOutcome,
     RetireOutcomeKind,
 )
-from rollpoint.gym.retire_marks import RetireMarks
-from rollpoint.gym.state_image import StateImage
+from rollpoint.participant.retire_marks import RetireMarks
+from rollpoint.participant.state_image import StateImage
 from rollpoint.protocol.ids import EpisodeId
 from rollpoint.protocol.participant import CheckpointMode, ParticipantKind
 

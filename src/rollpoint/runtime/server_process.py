@@ -38,14 +38,14 @@ def build_app(spec: ServerSpec) -> FastAPI:
 
         return create_policy_app(PolicySettings.model_validate(spec.settings))
     if spec.kind == "model":
-        from rollpoint.gym.model_server import ModelServerSettings, create_model_app
+        from rollpoint.servers.model.model_server import ModelServerSettings, create_model_app
 
         return create_model_app(ModelServerSettings.model_validate(spec.settings))
     if spec.kind == "agent":
-        from rollpoint.gym.agent_server import AgentSettings, create_agent_app
+        from rollpoint.servers.agent.agent_server import AgentSettings, create_agent_app
 
         return create_agent_app(AgentSettings.model_validate(spec.settings))
-    from rollpoint.gym.resources_server import create_resources_app
+    from rollpoint.servers.resources.resources_server import create_resources_app
 
     settings = dict(spec.settings)
     root = settings.get("snapshot_root")

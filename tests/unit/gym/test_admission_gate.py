@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from rollpoint.gym.admission_gate import AdmissionGate
+from rollpoint.participant.admission_gate import AdmissionGate
 
 
 async def _call(gate: AdmissionGate, release: asyncio.Event, log: list[str], name: str) -> None:

@@ -16,7 +16,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from rollpoint.gym.admission_gate import AdmissionGate
+from rollpoint.participant.admission_gate import AdmissionGate
 
 
 @dataclass

@@ -15,7 +15,8 @@ from rollpoint.participant import Participant, close_control_plane, control_fenc
 from rollpoint.protocol.control import CONTROL_PREFIX
 from tests.unit.gym.fake_participant import FakeParticipant
 
-GYM = Path(rollpoint.participant.__file__).parents[1] / "gym"
+SDK = Path(rollpoint.participant.__file__).parent
+SERVERS_DIR = SDK.parent / "servers"
 SDK_MODULES = {
     "admission_gate",
     "checkpoint_write",
@@ -30,14 +31,14 @@ SDK_MODULES = {
 }
 """The modules behind the SDK: only rollpoint.participant (and each other) import them."""
 SERVERS = [
-    "model_server",
-    "agent_server",
-    "resources_server",
-    "model_participant",
-    "agent_participant",
-    "resources_participant",
-    "session_book",
-    "episode_record",
+    "model/model_server",
+    "agent/agent_server",
+    "resources/resources_server",
+    "model/model_participant",
+    "agent/agent_participant",
+    "resources/resources_participant",
+    "agent/session_book",
+    "resources/episode_record",
 ]
 
 
@@ -69,14 +70,14 @@ def test_the_public_surface_is_pinned() -> None:
 
 @pytest.mark.parametrize("module", SERVERS)
 def test_the_built_in_servers_reach_the_sdk_only_through_the_package(module: str) -> None:
-    tree = ast.parse((GYM / f"{module}.py").read_text())
+    tree = ast.parse((SERVERS_DIR / f"{module}.py").read_text())
     private = [
         f"line {node.lineno}: from {node.module} import ..."
         for node in ast.walk(tree)
         if isinstance(node, ast.ImportFrom)
         and node.module is not None
-        and node.module.startswith("rollpoint.gym.")
-        and node.module.removeprefix("rollpoint.gym.") in SDK_MODULES
+        and node.module.startswith("rollpoint.participant.")
+        and node.module.removeprefix("rollpoint.participant.") in SDK_MODULES
     ]
     assert private == []
 
@@ -97,7 +98,7 @@ def _reads(tree: ast.AST) -> list[str]:
 @pytest.mark.parametrize("module", sorted(SDK_MODULES))
 def test_the_sdk_reads_no_token_from_the_environment(module: str) -> None:
     # The token is passed to mount_participant; nothing behind it may look it up.
-    tree = ast.parse((GYM / f"{module}.py").read_text())
+    tree = ast.parse((SDK / f"{module}.py").read_text())
     env = {"environ", "getenv", "load_token", "data_token", "CONTROL_TOKEN_ENV", "DATA_TOKEN_ENV"}
     found = [r for r in _reads(tree) if r.rsplit(" ", 1)[-1].lstrip(".") in env]
     assert found == []

@@ -14,9 +14,6 @@ from typing import Any
 
 import pytest
 
-from rollpoint.gym.agent_server import AgentSettings, agent_server_of, create_agent_app
-from rollpoint.gym.session import Session, SessionState
-from rollpoint.gym.session_book import SessionBook, TurnBoundary
 from rollpoint.http.auth import CONTROL_TOKEN_ENV
 from rollpoint.participant import RetireMarks, control_fence
 from rollpoint.protocol.control import ForgetRequest, RetireOutcomeKind, RetireRequest
@@ -38,6 +35,9 @@ from rollpoint.protocol.errors import (
 )
 from rollpoint.protocol.ids import EpisodeId
 from rollpoint.protocol.participant import CheckpointMode
+from rollpoint.servers.agent.agent_server import AgentSettings, agent_server_of, create_agent_app
+from rollpoint.servers.agent.session import Session, SessionState
+from rollpoint.servers.agent.session_book import SessionBook, TurnBoundary
 from tests.support.records import read_back
 
 S = SessionState
@@ -480,7 +480,7 @@ async def test_the_bound_on_held_replies_drops_the_oldest_and_warns_per_thousand
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     book = _book(FakePlay(turns=0), max_finished_replies=2)
-    caplog.set_level(logging.WARNING, logger="rollpoint.gym.session_book")
+    caplog.set_level(logging.WARNING, logger="rollpoint.servers.agent.session_book")
     for i in range(1004):
         await _result(book.submit(_row(f"r{i}")))
     assert [e.rollout_id for e in book.finished_unacked()] == ["r1002", "r1003"]

@@ -9,11 +9,11 @@ checkpoints. It reads the retire marks (:attr:`SessionBook.marks`, the fence's o
 :class:`~rollpoint.participant.RetireMarks` once a control plane is mounted) and keeps none
 of its own: the fence raises them before it calls :meth:`SessionBook.retire`, which stops
 the attempts they cover. Each session's record is kept current in a
-:class:`~rollpoint.gym.state_image.StateImage` (sessions report their moves and changes to
+:class:`~rollpoint.participant.state_image.StateImage` (sessions report their moves and changes to
 it), so a checkpoint's capture copies records instead of exporting 50k sessions in its pause.
 
 Does not own: how an episode is played (the ``play`` function, normally
-:meth:`rollpoint.gym.episode_runner.EpisodeRunner.play`), HTTP, or checkpoint phases (the
+:meth:`rollpoint.servers.agent.episode_runner.EpisodeRunner.play`), HTTP, or checkpoint phases (the
 fence calls :meth:`close_boundaries`, :meth:`readiness`, :meth:`export`, ...).
 
 Row admission, in order: a held finished reply is returned as is; an attempt at or under its
@@ -38,15 +38,6 @@ from typing import Any, Protocol
 
 from pydantic import JsonValue, TypeAdapter, ValidationError
 
-from rollpoint.gym.session import (
-    BUSY_STATES,
-    LIVE_STATES,
-    BookRecord,
-    FinishedReplyRecord,
-    Session,
-    SessionRecord,
-    SessionState,
-)
 from rollpoint.participant import AdmissionGate, RetireMarks, StateImage, episode_pairs
 from rollpoint.protocol.control import (
     MAX_REPORTED_BLOCKERS,
@@ -64,6 +55,15 @@ from rollpoint.protocol.errors import (
 )
 from rollpoint.protocol.ids import EpisodeId
 from rollpoint.protocol.participant import CheckpointMode
+from rollpoint.servers.agent.session import (
+    BUSY_STATES,
+    LIVE_STATES,
+    BookRecord,
+    FinishedReplyRecord,
+    Session,
+    SessionRecord,
+    SessionState,
+)
 from rollpoint.store.encoded_json import encoded
 
 log = logging.getLogger(__name__)

@@ -5,21 +5,21 @@ included. :func:`mount_participant` takes the control token as an argument (this
 reads nothing from the environment: the built-in servers load theirs from
 ``ROLLPOINT_CONTROL_TOKEN`` when their app is made, and pass it; an empty one is a
 :class:`~rollpoint.protocol.errors.ConfigError`, so a server never starts with unguarded
-control routes), builds the :class:`~rollpoint.gym.fence.Fence` over the server's
+control routes), builds the :class:`~rollpoint.participant.fence.Fence` over the server's
 participant, mounts the control routes and keeps the fence on ``app.state.fence``.
 :func:`close_control_plane` stops the fence when the app shuts down.
 
-Does not own the phase machine (:mod:`rollpoint.gym.fence`), the routes
-(:mod:`rollpoint.gym.control_routes`) nor any server's state (its participant).
+Does not own the phase machine (:mod:`rollpoint.participant.fence`), the routes
+(:mod:`rollpoint.participant.control_routes`) nor any server's state (its participant).
 """
 
 from __future__ import annotations
 
 from fastapi import FastAPI
 
-from rollpoint.gym.control_routes import mount_control_routes
-from rollpoint.gym.fence import ControlSettings, Fence
-from rollpoint.gym.participant import Participant
+from rollpoint.participant.control_routes import mount_control_routes
+from rollpoint.participant.fence import ControlSettings, Fence
+from rollpoint.participant.participant import Participant
 
 __all__ = ["close_control_plane", "control_fence", "mount_participant"]
 

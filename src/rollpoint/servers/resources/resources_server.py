@@ -6,7 +6,7 @@ the call that made it), its freeze (the SDK's :class:`~rollpoint.participant.Adm
 which every state-changing call passes), and the HTTP routes. The environment itself (tools, verifier, state export) is
 :mod:`rollpoint.envs`; the checkpoint control routes (prepare, commit, restore…) are
 mounted when a snapshot root is given, and drive :class:`ResourcesService` through
-:class:`~rollpoint.gym.resources_participant.ResourcesParticipant` (``freeze``/``thaw``,
+:class:`~rollpoint.servers.resources.resources_participant.ResourcesParticipant` (``freeze``/``thaw``,
 ``export_episodes``, ``install``, ``release``).
 
 Routes (see ``docs/architecture.md``):
@@ -15,7 +15,7 @@ Routes (see ``docs/architecture.md``):
 - ``POST /episodes/start`` :class:`EpisodeStart` → :class:`StartReply` (idempotent per rollout)
 - ``POST /tools/{name}`` :class:`ToolCall` → :class:`ToolResult`; a bad call is a tool
   error for the model, never a 5xx; a known key with the same call (tool and arguments,
-  :func:`~rollpoint.gym.episode_record.call_fingerprint`) replays the first result, with
+  :func:`~rollpoint.servers.resources.episode_record.call_fingerprint`) replays the first result, with
   another call it is 409 ``idempotency_conflict`` naming the key and runs nothing; unknown
   episode → 404 ``not_found``
 - ``POST /episodes/verify`` :class:`VerifyRequest` → :class:`VerifyReply`
@@ -31,13 +31,13 @@ verify only reads and is never held. Start, tools and verify of a retired attemp
 fence's retire marks) are refused with 409 ``stale_attempt`` and apply nothing; the next
 attempt of the same rollout is not retired and finds its state and recorded results.
 
-Each episode's saved form is kept current in a :class:`~rollpoint.gym.state_image.StateImage`
+Each episode's saved form is kept current in a :class:`~rollpoint.participant.state_image.StateImage`
 once checkpoints are in use: after a tool call changes an episode, the image's sweep takes
 the environment's export (``Environment.capture_state``) between checkpoints, so a
 checkpoint's pause copies the image and takes only the exports of episodes changed since
 the last sweep. Packing an export (JSON, zlib, base64) is left to the snapshot's writer
 thread, so the export must be a copy that later tool calls do not change. The saved form
-itself is :class:`~rollpoint.gym.episode_record.EpisodeRecord`.
+itself is :class:`~rollpoint.servers.resources.episode_record.EpisodeRecord`.
 """
 
 from __future__ import annotations
@@ -57,14 +57,6 @@ from pydantic import Field, JsonValue, ValidationError
 
 from rollpoint.envs.base import Environment, ToolArgumentError
 from rollpoint.envs.registry import environment_matches, get_environment
-from rollpoint.gym.episode_record import (
-    EpisodeRecord,
-    ToolResultRecord,
-    call_fingerprint,
-    episode_records,
-    pack_state,
-)
-from rollpoint.gym.resources_participant import ResourcesParticipant
 from rollpoint.http.app import create_app
 from rollpoint.http.auth import data_token, load_token
 from rollpoint.http.server_metrics import Reading, ServerMetrics
@@ -93,6 +85,14 @@ from rollpoint.protocol.errors import (
 )
 from rollpoint.protocol.ids import EpisodeId, Identifier
 from rollpoint.protocol.model_base import StrictModel
+from rollpoint.servers.resources.episode_record import (
+    EpisodeRecord,
+    ToolResultRecord,
+    call_fingerprint,
+    episode_records,
+    pack_state,
+)
+from rollpoint.servers.resources.resources_participant import ResourcesParticipant
 from rollpoint.store.deferred_value import DeferredValue
 
 log = logging.getLogger(__name__)

@@ -1,7 +1,7 @@
 """The agent server as a checkpoint participant: its session book behind the fence hooks.
 
-Owns the mapping from the :class:`~rollpoint.gym.participant.Participant` hooks to the
-:class:`~rollpoint.gym.session_book.SessionBook`, which already speaks the checkpoint's
+Owns the mapping from the :class:`~rollpoint.participant.participant.Participant` hooks to the
+:class:`~rollpoint.servers.agent.session_book.SessionBook`, which already speaks the checkpoint's
 language (boundaries, readiness, export, install, retire, ack):
 
 - close / open admission → close / open the turn boundaries (sessions park at their next
@@ -36,11 +36,11 @@ from rollpoint.protocol.ids import EpisodeId
 from rollpoint.protocol.participant import CheckpointMode, ParticipantKind
 
 if TYPE_CHECKING:
-    from rollpoint.gym.agent_server import AgentServer
+    from rollpoint.servers.agent.agent_server import AgentServer
 
 
 class AgentParticipant:
-    """The :class:`~rollpoint.gym.participant.Participant` of one agent server."""
+    """The :class:`~rollpoint.participant.participant.Participant` of one agent server."""
 
     kind = ParticipantKind.AGENT
     features: tuple[str, ...] = ("turn-boundary", "finished-replies")

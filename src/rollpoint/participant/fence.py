@@ -2,14 +2,14 @@
 
 Owns everything a control verb does to a participant apart from the participant's own
 state: which verb is legal in which phase (the transition table of
-:mod:`rollpoint.gym.phase_table`, applied by its :func:`next_phase`), which checkpoint id is active, the ids already resumed
+:mod:`rollpoint.participant.phase_table`, applied by its :func:`next_phase`), which checkpoint id is active, the ids already resumed
 (the last 64: a late call naming one is stale), the recorded replies that make prepare,
 commit and restore replayable, the lease that reopens a participant whose coordinator
 went away, and the retire marks every data-plane route checks with one call
-(:meth:`Fence.check_attempt`; the marks are a :class:`~rollpoint.gym.retire_marks.RetireMarks`
+(:meth:`Fence.check_attempt`; the marks are a :class:`~rollpoint.participant.retire_marks.RetireMarks`
 this fence alone writes, and servers that read them directly hold :attr:`Fence.marks`). It does not own the participant's state (the
-:class:`~rollpoint.gym.participant.Participant` hooks), the wire shapes
-(:mod:`rollpoint.protocol.control`), the routes (:mod:`rollpoint.gym.control_routes`) or
+:class:`~rollpoint.participant.participant.Participant` hooks), the wire shapes
+(:mod:`rollpoint.protocol.control`), the routes (:mod:`rollpoint.participant.control_routes`) or
 the file format (:mod:`rollpoint.store.participant_state`)::
 
     idle --prepare--> preparing --ready--> prepared --commit--> committed
@@ -30,7 +30,7 @@ nothing moves) and then writes it. With ``wait_for_write: false`` it replies aft
 capture and writes nothing yet; ``confirm`` (which the coordinator sends after the resume)
 writes it and returns the manifest, so encoding and hashing run outside the snapshot pause
 and an aborted checkpoint writes nothing. The captures and writes themselves, and the last
-few kept for ``confirm``, are :mod:`rollpoint.gym.checkpoint_write`'s.
+few kept for ``confirm``, are :mod:`rollpoint.participant.checkpoint_write`'s.
 
 **Full collections.** While a fence runs, its process's automatic full garbage collections
 are off (:mod:`rollpoint.store.collector_schedule`): the fence runs one when its collector
@@ -51,17 +51,21 @@ from dataclasses import dataclass, field
 
 from pydantic import JsonValue
 
-from rollpoint.gym.checkpoint_write import REMEMBERED_WRITES, CheckpointWrite, CheckpointWrites
-from rollpoint.gym.episode_scope import EpisodeScope
-from rollpoint.gym.participant import (
+from rollpoint.participant.checkpoint_write import (
+    REMEMBERED_WRITES,
+    CheckpointWrite,
+    CheckpointWrites,
+)
+from rollpoint.participant.episode_scope import EpisodeScope
+from rollpoint.participant.participant import (
     CapturingParticipant,
     Participant,
     await_hook,
     call_hook,
     hook_error,
 )
-from rollpoint.gym.phase_table import Event, Step, next_phase
-from rollpoint.gym.retire_marks import RetireMarks
+from rollpoint.participant.phase_table import Event, Step, next_phase
+from rollpoint.participant.retire_marks import RetireMarks
 from rollpoint.protocol.control import (
     DETACHED_WRITE,
     MAX_REPORTED_BLOCKERS,

@@ -2,15 +2,15 @@
 
 Owns: ``POST /v1/chat/completions`` (plain and ``stream: true``) and ``GET /v1/models``
 proxied to ``upstream_url``, and ``GET /v1/models/{id}`` answered from the upstream's list
-(engines differ on whether they serve it; an id not listed is 404 ``model_not_found``); the :class:`~rollpoint.gym.admission_gate.AdmissionGate` every
-completion passes; the :class:`~rollpoint.gym.call_ledger.CallLedger` that files each call
+(engines differ on whether they serve it; an id not listed is 404 ``model_not_found``); the :class:`~rollpoint.participant.admission_gate.AdmissionGate` every
+completion passes; the :class:`~rollpoint.servers.model.call_ledger.CallLedger` that files each call
 carrying the episode headers; the policy version stamped on every completion (reply header
 ``x-rollpoint-policy-version`` and the ledger record); and the routes
 ``GET /rollpoint/v1/calls``, ``POST /rollpoint/v1/policy_version``, ``GET /rollpoint/v1/stats``;
 and ``GET /metrics`` (calls, in flight, waiting at the gate, latency, tokens of recorded calls).
 
 Does not own: checkpoint control (with ``snapshot_root`` set, the control routes are mounted
-and :class:`~rollpoint.gym.model_participant.ModelParticipant` lets the fence close and open
+and :class:`~rollpoint.servers.model.model_participant.ModelParticipant` lets the fence close and open
 the gate and export the ledger), nor OpenAI validation beyond "a JSON object with a messages
 list": the engine judges the rest.
 
@@ -50,8 +50,6 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.types import Receive, Scope, Send
 from yarl import URL
 
-from rollpoint.gym.call_ledger import CallLedger, CallRecord
-from rollpoint.gym.model_participant import ModelParticipant
 from rollpoint.http.app import create_app
 from rollpoint.http.auth import data_token, load_token
 from rollpoint.http.client import HttpClient
@@ -75,6 +73,8 @@ from rollpoint.protocol.ids import (
 )
 from rollpoint.protocol.model_base import StrictModel
 from rollpoint.protocol.token_data import TokenTrace
+from rollpoint.servers.model.call_ledger import CallLedger, CallRecord
+from rollpoint.servers.model.model_participant import ModelParticipant
 
 log = logging.getLogger(__name__)
 

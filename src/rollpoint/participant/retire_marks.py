@@ -4,10 +4,10 @@ Owns the marks of one participant: ``rollout_id → attempt``. Work of an attemp
 under its rollout's mark is refused (:meth:`RetireMarks.check`, ``409 stale_attempt``); the
 next attempt is not retired. Marks only rise, until forgotten.
 
-One owner writes them: the participant's :class:`~rollpoint.gym.fence.Fence` (its
+One owner writes them: the participant's :class:`~rollpoint.participant.fence.Fence` (its
 ``retire`` and ``restore`` verbs raise them, ``forget`` drops them; see ``Fence.marks``).
 Servers only read them: the model and resources servers through
-:meth:`~rollpoint.gym.fence.Fence.check_attempt`, the agent's session book by holding the
+:meth:`~rollpoint.participant.fence.Fence.check_attempt`, the agent's session book by holding the
 fence's :class:`RetireMarks` (``SessionBook.marks``). Nothing keeps a second copy, so
 nothing has to be kept in step.
 

@@ -20,9 +20,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bench.report import BenchResult
-from rollpoint.gym.session import Session
 from rollpoint.protocol.episode import ModelCall, RunRow, TaskRow
 from rollpoint.protocol.ids import EpisodeId
+from rollpoint.servers.agent.session import Session
 from rollpoint.store.participant_state import read_participant_state, write_participant_state
 
 _BLOCK = 8 << 20

@@ -14,7 +14,7 @@ from typing import Any
 import orjson
 import pytest
 
-from rollpoint.gym.generation_cut import CallPrefix
+from rollpoint.servers.model.generation_cut import CallPrefix
 from rollpoint.testing import invariants
 from tests.chaos.test_crash_recovery import (
     _RESUMED_FROM,

@@ -21,10 +21,10 @@ from rollpoint.envs import (
     get_environment,
     load_tasks,
 )
-from rollpoint.gym.episode_record import pack_state
-from rollpoint.gym.resources_server import ResourcesService
 from rollpoint.protocol.episode import EpisodeStart, ToolCall
 from rollpoint.protocol.ids import EpisodeId
+from rollpoint.servers.resources.episode_record import pack_state
+from rollpoint.servers.resources.resources_server import ResourcesService
 
 REF = "sandbox_env:SandboxEnvironment"
 
@@ -225,7 +225,7 @@ class SetExport(SandboxEnvironment):
 async def test_an_export_that_is_not_json_safe_fails_the_snapshot_naming_environment_and_episode(
     env: SandboxEnvironment, tmp_path: Path
 ) -> None:
-    from rollpoint.gym.resources_participant import ResourcesParticipant
+    from rollpoint.servers.resources.resources_participant import ResourcesParticipant
     from rollpoint.store.participant_state import write_participant_state
 
     service = ResourcesService(SetExport())

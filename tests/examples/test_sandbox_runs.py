@@ -33,8 +33,8 @@ from sandbox_env import TASKS
 from sandbox_env.tree import pack_tree
 
 from rollpoint.envs import TaskRow, load_tasks
-from rollpoint.gym.episode_runner import episode_seed
 from rollpoint.policy.scripted_policy import PolicySettings, create_policy_app
+from rollpoint.servers.agent.episode_runner import episode_seed
 from rollpoint.testing import invariants
 from tests.support.live_server import serve_app
 from tests.support.run_process import Finished, RunProcess

@@ -28,9 +28,6 @@ from fastapi import FastAPI
 from pydantic import BaseModel
 from schemathesis import Case
 
-from rollpoint.gym.agent_server import AgentSettings, create_agent_app
-from rollpoint.gym.model_server import ModelServerSettings, create_model_app
-from rollpoint.gym.resources_server import create_resources_app
 from rollpoint.http.auth import CONTROL_TOKEN_ENV
 from rollpoint.protocol.control import (
     CONTROL_PREFIX,
@@ -46,6 +43,9 @@ from rollpoint.protocol.control import (
     StatusReply,
     Verb,
 )
+from rollpoint.servers.agent.agent_server import AgentSettings, create_agent_app
+from rollpoint.servers.model.model_server import ModelServerSettings, create_model_app
+from rollpoint.servers.resources.resources_server import create_resources_app
 from tests.support.live_server import serve_app
 
 TOKEN = "fuzz-token-0123456789abcdef"

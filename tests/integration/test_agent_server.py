@@ -19,13 +19,17 @@ import pytest
 from fastapi import FastAPI
 
 from rollpoint.envs.registry import get_environment
-from rollpoint.gym.agent_server import AgentSettings, agent_server_of, create_agent_app
-from rollpoint.gym.model_server import ModelServerSettings, create_model_app, model_server_of
-from rollpoint.gym.resources_server import create_resources_app
 from rollpoint.policy.scripted_policy import PolicySettings, create_policy_app
 from rollpoint.protocol.episode import RunRow
 from rollpoint.protocol.ids import EpisodeId
 from rollpoint.protocol.participant import CheckpointMode
+from rollpoint.servers.agent.agent_server import AgentSettings, agent_server_of, create_agent_app
+from rollpoint.servers.model.model_server import (
+    ModelServerSettings,
+    create_model_app,
+    model_server_of,
+)
+from rollpoint.servers.resources.resources_server import create_resources_app
 from tests.support.live_server import serve_app
 from tests.support.records import read_back
 

@@ -18,11 +18,11 @@ import orjson
 import pytest
 from fastapi import FastAPI
 
-from rollpoint.gym.agent_server import AgentSettings, create_agent_app
-from rollpoint.gym.model_server import ModelServerSettings, create_model_app
-from rollpoint.gym.resources_server import create_resources_app
 from rollpoint.http.auth import CONTROL_TOKEN_ENV
 from rollpoint.protocol.control import CONTROL_PREFIX
+from rollpoint.servers.agent.agent_server import AgentSettings, create_agent_app
+from rollpoint.servers.model.model_server import ModelServerSettings, create_model_app
+from rollpoint.servers.resources.resources_server import create_resources_app
 from rollpoint.testing.conformance import (
     ConformanceReport,
     check_participant,

@@ -24,9 +24,6 @@ import pytest
 from openai.types.chat import ChatCompletion
 
 from rollpoint.envs.registry import get_environment
-from rollpoint.gym.generation_cut import HEADER_TOKEN_SEGMENTS, CallPrefix
-from rollpoint.gym.model_participant import ModelParticipant
-from rollpoint.gym.model_server import ModelServer, ModelServerSettings, create_model_app
 from rollpoint.policy.scripted_policy import PolicySettings, create_policy_app
 from rollpoint.protocol.ids import (
     HEADER_ATTEMPT,
@@ -36,6 +33,9 @@ from rollpoint.protocol.ids import (
     EpisodeId,
 )
 from rollpoint.protocol.token_data import as_float32
+from rollpoint.servers.model.generation_cut import HEADER_TOKEN_SEGMENTS, CallPrefix
+from rollpoint.servers.model.model_participant import ModelParticipant
+from rollpoint.servers.model.model_server import ModelServer, ModelServerSettings, create_model_app
 from tests.support.live_server import serve_app
 
 pytestmark = pytest.mark.integration

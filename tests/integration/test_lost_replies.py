@@ -24,7 +24,6 @@ from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
 from rollpoint.config import RunConfig, SnapshotConfig, TrainConfig
-from rollpoint.gym.model_server import model_server_of
 from rollpoint.http.app import create_app
 from rollpoint.http.auth import CONTROL_TOKEN_ENV
 from rollpoint.http.client import HttpClient
@@ -32,6 +31,7 @@ from rollpoint.protocol.episode import RunReply, RunRequest
 from rollpoint.protocol.ids import EpisodeId, new_rollout_id
 from rollpoint.runtime.process_group import ProcessGroup
 from rollpoint.runtime.server_spec import ServerSpec
+from rollpoint.servers.model.model_server import model_server_of
 from rollpoint.trainer.dispatch_barrier import DispatchBarrier
 from rollpoint.trainer.dispatcher import Dispatcher
 from rollpoint.trainer.ledger import RecoveryLedger, RolloutState

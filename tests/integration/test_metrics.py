@@ -19,9 +19,9 @@ from fastapi import FastAPI
 
 from rollpoint.config import RunConfig, parse_config
 from rollpoint.envs.workplace import WorkplaceEnvironment
-from rollpoint.gym.resources_server import create_resources_app, resources_service
 from rollpoint.protocol.errors import ConfigError, StaleAttemptError
 from rollpoint.protocol.ids import EpisodeId
+from rollpoint.servers.resources.resources_server import create_resources_app, resources_service
 from rollpoint.trainer.metrics import TrainerMetrics
 from tests.support.embedded_job import embedded_job
 from tests.support.live_server import serve_app

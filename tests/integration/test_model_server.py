@@ -13,13 +13,17 @@ import openai
 import pytest
 from fastapi import FastAPI
 
-from rollpoint.gym.model_server import ModelServerSettings, create_model_app, model_server_of
 from rollpoint.policy.scripted_policy import PolicySettings, create_policy_app
 from rollpoint.protocol.ids import (
     HEADER_ATTEMPT,
     HEADER_POLICY_VERSION,
     HEADER_ROLLOUT_ID,
     HEADER_TURN,
+)
+from rollpoint.servers.model.model_server import (
+    ModelServerSettings,
+    create_model_app,
+    model_server_of,
 )
 from tests.support.live_server import serve_app
 

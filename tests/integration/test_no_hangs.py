@@ -20,15 +20,15 @@ import pytest
 import yaml
 
 from rollpoint.envs.registry import get_environment
-from rollpoint.gym.agent_server import AgentSettings, create_agent_app
-from rollpoint.gym.model_server import ModelServerSettings, create_model_app
-from rollpoint.gym.resources_server import create_resources_app
 from rollpoint.http.client import HttpClient
 from rollpoint.policy.scripted_policy import PolicySettings, create_policy_app
 from rollpoint.protocol.episode import RunRow
 from rollpoint.protocol.errors import ConfigError, TransportError
 from rollpoint.protocol.ids import EpisodeId
 from rollpoint.protocol.participant import ParticipantKind
+from rollpoint.servers.agent.agent_server import AgentSettings, create_agent_app
+from rollpoint.servers.model.model_server import ModelServerSettings, create_model_app
+from rollpoint.servers.resources.resources_server import create_resources_app
 from rollpoint.trainer.participant_client import ParticipantAddress, ParticipantClient
 from tests.support.blackhole import blackhole
 from tests.support.live_server import serve_app

@@ -17,9 +17,9 @@ import httpx
 import openai
 import pytest
 
-from rollpoint.gym.model_server import ModelServerSettings, create_model_app
 from rollpoint.http.auth import DATA_TOKEN_ENV
 from rollpoint.policy.scripted_policy import PolicySettings, create_policy_app
+from rollpoint.servers.model.model_server import ModelServerSettings, create_model_app
 from tests.support.live_server import serve_app
 from tests.unit.policy.fake_environments import MAIL, SYNC, WORKPLACE_TOOLS, workplace_prompt
 

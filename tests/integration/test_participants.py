@@ -26,18 +26,18 @@ import pytest
 from fastapi import FastAPI
 
 from rollpoint.envs.registry import get_environment
-from rollpoint.gym.agent_server import AgentSettings, agent_server_of, create_agent_app
-from rollpoint.gym.control_plane import control_fence
-from rollpoint.gym.episode_record import EpisodeRecord
-from rollpoint.gym.model_server import ModelServerSettings, create_model_app
-from rollpoint.gym.resources_server import create_resources_app
 from rollpoint.http.auth import CONTROL_TOKEN_ENV
+from rollpoint.participant.control_plane import control_fence
 from rollpoint.policy.scripted_policy import PolicySettings, create_policy_app
 from rollpoint.protocol.control import CONTROL_PREFIX
 from rollpoint.protocol.episode import RunRow, TaskRow
 from rollpoint.protocol.errors import ConfigError
 from rollpoint.protocol.ids import HEADER_ATTEMPT, HEADER_ROLLOUT_ID, HEADER_TURN, EpisodeId
 from rollpoint.protocol.participant import CheckpointMode
+from rollpoint.servers.agent.agent_server import AgentSettings, agent_server_of, create_agent_app
+from rollpoint.servers.model.model_server import ModelServerSettings, create_model_app
+from rollpoint.servers.resources.episode_record import EpisodeRecord
+from rollpoint.servers.resources.resources_server import create_resources_app
 from rollpoint.store.participant_state import read_participant_state
 from tests.support.live_server import serve_app
 from tests.support.polling import eventually

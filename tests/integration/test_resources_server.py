@@ -16,11 +16,6 @@ from fastapi import FastAPI
 
 from rollpoint.envs.blackjack import BlackjackEnvironment
 from rollpoint.envs.workplace import WorkplaceEnvironment
-from rollpoint.gym.resources_server import (
-    ResourcesService,
-    create_resources_app,
-    resources_service,
-)
 from rollpoint.http.client import HttpClient
 from rollpoint.protocol.episode import EpisodeStart, TaskRow, ToolCall
 from rollpoint.protocol.errors import (
@@ -31,6 +26,11 @@ from rollpoint.protocol.errors import (
     NotFoundError,
 )
 from rollpoint.protocol.ids import EpisodeId
+from rollpoint.servers.resources.resources_server import (
+    ResourcesService,
+    create_resources_app,
+    resources_service,
+)
 from tests.support.live_server import serve_app
 
 pytestmark = pytest.mark.integration

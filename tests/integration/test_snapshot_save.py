@@ -17,9 +17,9 @@ import pytest
 
 from rollpoint.config import RunConfig, parse_config
 from rollpoint.envs import get_environment
-from rollpoint.gym.episode_record import EpisodeRecord
 from rollpoint.protocol.episode import TaskRow
 from rollpoint.protocol.errors import ConfigError
+from rollpoint.servers.resources.episode_record import EpisodeRecord
 from rollpoint.store import collector_schedule as collector_schedule_module
 from rollpoint.store.collector_schedule import collector_schedule
 from rollpoint.store.participant_state import read_participant_state

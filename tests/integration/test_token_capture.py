@@ -23,13 +23,13 @@ from fastapi.responses import Response
 
 from rollpoint.config import SamplingConfig
 from rollpoint.envs.registry import get_environment
-from rollpoint.gym.agent_server import AgentSettings, create_agent_app
-from rollpoint.gym.model_server import ModelServerSettings, create_model_app
-from rollpoint.gym.resources_server import create_resources_app
 from rollpoint.policy.scripted_policy import PolicySettings, create_policy_app
 from rollpoint.protocol.episode import RunRow
 from rollpoint.protocol.ids import HEADER_ATTEMPT, HEADER_ROLLOUT_ID, HEADER_TURN, EpisodeId
 from rollpoint.protocol.token_data import TokenTrace, as_float32
+from rollpoint.servers.agent.agent_server import AgentSettings, create_agent_app
+from rollpoint.servers.model.model_server import ModelServerSettings, create_model_app
+from rollpoint.servers.resources.resources_server import create_resources_app
 from tests.support.live_server import serve_app
 
 pytestmark = pytest.mark.integration

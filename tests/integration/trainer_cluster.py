@@ -26,15 +26,19 @@ import uvicorn
 from fastapi import FastAPI
 
 from rollpoint.envs.registry import get_environment
-from rollpoint.gym.admission_gate import AdmissionGate
-from rollpoint.gym.agent_server import AgentSettings, agent_server_of, create_agent_app
-from rollpoint.gym.model_server import ModelServerSettings, create_model_app, model_server_of
-from rollpoint.gym.resources_server import create_resources_app
-from rollpoint.gym.session_book import SessionBook
 from rollpoint.http.client import HttpClient
+from rollpoint.participant.admission_gate import AdmissionGate
 from rollpoint.policy.scripted_policy import PolicySettings, create_policy_app
 from rollpoint.protocol.deployment import Deployment, ReplicaEndpoints
 from rollpoint.protocol.episode import EnvironmentName, TaskRow
+from rollpoint.servers.agent.agent_server import AgentSettings, agent_server_of, create_agent_app
+from rollpoint.servers.agent.session_book import SessionBook
+from rollpoint.servers.model.model_server import (
+    ModelServerSettings,
+    create_model_app,
+    model_server_of,
+)
+from rollpoint.servers.resources.resources_server import create_resources_app
 from rollpoint.store.snapshot_store import SnapshotStore
 from rollpoint.trainer.control_plane import ControlPlane, participant_clients
 from rollpoint.trainer.metrics import TrainerMetrics

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 
 from rollpoint.config import parse_config
-from rollpoint.gym.agent_server import AgentSettings
 from rollpoint.protocol.errors import ConfigError
 from rollpoint.runtime.contract import runtime_for
 from rollpoint.runtime.embedded import EmbeddedRuntime
 from rollpoint.runtime.replica_actor import advertised
 from rollpoint.runtime.replica_plan import ReplicaPlan, replica_index, replica_of
+from rollpoint.servers.agent.agent_server import AgentSettings
 
 
 def test_the_ray_section_parses_and_defaults_to_a_local_instance() -> None:

@@ -41,18 +41,22 @@ from pydantic import BaseModel
 
 from rollpoint.config import RunConfig, SnapshotConfig, parse_config
 from rollpoint.envs import get_environment
-from rollpoint.gym.admission_gate import AdmissionGate
-from rollpoint.gym.agent_server import AgentSettings, agent_server_of, create_agent_app
-from rollpoint.gym.model_server import ModelServerSettings, create_model_app, model_server_of
-from rollpoint.gym.resources_server import create_resources_app
-from rollpoint.gym.session_book import SessionBook
 from rollpoint.http.auth import CONTROL_TOKEN_ENV
 from rollpoint.http.client import HttpClient
+from rollpoint.participant.admission_gate import AdmissionGate
 from rollpoint.policy.scripted_policy import PolicySettings, create_policy_app
 from rollpoint.protocol.control import CONTROL_PREFIX, StatusReply
 from rollpoint.protocol.deployment import Deployment, ReplicaEndpoints
 from rollpoint.protocol.episode import EnvironmentName, RunReply, RunRow, TaskRow
 from rollpoint.protocol.participant import ParticipantKind
+from rollpoint.servers.agent.agent_server import AgentSettings, agent_server_of, create_agent_app
+from rollpoint.servers.agent.session_book import SessionBook
+from rollpoint.servers.model.model_server import (
+    ModelServerSettings,
+    create_model_app,
+    model_server_of,
+)
+from rollpoint.servers.resources.resources_server import create_resources_app
 from rollpoint.store.snapshot_store import SnapshotStore
 from rollpoint.testing import FaultProxy, ProxiedRequest
 from rollpoint.trainer.control_plane import ControlPlane

@@ -18,12 +18,12 @@ import orjson
 import pytest
 
 from rollpoint.config import SnapshotConfig
-from rollpoint.gym.session_book import SessionBook
 from rollpoint.http.client import HttpClient
 from rollpoint.protocol.control import Phase
 from rollpoint.protocol.errors import RestoreError, StaleAttemptError
 from rollpoint.protocol.ids import HEADER_ATTEMPT, HEADER_ROLLOUT_ID, HEADER_TURN
 from rollpoint.protocol.participant import ParticipantKind
+from rollpoint.servers.agent.session_book import SessionBook
 from rollpoint.store.participant_state import read_participant_state
 from rollpoint.store.snapshot_store import SnapshotStore
 from rollpoint.testing import Fault, FaultProxy

@@ -9,7 +9,7 @@ Each server answers one request before the next one starts. It was added because
 (0.165) builds an *included* router's routes on its first request, silencing a pydantic
 warning with ``warnings.catch_warnings()``, and several apps doing that at once in threads
 of one process raced (pytest turned the warning into a 500). The control routes are now
-registered on each app and built when mounted (:mod:`rollpoint.gym.control_routes`), which
+registered on each app and built when mounted (:mod:`rollpoint.participant.control_routes`), which
 removes the race for every test; the warm-up stays as a readiness check.
 """
 
@@ -23,14 +23,14 @@ from contextlib import ExitStack, contextmanager
 from fastapi import FastAPI
 
 from rollpoint.envs import get_environment
-from rollpoint.gym.agent_server import AgentSettings, create_agent_app
-from rollpoint.gym.model_server import ModelServerSettings, create_model_app
-from rollpoint.gym.resources_server import create_resources_app
 from rollpoint.http.auth import CONTROL_TOKEN_ENV
 from rollpoint.policy.scripted_policy import PolicySettings, create_policy_app
 from rollpoint.protocol.control import CONTROL_PREFIX
 from rollpoint.protocol.deployment import Deployment, ReplicaEndpoints
 from rollpoint.protocol.episode import EnvironmentName
+from rollpoint.servers.agent.agent_server import AgentSettings, create_agent_app
+from rollpoint.servers.model.model_server import ModelServerSettings, create_model_app
+from rollpoint.servers.resources.resources_server import create_resources_app
 from tests.support.live_server import serve_app
 
 

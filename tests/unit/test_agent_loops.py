@@ -12,11 +12,11 @@ import pytest
 
 import rollpoint.loops
 from rollpoint.config import parse_config
-from rollpoint.gym.session import Session, SessionRecord
 from rollpoint.loops import AgentLoop, resolve_agent_loop
 from rollpoint.protocol.episode import RunRow, TaskRow
 from rollpoint.protocol.errors import ConfigError
 from rollpoint.protocol.ids import EpisodeId
+from rollpoint.servers.agent.session import Session, SessionRecord
 
 LOOPS = """
 from rollpoint.loops import AgentLoop

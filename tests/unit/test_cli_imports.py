@@ -13,7 +13,8 @@ import sys
 HEAVY = (
     "rollpoint.trainer",
     "rollpoint.job",
-    "rollpoint.gym",
+    "rollpoint.participant",
+    "rollpoint.servers",
     "aiohttp",
     "fastapi",
     "ray",

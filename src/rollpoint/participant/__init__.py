@@ -1,7 +1,7 @@
 """The participant SDK: what makes any ASGI server (FastAPI or Starlette) a checkpoint participant.
 
-The public, stable surface (``__all__``, pinned by a test); the modules behind it live in
-``rollpoint.gym`` for now and are not part of it:
+The public, stable surface (``__all__``, pinned by a test); the modules behind it (in this
+package) are not part of it:
 
 - the hooks a server implements: :class:`Participant` (``kind``, ``name``, ``replica``,
   ``mode``, ``portable``, ``features``, admission, readiness, export, install, retire,
@@ -10,6 +10,8 @@ The public, stable surface (``__all__``, pinned by a test); the modules behind i
   :class:`RetireOutcomeKind`);
 - :class:`Fence`, which runs one participant's phase machine, lease, retire marks and
   replays, and :class:`ControlSettings`, its token, snapshot root and lease grace;
+  :class:`RetireMarks`, the marks themselves (``Fence.marks``: the fence writes them, a
+  server reads them or calls ``Fence.check_attempt``);
 - :func:`mount_participant`, the one function that mounts the control routes over a fence,
   with the control token passed explicitly; :func:`close_control_plane` on shutdown,
   :func:`control_fence` to find it again;
@@ -25,18 +27,23 @@ The built-in model, agent and resources servers use the SDK through this package
 docs/environments.md ("Wrapping an existing server with the SDK").
 """
 
-from rollpoint.gym.admission_gate import AdmissionGate
-from rollpoint.gym.control_plane import close_control_plane, control_fence, mount_participant
-from rollpoint.gym.episode_scope import EpisodeScope, episode_pairs, latest_attempts
-from rollpoint.gym.fence import ControlSettings, Fence
-from rollpoint.gym.participant import (
+from rollpoint.participant.admission_gate import AdmissionGate
+from rollpoint.participant.control_plane import (
+    close_control_plane,
+    control_fence,
+    mount_participant,
+)
+from rollpoint.participant.episode_scope import EpisodeScope, episode_pairs, latest_attempts
+from rollpoint.participant.fence import ControlSettings, Fence
+from rollpoint.participant.participant import (
     CapturingParticipant,
     Participant,
     Readiness,
     RetireOutcome,
     RetireOutcomeKind,
 )
-from rollpoint.gym.state_image import StateImage
+from rollpoint.participant.retire_marks import RetireMarks
+from rollpoint.participant.state_image import StateImage
 from rollpoint.protocol.ids import EpisodeId
 from rollpoint.protocol.participant import CheckpointMode, ParticipantKind
 
@@ -51,6 +58,7 @@ __all__ = [
     "Participant",
     "ParticipantKind",
     "Readiness",
+    "RetireMarks",
     "RetireOutcome",
     "RetireOutcomeKind",
     "StateImage",

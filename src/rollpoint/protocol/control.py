@@ -1,8 +1,8 @@
 """Wire models of the checkpoint control plane: every verb a participant serves.
 
 Owns the request and reply shape of each control verb, the phase names, and the prepare
-report. It does not own the phase machine (that is :mod:`rollpoint.gym.fence`) nor the
-routes (:mod:`rollpoint.gym.control_routes`).
+report. It does not own the phase machine (that is :mod:`rollpoint.participant.fence`) nor the
+routes (:mod:`rollpoint.participant.control_routes`).
 
 Every participant (model, agent, resources server) serves the same verbs under
 :data:`CONTROL_PREFIX`, each guarded by a bearer token (401 ``unauthorized``). Deadlines

@@ -42,8 +42,8 @@ def build_app(spec: ServerSpec) -> FastAPI:
 
         return create_policy_app(PolicySettings.model_validate(spec.settings))
     if spec.kind == "model":
-        from rollpoint.gym.model_server import ModelServerSettings, create_model_app
         from rollpoint.http.auth import POLICY_API_KEY_ENV
+        from rollpoint.servers.model.model_server import ModelServerSettings, create_model_app
 
         model = ModelServerSettings.model_validate(spec.settings)
         api_key = os.environ.get(POLICY_API_KEY_ENV)
@@ -51,10 +51,10 @@ def build_app(spec: ServerSpec) -> FastAPI:
             model = model.model_copy(update={"api_key": api_key})
         return create_model_app(model)
     if spec.kind == "agent":
-        from rollpoint.gym.agent_server import AgentSettings, create_agent_app
+        from rollpoint.servers.agent.agent_server import AgentSettings, create_agent_app
 
         return create_agent_app(AgentSettings.model_validate(spec.settings))
-    from rollpoint.gym.resources_server import create_resources_app
+    from rollpoint.servers.resources.resources_server import create_resources_app
 
     settings = dict(spec.settings)
     root = settings.get("snapshot_root")

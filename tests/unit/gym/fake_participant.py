@@ -13,7 +13,12 @@ from typing import Any
 
 from pydantic import JsonValue
 
-from rollpoint.gym.participant import Participant, Readiness, RetireOutcome, RetireOutcomeKind
+from rollpoint.participant.participant import (
+    Participant,
+    Readiness,
+    RetireOutcome,
+    RetireOutcomeKind,
+)
 from rollpoint.protocol.errors import InvalidCheckpointStateError
 from rollpoint.protocol.ids import EpisodeId
 from rollpoint.protocol.participant import CheckpointMode, ParticipantKind

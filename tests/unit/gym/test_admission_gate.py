@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from rollpoint.gym.admission_gate import AdmissionGate
+from rollpoint.participant.admission_gate import AdmissionGate
 
 
 async def _call(gate: AdmissionGate, release: asyncio.Event, log: list[str], name: str) -> None:
@@ -123,3 +123,40 @@ async def test_wait_changed_wakes_on_a_change_and_times_out_without_one() -> Non
     assert await asyncio.wait_for(watcher, 1) is True
     await call
     assert gate.drained
+
+
+async def test_wait_open_returns_at_once_while_open_and_counts_as_waiting_while_closed() -> None:
+    gate = AdmissionGate()
+    await gate.wait_open()
+    assert (gate.waiting, gate.in_flight) == (0, 0)
+
+    gate.close()
+    parked = asyncio.create_task(gate.wait_open())
+    await _settle()
+    # A paused session is held, not in flight: the gate is drained with it waiting.
+    assert not parked.done() and (gate.waiting, gate.in_flight) == (1, 0) and gate.drained
+    gate.open()
+    await parked
+    assert gate.waiting == 0
+
+
+async def test_notify_wakes_watchers_for_the_owners_own_changes() -> None:
+    gate = AdmissionGate()
+    watcher = asyncio.create_task(gate.wait_changed(5))
+    await _settle()
+    gate.notify()  # e.g. a session moved to a boundary
+    assert await asyncio.wait_for(watcher, 1) is True
+    gate.notify()  # nobody watches: nothing to wake, nothing kept
+    assert await gate.wait_changed(0.01) is False
+
+
+async def test_a_watcher_cancelled_as_the_change_fires_stays_cancelled() -> None:
+    # The reason the gate waits with asyncio.timeout: on 3.11 asyncio.wait_for returns the
+    # result when a cancel lands as the event fires, and a fence closing would never stop.
+    gate = AdmissionGate()
+    watcher = asyncio.create_task(gate.wait_changed(5))
+    await _settle()
+    gate.close()
+    watcher.cancel()
+    await asyncio.gather(watcher, return_exceptions=True)
+    assert watcher.cancelled()

@@ -8,10 +8,10 @@ from typing import Any
 import orjson
 import pytest
 
-from rollpoint.gym import call_ledger
-from rollpoint.gym.call_ledger import CallLedger, CallRecord
 from rollpoint.protocol.errors import InvalidCheckpointStateError
 from rollpoint.protocol.token_data import TokenTrace
+from rollpoint.servers.model import call_ledger
+from rollpoint.servers.model.call_ledger import CallLedger, CallRecord
 
 
 def _rec(rollout_id: str, turn: int, attempt: int = 0) -> CallRecord:

@@ -12,9 +12,9 @@ import orjson
 import pytest
 from fastapi.routing import APIRoute
 
-from rollpoint.gym.control_routes import mount_control_routes
-from rollpoint.gym.fence import ControlSettings, Fence
 from rollpoint.http.app import create_app
+from rollpoint.participant.control_routes import mount_control_routes
+from rollpoint.participant.fence import ControlSettings, Fence
 from rollpoint.protocol.control import CONTROL_PREFIX, Phase, Verb
 from tests.unit.gym.fake_participant import FakeParticipant
 

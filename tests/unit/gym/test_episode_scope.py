@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rollpoint.gym.episode_scope import EpisodeScope, episode_pairs, latest_attempts
+from rollpoint.participant.episode_scope import EpisodeScope, episode_pairs, latest_attempts
 from rollpoint.protocol.ids import EpisodeId
 
 episodes = st.builds(

@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from rollpoint.gym import checkpoint_write as checkpoint_write_module
-from rollpoint.gym.fence import COLLECTOR_RELEASE_DELAY_S, ControlSettings, Fence
-from rollpoint.gym.phase_table import TRANSITIONS, next_phase
+from rollpoint.participant import checkpoint_write as checkpoint_write_module
+from rollpoint.participant.fence import COLLECTOR_RELEASE_DELAY_S, ControlSettings, Fence
+from rollpoint.participant.phase_table import TRANSITIONS, next_phase
 from rollpoint.protocol.control import (
     MAX_REPORTED_BLOCKERS,
     AckRequest,
@@ -887,7 +887,7 @@ async def test_lease_lapse_reopens_within_a_second_and_logs(
     try:
         await fence.prepare(prepare(deadline=soon(0.1)))
         assert fence.phase is Phase.PREPARED
-        with caplog.at_level(logging.WARNING, logger="rollpoint.gym.fence"):
+        with caplog.at_level(logging.WARNING, logger="rollpoint.participant.fence"):
             for _ in range(100):
                 if fence.phase is Phase.IDLE:
                     break

@@ -17,7 +17,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from rollpoint.gym.fence import ControlSettings, Fence
+from rollpoint.participant.fence import ControlSettings, Fence
 from rollpoint.protocol.control import (
     AckRequest,
     CommitReply,

@@ -11,16 +11,16 @@ from typing import Any
 import orjson
 import pytest
 
-from rollpoint.gym.generation_cut import (
+from rollpoint.protocol.ids import EpisodeId
+from rollpoint.servers.model.generation_cut import (
     CallPrefix,
     PartialCall,
     continuation_body,
     refusal,
     request_digest,
 )
-from rollpoint.gym.model_participant import ModelParticipant
-from rollpoint.gym.model_server import ModelServer, ModelServerSettings
-from rollpoint.protocol.ids import EpisodeId
+from rollpoint.servers.model.model_participant import ModelParticipant
+from rollpoint.servers.model.model_server import ModelServer, ModelServerSettings
 
 FIXTURES = Path(__file__).parents[2] / "fixtures" / "engines"
 GOLDEN = Path(__file__).parents[2] / "golden" / "records"

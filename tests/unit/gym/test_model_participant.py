@@ -8,13 +8,13 @@ import orjson
 import pytest
 from pydantic import JsonValue
 
-from rollpoint.gym.call_ledger import CallRecord
-from rollpoint.gym.model_participant import ModelParticipant
-from rollpoint.gym.model_server import EpisodeTag, ModelServer, ModelServerSettings
-from rollpoint.gym.participant import Participant
+from rollpoint.participant.participant import Participant
 from rollpoint.protocol.control import RetireOutcomeKind
 from rollpoint.protocol.errors import InvalidCheckpointStateError
 from rollpoint.protocol.ids import EpisodeId
+from rollpoint.servers.model.call_ledger import CallRecord
+from rollpoint.servers.model.model_participant import ModelParticipant
+from rollpoint.servers.model.model_server import EpisodeTag, ModelServer, ModelServerSettings
 
 
 def _rec(rollout_id: str, turn: int, attempt: int = 0) -> CallRecord:

@@ -15,7 +15,7 @@ from rollpoint.participant import Participant, close_control_plane, control_fenc
 from rollpoint.protocol.control import CONTROL_PREFIX
 from tests.unit.gym.fake_participant import FakeParticipant
 
-GYM = Path(rollpoint.participant.__file__).parents[1] / "gym"
+SDK = Path(rollpoint.participant.__file__).parent
 SDK_MODULES = {
     "admission_gate",
     "checkpoint_write",
@@ -25,19 +25,14 @@ SDK_MODULES = {
     "fence",
     "participant",
     "phase_table",
+    "retire_marks",
     "state_image",
 }
-"""The modules behind the SDK: only rollpoint.participant (and each other) import them."""
-SERVERS = [
-    "model_server",
-    "agent_server",
-    "resources_server",
-    "model_participant",
-    "agent_participant",
-    "resources_participant",
-    "session_book",
-    "episode_record",
-]
+"""The modules behind the SDK (tests/unit/test_import_rules.py: servers never import them)."""
+
+
+def test_every_module_of_the_sdk_package_is_listed() -> None:
+    assert {p.stem for p in SDK.glob("*.py")} - {"__init__"} == SDK_MODULES
 
 
 def test_the_public_surface_is_pinned() -> None:
@@ -52,6 +47,7 @@ def test_the_public_surface_is_pinned() -> None:
         "Participant",
         "ParticipantKind",
         "Readiness",
+        "RetireMarks",
         "RetireOutcome",
         "RetireOutcomeKind",
         "StateImage",
@@ -65,18 +61,40 @@ def test_the_public_surface_is_pinned() -> None:
         assert getattr(rollpoint.participant, name) is not None
 
 
-@pytest.mark.parametrize("module", SERVERS)
-def test_the_built_in_servers_reach_the_sdk_only_through_the_package(module: str) -> None:
-    tree = ast.parse((GYM / f"{module}.py").read_text())
-    private = [
-        f"line {node.lineno}: from {node.module} import ..."
-        for node in ast.walk(tree)
-        if isinstance(node, ast.ImportFrom)
-        and node.module is not None
-        and node.module.startswith("rollpoint.gym.")
-        and node.module.removeprefix("rollpoint.gym.") in SDK_MODULES
+def _reads(tree: ast.AST) -> list[str]:
+    """Names and attributes a module reads, with their line."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            out.append(f"line {node.lineno}: {node.id}")
+        elif isinstance(node, ast.Attribute):
+            out.append(f"line {node.lineno}: .{node.attr}")
+        elif isinstance(node, ast.alias):
+            out.append(f"line {node.lineno}: import {node.name}")
+    return out
+
+
+@pytest.mark.parametrize("module", sorted(SDK_MODULES))
+def test_the_sdk_reads_no_token_from_the_environment(module: str) -> None:
+    # The token is passed to mount_participant; nothing behind it may look it up.
+    tree = ast.parse((SDK / f"{module}.py").read_text())
+    env = {"environ", "getenv", "load_token", "data_token", "CONTROL_TOKEN_ENV", "DATA_TOKEN_ENV"}
+    found = [r for r in _reads(tree) if r.rsplit(" ", 1)[-1].lstrip(".") in env]
+    assert found == []
+
+
+def test_nothing_reads_portable_with_a_default() -> None:
+    src = Path(rollpoint.participant.__file__).parents[1]
+    found = [
+        f"{path.relative_to(src)}:{node.lineno}"
+        for path in sorted(src.rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id in {"getattr", "hasattr"}
+        and any(isinstance(a, ast.Constant) and a.value == "portable" for a in node.args)
     ]
-    assert private == []
+    assert found == []
 
 
 def test_portable_is_part_of_the_protocol() -> None:

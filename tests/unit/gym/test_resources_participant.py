@@ -14,17 +14,17 @@ import pytest
 from pydantic import JsonValue
 
 from rollpoint.envs.registry import get_environment
-from rollpoint.gym import resources_server
-from rollpoint.gym.episode_record import EpisodeRecord, call_fingerprint, pack_state
-from rollpoint.gym.participant import Participant
-from rollpoint.gym.resources_participant import ResourcesParticipant
-from rollpoint.gym.resources_server import ResourcesService
+from rollpoint.participant.participant import Participant
 from rollpoint.protocol.control import RetireOutcomeKind
 from rollpoint.protocol.episode import EpisodeStart, ToolCall
 from rollpoint.protocol.errors import IdempotencyConflictError, InvalidCheckpointStateError
 from rollpoint.protocol.ids import EpisodeId
 from rollpoint.protocol.manifest import ParticipantManifest
 from rollpoint.protocol.participant import CheckpointMode
+from rollpoint.servers.resources import resources_server
+from rollpoint.servers.resources.episode_record import EpisodeRecord, call_fingerprint, pack_state
+from rollpoint.servers.resources.resources_participant import ResourcesParticipant
+from rollpoint.servers.resources.resources_server import ResourcesService
 from rollpoint.store.deferred_value import DeferredValue
 from rollpoint.store.participant_state import read_participant_state, write_participant_state
 

@@ -9,7 +9,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from rollpoint.gym.session import (
+from rollpoint.protocol.episode import ModelCall, RunRow, TaskRow
+from rollpoint.protocol.errors import InvalidPhaseError
+from rollpoint.protocol.ids import EpisodeId
+from rollpoint.servers.agent.session import (
     BOUNDARY_STATES,
     BUSY_STATES,
     LIVE_STATES,
@@ -19,9 +22,6 @@ from rollpoint.gym.session import (
     SessionRecord,
     SessionState,
 )
-from rollpoint.protocol.episode import ModelCall, RunRow, TaskRow
-from rollpoint.protocol.errors import InvalidPhaseError
-from rollpoint.protocol.ids import EpisodeId
 from tests.support.records import read_back
 
 S = SessionState

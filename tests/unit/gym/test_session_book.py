@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from rollpoint.gym.session import Session, SessionState
-from rollpoint.gym.session_book import SessionBook, TurnBoundary
-from rollpoint.protocol.control import RetireOutcomeKind
+from rollpoint.http.auth import CONTROL_TOKEN_ENV
+from rollpoint.participant import RetireMarks, control_fence
+from rollpoint.protocol.control import ForgetRequest, RetireOutcomeKind, RetireRequest
 from rollpoint.protocol.episode import (
     ModelCall,
     RowFailure,
@@ -34,6 +35,9 @@ from rollpoint.protocol.errors import (
 )
 from rollpoint.protocol.ids import EpisodeId
 from rollpoint.protocol.participant import CheckpointMode
+from rollpoint.servers.agent.agent_server import AgentSettings, agent_server_of, create_agent_app
+from rollpoint.servers.agent.session import Session, SessionState
+from rollpoint.servers.agent.session_book import SessionBook, TurnBoundary
 from tests.support.records import read_back
 
 S = SessionState
@@ -403,7 +407,8 @@ async def test_retire_cancels_running_reports_finished_and_refuses_later_calls()
     running = book.submit(_row("run"))
     await _settle()
 
-    outcomes = book.retire({"run": 0, "done": 0, "ghost": 2})
+    # As the fence does: raise the marks (the one copy, which the book reads), then retire.
+    outcomes = book.retire(book.marks.raise_to({"run": 0, "done": 0, "ghost": 2}))
     by_key = {o.episode.key: o.outcome for o in outcomes}
     assert by_key == {
         "run#0": RetireOutcomeKind.CANCELLED,
@@ -422,15 +427,44 @@ async def test_retire_cancels_running_reports_finished_and_refuses_later_calls()
     play.model.set()
     assert isinstance(await _result(book.submit(_row("run", attempt=1))), RunReply)
 
-    assert book.forget(["run", "never"]) == ["run"]
+    assert book.marks.drop(["run", "never"]) == ["run"]
     assert book.retire_mark("run") is None
 
 
-async def test_marks_only_rise() -> None:
+async def test_admission_reads_the_marks_it_holds_and_keeps_none_of_its_own() -> None:
     book = _book(FakePlay())
-    book.retire({"r": 3})
-    book.retire({"r": 1})
-    assert book.retire_mark("r") == 3
+    shared = RetireMarks()
+    book.marks = shared
+    shared.raise_to({"r": 1})  # raised by their owner only: the book's retire never ran
+    refused = await _result(book.submit(_row("r", attempt=1)))
+    assert isinstance(refused, RowFailure) and refused.code == "stale_attempt"
+    assert book.counts()["retired_rollouts"] == 1
+    # Retiring through the book writes no mark: a second copy could drift from the fence's.
+    book.retire({"q": 0})
+    assert shared.get("q") is None and book.retire_mark("q") is None
+
+
+async def test_the_agent_server_reads_its_fences_marks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(CONTROL_TOKEN_ENV, "book-marks-token-0123456789")
+    settings = AgentSettings(
+        model_url="http://127.0.0.1:9",
+        resources_url="http://127.0.0.1:9",
+        environment="workplace",
+        snapshot_root=str(tmp_path),
+    )
+    app = create_agent_app(settings)
+    fence = control_fence(app)
+    assert fence is not None
+    book = agent_server_of(app).book
+    assert book.marks is fence.marks
+    await fence.retire(RetireRequest(episode_ids=[EpisodeId(rollout_id="r", attempt=1)]))
+    refused = await _result(book.submit(_row("r", attempt=1)))
+    assert isinstance(refused, RowFailure) and refused.code == "stale_attempt"
+    await fence.forget(ForgetRequest(rollout_ids=["r"]))
+    assert book.retire_mark("r") is None
+    await fence.aclose()
 
 
 async def test_ack_releases_held_replies_and_is_idempotent() -> None:
@@ -446,7 +480,7 @@ async def test_the_bound_on_held_replies_drops_the_oldest_and_warns_per_thousand
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     book = _book(FakePlay(turns=0), max_finished_replies=2)
-    caplog.set_level(logging.WARNING, logger="rollpoint.gym.session_book")
+    caplog.set_level(logging.WARNING, logger="rollpoint.servers.agent.session_book")
     for i in range(1004):
         await _result(book.submit(_row(f"r{i}")))
     assert [e.rollout_id for e in book.finished_unacked()] == ["r1002", "r1003"]

@@ -6,8 +6,8 @@ import asyncio
 
 import pytest
 
-from rollpoint.gym import state_image
-from rollpoint.gym.state_image import StateImage
+from rollpoint.participant import state_image
+from rollpoint.participant.state_image import StateImage
 
 
 class Source:

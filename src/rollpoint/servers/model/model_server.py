@@ -2,15 +2,15 @@
 
 Owns: ``POST /v1/chat/completions`` (plain and ``stream: true``) and ``GET /v1/models``
 proxied to ``upstream_url``, and ``GET /v1/models/{id}`` answered from the upstream's list
-(engines differ on whether they serve it; an id not listed is 404 ``model_not_found``); the :class:`~rollpoint.gym.admission_gate.AdmissionGate` every
-completion passes; the :class:`~rollpoint.gym.call_ledger.CallLedger` that files each call
+(engines differ on whether they serve it; an id not listed is 404 ``model_not_found``); the :class:`~rollpoint.participant.admission_gate.AdmissionGate` every
+completion passes; the :class:`~rollpoint.servers.model.call_ledger.CallLedger` that files each call
 carrying the episode headers; the policy version stamped on every completion (reply header
 ``x-rollpoint-policy-version`` and the ledger record); and the routes
 ``GET /rollpoint/v1/calls``, ``POST /rollpoint/v1/policy_version``, ``GET /rollpoint/v1/stats``;
 and ``GET /metrics`` (calls, in flight, waiting at the gate, latency, tokens of recorded calls).
 
 Does not own: checkpoint control (with ``snapshot_root`` set, the control routes are mounted
-and :class:`~rollpoint.gym.model_participant.ModelParticipant` lets the fence close and open
+and :class:`~rollpoint.servers.model.model_participant.ModelParticipant` lets the fence close and open
 the gate and export the ledger), nor OpenAI validation beyond "a JSON object with a messages
 list": the engine judges the rest.
 
@@ -33,7 +33,7 @@ carries ids): a tagged one-choice plain call is sent upstream streamed and its p
 assembled from the chunks (the engine's fields, in its order), so :attr:`ModelServer.partials`
 always holds the output so far of every such call (streamed callers' too); a call whose
 rollout has a saved prefix installed (:attr:`ModelServer.prefixes`) continues from it, or
-is decoded from scratch with the refusal counted (:mod:`rollpoint.gym.generation_cut`).
+is decoded from scratch with the refusal counted (:mod:`rollpoint.servers.model.generation_cut`).
 An engine that answers a streamed request with plain JSON is passed through as it answered.
 
 This is the hot path of every policy call. The plain path reads the body once, parses it
@@ -59,21 +59,6 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.types import Receive, Scope, Send
 from yarl import URL
 
-from rollpoint.gym.call_ledger import CallLedger, CallRecord
-from rollpoint.gym.generation_cut import (
-    HEADER_TOKEN_SEGMENTS,
-    STREAMS_TOKEN_IDS,
-    CallPrefix,
-    CutCounts,
-    FrozenPartial,
-    PartialCall,
-    continuation_body,
-    refusal,
-    request_digest,
-    segments_header,
-    stitch,
-)
-from rollpoint.gym.model_participant import ModelParticipant
 from rollpoint.http.app import create_app
 from rollpoint.http.auth import data_token, load_token
 from rollpoint.http.client import HttpClient
@@ -97,6 +82,21 @@ from rollpoint.protocol.ids import (
 )
 from rollpoint.protocol.model_base import StrictModel
 from rollpoint.protocol.token_data import TokenSegment, TokenTrace
+from rollpoint.servers.model.call_ledger import CallLedger, CallRecord
+from rollpoint.servers.model.generation_cut import (
+    HEADER_TOKEN_SEGMENTS,
+    STREAMS_TOKEN_IDS,
+    CallPrefix,
+    CutCounts,
+    FrozenPartial,
+    PartialCall,
+    continuation_body,
+    refusal,
+    request_digest,
+    segments_header,
+    stitch,
+)
+from rollpoint.servers.model.model_participant import ModelParticipant
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +128,7 @@ class ModelServerSettings(BaseModel):
     cut_generations: bool = False
     """Stream every tagged one-choice call from the engine (a plain caller still gets a
     plain reply), so a snapshot saves the prefix of each call in flight and the
-    replacement call after a restore continues it (:mod:`rollpoint.gym.generation_cut`).
+    replacement call after a restore continues it (:mod:`rollpoint.servers.model.generation_cut`).
     On with ``policy.capture_tokens`` (a prefix needs token ids)."""
     continue_prefixes: bool = True
     """False: the engine cannot take a prefix; saved prefixes are regenerated (counted)."""

@@ -1,18 +1,18 @@
 """The model server as a checkpoint participant: its gate and call ledger behind the fence hooks.
 
-Owns the mapping from the :class:`~rollpoint.gym.participant.Participant` hooks to the model
+Owns the mapping from the :class:`~rollpoint.participant.participant.Participant` hooks to the model
 server's state, and the saved form of its calls (:class:`ModelCallRecord`):
 
 - close / open admission → close / open the admission gate (new calls wait, running
   calls go on; nothing is failed);
 - readiness → always ready once the gate is closed: the *generation cut*. A call still
   running is no blocker, because the agent holds a reply that lands during the cut
-  unapplied (:meth:`~rollpoint.gym.session_book.SessionBook.hold_reply`) and saves its
+  unapplied (:meth:`~rollpoint.servers.agent.session_book.SessionBook.hold_reply`) and saves its
   session as before that call; on restore the next attempt makes it again. So a prepare
   never waits for a generation. The running calls are reported in the counts;
 - export(scope) → the ledger records of the scope's rollouts, each naming the scoped
   episode it was saved for; capture(scope) → the same in two steps: in the pause a copy of
-  a :class:`~rollpoint.gym.state_image.StateImage` of every rollout's dumped calls (the
+  a :class:`~rollpoint.participant.state_image.StateImage` of every rollout's dumped calls (the
   ledger reports each change to it), after the pause the scope's records out of the copy;
   install → those records back into the ledger, all or nothing;
 - generation cut: capture(scope) also takes, in the pause, the lengths of the output so far
@@ -20,14 +20,14 @@ server's state, and the saved form of its calls (:class:`ModelCallRecord`):
   pause saves each as a ``model_prefix`` record (:class:`ModelPrefixRecord`: its token ids,
   logprobs, text, policy versions and digest); an installed prefix not yet continued is
   saved again. install puts the prefixes back on the server, where the replacement call
-  of the same turn continues from them (:mod:`rollpoint.gym.generation_cut`). Snapshots
+  of the same turn continues from them (:mod:`rollpoint.servers.model.generation_cut`). Snapshots
   written before the cut have no such records and install as before;
 - retire → an attempt with a call running is reported ``cancelled`` (its reply will be
   refused as ``stale_attempt`` and not filed), any other ``unknown``: the model runs no
   episodes; forget → drop the rollouts' ledger records; ack → nothing is held here.
 
 Does not own: the phase machine, retire marks and the ``stale_attempt`` check (the fence:
-the server calls :meth:`~rollpoint.gym.fence.Fence.check_attempt`), nor proxying.
+the server calls :meth:`~rollpoint.participant.fence.Fence.check_attempt`), nor proxying.
 """
 
 from __future__ import annotations
@@ -37,8 +37,6 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import Field, JsonValue, TypeAdapter, ValidationError, model_validator
 
-from rollpoint.gym.call_ledger import CallRecord
-from rollpoint.gym.generation_cut import CallPrefix, FrozenPartial
 from rollpoint.participant import (
     Readiness,
     RetireOutcome,
@@ -50,9 +48,11 @@ from rollpoint.protocol.errors import InvalidCheckpointStateError
 from rollpoint.protocol.ids import EpisodeId
 from rollpoint.protocol.model_base import StrictModel
 from rollpoint.protocol.participant import CheckpointMode, ParticipantKind
+from rollpoint.servers.model.call_ledger import CallRecord
+from rollpoint.servers.model.generation_cut import CallPrefix, FrozenPartial
 
 if TYPE_CHECKING:
-    from rollpoint.gym.model_server import ModelServer
+    from rollpoint.servers.model.model_server import ModelServer
 
 
 class ModelCallRecord(StrictModel):
@@ -97,7 +97,7 @@ _Calls = tuple[dict[str, Any], ...]
 
 
 class ModelParticipant:
-    """The :class:`~rollpoint.gym.participant.Participant` of one model server."""
+    """The :class:`~rollpoint.participant.participant.Participant` of one model server."""
 
     kind = ParticipantKind.MODEL
     mode = CheckpointMode.TURN

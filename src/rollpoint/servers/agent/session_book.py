@@ -4,21 +4,28 @@ Owns: admitting ``/run`` rows (run, join a running session, replay a finished re
 continue a restored session, or refuse), one asyncio task per session (owned here, never by
 a request: a client that goes away cancels nothing), per-state counters (readiness is O(1)
 with any number of sessions), the boundary gate that parks sessions for a checkpoint,
-finished replies held until acked (bounded), retire marks, and the export/install of
-sessions for checkpoints. Each session's record is kept current in a
-:class:`~rollpoint.gym.state_image.StateImage` (sessions report their moves and changes to
+finished replies held until acked (bounded), and the export/install of sessions for
+checkpoints. It reads the retire marks (:attr:`SessionBook.marks`, the fence's own
+:class:`~rollpoint.participant.RetireMarks` once a control plane is mounted) and keeps none
+of its own: the fence raises them before it calls :meth:`SessionBook.retire`, which stops
+the attempts they cover. Each session's record is kept current in a
+:class:`~rollpoint.participant.state_image.StateImage` (sessions report their moves and changes to
 it), so a checkpoint's capture copies records instead of exporting 50k sessions in its pause.
 
 Does not own: how an episode is played (the ``play`` function, normally
-:meth:`rollpoint.gym.episode_runner.EpisodeRunner.play`), HTTP, or checkpoint phases (the
+:meth:`rollpoint.servers.agent.episode_runner.EpisodeRunner.play`), HTTP, or checkpoint phases (the
 fence calls :meth:`close_boundaries`, :meth:`readiness`, :meth:`export`, ...).
 
 Row admission, in order: a held finished reply is returned as is; an attempt at or under its
-rollout's retire mark is refused (``stale_attempt``); a row for another environment is a data
+rollout's retire mark (:attr:`SessionBook.marks`) is refused (``stale_attempt``); a row for another environment is a data
 failure; a rollout that holds another attempt here is a transport failure
 (``attempt_conflict``: retire the old one first); a running session of the same attempt is
-joined; while boundaries are closed a new row is refused (:class:`RowRefused`: it never ran); a restored session continues under the
-attempt it waits for; otherwise a new session starts.
+joined; while boundaries are closed a new row is refused (:class:`RowRefused`: it never ran);
+a restored session continues under the attempt it waits for; otherwise a new session starts.
+
+The boundaries are the SDK's :class:`~rollpoint.participant.AdmissionGate`, the one gate
+all three servers use: closing it refuses new rows, parks running sessions at their next
+boundary (counted as ``waiting``) and its change signal carries the sessions' moves.
 """
 
 from __future__ import annotations
@@ -31,16 +38,7 @@ from typing import Any, Protocol
 
 from pydantic import JsonValue, TypeAdapter, ValidationError
 
-from rollpoint.gym.session import (
-    BUSY_STATES,
-    LIVE_STATES,
-    BookRecord,
-    FinishedReplyRecord,
-    Session,
-    SessionRecord,
-    SessionState,
-)
-from rollpoint.participant import StateImage, episode_pairs
+from rollpoint.participant import AdmissionGate, RetireMarks, StateImage, episode_pairs
 from rollpoint.protocol.control import (
     MAX_REPORTED_BLOCKERS,
     Readiness,
@@ -57,6 +55,15 @@ from rollpoint.protocol.errors import (
 )
 from rollpoint.protocol.ids import EpisodeId
 from rollpoint.protocol.participant import CheckpointMode
+from rollpoint.servers.agent.session import (
+    BUSY_STATES,
+    LIVE_STATES,
+    BookRecord,
+    FinishedReplyRecord,
+    Session,
+    SessionRecord,
+    SessionState,
+)
 from rollpoint.store.encoded_json import encoded
 
 log = logging.getLogger(__name__)
@@ -157,12 +164,15 @@ class SessionBook:
         of: replies are immutable, so each is dumped once however many checkpoints hold it."""
         self._held: dict[str, set[int]] = {}
         """rollout_id → attempts whose finished reply is held (an index of ``_finished``)."""
-        self._marks: dict[str, int] = {}
+        self.marks = RetireMarks()
+        """The retire marks ``/run`` admission reads: the fence's (the agent server sets
+        ``book.marks = fence.marks`` when it mounts the control plane). Without a control
+        plane nothing retires, and these stay empty. The book never writes them."""
         self._evicted = 0
-        self._open = True
-        self._reopened = asyncio.Event()
-        self._reopened.set()
-        self._changed = asyncio.Event()
+        self._gate = AdmissionGate()
+        """The turn boundaries: closed for a checkpoint. New rows are refused while it is
+        closed (never held: a refused row never ran), running sessions wait at their next
+        boundary, and every session move wakes its watchers (the fence's readiness wait)."""
         self._turn_boundary = TurnBoundary(self)
         self._image: StateImage[SessionEntry] = StateImage(
             self._image_entry, lambda: list(self._sessions), name="sessions"
@@ -176,7 +186,7 @@ class SessionBook:
         reply = self._finished.get(episode.key)
         if reply is not None:
             return _done(reply)
-        mark = self._marks.get(episode.rollout_id)
+        mark = self.marks.get(episode.rollout_id)
         if mark is not None and episode.attempt <= mark:
             err = StaleAttemptError(f"attempt {episode.key} was retired (mark {mark})")
             return _done(row_failure(row, err))
@@ -188,7 +198,7 @@ class SessionBook:
         if live is not None and live.state is not SessionState.RESTORED:
             assert live.result is not None
             return live.result
-        if not self._open:
+        if not self._gate.is_open:
             reason = "turn boundaries are closed for a checkpoint; send the row again later"
             return _done(
                 RowRefused(episode=episode, group_id=row.group_id, row=row.row, reason=reason)
@@ -280,34 +290,26 @@ class SessionBook:
 
     @property
     def boundaries_open(self) -> bool:
-        return self._open
+        return self._gate.is_open
 
     def close_boundaries(self) -> None:
         """From now on sessions park at their next boundary and new rows are refused."""
-        if self._open:
-            self._open = False
-            self._reopened.clear()
-            self._notify()
+        self._gate.close()
 
     def open_boundaries(self) -> None:
-        if not self._open:
-            self._open = True
-            self._reopened.set()
-            self._notify()
+        self._gate.open()
 
     async def boundary(self, session: Session) -> None:
         """A turn boundary of ``session``: returns at once while open, else parks it."""
-        if self._open:
+        if self._gate.is_open:
             return
         session.move(SessionState.PARKED)
-        while not self._open:
-            await self._reopened.wait()
+        await self._gate.wait_open()
 
     async def hold_reply(self, session: Session) -> None:
         """A policy reply of ``session`` arrived: while boundaries are closed it waits here,
         unapplied, and the session stays ``awaiting_model`` (at a boundary)."""
-        while not self._open:
-            await self._reopened.wait()
+        await self._gate.wait_open()
 
     def readiness(self) -> Readiness:
         """Whether every session is at a boundary. O(number of states), not of sessions."""
@@ -340,16 +342,10 @@ class SessionBook:
 
     async def wait_changed(self, timeout: float | None) -> bool:  # noqa: ASYNC109
         """Wait for any session move or boundary change; False when ``timeout`` passed first."""
-        changed = self._changed
-        try:
-            await asyncio.wait_for(changed.wait(), timeout)
-        except TimeoutError:
-            return False
-        return True
+        return await self._gate.wait_changed(timeout)
 
     def _notify(self) -> None:
-        self._changed.set()
-        self._changed = asyncio.Event()
+        self._gate.notify()
 
     def _on_move(self, session: Session, old: SessionState | None, new: SessionState) -> None:
         rollout_id = session.episode.rollout_id
@@ -368,7 +364,7 @@ class SessionBook:
         out = {str(state): len(sessions) for state, sessions in self._by_state.items()}
         out["live"] = len(self._sessions)
         out["finished_unacked"] = len(self._finished)
-        out["retired_rollouts"] = len(self._marks)
+        out["retired_rollouts"] = len(self.marks)
         return out
 
     def session(self, rollout_id: str) -> Session | None:
@@ -423,11 +419,10 @@ class SessionBook:
     # --- retire / forget ---------------------------------------------------------------
 
     def retire(self, marks: dict[str, int]) -> list[RetireOutcome]:
-        """Raise each rollout's mark; stop its live attempts at or under it; report each."""
+        """Stop each rollout's live attempt at or under its mark in ``marks`` (the marks the
+        fence now holds, already raised) and report what was found for each."""
         outcomes: list[RetireOutcome] = []
-        for rollout_id, attempt in marks.items():
-            mark = max(attempt, self._marks.get(rollout_id, -1))
-            self._marks[rollout_id] = mark
+        for rollout_id, mark in marks.items():
             found = False
             live = self._sessions.get(rollout_id)
             if live is not None and live.episode.attempt <= mark:
@@ -459,12 +454,9 @@ class SessionBook:
         if session.task is not None:
             session.task.cancel()
 
-    def forget(self, rollout_ids: Iterable[str]) -> list[str]:
-        """Drop retire marks; returns the rollout ids that had one."""
-        return [r for r in rollout_ids if self._marks.pop(r, None) is not None]
-
     def retire_mark(self, rollout_id: str) -> int | None:
-        return self._marks.get(rollout_id)
+        """The mark ``/run`` admission reads for ``rollout_id`` (see :attr:`marks`)."""
+        return self.marks.get(rollout_id)
 
     # --- export / install --------------------------------------------------------------
 

@@ -4,7 +4,7 @@ Owns :class:`CheckpointWrite` (a checkpoint's capture task, its write task, the 
 records until a write succeeds, the manifest after) and :class:`CheckpointWrites`, the last
 :data:`REMEMBERED_WRITES` of them by checkpoint id: what ``commit`` captures and what
 ``confirm`` finds after the checkpoint resumed. A capture is the participant's ``export``
-(or, for a :class:`~rollpoint.gym.participant.CapturingParticipant`, its ``capture``: a
+(or, for a :class:`~rollpoint.participant.participant.CapturingParticipant`, its ``capture``: a
 copy taken in the pause, and a function that builds the records from it) and the reply;
 a write builds the records if the capture left that for later, then encodes, hashes and
 stores them in a worker thread
@@ -16,7 +16,7 @@ one checkpoint's records wait in memory. The captured records are written after 
 participant moved on, so exports hand out records nobody changes afterwards.
 
 It does not decide whether a commit or confirm is legal (phase, ids, readiness, lease: the
-fence does, :mod:`rollpoint.gym.fence`), what a record holds (the participant's export), or
+fence does, :mod:`rollpoint.participant.fence`), what a record holds (the participant's export), or
 the file format (:mod:`rollpoint.store.participant_state`).
 """
 
@@ -31,8 +31,8 @@ from typing import Any, TypeVar
 
 from pydantic import JsonValue
 
-from rollpoint.gym.episode_scope import EpisodeScope
-from rollpoint.gym.participant import CapturingParticipant, Participant, await_hook
+from rollpoint.participant.episode_scope import EpisodeScope
+from rollpoint.participant.participant import CapturingParticipant, Participant, await_hook
 from rollpoint.protocol.control import CommitReply, Phase
 from rollpoint.protocol.errors import DeadlineExceededError, SnapshotError
 from rollpoint.protocol.manifest import ParticipantManifest

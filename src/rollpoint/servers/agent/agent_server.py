@@ -1,7 +1,7 @@
 """The agent server: ``POST /run`` plays task rows as episodes and streams their results.
 
-Owns: the HTTP face of one :class:`~rollpoint.gym.session_book.SessionBook` and its
-:class:`~rollpoint.gym.episode_runner.EpisodeRunner` (one aiohttp client per app, made at
+Owns: the HTTP face of one :class:`~rollpoint.servers.agent.session_book.SessionBook` and its
+:class:`~rollpoint.servers.agent.episode_runner.EpisodeRunner` (one aiohttp client per app, made at
 startup, closed at shutdown, when running sessions are cancelled too). Routes:
 
 - ``POST /run`` :class:`RunRequest` → ``application/x-ndjson``: one :class:`RowResult` line
@@ -14,7 +14,7 @@ startup, closed at shutdown, when running sessions are cancelled too). Routes:
   control plane's ``ack`` verb calls the same method and is the official one).
 
 With ``snapshot_root`` set, the checkpoint control routes are mounted too, driving the book
-through :class:`~rollpoint.gym.agent_participant.AgentParticipant`.
+through :class:`~rollpoint.servers.agent.agent_participant.AgentParticipant`.
 
 Does not own: checkpoint control (the fence drives the book), the episode loop (the runner).
 """
@@ -31,10 +31,6 @@ from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
-from rollpoint.gym.agent_participant import AgentParticipant
-from rollpoint.gym.episode_runner import EpisodeRunner
-from rollpoint.gym.session import LIVE_STATES, Session, SessionState
-from rollpoint.gym.session_book import SessionBook, TurnBoundary
 from rollpoint.http.app import create_app
 from rollpoint.http.auth import data_token, load_token
 from rollpoint.http.client import HttpClient
@@ -47,6 +43,10 @@ from rollpoint.protocol.errors import TransportError
 from rollpoint.protocol.ids import EpisodeId, Identifier
 from rollpoint.protocol.model_base import StrictModel
 from rollpoint.protocol.participant import CheckpointMode
+from rollpoint.servers.agent.agent_participant import AgentParticipant
+from rollpoint.servers.agent.episode_runner import EpisodeRunner
+from rollpoint.servers.agent.session import LIVE_STATES, Session, SessionState
+from rollpoint.servers.agent.session_book import SessionBook, TurnBoundary
 
 NDJSON = "application/x-ndjson"
 
@@ -220,13 +220,15 @@ def create_agent_app(settings: AgentSettings) -> FastAPI:
     metrics.read(server.readings)
     metrics.mount(app)
     if settings.snapshot_root is not None:
-        mount_participant(
+        fence = mount_participant(
             app,
             AgentParticipant(server),
             token=load_token(),
             snapshot_root=settings.snapshot_root,
             lease_grace_s=settings.lease_grace_s,
         )
+        # One copy of the retire marks: the fence writes them, /run admission reads them.
+        server.book.marks = fence.marks
 
     @app.post("/run")
     async def run(request: RunRequest) -> StreamingResponse:

@@ -2,11 +2,11 @@
 
 Owns the episodes of one replica (by rollout id: the environment state, the task and the
 idempotency table ``(rollout_id, turn, call_index) → ToolResult`` with the fingerprint of
-the call that made it), the freeze gate, and the
-HTTP routes. The environment itself (tools, verifier, state export) is
+the call that made it), its freeze (the SDK's :class:`~rollpoint.participant.AdmissionGate`,
+which every state-changing call passes), and the HTTP routes. The environment itself (tools, verifier, state export) is
 :mod:`rollpoint.envs`; the checkpoint control routes (prepare, commit, restore…) are
 mounted when a snapshot root is given, and drive :class:`ResourcesService` through
-:class:`~rollpoint.gym.resources_participant.ResourcesParticipant` (``freeze``/``thaw``,
+:class:`~rollpoint.servers.resources.resources_participant.ResourcesParticipant` (``freeze``/``thaw``,
 ``export_episodes``, ``install``, ``release``).
 
 Routes (see ``docs/architecture.md``):
@@ -15,7 +15,7 @@ Routes (see ``docs/architecture.md``):
 - ``POST /episodes/start`` :class:`EpisodeStart` → :class:`StartReply` (idempotent per rollout)
 - ``POST /tools/{name}`` :class:`ToolCall` → :class:`ToolResult`; a bad call is a tool
   error for the model, never a 5xx; a known key with the same call (tool and arguments,
-  :func:`~rollpoint.gym.episode_record.call_fingerprint`) replays the first result, with
+  :func:`~rollpoint.servers.resources.episode_record.call_fingerprint`) replays the first result, with
   another call it is 409 ``idempotency_conflict`` naming the key and runs nothing; unknown
   episode → 404 ``not_found``
 - ``POST /episodes/verify`` :class:`VerifyRequest` → :class:`VerifyReply`
@@ -25,23 +25,23 @@ Routes (see ``docs/architecture.md``):
 
 Tool calls run synchronously on the event loop (they are tiny): between the idempotency
 lookup and storing the result nothing else runs, so no lock is needed. While frozen, the
-routes that change state (start, tools, release) wait at the gate instead of failing;
+routes that change state (start, tools, release) wait at the gate instead of failing
+(counted as ``waiting``, then as ``in_flight`` until they return);
 verify only reads and is never held. Start, tools and verify of a retired attempt (the
 fence's retire marks) are refused with 409 ``stale_attempt`` and apply nothing; the next
 attempt of the same rollout is not retired and finds its state and recorded results.
 
-Each episode's saved form is kept current in a :class:`~rollpoint.gym.state_image.StateImage`
+Each episode's saved form is kept current in a :class:`~rollpoint.participant.state_image.StateImage`
 once checkpoints are in use: after a tool call changes an episode, the image's sweep takes
 the environment's export (``Environment.capture_state``) between checkpoints, so a
 checkpoint's pause copies the image and takes only the exports of episodes changed since
 the last sweep. Packing an export (JSON, zlib, base64) is left to the snapshot's writer
 thread, so the export must be a copy that later tool calls do not change. The saved form
-itself is :class:`~rollpoint.gym.episode_record.EpisodeRecord`.
+itself is :class:`~rollpoint.servers.resources.episode_record.EpisodeRecord`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 from collections import Counter
@@ -57,18 +57,15 @@ from pydantic import Field, JsonValue, ValidationError
 
 from rollpoint.envs.base import Environment, ToolArgumentError
 from rollpoint.envs.registry import environment_matches, get_environment
-from rollpoint.gym.episode_record import (
-    EpisodeRecord,
-    ToolResultRecord,
-    call_fingerprint,
-    episode_records,
-    pack_state,
-)
-from rollpoint.gym.resources_participant import ResourcesParticipant
 from rollpoint.http.app import create_app
 from rollpoint.http.auth import data_token, load_token
 from rollpoint.http.server_metrics import Reading, ServerMetrics
-from rollpoint.participant import StateImage, close_control_plane, mount_participant
+from rollpoint.participant import (
+    AdmissionGate,
+    StateImage,
+    close_control_plane,
+    mount_participant,
+)
 from rollpoint.protocol.episode import (
     EpisodeStart,
     TaskRow,
@@ -88,6 +85,14 @@ from rollpoint.protocol.errors import (
 )
 from rollpoint.protocol.ids import EpisodeId, Identifier
 from rollpoint.protocol.model_base import StrictModel
+from rollpoint.servers.resources.episode_record import (
+    EpisodeRecord,
+    ToolResultRecord,
+    call_fingerprint,
+    episode_records,
+    pack_state,
+)
+from rollpoint.servers.resources.resources_participant import ResourcesParticipant
 from rollpoint.store.deferred_value import DeferredValue
 
 log = logging.getLogger(__name__)
@@ -197,18 +202,14 @@ class ResourcesService:
         self.name = name
         self.replica = replica
         self._episodes: dict[str, _Episode] = {}
-        self._frozen = False
-        self._thawed = asyncio.Event()
-        self._thawed.set()
-        self._in_flight = 0
-        self._waiting = 0
+        self.gate = AdmissionGate()
+        """Start, tool calls and release pass it; a freeze closes it (they wait, none fails)."""
         self.tool_calls = 0
         """Tool calls applied (each idempotency key once)."""
         self.tool_replays = 0
         """Tool calls answered from the idempotency table: a known key, nothing applied."""
         self.conflicts: Counter[str] = Counter()
         """409 refusals of start and tool calls, by error code (:meth:`counting_conflicts`)."""
-        self._changed: asyncio.Event | None = None
         self.attempt_guard: Callable[[EpisodeId], None] | None = None
         """Raises :class:`StaleAttemptError` for a retired attempt (the fence's check)."""
         self._image: StateImage[dict[str, Any]] = StateImage(
@@ -243,7 +244,9 @@ class ResourcesService:
             ),
             Reading("rollpoint_resources_episodes", "Live episodes", len(self._episodes)),
             Reading(
-                "rollpoint_resources_tool_calls_in_flight", "Tool calls running", self._in_flight
+                "rollpoint_resources_tool_calls_in_flight",
+                "Tool calls running",
+                self.gate.in_flight,
             ),
         ]
         doc = "Episode starts and tool calls refused with 409, by code"
@@ -266,62 +269,33 @@ class ResourcesService:
 
     @property
     def in_flight(self) -> int:
-        """Tool calls past the gate and not finished."""
-        return self._in_flight
+        """State-changing calls past the gate and not finished."""
+        return self.gate.in_flight
 
     @property
     def waiting(self) -> int:
         """Calls held at the gate by a freeze."""
-        return self._waiting
+        return self.gate.waiting
 
     @property
     def frozen(self) -> bool:
-        return self._frozen
+        return not self.gate.is_open
 
     def rollout_ids(self) -> list[str]:
         return list(self._episodes)
 
     def freeze(self) -> None:
         """Hold every state-changing call at the gate until :meth:`thaw`; idempotent."""
-        self._frozen = True
-        self._thawed.clear()
-        self._notify()
+        self.gate.close()
 
     def thaw(self) -> None:
         """Let held calls through; idempotent."""
-        self._frozen = False
-        self._thawed.set()
-        self._notify()
-
-    async def _pass_gate(self) -> None:
-        if not self._frozen:
-            return
-        self._waiting += 1
-        self._notify()
-        try:
-            while self._frozen:
-                await self._thawed.wait()
-        finally:
-            self._waiting -= 1
-            self._notify()
+        self.gate.open()
 
     async def wait_changed(self, timeout: float | None) -> bool:  # noqa: ASYNC109
         """Wait until the in-flight count, the waiting count or the freeze changes; False
         when ``timeout`` passed first. Check the condition you want before calling."""
-        if self._changed is None:
-            self._changed = asyncio.Event()
-        changed = self._changed
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(timeout):
-                await changed.wait()
-                return True
-        return False
-
-    def _notify(self) -> None:
-        # The event exists only while someone waits: a tool call allocates nothing otherwise.
-        if self._changed is not None:
-            self._changed.set()
-            self._changed = None
+        return await self.gate.wait_changed(timeout)
 
     def _guard(self, episode: EpisodeId) -> None:
         if self.attempt_guard is not None:
@@ -337,8 +311,12 @@ class ResourcesService:
     async def start(self, request: EpisodeStart) -> bool:
         """Create the episode's state; False when the rollout already has state."""
         self._guard(request.episode)
-        await self._pass_gate()
-        self._guard(request.episode)
+        async with self.gate.admit():
+            # Again: the attempt may have been retired while the call waited at the gate.
+            self._guard(request.episode)
+            return self._start(request)
+
+    def _start(self, request: EpisodeStart) -> bool:
         task, rollout_id = request.task, request.episode.rollout_id
         if not environment_matches(task.environment, self.environment):
             raise BadRequestError(
@@ -366,9 +344,13 @@ class ResourcesService:
         """Run one tool call once per idempotency key; a known key replays the first result
         if the call is the same, and is :class:`IdempotencyConflictError` if it is not."""
         self._guard(call.episode)
-        await self._pass_gate()
-        # Again: the attempt may have been retired while the call waited at the gate.
-        self._guard(call.episode)
+        async with self.gate.admit():
+            # Again: the attempt may have been retired while the call waited at the gate.
+            self._guard(call.episode)
+            return self._apply(tool_name, call)
+
+    def _apply(self, tool_name: str, call: ToolCall) -> ToolResult:
+        """A tool call past the gate (counted in flight until it returns)."""
         episode = self._episode(call.episode.rollout_id)
         key = (call.turn, call.call_index)
         fingerprint = call_fingerprint(tool_name, call.arguments)
@@ -384,17 +366,11 @@ class ResourcesService:
             self.tool_replays += 1
             return stored.model_copy(update={"replayed": True})
         self.tool_calls += 1
-        self._in_flight += 1
-        self._notify()
         # Nothing awaits between here and storing the result, so no export sees the new
         # state or result with the old record.
         episode.changing()
         self._image.changed(call.episode.rollout_id)  # even if the tool raises half-way
-        try:
-            result = self._run(episode, tool_name, call.arguments)
-        finally:
-            self._in_flight -= 1
-            self._notify()
+        result = self._run(episode, tool_name, call.arguments)
         episode.results[key] = result
         episode.fingerprints[key] = fingerprint
         return result
@@ -415,8 +391,8 @@ class ResourcesService:
         return self.environment.verify(episode.state, episode.task, request.final_message)
 
     async def release_when_thawed(self, rollout_ids: Iterable[str]) -> int:
-        await self._pass_gate()
-        return self.release(rollout_ids)
+        async with self.gate.admit():
+            return self.release(rollout_ids)
 
     # ---- checkpoint side -------------------------------------------------------------------
     def release(self, rollout_ids: Iterable[str]) -> int:

@@ -1,7 +1,7 @@
 """The agent server as a checkpoint participant: its session book behind the fence hooks.
 
-Owns the mapping from the :class:`~rollpoint.gym.participant.Participant` hooks to the
-:class:`~rollpoint.gym.session_book.SessionBook`, which already speaks the checkpoint's
+Owns the mapping from the :class:`~rollpoint.participant.participant.Participant` hooks to the
+:class:`~rollpoint.servers.agent.session_book.SessionBook`, which already speaks the checkpoint's
 language (boundaries, readiness, export, install, retire, ack):
 
 - close / open admission → close / open the turn boundaries (sessions park at their next
@@ -14,12 +14,14 @@ language (boundaries, readiness, export, install, retire, ack):
   install → restored sessions waiting for their next attempt, all or nothing;
 - retire / forget / ack → the book's.
 
-Retired attempts are checked in one place for this server: the book's retire marks, which
-``/run`` admission consults. The fence's marks reach it through :meth:`retire` and
-:meth:`forget`; a restore marks the saved attempts in the fence after :meth:`install`, so
-:meth:`install` marks them in the book too.
+Retired attempts are checked against the fence's retire marks, the one copy: the book
+holds the fence's :class:`~rollpoint.participant.RetireMarks` (the agent server wires
+``book.marks = fence.marks``) and ``/run`` admission reads them. The fence raises them
+before :meth:`retire` runs, and marks a restore's saved attempts right after
+:meth:`install` (boundaries are closed meanwhile, so no row is admitted in between);
+forget drops them in the fence, and the book has nothing else to forget.
 
-Does not own: sessions, parking, marks (the book), phases and leases (the fence).
+Does not own: sessions, parking (the book), marks, phases and leases (the fence).
 """
 
 from __future__ import annotations
@@ -34,11 +36,11 @@ from rollpoint.protocol.ids import EpisodeId
 from rollpoint.protocol.participant import CheckpointMode, ParticipantKind
 
 if TYPE_CHECKING:
-    from rollpoint.gym.agent_server import AgentServer
+    from rollpoint.servers.agent.agent_server import AgentServer
 
 
 class AgentParticipant:
-    """The :class:`~rollpoint.gym.participant.Participant` of one agent server."""
+    """The :class:`~rollpoint.participant.participant.Participant` of one agent server."""
 
     kind = ParticipantKind.AGENT
     features: tuple[str, ...] = ("turn-boundary", "finished-replies")
@@ -92,21 +94,15 @@ class AgentParticipant:
     async def install(
         self, records: list[dict[str, JsonValue]], scope: list[EpisodeId]
     ) -> list[EpisodeId]:
-        restored = self._book.install(records, scope)
-        # Same marks as the fence sets once this returns; the restored sessions wait for
-        # attempt + 1 and are above them.
-        marks: dict[str, int] = {}
-        for episode in scope:
-            marks[episode.rollout_id] = max(marks.get(episode.rollout_id, -1), episode.attempt)
-        if marks:
-            self._book.retire(marks)
-        return restored
+        return self._book.install(records, scope)
 
     def retire(self, marks: dict[str, int]) -> list[RetireOutcome]:
         return self._book.retire(marks)
 
     def forget(self, rollout_ids: list[str]) -> list[str]:
-        return self._book.forget(rollout_ids)
+        # The marks are the fence's, which drops them itself; no other state is kept by
+        # rollout (held replies go with ack).
+        return []
 
     def ack(self, episodes: list[EpisodeId]) -> list[EpisodeId]:
         return self._book.ack(episodes)

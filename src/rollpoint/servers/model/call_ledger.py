@@ -62,7 +62,7 @@ class CallRecord(StrictModel):
     """Completion tokens taken from the saved prefix, not decoded again."""
     regenerated: str | None = None
     """Why a saved prefix of this call was not continued (a refusal of
-    :mod:`rollpoint.gym.generation_cut`): the call was decoded from scratch."""
+    :mod:`rollpoint.servers.model.generation_cut`): the call was decoded from scratch."""
 
 
 _RECORDS = TypeAdapter(list[CallRecord])

@@ -3,7 +3,7 @@
 Owns the steps the fence takes by itself (:class:`Event`), the transition table
 (:data:`TRANSITIONS`) and :func:`next_phase`, the one function that applies it and names the
 phases where a refused step would have been valid. It does not act on a transition (the
-fence does: :mod:`rollpoint.gym.fence`).
+fence does: :mod:`rollpoint.participant.fence`).
 """
 
 from __future__ import annotations

@@ -34,9 +34,6 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
-from rollpoint.gym.generation_cut import HEADER_TOKEN_SEGMENTS, parse_segments_header
-from rollpoint.gym.session import Session, SessionState
-from rollpoint.gym.session_book import TurnBoundary
 from rollpoint.http.client import HttpClient
 from rollpoint.loops import AgentLoop
 from rollpoint.policy.engine_adapters import EngineAdapter, adapter_for
@@ -57,6 +54,9 @@ from rollpoint.protocol.ids import (
     HEADER_TURN,
 )
 from rollpoint.protocol.token_data import TokenTrace, context_after
+from rollpoint.servers.agent.session import Session, SessionState
+from rollpoint.servers.agent.session_book import TurnBoundary
+from rollpoint.servers.model.generation_cut import HEADER_TOKEN_SEGMENTS, parse_segments_header
 
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 

@@ -1,6 +1,6 @@
 """The hooks a server implements to take part in checkpoints: the :class:`Participant` protocol.
 
-Owns the contract between the fence (:mod:`rollpoint.gym.fence`, which runs the phase
+Owns the contract between the fence (:mod:`rollpoint.participant.fence`, which runs the phase
 machine, the lease, replays and retire marks) and a server's own state: the model server
 (admission gate, call ledger), the agent server (sessions, finished replies) and the
 resources server (per-episode tool state). A server implements these hooks and nothing
@@ -104,8 +104,8 @@ class Participant(Protocol):
     async def export(self, scope: Sequence[EpisodeId]) -> list[dict[str, JsonValue]]:
         """The records of the episodes in ``scope`` (an agent adds its finished, unacked
         replies). Called at most once per checkpoint, with admission closed. ``scope`` is
-        an :class:`~rollpoint.gym.episode_scope.EpisodeScope`: distinct, in key order, and
-        cheapest read as keys (:func:`~rollpoint.gym.episode_scope.episode_pairs`).
+        an :class:`~rollpoint.participant.episode_scope.EpisodeScope`: distinct, in key order, and
+        cheapest read as keys (:func:`~rollpoint.participant.episode_scope.episode_pairs`).
         A record value may be a :class:`~rollpoint.store.deferred_value.DeferredValue`,
         made by the writer after the pause from a copy nobody changes."""
         ...

@@ -1,6 +1,6 @@
 """The control routes of a participant: every verb under ``/rollpoint/v1/checkpoint``.
 
-Owns the HTTP face of a :class:`~rollpoint.gym.fence.Fence`: one route per verb of
+Owns the HTTP face of a :class:`~rollpoint.participant.fence.Fence`: one route per verb of
 :mod:`rollpoint.protocol.control`, each guarded by the control bearer token and each
 reading its body with :func:`rollpoint.http.app.strict_json_body` into the verb's request
 model, in pydantic's strict mode: ``application/json`` in UTF-8 only (415 otherwise), a
@@ -27,9 +27,9 @@ from fastapi import Depends, FastAPI, Request, Response
 from fastapi.routing import APIRoute
 from pydantic import BaseModel
 
-from rollpoint.gym.fence import ControlSettings, Fence
 from rollpoint.http.app import error_response, strict_json_body
 from rollpoint.http.auth import BearerAuth
+from rollpoint.participant.fence import ControlSettings, Fence
 from rollpoint.protocol.control import (
     CONTROL_PREFIX,
     AckReply,

@@ -2,13 +2,14 @@
 
 Owns everything a control verb does to a participant apart from the participant's own
 state: which verb is legal in which phase (the transition table of
-:mod:`rollpoint.gym.phase_table`, applied by its :func:`next_phase`), which checkpoint id is active, the ids already resumed
+:mod:`rollpoint.participant.phase_table`, applied by its :func:`next_phase`), which checkpoint id is active, the ids already resumed
 (the last 64: a late call naming one is stale), the recorded replies that make prepare,
 commit and restore replayable, the lease that reopens a participant whose coordinator
 went away, and the retire marks every data-plane route checks with one call
-(:meth:`Fence.check_attempt`). It does not own the participant's state (the
-:class:`~rollpoint.gym.participant.Participant` hooks), the wire shapes
-(:mod:`rollpoint.protocol.control`), the routes (:mod:`rollpoint.gym.control_routes`) or
+(:meth:`Fence.check_attempt`; the marks are a :class:`~rollpoint.participant.retire_marks.RetireMarks`
+this fence alone writes, and servers that read them directly hold :attr:`Fence.marks`). It does not own the participant's state (the
+:class:`~rollpoint.participant.participant.Participant` hooks), the wire shapes
+(:mod:`rollpoint.protocol.control`), the routes (:mod:`rollpoint.participant.control_routes`) or
 the file format (:mod:`rollpoint.store.participant_state`)::
 
     idle --prepare--> preparing --ready--> prepared --commit--> committed
@@ -29,7 +30,7 @@ nothing moves) and then writes it. With ``wait_for_write: false`` it replies aft
 capture and writes nothing yet; ``confirm`` (which the coordinator sends after the resume)
 writes it and returns the manifest, so encoding and hashing run outside the snapshot pause
 and an aborted checkpoint writes nothing. The captures and writes themselves, and the last
-few kept for ``confirm``, are :mod:`rollpoint.gym.checkpoint_write`'s.
+few kept for ``confirm``, are :mod:`rollpoint.participant.checkpoint_write`'s.
 
 **Full collections.** While a fence runs, its process's automatic full garbage collections
 are off (:mod:`rollpoint.store.collector_schedule`): the fence runs one when its collector
@@ -50,16 +51,21 @@ from dataclasses import dataclass, field
 
 from pydantic import JsonValue
 
-from rollpoint.gym.checkpoint_write import REMEMBERED_WRITES, CheckpointWrite, CheckpointWrites
-from rollpoint.gym.episode_scope import EpisodeScope
-from rollpoint.gym.participant import (
+from rollpoint.participant.checkpoint_write import (
+    REMEMBERED_WRITES,
+    CheckpointWrite,
+    CheckpointWrites,
+)
+from rollpoint.participant.episode_scope import EpisodeScope
+from rollpoint.participant.participant import (
     CapturingParticipant,
     Participant,
     await_hook,
     call_hook,
     hook_error,
 )
-from rollpoint.gym.phase_table import Event, Step, next_phase
+from rollpoint.participant.phase_table import Event, Step, next_phase
+from rollpoint.participant.retire_marks import RetireMarks
 from rollpoint.protocol.control import (
     DETACHED_WRITE,
     MAX_REPORTED_BLOCKERS,
@@ -98,7 +104,6 @@ from rollpoint.protocol.errors import (
     NotFoundError,
     RestoreError,
     RollpointError,
-    StaleAttemptError,
     StaleCheckpointError,
 )
 from rollpoint.protocol.ids import EpisodeId, is_identifier
@@ -189,7 +194,7 @@ class Fence:
         )
         """The last commits by checkpoint id, kept past their resume for ``confirm``."""
         self._restored: _RestoreMemo | None = None
-        self._marks: dict[str, int] = {}
+        self._marks = RetireMarks()
         self._lease_changed = asyncio.Event()
         self._watcher: asyncio.Task[None] | None = None
         self._collector = ServerCollector(schedule)
@@ -214,17 +219,18 @@ class Fence:
         return self._lease_expires_at
 
     @property
+    def marks(self) -> RetireMarks:
+        """This participant's retire marks, the one copy: read them, never write them (the
+        fence's retire, restore and forget do)."""
+        return self._marks
+
+    @property
     def retire_marks(self) -> dict[str, int]:
-        return dict(self._marks)
+        return self._marks.as_dict()
 
     def check_attempt(self, episode: EpisodeId) -> None:
         """Refuse data-plane work of a retired attempt with :class:`StaleAttemptError`."""
-        mark = self._marks.get(episode.rollout_id)
-        if mark is not None and episode.attempt <= mark:
-            raise StaleAttemptError(
-                f"episode {episode.key} is retired (attempts up to {mark} of rollout "
-                f"{episode.rollout_id} are); a newer attempt owns it"
-            )
+        self._marks.check(episode)
 
     def status(self) -> StatusReply:
         self._first_use()
@@ -403,7 +409,7 @@ class Fence:
         async with self._lock:
             await self._reap_lease()
             self._admit(Verb.FORGET, None)
-            dropped = {r for r in req.rollout_ids if self._marks.pop(r, None) is not None}
+            dropped = set(self._marks.drop(req.rollout_ids))
             known = call_hook("forget", self._participant.forget, list(req.rollout_ids))
             return ForgetReply(forgotten=sorted(dropped | set(known)))
 
@@ -481,9 +487,7 @@ class Fence:
 
     def _raise_marks(self, wanted: dict[str, int]) -> dict[str, int]:
         """Raise each rollout's mark to at least ``wanted``; return the marks now held."""
-        for rollout_id, attempt in wanted.items():
-            self._marks[rollout_id] = max(self._marks.get(rollout_id, -1), attempt)
-        return {rollout_id: self._marks[rollout_id] for rollout_id in wanted}
+        return self._marks.raise_to(wanted)
 
     def _remember(self, checkpoint_id: str) -> None:
         self._resumed[checkpoint_id] = None

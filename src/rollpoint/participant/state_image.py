@@ -25,7 +25,7 @@ Entries are read in another thread after a capture: ``make`` must return values 
 changes afterwards (new containers, never updated ones).
 
 Does not own: what an entry holds or when the state changes (the participant), the scope,
-nor writing (:mod:`rollpoint.gym.checkpoint_write`).
+nor writing (:mod:`rollpoint.participant.checkpoint_write`).
 """
 
 from __future__ import annotations

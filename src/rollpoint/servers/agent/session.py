@@ -7,8 +7,8 @@ calls made, the assistant message whose tool calls are not applied yet, and the
 :class:`SessionRecord` a checkpoint saves (with :class:`FinishedReplyRecord` for replies
 held until acked), built again only when the session changed since its last export.
 
-Does not own: playing the episode (:mod:`rollpoint.gym.episode_runner`), the set of all
-sessions, counters and parking (:mod:`rollpoint.gym.session_book`).
+Does not own: playing the episode (:mod:`rollpoint.servers.agent.episode_runner`), the set of all
+sessions, counters and parking (:mod:`rollpoint.servers.agent.session_book`).
 
 States and moves (the table :data:`TRANSITIONS` is the truth)::
 

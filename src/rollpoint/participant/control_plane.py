@@ -1,0 +1,61 @@
+"""Switching a server's checkpoint control plane on: token, fence and routes, in one place.
+
+Owns the switch every participant uses, the built-in model, agent and resources servers
+included. :func:`mount_participant` takes the control token as an argument (this package
+reads nothing from the environment: the built-in servers load theirs from
+``ROLLPOINT_CONTROL_TOKEN`` when their app is made, and pass it; an empty one is a
+:class:`~rollpoint.protocol.errors.ConfigError`, so a server never starts with unguarded
+control routes), builds the :class:`~rollpoint.participant.fence.Fence` over the server's
+participant, mounts the control routes and keeps the fence on ``app.state.fence``.
+:func:`close_control_plane` stops the fence when the app shuts down.
+
+Does not own the phase machine (:mod:`rollpoint.participant.fence`), the routes
+(:mod:`rollpoint.participant.control_routes`) nor any server's state (its participant).
+"""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+
+from rollpoint.participant.control_routes import mount_control_routes
+from rollpoint.participant.fence import ControlSettings, Fence
+from rollpoint.participant.participant import Participant
+
+__all__ = ["close_control_plane", "control_fence", "mount_participant"]
+
+
+def mount_participant(
+    app: FastAPI,
+    participant: Participant,
+    *,
+    token: str,
+    snapshot_root: str,
+    lease_grace_s: float = 2.0,
+) -> Fence:
+    """Make ``app`` a checkpoint participant: a fence over ``participant`` and the control
+    routes, guarded by ``token`` (passed explicitly: nothing is read from the environment).
+
+    The SDK's one mounting function (``rollpoint.participant``), the built-in servers'
+    too. Returns the fence (also on ``app.state.fence``); close it with
+    :func:`close_control_plane` when the app shuts down.
+    """
+    settings = ControlSettings(
+        token=token, snapshot_root=snapshot_root, lease_grace_s=lease_grace_s
+    )
+    fence = Fence(participant, settings)
+    mount_control_routes(app, fence, settings)
+    app.state.fence = fence
+    return fence
+
+
+def control_fence(app: FastAPI) -> Fence | None:
+    """The fence mounted on ``app`` by :func:`mount_participant`, if any."""
+    fence = getattr(app.state, "fence", None)
+    return fence if isinstance(fence, Fence) else None
+
+
+async def close_control_plane(app: FastAPI) -> None:
+    """Stop the fence's lease task (the app is shutting down); a no-op when off."""
+    fence = control_fence(app)
+    if fence is not None:
+        await fence.aclose()

@@ -45,6 +45,8 @@ pytestmark = pytest.mark.chaos
 REF = "sandbox_env:SandboxEnvironment"
 GROUP_SIZE = 2
 MAX_RERUNS = 3
+TOOL_TURNS = 6
+"""The policy's tool calls an episode: its last call (the final answer) is turn TOOL_TURNS."""
 _CONTINUED = re.compile(r"(\d+)\s+episodes\s+continued")
 
 Scope = MutableMapping[str, Any]
@@ -94,7 +96,7 @@ class CallLog:
 
 @pytest.fixture
 def policy() -> Iterator[tuple[str, CallLog]]:
-    settings = PolicySettings(seed=0, latency_ms=40, error_rate=0.0, tool_turns=6)
+    settings = PolicySettings(seed=0, latency_ms=40, error_rate=0.0, tool_turns=TOOL_TURNS)
     log = CallLog(create_policy_app(settings))
     with serve_app(log) as url:  # type: ignore[arg-type]
         yield f"{url}/v1", log
@@ -109,7 +111,7 @@ def write_config(tmp_path: Path, **overrides: object) -> Path:
         "max_turns": 10,
         "replicas": 2,
         "concurrency": 8,
-        "policy": {"latency_ms": 40, "error_rate": 0, "tool_turns": 6},
+        "policy": {"latency_ms": 40, "error_rate": 0, "tool_turns": TOOL_TURNS},
         "snapshot": {"every_seconds": 0.3},
         "train": {"batch_size": 4},
     }
@@ -163,6 +165,18 @@ def _published(workdir: Path) -> set[str]:
     return {p.parent.name for p in store.glob("*/manifest.json")}
 
 
+def _newest_holds_depth(workdir: Path, before: set[str], turns: int) -> bool:
+    """The newest snapshot published since ``before`` holds an episode in flight that had
+    completed at least ``turns`` turns and has a policy call left: killed now, the rerun
+    continues it from there with a call."""
+    fresh = sorted(_published(workdir) - before)
+    if not fresh:
+        return False
+    store = workdir / invariants.SNAPSHOT_STORE_DIR / "snapshots"
+    manifest = orjson.loads((store / fresh[-1] / "manifest.json").read_bytes())
+    return any(turns <= e["turns_completed"] <= TOOL_TURNS for e in manifest["episodes"])
+
+
 def _has_checkpoint(workdir: Path) -> bool:
     return any((workdir / invariants.CHECKPOINTS_DIR).glob("step-*.json"))
 
@@ -204,16 +218,26 @@ def expected_tree(task: TaskRow, messages: list[dict[str, Any]]) -> tuple[bytes,
     return pack_tree(files), appends
 
 
-def crash_and_rerun(config: Path, workdir: Path) -> list[invariants.TrainedRollout]:
-    """SIGKILL the run once a snapshot follows its first train checkpoint, rerun it to the
-    end; the rollouts it trained, each row once (checked), some of them continued."""
+def crash_and_rerun(
+    config: Path, workdir: Path, *, depth: int = 1
+) -> list[invariants.TrainedRollout]:
+    """SIGKILL the run once a snapshot after its first train checkpoint holds an episode
+    ``depth`` turns in (the newest one: the rerun restores from it), rerun it to the end;
+    the rollouts it trained, each row once (checked), some of them continued.
+
+    Waiting for the depth, not for any snapshot, is what makes the crash test one: on a
+    loaded machine the first snapshot after the checkpoint could catch only episodes that
+    had not completed a turn (CI's did), and a continued episode then kept nothing."""
     started: list[RunProcess] = []
     try:
         run = RunProcess(config)
         started.append(run)
         run.wait_until(lambda: _has_checkpoint(workdir), "a train checkpoint")
         before = _published(workdir)
-        run.wait_until(lambda: bool(_published(workdir) - before), "a snapshot after it")
+        run.wait_until(
+            lambda: _newest_holds_depth(workdir, before, depth),
+            f"a snapshot after it holding an episode {depth} turn(s) in",
+        )
         assert run.proc.poll() is None, f"the run ended before the kill:\n{run.stderr[-2000:]}"
         assert run.kill() == [], "processes outlived the killed run"
 
@@ -338,7 +362,8 @@ def test_a_custom_loop_gets_its_state_back_after_sigkill_and_rerun(
 
     policy_url, log = policy
     config = write_config(tmp_path, policy={"base_url": policy_url}, agent_loop=LOOP)
-    rollouts = crash_and_rerun(config, tmp_path / "run")
+    # Killed with an episode past a fold, whose next call the rerun makes from the summary.
+    rollouts = crash_and_rerun(config, tmp_path / "run", depth=SummarizingLoop.every)
 
     # Every request the policy got is what the loop makes from the transcript, its state
     # threaded turn by turn from the start: a restore that lost the state (or handed back

@@ -58,7 +58,10 @@ def _tool_status(content: object) -> object:
 
 
 async def test_snapshots_of_a_live_job_hold_what_the_servers_held(tmp_path: Path) -> None:
-    config = job(tmp_path)
+    # Episodes in waves of four, each turn 200 ms: the job lasts several snapshot intervals,
+    # so snapshots land with episodes in flight even when a loaded machine delays the first
+    # ones (at 16 at once and 60 ms a turn, CI's job had ended before a snapshot caught one).
+    config = job(tmp_path, concurrency=4, policy={"latency_ms": 200, "error_rate": 0.0})
     async with embedded_job(config) as h:
         summary = await h.trainer.run()
     assert summary.episodes == 16 and not summary.failed_groups
@@ -131,8 +134,11 @@ async def test_snapshots_of_a_live_job_hold_what_the_servers_held(tmp_path: Path
 async def test_the_trainers_full_collections_run_on_the_schedule_for_the_run(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Due after every pause (not only 10 s apart), so a short job shows several.
+    # Due after every pause (not only 10 s apart), so a short job shows several. RATIO too:
+    # the schedule is the process's, and an earlier test's long full collection (a big heap
+    # late in the suite) times RATIO would otherwise push the next one past this job's end.
     monkeypatch.setattr(collector_schedule_module, "MIN_GAP_S", 0.0)
+    monkeypatch.setattr(collector_schedule_module, "RATIO", 0.0)
     schedule = collector_schedule()
     thresholds = gc.get_threshold()
     full: list[float] = []

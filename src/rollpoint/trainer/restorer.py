@@ -17,7 +17,9 @@ Owns choosing what to resume from and putting every piece back:
    serves is named, and so is one whose state would move but is not ``portable``;
 4. the saved ledger's in-flight set must equal saved + restarted + finished episodes
    (a mismatch names the episodes and replicas);
-5. every participant the manifest names restores, or none does: any failure goes through
+5. the saved attempts are stopped and dropped wherever servers that outlived the trainer
+   still run them (retire, forget, retire: servers left running by a trainer killed on its
+   own), then every participant the manifest names restores, or none does: any failure goes through
    one cleanup path (retire the next attempts, resume each participant exactly once) and a
    clear error. A live participant the manifest does not name (its replica was down at the
    cut) has nothing to install and is left alone;
@@ -41,6 +43,7 @@ import asyncio
 import logging
 import time
 from collections import Counter, defaultdict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -459,11 +462,9 @@ class Restorer:
         directory = f"{SNAPSHOTS_DIR}/{manifest.snapshot_id}/{PARTICIPANTS_SUBDIR}"
         deadline = time.time() + deadline_s
         clients = [t.client for t in plan]
-        # A failed restore into these same servers left retire marks on the next attempts
-        # (its cleanup); forget them first, or the continued attempts would be refused.
-        rollout_ids = sorted({e.rollout_id for t in plan for e in t.scope})
-        if rollout_ids:
-            await asyncio.gather(*(p.forget(rollout_ids) for p in clients), return_exceptions=True)
+        saved = sorted({e for t in plan for e in t.scope}, key=lambda e: e.key)
+        if saved:
+            await self._clear_for_install(saved, clients)
         results = await asyncio.gather(
             *(
                 t.client.restore(
@@ -490,6 +491,29 @@ class Restorer:
                 f"restore of snapshot {manifest.snapshot_id} failed, nothing kept: {'; '.join(failed)}"
             )
         await self._resume_all(restore_id, clients)
+
+    async def _clear_for_install(
+        self, saved: list[EpisodeId], clients: list[ParticipantClient]
+    ) -> None:
+        """Make room for the saved attempts on servers that may still run them.
+
+        Servers can outlive the trainer that took the snapshot (a trainer killed on its
+        own, its servers left running, as with ``rollpoint serve``): they still run its
+        attempts of the saved episodes, from past the cut. Retire stops them (an agent
+        cancels a live session at or under its mark); forget drops what they left (a
+        resources server's state of the rollout, and the marks a failed restore's cleanup
+        left on the next attempts, which would refuse the continued ones); a second retire
+        marks the saved attempts again, so a call of theirs still on the wire is refused.
+        The continued attempts are above those marks. On fresh servers all three find
+        nothing to stop or drop."""
+        rollout_ids = sorted({e.rollout_id for e in saved})
+
+        async def each(call: Callable[[ParticipantClient], Awaitable[object]]) -> None:
+            await asyncio.gather(*(call(p) for p in clients), return_exceptions=True)
+
+        await each(lambda p: p.retire(saved))
+        await each(lambda p: p.forget(rollout_ids))
+        await each(lambda p: p.retire(saved))
 
     async def _clean_up(self, restore_id: str, plan: list[_Target]) -> None:
         """The one cleanup path: the next attempts can never run, then each participant

@@ -13,6 +13,52 @@ The package is split by which side of the wire a module lives on:
 - ``trainer/``   RL side: ledger, dispatcher, finished-rollout queue, trainer loop
 - ``store/``     snapshot store (the only place that knows about files)
 - ``runtime/``   process launchers (the only place that knows about processes)
+
+The top level exports the trainer's façade (:class:`~rollpoint.rollouts.Rollouts`, see
+docs/trainers.md) and the config it takes, imported on first use (PEP 562), so that
+``import rollpoint.protocol`` or the participant SDK does not load the trainer side.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rollpoint.config import RunConfig, load_config, parse_config
+    from rollpoint.protocol.deployment import ServedDeployment
+    from rollpoint.rollouts import Rollouts, TrainBatch
+    from rollpoint.trainer.train_hooks import TrainSample, TrainTurn, token_segments
+
 __version__ = "0.1.0"
+
+__all__ = [
+    "Rollouts",
+    "RunConfig",
+    "ServedDeployment",
+    "TrainBatch",
+    "TrainSample",
+    "TrainTurn",
+    "load_config",
+    "parse_config",
+    "token_segments",
+]
+
+_HOMES = {
+    "Rollouts": "rollpoint.rollouts",
+    "TrainBatch": "rollpoint.rollouts",
+    "ServedDeployment": "rollpoint.protocol.deployment",
+    "RunConfig": "rollpoint.config",
+    "load_config": "rollpoint.config",
+    "parse_config": "rollpoint.config",
+    "TrainSample": "rollpoint.trainer.train_hooks",
+    "TrainTurn": "rollpoint.trainer.train_hooks",
+    "token_segments": "rollpoint.trainer.train_hooks",
+}
+
+
+def __getattr__(name: str) -> Any:
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'rollpoint' has no attribute {name!r}")
+    return getattr(importlib.import_module(home), name)

@@ -273,12 +273,12 @@ def serve(
     """
     import asyncio
 
-    import orjson
     from rich.table import Table
 
     from rollpoint.config import load_config
     from rollpoint.full_table import print_full
     from rollpoint.preemption import signal_name
+    from rollpoint.protocol.deployment import ServedDeployment
     from rollpoint.runtime.embedded import EmbeddedRuntime
     from rollpoint.store.workdir_lock import lock_workdir
     from rollpoint.trainer.control_plane import snapshot_root
@@ -304,11 +304,13 @@ def serve(
         async with runtime:
             assert runtime.deployment is not None
             if as_json:
-                doc = runtime.deployment.model_dump(mode="json") | {
-                    "control_token_file": str(token_file),
-                    "data_token_file": None if data_file is None else str(data_file),
-                }
-                typer.echo(orjson.dumps(doc).decode())
+                served = ServedDeployment(
+                    **runtime.deployment.model_dump(),
+                    control_token_file=str(token_file),
+                    data_token_file=None if data_file is None else str(data_file),
+                    snapshot_store=snapshot_root(config),
+                )
+                typer.echo(served.model_dump_json())
             table = Table(title=f"rollpoint servers ({config.environment})")
             for col in ("replica", "model", "agent", "resources"):
                 table.add_column(col)

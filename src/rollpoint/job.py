@@ -23,9 +23,10 @@ from pathlib import Path
 from rollpoint.config import RunConfig
 from rollpoint.http.client import HttpClient
 from rollpoint.preemption import StopRequest, drive_until_stopped
-from rollpoint.protocol.deployment import Deployment
+from rollpoint.protocol.deployment import Deployment, ServedDeployment
 from rollpoint.protocol.episode import TaskRow
 from rollpoint.protocol.errors import ConfigError, RestoreError
+from rollpoint.runtime.attached import AttachedRuntime
 from rollpoint.runtime.contract import Runtime, runtime_for
 from rollpoint.start_checks import check_store_writable, check_workdir_writable, unreadable
 from rollpoint.store.snapshot_store import SnapshotStore
@@ -47,6 +48,7 @@ from rollpoint.trainer.run_events import (
 )
 from rollpoint.trainer.train_checkpoint import TrainCheckpointStore
 from rollpoint.trainer.train_data import TrainData
+from rollpoint.trainer.train_hooks import TrainHooks
 from rollpoint.trainer.trainer_loop import TRAIN_DATA_FILE, RunSummary, Trainer
 
 log = logging.getLogger(__name__)
@@ -131,6 +133,16 @@ def _clip(text: str) -> str:
     return line if len(line) <= _CLIP else line[: _CLIP - 1] + "…"
 
 
+def _read_token(path: str) -> str:
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"token file {path}: {exc.strerror or exc}") from None
+    if not token:
+        raise ConfigError(f"token file {path} is empty")
+    return token
+
+
 async def drive_quietly(trainer: Trainer, runtime: Runtime, metrics: TrainerMetrics) -> RunSummary:
     """Run the trainer with the replica supervisor beside it; the first error stops both."""
     job = asyncio.create_task(trainer.run())
@@ -158,16 +170,30 @@ async def run_job(
     route: Route | None = None,
     data_token: str | None = None,
     stop: StopRequest | None = None,
+    hooks: TrainHooks | None = None,
+    attach: ServedDeployment | None = None,
 ) -> RunSummary:
     """``data_token`` guards the servers' data routes (one is made when None); a caller that
     talks to the servers itself (a benchmark reading their stats) passes its own. With
-    ``stop`` a signal ends the run after one final snapshot (see :mod:`rollpoint.preemption`)."""
+    ``stop`` a signal ends the run after one final snapshot (see :mod:`rollpoint.preemption`).
+    ``hooks`` update the policy (default: the simulated trainer). With ``attach`` the job
+    starts no servers: it runs on those ``rollpoint serve`` printed, with their tokens, and
+    leaves them running when it ends."""
     lock_workdir(config.workdir)  # held already when the CLI prepared the workdir
     tasks = load_tasks_for(config)
-    token = secrets.token_urlsafe(32)
-    # The data plane has a token of its own: whoever can call /run cannot snapshot or restore.
-    data_token = data_token or secrets.token_urlsafe(32)
     root = snapshot_root(config)
+    if attach is None:
+        token: str | None = secrets.token_urlsafe(32)
+        # The data plane has a token of its own: whoever can call /run cannot snapshot or restore.
+        data_token = data_token or secrets.token_urlsafe(32)
+    else:
+        if attach.snapshot_store is not None and attach.snapshot_store != root:
+            raise ConfigError(
+                f"snapshot.store: the servers write snapshots to {attach.snapshot_store}, "
+                f"this config to {root}; set snapshot.store to {attach.snapshot_store}"
+            )
+        token = _read_token(attach.control_token_file)
+        data_token = None if attach.data_token_file is None else _read_token(attach.data_token_file)
     await asyncio.to_thread(check_store_writable, root)  # before any server starts
     checkpoints = TrainCheckpointStore(config.workdir / "checkpoints")
     try:
@@ -198,7 +224,11 @@ async def run_job(
         )
     metrics = TrainerMetrics(config.workdir / "metrics.jsonl", config.workdir / EVENTS_FILE)
     events = metrics.run_events
-    runtime = runtime_for(config, control_token=token, data_token=data_token, snapshot_root=root)
+    runtime: Runtime = (
+        runtime_for(config, control_token=token, data_token=data_token, snapshot_root=root)
+        if attach is None
+        else AttachedRuntime(config, attach.deployment())
+    )
     control_http = HttpClient(token=token, timeout_s=60)
     data_http = HttpClient(token=data_token)
     try:
@@ -259,7 +289,13 @@ async def run_job(
                 )
             )
         trainer = Trainer(
-            config, deployment, tasks, client=data_http, control=control, restored=restored
+            config,
+            deployment,
+            tasks,
+            hooks=hooks,
+            client=data_http,
+            control=control,
+            restored=restored,
         )
         if stop is None:
             summary = await drive(trainer, runtime, metrics)

@@ -37,6 +37,7 @@ from rollpoint.policy.scripted_policy import PolicySettings, create_policy_app
 from rollpoint.servers.agent.episode_runner import episode_seed
 from rollpoint.testing import invariants
 from tests.support.live_server import serve_app
+from tests.support.run_dir import has_checkpoint, newest_holds_depth, published
 from tests.support.run_process import Finished, RunProcess
 from tests.support.serve_process import served
 
@@ -160,27 +161,6 @@ def test_rollpoint_conformance_passes_on_every_sandbox_server(
 
 
 # ---- a crash -----------------------------------------------------------------------------
-def _published(workdir: Path) -> set[str]:
-    store = workdir / invariants.SNAPSHOT_STORE_DIR / "snapshots"
-    return {p.parent.name for p in store.glob("*/manifest.json")}
-
-
-def _newest_holds_depth(workdir: Path, before: set[str], turns: int) -> bool:
-    """The newest snapshot published since ``before`` holds an episode in flight that had
-    completed at least ``turns`` turns and has a policy call left: killed now, the rerun
-    continues it from there with a call."""
-    fresh = sorted(_published(workdir) - before)
-    if not fresh:
-        return False
-    store = workdir / invariants.SNAPSHOT_STORE_DIR / "snapshots"
-    manifest = orjson.loads((store / fresh[-1] / "manifest.json").read_bytes())
-    return any(turns <= e["turns_completed"] <= TOOL_TURNS for e in manifest["episodes"])
-
-
-def _has_checkpoint(workdir: Path) -> bool:
-    return any((workdir / invariants.CHECKPOINTS_DIR).glob("step-*.json"))
-
-
 def _rerun_until_ok(config: Path, started: list[RunProcess]) -> list[Finished]:
     runs: list[Finished] = []
     while len(runs) < MAX_RERUNS:
@@ -232,10 +212,12 @@ def crash_and_rerun(
     try:
         run = RunProcess(config)
         started.append(run)
-        run.wait_until(lambda: _has_checkpoint(workdir), "a train checkpoint")
-        before = _published(workdir)
+        store = workdir / invariants.SNAPSHOT_STORE_DIR
+        run.wait_until(lambda: has_checkpoint(workdir), "a train checkpoint")
+        before = published(store)
         run.wait_until(
-            lambda: _newest_holds_depth(workdir, before, depth),
+            # With a policy call left: the rerun continues the episode with a call.
+            lambda: newest_holds_depth(store, before, depth, most=TOOL_TURNS),
             f"a snapshot after it holding an episode {depth} turn(s) in",
         )
         assert run.proc.poll() is None, f"the run ended before the kill:\n{run.stderr[-2000:]}"

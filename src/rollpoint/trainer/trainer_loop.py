@@ -163,6 +163,8 @@ class Trainer:
         self._http: HttpClient | None = None
         """The data-plane client while :meth:`run` runs."""
         self._restored = restored is not None
+        self.restored = restored
+        """The snapshot this run continues (None: it started fresh)."""
         self._lost_before_run: set[str] = set()
         self._stall_timeout_s = stall_timeout_s
         self._started = False

@@ -1,0 +1,88 @@
+"""A trainer loop of its own on servers `rollpoint serve` started, through the façade only.
+
+    rollpoint serve examples/workplace.yaml --json > served.json      # in one shell
+    python examples/own_trainer.py served.json runs/own-trainer       # in another
+
+The "policy update" is a stand-in (a running mean of advantages per task, saved as the
+weights); the shape is a real async RL loop's: pull a batch, update, save the weights, say
+done, snapshot every few seconds. Kill it anywhere (SIGKILL too) and run it again: it loads
+the weights of the step it resumed at, and nothing is trained twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+from rollpoint import Rollouts, RunConfig, ServedDeployment, parse_config
+
+SNAPSHOT_EVERY_S = 2.0
+
+
+def load_weights(workdir: Path, step: int) -> dict[str, float]:
+    """The weights saved after ``step`` (none before the first)."""
+    path = workdir / "weights" / f"step-{step}.json"
+    return json.loads(path.read_text()) if step > 0 else {}
+
+
+def save_weights(workdir: Path, step: int, weights: dict[str, float]) -> None:
+    folder = workdir / "weights"
+    folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f"step-{step}.json.tmp"
+    tmp.write_text(json.dumps(weights))
+    tmp.replace(folder / f"step-{step}.json")  # whole or absent, whenever we are killed
+
+
+async def snapshot_now_and_then(run: Rollouts) -> None:
+    while True:
+        await asyncio.sleep(SNAPSHOT_EVERY_S)
+        report = await run.snapshot()
+        print(f"snapshot {report.snapshot_id}: published={report.published}", flush=True)
+
+
+def job(served_file: Path, workdir: Path) -> tuple[ServedDeployment, RunConfig]:
+    """The servers to train on and the run's config (its workdir made)."""
+    served = ServedDeployment.model_validate_json(served_file.read_text())
+    config = parse_config(
+        {
+            "workdir": str(workdir),
+            "environment": "workplace",
+            "tasks": 16,
+            "group_size": 2,
+            "replicas": len(served.replicas),
+            "concurrency": 8,
+            "train": {"batch_size": 4},
+        }
+    )
+    workdir.mkdir(parents=True, exist_ok=True)
+    return served, config
+
+
+async def train(served: ServedDeployment, config: RunConfig) -> None:
+    async with Rollouts(config, deployment=served) as run:
+        if run.resumed_from:
+            print(
+                f"resumed from {run.resumed_from} at step {run.resumed_step}: "
+                f"{run.continued} episodes continued",
+                flush=True,
+            )
+        weights = load_weights(config.workdir, run.resumed_step)
+        snapshots = asyncio.create_task(snapshot_now_and_then(run))
+        try:
+            async for batch in run.batches():
+                for sample in batch.samples:  # the stand-in update
+                    old = weights.get(sample.task_id, 0.0)
+                    weights[sample.task_id] = old + 0.5 * (sample.advantage - old)
+                save_weights(config.workdir, batch.step, weights)
+                batch.done({"samples": float(len(batch.samples))})
+                print(f"step {batch.step}: {len(batch.samples)} samples", flush=True)
+        finally:
+            snapshots.cancel()
+        summary = await run.summary()
+    print(f"done: {summary.train_steps} steps, {summary.episodes} episodes", flush=True)
+
+
+if __name__ == "__main__":
+    asyncio.run(train(*job(Path(sys.argv[1]), Path(sys.argv[2]))))

@@ -1,0 +1,212 @@
+"""The trainer's façade: rollouts to train on, pulled by a loop of your own.
+
+Owns :class:`Rollouts`, the few calls a trainer author needs — open a run (on servers
+``rollpoint serve`` started, or on ones it starts), learn where it resumed, pull batches
+of finished prompt groups, say when a batch's update is done, take a snapshot — and
+:class:`TrainBatch`, one batch handed out. Everything else (the recovery ledger, the
+dispatcher, the finished-rollout queue, snapshots, ``train_data.jsonl`` and its
+checkpoints, the restore) runs underneath as it does for ``rollpoint run``: the façade
+drives :func:`rollpoint.job.run_job` with train hooks that hand each batch to the caller
+and wait for it to come back. So an RL loop keeps its own structure, and a run killed
+anywhere resumes at its last snapshot with nothing trained twice.
+
+What the trainer must persist itself: its weights (and optimizer) after each batch, before
+:meth:`TrainBatch.done` (rollpoint's checkpoint of step N then says rows up to N are
+trained); after a restore :attr:`Rollouts.resumed_step` is the step whose weights to load.
+See docs/trainers.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any, Self
+
+from rollpoint.config import RunConfig
+from rollpoint.job import Drive, drive_quietly, run_job
+from rollpoint.protocol.deployment import ServedDeployment
+from rollpoint.protocol.errors import InvalidPhaseError
+from rollpoint.runtime.contract import Runtime
+from rollpoint.trainer.cut import SaveReport
+from rollpoint.trainer.metrics import TrainerMetrics
+from rollpoint.trainer.train_hooks import TrainSample
+from rollpoint.trainer.trainer_loop import RunSummary, Trainer
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Rollouts", "ServedDeployment", "TrainBatch"]
+
+
+@dataclass
+class TrainBatch:
+    """One train step's rollouts: whole prompt groups, each sample with its GRPO advantage
+    and, with token capture on, its per-turn token ids and logprobs (``trajectory``)."""
+
+    step: int
+    """The train step this batch is (1 for the first a fresh run trains)."""
+    samples: list[TrainSample]
+    _reply: asyncio.Future[dict[str, float]] = field(repr=False)
+
+    def done(self, metrics: dict[str, float] | None = None) -> None:
+        """The update on this batch is over (your weights saved): rollpoint writes the
+        batch to ``train_data.jsonl``, checkpoints the step and moves on. ``metrics`` go to
+        the run's metrics log. Calling it twice is a no-op."""
+        if not self._reply.done():
+            self._reply.set_result(dict(metrics or {}))
+
+
+_END = object()
+
+
+class Rollouts:
+    """A run whose batches your loop pulls: ``async with Rollouts(config) as run``.
+
+    ``deployment``: the servers to run on, as ``rollpoint serve --json`` printed them (parse
+    the line with ``ServedDeployment.model_validate_json``); they are left running when the
+    run ends. Without it, the servers ``config.runtime`` names are started and stopped here.
+    ``fresh``: start over instead of resuming (a workdir with progress is refused).
+    """
+
+    def __init__(
+        self,
+        config: RunConfig,
+        *,
+        deployment: ServedDeployment | None = None,
+        fresh: bool = False,
+        say: Callable[[str], None] = log.info,
+    ) -> None:
+        if deployment is not None and deployment.snapshot_store and not config.snapshot.store:
+            # The servers write their part of every snapshot where they were told to.
+            config = config.model_copy(
+                update={
+                    "snapshot": config.snapshot.model_copy(
+                        update={"store": deployment.snapshot_store}
+                    )
+                }
+            )
+        self.config = config
+        self._deployment = deployment
+        self._fresh = fresh
+        self._say = say
+        self._batches: asyncio.Queue[TrainBatch | object] = asyncio.Queue()
+        self._trainer: asyncio.Future[Trainer] | None = None
+        self._job: asyncio.Task[RunSummary] | None = None
+        self._pending: TrainBatch | None = None
+
+    # --- the run ----------------------------------------------------------------------
+
+    async def __aenter__(self) -> Self:
+        """Lock the workdir, resume (or start), bring the servers up: back once batches
+        can be pulled. A run that cannot start raises here (one-line errors)."""
+        loop = asyncio.get_running_loop()
+        self._trainer = loop.create_future()
+        self._job = asyncio.create_task(self._run(self._drive_with(drive_quietly)))
+        started = asyncio.ensure_future(asyncio.shield(self._trainer))
+        either: set[asyncio.Future[Any]] = {started, self._job}
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
+        if not self._trainer.done():
+            started.cancel()
+            self._job.result()  # raises why the run did not start
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """Leaving before the run ended stops it (the latest snapshot is where a rerun
+        resumes); the servers this run started are stopped."""
+        job = self._job
+        if job is None:
+            return
+        if not job.done():
+            job.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            if exc is None:
+                await job
+            else:
+                await asyncio.gather(job, return_exceptions=True)
+
+    @property
+    def resumed_from(self) -> str | None:
+        """The snapshot this run continues (None: a fresh start)."""
+        restored = self._started().restored
+        return None if restored is None else restored.snapshot_id
+
+    @property
+    def resumed_step(self) -> int:
+        """The train step the run resumed at: the weights to load are that step's (0: none)."""
+        restored = self._started().restored
+        return 0 if restored is None else restored.checkpoint.step
+
+    @property
+    def continued(self) -> int:
+        """How many episodes the restore continued at their last completed turn."""
+        restored = self._started().restored
+        return 0 if restored is None else len(restored.continued)
+
+    async def batches(self) -> AsyncIterator[TrainBatch]:
+        """Each train step's batch, until every prompt group is trained (or failed). A
+        batch not yet :meth:`~TrainBatch.done` when the next is asked for is done then."""
+        while True:
+            if self._pending is not None:
+                self._pending.done()
+                self._pending = None
+            item = await self._batches.get()
+            if item is _END:
+                return
+            assert isinstance(item, TrainBatch)
+            self._pending = item
+            yield item
+
+    async def snapshot(self) -> SaveReport:
+        """Take one snapshot now (besides those ``snapshot.every_seconds`` takes)."""
+        coordinator = self._started().coordinator
+        if coordinator is None:
+            raise InvalidPhaseError("rollouts: this run has no control plane to snapshot")
+        return await coordinator.save()
+
+    async def summary(self) -> RunSummary:
+        """The run's end: wait for it (every batch pulled and done) and return its figures."""
+        if self._job is None:
+            raise InvalidPhaseError("rollouts: the run was never opened (use async with)")
+        return await self._job
+
+    # --- underneath -------------------------------------------------------------------
+
+    def _started(self) -> Trainer:
+        if self._trainer is None or not self._trainer.done():
+            raise InvalidPhaseError("rollouts: the run is not open (use async with)")
+        return self._trainer.result()
+
+    async def _run(self, drive: Drive) -> RunSummary:
+        try:
+            return await run_job(
+                self.config,
+                fresh=self._fresh,
+                say=self._say,
+                drive=drive,
+                hooks=self,
+                attach=self._deployment,
+            )
+        finally:
+            self._batches.put_nowait(_END)
+
+    def _drive_with(self, drive: Drive) -> Drive:
+        async def noted(trainer: Trainer, runtime: Runtime, metrics: TrainerMetrics) -> RunSummary:
+            assert self._trainer is not None
+            self._trainer.set_result(trainer)
+            return await drive(trainer, runtime, metrics)
+
+        return noted
+
+    async def train_step(self, step: int, batch: list[TrainSample]) -> dict[str, float]:
+        """The trainer loop's hook: hand the batch out, wait for it to be done."""
+        reply: asyncio.Future[dict[str, float]] = asyncio.get_running_loop().create_future()
+        await self._batches.put(TrainBatch(step, batch, reply))
+        return await reply

@@ -1,0 +1,115 @@
+"""examples/own_trainer.py as its user would run it: on `rollpoint serve` servers, SIGKILLed
+after a snapshot, rerun to the end.
+
+The example uses only the façade (``rollpoint.Rollouts``); the servers outlive the killed
+trainer, as a trainer's own cluster's would. Held to: every row trained exactly once
+(I1, from ``train_data.jsonl``), the rerun resumed from a snapshot and continued episodes
+there, and a continued episode kept the turns it had made before the kill (its pre-cut
+model calls are the first attempt's, not regenerated).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import orjson
+import pytest
+import yaml
+
+from rollpoint.envs import get_environment
+from rollpoint.testing import invariants
+from tests.support.run_dir import has_checkpoint, newest_holds_depth, published
+from tests.support.serve_process import served
+
+pytestmark = pytest.mark.chaos
+
+EXAMPLE = Path(__file__).parents[2] / "examples" / "own_trainer.py"
+TASKS, GROUP_SIZE = 16, 2  # what the example's config says
+_RESUMED = re.compile(r"resumed from (\S+) at step (\d+): (\d+) episodes continued")
+
+
+def _start(served_file: Path, workdir: Path, out: Path) -> subprocess.Popen[bytes]:
+    with out.open("ab") as sink:
+        return subprocess.Popen(
+            [sys.executable, str(EXAMPLE), str(served_file), str(workdir)],
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+
+
+def test_own_trainer_killed_after_a_snapshot_resumes_and_trains_every_row_once(
+    tmp_path: Path,
+) -> None:
+    servers = tmp_path / "servers"
+    servers.mkdir()
+    config = tmp_path / "serve.yaml"
+    # 200 ms a policy call: the example's 32 episodes outlast several snapshots.
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "workdir": str(servers),
+                "environment": "workplace",
+                "tasks": TASKS,
+                "group_size": GROUP_SIZE,
+                "replicas": 2,
+                "policy": {"latency_ms": 200, "error_rate": 0},
+            }
+        )
+    )
+    workdir, out = tmp_path / "trainer", tmp_path / "trainer.out"
+    with served(config) as deployment:
+        served_file = tmp_path / "served.json"
+        served_file.write_bytes(orjson.dumps(deployment))
+        store = Path(deployment["snapshot_store"])
+        first = _start(served_file, workdir, out)
+        try:
+            deadline = time.monotonic() + 120
+            before: set[str] | None = None
+            while True:
+                assert first.poll() is None, (
+                    f"the trainer ended before the kill:\n{out.read_text()}"
+                )
+                assert time.monotonic() < deadline, f"no kill moment in 120 s:\n{out.read_text()}"
+                if before is None and has_checkpoint(workdir):
+                    before = published(store)
+                if before is not None and newest_holds_depth(store, before, 1):
+                    break
+                time.sleep(0.01)
+            os.killpg(first.pid, signal.SIGKILL)
+            first.wait(timeout=20)
+        finally:
+            if first.poll() is None:
+                os.killpg(first.pid, signal.SIGKILL)
+        killed_at = len(out.read_text())
+        rerun = _start(served_file, workdir, out)
+        assert rerun.wait(timeout=240) == 0, out.read_text()[killed_at:]
+
+    said = out.read_text()[killed_at:]
+    assert "Traceback" not in said, said
+    match = _RESUMED.search(said)
+    assert match and int(match.group(3)) > 0, said
+    tasks = get_environment("workplace").make_tasks(TASKS, 0)
+    rollouts, unreadable = invariants.read_train_data(workdir)
+    found = [
+        *unreadable,
+        *invariants.check_exactly_once(rollouts, invariants.expected_rows(tasks, GROUP_SIZE)),
+    ]
+    assert found == [], invariants.report(found)
+    kept = [
+        r
+        for r in rollouts
+        if r.attempt >= 1
+        and r.model_calls is not None
+        and any(c.attempt < r.attempt for c in r.model_calls)
+    ]
+    assert kept, "no continued rollout kept a turn from before the kill"
+    # The weights the rerun loaded are the ones saved at the step it resumed at.
+    assert (workdir / "weights" / f"step-{match.group(2)}.json").exists()

@@ -1,0 +1,72 @@
+"""The trainer's public surface: the top-level names, loaded on first use, and the parts of
+the façade that need no servers (the served deployment line, the attached runtime)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import rollpoint
+from rollpoint.config import parse_config
+from rollpoint.protocol.deployment import ServedDeployment
+from rollpoint.protocol.errors import ConfigError, LaunchError
+from rollpoint.runtime.attached import AttachedRuntime
+
+SERVED = (
+    '{"replicas":[{"name":"replica-0","model_url":"http://127.0.0.1:1","agent_url":'
+    '"http://127.0.0.1:2","resources_url":"http://127.0.0.1:3"}],"policy_url":'
+    '"http://127.0.0.1:4/v1","control_token_file":"/w/control.token","data_token_file":null,'
+    '"snapshot_store":"/w/snapshots"}'
+)
+
+
+def test_the_top_level_exports_are_pinned_and_each_resolves() -> None:
+    assert rollpoint.__all__ == [
+        "Rollouts",
+        "RunConfig",
+        "ServedDeployment",
+        "TrainBatch",
+        "TrainSample",
+        "TrainTurn",
+        "load_config",
+        "parse_config",
+        "token_segments",
+    ]
+    for name in rollpoint.__all__:
+        assert getattr(rollpoint, name).__name__ == name
+    with pytest.raises(AttributeError, match="no attribute 'Trainer'"):
+        rollpoint.Trainer  # noqa: B018
+
+
+def test_importing_the_protocol_does_not_load_the_trainer_side() -> None:
+    code = (
+        "import sys, rollpoint.protocol.deployment; "
+        "print(sorted(m for m in sys.modules if m.startswith(('rollpoint.trainer', 'rollpoint.job'))))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_the_line_serve_prints_parses_unchanged() -> None:
+    served = ServedDeployment.model_validate_json(SERVED)
+    assert served.snapshot_store == "/w/snapshots" and served.data_token_file is None
+    assert served.deployment().replicas[0].agent_url == "http://127.0.0.1:2"
+
+
+async def test_the_attached_runtime_hands_back_the_servers_and_restarts_none() -> None:
+    served = ServedDeployment.model_validate_json(SERVED)
+    config = parse_config({"workdir": "/tmp/x", "environment": "math", "tasks": 1, "replicas": 1})
+    async with AttachedRuntime(config, served.deployment()) as runtime:
+        assert runtime.deployment == served.deployment()
+        with pytest.raises(LaunchError, match="replica-0 is not this trainer's to restart"):
+            await runtime.restart_replica("replica-0")
+    assert runtime.deployment is None
+
+
+def test_the_attached_runtime_refuses_another_replica_count() -> None:
+    served = ServedDeployment.model_validate_json(SERVED)
+    config = parse_config({"workdir": "/tmp/x", "environment": "math", "tasks": 1, "replicas": 2})
+    with pytest.raises(ConfigError, match=r"replicas: the config says 2, the deployment has 1"):
+        AttachedRuntime(config, served.deployment())

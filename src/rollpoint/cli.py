@@ -399,15 +399,15 @@ def report(
     crashed, resumed or finished run)."""
     import orjson
 
-    try:
-        from rollpoint.report import read_run, write_report
-    except ImportError as exc:
+    from rollpoint.extras import extra_message, missing
+
+    if missing("report"):
         console.print(
-            f"[bold red]error:[/] rollpoint report needs {exc.name}: "
-            "pip install 'rollpoint[report]'",
-            highlight=False,
+            f"[bold red]error:[/] {extra_message('report', 'rollpoint report')}", highlight=False
         )
-        raise typer.Exit(code=1) from None
+        raise typer.Exit(code=1)
+    from rollpoint.report import read_run, write_report
+
     try:
         record = read_run(workdir, store)
     except RollpointError as exc:

@@ -1,22 +1,23 @@
 """What ``rollpoint inspect`` shows: a run's snapshots and the contents of the latest.
 
 Read-only: it opens the store without cleaning leftovers (a live run may be writing a
-snapshot right now) and never changes a file.
+snapshot right now) and never changes a file. :func:`build_report` needs no extra (the
+``report`` page reads it too); :func:`render_report` draws with rich (the ``cli`` extra).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
-from rich.console import Console
-from rich.table import Table
 
-from rollpoint.full_table import print_full
 from rollpoint.protocol.errors import ConfigError
 from rollpoint.store.snapshot_store import SnapshotStore
 from rollpoint.trainer.coordinator import TQ_FILE
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 
 def build_report(root: str, *, workdir: Path | None = None) -> dict[str, Any]:
@@ -76,6 +77,10 @@ def build_report(root: str, *, workdir: Path | None = None) -> dict[str, Any]:
 
 
 def render_report(report: dict[str, Any], console: Console) -> None:
+    from rich.table import Table
+
+    from rollpoint.full_table import print_full
+
     table = Table(title="snapshots (newest first)")
     for col in ("id", "published", "train step", "pause", "saved", "restarts"):
         table.add_column(col)

@@ -7,6 +7,9 @@ exact export: both hands, the face-up card's display and the env's PCG64 bit-gen
 state, so a restored game deals the very same next cards. Each tool answers JSON
 ``{"player_sum", "dealer_card", "usable_ace", "done", "outcome"}``.
 
+Gymnasium and numpy come with the ``gym`` extra: the class imports without them (the
+registry lists every built-in), and building one without them is a one-line ConfigError.
+
 Prompt (parsed by the scripted policy, keep it character for character)::
 
     Play one hand of blackjack. Call blackjack_status to see your hand, then blackjack_hit or blackjack_stand until the hand is over.
@@ -19,17 +22,19 @@ import random
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Annotated, Any, ClassVar
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 
-import gymnasium as gym
-import numpy as np
 from pydantic import Field, JsonValue, ValidationError
 
 from rollpoint.envs.base import Environment, NoArguments, Tool, ToolArgumentError
+from rollpoint.extras import need
 from rollpoint.protocol.episode import TaskRow, VerifyReply
 from rollpoint.protocol.errors import EpisodeError, InvalidCheckpointStateError
 from rollpoint.protocol.model_base import StrictModel
 from rollpoint.protocol.participant import CheckpointMode
+
+if TYPE_CHECKING:
+    import numpy as np
 
 BLACKJACK_PROMPT = (
     "Play one hand of blackjack. Call blackjack_status to see your hand, "
@@ -102,6 +107,8 @@ def _params(task: TaskRow) -> BlackjackParams:
 
 
 def _new_game(seed: int) -> Any:
+    import gymnasium as gym
+
     env = gym.make("Blackjack-v1", natural=False, sab=False)
     env.reset(seed=seed)
     return env
@@ -174,6 +181,11 @@ class BlackjackEnvironment(Environment[BlackjackState]):
     checkpoint_mode: ClassVar[CheckpointMode] = CheckpointMode.TURN
     reproducible_start: ClassVar[bool] = True  # the deal is seeded by the task
 
+    def __init__(self) -> None:
+        # Here, not at the first deal: a job builds one to make its tasks, before any server.
+        need("gym", "the blackjack environment")
+        super().__init__()
+
     def _make_task(self, index: int, rng: random.Random) -> TaskRow:
         return TaskRow(
             task_id=self.task_id(index),
@@ -245,6 +257,8 @@ def _generator(task: TaskRow, saved: _RngState) -> np.random.Generator:
             f"blackjack state of task {task.task_id}: bit generator {saved.bit_generator!r},"
             " want 'PCG64'"
         )
+    import numpy as np
+
     bit_generator = np.random.PCG64()
     try:
         bit_generator.state = {

@@ -100,6 +100,8 @@ def get_environment(ref: str) -> Environment[Any]:
     cls = resolve_environment(ref)
     try:
         return cls()
+    except ConfigError:
+        raise  # already says what is wrong (a missing extra: rollpoint.extras)
     except Exception as exc:
         raise ConfigError(
             f"environment {ref!r}: {cls.__qualname__}() failed ({type(exc).__name__}: {exc})"

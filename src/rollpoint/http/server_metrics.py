@@ -12,19 +12,25 @@ time (nothing is locked or formatted per call); only latency histograms are obse
 call (:meth:`ServerMetrics.histogram`). ``/metrics`` is open like ``/healthz`` (see
 :mod:`rollpoint.http.auth`): it shows counts, never episodes, messages or tokens.
 Every name starts with ``rollpoint_``; docs/guide.md lists them.
+
+prometheus-client comes with the ``metrics`` extra: importing this module needs none (a
+server that is never built never asks for it); a :class:`ServerMetrics` does.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from fastapi import FastAPI
 from fastapi.responses import Response
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
+
+from rollpoint.extras import need
+
+if TYPE_CHECKING:
+    from prometheus_client import Histogram
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 METRICS_PATH = "/metrics"
 
@@ -46,12 +52,16 @@ class Reading:
     """Labels beyond ``server`` and ``replica``; every reading of one name has the same keys."""
 
 
-class _Readings(Collector):
+class _Readings:
+    """A prometheus-client ``Collector`` (a protocol: no import of it needed)."""
+
     def __init__(self, read: Callable[[], Iterable[Reading]], base: Mapping[str, str]) -> None:
         self._read = read
         self._base = base
 
     def collect(self) -> Iterator[Metric]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
         families: dict[str, CounterMetricFamily | GaugeMetricFamily] = {}
         for r in self._read():
             family = families.get(r.name)
@@ -67,6 +77,9 @@ class ServerMetrics:
     """The registry of one server app, with its ``server`` and ``replica`` labels."""
 
     def __init__(self, *, server: str, replica: str) -> None:
+        need("metrics", f"the {server} server's /metrics")
+        from prometheus_client import CollectorRegistry
+
         self.registry = CollectorRegistry()
         self._base = {"server": server, "replica": replica}
 
@@ -76,6 +89,8 @@ class ServerMetrics:
 
     def histogram(self, name: str, doc: str, buckets: Sequence[float]) -> Histogram:
         """A histogram with this server's labels bound: call ``observe`` on it."""
+        from prometheus_client import Histogram
+
         family = Histogram(
             name, doc, list(self._base), registry=self.registry, buckets=tuple(buckets)
         )
@@ -83,10 +98,14 @@ class ServerMetrics:
         return child
 
     def render(self) -> bytes:
+        from prometheus_client import generate_latest
+
         return generate_latest(self.registry)
 
     def mount(self, app: FastAPI) -> None:
         """Serve the registry at ``GET /metrics`` on ``app``."""
+
+        from prometheus_client import CONTENT_TYPE_LATEST
 
         async def metrics() -> Response:
             return Response(self.render(), media_type=CONTENT_TYPE_LATEST)

@@ -23,6 +23,7 @@ from types import TracebackType
 from typing import Any
 
 from rollpoint.config import RunConfig
+from rollpoint.extras import need
 from rollpoint.protocol.deployment import Deployment, ReplicaEndpoints
 from rollpoint.protocol.errors import LaunchError, RollpointError
 from rollpoint.runtime.contract import OnDown, OnUp
@@ -52,6 +53,7 @@ class RayRuntime:
     ) -> None:
         """Same arguments as :class:`EmbeddedRuntime`, whose driver-side part (the policy,
         the servers' environment and specs) this runtime reuses."""
+        need("ray", "the Ray runtime (runtime: ray)")
         self.config = config
         self._driver = EmbeddedRuntime(
             config,

@@ -16,6 +16,7 @@ ids it used are resumed and its rollouts forgotten in a ``finally``; a case that
 the participant held stops the run (the remaining cases are reported as not run).
 
 It does not start servers (tests do) and does not check the data plane.
+:func:`check_participant` needs no extra; the printed table needs rich (the ``cli`` extra).
 """
 
 from __future__ import annotations
@@ -25,11 +26,10 @@ import secrets
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
 from pydantic import computed_field
-from rich.console import Console
-from rich.table import Table
 
 from rollpoint.http.auth import load_token
 from rollpoint.protocol.control import Phase, Verb
@@ -37,6 +37,9 @@ from rollpoint.protocol.errors import ConfigError, RollpointError, TransportErro
 from rollpoint.protocol.model_base import StrictModel
 from rollpoint.testing.conformance_cases import CASES, Case
 from rollpoint.testing.conformance_probe import CaseFailed, Probe, Trial
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 __all__ = ["CaseResult", "ConformanceReport", "check_participant", "conformance_command"]
 
@@ -68,6 +71,8 @@ class ConformanceReport(StrictModel):
         return [c for c in self.cases if not c.passed]
 
     def to_table(self) -> Table:
+        from rich.table import Table
+
         title = f"conformance of {self.participant or 'participant'} at {self.url}"
         table = Table(title=title, title_justify="left")
         table.add_column("case")
@@ -180,6 +185,8 @@ def conformance_command(
     0 when every case passed, 1 when one failed or the URL cannot be reached, 2 for bad
     input (an unreadable or empty token file, a URL that is not http(s)).
     """
+    from rich.console import Console
+
     errors = Console(stderr=True)
     try:
         if not url.startswith(("http://", "https://")):

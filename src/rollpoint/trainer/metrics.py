@@ -7,6 +7,9 @@ not decide when anything is measured: the coordinator and trainer loop call the
 ``record_*`` methods, and the trainer loop hands :meth:`TrainerMetrics.watch` a function
 that returns its counts (:class:`RunCounts`), read at each scrape, so the data plane pays
 nothing per row. Every name starts with ``rollpoint_``; docs/guide.md lists them.
+
+prometheus-client comes with the ``metrics`` extra: importing this module needs none (the
+trainer imports :class:`RunCounts` from here); a :class:`TrainerMetrics` does.
 """
 
 from __future__ import annotations
@@ -16,15 +19,16 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
 
+from rollpoint.extras import need
 from rollpoint.protocol.errors import ConfigError
 from rollpoint.trainer.run_events import RunEvents
+
+if TYPE_CHECKING:
+    from prometheus_client.core import Metric
 
 # Pauses are expected in the milliseconds-to-seconds range; buckets cover 1 ms .. 60 s.
 _PAUSE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
@@ -54,13 +58,16 @@ class RunCounts:
     """Row failures by error code (transport ones are re-sent; the others fail a group)."""
 
 
-class _RunCollector(Collector):
-    """Reads :class:`RunCounts` at scrape time."""
+class _RunCollector:
+    """Reads :class:`RunCounts` at scrape time (a prometheus-client ``Collector``: that is a
+    protocol, so this class needs no import of it)."""
 
     def __init__(self) -> None:
         self.source: Callable[[], RunCounts] | None = None
 
     def collect(self) -> Iterator[Metric]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
         if self.source is None:
             return
         c = self.source()
@@ -102,6 +109,9 @@ class _RunCollector(Collector):
 
 class TrainerMetrics:
     def __init__(self, jsonl_path: Path | None = None, events_path: Path | None = None) -> None:
+        need("metrics", "the trainer's metrics (a job's /metrics and snapshot timings)")
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
         self.run_events = RunEvents(events_path)
         """The run's event log (``run_events.jsonl``): restores, replicas, train steps, samples."""
         self.registry = CollectorRegistry()
@@ -195,6 +205,8 @@ class TrainerMetrics:
         """Serve ``/metrics`` in a background thread; return the bound port.
 
         A port that cannot be bound is a :class:`ConfigError` naming ``metrics.port``."""
+        from prometheus_client import start_http_server
+
         try:
             server, _thread = start_http_server(port, addr=host, registry=self.registry)
         except OSError as exc:

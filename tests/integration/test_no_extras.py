@@ -97,6 +97,7 @@ def test_the_library_imports_without_extras(venv: Path) -> None:
         "import rollpoint.servers.resources.resources_server\n"
         "from rollpoint.trainer import Trainer, RecoveryLedger\n"
         "from rollpoint.participant import Fence, mount_participant\n"
+        "from rollpoint import Rollouts, ServedDeployment, TrainBatch, parse_config\n"
         "from rollpoint.envs import get_environment\n"
         "get_environment('workplace'), get_environment('math')\n"
         "print(rollpoint.__file__)"

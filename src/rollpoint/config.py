@@ -160,6 +160,17 @@ class PreemptionConfig(_Section):
     finish in time is abandoned and the previous one holds the run."""
 
 
+DEFAULT_FORWARD_ENV = (
+    "AWS_*",
+    "GOOGLE_APPLICATION_CREDENTIALS",
+    "GOOGLE_CLOUD_PROJECT",
+    "AZURE_STORAGE_*",
+    "FSSPEC_*",
+)
+"""What ``ray.forward_env`` copies by default: the credentials and endpoints s3fs
+(botocore), gcsfs and adlfs read, and fsspec's own configuration variables."""
+
+
 class RayConfig(_Section):
     """Where the replicas run when ``runtime: ray``; ignored on the embedded runtime."""
 
@@ -168,6 +179,14 @@ class RayConfig(_Section):
     ``ray://host:10001`` (or ``host:6379``) connects to that cluster."""
     num_cpus_per_replica: Annotated[float, Field(gt=0)] = 1.0
     """CPUs Ray reserves for each replica actor (its three server processes)."""
+    forward_env: list[Annotated[str, Field(min_length=1)]] = Field(
+        default_factory=lambda: list(DEFAULT_FORWARD_ENV)
+    )
+    """Environment variables (``fnmatch`` patterns) copied from the trainer's environment
+    to every replica's server processes: a cluster's workers were started elsewhere and
+    have none of it. The default covers the object stores fsspec reaches (S3 and
+    S3-compatible, GCS, Azure), so ``snapshot.store: s3://…`` works on Ray as on the
+    embedded runtime. Tokens are not forwarded this way (they travel as actor arguments)."""
 
 
 class MetricsConfig(_Section):

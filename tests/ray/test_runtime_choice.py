@@ -114,3 +114,23 @@ def test_a_plan_crosses_to_an_actor_as_json_unchanged() -> None:
 )
 def test_an_actor_hands_out_urls_other_nodes_can_reach(url: str, expected: str) -> None:
     assert advertised(url, "10.1.2.3") == expected
+
+
+def test_the_store_credentials_are_what_the_actors_get_forwarded() -> None:
+    from rollpoint.runtime.ray_runtime import forwarded_env
+
+    environ = {
+        "AWS_ENDPOINT_URL": "http://127.0.0.1:9000",
+        "AWS_SECRET_ACCESS_KEY": "s",
+        "GOOGLE_APPLICATION_CREDENTIALS": "/k.json",
+        "HOME": "/root",
+        "ROLLPOINT_CONTROL_TOKEN": "t",
+    }
+    default = parse_config({}).ray.forward_env
+    assert forwarded_env(default, environ) == {
+        "AWS_ENDPOINT_URL": "http://127.0.0.1:9000",
+        "AWS_SECRET_ACCESS_KEY": "s",
+        "GOOGLE_APPLICATION_CREDENTIALS": "/k.json",
+    }
+    assert forwarded_env(["HOME"], environ) == {"HOME": "/root"}
+    assert forwarded_env([], environ) == {}

@@ -18,6 +18,8 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import Mapping
+from fnmatch import fnmatchcase
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -39,6 +41,12 @@ log = logging.getLogger(__name__)
 # A replica that Ray cannot place (too few free CPUs) must fail the start, not hang it.
 PLACEMENT_TIMEOUT_S = 120.0
 _STOP_GRACE_S = 5.0
+
+
+def forwarded_env(patterns: list[str], environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The variables of ``environ`` (default: this process's) that ``ray.forward_env`` names."""
+    source = os.environ if environ is None else environ
+    return {k: v for k, v in source.items() if any(fnmatchcase(k, p) for p in patterns)}
 
 
 class RayRuntime:
@@ -162,7 +170,7 @@ class RayRuntime:
                 self._plan.model_dump_json(),
                 replica_index(name),
                 name in self._restarts,
-                self._driver.group.env,
+                {**forwarded_env(self.config.ray.forward_env), **self._driver.group.env},
                 self._log_dir,
             )
         )

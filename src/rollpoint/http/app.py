@@ -1,8 +1,9 @@
 """FastAPI application factory shared by every rollpoint server.
 
 Owns: JSON rendering (orjson), the error envelope (every :class:`RollpointError` becomes
-``{"error": {code, message, retryable}}`` with its status; a malformed body becomes a 422
-whose message names the field, one that cannot be decoded a 400 ``bad_request``; on the
+``{"error": {code, message, retryable}}`` with the status the error tree gives its code,
+and no other: a malformed body is a 400 ``bad_request`` whose message names the field, as
+is one that cannot be decoded; on the
 OpenAI-compatible routes, ``/v1/*``, the envelope also carries OpenAI's ``type`` and
 ``param``, and an unknown ``/v1`` route is a 404 in that shape too), the strict reading of a
 request body (:func:`strict_json_body`: UTF-8 JSON with its content type, validated in
@@ -49,13 +50,13 @@ OPENAI_PREFIX = "/v1/"
 
 
 def error_response(
-    err: RollpointError, path: str = "", *, param: str | None = None, status: int | None = None
+    err: RollpointError, path: str = "", *, param: str | None = None
 ) -> JsonResponse:
-    """The envelope of ``err`` with its status (or ``status``); OpenAI's shape when
-    ``path`` is an OpenAI route."""
+    """The envelope of ``err`` with its class's status; OpenAI's shape when ``path`` is an
+    OpenAI route. The status is never chosen here: one code, one status, set in the tree."""
     openai = path.startswith(OPENAI_PREFIX)
     body = err.to_openai_wire(param) if openai else err.to_wire()
-    return JsonResponse(body, status_code=err.status if status is None else status)
+    return JsonResponse(body, status_code=err.status)
 
 
 def _validation_field(exc: RequestValidationError) -> str:
@@ -82,7 +83,8 @@ async def strict_json_body(request: Request, model: type[ModelT]) -> ModelT:
       otherwise :class:`BadRequestError` (400) saying so (a truncated body is named as such);
     - the value is validated in pydantic's strict mode, so nothing is coerced (no string to
       number or bool, no bool to int, no float to int; a JSON integer is still a number
-      for a float field): a bad field is :class:`RequestValidationError`, the 422 naming it.
+      for a float field): a bad field is :class:`RequestValidationError`, answered as a
+      :class:`BadRequestError` (400) naming it.
     """
     _check_json_content_type(request.headers.get("content-type"))
     raw = await request.body()
@@ -148,9 +150,10 @@ def create_app(title: str, *, data_token: str | None = None, **kwargs: Any) -> F
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
-        # A body that does not match the route's model: 422, the field named.
+        # A body that does not match the route's model is a bad request like any other
+        # (400, bad_request's one status), with the field named.
         err = BadRequestError(_validation_message(exc))
-        return error_response(err, request.url.path, param=_validation_field(exc), status=422)
+        return error_response(err, request.url.path, param=_validation_field(exc))
 
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, exc: HTTPException) -> Response:

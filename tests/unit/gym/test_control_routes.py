@@ -134,7 +134,7 @@ async def test_a_refusal_is_409_with_code_and_message(
         ({"checkpoint_id": "c1", "deadline_ts": "soon"}, "deadline_ts"),
     ],
 )
-async def test_malformed_bodies_are_422_naming_the_field_and_change_nothing(
+async def test_malformed_bodies_are_400_naming_the_field_and_change_nothing(
     client: httpx.AsyncClient,
     fence: Fence,
     participant: FakeParticipant,
@@ -142,7 +142,8 @@ async def test_malformed_bodies_are_422_naming_the_field_and_change_nothing(
     field: str,
 ) -> None:
     reply = await post(client, "prepare", body)
-    assert reply.status_code == 422 and field in error_of(reply)["message"]
+    assert reply.status_code == 400 and field in error_of(reply)["message"]
+    assert error_of(reply)["code"] == "bad_request"
     assert fence.phase is Phase.IDLE and participant.calls["close_admission"] == 0
 
 
@@ -181,7 +182,7 @@ async def test_the_strict_wire_coerces_nothing(
     field: str,
 ) -> None:
     reply = await post(client, verb, body)
-    assert reply.status_code == 422, reply.text
+    assert reply.status_code == 400, reply.text
     assert error_of(reply)["code"] == "bad_request" and field in error_of(reply)["message"]
     assert fence.phase is Phase.IDLE and participant.calls["close_admission"] == 0
 
@@ -272,7 +273,7 @@ async def test_retire_forget_and_ack_over_http(
     retired = await post(client, "retire", {"episode_ids": [{"rollout_id": "r1", "attempt": 1}]})
     assert retired.json() == {"marks": {"r1": 1}, "outcomes": []}
     empty = await post(client, "retire", {"episode_ids": []})
-    assert empty.status_code == 422 and "episode_ids" in error_of(empty)["message"]
+    assert empty.status_code == 400 and "episode_ids" in error_of(empty)["message"]
     forgot = await post(client, "forget", {"rollout_ids": ["r1"]})
     assert forgot.json() == {"forgotten": ["r1"]}
     acked = await post(client, "ack", {"episode_ids": [{"rollout_id": "r9"}]})

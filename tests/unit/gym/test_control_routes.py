@@ -16,6 +16,7 @@ from rollpoint.http.app import create_app
 from rollpoint.participant.control_routes import mount_control_routes
 from rollpoint.participant.fence import ControlSettings, Fence
 from rollpoint.protocol.control import CONTROL_PREFIX, Phase, Verb
+from rollpoint.protocol.errors import error_class_for
 from tests.unit.gym.fake_participant import FakeParticipant
 
 TOKEN = "s3cret-token"
@@ -185,6 +186,31 @@ async def test_the_strict_wire_coerces_nothing(
     assert reply.status_code == 400, reply.text
     assert error_of(reply)["code"] == "bad_request" and field in error_of(reply)["message"]
     assert fence.phase is Phase.IDLE and participant.calls["close_admission"] == 0
+
+
+@pytest.mark.parametrize(
+    ("content", "headers", "code"),
+    [
+        (b'{"checkpoint_id": "c1"}', AUTH, "bad_request"),  # a missing field
+        (b'{"checkpoint_id": "c1", "deadline_ts": "soon"}', AUTH, "bad_request"),
+        (b'{"checkpoint_id": "c1", "deadl', AUTH, "bad_request"),  # cut short
+        (b'{"checkpoint_id": "c1", "deadline_ts": 1e12}', AUTH, "bad_request"),  # horizon
+        (
+            b'{"checkpoint_id": "c1"}',
+            {**AUTH, "content-type": "text/plain"},
+            "unsupported_media_type",
+        ),
+        (b"{not json", {}, "unauthorized"),
+    ],
+)
+async def test_a_malformed_request_gets_the_status_the_error_tree_gives_its_code(
+    client: httpx.AsyncClient, content: bytes, headers: dict[str, str], code: str
+) -> None:
+    # One status per code: what the wire says is the tree's status for the code it sends.
+    headers = {"content-type": "application/json"} | headers
+    reply = await client.post(f"{CONTROL_PREFIX}/prepare", content=content, headers=headers)
+    assert error_of(reply)["code"] == code, reply.text
+    assert reply.status_code == error_class_for(code).status
 
 
 async def test_a_json_integer_is_a_valid_deadline(client: httpx.AsyncClient, fence: Fence) -> None:

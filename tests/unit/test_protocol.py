@@ -100,7 +100,6 @@ def test_row_results_are_told_apart_by_kind() -> None:
         errors.AttemptConflictError,
         errors.AttemptCancelledError,
         errors.EnvironmentMismatchError,
-        errors.AdmissionClosedError,
         errors.DeadlineExceededError,
         errors.InvalidCheckpointStateError,
         errors.UnauthorizedError,

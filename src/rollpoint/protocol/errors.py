@@ -23,7 +23,6 @@ that failed it, ``transport`` when the error is retryable::
     │   ├── StaleAttemptError       409 stale_attempt
     │   ├── AttemptConflictError    409 attempt_conflict       retryable (another attempt runs here)
     │   ├── IdempotencyConflictError 409 idempotency_conflict (a key reused for another call)
-    │   ├── AdmissionClosedError    409 admission_closed       retryable
     │   ├── DeadlineExceededError   409 deadline_exceeded      retryable
     │   └── InvalidCheckpointStateError 422 invalid_checkpoint_state
     ├── EpisodeError                422 episode_failed         (a bad rollout is data, not a crash)
@@ -176,12 +175,6 @@ class IdempotencyConflictError(ProtocolError):
 
     code = "idempotency_conflict"
     status = 409
-
-
-class AdmissionClosedError(ProtocolError):
-    code = "admission_closed"
-    status = 409
-    retryable = True
 
 
 class DeadlineExceededError(ProtocolError):

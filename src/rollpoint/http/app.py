@@ -3,12 +3,13 @@
 Owns: JSON rendering (orjson), the error envelope (every :class:`RollpointError` becomes
 ``{"error": {code, message, retryable}}`` with the status the error tree gives its code,
 and no other: a malformed body is a 400 ``bad_request`` whose message names the field, as
-is one that cannot be decoded; on the
-OpenAI-compatible routes, ``/v1/*``, the envelope also carries OpenAI's ``type`` and
-``param``, and an unknown ``/v1`` route is a 404 in that shape too), the strict reading of a
-request body (:func:`strict_json_body`: UTF-8 JSON with its content type, validated in
-pydantic's strict mode), ``GET /healthz``, and the data token in front of the data routes
-when one is given (:class:`rollpoint.http.auth.DataRouteGuard`). Servers add their own routes.
+is one that cannot be decoded; on the OpenAI-compatible routes, ``/v1/*``, the envelope
+also carries OpenAI's ``type`` and ``param``, and an unknown ``/v1`` route is a 404 in that
+shape too), the strict reading of a request body (:func:`strict_json_body`: UTF-8 JSON
+with its content type, validated in pydantic's strict mode), the OpenAPI document saying
+so (a bad body is a 400 envelope, not FastAPI's 422), ``GET /healthz``, and the data token
+in front of the data routes when one is given (:class:`rollpoint.http.auth.DataRouteGuard`).
+Servers add their own routes.
 """
 
 from __future__ import annotations
@@ -128,6 +129,45 @@ def _check_json_content_type(header: str | None) -> None:
             )
 
 
+_ENVELOPE_SCHEMA: dict[str, Any] = {
+    "title": "ErrorEnvelope",
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["code", "message", "retryable"],
+            "properties": {
+                "code": {"type": "string"},
+                "message": {"type": "string"},
+                "retryable": {"type": "boolean"},
+            },
+        }
+    },
+}
+
+
+def _with_error_envelope(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` (FastAPI's OpenAPI document, changed in place) saying what the wire does
+    with a body that does not match its model. FastAPI documents a 422 in its own
+    ``{"detail": [...]}`` shape; here that is ``bad_request``, with its one status (400)
+    and the error envelope."""
+    bad_request = {
+        "description": "bad_request: the body does not match the request model",
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorEnvelope"}}},
+    }
+    for item in schema.get("paths", {}).values():
+        for operation in item.values():
+            responses = operation.get("responses", {}) if isinstance(operation, dict) else {}
+            if responses.pop("422", None) is not None:
+                responses.setdefault(str(BadRequestError.status), bad_request)
+    schemas = schema.setdefault("components", {}).setdefault("schemas", {})
+    for fastapi_shape in ("HTTPValidationError", "ValidationError"):
+        schemas.pop(fastapi_shape, None)
+    schemas["ErrorEnvelope"] = _ENVELOPE_SCHEMA
+    return schema
+
+
 _NO_TELEMETRY: TelemetryConfig = {"tracing": False, "metrics": False, "logs": False}
 """FastAPI's native OpenTelemetry off. With it on, every request asks the global
 OpenTelemetry providers whether one is configured: ~4 % of a model server's busy time
@@ -143,6 +183,14 @@ def create_app(title: str, *, data_token: str | None = None, **kwargs: Any) -> F
         title=title, default_response_class=JsonResponse, telemetry=_NO_TELEMETRY, **kwargs
     )
     guard_data_routes(app, data_token)
+    build_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = _with_error_envelope(build_openapi())
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
     @app.exception_handler(RollpointError)
     async def _rollpoint_error(request: Request, exc: RollpointError) -> Response:

@@ -213,6 +213,19 @@ async def test_a_malformed_request_gets_the_status_the_error_tree_gives_its_code
     assert reply.status_code == error_class_for(code).status
 
 
+async def test_the_openapi_document_gives_a_bad_body_the_wires_status_and_shape(
+    client: httpx.AsyncClient,
+) -> None:
+    schema = (await client.get("/openapi.json")).json()
+    prepare = schema["paths"][f"{CONTROL_PREFIX}/prepare"]["post"]["responses"]
+    assert "422" not in prepare
+    assert prepare[str(error_class_for("bad_request").status)]["content"]["application/json"]
+    statuses = {
+        s for item in schema["paths"].values() for op in item.values() for s in op["responses"]
+    }
+    assert "422" not in statuses and "HTTPValidationError" not in schema["components"]["schemas"]
+
+
 async def test_a_json_integer_is_a_valid_deadline(client: httpx.AsyncClient, fence: Fence) -> None:
     reply = await post(
         client, "prepare", {"checkpoint_id": "c1", "deadline_ts": int(time.time()) + 5}

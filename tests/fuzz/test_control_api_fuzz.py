@@ -196,7 +196,7 @@ def _spoiled(draw: Any, body: Any) -> tuple[str, bytes, str | None]:
     return kind, orjson.dumps(_coerced(body, draw)), "application/json"
 
 
-STRICT_STATUS = {"truncated": {400}, "utf-16": {400}, "content type": {415}, "coerced": {422}}
+STRICT_STATUS = {"truncated": {400}, "utf-16": {400}, "content type": {415}, "coerced": {400}}
 STRICT_EXAMPLES = {"agent": 20, "model": 8, "resources": 8}
 
 
@@ -244,7 +244,7 @@ def test_an_attempt_beyond_64_bits_is_refused(tmp_path: Path) -> None:
             headers={**AUTH, "content-type": "application/json"},
         )
         after = model.fingerprint()
-    assert (reply.status_code, error_code(reply.content)) == (422, "bad_request"), reply.text
+    assert (reply.status_code, error_code(reply.content)) == (400, "bad_request"), reply.text
     assert after == before
 
 
@@ -274,5 +274,5 @@ def test_a_commit_into_a_name_too_long_is_a_bad_path_and_changes_nothing(tmp_pat
         after = live.fingerprint()
         live.reset()
     # Refused by validation, before the fence or the file system see it.
-    assert (reply.status_code, error_code(reply.content)) == (422, "bad_request"), reply.text
+    assert (reply.status_code, error_code(reply.content)) == (400, "bad_request"), reply.text
     assert after == before

@@ -243,12 +243,12 @@ async def test_unknown_episode_comes_back_typed_through_the_client(
         ({**call(0, 0, {}), "extra": 1}, "extra"),
     ],
 )
-async def test_a_malformed_body_is_422_naming_the_field(
+async def test_a_malformed_body_is_400_naming_the_field(
     base_url: str, body: dict[str, Any], field: str
 ) -> None:
     async with httpx.AsyncClient(base_url=base_url) as raw:
         reply = await raw.post("/tools/email_list_sent", json=body)
-    assert reply.status_code == 422
+    assert reply.status_code == 400
     error = reply.json()["error"]
     assert error["code"] == "bad_request"
     assert f"'{field}'" in error["message"]

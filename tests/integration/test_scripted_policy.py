@@ -165,6 +165,6 @@ async def test_stream_gives_the_same_content_as_the_plain_answer(
 
 
 async def test_bad_request_is_a_client_error_not_a_crash(client: openai.AsyncOpenAI) -> None:
-    with pytest.raises(openai.UnprocessableEntityError) as raised:
+    with pytest.raises(openai.BadRequestError) as raised:
         await client.chat.completions.create(model="scripted-test", messages=[])
     assert "messages" in str(raised.value)

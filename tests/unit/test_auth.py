@@ -135,7 +135,7 @@ async def test_the_data_token_guards_data_routes_before_the_body_is_read(
     bad_body = await data_guarded.post(
         "/run", content=b"not json", headers={"authorization": "Bearer data-token"}
     )
-    assert bad_body.status_code == 422  # past the guard, the body is checked as usual
+    assert bad_body.status_code == 400  # past the guard, the body is checked as usual
     ran = await data_guarded.post(
         "/run", json={"rows": 1}, headers={"authorization": "Bearer data-token"}
     )

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pickle
+import re
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -95,7 +97,9 @@ def test_row_results_are_told_apart_by_kind() -> None:
         errors.CheckpointConflictError,
         errors.StaleCheckpointError,
         errors.StaleAttemptError,
-        errors.AdmissionClosedError,
+        errors.AttemptConflictError,
+        errors.AttemptCancelledError,
+        errors.EnvironmentMismatchError,
         errors.DeadlineExceededError,
         errors.InvalidCheckpointStateError,
         errors.UnauthorizedError,
@@ -110,9 +114,48 @@ def test_errors_round_trip_through_the_wire_envelope(cls: type[errors.RollpointE
     assert rebuilt.retryable == original.retryable
 
 
-def test_error_codes_are_unique() -> None:
-    codes = [c.code for c in errors._all_subclasses(errors.RollpointError)]
-    assert len(codes) == len(set(codes))
+TREE = [errors.RollpointError, *errors._all_subclasses(errors.RollpointError)]
+
+
+def test_each_code_belongs_to_one_class_and_has_one_status() -> None:
+    # A class that forgets its own code inherits its parent's: two classes, one code, and
+    # possibly two statuses. Codes are unique, so each code has its class's one status.
+    owners: dict[str, list[str]] = {}
+    for cls in TREE:
+        owners.setdefault(cls.code, []).append(cls.__name__)
+        assert 400 <= cls.status <= 599, f"{cls.__name__}: status {cls.status}"
+    assert {code: names for code, names in owners.items() if len(names) > 1} == {}
+    for cls in TREE[1:]:
+        assert errors.error_class_for(cls.code) is cls
+
+
+def test_row_failure_codes_and_tool_argument_errors_are_in_the_tree() -> None:
+    from rollpoint.envs import ToolArgumentError
+
+    assert ToolArgumentError is errors.ToolArgumentError
+    table = {cls.code: (cls.status, cls.retryable) for cls in TREE}
+    assert table["internal"] == (500, False)
+    assert table["environment_mismatch"] == (422, False)  # bad data: fails the group
+    assert table["attempt_conflict"] == (409, True)  # plumbing: re-sent fresh
+    assert table["cancelled"] == (409, True)
+    assert table["bad_request"] == (400, False)
+    assert table["tool_argument_invalid"] == (400, False)
+
+
+def test_the_protocol_reference_gives_each_code_the_trees_status() -> None:
+    # Every error table of docs/protocol.md (a row: | `code` | status | ...), against the tree.
+    reference = Path(__file__).parents[2] / "docs" / "protocol.md"
+    rows = re.findall(r"^\| `([a-z_]+)` \| (\d{3})[ |]", reference.read_text(), re.MULTILINE)
+    documented: dict[str, set[int]] = {}
+    for code, status in rows:
+        documented.setdefault(code, set()).add(int(status))
+    tree = {cls.code: cls.status for cls in TREE}
+    assert {code: statuses for code, statuses in documented.items() if len(statuses) > 1} == {}
+    assert {code: s.pop() for code, s in documented.items()} == {
+        code: tree[code] for code in documented if code in tree
+    }
+    refusals = {cls.code for cls in errors._all_subclasses(errors.ProtocolError)}
+    assert refusals <= set(documented), "a refusal code the reference does not list"
 
 
 def test_off_protocol_replies_become_transport_or_protocol_errors() -> None:

@@ -24,22 +24,12 @@ from typing import Any, ClassVar, Generic, TypeVar
 from pydantic import BaseModel, ConfigDict, JsonValue, ValidationError
 
 from rollpoint.protocol.episode import TaskRow, VerifyReply
-from rollpoint.protocol.errors import ConfigError, RollpointError
+from rollpoint.protocol.errors import ConfigError
+from rollpoint.protocol.errors import ToolArgumentError as ToolArgumentError  # environments' import
 from rollpoint.protocol.participant import CheckpointMode
 
 StateT = TypeVar("StateT")
 ArgsT = TypeVar("ArgsT", bound="ToolArguments")
-
-
-class ToolArgumentError(RollpointError):
-    """A tool call the environment cannot run: unknown tool, bad or missing arguments.
-
-    Never crosses the wire as an error: the resources server turns its message into a
-    ``ToolResult(is_error=True)`` so the model can read it and try again.
-    """
-
-    code = "tool_argument_invalid"
-    status = 400
 
 
 class ToolArguments(BaseModel):

@@ -1,13 +1,15 @@
 """FastAPI application factory shared by every rollpoint server.
 
 Owns: JSON rendering (orjson), the error envelope (every :class:`RollpointError` becomes
-``{"error": {code, message, retryable}}`` with its status; a malformed body becomes a 422
-whose message names the field, one that cannot be decoded a 400 ``bad_request``; on the
-OpenAI-compatible routes, ``/v1/*``, the envelope also carries OpenAI's ``type`` and
-``param``, and an unknown ``/v1`` route is a 404 in that shape too), the strict reading of a
-request body (:func:`strict_json_body`: UTF-8 JSON with its content type, validated in
-pydantic's strict mode), ``GET /healthz``, and the data token in front of the data routes
-when one is given (:class:`rollpoint.http.auth.DataRouteGuard`). Servers add their own routes.
+``{"error": {code, message, retryable}}`` with the status the error tree gives its code,
+and no other: a malformed body is a 400 ``bad_request`` whose message names the field, as
+is one that cannot be decoded; on the OpenAI-compatible routes, ``/v1/*``, the envelope
+also carries OpenAI's ``type`` and ``param``, and an unknown ``/v1`` route is a 404 in that
+shape too), the strict reading of a request body (:func:`strict_json_body`: UTF-8 JSON
+with its content type, validated in pydantic's strict mode), the OpenAPI document saying
+so (a bad body is a 400 envelope, not FastAPI's 422), ``GET /healthz``, and the data token
+in front of the data routes when one is given (:class:`rollpoint.http.auth.DataRouteGuard`).
+Servers add their own routes.
 """
 
 from __future__ import annotations
@@ -49,13 +51,13 @@ OPENAI_PREFIX = "/v1/"
 
 
 def error_response(
-    err: RollpointError, path: str = "", *, param: str | None = None, status: int | None = None
+    err: RollpointError, path: str = "", *, param: str | None = None
 ) -> JsonResponse:
-    """The envelope of ``err`` with its status (or ``status``); OpenAI's shape when
-    ``path`` is an OpenAI route."""
+    """The envelope of ``err`` with its class's status; OpenAI's shape when ``path`` is an
+    OpenAI route. The status is never chosen here: one code, one status, set in the tree."""
     openai = path.startswith(OPENAI_PREFIX)
     body = err.to_openai_wire(param) if openai else err.to_wire()
-    return JsonResponse(body, status_code=err.status if status is None else status)
+    return JsonResponse(body, status_code=err.status)
 
 
 def _validation_field(exc: RequestValidationError) -> str:
@@ -82,7 +84,8 @@ async def strict_json_body(request: Request, model: type[ModelT]) -> ModelT:
       otherwise :class:`BadRequestError` (400) saying so (a truncated body is named as such);
     - the value is validated in pydantic's strict mode, so nothing is coerced (no string to
       number or bool, no bool to int, no float to int; a JSON integer is still a number
-      for a float field): a bad field is :class:`RequestValidationError`, the 422 naming it.
+      for a float field): a bad field is :class:`RequestValidationError`, answered as a
+      :class:`BadRequestError` (400) naming it.
     """
     _check_json_content_type(request.headers.get("content-type"))
     raw = await request.body()
@@ -126,6 +129,45 @@ def _check_json_content_type(header: str | None) -> None:
             )
 
 
+_ENVELOPE_SCHEMA: dict[str, Any] = {
+    "title": "ErrorEnvelope",
+    "type": "object",
+    "required": ["error"],
+    "properties": {
+        "error": {
+            "type": "object",
+            "required": ["code", "message", "retryable"],
+            "properties": {
+                "code": {"type": "string"},
+                "message": {"type": "string"},
+                "retryable": {"type": "boolean"},
+            },
+        }
+    },
+}
+
+
+def _with_error_envelope(schema: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` (FastAPI's OpenAPI document, changed in place) saying what the wire does
+    with a body that does not match its model. FastAPI documents a 422 in its own
+    ``{"detail": [...]}`` shape; here that is ``bad_request``, with its one status (400)
+    and the error envelope."""
+    bad_request = {
+        "description": "bad_request: the body does not match the request model",
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorEnvelope"}}},
+    }
+    for item in schema.get("paths", {}).values():
+        for operation in item.values():
+            responses = operation.get("responses", {}) if isinstance(operation, dict) else {}
+            if responses.pop("422", None) is not None:
+                responses.setdefault(str(BadRequestError.status), bad_request)
+    schemas = schema.setdefault("components", {}).setdefault("schemas", {})
+    for fastapi_shape in ("HTTPValidationError", "ValidationError"):
+        schemas.pop(fastapi_shape, None)
+    schemas["ErrorEnvelope"] = _ENVELOPE_SCHEMA
+    return schema
+
+
 _NO_TELEMETRY: TelemetryConfig = {"tracing": False, "metrics": False, "logs": False}
 """FastAPI's native OpenTelemetry off. With it on, every request asks the global
 OpenTelemetry providers whether one is configured: ~4 % of a model server's busy time
@@ -141,6 +183,14 @@ def create_app(title: str, *, data_token: str | None = None, **kwargs: Any) -> F
         title=title, default_response_class=JsonResponse, telemetry=_NO_TELEMETRY, **kwargs
     )
     guard_data_routes(app, data_token)
+    build_openapi = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = _with_error_envelope(build_openapi())
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
     @app.exception_handler(RollpointError)
     async def _rollpoint_error(request: Request, exc: RollpointError) -> Response:
@@ -148,9 +198,10 @@ def create_app(title: str, *, data_token: str | None = None, **kwargs: Any) -> F
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> Response:
-        # A body that does not match the route's model: 422, the field named.
+        # A body that does not match the route's model is a bad request like any other
+        # (400, bad_request's one status), with the field named.
         err = BadRequestError(_validation_message(exc))
-        return error_response(err, request.url.path, param=_validation_field(exc), status=422)
+        return error_response(err, request.url.path, param=_validation_field(exc))
 
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, exc: HTTPException) -> Response:

@@ -5,7 +5,7 @@ Owns the HTTP face of a :class:`~rollpoint.participant.fence.Fence`: one route p
 reading its body with :func:`rollpoint.http.app.strict_json_body` into the verb's request
 model, in pydantic's strict mode: ``application/json`` in UTF-8 only (415 otherwise), a
 body that is not JSON or is cut short is a 400 saying so, and a malformed field (a string
-for a number, a number or string for a bool) is a 422 naming it; nothing changes. FastAPI's
+for a number, a number or string for a bool) is a 400 naming it; nothing changes. FastAPI's
 own body parsing (lax: it would coerce ``"1"`` to ``1``) never runs for these routes: the
 route class calls the endpoint with the strictly parsed body, and the signatures only
 document the bodies in the OpenAPI schema. It holds no state and makes no decision: the
@@ -73,7 +73,7 @@ _REQUESTS: dict[Verb, type[BaseModel]] = {
 
 def _control_route(auth: BearerAuth, bodies: dict[str, type[BaseModel]]) -> type[APIRoute]:
     """A route class that checks the token before the body is read, so a caller without
-    the token learns nothing about the body's shape (401 comes before 415, 400 and 422),
+    the token learns nothing about the body's shape (401 comes before 415 and 400),
     then reads the body strictly (``bodies``: request model by route path) and calls the
     endpoint with it. A refusal raised here or by the fence is rendered by the app's
     error handlers, as from any route."""

@@ -520,7 +520,7 @@ async def _read_request(request: Request) -> ChatCompletionRequest:
     try:
         return ChatCompletionRequest.model_validate_json(await request.body())
     except ValidationError as exc:
-        # create_app turns this into the one-line 422 that names the field.
+        # create_app turns this into the one-line 400 that names the field.
         raise RequestValidationError(exc.errors(include_url=False)) from None
 
 

@@ -50,8 +50,8 @@ Every request is strict and a refused call changes nothing: the body is UTF-8 JS
 as ``application/json`` (415 ``unsupported_media_type`` otherwise; a body that is not JSON,
 or is cut short, is a 400 saying so), validated in pydantic's strict mode (an unknown
 field, a missing one, or a value of another JSON type, such as ``"1"`` for a number,
-``true`` or ``1`` where the other is expected, ``1.0`` for an integer, is a 422 naming the
-field; a JSON integer is a number, so it is a valid ``deadline_ts``). A ``deadline_ts``
+``true`` or ``1`` where the other is expected, ``1.0`` for an integer, is a 400
+``bad_request`` naming the field; a JSON integer is a number, so it is a valid ``deadline_ts``). A ``deadline_ts``
 more than the participant's horizon ahead of its clock (``max_deadline_ahead_s``, one hour
 by default) is a 400 naming it.
 """

@@ -2,13 +2,16 @@
 
 Every error raised on purpose is a :class:`RollpointError`. Each carries a stable
 ``code`` (what a client switches on), an HTTP ``status`` (used when it crosses the
-wire) and ``retryable`` (whether trying the same thing again later can help)::
+wire) and ``retryable`` (whether trying the same thing again later can help). A code
+belongs to one class and has one status: the wire takes both from here, never from the
+route, and a row that fails (a ``failed`` line of ``/run``) carries the code of the error
+that failed it, ``transport`` when the error is retryable::
 
-    RollpointError
-    ├── ConfigError                 config_invalid           (user input, CLI exit 2)
-    ├── LaunchError                 launch_failed            (a server could not start)
-    ├── TransportError              transport_error          retryable (peer down, garbage reply)
-    ├── ProtocolError               a peer refused a request; the status says why
+    RollpointError                  500 internal               (a bug: not one of ours)
+    ├── ConfigError                 400 config_invalid         (user input, CLI exit 2)
+    ├── LaunchError                 500 launch_failed          (a server could not start)
+    ├── TransportError              502 transport_error        retryable (peer down, garbage reply)
+    ├── ProtocolError               400 protocol_error         a peer refused a request; the code says why
     │   ├── BadRequestError         400 bad_request
     │   ├── UnauthorizedError       401 unauthorized
     │   ├── NotFoundError           404 not_found
@@ -18,17 +21,20 @@ wire) and ``retryable`` (whether trying the same thing again later can help)::
     │   ├── CheckpointConflictError 409 checkpoint_conflict
     │   ├── StaleCheckpointError    409 stale_checkpoint
     │   ├── StaleAttemptError       409 stale_attempt
+    │   ├── AttemptConflictError    409 attempt_conflict       retryable (another attempt runs here)
     │   ├── IdempotencyConflictError 409 idempotency_conflict (a key reused for another call)
-    │   ├── AdmissionClosedError    409 admission_closed       retryable
     │   ├── DeadlineExceededError   409 deadline_exceeded      retryable
     │   └── InvalidCheckpointStateError 422 invalid_checkpoint_state
-    ├── EpisodeError                episode_failed           (a bad rollout is data, not a crash)
-    ├── SnapshotError               snapshot_failed          retryable (one failed save)
-    ├── RunStalledError             run_stalled              (no row result for too long)
-    ├── WorkdirBusyError            workdir_busy             (another process holds the workdir)
-    ├── StorageError                storage_failed           (a file could not be written: disk full, I/O, permissions)
-    ├── RestoreError                restore_refused          (a restore that cannot be exact)
-    └── RunPreemptedError           run_preempted            (SIGTERM/SIGINT; CLI exit 143/130)
+    ├── EpisodeError                422 episode_failed         (a bad rollout is data, not a crash)
+    │   └── EnvironmentMismatchError 422 environment_mismatch (a row for another environment)
+    ├── AttemptCancelledError       409 cancelled              retryable (retired, or the server stopped)
+    ├── ToolArgumentError           400 tool_argument_invalid  (told to the model, never on the wire)
+    ├── SnapshotError               500 snapshot_failed        retryable (one failed save)
+    ├── RunStalledError             500 run_stalled            (no row result for too long)
+    ├── WorkdirBusyError            409 workdir_busy           (another process holds the workdir)
+    ├── StorageError                507 storage_failed         (a file could not be written: disk full, I/O, permissions)
+    ├── RestoreError                500 restore_refused        (a restore that cannot be exact)
+    └── RunPreemptedError           500 run_preempted          (SIGTERM/SIGINT; CLI exit 143/130)
 
 On the wire every refusal is ``{"error": {"code", "message", "retryable"}}`` with the
 error's status; :func:`error_from_wire` turns it back into the same class. On the
@@ -154,18 +160,21 @@ class StaleAttemptError(ProtocolError):
     status = 409
 
 
+class AttemptConflictError(ProtocolError):
+    """A ``/run`` row for a rollout that holds another attempt on this agent: a plumbing
+    race (the old try is still here), so a fresh re-send once it is retired can succeed."""
+
+    code = "attempt_conflict"
+    status = 409
+    retryable = True
+
+
 class IdempotencyConflictError(ProtocolError):
     """An idempotency key came back with another call (another tool or other arguments):
     a bug in the caller, refused rather than answered with the first call's result."""
 
     code = "idempotency_conflict"
     status = 409
-
-
-class AdmissionClosedError(ProtocolError):
-    code = "admission_closed"
-    status = 409
-    retryable = True
 
 
 class DeadlineExceededError(ProtocolError):
@@ -184,6 +193,35 @@ class EpisodeError(RollpointError):
 
     code = "episode_failed"
     status = 422
+
+
+class EnvironmentMismatchError(EpisodeError):
+    """A ``/run`` row whose task is for another environment than the agent serves: the row
+    is bad data (it fails its group), not a plumbing fault."""
+
+    code = "environment_mismatch"
+    status = 422
+
+
+class AttemptCancelledError(RollpointError):
+    """A running attempt was stopped (retired, or its server stopped) before it finished:
+    its row is re-sent fresh, so it is retryable."""
+
+    code = "cancelled"
+    status = 409
+    retryable = True
+
+
+class ToolArgumentError(RollpointError):
+    """A tool call the environment cannot run: unknown tool, bad or missing arguments.
+
+    Never crosses the wire as an error: the resources server turns its message into a
+    ``ToolResult(is_error=True)`` so the model can read it and try again. Its status is
+    the one it would have if it did.
+    """
+
+    code = "tool_argument_invalid"
+    status = 400
 
 
 class SnapshotError(RollpointError):

@@ -397,13 +397,13 @@ async def _auth(t: Trial) -> str:
 @case("auth-before-parse")
 async def _auth_before_parse(t: Trial) -> str:
     await _all_unauthorized(t, [(Verb.PREPARE, b"{not json"), (Verb.RESUME, None)])
-    return "a body that is not JSON (or null) with a bad token: 401, not 422"
+    return "a body that is not JSON (or null) with a bad token: 401, not 400"
 
 
 _ANY_PREPARE = {"checkpoint_id": "@", "deadline_ts": 4e9}
 _NEGATIVE_ATTEMPT = {"rollout_id": "@", "attempt": -1}
 _MALFORMED: list[tuple[str, Verb, Any, str | None]] = [
-    # (what, verb, body, the field the 422 must name); "@" stands for a checkpoint id.
+    # (what, verb, body, the field the 400 must name); "@" stands for a checkpoint id.
     ("a missing field", Verb.PREPARE, {"deadline_ts": 4e9}, "checkpoint_id"),
     ("a wrong type", Verb.PREPARE, {"checkpoint_id": "@", "deadline_ts": "soon"}, "deadline_ts"),
     ("an unknown field", Verb.PREPARE, {**_ANY_PREPARE, "surprise": 1}, "surprise"),
@@ -416,7 +416,7 @@ _MALFORMED: list[tuple[str, Verb, Any, str | None]] = [
 _EPISODE = {"rollout_id": "r", "attempt": 0}
 _ANY_COMMIT = {**_ANY_PREPARE, "checkpoint_dir": "strict", "episode_ids": []}
 _COERCED: list[tuple[str, Verb, Any, str]] = [
-    # (what, verb, body, the field the 422 must name): the strict wire coerces nothing.
+    # (what, verb, body, the field the 400 must name): the strict wire coerces nothing.
     (
         "a number as a string",
         Verb.PREPARE,
@@ -489,18 +489,18 @@ async def _malformed(t: Trial) -> str:
     cid = t.cid()
     for what, verb, body, name in _MALFORMED:
         try:
-            message = await t.refused(verb, _fill(body, cid), 422, "bad_request")
+            message = await t.refused(verb, _fill(body, cid), 400, "bad_request")
         except CaseFailed as exc:
             raise CaseFailed(f"{what}: {exc}") from None
-        check(name is None or name in message, f"{what}: the 422 does not name {name!r}: {message}")
+        check(name is None or name in message, f"{what}: the 400 does not name {name!r}: {message}")
     await t.prepare(cid)
     bad_renew = {"checkpoint_id": cid, "deadline_ts": "later"}
-    message = await t.refused(Verb.RENEW, bad_renew, 422, "bad_request")
+    message = await t.refused(Verb.RENEW, bad_renew, 400, "bad_request")
     check(
         "deadline_ts" in message,
-        f"a malformed renew: the 422 does not name 'deadline_ts': {message}",
+        f"a malformed renew: the 400 does not name 'deadline_ts': {message}",
     )
-    return f"{len(_MALFORMED) + 1} malformed bodies: 422 naming the field, nothing changed"
+    return f"{len(_MALFORMED) + 1} malformed bodies: 400 naming the field, nothing changed"
 
 
 @case("strict-wire")
@@ -508,10 +508,10 @@ async def _strict_wire(t: Trial) -> str:
     cid = t.cid()
     for what, verb, body, name in _COERCED:
         try:
-            message = await t.refused(verb, _fill(body, cid), 422, "bad_request")
+            message = await t.refused(verb, _fill(body, cid), 400, "bad_request")
         except CaseFailed as exc:
             raise CaseFailed(f"{what}: {exc}") from None
-        check(name in message, f"{what}: the 422 does not name {name!r}: {message}")
+        check(name in message, f"{what}: the 400 does not name {name!r}: {message}")
     valid = orjson.dumps({"checkpoint_id": cid, "deadline_ts": deadline()})
     for what, raw, content_type, status, code, says in _UNDECODABLE:
         body = valid if raw is None else raw
@@ -527,7 +527,7 @@ async def _strict_wire(t: Trial) -> str:
     whole = {"checkpoint_id": cid, "deadline_ts": int(deadline())}
     expect_ok(await t.probe.send(Verb.PREPARE, whole), PrepareReply)
     return (
-        f"{len(_COERCED)} coerced fields: 422; {len(_UNDECODABLE)} undecodable bodies: 400/415 "
+        f"{len(_COERCED)} coerced fields: 400; {len(_UNDECODABLE)} undecodable bodies: 400/415 "
         "saying why; a deadline past the horizon: 400; an integer deadline accepted"
     )
 

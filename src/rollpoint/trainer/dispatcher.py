@@ -66,7 +66,6 @@ from rollpoint.protocol.episode import (
     RunReply,
 )
 from rollpoint.protocol.errors import (
-    AdmissionClosedError,
     BadRequestError,
     InvalidPhaseError,
     ProtocolError,
@@ -396,11 +395,6 @@ class Dispatcher:
                         return ""
                     if not stream.pending:
                         return ""
-        except AdmissionClosedError as exc:
-            # The agent refused the whole request: no row of it ran.
-            for record in self._drop_pending(stream):
-                self._refuse(stream, record, exc.message)
-            return ""
         except TransportError as exc:
             self._picker.suspect(stream.replica)
             return f"the stream from {stream.replica} broke: {exc.message}"

@@ -16,6 +16,7 @@ from rollpoint.http.app import create_app
 from rollpoint.participant.control_routes import mount_control_routes
 from rollpoint.participant.fence import ControlSettings, Fence
 from rollpoint.protocol.control import CONTROL_PREFIX, Phase, Verb
+from rollpoint.protocol.errors import error_class_for
 from tests.unit.gym.fake_participant import FakeParticipant
 
 TOKEN = "s3cret-token"
@@ -134,7 +135,7 @@ async def test_a_refusal_is_409_with_code_and_message(
         ({"checkpoint_id": "c1", "deadline_ts": "soon"}, "deadline_ts"),
     ],
 )
-async def test_malformed_bodies_are_422_naming_the_field_and_change_nothing(
+async def test_malformed_bodies_are_400_naming_the_field_and_change_nothing(
     client: httpx.AsyncClient,
     fence: Fence,
     participant: FakeParticipant,
@@ -142,7 +143,8 @@ async def test_malformed_bodies_are_422_naming_the_field_and_change_nothing(
     field: str,
 ) -> None:
     reply = await post(client, "prepare", body)
-    assert reply.status_code == 422 and field in error_of(reply)["message"]
+    assert reply.status_code == 400 and field in error_of(reply)["message"]
+    assert error_of(reply)["code"] == "bad_request"
     assert fence.phase is Phase.IDLE and participant.calls["close_admission"] == 0
 
 
@@ -181,9 +183,47 @@ async def test_the_strict_wire_coerces_nothing(
     field: str,
 ) -> None:
     reply = await post(client, verb, body)
-    assert reply.status_code == 422, reply.text
+    assert reply.status_code == 400, reply.text
     assert error_of(reply)["code"] == "bad_request" and field in error_of(reply)["message"]
     assert fence.phase is Phase.IDLE and participant.calls["close_admission"] == 0
+
+
+@pytest.mark.parametrize(
+    ("content", "headers", "code"),
+    [
+        (b'{"checkpoint_id": "c1"}', AUTH, "bad_request"),  # a missing field
+        (b'{"checkpoint_id": "c1", "deadline_ts": "soon"}', AUTH, "bad_request"),
+        (b'{"checkpoint_id": "c1", "deadl', AUTH, "bad_request"),  # cut short
+        (b'{"checkpoint_id": "c1", "deadline_ts": 1e12}', AUTH, "bad_request"),  # horizon
+        (
+            b'{"checkpoint_id": "c1"}',
+            {**AUTH, "content-type": "text/plain"},
+            "unsupported_media_type",
+        ),
+        (b"{not json", {}, "unauthorized"),
+    ],
+)
+async def test_a_malformed_request_gets_the_status_the_error_tree_gives_its_code(
+    client: httpx.AsyncClient, content: bytes, headers: dict[str, str], code: str
+) -> None:
+    # One status per code: what the wire says is the tree's status for the code it sends.
+    headers = {"content-type": "application/json"} | headers
+    reply = await client.post(f"{CONTROL_PREFIX}/prepare", content=content, headers=headers)
+    assert error_of(reply)["code"] == code, reply.text
+    assert reply.status_code == error_class_for(code).status
+
+
+async def test_the_openapi_document_gives_a_bad_body_the_wires_status_and_shape(
+    client: httpx.AsyncClient,
+) -> None:
+    schema = (await client.get("/openapi.json")).json()
+    prepare = schema["paths"][f"{CONTROL_PREFIX}/prepare"]["post"]["responses"]
+    assert "422" not in prepare
+    assert prepare[str(error_class_for("bad_request").status)]["content"]["application/json"]
+    statuses = {
+        s for item in schema["paths"].values() for op in item.values() for s in op["responses"]
+    }
+    assert "422" not in statuses and "HTTPValidationError" not in schema["components"]["schemas"]
 
 
 async def test_a_json_integer_is_a_valid_deadline(client: httpx.AsyncClient, fence: Fence) -> None:
@@ -272,7 +312,7 @@ async def test_retire_forget_and_ack_over_http(
     retired = await post(client, "retire", {"episode_ids": [{"rollout_id": "r1", "attempt": 1}]})
     assert retired.json() == {"marks": {"r1": 1}, "outcomes": []}
     empty = await post(client, "retire", {"episode_ids": []})
-    assert empty.status_code == 422 and "episode_ids" in error_of(empty)["message"]
+    assert empty.status_code == 400 and "episode_ids" in error_of(empty)["message"]
     forgot = await post(client, "forget", {"rollout_ids": ["r1"]})
     assert forgot.json() == {"forgotten": ["r1"]}
     acked = await post(client, "ack", {"episode_ids": [{"rollout_id": "r9"}]})

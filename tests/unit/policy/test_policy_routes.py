@@ -154,13 +154,13 @@ async def test_stream_of_content_with_usage_chunk(client: httpx.AsyncClient) -> 
         (b'{"messages": [{"role": "user", "content": "\\ud800"}]}', "'body'"),
     ],
 )
-async def test_bad_request_gets_a_422_naming_the_field(
+async def test_bad_request_gets_a_400_naming_the_field(
     client: httpx.AsyncClient, body: bytes, field: str
 ) -> None:
     response = await client.post(
         "/v1/chat/completions", content=body, headers={"content-type": "application/json"}
     )
-    assert response.status_code == 422
+    assert response.status_code == 400
     error = response.json()["error"]
     assert error["code"] == "bad_request"
     assert field in error["message"] and "\n" not in error["message"]

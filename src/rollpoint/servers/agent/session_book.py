@@ -47,6 +47,9 @@ from rollpoint.protocol.control import (
 )
 from rollpoint.protocol.episode import RowFailure, RowRefused, RowResult, RunReply, RunRow
 from rollpoint.protocol.errors import (
+    AttemptCancelledError,
+    AttemptConflictError,
+    EnvironmentMismatchError,
     InvalidCheckpointStateError,
     InvalidPhaseError,
     RollpointError,
@@ -109,25 +112,20 @@ PlayFn = Callable[[Session, TurnBoundary], Awaitable[RunReply]]
 ``boundary.hold_reply(session)`` when a policy reply arrives, before applying it."""
 
 
-def row_failure(row: RunRow, err: BaseException) -> RowFailure:
-    """The failure line of a row; transport failures are worth a fresh re-send."""
-    if isinstance(err, RollpointError):
-        transport = isinstance(err, TransportError) or err.retryable
-        return RowFailure(
-            episode=row.episode,
-            group_id=row.group_id,
-            row=row.row,
-            code=err.code,
-            message=err.message,
-            transport=transport,
-        )
+def row_failure(row: RunRow, err: BaseException, episode: EpisodeId | None = None) -> RowFailure:
+    """The failure line of a row (of ``episode``, if not the row's own), its code the
+    error's own, from the one tree; transport failures (retryable errors) are worth a fresh
+    re-send."""
+    if not isinstance(err, RollpointError):
+        # Not raised on purpose: a bug, reported under the tree's code for that (internal).
+        err = RollpointError(f"{type(err).__name__}: {err}")
     return RowFailure(
-        episode=row.episode,
+        episode=row.episode if episode is None else episode,
         group_id=row.group_id,
         row=row.row,
-        code="internal",
-        message=f"{type(err).__name__}: {err}",
-        transport=False,
+        code=err.code,
+        message=err.message,
+        transport=isinstance(err, TransportError) or err.retryable,
     )
 
 
@@ -191,10 +189,10 @@ class SessionBook:
             err = StaleAttemptError(f"attempt {episode.key} was retired (mark {mark})")
             return _done(row_failure(row, err))
         if row.task.environment != self.environment:
-            return _done(self._data_failure(row, "environment_mismatch", self._env_message(row)))
+            return _done(row_failure(row, EnvironmentMismatchError(self._env_message(row))))
         live = self._sessions.get(episode.rollout_id)
         if live is not None and live.episode.attempt != episode.attempt:
-            return _done(self._attempt_conflict(row, live))
+            return _done(row_failure(row, self._attempt_conflict(row, live)))
         if live is not None and live.state is not SessionState.RESTORED:
             assert live.result is not None
             return live.result
@@ -217,29 +215,12 @@ class SessionBook:
             f"this agent serves {self.environment!r}"
         )
 
-    def _data_failure(self, row: RunRow, code: str, message: str) -> RowFailure:
-        return RowFailure(
-            episode=row.episode,
-            group_id=row.group_id,
-            row=row.row,
-            code=code,
-            message=message,
-            transport=False,
-        )
-
-    def _attempt_conflict(self, row: RunRow, live: Session) -> RowFailure:
-        # A plumbing race (an old try still here), not bad data: a fresh re-send fixes it.
-        message = (
+    def _attempt_conflict(self, row: RunRow, live: Session) -> AttemptConflictError:
+        # A plumbing race (an old try still here), not bad data: the error is retryable, so
+        # the row is a transport failure and a fresh re-send fixes it.
+        return AttemptConflictError(
             f"rollout {row.episode.rollout_id} is at attempt {live.episode.attempt} here "
             f"({live.state}); retire it before sending attempt {row.episode.attempt}"
-        )
-        return RowFailure(
-            episode=row.episode,
-            group_id=row.group_id,
-            row=row.row,
-            code="attempt_conflict",
-            message=message,
-            transport=True,
         )
 
     def _launch(self, session: Session) -> asyncio.Future[RowResult]:
@@ -265,14 +246,11 @@ class SessionBook:
         # A done callback: runs even when the task was cancelled before its first step.
         if task.cancelled() or session.state is SessionState.CANCELLED:
             # Retire may have reported "cancelled" just before the task returned: keep its word.
-            result: RowResult = RowFailure(
-                episode=session.episode,
-                group_id=session.row.group_id,
-                row=session.row.row,
-                code="cancelled",
-                message=f"attempt {session.key} was stopped (retired, or the server stopped)",
-                transport=True,
+            stopped = AttemptCancelledError(
+                f"attempt {session.key} was stopped (retired, or the server stopped)"
             )
+            # The session's attempt, which a restored session's saved row may predate.
+            result: RowResult = row_failure(session.row, stopped, session.episode)
             if session.is_live:
                 session.move(SessionState.CANCELLED)
         else:

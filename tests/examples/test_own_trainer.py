@@ -3,7 +3,7 @@ after a snapshot, rerun to the end.
 
 The example uses only the façade (``rollpoint.Rollouts``); the servers outlive the killed
 trainer, as a trainer's own cluster's would. Held to: every row trained exactly once
-(I1, from ``train_data.jsonl``), the rerun resumed from a snapshot and continued episodes
+(I1, from ``train_data.jsonl``), every calendar event created once (I2), the rerun resumed from a snapshot and continued episodes
 there, and a continued episode kept the turns it had made before the kill (its pre-cut
 model calls are the first attempt's, not regenerated).
 """
@@ -101,6 +101,12 @@ def test_own_trainer_killed_after_a_snapshot_resumes_and_trains_every_row_once(
     found = [
         *unreadable,
         *invariants.check_exactly_once(rollouts, invariants.expected_rows(tasks, GROUP_SIZE)),
+        # Each event an episode created is in the calendar once, as the environment's own
+        # search (in the transcript) lists it: the killed trainer's attempts, still running
+        # on the servers at the kill, were stopped before the saved ones went back in.
+        *invariants.check_side_effects_once(
+            rollouts, invariants.created_titles(tasks), full_reward="all"
+        ),
     ]
     assert found == [], invariants.report(found)
     kept = [

@@ -20,8 +20,9 @@ import pytest
 import yaml
 
 from rollpoint.config import load_config
+from rollpoint.testing import invariants
 from rollpoint.testing.chaos import ChaosRunner
-from rollpoint.testing.chaos_plan import ChaosFault, TrialEvent, TrialPlan
+from rollpoint.testing.chaos_plan import ChaosFault, PlannedFault, TrialEvent, TrialPlan
 from rollpoint.testing.chaos_tally import ChaosTally, RunRecord, TrialOutcome
 from rollpoint.testing.invariants import Invariant, snapshot_outcomes
 
@@ -160,3 +161,33 @@ def test_an_unreadable_config_is_one_line_and_exit_2(tmp_path: Path) -> None:
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "missing.yaml: cannot read config" in lines[0], done.stderr
+
+
+async def test_a_trainer_killed_alone_resumes_on_its_live_servers_with_no_violation(
+    tmp_path: Path,
+) -> None:
+    config_path = write_config(tmp_path)
+    raw = yaml.safe_load(config_path.read_text())
+    raw["policy"]["latency_ms"] = 150  # the kill lands with episodes in flight
+    config_path.write_text(yaml.safe_dump(raw))
+    config = load_config(config_path)
+    runner = ChaosRunner(config_path, config, run_timeout_s=120)
+    plan = TrialPlan(
+        trial=0,
+        config=config_path,
+        workdir=tmp_path / "trial-0",
+        faults=[PlannedFault(kind=ChaosFault.TRAINER_KILL, run=0, at_s=1.5)],
+    )
+
+    outcome = await runner.trial(plan)
+
+    assert outcome.violations == [], invariants.report(outcome.violations)
+    first, *_, last = outcome.runs
+    assert first.killed and first.faults() == {ChaosFault.TRAINER_KILL: 1}
+    assert last.returncode == 0
+    # The servers ran apart (serve's deployment line is kept) and the rerun continued the
+    # killed trainer's episodes on them.
+    served = orjson.loads((plan.workdir / "served.json").read_bytes())
+    assert served["snapshot_store"] == str(plan.workdir / "snapshots")
+    continued, _ = last.resumed()
+    assert continued > 0

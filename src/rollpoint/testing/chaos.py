@@ -22,11 +22,13 @@ import shutil
 import signal
 import sys
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
 import orjson
+import yaml
 from pydantic import ValidationError
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -34,18 +36,20 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rollpoint.config import RunConfig, load_config
 from rollpoint.job import load_tasks_for
 from rollpoint.protocol.episode import TaskRow
-from rollpoint.protocol.errors import ConfigError, RollpointError
+from rollpoint.protocol.errors import ConfigError, LaunchError, RollpointError
 from rollpoint.testing import invariants
 from rollpoint.testing.chaos_plan import (
     MAX_RERUNS,
     TrialEvent,
     TrialPlan,
     draw_plans,
+    served_store,
 )
 from rollpoint.testing.chaos_tally import ChaosTally, RunRecord, TrialOutcome
 from rollpoint.testing.invariants import Invariant, RewardScope, Violation
 
 _GONE_WAIT_S = 5.0
+_SERVE_START_S = 120.0
 
 
 @dataclass
@@ -75,10 +79,11 @@ class ChaosRunner:
         plan.workdir.mkdir(parents=True)
         runs: list[RunRecord] = []
         with (plan.workdir / "stderr.log").open("ab") as stderr:
-            for run in range(MAX_RERUNS + 1):
-                runs.append(await self._run(plan.model_copy(update={"run": run}), stderr))
-                if runs[-1].returncode == 0:
-                    break
+            async with self._servers_apart(plan, stderr) as plan:
+                for run in range(MAX_RERUNS + 1):
+                    runs.append(await self._run(plan.model_copy(update={"run": run}), stderr))
+                    if runs[-1].returncode == 0:
+                        break
         return TrialOutcome(
             trial=plan.trial,
             plan=plan,
@@ -116,6 +121,54 @@ class ChaosRunner:
         flawless = policy.base_url is None and policy.error_rate == 0
         return "all" if flawless and self.config.environment == "workplace" else "none"
 
+    @contextlib.asynccontextmanager
+    async def _servers_apart(self, plan: TrialPlan, stderr: IO[bytes]) -> AsyncIterator[TrialPlan]:
+        """For a trial with a trainer kill: its servers under ``rollpoint serve``, in a
+        session of their own (the kill spares them), for all its runs; the plan then names
+        the deployment they printed. Stopped (SIGTERM, then SIGKILL) when the trial ends."""
+        if not plan.servers_apart:
+            yield plan
+            return
+        folder = plan.workdir / "servers"
+        folder.mkdir()
+        doc = self.config.model_dump(mode="json") | {"workdir": str(folder), "base_port": None}
+        doc["snapshot"] = doc["snapshot"] | {"store": served_store(plan)}
+        config = folder / "serve.yaml"
+        config.write_text(yaml.safe_dump(doc))
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "rollpoint",
+            "serve",
+            str(config),
+            "--json",
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=stderr,
+            start_new_session=True,
+            env={**os.environ, "NO_COLOR": "1"},
+        )
+        try:
+            assert process.stdout is not None
+            async with asyncio.timeout(_SERVE_START_S):
+                line = await process.stdout.readline()
+            if not line:
+                raise LaunchError(f"trial {plan.trial}: rollpoint serve exited; see stderr.log")
+            served = plan.workdir / "served.json"
+            served.write_bytes(line)
+            yield plan.model_copy(update={"served": served})
+        finally:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signal.SIGTERM)
+            try:
+                async with asyncio.timeout(_GONE_WAIT_S):
+                    await process.wait()
+            except TimeoutError:
+                _kill_group(process.pid)
+                await process.wait()
+            _kill_group(process.pid)  # a server that outlived serve itself
+            await asyncio.to_thread(_wait_group_gone, process.pid)
+
     async def _run(self, plan: TrialPlan, stderr: IO[bytes]) -> RunRecord:
         process = await asyncio.create_subprocess_exec(
             sys.executable,
@@ -128,9 +181,13 @@ class ChaosRunner:
             start_new_session=True,
             env={**os.environ, "NO_COLOR": "1"},
         )
-        live = _Run(process, RunRecord(run=plan.run, started_at=time.time()))
+        kills = plan.kills()
+        record = RunRecord(run=plan.run, started_at=time.time())
+        if kills:
+            record.kill = kills[0].kind
+        live = _Run(process, record)
         helpers = [asyncio.create_task(self._read(live, plan.workdir / "events.jsonl"))]
-        helpers += [asyncio.create_task(self._kill_at(live, f.at_s)) for f in plan.kills()]
+        helpers += [asyncio.create_task(self._kill_at(live, f.at_s)) for f in kills]
         try:
             async with asyncio.timeout(self.run_timeout_s):
                 await process.wait()

@@ -35,6 +35,9 @@ class ChaosFault(StrEnum):
 
     PROCESS_KILL = "process_kill"
     """SIGKILL of the trial's whole process group (trainer and servers); then a rerun."""
+    TRAINER_KILL = "trainer_kill"
+    """SIGKILL of the trainer alone: the trial's servers run under ``rollpoint serve`` in a
+    process group of their own and live on; the rerun attaches to them again."""
     REPLICA_KILL = "replica_kill"
     """SIGKILL of one replica's server processes; the runtime restarts the replica."""
     LOST_RUN_REPLY = "lost_run_reply"
@@ -47,8 +50,13 @@ class ChaosFault(StrEnum):
     """A participant's prepare reaches it late."""
 
 
-IN_PROCESS = frozenset(set(ChaosFault) - {ChaosFault.PROCESS_KILL})
-"""Faults the trial process applies itself (the rest are the runner's)."""
+KILLS = frozenset({ChaosFault.PROCESS_KILL, ChaosFault.TRAINER_KILL})
+"""The runner's faults: it SIGKILLs the trial process's group (with the servers in it, or
+not when they run under ``rollpoint serve``)."""
+IN_PROCESS = frozenset(set(ChaosFault) - KILLS)
+"""Faults the trial process applies itself."""
+TRAINER_KILL_SHARE = 0.3
+"""Of the trials drawn with a kill, this share kill the trainer alone."""
 PROXIED = frozenset(
     {
         ChaosFault.LOST_RUN_REPLY,
@@ -90,6 +98,8 @@ class PlannedFault(StrictModel):
         }.get(self.kind, "")
         if self.kind is ChaosFault.PROCESS_KILL:
             where = "trial"
+        elif self.kind is ChaosFault.TRAINER_KILL:
+            where = "trainer"
         return f"{self.kind} of {where}{extra} at {self.at_s:.2f}s of run {self.run}"
 
 
@@ -104,6 +114,14 @@ class TrialPlan(StrictModel):
     """0 starts the job fresh; a rerun resumes from the trial's snapshots."""
     faults: list[PlannedFault] = Field(default_factory=list)
     """Every fault of the trial, of every run."""
+    served: Path | None = None
+    """The deployment ``rollpoint serve --json`` printed, when the trial's servers run
+    apart from the trainer (set by the runner for a trial with a trainer kill)."""
+
+    @property
+    def servers_apart(self) -> bool:
+        """The trial's servers outlive its trainer: it plans a trainer kill."""
+        return any(f.kind is ChaosFault.TRAINER_KILL for f in self.faults)
 
     def in_process(self) -> list[PlannedFault]:
         """The faults this run's trial process applies itself."""
@@ -111,7 +129,13 @@ class TrialPlan(StrictModel):
 
     def kills(self) -> list[PlannedFault]:
         """The runner's kill of this run (at most one)."""
-        return [f for f in self.faults if f.run == self.run and f.kind is ChaosFault.PROCESS_KILL]
+        return [f for f in self.faults if f.run == self.run and f.kind in KILLS]
+
+
+def served_store(plan: TrialPlan) -> str:
+    """The snapshot store of a trial whose servers run apart: the trial's own
+    ``snapshots`` folder, as for every trial, named alike by its servers and its trainer."""
+    return str(plan.workdir / "snapshots")
 
 
 class TrialEvent(StrictModel):
@@ -152,16 +176,21 @@ def draw_plans(
 def _draw_faults(rng: random.Random, replicas: int, within_s: float) -> list[PlannedFault]:
     faults: list[PlannedFault] = []
     kill_at: float | None = None
+    kill = ChaosFault.PROCESS_KILL
     if rng.random() < 0.5:
         kill_at = rng.uniform(0.1, within_s)
-        faults.append(PlannedFault(kind=ChaosFault.PROCESS_KILL, run=0, at_s=kill_at))
+        if rng.random() < TRAINER_KILL_SHARE:
+            kill = ChaosFault.TRAINER_KILL
+        faults.append(PlannedFault(kind=kill, run=0, at_s=kill_at))
         if rng.random() < 0.25:  # the rerun killed too, often during its restore
-            faults.append(
-                PlannedFault(kind=ChaosFault.PROCESS_KILL, run=1, at_s=rng.uniform(0.0, 1.0))
-            )
+            faults.append(PlannedFault(kind=kill, run=1, at_s=rng.uniform(0.0, 1.0)))
     # One proxied fault per participant and run: a partition heals its whole proxy.
     free = {run: [(r, p) for r in range(replicas) for p in ParticipantKind] for run in range(2)}
-    kinds = rng.sample(sorted(IN_PROCESS), rng.randint(0 if kill_at is not None else 1, 3))
+    # Servers apart from the trainer are not its processes: it cannot kill a replica's.
+    pool = sorted(
+        IN_PROCESS - ({ChaosFault.REPLICA_KILL} if kill is ChaosFault.TRAINER_KILL else set())
+    )
+    kinds = rng.sample(pool, rng.randint(0 if kill_at is not None else 1, 3))
     # A replica kill first: proxied faults then avoid its replica (once it restarts on new
     # ports, the trainer no longer goes through their proxy).
     kinds.sort(key=lambda k: k is not ChaosFault.REPLICA_KILL)

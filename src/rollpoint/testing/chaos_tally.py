@@ -36,6 +36,8 @@ class RunRecord:
     returncode: int | None = None
     killed_at: float | None = None
     """When the runner sent the plan's SIGKILL (it may have exited just before)."""
+    kill: ChaosFault = ChaosFault.PROCESS_KILL
+    """Which kill that was: the whole trial's, or the trainer's alone."""
     timed_out: bool = False
 
     @property
@@ -55,7 +57,7 @@ class RunRecord:
     def faults(self) -> Counter[ChaosFault]:
         found = Counter(e.kind for e in self.events if e.event == "fault" and e.kind is not None)
         if self.killed:
-            found[ChaosFault.PROCESS_KILL] += 1
+            found[self.kill] += 1
         return found
 
     def settled_since(self) -> float:

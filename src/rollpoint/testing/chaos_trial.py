@@ -30,13 +30,20 @@ from pydantic import ValidationError
 from rollpoint.config import RunConfig, load_config
 from rollpoint.job import drive_quietly, run_job
 from rollpoint.protocol.control import CONTROL_PREFIX, Verb
-from rollpoint.protocol.deployment import Deployment
+from rollpoint.protocol.deployment import Deployment, ServedDeployment
 from rollpoint.protocol.errors import ConfigError, RollpointError
 from rollpoint.protocol.participant import ParticipantKind
 from rollpoint.runtime.contract import Runtime
 from rollpoint.runtime.embedded import EmbeddedRuntime, replica_name, replica_of
 from rollpoint.store.workdir_lock import lock_workdir
-from rollpoint.testing.chaos_plan import PROXIED, ChaosFault, PlannedFault, TrialEvent, TrialPlan
+from rollpoint.testing.chaos_plan import (
+    PROXIED,
+    ChaosFault,
+    PlannedFault,
+    TrialEvent,
+    TrialPlan,
+    served_store,
+)
 from rollpoint.testing.fault import Fault
 from rollpoint.testing.fault_proxy import FaultProxy
 from rollpoint.trainer.metrics import TrainerMetrics
@@ -77,7 +84,9 @@ def trial_config(plan: TrialPlan) -> RunConfig:
     """The job's config in the trial's workdir, with its snapshot store inside it and free
     ports: trials must not share state or collide with servers still dying."""
     config = load_config(plan.config)
-    snapshot = config.snapshot.model_copy(update={"store": None})
+    # Servers apart name the store by its path; the trainer must name it alike.
+    store = served_store(plan) if plan.served is not None else None
+    snapshot = config.snapshot.model_copy(update={"store": store})
     return config.model_copy(
         update={"workdir": plan.workdir, "base_port": None, "snapshot": snapshot}
     )
@@ -91,7 +100,7 @@ class Strike:
     recover: Callable[[], Awaitable[None]] | None = None
 
 
-_StrikeFn = Callable[[PlannedFault, Trainer, EmbeddedRuntime], Awaitable[Strike | None]]
+_StrikeFn = Callable[[PlannedFault, Trainer, Runtime], Awaitable[Strike | None]]
 """Applies one fault; returns when it took effect, None when it found nothing to hit."""
 
 
@@ -134,7 +143,9 @@ class TrialFaults:
         self, trainer: Trainer, runtime: Runtime, metrics: TrainerMetrics
     ) -> RunSummary:
         """Run the job as ``rollpoint run`` does, the faults landing beside it."""
-        if not isinstance(runtime, EmbeddedRuntime):
+        if any(f.kind is ChaosFault.REPLICA_KILL for f in self.faults) and not isinstance(
+            runtime, EmbeddedRuntime
+        ):
             raise ConfigError("rollpoint chaos kills local server processes: use runtime: embedded")
         applying = [asyncio.create_task(self._apply(f, trainer, runtime)) for f in self.faults]
         try:
@@ -144,7 +155,7 @@ class TrialFaults:
                 task.cancel()
             await asyncio.gather(*applying, return_exceptions=True)
 
-    async def _apply(self, fault: PlannedFault, trainer: Trainer, runtime: EmbeddedRuntime) -> None:
+    async def _apply(self, fault: PlannedFault, trainer: Trainer, runtime: Runtime) -> None:
         await asyncio.sleep(max(0.0, self._up_at + fault.at_s - time.monotonic()))
         try:
             strike = await self._strikes[fault.kind](fault, trainer, runtime)
@@ -163,8 +174,9 @@ class TrialFaults:
     # --- one strike per kind -----------------------------------------------------------
 
     async def _kill_replica(
-        self, fault: PlannedFault, trainer: Trainer, runtime: EmbeddedRuntime
+        self, fault: PlannedFault, trainer: Trainer, runtime: Runtime
     ) -> Strike | None:
+        assert isinstance(runtime, EmbeddedRuntime)  # drive checked it
         name = replica_name(fault.replica)
         victims = [
             c
@@ -190,7 +202,7 @@ class TrialFaults:
         return Strike(time.time(), noticed)
 
     async def _lose_reply(
-        self, fault: PlannedFault, trainer: Trainer, runtime: EmbeddedRuntime
+        self, fault: PlannedFault, trainer: Trainer, runtime: Runtime
     ) -> Strike | None:
         proxy = self._proxy_of(fault)
         if fault.kind is ChaosFault.LOST_RUN_REPLY:
@@ -202,7 +214,7 @@ class TrialFaults:
         return Strike(time.time())
 
     async def _partition(
-        self, fault: PlannedFault, trainer: Trainer, runtime: EmbeddedRuntime
+        self, fault: PlannedFault, trainer: Trainer, runtime: Runtime
     ) -> Strike | None:
         proxy = self._proxy_of(fault)
         # Cut on the next control request, so the partition meets a snapshot.
@@ -216,7 +228,7 @@ class TrialFaults:
         return Strike(time.time(), heal)
 
     async def _slow_prepare(
-        self, fault: PlannedFault, trainer: Trainer, runtime: EmbeddedRuntime
+        self, fault: PlannedFault, trainer: Trainer, runtime: Runtime
     ) -> Strike | None:
         proxy = self._proxy_of(fault)
         rule = proxy.add(
@@ -235,8 +247,18 @@ class TrialFaults:
 async def run_trial(plan: TrialPlan, config: RunConfig) -> RunSummary:
     faults = TrialFaults(plan)
     try:
+        attach = (
+            None
+            if plan.served is None
+            else ServedDeployment.model_validate_json(plan.served.read_bytes())
+        )
         return await run_job(
-            config, fresh=plan.run == 0, say=say, drive=faults.drive, route=faults.route
+            config,
+            fresh=plan.run == 0,
+            say=say,
+            drive=faults.drive,
+            route=faults.route,
+            attach=attach,
         )
     finally:
         await faults.aclose()

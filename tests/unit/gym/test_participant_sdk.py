@@ -23,6 +23,7 @@ SDK_MODULES = {
     "control_routes",
     "episode_scope",
     "fence",
+    "fence_verbs",
     "participant",
     "phase_table",
     "retire_marks",

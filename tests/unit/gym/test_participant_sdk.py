@@ -24,6 +24,7 @@ SDK_MODULES = {
     "episode_scope",
     "fence",
     "fence_verbs",
+    "in_process_control",
     "participant",
     "phase_table",
     "retire_marks",

@@ -1,7 +1,8 @@
 """Real fences over small participants of the test, reached in-process (no sockets).
 
 One :class:`Rig` per test: per replica a model, an agent and a resources participant (the
-fake participant of the gym tests: its readiness, failures and state are the test's), each
+fake participant of the gym tests, saving its sessions as an agent does: its readiness,
+failures and state are the test's), each
 behind a real :class:`~rollpoint.participant.Fence` writing under ``tmp_path``, a trainer's
 control client of each (:func:`rollpoint.testing.in_process_client`, with a fault transport
 in between), and the trainer's parts a coordinator needs, on a store in the same root.
@@ -14,12 +15,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import orjson
+from pydantic import JsonValue
 
 from rollpoint.config import SnapshotConfig
 from rollpoint.participant import ControlSettings, Fence
 from rollpoint.participant.in_process_control import InProcessControlTransport
 from rollpoint.protocol.control import Phase
 from rollpoint.protocol.episode import TaskRow
+from rollpoint.protocol.errors import InvalidCheckpointStateError
 from rollpoint.protocol.ids import EpisodeId
 from rollpoint.protocol.participant import ParticipantKind
 from rollpoint.store.snapshot_store import SnapshotStore
@@ -38,10 +41,40 @@ KINDS = (ParticipantKind.MODEL, ParticipantKind.AGENT, ParticipantKind.RESOURCES
 TASK = TaskRow(task_id="t1", environment="workplace", prompt="book a meeting")
 
 
+class SessionParticipant(FakeParticipant):
+    """The fake participant saving each episode as an agent does: a record whose top-level
+    ``episode`` and ``turn`` say which try it holds and how far it got, so the coordinator
+    counts it as saved (the fake's own records name episodes by key: restarts)."""
+
+    async def export(self, scope: list[EpisodeId]) -> list[dict[str, JsonValue]]:
+        self._hook("export")
+        return [
+            {"episode": e.model_dump(mode="json"), "turn": self.state[e.key]}
+            for e in scope
+            if e.key in self.state
+        ]
+
+    async def install(
+        self, records: list[dict[str, JsonValue]], scope: list[EpisodeId]
+    ) -> list[EpisodeId]:
+        self._hook("install")
+        wanted = {e.key for e in scope}
+        state: dict[str, int] = {}
+        for record in records:
+            episode, turn = record.get("episode"), record.get("turn")
+            if not isinstance(episode, dict) or not isinstance(turn, int):
+                raise InvalidCheckpointStateError(f"bad record {record!r}")
+            saved = EpisodeId.model_validate(episode)
+            if saved.key in wanted:
+                state[saved.next_attempt().key] = turn
+        self.state = state  # all or nothing: replaced once every record was read
+        return [e.next_attempt() for e in scope]
+
+
 @dataclass
 class Rig:
     root: Path
-    participants: dict[str, FakeParticipant] = field(default_factory=dict)
+    participants: dict[str, SessionParticipant] = field(default_factory=dict)
     """By label, ``kind@replica``."""
     fences: dict[str, Fence] = field(default_factory=dict)
     clients: list[ParticipantClient] = field(default_factory=list)
@@ -71,12 +104,13 @@ class Rig:
         return inner.calls
 
     def dispatch(self, replica: str = "replica-0", rows: int = 2) -> list[EpisodeId]:
-        """A group of ``rows`` tries in flight on ``replica``, each one turn in on its agent."""
+        """A group of ``rows`` tries in flight on ``replica``, each one turn in on every
+        participant of it."""
         group = f"g{len(self.ledger.group_ids())}"
         records = self.ledger.add_group(TASK, group, rows)
         episodes = [self.ledger.dispatch(r.rollout_id, replica).episode for r in records]
-        agent = self.participants[f"agent@{replica}"]
-        agent.state.update({e.key: 1 for e in episodes})
+        for kind in KINDS:
+            self.participants[f"{kind}@{replica}"].state.update({e.key: 1 for e in episodes})
         return episodes
 
     def coordinator(self, deadline_s: float = 2.0) -> SnapshotCoordinator:
@@ -125,7 +159,7 @@ def build_rig(root: Path, replicas: tuple[str, ...] = ("replica-0",)) -> Rig:
     settings = ControlSettings(token="unused-in-process", snapshot_root=str(root), lease_grace_s=2)
     for replica in replicas:
         for kind in KINDS:
-            participant = FakeParticipant(kind=kind, name=str(kind), replica=replica)
+            participant = SessionParticipant(kind=kind, name=str(kind), replica=replica)
             fence = Fence(participant, settings)
             label = f"{kind}@{replica}"
             rig.participants[label] = participant

@@ -31,18 +31,9 @@ from schemathesis import Case
 from rollpoint.http.auth import CONTROL_TOKEN_ENV
 from rollpoint.protocol.control import (
     CONTROL_PREFIX,
-    AckReply,
-    CommitReply,
-    ConfirmReply,
-    ForgetReply,
-    PrepareReply,
-    RenewReply,
-    RestoreReply,
-    ResumeReply,
-    RetireReply,
-    StatusReply,
     Verb,
 )
+from rollpoint.protocol.control_verbs import VERBS
 from rollpoint.servers.agent.agent_server import AgentSettings, create_agent_app
 from rollpoint.servers.model.model_server import ModelServerSettings, create_model_app
 from rollpoint.servers.resources.resources_server import create_resources_app
@@ -58,18 +49,7 @@ SAVED_DIR = "fuzz/saved"
 """A real empty commit made when the target starts: an aimed restore installs it."""
 HOLD_S = 60.0
 """Deadline of the checkpoint a start phase holds: it never lapses within an example."""
-REPLIES: dict[Verb, type[BaseModel]] = {
-    Verb.STATUS: StatusReply,
-    Verb.PREPARE: PrepareReply,
-    Verb.RENEW: RenewReply,
-    Verb.COMMIT: CommitReply,
-    Verb.CONFIRM: ConfirmReply,
-    Verb.RESUME: ResumeReply,
-    Verb.RESTORE: RestoreReply,
-    Verb.RETIRE: RetireReply,
-    Verb.FORGET: ForgetReply,
-    Verb.ACK: AckReply,
-}
+REPLIES: dict[Verb, type[BaseModel]] = {v.verb: v.reply for v in VERBS.values()}
 FINGERPRINT = ("phase", "checkpoint_id", "lease_expires_at", "counts", "retired_rollouts")
 """The status fields a refused request must leave as they were."""
 
@@ -145,8 +125,7 @@ class Target:
         self._session.close()
 
     def operation(self, verb: Verb) -> Any:
-        method = "GET" if verb is Verb.STATUS else "POST"
-        return self.schema[f"{CONTROL_PREFIX}/{verb}"][method]
+        return self.schema[VERBS[verb].path][VERBS[verb].method]
 
     def fresh_id(self) -> str:
         return f"fuzz-{next(self._ids)}"
@@ -154,10 +133,7 @@ class Target:
     def control(self, verb: Verb, body: dict[str, Any] | None = None) -> Any:
         """A control call of the harness itself; it must succeed."""
         TALLY.requests[self.kind] += 1
-        if verb is Verb.STATUS:
-            reply = self._http.get(f"/{verb}")
-        else:
-            reply = self._http.post(f"/{verb}", json=body)
+        reply = self._http.request(VERBS[verb].method, f"/{verb}", json=body)
         assert reply.status_code == 200, f"harness {verb}: {reply.status_code} {reply.text}"
         return reply.json()
 

@@ -1,7 +1,8 @@
 """The control routes of a participant: every verb under ``/rollpoint/v1/checkpoint``.
 
-Owns the HTTP face of a :class:`~rollpoint.participant.fence.Fence`: one route per verb of
-:mod:`rollpoint.protocol.control`, each guarded by the control bearer token and each
+Owns the HTTP face of a :class:`~rollpoint.participant.fence.Fence`: one route per row of
+:data:`rollpoint.protocol.control_verbs.VERBS` (its method, path, request and reply model),
+each calling the verb's handler of :mod:`rollpoint.participant.fence_verbs`, each guarded by the control bearer token and each
 reading its body with :func:`rollpoint.http.app.strict_json_body` into the verb's request
 model, in pydantic's strict mode: ``application/json`` in UTF-8 only (415 otherwise), a
 body that is not JSON or is cut short is a 400 saying so, and a malformed field (a string
@@ -20,6 +21,7 @@ A server mounts it on its app and stops the fence with the app::
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -30,45 +32,11 @@ from pydantic import BaseModel
 from rollpoint.http.app import error_response, strict_json_body
 from rollpoint.http.auth import BearerAuth
 from rollpoint.participant.fence import ControlSettings, Fence
-from rollpoint.protocol.control import (
-    CONTROL_PREFIX,
-    AckReply,
-    AckRequest,
-    CommitReply,
-    CommitRequest,
-    ConfirmReply,
-    ConfirmRequest,
-    ForgetReply,
-    ForgetRequest,
-    PrepareReply,
-    PrepareRequest,
-    RenewReply,
-    RenewRequest,
-    RestoreReply,
-    RestoreRequest,
-    ResumeReply,
-    ResumeRequest,
-    RetireReply,
-    RetireRequest,
-    StatusReply,
-    Verb,
-)
+from rollpoint.participant.fence_verbs import VerbHandler, fence_handlers
+from rollpoint.protocol.control_verbs import VERBS, ControlVerb
 from rollpoint.protocol.errors import RollpointError
 
 __all__ = ["ControlSettings", "mount_control_routes"]
-
-_REQUESTS: dict[Verb, type[BaseModel]] = {
-    Verb.PREPARE: PrepareRequest,
-    Verb.RENEW: RenewRequest,
-    Verb.COMMIT: CommitRequest,
-    Verb.CONFIRM: ConfirmRequest,
-    Verb.RESUME: ResumeRequest,
-    Verb.RESTORE: RestoreRequest,
-    Verb.RETIRE: RetireRequest,
-    Verb.FORGET: ForgetRequest,
-    Verb.ACK: AckRequest,
-}
-"""Each verb's request model, read strictly by the route class (status takes no body)."""
 
 
 def _control_route(auth: BearerAuth, bodies: dict[str, type[BaseModel]]) -> type[APIRoute]:
@@ -95,11 +63,40 @@ def _control_route(auth: BearerAuth, bodies: dict[str, type[BaseModel]]) -> type
                 if isinstance(reply, Response):
                     return reply
                 assert isinstance(reply, BaseModel), "a control verb replies with its model"
+                # Serialised once, here: a commit's reply maps every exported episode, and
+                # FastAPI would dump, validate and dump it again inside the snapshot pause.
                 return Response(reply.model_dump_json(), media_type="application/json")
 
             return checked
 
     return ControlRoute
+
+
+def _endpoint(verb: ControlVerb[BaseModel, BaseModel], handler: VerbHandler) -> Callable[..., Any]:
+    """The route's endpoint for ``verb``: calls its handler. Its signature (the request
+    model as ``body``) only documents the body in the OpenAPI schema; the route class reads
+    the body itself."""
+    if verb.request is None:
+
+        async def endpoint() -> BaseModel:
+            return await handler(None)
+
+        parameters: list[inspect.Parameter] = []
+    else:
+
+        async def endpoint(body: BaseModel) -> BaseModel:  # type: ignore[misc]
+            return await handler(body)
+
+        parameters = [
+            inspect.Parameter(
+                "body", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=verb.request
+            )
+        ]
+    endpoint.__name__ = endpoint.__qualname__ = str(verb.verb)
+    endpoint.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
+        parameters, return_annotation=verb.reply
+    )
+    return endpoint
 
 
 def mount_control_routes(app: FastAPI, fence: Fence, settings: ControlSettings) -> None:
@@ -112,64 +109,18 @@ def mount_control_routes(app: FastAPI, fence: Fence, settings: ControlSettings) 
     process (the tests do). Routes added here are built now, once, in the caller's thread.
     """
     auth = BearerAuth(settings.token)
-    bodies: dict[str, type[BaseModel]] = {}
+    bodies = {v.path: v.request for v in VERBS.values() if v.request is not None}
     route_class = _control_route(auth, bodies)
-
-    def add(verb: Verb, endpoint: Callable[..., Any], **options: Any) -> None:
-        if verb in _REQUESTS:
-            bodies[f"{CONTROL_PREFIX}/{verb}"] = _REQUESTS[verb]
+    handlers = fence_handlers(fence)
+    for verb in VERBS.values():
         app.router.add_api_route(
-            f"{CONTROL_PREFIX}/{verb}",
-            endpoint,
-            methods=["GET" if verb is Verb.STATUS else "POST"],
+            verb.path,
+            _endpoint(verb, handlers[verb.verb]),
+            methods=[verb.method],
+            response_model=verb.reply,
             tags=["checkpoint control"],
             # The dependency documents the scheme in the OpenAPI schema; the route class
             # enforces it.
             dependencies=[Depends(auth)],
             route_class_override=route_class,
-            **options,
         )
-
-    async def status() -> StatusReply:
-        return fence.status()
-
-    async def prepare(body: PrepareRequest) -> PrepareReply:
-        return await fence.prepare(body)
-
-    async def renew(body: RenewRequest) -> RenewReply:
-        return await fence.renew(body)
-
-    async def commit(body: CommitRequest) -> Response:
-        reply = await fence.commit(body)
-        # Serialised once, here: the reply maps every exported episode, and FastAPI
-        # would dump, validate and dump it again inside the snapshot pause.
-        return Response(reply.model_dump_json(), media_type="application/json")
-
-    async def confirm(body: ConfirmRequest) -> ConfirmReply:
-        return await fence.confirm(body)
-
-    async def resume(body: ResumeRequest) -> ResumeReply:
-        return await fence.resume(body)
-
-    async def restore(body: RestoreRequest) -> RestoreReply:
-        return await fence.restore(body)
-
-    async def retire(body: RetireRequest) -> RetireReply:
-        return await fence.retire(body)
-
-    async def forget(body: ForgetRequest) -> ForgetReply:
-        return await fence.forget(body)
-
-    async def ack(body: AckRequest) -> AckReply:
-        return await fence.ack(body)
-
-    add(Verb.STATUS, status)
-    add(Verb.PREPARE, prepare)
-    add(Verb.RENEW, renew)
-    add(Verb.COMMIT, commit, response_model=CommitReply)
-    add(Verb.CONFIRM, confirm)
-    add(Verb.RESUME, resume)
-    add(Verb.RESTORE, restore)
-    add(Verb.RETIRE, retire)
-    add(Verb.FORGET, forget)
-    add(Verb.ACK, ack)

@@ -25,7 +25,8 @@ import httpx
 import orjson
 from pydantic import BaseModel, ValidationError
 
-from rollpoint.protocol.control import CONTROL_PREFIX, Phase, PrepareReply, StatusReply, Verb
+from rollpoint.protocol.control import Phase, PrepareReply, StatusReply, Verb
+from rollpoint.protocol.control_verbs import VERBS
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -73,7 +74,7 @@ class Probe:
 
     def __init__(self, client: httpx.AsyncClient, url: str, token: str) -> None:
         self._client = client
-        self._base = url.rstrip("/") + CONTROL_PREFIX
+        self._base = url.rstrip("/")
         self.token = token
         self.authorization = f"Bearer {token}"
 
@@ -93,12 +94,13 @@ class Probe:
         headers = {} if content_type is None else {"content-type": content_type}
         if authorization is not None:
             headers["authorization"] = authorization or self.authorization
-        url = f"{self._base}/{verb}"
-        if verb is Verb.STATUS:
-            resp = await self._client.get(url, headers=headers)
+        spec = VERBS[verb]
+        url = f"{self._base}{spec.path}"
+        if spec.request is None:
+            resp = await self._client.request(spec.method, url, headers=headers)
         else:
             content = body if isinstance(body, bytes) else orjson.dumps(body)
-            resp = await self._client.post(url, content=content, headers=headers)
+            resp = await self._client.request(spec.method, url, content=content, headers=headers)
         try:
             decoded: Any = orjson.loads(resp.content) if resp.content else None
         except orjson.JSONDecodeError:

@@ -1,7 +1,8 @@
 """The trainer side: recovery ledger, dispatch barrier, dispatcher, TQ, GRPO, the train loop.
 
-Everything here runs in the trainer process and reaches the environment only over HTTP
-(:class:`~rollpoint.http.client.HttpClient`). The snapshot coordinator composes these
+Everything here runs in the trainer process and reaches the environment over HTTP
+(:class:`~rollpoint.http.client.HttpClient`); control calls go through a
+:class:`~rollpoint.trainer.control_transport.ControlTransport`, HTTP in a run. The snapshot coordinator composes these
 parts through a :class:`Trainer`'s ``ledger``, ``barrier``, ``tq`` and ``dispatcher``.
 """
 

@@ -1,9 +1,13 @@
 """The coordinator's side of the control protocol: one typed client per participant.
 
-Owns the calls only (URLs, bodies, reply parsing, per-call timeouts tied to the shared
-deadline). A peer's refusal comes back as its typed error; a peer that is down, too slow,
-or answers something that is not the protocol is a :class:`TransportError` naming it.
-The ordering of calls across participants is the coordinator's business.
+Owns the calls only (bodies, per-call timeouts tied to the shared deadline, the
+participant's label on a failure). Each goes through a
+:class:`~rollpoint.trainer.control_transport.ControlTransport`: over HTTP by default
+(:class:`~rollpoint.trainer.control_transport.HttpControlTransport`), or any other given
+(in-process, fault-injecting). A peer's refusal comes back as its typed error; a peer that
+is down, too slow, or answers something that is not the protocol is a
+:class:`TransportError` naming it. The ordering of calls across participants is the
+coordinator's business.
 """
 
 from __future__ import annotations
@@ -12,11 +16,10 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from rollpoint.http.client import HttpClient
 from rollpoint.protocol.control import (
-    CONTROL_PREFIX,
     AckReply,
     AckRequest,
     CommitReply,
@@ -37,9 +40,23 @@ from rollpoint.protocol.control import (
     RetireRequest,
     StatusReply,
 )
-from rollpoint.protocol.errors import TransportError
+from rollpoint.protocol.control_verbs import (
+    ACK,
+    COMMIT,
+    CONFIRM,
+    FORGET,
+    PREPARE,
+    RENEW,
+    RESTORE,
+    RESUME,
+    RETIRE,
+    STATUS,
+    ControlVerb,
+)
+from rollpoint.protocol.errors import ConfigError, TransportError
 from rollpoint.protocol.ids import EpisodeId
 from rollpoint.protocol.participant import ParticipantKind
+from rollpoint.trainer.control_transport import ControlTransport, HttpControlTransport
 
 R = TypeVar("R", bound=BaseModel)
 
@@ -61,12 +78,21 @@ class ParticipantAddress:
 
 class ParticipantClient:
     def __init__(
-        self, address: ParticipantAddress, http: HttpClient, *, control_timeout_s: float = 30.0
+        self,
+        address: ParticipantAddress,
+        http: HttpClient | None = None,
+        *,
+        control_timeout_s: float = 30.0,
+        transport: ControlTransport | None = None,
     ) -> None:
+        """Calls go through ``transport`` when given, else over ``http`` to ``address.url``."""
+        if transport is None:
+            if http is None:
+                raise ConfigError(f"participant client {address.label}: give http or a transport")
+            transport = HttpControlTransport(http, address.url)
         self.address = address
-        self._http = http
+        self.transport = transport
         self._timeout_s = control_timeout_s
-        self._base = address.url.rstrip("/") + CONTROL_PREFIX
 
     @property
     def label(self) -> str:
@@ -75,41 +101,32 @@ class ParticipantClient:
     def relocated(self, url: str) -> ParticipantClient:
         """The same participant served at ``url`` (its replica was restarted on new ports)."""
         return ParticipantClient(
-            replace(self.address, url=url), self._http, control_timeout_s=self._timeout_s
+            replace(self.address, url=url),
+            control_timeout_s=self._timeout_s,
+            transport=self.transport.relocated(url),
         )
 
     async def _call(
-        self, verb: str, reply: type[R], body: BaseModel | None, deadline_ts: float | None
+        self, verb: ControlVerb[Any, R], body: BaseModel | None, deadline_ts: float | None
     ) -> R:
         timeout = self._timeout_s
         if deadline_ts is not None:
             timeout = max(0.5, deadline_ts - time.time() + _REPLY_GRACE_S)
-        payload: Any = body.model_dump(mode="json") if body is not None else None
-        method = "GET" if body is None else "POST"
         try:
-            raw = await self._http.request_json(
-                method, f"{self._base}/{verb}", body=payload, timeout_s=timeout
-            )
+            return await self.transport.call(verb, body, timeout)
         except TransportError as exc:
-            raise TransportError(f"{self.label} {verb}: {exc.message}") from None
-        try:
-            return reply.model_validate(raw)
-        except ValidationError as exc:
-            first = exc.errors()[0]
-            raise TransportError(
-                f"{self.label} {verb}: reply is not the protocol ({'.'.join(map(str, first['loc']))}: {first['msg']})"
-            ) from None
+            raise TransportError(f"{self.label} {verb.verb}: {exc.message}") from None
 
     async def status(self) -> StatusReply:
-        return await self._call("status", StatusReply, None, None)
+        return await self._call(STATUS, None, None)
 
     async def prepare(self, checkpoint_id: str, deadline_ts: float) -> PrepareReply:
         body = PrepareRequest(checkpoint_id=checkpoint_id, deadline_ts=deadline_ts)
-        return await self._call("prepare", PrepareReply, body, deadline_ts)
+        return await self._call(PREPARE, body, deadline_ts)
 
     async def renew(self, checkpoint_id: str, deadline_ts: float) -> RenewReply:
         body = RenewRequest(checkpoint_id=checkpoint_id, deadline_ts=deadline_ts)
-        return await self._call("renew", RenewReply, body, deadline_ts)
+        return await self._call(RENEW, body, deadline_ts)
 
     async def commit(
         self,
@@ -135,16 +152,14 @@ class ParticipantClient:
             # Set without validating again: keys of EpisodeIds are well-formed, and checking
             # 50k of them cost ~13 ms per participant inside the pause (the server checks).
             body = body.model_copy(update={"episode_keys": [e.key for e in scope]})
-        return await self._call("commit", CommitReply, body, deadline_ts)
+        return await self._call(COMMIT, body, deadline_ts)
 
     async def confirm(self, checkpoint_id: str, deadline_ts: float) -> ConfirmReply:
         body = ConfirmRequest(checkpoint_id=checkpoint_id, deadline_ts=deadline_ts)
-        return await self._call("confirm", ConfirmReply, body, deadline_ts)
+        return await self._call(CONFIRM, body, deadline_ts)
 
     async def resume(self, checkpoint_id: str) -> ResumeReply:
-        return await self._call(
-            "resume", ResumeReply, ResumeRequest(checkpoint_id=checkpoint_id), None
-        )
+        return await self._call(RESUME, ResumeRequest(checkpoint_id=checkpoint_id), None)
 
     async def restore(
         self,
@@ -164,13 +179,13 @@ class ParticipantClient:
             source_checkpoint_id=source_checkpoint_id,
             sources=sources,
         )
-        return await self._call("restore", RestoreReply, body, deadline_ts)
+        return await self._call(RESTORE, body, deadline_ts)
 
     async def retire(self, episodes: list[EpisodeId]) -> RetireReply:
-        return await self._call("retire", RetireReply, RetireRequest(episode_ids=episodes), None)
+        return await self._call(RETIRE, RetireRequest(episode_ids=episodes), None)
 
     async def forget(self, rollout_ids: list[str]) -> ForgetReply:
-        return await self._call("forget", ForgetReply, ForgetRequest(rollout_ids=rollout_ids), None)
+        return await self._call(FORGET, ForgetRequest(rollout_ids=rollout_ids), None)
 
     async def ack(self, episodes: list[EpisodeId]) -> AckReply:
-        return await self._call("ack", AckReply, AckRequest(episode_ids=episodes), None)
+        return await self._call(ACK, AckRequest(episode_ids=episodes), None)

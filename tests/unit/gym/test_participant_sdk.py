@@ -23,6 +23,8 @@ SDK_MODULES = {
     "control_routes",
     "episode_scope",
     "fence",
+    "fence_verbs",
+    "in_process_control",
     "participant",
     "phase_table",
     "retire_marks",

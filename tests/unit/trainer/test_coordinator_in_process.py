@@ -1,0 +1,112 @@
+"""The snapshot coordinator and the resumer over in-process participants (no sockets)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from rollpoint.protocol.control import Phase
+from rollpoint.protocol.participant import ParticipantKind
+from rollpoint.store.snapshot_store import STAGING_DIR
+from rollpoint.testing import Fault
+from rollpoint.trainer.resumer import Resumer
+from tests.unit.trainer.in_process_rig import Rig, build_rig
+
+AGENT, RESOURCES = "agent@replica-0", "resources@replica-0"
+COMMIT = "/rollpoint/v1/checkpoint/commit"
+RESUME = "/rollpoint/v1/checkpoint/resume"
+
+
+@pytest.fixture
+async def rig(tmp_path: Path) -> AsyncIterator[Rig]:
+    r = build_rig(tmp_path / "snapshots")
+    yield r
+    await r.aclose()
+
+
+def all_idle(rig: Rig) -> bool:
+    return set(rig.phases().values()) == {Phase.IDLE}
+
+
+async def test_a_save_publishes_a_manifest_naming_every_participant(rig: Rig) -> None:
+    episodes = rig.dispatch()
+    report = await rig.coordinator().save()
+    assert report.published, report.blocked_by
+    manifest = rig.store.verify(report.snapshot_id)
+    assert {(p.kind, p.replica) for p in manifest.participants} == {
+        (kind, "replica-0") for kind in ParticipantKind
+    }
+    assert sorted(f"{e.rollout_id}#{e.attempt}" for e in manifest.episodes) == sorted(
+        e.key for e in episodes
+    )
+    assert all_idle(rig)  # the pause ended: every participant resumed
+    assert rig.barrier.is_open
+
+
+async def test_a_participant_refusing_prepare_fails_the_save_and_names_it(rig: Rig) -> None:
+    rig.dispatch()
+    # Held by another checkpoint: it refuses the save's prepare (checkpoint_conflict).
+    await rig.client(RESOURCES).prepare("someone-else", time.time() + 30)
+    report = await rig.coordinator().save()
+    assert not report.published
+    assert RESOURCES in report.blocked_by and "someone-else" in report.blocked_by
+    assert rig.store.list_snapshots(include_invalid=True) == []
+    phases = rig.phases()
+    assert phases.pop(RESOURCES) is Phase.PREPARED  # still the other checkpoint's
+    assert set(phases.values()) == {Phase.IDLE}  # the abort resumed the others
+
+
+async def test_a_lost_commit_reply_publishes_no_half_snapshot(rig: Rig) -> None:
+    rig.dispatch()
+    rule = rig.faults(AGENT).add(Fault.drop_reply(path=COMMIT))
+    report = await rig.coordinator().save()
+    assert rule.hits == 1 and "commit" in rig.calls(AGENT)  # the agent did commit
+    assert not report.published
+    assert f"{AGENT} commit" in report.blocked_by
+    assert rig.store.list_snapshots(include_invalid=True) == []
+    staging = rig.root / STAGING_DIR
+    assert not staging.exists() or list(staging.iterdir()) == []  # aborted, not left half
+    assert all_idle(rig)
+
+
+async def test_the_resumer_retries_a_lost_resume_once(rig: Rig) -> None:
+    for client in rig.clients:
+        await client.prepare("c1", time.time() + 30)
+    rule = rig.faults(AGENT).add(Fault.reset(path=RESUME))
+    resumer = Resumer()
+    await resumer.resume_all("c1", rig.clients)
+    assert rule.hits == 1
+    assert rig.calls(AGENT).count("resume") == 1  # the retry, the reset never arrived
+    assert all_idle(rig) and resumer.unresumed == {}
+
+
+async def test_the_resumer_remembers_an_unreachable_participant_and_resumes_it_later(
+    rig: Rig,
+) -> None:
+    for client in rig.clients:
+        await client.prepare("c1", time.time() + 30)
+    rig.faults(AGENT).add(Fault.reset(path=RESUME, times=2))
+    resumer = Resumer()
+    await resumer.resume_all("c1", rig.clients)
+    assert set(resumer.unresumed) == {AGENT}
+    assert rig.fences[AGENT].phase is Phase.PREPARED
+    await resumer.resume_leftovers(rig.clients)
+    assert resumer.unresumed == {} and all_idle(rig)
+
+
+async def test_the_resumer_reopens_callees_last(rig: Rig) -> None:
+    for client in rig.clients:
+        await client.prepare("c1", time.time() + 30)
+    order: list[str] = []
+    for label, participant in rig.participants.items():
+        # Each participant notes when its admission reopens (the resume reached it).
+        def opened(label: str = label, hook=participant.open_admission) -> object:
+            order.append(label)
+            return hook()
+
+        participant.open_admission = opened  # type: ignore[method-assign]
+    await Resumer().resume_all("c1", rig.clients)
+    assert order == [RESOURCES, AGENT, "model@replica-0"]

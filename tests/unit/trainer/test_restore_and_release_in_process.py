@@ -1,0 +1,95 @@
+"""The restorer and the release batcher over in-process participants (no sockets)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from rollpoint.protocol.control import Phase
+from rollpoint.protocol.errors import RestoreError
+from rollpoint.trainer.ledger import RolloutState
+from rollpoint.trainer.release_batcher import ReleaseBatcher
+from rollpoint.trainer.restorer import Restorer, ResumePoint
+from tests.unit.trainer.in_process_rig import Rig, build_rig
+
+MODEL, AGENT, RESOURCES = "model@replica-0", "agent@replica-0", "resources@replica-0"
+
+
+@pytest.fixture
+async def rig(tmp_path: Path) -> AsyncIterator[Rig]:
+    r = build_rig(tmp_path / "snapshots")
+    yield r
+    await r.aclose()
+
+
+async def saved(rig: Rig) -> ResumePoint:
+    """A published snapshot of two tries one turn in, then the servers' state lost."""
+    rig.dispatch()
+    report = await rig.coordinator().save()
+    assert report.published, report.blocked_by
+    for participant in rig.participants.values():
+        participant.state = {}
+    return rig.resume_point(report.snapshot_id)
+
+
+async def test_a_restore_installs_the_saved_state_onto_every_participant(
+    rig: Rig, tmp_path: Path
+) -> None:
+    point = await saved(rig)
+    run = await Restorer(rig.clients).restore(point, train_data=tmp_path / "train_data.jsonl")
+    continued = sorted(e.key for e in run.continued)
+    assert continued == sorted(f"{e.rollout_id}#{e.attempt + 1}" for e in point.manifest.episodes)
+    for label, participant in rig.participants.items():
+        assert sorted(participant.state) == continued, label
+        assert set(participant.state.values()) == {1}, label
+    assert set(rig.phases().values()) == {Phase.IDLE}  # resumed after the install
+
+
+async def test_a_failing_participant_fails_the_restore_and_every_participant_is_resumed(
+    rig: Rig, tmp_path: Path
+) -> None:
+    point = await saved(rig)
+    rig.participants[RESOURCES].fail.add("install")
+    with pytest.raises(RestoreError, match=f"failed, nothing kept: {RESOURCES}"):
+        await Restorer(rig.clients).restore(point, train_data=tmp_path / "train_data.jsonl")
+    assert set(rig.phases().values()) == {Phase.IDLE}
+    for label in (MODEL, AGENT):  # restored, then resumed by the one cleanup path
+        assert rig.calls(label)[-1] == "resume", label
+        # The next attempts can never run: their marks are up everywhere.
+        marks = rig.fences[label].retire_marks
+        assert {marks[e.rollout_id] for e in point.manifest.episodes} == {1}, label
+
+
+async def test_acks_retires_and_forgets_reach_the_participants(rig: Rig) -> None:
+    sealed, given_up = rig.dispatch(rows=2)
+    agent = rig.participants[AGENT]
+    agent.finished_unacked = [sealed]
+    rig.ledger.abandon(given_up.rollout_id)
+    releases = ReleaseBatcher(rig.clients, rig.ledger, barrier=rig.barrier)
+    releases.sealed(sealed, "replica-0")
+    await releases.flush()
+    assert agent.finished_unacked == [] and releases.acked == 1
+    for label, participant in rig.participants.items():
+        assert participant.calls["retire"] == 1, label
+        assert rig.fences[label].retire_marks.get(given_up.rollout_id) == given_up.attempt
+        assert participant.calls["forget"] == 1, label  # the sealed rollout, at once
+    assert rig.ledger.get(given_up.rollout_id).state is RolloutState.RETIRED
+    assert releases.forgotten == 1
+
+
+async def test_a_participant_busy_with_a_checkpoint_keeps_the_batch_for_later(rig: Rig) -> None:
+    (episode,) = rig.dispatch(rows=1)
+    await rig.client(RESOURCES).prepare("busy", time.time() + 30)
+    releases = ReleaseBatcher(rig.clients, rig.ledger, barrier=rig.barrier)
+    releases.sealed(episode, "replica-0")
+    await releases.flush()
+    assert releases.forgotten == 0  # refused (409) by the prepared participant: kept
+    assert rig.participants[RESOURCES].calls["forget"] == 0
+    await rig.client(RESOURCES).resume("busy")
+    await releases.flush()
+    assert releases.forgotten == 1
+    assert {p.calls["forget"] for p in rig.participants.values()} == {1, 2}
+    assert rig.participants[RESOURCES].calls["forget"] == 1

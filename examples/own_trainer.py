@@ -16,7 +16,14 @@ import json
 import sys
 from pathlib import Path
 
-from rollpoint import Rollouts, RunConfig, ServedDeployment, parse_config
+from rollpoint import (
+    Rollouts,
+    RollpointError,
+    RunConfig,
+    ServedDeployment,
+    load_served,
+    parse_config,
+)
 
 SNAPSHOT_EVERY_S = 2.0
 
@@ -44,7 +51,7 @@ async def snapshot_now_and_then(run: Rollouts) -> None:
 
 def job(served_file: Path, workdir: Path) -> tuple[ServedDeployment, RunConfig]:
     """The servers to train on and the run's config (its workdir made)."""
-    served = ServedDeployment.model_validate_json(served_file.read_text())
+    served = load_served(served_file)
     config = parse_config(
         {
             "workdir": str(workdir),
@@ -85,4 +92,7 @@ async def train(served: ServedDeployment, config: RunConfig) -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(train(*job(Path(sys.argv[1]), Path(sys.argv[2]))))
+    try:
+        asyncio.run(train(*job(Path(sys.argv[1]), Path(sys.argv[2]))))
+    except RollpointError as exc:  # a refused resume, a busy workdir, a bad config: one line
+        sys.exit(f"error: {exc.message}")

@@ -27,19 +27,22 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from rollpoint.config import RunConfig, load_config, parse_config
     from rollpoint.protocol.deployment import ServedDeployment
-    from rollpoint.rollouts import Rollouts, TrainBatch
+    from rollpoint.protocol.errors import RollpointError
+    from rollpoint.rollouts import Rollouts, TrainBatch, load_served
     from rollpoint.trainer.train_hooks import TrainSample, TrainTurn, token_segments
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Rollouts",
+    "RollpointError",
     "RunConfig",
     "ServedDeployment",
     "TrainBatch",
     "TrainSample",
     "TrainTurn",
     "load_config",
+    "load_served",
     "parse_config",
     "token_segments",
 ]
@@ -47,7 +50,9 @@ __all__ = [
 _HOMES = {
     "Rollouts": "rollpoint.rollouts",
     "TrainBatch": "rollpoint.rollouts",
+    "load_served": "rollpoint.rollouts",
     "ServedDeployment": "rollpoint.protocol.deployment",
+    "RollpointError": "rollpoint.protocol.errors",
     "RunConfig": "rollpoint.config",
     "load_config": "rollpoint.config",
     "parse_config": "rollpoint.config",

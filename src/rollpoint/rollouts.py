@@ -23,13 +23,16 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
+
+from pydantic import ValidationError
 
 from rollpoint.config import RunConfig
 from rollpoint.job import Drive, drive_quietly, run_job
 from rollpoint.protocol.deployment import ServedDeployment
-from rollpoint.protocol.errors import InvalidPhaseError
+from rollpoint.protocol.errors import ConfigError, InvalidPhaseError
 from rollpoint.runtime.contract import Runtime
 from rollpoint.trainer.cut import SaveReport
 from rollpoint.trainer.metrics import TrainerMetrics
@@ -38,7 +41,7 @@ from rollpoint.trainer.trainer_loop import RunSummary, Trainer
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Rollouts", "ServedDeployment", "TrainBatch"]
+__all__ = ["Rollouts", "ServedDeployment", "TrainBatch", "load_served"]
 
 
 @dataclass
@@ -62,11 +65,26 @@ class TrainBatch:
 _END = object()
 
 
+def load_served(path: Path) -> ServedDeployment:
+    """The deployment line ``rollpoint serve --json`` printed, read from ``path``; a file
+    that is missing or is not that line is one :class:`ConfigError` naming it."""
+    try:
+        return ServedDeployment.model_validate_json(path.read_bytes())
+    except OSError as exc:
+        raise ConfigError(f"{path}: {exc.strerror or exc}") from None
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "the line"
+        raise ConfigError(
+            f"{path}: not the line rollpoint serve --json prints ({where}: {first['msg']})"
+        ) from None
+
+
 class Rollouts:
     """A run whose batches your loop pulls: ``async with Rollouts(config) as run``.
 
-    ``deployment``: the servers to run on, as ``rollpoint serve --json`` printed them (parse
-    the line with ``ServedDeployment.model_validate_json``); they are left running when the
+    ``deployment``: the servers to run on, as ``rollpoint serve --json`` printed them (read
+    the line with :func:`load_served`); they are left running when the
     run ends. Without it, the servers ``config.runtime`` names are started and stopped here.
     ``fresh``: start over instead of resuming (a workdir with progress is refused).
     """

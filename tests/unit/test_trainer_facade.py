@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -25,12 +26,14 @@ SERVED = (
 def test_the_top_level_exports_are_pinned_and_each_resolves() -> None:
     assert rollpoint.__all__ == [
         "Rollouts",
+        "RollpointError",
         "RunConfig",
         "ServedDeployment",
         "TrainBatch",
         "TrainSample",
         "TrainTurn",
         "load_config",
+        "load_served",
         "parse_config",
         "token_segments",
     ]
@@ -47,6 +50,21 @@ def test_importing_the_protocol_does_not_load_the_trainer_side() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_served_file_that_is_missing_or_not_the_line_is_one_line_naming_it(
+    tmp_path: Path,
+) -> None:
+    with pytest.raises(ConfigError, match=r"missing.json: No such file or directory"):
+        rollpoint.load_served(tmp_path / "missing.json")
+    edited = tmp_path / "served.json"
+    edited.write_text(SERVED.replace('"control_token_file":"/w/control.token",', ""))
+    with pytest.raises(
+        ConfigError, match=r"served.json: not the line .* \(control_token_file: Field required\)"
+    ):
+        rollpoint.load_served(edited)
+    edited.write_text(SERVED)
+    assert rollpoint.load_served(edited) == ServedDeployment.model_validate_json(SERVED)
 
 
 def test_the_line_serve_prints_parses_unchanged() -> None:

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from rollpoint.config import RunConfig, load_config, parse_config
     from rollpoint.protocol.deployment import ServedDeployment
     from rollpoint.protocol.errors import RollpointError
-    from rollpoint.rollouts import Rollouts, TrainBatch, load_served
+    from rollpoint.rollouts import Rollouts, SyncRollouts, TrainBatch, load_served
     from rollpoint.trainer.train_hooks import TrainSample, TrainTurn, token_segments
 
 __version__ = "0.1.0"
@@ -38,6 +38,7 @@ __all__ = [
     "RollpointError",
     "RunConfig",
     "ServedDeployment",
+    "SyncRollouts",
     "TrainBatch",
     "TrainSample",
     "TrainTurn",
@@ -50,6 +51,7 @@ __all__ = [
 _HOMES = {
     "Rollouts": "rollpoint.rollouts",
     "TrainBatch": "rollpoint.rollouts",
+    "SyncRollouts": "rollpoint.rollouts",
     "load_served": "rollpoint.rollouts",
     "ServedDeployment": "rollpoint.protocol.deployment",
     "RollpointError": "rollpoint.protocol.errors",

@@ -21,7 +21,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Callable
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -41,7 +43,7 @@ from rollpoint.trainer.trainer_loop import RunSummary, Trainer
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Rollouts", "ServedDeployment", "TrainBatch", "load_served"]
+__all__ = ["Rollouts", "ServedDeployment", "SyncRollouts", "TrainBatch", "load_served"]
 
 
 @dataclass
@@ -57,9 +59,20 @@ class TrainBatch:
     def done(self, metrics: dict[str, float] | None = None) -> None:
         """The update on this batch is over (your weights saved): rollpoint writes the
         batch to ``train_data.jsonl``, checkpoints the step and moves on. ``metrics`` go to
-        the run's metrics log. Calling it twice is a no-op."""
+        the run's metrics log. Calling it twice is a no-op; any thread may call it."""
+        loop = self._reply.get_loop()
+        try:
+            here = asyncio.get_running_loop() is loop
+        except RuntimeError:
+            here = False
+        if here:
+            self._settle(dict(metrics or {}))
+        else:
+            loop.call_soon_threadsafe(self._settle, dict(metrics or {}))
+
+    def _settle(self, metrics: dict[str, float]) -> None:
         if not self._reply.done():
-            self._reply.set_result(dict(metrics or {}))
+            self._reply.set_result(metrics)
 
 
 _END = object()
@@ -228,3 +241,116 @@ class Rollouts:
         reply: asyncio.Future[dict[str, float]] = asyncio.get_running_loop().create_future()
         await self._batches.put(TrainBatch(step, batch, reply))
         return await reply
+
+
+class SyncRollouts:
+    """:class:`Rollouts` for a synchronous training loop: ``with SyncRollouts(config) as run``.
+
+    The run lives on an event loop in a thread of its own; :meth:`batches` is a plain
+    iterator and :meth:`snapshot` a plain call. Same arguments and the same guarantees as
+    :class:`Rollouts`. For the embedded runtime or attached servers (the Ray runtime's
+    driver must be the main thread: it handles signals).
+    """
+
+    def __init__(
+        self,
+        config: RunConfig,
+        *,
+        deployment: ServedDeployment | None = None,
+        fresh: bool = False,
+        say: Callable[[str], None] = log.info,
+    ) -> None:
+        self._rollouts = Rollouts(config, deployment=deployment, fresh=fresh, say=say)
+        self._items: queue.Queue[TrainBatch | BaseException | object] = queue.Queue()
+        self._ready = threading.Event()
+        self._failed: BaseException | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._main: asyncio.Task[RunSummary] | None = None
+        self._summary: RunSummary | None = None
+        self._pending: TrainBatch | None = None
+        self._thread = threading.Thread(target=self._serve, name="rollpoint-rollouts", daemon=True)
+
+    def __enter__(self) -> Self:
+        self._thread.start()
+        self._ready.wait()
+        if self._failed is not None:
+            self._thread.join()
+            raise self._failed
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """Leaving before the run ended stops it, as :class:`Rollouts` does."""
+        if self._thread.is_alive() and self._loop is not None and self._main is not None:
+            self._loop.call_soon_threadsafe(self._main.cancel)
+        self._thread.join()
+
+    @property
+    def resumed_from(self) -> str | None:
+        return self._rollouts.resumed_from
+
+    @property
+    def resumed_step(self) -> int:
+        return self._rollouts.resumed_step
+
+    @property
+    def continued(self) -> int:
+        return self._rollouts.continued
+
+    def batches(self) -> Iterator[TrainBatch]:
+        """Each train step's batch; a batch not yet done when the next is asked for is done then."""
+        while True:
+            if self._pending is not None:
+                self._pending.done()
+                self._pending = None
+            item = self._items.get()
+            if isinstance(item, BaseException):
+                raise item
+            if not isinstance(item, TrainBatch):
+                return
+            self._pending = item
+            yield item
+
+    def snapshot(self) -> SaveReport:
+        """Take one snapshot now; returns once it is published or failed."""
+        if self._loop is None:
+            raise InvalidPhaseError("rollouts: the run is not open (use with)")
+        return asyncio.run_coroutine_threadsafe(self._rollouts.snapshot(), self._loop).result()
+
+    def summary(self) -> RunSummary:
+        """The run's end: every batch pulled and done; its figures."""
+        self._thread.join()
+        if self._failed is not None:
+            raise self._failed
+        if self._summary is None:
+            raise InvalidPhaseError("rollouts: the run was stopped before its end")
+        return self._summary
+
+    def _serve(self) -> None:
+        loop = asyncio.new_event_loop()
+        self._loop = loop
+        try:
+            self._main = loop.create_task(self._drive())
+            loop.run_until_complete(self._main)
+        except asyncio.CancelledError:
+            pass
+        except BaseException as exc:  # handed to the caller's thread, raised there
+            self._failed = exc
+            self._items.put(exc)
+        finally:
+            self._ready.set()
+            self._items.put(_END)
+            loop.close()
+
+    async def _drive(self) -> RunSummary:
+        async with self._rollouts as run:
+            self._ready.set()
+            async for batch in run.batches():
+                self._items.put(batch)
+                await asyncio.shield(batch._reply)  # done() from the caller's thread
+            self._summary = await run.summary()
+            return self._summary

@@ -1,0 +1,59 @@
+"""The façade from a synchronous loop: ``rollpoint.SyncRollouts`` on the embedded runtime.
+
+A real job (real server processes) is driven from plain Python with no event loop of the
+caller's: every batch comes through the iterator once, ``snapshot()`` publishes a snapshot
+from the caller's thread, and each row is trained once.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+import pytest
+
+from rollpoint import SyncRollouts, parse_config
+from rollpoint.config import RunConfig
+
+pytestmark = pytest.mark.integration
+
+
+def job(tmp_path: Path) -> RunConfig:
+    config = parse_config(
+        {
+            "workdir": str(tmp_path / "run"),
+            "environment": "math",
+            "tasks": 6,
+            "group_size": 2,
+            "max_turns": 1,
+            "replicas": 1,
+            "concurrency": 4,
+            "policy": {"latency_ms": 20, "error_rate": 0},
+            "train": {"batch_size": 4},
+            "snapshot": {"allow_restart_only": True},
+        }
+    )
+    config.workdir.mkdir(parents=True)
+    return config
+
+
+def test_a_synchronous_loop_pulls_every_batch_once_and_snapshots_from_its_thread(
+    tmp_path: Path,
+) -> None:
+    config = job(tmp_path)
+    steps, rows, published = [], 0, []
+    with SyncRollouts(config) as run:
+        assert run.resumed_from is None and run.resumed_step == 0
+        for batch in run.batches():
+            steps.append(batch.step)
+            rows += len(batch.samples)
+            if batch.step == 1:
+                published.append(run.snapshot().published)
+            batch.done({"rows": float(len(batch.samples))})
+        summary = run.summary()
+    assert steps == [1, 2, 3] and rows == 12 == summary.episodes
+    assert published == [True]
+    trained = [
+        orjson.loads(x) for x in (config.workdir / "train_data.jsonl").read_bytes().splitlines()
+    ]
+    assert len({(r["group_id"], r["row"]) for r in trained}) == len(trained) == 12

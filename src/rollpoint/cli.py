@@ -214,26 +214,44 @@ def run(
     force: Annotated[
         bool, typer.Option("--force", help="With --fresh: delete a non-empty workdir.")
     ] = False,
+    attach: Annotated[
+        Path | None,
+        typer.Option(
+            "--attach",
+            help="Run on the servers `rollpoint serve --json` started (its line, in this "
+            "file) instead of starting any; they are left running.",
+        ),
+    ] = None,
 ) -> None:
     """Run a job to the end; run the same command again after a crash to resume it.
 
     The config's runtime key picks where the servers run: embedded (local processes, the
-    default) or ray. Warnings (a snapshot skipped or failed, a replica down) show here and
-    in WORKDIR/rollpoint.log.
+    default) or ray; with --attach, on servers started apart (a trainer killed alone then
+    finds them running, and its rerun continues their episodes). Warnings (a snapshot
+    skipped or failed, a replica down) show here and in WORKDIR/rollpoint.log.
     """
     from rich.table import Table
 
     from rollpoint.config import load_config
     from rollpoint.full_table import print_full
     from rollpoint.job import prepare_workdir, run_job
+    from rollpoint.rollouts import attached_config, load_served
 
     try:
         config = load_config(config_path)
+        served = None if attach is None else load_served(attach)
+        if served is not None:
+            config = attached_config(config, served)
         prepare_workdir(config.workdir, fresh=fresh, force=force)
         _setup_logging(config.workdir)
         summary = _run_async(
             lambda stop: run_job(
-                config, fresh=fresh, say=_say, drive=_drive_with_progress, stop=stop
+                config,
+                fresh=fresh,
+                say=_say,
+                drive=_drive_with_progress,
+                stop=stop,
+                attach=served,
             )
         )
     except RunPreemptedError as exc:

@@ -78,6 +78,15 @@ class TrainBatch:
 _END = object()
 
 
+def attached_config(config: RunConfig, served: ServedDeployment) -> RunConfig:
+    """``config`` for a run on ``served``: its snapshot store is where those servers write
+    their part of every snapshot, unless the config names one (then they must agree)."""
+    if not served.snapshot_store or config.snapshot.store:
+        return config
+    snapshot = config.snapshot.model_copy(update={"store": served.snapshot_store})
+    return config.model_copy(update={"snapshot": snapshot})
+
+
 def load_served(path: Path) -> ServedDeployment:
     """The deployment line ``rollpoint serve --json`` printed, read from ``path``; a file
     that is missing or is not that line is one :class:`ConfigError` naming it."""
@@ -110,15 +119,8 @@ class Rollouts:
         fresh: bool = False,
         say: Callable[[str], None] = log.info,
     ) -> None:
-        if deployment is not None and deployment.snapshot_store and not config.snapshot.store:
-            # The servers write their part of every snapshot where they were told to.
-            config = config.model_copy(
-                update={
-                    "snapshot": config.snapshot.model_copy(
-                        update={"store": deployment.snapshot_store}
-                    )
-                }
-            )
+        if deployment is not None:
+            config = attached_config(config, deployment)
         self.config = config
         self._deployment = deployment
         self._fresh = fresh

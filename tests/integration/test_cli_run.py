@@ -235,3 +235,26 @@ def test_serve_prints_urls_and_a_private_control_token(tmp_path: Path) -> None:
         assert status.status_code == 200
         refused = httpx.get(f"{agent_url}/rollpoint/v1/checkpoint/status")
         assert refused.status_code == 401
+
+
+def test_run_attached_to_serve_trains_every_row_once_and_leaves_the_servers_running(
+    tmp_path: Path,
+) -> None:
+    serve_config = write_config(tmp_path, workdir=str(tmp_path / "servers"), tasks=4)
+    job = tmp_path / "job-run.yaml"
+    with served(serve_config) as deployment:
+        line = tmp_path / "served.json"
+        line.write_bytes(orjson.dumps(deployment))
+        for name in ("first", "second"):  # the second finds the servers the first left
+            raw = yaml.safe_load(serve_config.read_text()) | {"workdir": str(tmp_path / name)}
+            job.write_text(yaml.safe_dump(raw))
+            done = rollpoint("run", str(job), "--attach", str(line))
+            assert done.returncode == 0, done.stderr[-3000:]
+            rows = Counter((r["group_id"], r["row"]) for r in train_lines(tmp_path / name))
+            assert len(rows) == 8 and set(rows.values()) == {1}
+        # The snapshots are where the servers write theirs: the serve config's store.
+        assert list((tmp_path / "servers" / "snapshots" / "snapshots").glob("*/manifest.json"))
+
+    missing = rollpoint("run", str(job), "--attach", str(tmp_path / "nope.json"))
+    assert missing.returncode != 0 and "Traceback" not in missing.stderr
+    assert "nope.json: No such file or directory" in missing.stderr

@@ -54,6 +54,9 @@ def s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     }.items():
         monkeypatch.setenv(name, value)
     fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    # moto keeps its buckets in the test process, across servers: start from an empty one.
+    if fs.exists(BUCKET):
+        fs.rm(BUCKET, recursive=True)
     fs.mkdir(BUCKET)
     try:
         yield fs

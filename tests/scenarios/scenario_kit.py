@@ -46,6 +46,7 @@ from rollpoint.http.client import HttpClient
 from rollpoint.participant.admission_gate import AdmissionGate
 from rollpoint.policy.scripted_policy import PolicySettings, create_policy_app
 from rollpoint.protocol.control import CONTROL_PREFIX, StatusReply
+from rollpoint.protocol.control_verbs import ControlVerb
 from rollpoint.protocol.deployment import Deployment, ReplicaEndpoints
 from rollpoint.protocol.episode import EnvironmentName, RunReply, RunRow, TaskRow
 from rollpoint.protocol.participant import ParticipantKind
@@ -60,6 +61,7 @@ from rollpoint.servers.resources.resources_server import create_resources_app
 from rollpoint.store.snapshot_store import SnapshotStore
 from rollpoint.testing import FaultProxy, ProxiedRequest
 from rollpoint.trainer.control_plane import ControlPlane
+from rollpoint.trainer.control_transport import ControlTransport, HttpControlTransport
 from rollpoint.trainer.coordinator import SaveReport, SnapshotCoordinator
 from rollpoint.trainer.dispatch_barrier import DispatchBarrier
 from rollpoint.trainer.dispatcher import Dispatcher
@@ -331,29 +333,41 @@ class ControlCall:
     """How many episodes the request named (commit, restore, retire, ack), else None."""
 
 
+class SpyTransport:
+    """The HTTP control transport, noting every control call before it makes it."""
+
+    def __init__(self, label: str, inner: ControlTransport, log: list[ControlCall]) -> None:
+        self._label = label
+        self._inner = inner
+        self._log = log
+
+    def relocated(self, url: str) -> SpyTransport:
+        return SpyTransport(self._label, self._inner.relocated(url), self._log)
+
+    async def call(
+        self, verb: ControlVerb[Any, R], request: BaseModel | None, timeout_s: float
+    ) -> R:
+        episodes = getattr(request, "episode_ids", None)
+        keys = getattr(request, "episode_keys", None) or []  # a commit's scope may be keys
+        self._log.append(
+            ControlCall(
+                self._label,
+                str(verb.verb),
+                getattr(request, "checkpoint_id", None),
+                None if episodes is None else len(episodes) + len(keys),
+            )
+        )
+        return await self._inner.call(verb, request, timeout_s)
+
+
 class SpyClient(ParticipantClient):
-    """Our own participant client, noting every control call before it makes it."""
+    """Our own participant client, its calls noted by a :class:`SpyTransport`."""
 
     def __init__(
         self, address: ParticipantAddress, http: HttpClient, log: list[ControlCall]
     ) -> None:
-        super().__init__(address, http)
-        self._log = log
-
-    async def _call(
-        self, verb: str, reply: type[R], body: BaseModel | None, deadline_ts: float | None
-    ) -> R:
-        episodes = getattr(body, "episode_ids", None)
-        keys = getattr(body, "episode_keys", None) or []  # a commit's scope may be keys
-        self._log.append(
-            ControlCall(
-                self.label,
-                verb,
-                getattr(body, "checkpoint_id", None),
-                None if episodes is None else len(episodes) + len(keys),
-            )
-        )
-        return await super()._call(verb, reply, body, deadline_ts)
+        inner = HttpControlTransport(http, address.url)
+        super().__init__(address, transport=SpyTransport(address.label, inner, log))
 
 
 # --- the real trainer -------------------------------------------------------------------

@@ -27,6 +27,7 @@ import fcntl
 import os
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,8 +81,11 @@ def lock_workdir(workdir: Path) -> WorkdirLock:
                 "not support flock; use a local or flock-capable workdir"
             ) from None
         # Who holds it, for the refusal of a second process: pid first, host for shared mounts.
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()} {socket.gethostname()}\n".encode(), 0)
+        # Written over the old holder's line, then cut to length: a reader sees the old line
+        # or the new one, never an empty file.
+        line = f"{os.getpid()} {socket.gethostname()}\n".encode()
+        os.pwrite(fd, line, 0)
+        os.ftruncate(fd, len(line))
         lock = WorkdirLock(workdir=key, path=path, fd=fd)
         _held[key] = lock
         return lock
@@ -95,12 +99,32 @@ def release_workdir(workdir: Path) -> None:
         os.close(lock.fd)
 
 
+HOLDER_WAIT_S = 1.0
+"""How long a refused process waits for the holder to write its pid: the lock is taken
+before the pid is written, so one that asks in between reads the last holder's line (a
+process now dead) or nothing. Two reruns started together by a scheduler meet exactly this."""
+
+
 def _holder(fd: int) -> str:
+    deadline = time.monotonic() + HOLDER_WAIT_S
+    while True:
+        try:
+            words = os.pread(fd, 256, 0).decode(errors="replace").split()
+        except OSError:
+            words = []
+        here = len(words) < 2 or words[1] == socket.gethostname()
+        if words and (not here or _alive(words[0])):
+            return f"process {words[0]}" + ("" if here else f" on {words[1]}")
+        if time.monotonic() >= deadline:
+            return "another process"
+        time.sleep(0.01)
+
+
+def _alive(pid: str) -> bool:
     try:
-        words = os.pread(fd, 256, 0).decode(errors="replace").split()
-    except OSError:
-        words = []
-    if not words:
-        return "another process"
-    host = f" on {words[1]}" if len(words) > 1 and words[1] != socket.gethostname() else ""
-    return f"process {words[0]}{host}"
+        os.kill(int(pid), 0)
+    except (ValueError, ProcessLookupError):
+        return False
+    except PermissionError:
+        return True  # another user's process: alive
+    return True

@@ -122,7 +122,10 @@ class Watched:
         raise AssertionError(f"no line matching {pattern!r}: {[t for _, t in self.lines]}")
 
     def finish(self) -> str:
-        out, _ = self.proc.communicate(timeout=180)
+        # Not communicate(): it would read stderr too, racing the reader for the last lines.
+        assert self.proc.stdout is not None
+        self.proc.wait(timeout=180)
+        out = self.proc.stdout.read()
         self._reader.join(timeout=10)
         return out
 

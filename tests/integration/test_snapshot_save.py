@@ -227,8 +227,11 @@ class StepsEndingInSaves:
     async def train_step(self, step: int, batch: list[TrainSample]) -> dict[str, float]:
         assert self.trainer is not None and self.trainer.coordinator is not None
         deadline = time.monotonic() + 5
-        # The coordinator exposes no event for "a save started"; a test may poll for it.
-        while not self.trainer.coordinator.saving and time.monotonic() < deadline:  # noqa: ASYNC110
+        coordinator, barrier = self.trainer.coordinator, self.trainer.barrier
+        # The coordinator exposes no event for "a save started"; a test may poll for it. The
+        # barrier closed, not only the save's lock taken: the lock is held from before the
+        # snapshot's start (the release flush), and a step ending then ends before it.
+        while not (coordinator.saving and not barrier.is_open) and time.monotonic() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(0.001)
         self.ended.append((step, time.time()))
         return {"rollouts": float(len(batch))}

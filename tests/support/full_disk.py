@@ -23,6 +23,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -55,17 +56,34 @@ class TmpfsDisk:
     def __init__(self, mountpoint: Path) -> None:
         self.mountpoint = mountpoint
         self.launcher = ("-m", "rollpoint")
+        self._stop = threading.Event()
+        self._filler: threading.Thread | None = None
 
     def fill(self) -> None:
-        # Take every free block: the next write anywhere on the mount gets ENOSPC.
-        with contextlib.suppress(OSError), (self.mountpoint / FILLER).open("wb") as out:
-            block = b"\0" * (1 << 16)
+        """Take every free block (the next write anywhere on the mount gets ENOSPC), and
+        keep taking what is freed until :meth:`free`: the run's own retention deletes old
+        snapshots there, and a disk full for a while stays full, as a shared one does."""
+        self._stop.clear()
+        self._take()
+        self._filler = threading.Thread(target=self._keep_full, daemon=True)
+        self._filler.start()
+
+    def free(self) -> None:
+        self._stop.set()
+        if self._filler is not None:
+            self._filler.join()
+        (self.mountpoint / FILLER).unlink(missing_ok=True)
+
+    def _take(self) -> None:
+        with contextlib.suppress(OSError), (self.mountpoint / FILLER).open("ab") as out:
+            block = b"\0" * (1 << 12)
             while True:
                 out.write(block)
                 out.flush()
 
-    def free(self) -> None:
-        (self.mountpoint / FILLER).unlink(missing_ok=True)
+    def _keep_full(self) -> None:
+        while not self._stop.wait(0.005):
+            self._take()
 
 
 @contextlib.contextmanager

@@ -127,6 +127,44 @@ class Rule:
         return f"<rule {self.number}: {self.fault.kind} {self.fault.match.describe()} ({times})>"
 
 
+class Rules:
+    """The rules in force, in the order they are tried: what the fault proxy and the fault
+    transport (:mod:`rollpoint.testing.fault_transport`) share. Numbers rules as added."""
+
+    def __init__(self) -> None:
+        self._rules: list[Rule] = []
+        self._numbers = itertools.count(1)
+
+    def add(self, fault: Fault) -> Rule:
+        rule = Rule(fault, next(self._numbers))
+        self._rules.append(rule)
+        return rule
+
+    def remove(self, rule: Rule) -> None:
+        """Stop applying ``rule``; what it holds goes on."""
+        rule._retire()
+        if rule in self._rules:
+            self._rules.remove(rule)
+
+    def clear(self) -> None:
+        """Remove every rule (each one's held requests go on)."""
+        for rule in list(self._rules):
+            self.remove(rule)
+
+    def retire_all(self) -> None:
+        """Retire every rule without removing it (the proxy is closing)."""
+        for rule in self._rules:
+            rule._retire()
+
+    def take(self, request: ProxiedRequest) -> Rule | None:
+        """The first rule that takes ``request`` (counting it), if any."""
+        return next((r for r in self._rules if r._take(request)), None)
+
+    @property
+    def active(self) -> list[Rule]:
+        return [r for r in self._rules if r.active and not r.exhausted]
+
+
 @dataclass(frozen=True)
 class ProxyStats:
     requests: int
@@ -160,8 +198,7 @@ class FaultProxy:
         self.host = host
         self._port = port
         self._connect_timeout_s = connect_timeout_s
-        self._rules: list[Rule] = []
-        self._numbers = itertools.count(1)
+        self._rules = Rules()
         self._by_route: Counter[str] = Counter()
         self._forwarded = 0
         self._partitions = 0
@@ -210,8 +247,7 @@ class FaultProxy:
         if self._runner is None:
             return
         self._closing = True
-        for rule in self._rules:
-            rule._retire()
+        self._rules.retire_all()
         self._cut_all()
         for task in list(self._handlers):
             task.cancel()
@@ -236,15 +272,11 @@ class FaultProxy:
 
     def add(self, fault: Fault) -> Rule:
         """Apply ``fault`` to the matching requests from now on (after earlier rules)."""
-        rule = Rule(fault, next(self._numbers))
-        self._rules.append(rule)
-        return rule
+        return self._rules.add(fault)
 
     def remove(self, rule: Rule) -> None:
         """Stop applying ``rule``; requests it holds are forwarded."""
-        rule._retire()
-        if rule in self._rules:
-            self._rules.remove(rule)
+        self._rules.remove(rule)
 
     def release(self, rule: Rule) -> None:
         """Forward the requests ``rule`` holds, and hold no more (same as :meth:`remove`)."""
@@ -253,7 +285,7 @@ class FaultProxy:
     @property
     def rules(self) -> list[Rule]:
         """The rules still in force, in the order they are tried."""
-        return [r for r in self._rules if r.active and not r.exhausted]
+        return self._rules.active
 
     async def partition(self) -> None:
         """Refuse new connections and cut every open one, until :meth:`heal`."""
@@ -269,8 +301,7 @@ class FaultProxy:
     async def heal(self) -> None:
         """Undo every fault: rules removed, held requests forwarded, and after a partition
         the proxy listens again on the same port."""
-        for rule in list(self._rules):
-            self.remove(rule)
+        self._rules.clear()
         if self._partitioned:
             await self._listen()
             self._partitioned = False
@@ -322,7 +353,7 @@ class FaultProxy:
             raw.method, raw.path, raw.query_string, raw.headers, await raw.read()
         )
         try:
-            rule = next((r for r in self._rules if r._take(request)), None)
+            rule = self._rules.take(request)
         except Exception as exc:
             log.exception("fault proxy: a rule's predicate failed on %s %s", raw.method, raw.path)
             return _json_reply(

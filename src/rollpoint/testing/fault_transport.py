@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 from collections import Counter
 from typing import Any, TypeVar
 
@@ -38,7 +37,7 @@ from pydantic import BaseModel
 from rollpoint.protocol.control_verbs import ControlVerb
 from rollpoint.protocol.errors import RollpointError, TransportError, error_from_wire
 from rollpoint.testing.fault import Fault, FaultKind, ProxiedRequest
-from rollpoint.testing.fault_proxy import Rule
+from rollpoint.testing.fault_proxy import Rule, Rules
 from rollpoint.trainer.control_transport import ControlTransport
 
 __all__ = ["FaultTransport"]
@@ -52,8 +51,7 @@ class FaultTransport:
     def __init__(self, inner: ControlTransport, *, peer: str = "fault transport") -> None:
         self.inner = inner
         self._peer = peer
-        self._rules: list[Rule] = []
-        self._numbers = itertools.count(1)
+        self._rules = Rules()
         self._partitioned = False
         self.requests: Counter[str] = Counter()
         """Calls made, by verb (refused while partitioned included)."""
@@ -65,15 +63,11 @@ class FaultTransport:
 
     def add(self, fault: Fault) -> Rule:
         """Apply ``fault`` to the matching calls from now on (after earlier rules)."""
-        rule = Rule(fault, next(self._numbers))
-        self._rules.append(rule)
-        return rule
+        return self._rules.add(fault)
 
     def remove(self, rule: Rule) -> None:
         """Stop applying ``rule``; calls it holds are sent."""
-        rule._retire()
-        if rule in self._rules:
-            self._rules.remove(rule)
+        self._rules.remove(rule)
 
     def release(self, rule: Rule) -> None:
         """Send the calls ``rule`` holds, and hold no more (same as :meth:`remove`)."""
@@ -81,7 +75,7 @@ class FaultTransport:
 
     @property
     def rules(self) -> list[Rule]:
-        return [r for r in self._rules if r.active and not r.exhausted]
+        return self._rules.active
 
     @property
     def partitioned(self) -> bool:
@@ -93,8 +87,7 @@ class FaultTransport:
 
     def heal(self) -> None:
         """Undo every fault: rules removed, held calls sent, the partition over."""
-        for rule in list(self._rules):
-            self.remove(rule)
+        self._rules.clear()
         self._partitioned = False
 
     def relocated(self, url: str) -> FaultTransport:
@@ -116,7 +109,7 @@ class FaultTransport:
             {"content-type": "application/json"},
             request.model_dump_json().encode() if request is not None else b"",
         )
-        rule = next((r for r in self._rules if r._take(seen)), None)
+        rule = self._rules.take(seen)
         if rule is None:
             return await self._send(verb, request, timeout_s)
         self.faulted[rule.fault.kind] += 1

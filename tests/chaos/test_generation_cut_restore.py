@@ -28,6 +28,7 @@ from tests.chaos.test_crash_recovery import (
     write_config,
 )
 from tests.chaos.test_token_restore import engine_log
+from tests.support.records import state_records
 
 pytestmark = pytest.mark.chaos
 __all__ = ["start"]
@@ -37,9 +38,9 @@ def saved_prefixes(workdir: Path, snapshot_id: str) -> dict[tuple[str, int], Cal
     """(rollout, turn) → the prefix the snapshot saved for a call in flight at it."""
     folder = workdir / invariants.SNAPSHOT_STORE_DIR / "snapshots" / snapshot_id
     found: dict[tuple[str, int], CallPrefix] = {}
-    for records in (folder / "participants" / "model").glob("*/records-*.jsonl"):
-        for raw in records.read_bytes().splitlines():
-            record = orjson.loads(raw)
+    store_root = folder.parent.parent
+    for state in (folder / "participants" / "model").iterdir():
+        for record in state_records(state, store_root):
             if record["kind"] == "model_prefix":
                 prefix = CallPrefix.model_validate(record["prefix"])
                 found[(prefix.rollout_id, prefix.turn)] = prefix

@@ -173,14 +173,25 @@ def test_a_run_on_an_object_store_killed_and_rerun_trains_every_row_once(
     s3.invalidate_cache()
     prefixes = {p.rsplit("/", 1)[-1] for p in s3.ls(f"{BUCKET}/{PREFIX}/snapshots")}
     assert prefixes == set(final), f"left behind: {sorted(prefixes - set(final))}"
+    shared = (
+        set(s3.ls(f"{BUCKET}/{PREFIX}/objects"))
+        if s3.exists(f"{BUCKET}/{PREFIX}/objects")
+        else set()
+    )
+    named = set().union(*(referenced(s3, snapshot_id) for snapshot_id in final))
+    assert shared <= named, f"records files no kept snapshot names: {sorted(shared - named)}"
     for snapshot_id in final:
-        found_objects = objects(s3, snapshot_id)
+        found_objects = objects(s3, snapshot_id) | shared
         missing_objects = referenced(s3, snapshot_id) - found_objects
         assert not missing_objects, f"{snapshot_id} lost {sorted(missing_objects)}"
         # The manifest is the publication point: written after every object it names.
         stamps = {o: s3.info(o)["LastModified"] for o in found_objects}
         manifest_at = stamps.pop(f"{BUCKET}/{PREFIX}/snapshots/{snapshot_id}/manifest.json")
-        assert all(manifest_at >= at for at in stamps.values()), (snapshot_id, stamps)
+        named_here = referenced(s3, snapshot_id)
+        assert all(manifest_at >= at for o, at in stamps.items() if o in named_here), (
+            snapshot_id,
+            stamps,
+        )
     if usable in final:
         assert objects(s3, usable) == kept_objects
 
@@ -195,5 +206,11 @@ def referenced(fs: Any, snapshot_id: str) -> set[str]:
     for participant in manifest["participants"]:
         path = f"{folder}/{participant['manifest_path']}"
         state = orjson.loads(fs.cat_file(path))
-        names |= {path, f"{path.rpartition('/')[0]}/{state['records_file']}"}
+        names.add(path)
+        names |= {
+            f"{BUCKET}/{PREFIX}/objects/{part['file']}"
+            if part["shared"]
+            else f"{path.rpartition('/')[0]}/{part['file']}"
+            for part in state["parts"]
+        }
     return names

@@ -24,6 +24,7 @@ from tests.chaos.test_crash_recovery import (
     wait_for_resumable_snapshot,
     write_config,
 )
+from tests.support.records import state_records
 
 pytestmark = pytest.mark.chaos
 __all__ = ["start"]  # the fixture, shared with the crash tests
@@ -39,9 +40,9 @@ def stamped_versions(workdir: Path, snapshot_id: str) -> dict[tuple[str, int], i
     """(rollout, turn) → policy version, from the model servers' ledgers in the snapshot."""
     folder = workdir / invariants.SNAPSHOT_STORE_DIR / "snapshots" / snapshot_id
     versions: dict[tuple[str, int], int] = {}
-    for records in (folder / "participants" / "model").glob("*/records-*.jsonl"):
-        for raw in records.read_bytes().splitlines():
-            record = orjson.loads(raw)
+    store_root = folder.parent.parent
+    for state in (folder / "participants" / "model").iterdir():
+        for record in state_records(state, store_root):
             if record["kind"] != "model_call":
                 continue  # a saved prefix (the generation cut)
             call = record["call"]

@@ -231,7 +231,9 @@ async def commit_all(
 def saved(root: Path, kind: str, cid: str = "cut1") -> list[JsonDict]:
     instance = f"{kind}-replica-0"
     directory = str(root / CUT_DIR / kind / instance)
-    _, records = read_participant_state(directory, kind=kind, instance=instance, checkpoint_id=cid)
+    _, records = read_participant_state(
+        directory, kind=kind, instance=instance, checkpoint_id=cid, root=str(root)
+    )
     return records
 
 

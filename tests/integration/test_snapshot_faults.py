@@ -44,6 +44,7 @@ from rollpoint.trainer.participant_client import ParticipantClient
 from rollpoint.trainer.trainer_loop import RunSummary, Trainer
 from tests.support.control_deployment import control_deployment
 from tests.support.polling import eventually
+from tests.support.records import records_paths
 
 pytestmark = pytest.mark.integration
 
@@ -476,5 +477,5 @@ async def test_corrupt_or_partial_snapshots_are_never_listed_as_valid(
 
 def participant_records(store: SnapshotStore, snapshot_id: str, kind: str, instance: str) -> Path:
     folder = Path(store.participant_dir(snapshot_id, kind, instance))
-    (records,) = folder.glob("records-*.jsonl")
+    (records,) = records_paths(folder, store.root)
     return records

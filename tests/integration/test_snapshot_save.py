@@ -80,6 +80,7 @@ async def test_snapshots_of_a_live_job_hold_what_the_servers_held(tmp_path: Path
             kind="agent",
             instance=f"agent-{saved.replica}",
             checkpoint_id=m.checkpoint_id,
+            root=h.store.root,
         )
         (session,) = [
             r
@@ -96,6 +97,7 @@ async def test_snapshots_of_a_live_job_hold_what_the_servers_held(tmp_path: Path
             kind="model",
             instance=f"model-{saved.replica}",
             checkpoint_id=m.checkpoint_id,
+            root=h.store.root,
         )
         calls = [r for r in model_records if r["episode"]["rollout_id"] == saved.rollout_id]
         assert saved.turns_completed <= len(calls) <= saved.turns_completed + 1
@@ -111,6 +113,7 @@ async def test_snapshots_of_a_live_job_hold_what_the_servers_held(tmp_path: Path
             kind="resources",
             instance=f"resources-{saved.replica}",
             checkpoint_id=m.checkpoint_id,
+            root=h.store.root,
         )
         (state,) = [r for r in res_records if r["rollout_id"] == saved.rollout_id]
         env = get_environment("workplace")

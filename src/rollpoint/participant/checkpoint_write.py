@@ -38,6 +38,7 @@ from rollpoint.protocol.errors import DeadlineExceededError, SnapshotError
 from rollpoint.protocol.manifest import ParticipantManifest
 from rollpoint.store.collector_pause import collector_paused
 from rollpoint.store.participant_state import write_participant_state
+from rollpoint.store.record_packs import PackIndex
 
 log = logging.getLogger(__name__)
 
@@ -101,6 +102,9 @@ class CheckpointWrites:
         opened (:mod:`rollpoint.store.contained_filesystem`)."""
         self._participant = participant
         self._root = root
+        self._index = PackIndex()
+        """Where this participant's last write put each record: the next writes only what
+        changed (:mod:`rollpoint.store.record_packs`)."""
         self._instance = instance
         self._clock = clock
         self._writes: OrderedDict[str, CheckpointWrite] = OrderedDict()
@@ -179,6 +183,7 @@ class CheckpointWrites:
             checkpoint_id=write.checkpoint_id,
             records=records,
             root=self._root,
+            index=self._index,
         )
         manifest = await await_hook("state write", store, SnapshotError)
         write.exported = await asyncio.to_thread(exported, records, write.scope)

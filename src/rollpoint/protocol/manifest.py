@@ -3,8 +3,14 @@
 Owns the shape of every JSON document rollpoint writes to a snapshot store and reads
 back after a crash, possibly with a newer rollpoint:
 
-- :class:`ParticipantManifest` (schema 1): one participant's exported state, written
-  last into the participant's folder after its records file.
+- :class:`ParticipantManifest` (schema 2): one participant's exported state, written
+  last into the participant's folder after the records files it names: a list of
+  :class:`RecordsPart` s, each a run of consecutive records (lines) in one records file.
+  Schema history: **1** named one records file in the participant's folder, with the
+  sha256 of its bytes; **2** (current) names parts, so a snapshot references the records
+  an earlier one wrote instead of writing them again (the records files shared by
+  snapshots sit in the store's ``objects/`` folder: :mod:`rollpoint.store.record_packs`).
+  Migration 1 → 2 makes the one file one part of its whole bytes, digested as bytes: exact.
 - :class:`SnapshotManifest` (schema 4): one published snapshot, written last into the
   snapshot folder; its presence is what makes the snapshot exist. It is sealed
   (:func:`seal_manifest`): ``seal`` holds the sha256 of every other top-level field, so a
@@ -44,7 +50,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Mapping
-from typing import Annotated, Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import orjson
 from pydantic import BaseModel, Field, JsonValue, StringConstraints, ValidationError
@@ -63,7 +69,7 @@ RecordsFileName = Annotated[str, StringConstraints(pattern=r"^records-[0-9a-f]{1
 """``records-<first 16 hex of the records sha256>.jsonl``: never a path, so never a traversal."""
 NonNegativeInt = Annotated[int, Field(ge=0)]
 
-PARTICIPANT_MANIFEST_VERSION = 1
+PARTICIPANT_MANIFEST_VERSION = 2
 SNAPSHOT_MANIFEST_VERSION = 4
 LATEST_POINTER_VERSION = 1
 
@@ -71,21 +77,45 @@ LATEST_POINTER_VERSION = 1
 # --- participant state -----------------------------------------------------------------
 
 
+class RecordsPart(StrictModel):
+    """A run of ``count`` consecutive records: bytes ``[offset, offset + length)`` of one
+    records file, each record one line ending in a newline."""
+
+    file: RecordsFileName
+    shared: bool
+    """True: the file sits in the store's ``objects/`` folder, shared by the snapshots
+    that reference it; False: in the participant's own folder (schema 1, or a write
+    given no store root)."""
+    offset: NonNegativeInt
+    length: NonNegativeInt
+    count: NonNegativeInt
+    digest: Literal["lines", "bytes"]
+    """What ``sha256`` covers. ``lines``: the sha256 of the concatenated sha256 digests
+    (32 bytes each) of the part's lines, each without its newline, so a run cut out of an
+    earlier part keeps a digest without its bytes being read again. ``bytes``: the sha256
+    of the part's bytes (schema 1's one file)."""
+    sha256: Sha256Hex
+
+
 class ParticipantManifest(StrictModel):
-    """One participant's exported state: the records file it names and that file's digest."""
+    """One participant's exported state: the records it saved, as parts of records files."""
 
     schema_version: int = PARTICIPANT_MANIFEST_VERSION
     kind: ParticipantKind
     instance: Identifier
     """The participant instance, e.g. ``model-replica-0``."""
     checkpoint_id: CheckpointId
-    records_file: RecordsFileName
-    sha256: Sha256Hex
-    """sha256 of the whole records file."""
+    parts: list[RecordsPart]
+    """In record order: the records are the parts' lines, one part after the other."""
     count: NonNegativeInt
-    """Number of records (lines) in the records file."""
+    """Number of records: the parts' counts added up."""
     bytes: NonNegativeInt
-    """Size of the records file."""
+    """Size of the records: the parts' lengths added up."""
+    written: NonNegativeInt
+    """Bytes of records files this write added to the store; the rest it referenced."""
+    sha256: Sha256Hex | None
+    """sha256 of every record's line digest in order (as a ``lines`` part's), None for a
+    migrated schema-1 manifest: what tells a retried commit from another one."""
     written_at: float
     """Unix time the manifest was written."""
 
@@ -219,7 +249,29 @@ SNAPSHOT_MANIFEST_MIGRATIONS: dict[int, Migration] = {
     2: _snapshot_v2_to_v3,
     3: _snapshot_v3_to_v4,
 }
-PARTICIPANT_MANIFEST_MIGRATIONS: dict[int, Migration] = {}
+
+
+def _participant_v1_to_v2(doc: dict[str, Any]) -> dict[str, Any]:
+    for field in ("parts", "written"):
+        if field in doc:
+            raise ValueError(f"a version 1 document has no '{field}' field")
+    doc["parts"] = [
+        {
+            "file": doc.pop("records_file", None),
+            "shared": False,
+            "offset": 0,
+            "length": doc.get("bytes"),
+            "count": doc.get("count"),
+            "digest": "bytes",
+            "sha256": doc.get("sha256"),
+        }
+    ]
+    doc["written"] = doc.get("bytes")
+    doc["sha256"] = None
+    return doc
+
+
+PARTICIPANT_MANIFEST_MIGRATIONS: dict[int, Migration] = {1: _participant_v1_to_v2}
 LATEST_POINTER_MIGRATIONS: dict[int, Migration] = {}
 
 

@@ -7,6 +7,7 @@ Owns the layout of a run's snapshot root (a local folder or an fsspec URL)::
         manifest.json                        SnapshotManifest, written last and sealed
         <files>                              ledger, TQ... (FileEntry digests in the manifest)
         participants/<kind>/<instance>/      one participant's state (participant_state)
+    <root>/objects/records-<hex>.jsonl       records files shared by snapshots (record_packs)
     <root>/latest                            LatestPointer to the newest published snapshot
 
 Publication: on a local root, :meth:`SnapshotStore.publish` renames the staging folder
@@ -19,6 +20,12 @@ digest of every file it names (the trainer's files and each participant's manife
 of each of its own fields, so a reader refuses a manifest edited after the fact, naming
 the field. ``latest`` is moved after the manifest and is advisory: readers choose the
 newest snapshot that verifies, so a crash between the two loses nothing.
+
+Records files in ``objects/`` are named by the participant manifests of the snapshots that
+reference them: publication refuses a snapshot naming one that is not there, and retention
+deletes one once no snapshot folder left (published or being written) names it. That
+holds because the store has one writer at a time (the workdir lock) and the coordinator
+takes one snapshot at a time: no write is running while a publication prunes.
 
 It does not know what the trainer's files or the participants' records mean, nor when a
 snapshot is taken (the coordinator does). Every method does blocking I/O: call it from
@@ -52,6 +59,7 @@ from rollpoint.protocol.manifest import (
     SnapshotManifest,
     decode_document,
     encode_document,
+    load_participant_manifest,
     load_snapshot_manifest,
     seal_manifest,
 )
@@ -66,6 +74,7 @@ from rollpoint.store.filesystem import (
     resolve_inside,
 )
 from rollpoint.store.participant_state import MANIFEST_NAME, verify_participant_state
+from rollpoint.store.record_packs import OBJECTS_DIR
 from rollpoint.store.retention import Span
 from rollpoint.store.staging import (
     PARTICIPANTS_DIR,
@@ -95,6 +104,9 @@ LATEST_NAME = "latest"
 
 _PROCESS_STARTED_AT = time.time()
 """Folders last touched before this were left by an earlier process (a crash)."""
+_TEMP_RECORDS_AGE_S = 600.0
+"""A records file still under its temp name this long after its last write was left by a
+write that died; younger ones may belong to a write still running (one that timed out)."""
 
 
 class SnapshotSummary(StrictModel):
@@ -140,6 +152,8 @@ class SnapshotStore:
         retention (a manifest never changes once published; a manifest of 100k episodes
         is tens of MB of objects, so only these are kept; :meth:`verify` and :meth:`load`
         always read afresh)."""
+        self._references: dict[str, frozenset[str]] = {}
+        """Shared records files named by each published snapshot (never changes)."""
         self.checkpoint_steps: Callable[[], list[int]] | None = None
         """The durable train checkpoint steps present, when the trainer keeps any: retention
         then never prunes the last snapshot that composes with one (:mod:`.retention`)."""
@@ -394,9 +408,20 @@ class SnapshotStore:
         for participant in manifest.participants:
             path = resolve_inside(staging.path, participant.manifest_path)
             try:
-                digest = digest_bytes(self._fs.read_bytes(path))
+                data = self._fs.read_bytes(path)
             except OSError as exc:
                 raise SnapshotError(f"cannot read {path}: {exc}") from None
+            digest = digest_bytes(data)
+            lacking = [
+                name
+                for name in sorted(_shared_files(data, path))
+                if not self._fs.exists(self._fs.join(self.root, OBJECTS_DIR, name))
+            ]
+            if lacking:
+                raise SnapshotError(
+                    f"snapshot {staging.snapshot_id}: participant {participant.instance} names "
+                    f"records files missing from {OBJECTS_DIR}/: " + ", ".join(lacking)
+                )
             entries.append(
                 participant.model_copy(update={"sha256": digest.sha256, "bytes": digest.bytes})
             )
@@ -419,6 +444,7 @@ class SnapshotStore:
                 kind=participant.kind.value,
                 instance=participant.instance,
                 checkpoint_id=manifest.checkpoint_id,
+                root=self.root,
             )
             if participant.sha256 is not None and participant.bytes is not None:
                 # Its records are digest-checked above; this covers the manifest's own fields.
@@ -515,9 +541,78 @@ class SnapshotStore:
             try:
                 self._fs.remove_tree(path)
                 self._loaded.pop(candidate.snapshot_id, None)
+                self._references.pop(candidate.snapshot_id, None)
                 log.info("pruned snapshot %s", candidate.snapshot_id)
             except OSError as exc:
                 log.warning("could not prune snapshot %s (skipped): %s", path, exc)
+        self._sweep_objects()
+
+    def _sweep_objects(self) -> None:
+        """Delete the shared records files no snapshot folder names any more."""
+        objects = self._fs.join(self.root, OBJECTS_DIR)
+        try:
+            names = self._fs.listdir(objects)
+        except OSError:
+            return  # no shared records files (yet)
+        if not names:
+            return
+        try:
+            referenced = self._referenced()
+        except (OSError, RollpointError) as exc:
+            # A folder whose references cannot be read might name any file: keep them all.
+            log.warning("kept every records file in %s: %s", objects, exc)
+            return
+        now = time.time()
+        for name in names:
+            path = self._fs.join(objects, name)
+            try:
+                if name.startswith("."):
+                    modified = self._fs.modified(path)
+                    if modified is None or now - modified < _TEMP_RECORDS_AGE_S:
+                        continue
+                elif name in referenced:
+                    continue
+                self._fs.remove_file(path)
+                log.info("removed records file %s: no kept snapshot names it", name)
+            except OSError as exc:
+                log.warning("could not remove records file %s (skipped): %s", path, exc)
+
+    def _referenced(self) -> set[str]:
+        """The shared records files named in every snapshot and staging folder."""
+        referenced: set[str] = set()
+        folders: list[tuple[str | None, str]] = [
+            (name, self._fs.join(self._snapshots_root(), name))
+            for name in self._fs.listdir(self._snapshots_root())
+        ]
+        staging = self._fs.join(self.root, STAGING_DIR)
+        if self._fs.local and self._fs.isdir(staging):
+            folders += [(None, self._fs.join(staging, name)) for name in self._fs.listdir(staging)]
+        for snapshot_id, folder in folders:
+            published = snapshot_id is not None and self._fs.exists(
+                self._fs.join(folder, MANIFEST_NAME)
+            )
+            known = self._references.get(snapshot_id) if snapshot_id is not None else None
+            if known is None:
+                known = frozenset(self._names_in(folder))
+                if published and snapshot_id is not None:
+                    self._references[snapshot_id] = known
+            referenced |= known
+        return referenced
+
+    def _names_in(self, folder: str) -> set[str]:
+        names: set[str] = set()
+        participants = self._fs.join(folder, PARTICIPANTS_DIR)
+        if not self._fs.isdir(participants):
+            return names
+        for kind in self._fs.listdir(participants):
+            for instance in self._fs.listdir(self._fs.join(participants, kind)):
+                path = self._fs.join(participants, kind, instance, MANIFEST_NAME)
+                try:
+                    data = self._fs.read_bytes(path)
+                except FileNotFoundError:
+                    continue  # a participant that had not written its manifest
+                names |= _shared_files(data, path)
+        return names
 
     def _clean_leftovers(self) -> None:
         """Remove unpublished folders an earlier process left behind when it crashed."""
@@ -539,6 +634,12 @@ class SnapshotStore:
                 log.warning("removed unpublished folder %s left by an earlier process", folder)
             except OSError as exc:
                 log.warning("could not remove leftover folder %s (skipped): %s", folder, exc)
+
+
+def _shared_files(data: bytes, path: str) -> set[str]:
+    """The shared records files a participant manifest names."""
+    manifest = load_participant_manifest(decode_document(data, path), path)
+    return {part.file for part in manifest.parts if part.shared}
 
 
 def _span(manifest: SnapshotManifest) -> Span:

@@ -49,6 +49,7 @@ from rollpoint.protocol.ids import EpisodeId
 from rollpoint.store import collector_schedule as collector_schedule_module
 from rollpoint.store.collector_schedule import MAX_GAP_S, CollectorSchedule
 from rollpoint.store.participant_state import read_participant_state
+from tests.support.records import records_paths
 from tests.unit.gym.fake_participant import FakeClock, FakeParticipant
 
 E = EpisodeId.from_key
@@ -361,7 +362,7 @@ async def test_commit_writes_the_scope_once_under_the_participant_folder(
     assert (reply.checkpoint_dir, reply.state_dir) == ("snap-1", "agent/agent-replica-0")
     folder = root / "snap-1" / "agent" / "agent-replica-0"
     manifest, records = read_participant_state(
-        str(folder), kind="agent", instance="agent-replica-0", checkpoint_id="c1"
+        str(folder), kind="agent", instance="agent-replica-0", checkpoint_id="c1", root=str(root)
     )
     assert manifest == reply.manifest
     assert records == [{"episode": "r1#0", "turns": 3}, {"episode": "r2#0", "turns": 1}]
@@ -377,7 +378,11 @@ async def test_a_scope_named_by_keys_is_the_same_commit_as_by_ids(
     reply = await fence.commit(by_keys)
     assert reply.scope_size == 2
     _, records = read_participant_state(
-        str(state_folder(root)), kind="agent", instance="agent-replica-0", checkpoint_id="c1"
+        str(state_folder(root)),
+        kind="agent",
+        instance="agent-replica-0",
+        checkpoint_id="c1",
+        root=str(root),
     )
     assert records == [{"episode": "r1#0", "turns": 3}, {"episode": "r2#0", "turns": 1}]
     # A retry naming the same set by ids replays it; another set by keys conflicts.
@@ -631,7 +636,11 @@ async def test_a_detached_commit_replies_before_the_write_and_confirm_returns_wh
     participant.state["r1#0"] = 9  # the sessions moved on after the cut
     confirmed = await fence.confirm(confirm())
     manifest, records = read_participant_state(
-        str(state_folder(root)), kind="agent", instance="agent-replica-0", checkpoint_id="c1"
+        str(state_folder(root)),
+        kind="agent",
+        instance="agent-replica-0",
+        checkpoint_id="c1",
+        root=str(root),
     )
     assert confirmed.manifest == manifest and confirmed.checkpoint_id == "c1"
     assert records == [{"episode": "r1#0", "turns": 3}, {"episode": "r2#0", "turns": 1}]
@@ -691,7 +700,11 @@ async def test_a_symlink_swap_in_the_staging_folder_after_commit_and_before_conf
     target.unlink()
     confirmed = await fence.confirm(confirm())
     manifest, _ = read_participant_state(
-        str(root / STATE_IN_STAGING), kind="agent", instance="agent-replica-0", checkpoint_id="c1"
+        str(root / STATE_IN_STAGING),
+        kind="agent",
+        instance="agent-replica-0",
+        checkpoint_id="c1",
+        root=str(root),
     )
     assert confirmed.manifest == manifest and participant.calls["export"] == 1
 
@@ -700,7 +713,7 @@ async def test_a_restore_never_reads_a_records_file_through_a_symlink(
     fence: Fence, participant: FakeParticipant, root: Path, tmp_path: Path
 ) -> None:
     await committed_snapshot(root)
-    (records,) = state_folder(root).glob("records-*.jsonl")
+    (records,) = records_paths(state_folder(root), root)
     copy = tmp_path / "outside.jsonl"
     copy.write_bytes(records.read_bytes())
     records.unlink()
@@ -1055,7 +1068,11 @@ async def test_a_capturing_participant_is_copied_in_the_pause_and_built_after_it
     assert confirmed.manifest is not None
     assert participant.built_on and participant.built_on[0] != threading.current_thread().name
     _, records = read_participant_state(
-        str(state_folder(root)), kind="agent", instance="agent-replica-0", checkpoint_id="c1"
+        str(state_folder(root)),
+        kind="agent",
+        instance="agent-replica-0",
+        checkpoint_id="c1",
+        root=str(root),
     )
     assert records == [{"episode": "r1#0", "turns": 3}, {"episode": "r2#0", "turns": 1}]
     await fence.aclose()

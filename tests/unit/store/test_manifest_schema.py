@@ -170,8 +170,29 @@ def test_participant_manifest_and_latest_pointer_goldens_load() -> None:
 
     assert isinstance(participant, ParticipantManifest)
     assert participant.kind is ParticipantKind.MODEL
-    assert participant.records_file == "records-b6fbd9c855e4f07c.jsonl"
+    [part] = participant.parts
+    assert (part.file, part.shared, part.digest) == (
+        "records-b6fbd9c855e4f07c.jsonl",
+        False,
+        "bytes",
+    )
+    assert (part.offset, part.length, part.count) == (0, 20, 2)
+    assert part.sha256 == "b6fbd9c855e4f07c804642815ac94ec06923ad78f353a72aeb79d74cb2480528"
+    assert participant.sha256 is None and participant.written == 20
     assert pointer == LatestPointer(snapshot_id="snap-000042", published_at=1767225601.25)
+
+
+def test_participant_manifest_v2_golden_loads_and_re_encodes_to_the_same_bytes() -> None:
+    raw = (GOLDEN / "participant_manifest_v2.json").read_bytes()
+
+    manifest = load_participant_manifest(orjson.loads(raw), "p")
+
+    assert [(p.count, p.shared, p.digest) for p in manifest.parts] == [
+        (2, True, "lines"),
+        (1, True, "lines"),
+    ]
+    assert (manifest.count, manifest.bytes, manifest.written) == (3, 24, 8)
+    assert encode_document(manifest) == raw
 
 
 @pytest.mark.parametrize(

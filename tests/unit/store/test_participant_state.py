@@ -6,6 +6,7 @@ import contextlib
 import errno
 import gc
 import hashlib
+import re
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -19,7 +20,7 @@ from rollpoint.protocol.errors import (
     InvalidCheckpointStateError,
     SnapshotError,
 )
-from rollpoint.protocol.manifest import ParticipantManifest, encode_document
+from rollpoint.protocol.manifest import ParticipantManifest, RecordsPart, encode_document
 from rollpoint.protocol.participant import ParticipantKind
 from rollpoint.store.deferred_value import DeferredValue
 from rollpoint.store.filesystem import filesystem_for
@@ -75,13 +76,16 @@ def test_round_trip_returns_the_records_and_a_manifest_that_describes_the_file(
 
     assert records == RECORDS
     assert manifest == written
-    data = filesystem_for(location).read_bytes(_path(location, manifest.records_file))
-    assert manifest.sha256 == hashlib.sha256(data).hexdigest()
-    assert manifest.records_file == f"records-{manifest.sha256[:16]}.jsonl"
-    assert (manifest.count, manifest.bytes) == (3, len(data))
+    [part] = manifest.parts
+    data = filesystem_for(location).read_bytes(_path(location, part.file))
+    assert part.file == f"records-{hashlib.sha256(data).hexdigest()[:16]}.jsonl"
+    line_digests = b"".join(hashlib.sha256(line).digest() for line in data.splitlines())
+    assert part.sha256 == manifest.sha256 == hashlib.sha256(line_digests).hexdigest()
+    assert (part.shared, part.offset, part.length, part.digest) == (False, 0, len(data), "lines")
+    assert (manifest.count, manifest.bytes, manifest.written) == (3, len(data), len(data))
     assert data.count(b"\n") == 3
     assert sorted(filesystem_for(location).listdir(_folder(location))) == sorted(
-        [MANIFEST_NAME, manifest.records_file]
+        [MANIFEST_NAME, part.file]
     )
 
 
@@ -165,19 +169,19 @@ def test_a_flipped_byte_is_reported_as_tampered_naming_the_records_file(
     location: str, flip_byte: Callable[..., None]
 ) -> None:
     manifest = _write(location)
-    flip_byte(_path(location, manifest.records_file), offset=5)
+    flip_byte(_path(location, manifest.parts[0].file), offset=5)
 
     for check in (read_participant_state, verify_participant_state):
         with pytest.raises(InvalidCheckpointStateError) as info:
             check(_folder(location), **IDENTITY)
-        assert f"records file {_path(location, manifest.records_file)}" in info.value.message
+        assert f"records file {_path(location, manifest.parts[0].file)}" in info.value.message
         assert "tampered" in info.value.message
 
 
 def test_a_truncated_records_file_is_refused_by_its_size(location: str) -> None:
     manifest = _write(location)
     fs = filesystem_for(location)
-    path = _path(location, manifest.records_file)
+    path = _path(location, manifest.parts[0].file)
     fs.write_bytes(path, fs.read_bytes(path)[:-10])
 
     with pytest.raises(InvalidCheckpointStateError, match="truncated or tampered"):
@@ -185,34 +189,69 @@ def test_a_truncated_records_file_is_refused_by_its_size(location: str) -> None:
 
 
 def test_count_mismatch_is_refused(location: str) -> None:
-    _write(location)
-    _rewrite_manifest(location, count=4)
+    manifest = _write(location)
+    part = manifest.parts[0].model_dump(mode="json") | {"count": 4}
+    _rewrite_manifest(location, count=4, parts=[part])
 
-    with pytest.raises(InvalidCheckpointStateError, match="holds 3 records, its manifest says 4"):
+    with pytest.raises(
+        InvalidCheckpointStateError, match=re.escape("holds 3 records at bytes 0..")
+    ):
         read_participant_state(_folder(location), **IDENTITY)
 
 
 def test_missing_records_file_is_refused(location: str) -> None:
     manifest = _write(location)
-    filesystem_for(location).remove_file(_path(location, manifest.records_file))
+    filesystem_for(location).remove_file(_path(location, manifest.parts[0].file))
 
     with pytest.raises(InvalidCheckpointStateError, match="named by its manifest is missing"):
         read_participant_state(_folder(location), **IDENTITY)
 
 
-def test_a_records_file_name_that_does_not_match_the_digest_is_refused(location: str) -> None:
+def test_a_manifest_whose_totals_differ_from_its_parts_is_refused(location: str) -> None:
     _write(location)
-    _rewrite_manifest(location, records_file="records-0000000000000000.jsonl")
+    _rewrite_manifest(location, bytes=1)
 
-    with pytest.raises(InvalidCheckpointStateError, match="but its digest makes it"):
+    with pytest.raises(InvalidCheckpointStateError, match="its parts hold 3 records in"):
         read_participant_state(_folder(location), **IDENTITY)
 
 
 def test_a_records_file_path_in_the_manifest_is_refused(location: str) -> None:
-    _write(location)
-    _rewrite_manifest(location, records_file="../../../etc/passwd")
+    manifest = _write(location)
+    part = manifest.parts[0].model_dump(mode="json") | {"file": "../../../etc/passwd"}
+    _rewrite_manifest(location, parts=[part])
 
-    with pytest.raises(InvalidCheckpointStateError, match="records_file"):
+    with pytest.raises(InvalidCheckpointStateError, match=re.escape("parts.0.file")):
+        read_participant_state(_folder(location), **IDENTITY)
+
+
+def test_a_schema_1_manifest_is_read_through_its_migration(location: str) -> None:
+    """A folder written by schema 1 (one records file, digested as bytes) still restores,
+    and a schema-1 name that does not match its digest is still refused."""
+    fs = filesystem_for(location)
+    body = b"".join(orjson.dumps(r) + b"\n" for r in RECORDS)
+    sha256 = hashlib.sha256(body).hexdigest()
+    fs.makedirs(_folder(location))
+    fs.write_bytes(_path(location, f"records-{sha256[:16]}.jsonl"), body)
+    v1 = {
+        "schema_version": 1,
+        **IDENTITY,
+        "records_file": f"records-{sha256[:16]}.jsonl",
+        "sha256": sha256,
+        "count": 3,
+        "bytes": len(body),
+        "written_at": 0.0,
+    }
+    fs.write_bytes(_path(location, MANIFEST_NAME), orjson.dumps(v1))
+
+    manifest, records = read_participant_state(_folder(location), **IDENTITY)
+
+    assert records == RECORDS
+    assert [p.digest for p in manifest.parts] == ["bytes"] and manifest.sha256 is None
+    fs.write_bytes(
+        _path(location, MANIFEST_NAME),
+        orjson.dumps(v1 | {"records_file": "records-0000000000000000.jsonl"}),
+    )
+    with pytest.raises(InvalidCheckpointStateError, match="but its digest makes it"):
         read_participant_state(_folder(location), **IDENTITY)
 
 
@@ -222,14 +261,25 @@ def _publish_raw(location: str, body: bytes) -> None:
     sha256 = hashlib.sha256(body).hexdigest()
     fs.makedirs(_folder(location))
     fs.write_bytes(_path(location, f"records-{sha256[:16]}.jsonl"), body)
+    lines = hashlib.sha256(b"".join(hashlib.sha256(x).digest() for x in body.splitlines()))
+    part = RecordsPart(
+        file=f"records-{sha256[:16]}.jsonl",
+        shared=False,
+        offset=0,
+        length=len(body),
+        count=body.count(b"\n"),
+        digest="lines",
+        sha256=lines.hexdigest(),
+    )
     manifest = ParticipantManifest(
         kind=ParticipantKind.AGENT,
         instance="agent-replica-0",
         checkpoint_id="ckpt-1",
-        records_file=f"records-{sha256[:16]}.jsonl",
-        sha256=sha256,
+        parts=[part],
+        sha256=lines.hexdigest(),
         count=body.count(b"\n"),
         bytes=len(body),
+        written=len(body),
         written_at=0.0,
     )
     fs.write_bytes(_path(location, MANIFEST_NAME), encode_document(manifest))
@@ -308,8 +358,8 @@ def test_a_disk_error_while_writing_is_a_snapshot_error_naming_the_folder_and_pu
             yield streams[-1]
 
     monkeypatch.setattr(fs_class, "open_write", failing)
-    # Two chunks at least: the first chunk holds 256 records.
-    records = [{"i": i, "pad": "x" * 1000} for i in range(1000)]
+    # Two chunks at least: a chunk is about 8 MiB.
+    records = [{"i": i, "pad": "x" * 20_000} for i in range(1000)]
 
     with pytest.raises(SnapshotError) as info:
         _write(location, records)

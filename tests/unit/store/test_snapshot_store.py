@@ -27,10 +27,15 @@ from rollpoint.protocol.manifest import (
     SavedEpisode,
     SnapshotManifest,
     field_digests,
+    load_participant_manifest,
     topology_fingerprint,
 )
 from rollpoint.store.filesystem import filesystem_for, resolve_inside
-from rollpoint.store.participant_state import read_participant_state, write_participant_state
+from rollpoint.store.participant_state import (
+    read_participant_state,
+    records_files,
+    write_participant_state,
+)
 from rollpoint.store.snapshot_store import (
     LATEST_NAME,
     SnapshotStore,
@@ -313,8 +318,12 @@ def test_tampered_participant_records_make_the_snapshot_unusable(
     store = SnapshotStore(location)
     _publish(store, "s1")
     folder = store.participant_dir("s1", "model", "model-replica-0")
-    [records_file] = [n for n in filesystem_for(folder).listdir(folder) if n.startswith("records-")]
-    flip_byte(f"{folder}/{records_file}", offset=3)
+    manifest = load_participant_manifest(
+        orjson.loads(filesystem_for(folder).read_bytes(f"{folder}/manifest.json")), "m"
+    )
+    [path] = records_files(folder, manifest, root=store.root)
+    records_file = path.rsplit("/", 1)[1]
+    flip_byte(path, offset=3)
 
     with pytest.raises(InvalidCheckpointStateError, match=re.escape(records_file)):
         store.verify("s1")

@@ -19,6 +19,7 @@ from bench import (
     ledger_scaling,
     model_overhead,
     runtime_compare,
+    snapshot_growth,
     snapshot_io,
     snapshot_pause,
 )
@@ -57,9 +58,15 @@ ITEMS: dict[str, Item] = {
     "runtime_compare": lambda quick: runtime_compare.run(),
     "snapshot_pause_100k": lambda quick: snapshot_pause.run_large(100_000, snapshots=4),
     "generation_cut": lambda quick: generation_cut.run(),
+    "snapshot_growth": lambda quick: (
+        snapshot_growth.run((1000,), snapshots=3)
+        if quick
+        else snapshot_growth.run((10_000,), snapshots=6)
+    ),
+    "snapshot_growth_100k": lambda quick: snapshot_growth.run((100_000,), snapshots=4),
 }
 # Items too slow for --quick: they run in the full suite, or by name with --only.
-FULL_ONLY = {"runtime_compare", "snapshot_pause_100k", "generation_cut"}
+FULL_ONLY = {"runtime_compare", "snapshot_pause_100k", "generation_cut", "snapshot_growth_100k"}
 
 
 async def _main(keys: list[str], quick: bool) -> list[BenchResult]:

@@ -53,10 +53,12 @@ import secrets
 import tempfile
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Awaitable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
+
+import orjson
 
 from bench.latency import percentile
 from bench.report import BenchResult
@@ -75,6 +77,7 @@ from rollpoint.protocol.errors import SnapshotError
 from rollpoint.protocol.manifest import FileEntry, SnapshotManifest
 from rollpoint.protocol.participant import ParticipantKind
 from rollpoint.runtime.embedded import EmbeddedRuntime
+from rollpoint.store.participant_state import MANIFEST_NAME
 from rollpoint.store.snapshot_store import PARTICIPANTS_DIR, SnapshotStore, Staging
 from rollpoint.trainer.control_plane import ControlPlane, participant_clients, snapshot_root
 from rollpoint.trainer.coordinator import SaveReport
@@ -218,12 +221,19 @@ class MeteredClient(HttpClient):
 
 
 def _bytes_by_part(path: str) -> dict[str, int]:
-    """Bytes under ``participants/<kind>/`` by kind; everything else counts as ``trainer``."""
+    """Bytes a snapshot holds under ``participants/<kind>/`` by kind (each participant's
+    manifest and the records it names, wherever they sit: records files are shared by
+    snapshots); everything else counts as ``trainer``."""
     sizes: dict[str, int] = defaultdict(int)
     for folder, _, files in os.walk(path):
         parts = Path(folder).relative_to(path).parts
-        part = parts[1] if len(parts) > 1 and parts[0] == PARTICIPANTS_DIR else "trainer"
-        sizes[part] += sum(os.path.getsize(os.path.join(folder, f)) for f in files)
+        if len(parts) > 1 and parts[0] == PARTICIPANTS_DIR:
+            if MANIFEST_NAME in files:
+                manifest = Path(folder) / MANIFEST_NAME
+                held = orjson.loads(manifest.read_bytes())["bytes"]
+                sizes[parts[1]] += manifest.stat().st_size + held
+            continue
+        sizes["trainer"] += sum(os.path.getsize(os.path.join(folder, f)) for f in files)
     return dict(sizes)
 
 
@@ -234,6 +244,7 @@ def _bytes_by_part(path: str) -> dict[str, int]:
 class Cut:
     """One published snapshot: its parts in seconds, what it held, and its size."""
 
+    snapshot_id: str
     seconds: dict[str, float]
     """Every name of :data:`PARTS`, and ``commit_<kind>`` (the slowest of that kind)."""
     in_flight: int
@@ -263,6 +274,7 @@ def _cut(report: SaveReport, clock: StageClock, sizes: dict[str, int]) -> Cut:
     }
     seconds |= {f"commit_{kind}": clock.span(sid, f"commit:{kind}") for kind in KINDS}
     return Cut(
+        snapshot_id=sid,
         seconds=seconds,
         in_flight=report.saved + report.restarts + report.finished,
         saved=report.saved,
@@ -366,7 +378,7 @@ def load(sessions: int) -> Load:
     return Load(16, rate, 1.25 * rate, UPSTREAM_CONNECTIONS, capped / rate, 60.0)
 
 
-def _config(workdir: Path, sessions: int) -> RunConfig:
+def _config(workdir: Path, sessions: int, policy: dict[str, Any] | None = None) -> RunConfig:
     offered = load(sessions)
     return parse_config(
         {
@@ -379,7 +391,11 @@ def _config(workdir: Path, sessions: int) -> RunConfig:
             "concurrency": sessions,
             "row_timeout_seconds": 3600,
             "upstream_connections": offered.upstream_connections,
-            "policy": {"latency_ms": offered.policy_latency_s * 1e3, "error_rate": 0},
+            "policy": {
+                "latency_ms": offered.policy_latency_s * 1e3,
+                "error_rate": 0,
+                **(policy or {}),
+            },
             "snapshot": {"deadline_seconds": 120, "keep": 2},
         }
     )
@@ -432,22 +448,29 @@ async def measure(
     finished: int = 0,
     warm: bool = True,
     keep_logs: Path | None = None,
+    policy: dict[str, Any] | None = None,
+    store_class: Callable[[str, int, StageClock], TimedStore] | None = None,
+    after: Callable[[TimedStore], Awaitable[None]] | None = None,
 ) -> Phase:
     """One runtime, one trainer with ``sessions`` rows in flight, ``snapshots`` cuts or more.
 
     ``warm``: snapshots run while the sessions open (:data:`RAMP_SNAPSHOT_S`); without, the
     first cut is the cold one. ``keep_logs`` names a folder to keep the run (server logs)
-    in, for a run that went wrong.
+    in, for a run that went wrong. ``policy``: config keys merged into the policy section
+    (token capture); ``store_class``: a :class:`TimedStore` that measures more;
+    ``after``: called with the store once the cuts are taken, servers still up.
     """
     with tempfile.TemporaryDirectory() as tmp:
-        config = _config(keep_logs or Path(tmp) / "run", sessions)
+        config = _config(keep_logs or Path(tmp) / "run", sessions, policy)
         config.workdir.mkdir(parents=True, exist_ok=True)
         group_size = load(sessions).group_size
         tasks = [long_task(i) for i in range(3 * math.ceil(sessions / group_size) + 200)]
         clock = StageClock()
         token = secrets.token_urlsafe(32)
         root = snapshot_root(config)
-        store = await asyncio.to_thread(TimedStore, root, config.snapshot.keep, clock)
+        store = await asyncio.to_thread(
+            store_class or TimedStore, root, config.snapshot.keep, clock
+        )
         async with EmbeddedRuntime(config, control_token=token, snapshot_root=root) as runtime:
             assert runtime.deployment is not None
             control_http = HttpClient(token=token, timeout_s=300)
@@ -464,6 +487,8 @@ async def measure(
                 replicas = [r.name for r in runtime.deployment.replicas]
                 prefill_finished(trainer.ledger, finished, replicas)
                 phase = await _drive(trainer, participants, snapshots, store, clock, warm)
+                if after is not None:
+                    await after(store)
             finally:
                 await data_http.aclose()
                 await control_http.aclose()

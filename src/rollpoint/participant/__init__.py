@@ -17,7 +17,9 @@ package) are not part of it:
   :func:`control_fence` to find it again;
 - :class:`StateImage`, a participant's saved form kept current between checkpoints so a
   capture copies a dict, and the scope readers :class:`EpisodeScope`,
-  :func:`episode_pairs`, :func:`latest_attempts`;
+  :func:`episode_pairs`, :func:`latest_attempts`; :class:`RecordMemo`, which hands out the
+  same record object while what it wraps is unchanged, so a snapshot references it rather
+  than writing it again;
 - :class:`AdmissionGate`, the gate a server closes to hold new work while a checkpoint is
   prepared;
 - the identities and modes on the protocol: :class:`EpisodeId`, :class:`CheckpointMode`,
@@ -42,6 +44,7 @@ from rollpoint.participant.participant import (
     RetireOutcome,
     RetireOutcomeKind,
 )
+from rollpoint.participant.record_memo import RecordMemo
 from rollpoint.participant.retire_marks import RetireMarks
 from rollpoint.participant.state_image import StateImage
 from rollpoint.protocol.ids import EpisodeId
@@ -58,6 +61,7 @@ __all__ = [
     "Participant",
     "ParticipantKind",
     "Readiness",
+    "RecordMemo",
     "RetireMarks",
     "RetireOutcome",
     "RetireOutcomeKind",

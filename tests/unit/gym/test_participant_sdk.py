@@ -49,6 +49,7 @@ def test_the_public_surface_is_pinned() -> None:
         "Participant",
         "ParticipantKind",
         "Readiness",
+        "RecordMemo",
         "RetireMarks",
         "RetireOutcome",
         "RetireOutcomeKind",

@@ -33,12 +33,14 @@ the server calls :meth:`~rollpoint.participant.fence.Fence.check_attempt`), nor 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import Field, JsonValue, TypeAdapter, ValidationError, model_validator
 
 from rollpoint.participant import (
     Readiness,
+    RecordMemo,
     RetireOutcome,
     RetireOutcomeKind,
     StateImage,
@@ -114,6 +116,9 @@ class ModelParticipant:
             name="model calls",
         )
         ledger.observe(self._image.changed)
+        self._memo = RecordMemo()
+        """A call's record is the same object while its dump and attempt are: a snapshot's
+        writer then references it without encoding it (:mod:`rollpoint.participant.record_memo`)."""
 
     @property
     def name(self) -> str:
@@ -145,7 +150,14 @@ class ModelParticipant:
         attempts = latest_attempts(scope)
         cut = self._server.cut_state(attempts)
         engine = self._server.settings.engine
-        return lambda: [*_call_records(image, scope), *_prefix_records(cut, attempts, engine)]
+        memo = self._memo
+
+        def build() -> list[dict[str, JsonValue]]:
+            records = [*_call_records(image, scope, memo), *_prefix_records(cut, attempts, engine)]
+            memo.rotate()
+            return records
+
+        return build
 
     def keep_current(self) -> None:
         self._image.keep_current()
@@ -206,7 +218,7 @@ class ModelParticipant:
 
 
 def _call_records(
-    image: Mapping[str, _Calls], scope: Sequence[EpisodeId]
+    image: Mapping[str, _Calls], scope: Sequence[EpisodeId], memo: RecordMemo | None = None
 ) -> list[dict[str, JsonValue]]:
     """The records of the scope's rollouts out of a captured image, each saved for the
     rollout's highest scoped attempt (runs in the writer's thread, on the copy)."""
@@ -215,8 +227,17 @@ def _call_records(
         calls = image.get(rollout_id)
         if calls:
             saved_for: dict[str, JsonValue] = {"rollout_id": rollout_id, "attempt": attempt}
-            records.extend({"kind": "model_call", "episode": saved_for, "call": c} for c in calls)
+            if memo is None:
+                records.extend(_call_record(saved_for, c) for c in calls)
+            else:
+                records.extend(
+                    memo.record(c, attempt, partial(_call_record, saved_for, c)) for c in calls
+                )
     return records
+
+
+def _call_record(saved_for: dict[str, JsonValue], call: dict[str, Any]) -> dict[str, JsonValue]:
+    return {"kind": "model_call", "episode": saved_for, "call": call}
 
 
 def _prefix_records(

@@ -17,12 +17,13 @@ import binascii
 import hashlib
 import zlib
 from collections.abc import Iterable, Mapping
+from functools import partial
 from typing import Annotated, Any, Literal
 
 import orjson
 from pydantic import Field, JsonValue, StringConstraints, model_validator
 
-from rollpoint.participant import latest_attempts
+from rollpoint.participant import RecordMemo, latest_attempts
 from rollpoint.protocol.episode import EnvironmentName, TaskRow, ToolResult
 from rollpoint.protocol.errors import InvalidCheckpointStateError
 from rollpoint.protocol.ids import EpisodeId, Identifier
@@ -119,14 +120,25 @@ def pack_state(state: Mapping[str, Any]) -> str:
 
 
 def episode_records(
-    image: Mapping[str, dict[str, Any]], scope: Iterable[EpisodeId]
+    image: Mapping[str, dict[str, Any]],
+    scope: Iterable[EpisodeId],
+    memo: RecordMemo | None = None,
 ) -> list[dict[str, Any]]:
     """``EpisodeRecord`` JSON data of each scoped rollout in a captured image, saved for
-    the rollout's highest scoped attempt (runs in the writer's thread, on the copy)."""
+    the rollout's highest scoped attempt (runs in the writer's thread, on the copy). With
+    ``memo``, an entry unchanged since the last build gives the same record object (and
+    the memo is rotated: one build per write)."""
     records: list[dict[str, Any]] = []
     for rollout_id, attempt in latest_attempts(scope).items():
         entry = image.get(rollout_id)
         if entry is not None:
-            saved_for = {"rollout_id": rollout_id, "attempt": attempt}
-            records.append({"kind": "episode_state", "episode": saved_for, **entry})
+            make = partial(_episode_record, rollout_id, attempt, entry)
+            records.append(make() if memo is None else memo.record(entry, attempt, make))
+    if memo is not None:
+        memo.rotate()
     return records
+
+
+def _episode_record(rollout_id: str, attempt: int, entry: dict[str, Any]) -> dict[str, Any]:
+    saved_for = {"rollout_id": rollout_id, "attempt": attempt}
+    return {"kind": "episode_state", "episode": saved_for, **entry}

@@ -62,6 +62,7 @@ from rollpoint.http.auth import data_token, load_token
 from rollpoint.http.server_metrics import Reading, ServerMetrics
 from rollpoint.participant import (
     AdmissionGate,
+    RecordMemo,
     StateImage,
     close_control_plane,
     mount_participant,
@@ -212,6 +213,9 @@ class ResourcesService:
         """409 refusals of start and tool calls, by error code (:meth:`counting_conflicts`)."""
         self.attempt_guard: Callable[[EpisodeId], None] | None = None
         """Raises :class:`StaleAttemptError` for a retired attempt (the fence's check)."""
+        self._memo = RecordMemo()
+        """An unchanged entry's record is handed out again as the same object: a snapshot's
+        writer references it without encoding it (:mod:`rollpoint.participant.record_memo`)."""
         self._image: StateImage[dict[str, Any]] = StateImage(
             self._image_entry, lambda: list(self._episodes), name="episodes"
         )
@@ -430,7 +434,7 @@ class ResourcesService:
         :meth:`install` takes such records as they are, any other reader in memory uses
         :meth:`export_episodes` or calls :meth:`DeferredValue.value`."""
         image = await self._image.capture()
-        return partial(episode_records, image, scope)
+        return partial(episode_records, image, scope, self._memo)
 
     def keep_current(self) -> None:
         """Keep every episode's saved form current from now on (see :class:`StateImage`)."""

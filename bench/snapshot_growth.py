@@ -1,0 +1,229 @@
+"""What a snapshot writes against what changed since the previous one, with and without tokens.
+
+The same real job as ``snapshot_pause`` (servers as processes, 2 replicas, a trainer keeping
+N rows in flight and taking snapshots over the control protocol), run twice at each size:
+without token data, and with ``capture_tokens`` on and ~1k-token turns (the scripted engine
+returns vLLM-shaped ids and logprobs for ``reasoning_tokens`` of stand-in reasoning before
+every tool call, so every turn's completion is about a thousand tokens and the call ledger
+stores its ids and logprobs).
+
+For every published snapshot, before it is published (not timed), the store measures from the
+files themselves, not from what the writers report:
+
+- ``held``: the bytes of records the participants' states hold (every part they name);
+- ``written``: bytes of records files that did not exist before this snapshot, plus every
+  manifest and trainer file in the snapshot's own folder;
+- ``changed``: bytes of the participants' record lines that are not byte-for-byte a line of
+  the same participant's state in the previous snapshot (each line is hashed). The unit of
+  change is a record: an agent session is one record (its transcript included), a model call
+  one, a resources episode one. So a session that took a turn counts whole as changed.
+
+``written_vs_changed`` divides the participants' written bytes by their changed bytes (goal
+at most 2); ``total_written_vs_changed`` adds the trainer's files (ledger, TQ: rewritten whole at
+every snapshot) and the manifests. Then ``write`` (after the barrier reopened: every
+participant writes what it captured and confirms it) and the pause, as ``snapshot_pause``
+measures them; ``bytes_per_token`` divides the model servers' held bytes by the token ids
+their calls store (completion ids, with a logprob each, and prompt suffixes); ``restore_read_s``
+reads and verifies every participant state of the last snapshot, as a restore's participants
+do (one after the other here; in a restore each server reads its own in parallel).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from bench.latency import percentile
+from bench.report import BenchResult
+from bench.snapshot_pause import KINDS, Phase, StageClock, TimedStore, measure
+from rollpoint.protocol.manifest import (
+    ParticipantManifest,
+    SnapshotManifest,
+    load_participant_manifest,
+)
+from rollpoint.store.digest import BLOCK_BYTES
+from rollpoint.store.participant_state import MANIFEST_NAME, read_participant_state
+from rollpoint.store.record_packs import OBJECTS_DIR
+from rollpoint.store.snapshot_store import Staging
+
+TOKENS_POLICY: dict[str, Any] = {"capture_tokens": True, "reasoning_tokens": 1000}
+"""~1k-token turns: 1,000 stand-in reasoning tokens before every tool call, ids and logprobs
+captured."""
+
+
+class GrowthStore(TimedStore):
+    """The timed store, measuring every snapshot's held, written and changed bytes."""
+
+    def __init__(self, root: str, keep: int, clock: StageClock) -> None:
+        super().__init__(root, keep, clock)
+        self.growth: dict[str, dict[str, int]] = {}
+        self._lines: dict[str, set[bytes]] = {}
+        """Line digests of each participant instance's state in the previous snapshot."""
+        self._objects_seen: set[str] = set()
+
+    def publish(self, staging: Staging, manifest: SnapshotManifest) -> SnapshotManifest:
+        self.growth[staging.snapshot_id] = self._measure(staging, manifest)
+        return super().publish(staging, manifest)
+
+    def _measure(self, staging: Staging, manifest: SnapshotManifest) -> dict[str, int]:
+        objects = Path(self.root) / OBJECTS_DIR
+        present = {p.name for p in objects.iterdir()} if objects.is_dir() else set()
+        new_objects = present - self._objects_seen
+        self._objects_seen = present
+        out: dict[str, int] = defaultdict(int)
+        for name in new_objects:
+            out["written"] += (objects / name).stat().st_size
+        folder = Path(staging.path)
+        out["written"] += sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+        for entry in manifest.participants:
+            path = folder / entry.manifest_path
+            state = load_participant_manifest(orjson.loads(path.read_bytes()), str(path))
+            out["held"] += state.bytes
+            out[f"held_{entry.kind.value}"] += state.bytes
+            previous = self._lines.get(entry.instance, set())
+            digests: set[bytes] = set()
+            for line in _lines(state, path.parent, objects):
+                digest = hashlib.sha256(line).digest()
+                digests.add(digest)
+                if digest not in previous:
+                    out["changed"] += len(line) + 1
+                    out[f"changed_{entry.kind.value}"] += len(line) + 1
+            self._lines[entry.instance] = digests
+        for name in new_objects:
+            # A records file is written by one participant: count it as its kind's.
+            out["written_records"] += (objects / name).stat().st_size
+        out["trainer_files"] = sum(f.bytes for f in manifest.files.values())
+        return dict(out)
+
+
+def _lines(state: ParticipantManifest, directory: Path, objects: Path) -> Iterator[bytes]:
+    """Every record line a participant state names, read from its parts."""
+    for part in state.parts:
+        path = (objects if part.shared else directory) / part.file
+        with path.open("rb") as stream:
+            stream.seek(part.offset)
+            left, tail = part.length, b""
+            while left > 0:
+                block = stream.read(min(BLOCK_BYTES, left))
+                if not block:
+                    break
+                left -= len(block)
+                lines = (tail + block).split(b"\n")
+                tail = lines.pop()
+                yield from lines
+
+
+class _Last:
+    """What ``after`` measures on the last published snapshot."""
+
+    store: GrowthStore | None = None
+    restore_read_s = 0.0
+    tokens = 0
+    model_bytes = 0
+
+
+async def _after(store: GrowthStore, last: _Last) -> None:
+    manifest = await asyncio.to_thread(store.latest)
+    if manifest is None:
+        return
+    folder = Path(store.snapshot_dir(manifest.snapshot_id))
+    t0 = time.perf_counter()
+    for entry in manifest.participants:
+        state, records = await asyncio.to_thread(
+            read_participant_state,
+            str((folder / entry.manifest_path).parent),
+            kind=entry.kind.value,
+            instance=entry.instance,
+            checkpoint_id=manifest.checkpoint_id,
+            root=store.root,
+        )
+        if entry.kind.value == "model":
+            last.model_bytes += state.bytes
+            for record in records:
+                tokens = (
+                    record.get("call", {}).get("tokens") if record["kind"] == "model_call" else None
+                )
+                if tokens:
+                    last.tokens += tokens["completion_count"] + tokens["prompt_count"]
+    last.restore_read_s = time.perf_counter() - t0
+    assert (folder / MANIFEST_NAME).exists()
+
+
+def _figures(
+    phase: Phase, store: GrowthStore, last: _Last, tag: str
+) -> dict[str, float | int | str]:
+    measured = [store.growth[c.snapshot_id] for c in phase.cuts if c.snapshot_id in store.growth]
+    out: dict[str, float | int | str] = {}
+
+    def p50(key: str) -> float:
+        return percentile([float(g.get(key, 0)) for g in measured], 50)
+
+    for key in ("held", "written", "written_records", "changed", "trainer_files"):
+        out[f"{tag}_{key}_mb_p50"] = p50(key) / 1e6
+    for kind in KINDS:
+        out[f"{tag}_held_{kind}_mb_p50"] = p50(f"held_{kind}") / 1e6
+        out[f"{tag}_changed_{kind}_mb_p50"] = p50(f"changed_{kind}") / 1e6
+    ratios = [g.get("written_records", 0) / g["changed"] for g in measured if g.get("changed")]
+    totals = [g["written"] / g["changed"] for g in measured if g.get("changed")]
+    out[f"{tag}_written_vs_changed_p50"] = percentile(ratios, 50)
+    out[f"{tag}_written_vs_changed_max"] = max(ratios, default=float("nan"))
+    out[f"{tag}_total_written_vs_changed_p50"] = percentile(totals, 50)
+    out[f"{tag}_written_vs_held_p50"] = (
+        p50("written") / p50("held") if p50("held") else float("nan")
+    )
+    for part in ("write", "pause"):
+        values = [c.seconds[part] for c in phase.cuts]
+        out[f"{tag}_{part}_p50_ms"] = percentile(values, 50) * 1e3
+        out[f"{tag}_{part}_p99_ms"] = percentile(values, 99) * 1e3
+    out[f"{tag}_in_flight_at_cut"] = round(percentile([c.in_flight for c in phase.cuts], 50))
+    out[f"{tag}_turns_per_saved_session"] = percentile([c.turns for c in phase.cuts], 50)
+    out[f"{tag}_snapshots"] = len(phase.cuts)
+    out[f"{tag}_failed_snapshots"] = len(phase.failed)
+    out[f"{tag}_restore_read_s"] = last.restore_read_s
+    if last.tokens:
+        out[f"{tag}_tokens_stored"] = last.tokens
+        out[f"{tag}_model_bytes_per_token"] = last.model_bytes / last.tokens
+    return out
+
+
+async def run(sessions: Sequence[int] = (10_000,), *, snapshots: int = 6) -> BenchResult:
+    figures: dict[str, float | int | str] = {}
+    for n in sessions:
+        for label, policy in (("plain", None), ("tokens", TOKENS_POLICY)):
+            last = _Last()
+
+            async def after(store: TimedStore, last: _Last = last) -> None:
+                assert isinstance(store, GrowthStore)
+                last.store = store
+                await _after(store, last)
+
+            phase = await measure(
+                n,
+                snapshots=snapshots,
+                warm=n < 50_000,
+                policy=policy,
+                store_class=GrowthStore,
+                after=after,
+            )
+            cuts = phase.cuts[1:] if n >= 50_000 else phase.cuts  # the cold first apart
+            phase.cuts = cuts
+            assert last.store is not None
+            figures |= _figures(phase, last.store, last, f"n{n}_{label}")
+    return BenchResult(
+        key="snapshot_growth",
+        title="bytes a snapshot writes vs bytes changed since the previous one, tokens off/on",
+        figures=figures,
+        params={
+            "sessions": "/".join(str(n) for n in sessions),
+            "snapshots_each": snapshots,
+            "tokens": "capture_tokens, 1,000 reasoning tokens a tool call (vLLM shape)",
+            "unit_of_change": "a record (session, model call, resources episode)",
+        },
+    )

@@ -28,6 +28,7 @@ SDK_MODULES = {
     "participant",
     "phase_table",
     "retire_marks",
+    "record_memo",
     "state_image",
 }
 """The modules behind the SDK (tests/unit/test_import_rules.py: servers never import them)."""

@@ -33,6 +33,7 @@ from rollpoint.envs import get_environment
 from rollpoint.http.client import HttpClient
 from rollpoint.protocol.control import CONTROL_PREFIX, Phase
 from rollpoint.protocol.errors import SnapshotError
+from rollpoint.protocol.manifest import SnapshotManifest
 from rollpoint.protocol.participant import ParticipantKind
 from rollpoint.store.participant_state import MANIFEST_NAME
 from rollpoint.store.snapshot_store import SnapshotStore
@@ -440,14 +441,15 @@ async def test_corrupt_or_partial_snapshots_are_never_listed_as_valid(
     (root / "staging" / "snap-crashed" / "ledger.json").write_bytes(b"{}")
     unpublished = root / "snapshots" / "snap-unpublished"
     (unpublished / "participants").mkdir(parents=True)
-    # One byte flipped in a participant's records file of the newest snapshot.
-    records = participant_records(h.store, newest.snapshot_id, "agent", "agent-replica-0")
+    # One byte flipped in a records file only the newest snapshot names (records files
+    # are shared: one the older snapshots reference would fail them too).
+    records = fresh_records_file(h.store, newest.snapshot_id, [first, second])
     data = bytearray(records.read_bytes())
     data[len(data) // 2] ^= 0x01
     records.write_bytes(bytes(data))
     # An older one lost a participant's manifest: its state folder no longer exists.
-    lost = participant_records(h.store, second.snapshot_id, "model", "model-replica-1")
-    (lost.parent / MANIFEST_NAME).unlink()
+    lost = Path(h.store.participant_dir(second.snapshot_id, "model", "model-replica-1"))
+    (lost / MANIFEST_NAME).unlink()
 
     valid = [s.snapshot_id for s in h.store.list_snapshots()]
     assert valid == [first.snapshot_id]
@@ -475,7 +477,22 @@ async def test_corrupt_or_partial_snapshots_are_never_listed_as_valid(
     assert second.snapshot_id in skipped[1]
 
 
-def participant_records(store: SnapshotStore, snapshot_id: str, kind: str, instance: str) -> Path:
-    folder = Path(store.participant_dir(snapshot_id, kind, instance))
-    (records,) = records_paths(folder, store.root)
-    return records
+def named_records_files(store: SnapshotStore, snapshot_id: str) -> list[Path]:
+    """Every records file a snapshot's participant states name, in the order they name them."""
+    manifest = store.load(snapshot_id)
+    folder = Path(store.snapshot_dir(snapshot_id))
+    paths: list[Path] = []
+    for entry in manifest.participants:
+        state = (folder / entry.manifest_path).parent
+        paths += [p for p in records_paths(state, store.root) if p not in paths]
+    return paths
+
+
+def fresh_records_file(
+    store: SnapshotStore, snapshot_id: str, older: list[SnapshotManifest]
+) -> Path:
+    """A records file ``snapshot_id`` names and none of ``older`` does."""
+    seen = {p for o in older for p in named_records_files(store, o.snapshot_id)}
+    fresh = [p for p in named_records_files(store, snapshot_id) if p not in seen]
+    assert fresh, f"snapshot {snapshot_id} wrote no records file of its own"
+    return fresh[0]

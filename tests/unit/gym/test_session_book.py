@@ -38,6 +38,7 @@ from rollpoint.protocol.participant import CheckpointMode
 from rollpoint.servers.agent.agent_server import AgentSettings, agent_server_of, create_agent_app
 from rollpoint.servers.agent.session import Session, SessionState
 from rollpoint.servers.agent.session_book import SessionBook, TurnBoundary
+from rollpoint.servers.agent.session_parts import join_parts
 from tests.support.records import read_back
 
 S = SessionState
@@ -347,7 +348,7 @@ async def test_an_export_reuses_the_records_of_what_did_not_change_and_never_cha
     assert read_back(first) == kept  # what the first export handed out did not change
     assert [r["kind"] for r in second] == ["session", "session", "finished_reply"]
     assert (second[0]["turn"], second[0]["pending_response"]) == (2, message)
-    assert read_back(second)[0] == a.to_record().model_dump(mode="json")
+    assert join_parts(read_back(second))[0] == a.to_record().model_dump(mode="json")
     assert second[0] is not first[0]
     assert second[1] is first[1]  # b did not change: its record is handed out again
     assert second[2] is first[2]  # nor did the held reply

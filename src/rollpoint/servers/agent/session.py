@@ -38,6 +38,7 @@ from rollpoint.protocol.episode import ModelCall, RowResult, RunReply, RunRow
 from rollpoint.protocol.errors import InvalidPhaseError
 from rollpoint.protocol.ids import EpisodeId
 from rollpoint.protocol.model_base import StrictModel
+from rollpoint.servers.agent.session_parts import PART_ITEMS, grow_parts
 from rollpoint.store.encoded_json import encoded, encoded_or_itself
 
 
@@ -146,9 +147,11 @@ class Session:
         "_messages_json",
         "_model_calls",
         "_observer",
+        "_parts",
         "_pending_response",
         "_row",
         "_row_json",
+        "_split",
         "_turn",
         "result",
         "state",
@@ -178,6 +181,11 @@ class Session:
         self._messages_json: list[Any] = []
         """Encoded ``messages``, once each at the first export after the append (messages
         are only ever appended and never changed)."""
+        self._parts: tuple[int, list[dict[str, Any]], list[dict[str, Any]]] | None = None
+        """The attempt they are saved for, then the message and model-call parts made so
+        far (:mod:`rollpoint.servers.agent.session_parts`): each made once."""
+        self._split: tuple[dict[str, Any], tuple[dict[str, Any], ...]] | None = None
+        """The last :meth:`export_json` record and :meth:`export_records` made of it."""
 
     # --- what a checkpoint saves: every setter counts a change -------------------------
 
@@ -209,6 +217,7 @@ class Session:
     def messages(self, messages: list[dict[str, Any]]) -> None:
         self._messages = messages
         self._messages_json = []
+        self._parts = None
         self._changed()
 
     @property
@@ -229,6 +238,7 @@ class Session:
     def model_calls(self, calls: list[ModelCall]) -> None:
         self._model_calls = calls
         self._calls_json = []
+        self._parts = None
         self._changed()
 
     def add_model_call(self, call: ModelCall) -> None:
@@ -356,6 +366,32 @@ class Session:
         }
         self._exported = (stamp, record)
         return record
+
+    def export_records(self) -> tuple[dict[str, Any], ...]:
+        """:meth:`export_json` as a checkpoint writes it: the header, then the parts of the
+        transcript (:mod:`rollpoint.servers.agent.session_parts`). Full parts are made once
+        and handed out again as the same objects; an unchanged session gets the same tuple."""
+        record = self.export_json()
+        split = self._split
+        if split is not None and split[0] is record:
+            return split[1]
+        attempt = self._episode.attempt
+        if self._parts is None or self._parts[0] != attempt:
+            self._parts = (attempt, [], [])
+        _, message_parts, call_parts = self._parts
+        saved_for = record["episode"]
+        grow_parts(message_parts, "messages", record["messages"], saved_for)
+        grow_parts(call_parts, "model_calls", record["model_calls"], saved_for)
+        header = {
+            **record,
+            "messages": record["messages"][len(message_parts) * PART_ITEMS :],
+            "model_calls": record["model_calls"][len(call_parts) * PART_ITEMS :],
+            "message_parts": len(message_parts),
+            "call_parts": len(call_parts),
+        }
+        out = (header, *message_parts, *call_parts)
+        self._split = (record, out)
+        return out
 
     @classmethod
     def from_record(cls, record: SessionRecord) -> Session:

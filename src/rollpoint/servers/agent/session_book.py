@@ -67,6 +67,7 @@ from rollpoint.servers.agent.session import (
     SessionRecord,
     SessionState,
 )
+from rollpoint.servers.agent.session_parts import join_parts
 from rollpoint.store.encoded_json import encoded
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ log = logging.getLogger(__name__)
 _RECORDS = TypeAdapter(list[BookRecord])
 EVICTION_LOG_EVERY = 1000
 
-SessionEntry = tuple[int, dict[str, Any] | str]
+SessionEntry = tuple[int, tuple[dict[str, Any], ...] | str]
 """A session's entry in the book's state image: (attempt, its record), or, while the
 session is away from a turn boundary (it cannot be saved then), (attempt, what it is doing)."""
 
@@ -474,7 +475,7 @@ class SessionBook:
             return None
         if not live.at_boundary:
             return live.episode.attempt, f"session {live.key} is {live.state}"
-        return live.episode.attempt, live.export_json()
+        return live.episode.attempt, live.export_records()
 
     def _finished_records(self) -> list[dict[str, JsonValue]]:
         """The dump of each ``FinishedReplyRecord(reply=...)``, without validating the reply
@@ -520,7 +521,7 @@ class SessionBook:
         self, records: list[Any], scope: Iterable[EpisodeId] | None
     ) -> tuple[list[SessionRecord], list[RunReply]]:
         try:
-            parsed = _RECORDS.validate_python(records)
+            parsed = _RECORDS.validate_python(join_parts(records))
         except ValidationError as exc:
             first = exc.errors()[0]
             where = ".".join(str(p) for p in first["loc"])
@@ -574,8 +575,8 @@ def select_records(
         entry = image.get(rollout_id)
         if entry is None or entry[0] != attempt:
             continue
-        record = entry[1]
-        if isinstance(record, str):
-            raise InvalidPhaseError(f"{record}, not at a turn boundary")
-        records.append(record)
+        saved = entry[1]
+        if isinstance(saved, str):
+            raise InvalidPhaseError(f"{saved}, not at a turn boundary")
+        records.extend(saved)
     return [*records, *finished]

@@ -1,14 +1,14 @@
 """Records files and the parts of them a participant's state names: written once, then referenced.
 
-Owns the records files (one JSON object per line, named after the sha256 of their bytes,
-so a named file is immutable), how a write lays a participant's records out as
+Owns the records files (one JSON object per line, named after the sha256 of their lines'
+digests, so a named file is immutable), how a write lays a participant's records out as
 :class:`~rollpoint.protocol.manifest.RecordsPart` s of them, how the parts are read back and
 verified, and :class:`PackIndex`, where a participant's last write put each record.
 
 A snapshot writes what changed since the previous one, not everything held. With a store
 root, records files sit in the root's shared ``objects/`` folder::
 
-    <root>/objects/records-<first 16 hex of the file's sha256>.jsonl
+    <root>/objects/records-<first 16 hex of the sha256 of its lines' digests>.jsonl
 
 and each write puts only its new records into one new file (a *pack*), referencing the
 others where an earlier write put them: a record is unchanged when it is the very object
@@ -169,7 +169,7 @@ def pack_records(
     placements: list[_Placement] = []
     kept: list[object] = []
     fresh: list[_Placement] = []
-    seen: dict[bytes, _Placement] = {}
+    by_content = bool(by_digest) and bool(usable)
     with _PackWriter(fs, folder) as writer:
         for number, record in enumerate(records):
             found = by_id.get(id(record))
@@ -177,15 +177,19 @@ def pack_records(
                 placement = found[1]
             else:
                 line = _encode(record, number)
+                # Every new line is hashed here, in the encoding thread: a later write may
+                # reference any run of it, and a run's digest is made of its lines' ones.
+                # (Hashed in a second thread instead, the per-line calls fought this one for
+                # the GIL: 0.50 s against 0.33 s for 138 MiB of sessions. A whole write costs
+                # ~0.1 s per 138 MiB more than one hashed as a file: snapshot_io.)
                 digest = hashlib.sha256(line).digest()
-                earlier = seen.get(digest) or by_digest.get(digest)
-                if earlier is not None and (earlier.file == "" or earlier.file in usable):
-                    placement = earlier  # the same line, already in a file (or this pack)
+                earlier = by_digest.get(digest) if by_content else None
+                if earlier is not None and earlier.file in usable:
+                    placement = earlier  # the same line, already in a file
                 else:
                     placement = _Placement("", writer.size, len(line), digest)
-                    writer.add(line)
+                    writer.add(line, digest)
                     fresh.append(placement)
-                    seen[digest] = placement
             placements.append(placement)
             kept.append(record)
         name = writer.finish()
@@ -252,8 +256,8 @@ def hash_records(records: Sequence[Mapping[str, Any]]) -> tuple[str, int]:
 
 
 class _PackWriter:
-    """One new records file: lines in, chunks encoded here, hashed and written by two
-    threads, renamed after its digest by :meth:`finish`; removed if anything fails."""
+    """One new records file: lines in, joined into chunks here and written by a thread,
+    renamed after its lines' digest by :meth:`finish`; removed if anything fails."""
 
     def __init__(self, fs: Filesystem, folder: str) -> None:
         self._fs, self._folder = fs, folder
@@ -263,16 +267,18 @@ class _PackWriter:
         self._temp: str | None = None
         self._stream: BinaryIO | None = None
         self._opened: Any = None
-        self._hasher = hashlib.sha256()
-        self._hashing = ThreadPoolExecutor(1, thread_name_prefix="rollpoint-hash")
+        self._digest = hashlib.sha256()
+        """Of the lines' digests, in order: what names the file."""
         self._writing = ThreadPoolExecutor(1, thread_name_prefix="rollpoint-write")
         self._pending: list[Future[Any]] = []
 
     def __enter__(self) -> _PackWriter:
         return self
 
-    def add(self, line: bytes) -> None:
+    def add(self, line: bytes, digest: bytes) -> None:
+        """Append ``line``, whose sha256 is ``digest``."""
         self._chunk.append(line)
+        self._digest.update(digest)
         self._chunk_bytes += len(line) + 1
         self.size += len(line) + 1
         if self._chunk_bytes >= _TARGET_CHUNK_BYTES:
@@ -289,17 +295,11 @@ class _PackWriter:
         self._chunk.append(b"")  # one join then ends the chunk with a newline
         chunk = b"\n".join(self._chunk)
         self._chunk, self._chunk_bytes = [], 0
-        # Three stages: this thread encodes the next chunk (orjson holds the GIL) while one
-        # thread hashes the last one and another writes it (both release the GIL). Agent
-        # sessions' exports, 254 MiB, 2 cores, 6 runs alternated: 0.56-1.04 s with hashing
-        # and writing in one thread, 0.62-0.74 s apart. At most one chunk waits beyond the
-        # one being encoded.
+        # Two stages: this thread encodes (and hashes) the next chunk while another writes
+        # the last one (a write releases the GIL). At most one chunk waits beyond the one
+        # being encoded.
         _wait_all(self._pending)
-        stream = self._stream
-        self._pending = [
-            self._hashing.submit(self._hasher.update, chunk),
-            self._writing.submit(stream.write, chunk),
-        ]
+        self._pending = [self._writing.submit(self._stream.write, chunk)]
 
     def finish(self) -> str:
         """The new file's name ("" when nothing was added)."""
@@ -309,7 +309,7 @@ class _PackWriter:
         if self._stream is None:
             return ""
         self._close(None)
-        name = records_file_name(self._hasher.hexdigest())
+        name = records_file_name(self._digest.hexdigest())
         assert self._temp is not None
         self._fs.rename(self._temp, self._fs.join(self._folder, name))
         self._temp = None
@@ -331,7 +331,6 @@ class _PackWriter:
                 with contextlib.suppress(OSError):
                     self._close(exc)
         finally:
-            self._hashing.shutdown()
             self._writing.shutdown()
             if self._temp is not None:
                 self._fs.remove_file(self._temp)

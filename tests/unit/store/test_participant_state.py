@@ -78,9 +78,10 @@ def test_round_trip_returns_the_records_and_a_manifest_that_describes_the_file(
     assert manifest == written
     [part] = manifest.parts
     data = filesystem_for(location).read_bytes(_path(location, part.file))
-    assert part.file == f"records-{hashlib.sha256(data).hexdigest()[:16]}.jsonl"
     line_digests = b"".join(hashlib.sha256(line).digest() for line in data.splitlines())
-    assert part.sha256 == manifest.sha256 == hashlib.sha256(line_digests).hexdigest()
+    lines_digest = hashlib.sha256(line_digests).hexdigest()
+    assert part.sha256 == manifest.sha256 == lines_digest
+    assert part.file == f"records-{lines_digest[:16]}.jsonl"
     assert (part.shared, part.offset, part.length, part.digest) == (False, 0, len(data), "lines")
     assert (manifest.count, manifest.bytes, manifest.written) == (3, len(data), len(data))
     assert data.count(b"\n") == 3

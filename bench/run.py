@@ -59,7 +59,7 @@ ITEMS: dict[str, Item] = {
     "snapshot_pause_100k": lambda quick: snapshot_pause.run_large(100_000, snapshots=4),
     "generation_cut": lambda quick: generation_cut.run(),
     "snapshot_growth": lambda quick: (
-        snapshot_growth.run((1000,), snapshots=3)
+        snapshot_growth.run((1000,), snapshots=3, settle_s=10.0, gap_s=2.0)
         if quick
         else snapshot_growth.run((10_000,), snapshots=6)
     ),

@@ -193,7 +193,20 @@ def _figures(
     return out
 
 
-async def run(sessions: Sequence[int] = (10_000,), *, snapshots: int = 6) -> BenchResult:
+SETTLE_S = 120.0
+"""Run this long after every session opened (a snapshot every 5 s, not measured) before
+measuring: sessions are then some turns in, as in a steady job, not at their first."""
+GAP_S = 5.0
+"""Between measured snapshots: a job checkpointing every 5 s."""
+
+
+async def run(
+    sessions: Sequence[int] = (10_000,),
+    *,
+    snapshots: int = 6,
+    settle_s: float = SETTLE_S,
+    gap_s: float = GAP_S,
+) -> BenchResult:
     figures: dict[str, float | int | str] = {}
     for n in sessions:
         for label, policy in (("plain", None), ("tokens", TOKENS_POLICY)):
@@ -211,6 +224,8 @@ async def run(sessions: Sequence[int] = (10_000,), *, snapshots: int = 6) -> Ben
                 policy=policy,
                 store_class=GrowthStore,
                 after=after,
+                settle_s=settle_s,
+                gap_s=gap_s,
             )
             cuts = phase.cuts[1:] if n >= 50_000 else phase.cuts  # the cold first apart
             phase.cuts = cuts
@@ -223,6 +238,8 @@ async def run(sessions: Sequence[int] = (10_000,), *, snapshots: int = 6) -> Ben
         params={
             "sessions": "/".join(str(n) for n in sessions),
             "snapshots_each": snapshots,
+            "settle_s": settle_s,
+            "gap_s": gap_s,
             "tokens": "capture_tokens, 1,000 reasoning tokens a tool call (vLLM shape)",
             "unit_of_change": "a record (session, model call, resources episode)",
         },

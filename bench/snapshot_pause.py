@@ -451,6 +451,8 @@ async def measure(
     policy: dict[str, Any] | None = None,
     store_class: Callable[[str, int, StageClock], TimedStore] | None = None,
     after: Callable[[TimedStore], Awaitable[None]] | None = None,
+    settle_s: float = 0.0,
+    gap_s: float = GAP_S,
 ) -> Phase:
     """One runtime, one trainer with ``sessions`` rows in flight, ``snapshots`` cuts or more.
 
@@ -458,7 +460,9 @@ async def measure(
     first cut is the cold one. ``keep_logs`` names a folder to keep the run (server logs)
     in, for a run that went wrong. ``policy``: config keys merged into the policy section
     (token capture); ``store_class``: a :class:`TimedStore` that measures more;
-    ``after``: called with the store once the cuts are taken, servers still up.
+    ``after``: called with the store once the cuts are taken, servers still up;
+    ``settle_s``: after the ramp, run this long (a snapshot every :data:`RAMP_SNAPSHOT_S`,
+    not measured) so sessions are some turns in; ``gap_s``: between measured snapshots.
     """
     with tempfile.TemporaryDirectory() as tmp:
         config = _config(keep_logs or Path(tmp) / "run", sessions, policy)
@@ -486,7 +490,9 @@ async def measure(
                 )
                 replicas = [r.name for r in runtime.deployment.replicas]
                 prefill_finished(trainer.ledger, finished, replicas)
-                phase = await _drive(trainer, participants, snapshots, store, clock, warm)
+                phase = await _drive(
+                    trainer, participants, snapshots, store, clock, warm, settle_s, gap_s
+                )
                 if after is not None:
                     await after(store)
             finally:
@@ -503,6 +509,8 @@ async def _drive(
     store: TimedStore,
     clock: StageClock,
     warm: bool,
+    settle_s: float = 0.0,
+    gap_s: float = GAP_S,
 ) -> Phase:
     coordinator = trainer.coordinator
     assert coordinator is not None
@@ -511,6 +519,11 @@ async def _drive(
     phase = Phase(sessions=n, finished=0, cuts=[], ramp_s=0.0, failed=[], resent=0)
     try:
         phase.ramp_s = await _ramp(trainer, participants, n, warm=warm)
+        settled_at = time.monotonic() + settle_s
+        while time.monotonic() < settled_at and not run.done():
+            await asyncio.sleep(min(RAMP_SNAPSHOT_S, max(settled_at - time.monotonic(), 0.0)))
+            with contextlib.suppress(SnapshotError):
+                await coordinator.save()
         assert trainer.dispatcher is not None
         resent_before = trainer.dispatcher.resent_fresh
         seen = len(coordinator.history)
@@ -520,7 +533,7 @@ async def _drive(
                 raise RuntimeError("the trainer stopped before the snapshots were taken")
             if len(phase.failed) > snapshots:
                 raise RuntimeError(f"too many failed snapshots: {phase.failed}")
-            await asyncio.sleep(GAP_S)
+            await asyncio.sleep(gap_s)
             with contextlib.suppress(SnapshotError):  # three failures in a row: noted below
                 await coordinator.save()
             for report in coordinator.history[seen:]:

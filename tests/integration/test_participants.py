@@ -35,6 +35,7 @@ from rollpoint.protocol.errors import ConfigError
 from rollpoint.protocol.ids import HEADER_ATTEMPT, HEADER_ROLLOUT_ID, HEADER_TURN, EpisodeId
 from rollpoint.protocol.participant import CheckpointMode
 from rollpoint.servers.agent.agent_server import AgentSettings, agent_server_of, create_agent_app
+from rollpoint.servers.agent.session_parts import join_parts
 from rollpoint.servers.model.model_server import ModelServerSettings, create_model_app
 from rollpoint.servers.resources.episode_record import EpisodeRecord
 from rollpoint.servers.resources.resources_server import create_resources_app
@@ -325,7 +326,7 @@ async def test_a_staged_cut_saves_what_the_servers_hold_and_the_rows_finish_afte
         commits = await commit_all(http, replica, "cut1", scope, lease_s=120)
         assert {c["phase"] for c in commits.values()} == {"committed"}
 
-        sessions = {r["episode"]["rollout_id"]: r for r in saved(tmp_path, "agent")}
+        sessions = {r["episode"]["rollout_id"]: r for r in join_parts(saved(tmp_path, "agent"))}
         assert sorted(sessions) == ids and {r["kind"] for r in sessions.values()} == {"session"}
         model_records = saved(tmp_path, "model")
         assert {r["kind"] for r in model_records} == {"model_call"}

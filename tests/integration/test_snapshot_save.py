@@ -19,6 +19,7 @@ from rollpoint.config import RunConfig, parse_config
 from rollpoint.envs import get_environment
 from rollpoint.protocol.episode import TaskRow
 from rollpoint.protocol.errors import ConfigError
+from rollpoint.servers.agent.session_parts import join_parts
 from rollpoint.servers.resources.episode_record import EpisodeRecord
 from rollpoint.store import collector_schedule as collector_schedule_module
 from rollpoint.store.collector_schedule import collector_schedule
@@ -84,7 +85,7 @@ async def test_snapshots_of_a_live_job_hold_what_the_servers_held(tmp_path: Path
         )
         (session,) = [
             r
-            for r in agent_records
+            for r in join_parts(agent_records)  # a long transcript is saved in parts
             if r.get("kind") == "session" and r["episode"]["rollout_id"] == saved.rollout_id
         ]
         # The agent's turn count is what the manifest says, and the model server's call

@@ -433,6 +433,7 @@ async def test_more_than_one_replica_in_one_cut(tmp_path: Path) -> None:
             kind=p.kind.value,
             instance=p.instance,
             checkpoint_id=manifest.checkpoint_id,
+            root=j.store.root,
         )
     point = resume_point(workdir, root)
     assert point.manifest.snapshot_id == manifest.snapshot_id

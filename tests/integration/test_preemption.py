@@ -179,6 +179,14 @@ def test_a_second_signal_stops_at_once_without_a_traceback(tmp_path: Path) -> No
         run = _started_mid_job(tmp_path, url, calls)
         servers = children_of(run.proc.pid)
         os.kill(run.proc.pid, signal.SIGTERM)
+        # The second signal only once the first was taken: sent back to back, both can be
+        # pending together, and the kernel then delivers the lower-numbered SIGINT first.
+        run.wait_until(
+            lambda: "SIGTERM received: taking a final snapshot" in run.stderr,
+            "the first signal taken",
+            timeout_s=10,
+            poll_s=0.005,
+        )
         os.kill(run.proc.pid, signal.SIGINT)
         finished = run.finish(timeout_s=30)
         assert finished.returncode == 143, finished.stderr[-3000:]

@@ -10,11 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import orjson
-
 from rollpoint.protocol.errors import ConfigError
 from rollpoint.store.snapshot_store import SnapshotStore
 from rollpoint.trainer.coordinator import TQ_FILE
+from rollpoint.trainer.restorer import read_trainer_document
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -47,7 +46,7 @@ def build_report(root: str, *, workdir: Path | None = None) -> dict[str, Any]:
     latest_manifest = store.latest()
     latest: dict[str, Any] | None = None
     if latest_manifest is not None:
-        tq_doc = orjson.loads(store.read_file(latest_manifest.snapshot_id, TQ_FILE))
+        tq_doc = read_trainer_document(store, latest_manifest.snapshot_id, TQ_FILE)
         tq_size = sum(len(b["replies"]) for b in tq_doc.get("ready", [])) + len(
             tq_doc.get("partial", [])
         )

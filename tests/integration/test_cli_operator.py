@@ -194,7 +194,7 @@ def test_a_skipped_snapshot_is_a_warning_on_the_console(tmp_path: Path) -> None:
     assert rollpoint("run", str(config)).returncode == 0
     latest = orjson.loads(rollpoint("inspect", str(workdir), "--json").stdout)["latest"]["id"]
     # Its ledger no longer matches the digest its manifest seals: restore must skip it.
-    ledger = workdir / "snapshots" / "snapshots" / latest / "ledger.json"
+    ledger = workdir / "snapshots" / "snapshots" / latest / "trainer" / "ledger.json"
     ledger.write_bytes(ledger.read_bytes() + b" ")
     rerun = rollpoint("run", str(config))
     assert rerun.returncode == 0, rerun.stderr

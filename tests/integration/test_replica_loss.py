@@ -30,7 +30,7 @@ from rollpoint.trainer.dispatch_barrier import DispatchBarrier
 from rollpoint.trainer.dispatcher import Dispatcher
 from rollpoint.trainer.ledger import RecoveryLedger, RolloutState
 from rollpoint.trainer.replica_roster import ReplicaRoster
-from rollpoint.trainer.restorer import Restorer, ResumePoint
+from rollpoint.trainer.restorer import Restorer, ResumePoint, read_trainer_document
 from rollpoint.trainer.trainer_loop import TRAIN_DATA_FILE, Trainer
 from tests.integration.trainer_cluster import Cluster
 from tests.support.embedded_job import EmbeddedJob, embedded_job, embedded_servers
@@ -192,7 +192,7 @@ async def test_a_replica_back_on_new_ports_is_used_again_and_a_cut_without_it_re
 
 def resume_point(h: EmbeddedJob, manifest: SnapshotManifest) -> ResumePoint:
     sid = manifest.snapshot_id
-    tq_doc = orjson.loads(h.store.read_file(sid, TQ_FILE))
+    tq_doc = read_trainer_document(h.store, sid, TQ_FILE)
     committed = int(tq_doc.get("committed_step", 0))
     checkpoints = [
         c for c in h.trainer.checkpoints.available() if committed <= c.step <= manifest.train_step
@@ -201,7 +201,7 @@ def resume_point(h: EmbeddedJob, manifest: SnapshotManifest) -> ResumePoint:
     return ResumePoint(
         manifest=h.store.verify(sid),
         checkpoint=checkpoints[0],
-        ledger_doc=orjson.loads(h.store.read_file(sid, LEDGER_FILE)),
+        ledger_doc=read_trainer_document(h.store, sid, LEDGER_FILE),
         tq_doc=tq_doc,
         trainer_doc=orjson.loads(h.store.read_file(sid, TRAINER_FILE)),
     )

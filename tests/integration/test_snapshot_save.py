@@ -25,6 +25,7 @@ from rollpoint.store import collector_schedule as collector_schedule_module
 from rollpoint.store.collector_schedule import collector_schedule
 from rollpoint.store.participant_state import read_participant_state
 from rollpoint.trainer.coordinator import LEDGER_FILE
+from rollpoint.trainer.restorer import read_trainer_document
 from rollpoint.trainer.train_hooks import TrainSample
 from rollpoint.trainer.trainer_loop import Trainer
 from tests.support.embedded_job import embedded_job
@@ -123,7 +124,7 @@ async def test_snapshots_of_a_live_job_hold_what_the_servers_held(tmp_path: Path
         events = orjson.loads(env.call(calendar, "calendar_search_events", {"query": ""}))
         assert len(events) == len(created)
     # The ledger saved with the snapshot holds every saved episode as in flight.
-    ledger_doc = orjson.loads(h.store.read_file(m.snapshot_id, LEDGER_FILE))
+    ledger_doc = read_trainer_document(h.store, m.snapshot_id, LEDGER_FILE)
     assert str(folder)
     assert ledger_doc["schema_version"] >= 1
     # Metrics: every published snapshot is measured, in Prometheus and in metrics.jsonl.

@@ -29,7 +29,7 @@ from rollpoint.store.snapshot_store import SnapshotStore
 from rollpoint.testing import Fault, invariants
 from rollpoint.trainer.coordinator import LEDGER_FILE
 from rollpoint.trainer.ledger import RecoveryLedger, RolloutState
-from rollpoint.trainer.restorer import Restorer, choose_resume_point
+from rollpoint.trainer.restorer import Restorer, choose_resume_point, read_trainer_document
 from rollpoint.trainer.train_checkpoint import TrainCheckpointStore
 from rollpoint.trainer.train_hooks import TrainSample
 from rollpoint.trainer.trainer_loop import TRAIN_DATA_FILE
@@ -494,7 +494,7 @@ async def test_ledger_manifest_mismatch_names_the_episodes(tmp_path: Path) -> No
         assert len(listed) >= 2, "the cut held too few episodes to tamper with"
         moved, unsent = listed[0], listed[1]
         other = "replica-1" if moved.replica == "replica-0" else "replica-0"
-        doc = orjson.loads(j.store.read_file(report.snapshot_id, LEDGER_FILE))
+        doc = read_trainer_document(j.store, report.snapshot_id, LEDGER_FILE)
         records = {r["rollout_id"]: r for r in doc["records"]}
         records[moved.rollout_id]["replica"] = other  # the ledger says another replica
         records[unsent.rollout_id]["state"] = RolloutState.QUEUED.value  # ... or never sent

@@ -14,7 +14,6 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
-import orjson
 import pytest
 
 from rollpoint.config import SnapshotConfig
@@ -32,7 +31,12 @@ from rollpoint.trainer.dispatch_barrier import DispatchBarrier
 from rollpoint.trainer.finished_queue import FinishedQueue
 from rollpoint.trainer.ledger import RecoveryLedger, RolloutState
 from rollpoint.trainer.metrics import TrainerMetrics
-from rollpoint.trainer.restorer import Restorer, ResumePoint, choose_resume_point
+from rollpoint.trainer.restorer import (
+    Restorer,
+    ResumePoint,
+    choose_resume_point,
+    read_trainer_document,
+)
 from rollpoint.trainer.train_checkpoint import TrainCheckpointStore
 from rollpoint.trainer.trainer_loop import TRAIN_DATA_FILE
 from tests.scenarios.scenario_kit import (
@@ -376,7 +380,7 @@ async def cut_of(
     )
     report = await coordinator.save()
     assert report.published and report.manifest is not None, report.blocked_by
-    doc = orjson.loads(store.read_file(report.snapshot_id, LEDGER_FILE))
+    doc = read_trainer_document(store, report.snapshot_id, LEDGER_FILE)
     shape = CutShape(
         calls=sorted((c.participant, c.verb, c.scope) for c in log),
         live_records=len(doc["records"]),

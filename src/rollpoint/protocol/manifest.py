@@ -11,7 +11,10 @@ back after a crash, possibly with a newer rollpoint:
   an earlier one wrote instead of writing them again (the records files shared by
   snapshots sit in the store's ``objects/`` folder: :mod:`rollpoint.store.record_packs`).
   Migration 1 → 2 makes the one file one part of its whole bytes, digested as bytes: exact.
-- :class:`SnapshotManifest` (schema 4): one published snapshot, written last into the
+- :class:`TrainerFileManifest` (schema 1): a trainer file (the ledger, TQ) kept as
+  records, as a participant's state is: the parts of shared records files that hold them,
+  so a snapshot writes the ledger's and TQ's records that changed since the previous one.
+- :class:`SnapshotManifest` (schema 5): one published snapshot, written last into the
   snapshot folder; its presence is what makes the snapshot exist. It is sealed
   (:func:`seal_manifest`): ``seal`` holds the sha256 of every other top-level field, so a
   field changed after publication (a flipped digit in ``train_step``) is refused naming
@@ -36,7 +39,7 @@ Schema history of :class:`SnapshotManifest`:
 - **3**: adds ``finished``: the in-flight episodes whose finished reply an agent held at
   the cut (the no-drain save). Migration 2 → 3 adds an empty list, which is exact: a
   version-2 writer drained on-wire replies before the cut, so it never saved one.
-- **4**: current. Adds ``seal`` (the sha256 of every other field), ``committed_step`` (TQ's
+- **4**: adds ``seal`` (the sha256 of every other field), ``committed_step`` (TQ's
   committed train step at the cut: what retention and the restore compose with) and each
   participant entry's ``sha256`` and ``bytes`` (of its participant manifest file). A
   version-4 document must carry all of them and its seal must match, or it is refused.
@@ -44,6 +47,10 @@ Schema history of :class:`SnapshotManifest`:
   an older snapshot was never sealed); it loads unsealed, its participant manifests are
   checked by their own records digests as before, and the restore still cross-checks its
   train step and policy version against its digest-checked ``trainer.json``.
+- **5**: current. Each file entry says its ``format``: ``document`` (the file is the JSON
+  document itself, as every file of an older snapshot) or ``records`` (the file is a
+  :class:`TrainerFileManifest` naming the records that make the document). Migration
+  4 → 5 sets ``document`` on every entry: exact, an older writer wrote nothing else.
 """
 
 from __future__ import annotations
@@ -70,7 +77,8 @@ RecordsFileName = Annotated[str, StringConstraints(pattern=r"^records-[0-9a-f]{1
 NonNegativeInt = Annotated[int, Field(ge=0)]
 
 PARTICIPANT_MANIFEST_VERSION = 2
-SNAPSHOT_MANIFEST_VERSION = 4
+TRAINER_FILE_MANIFEST_VERSION = 1
+SNAPSHOT_MANIFEST_VERSION = 5
 LATEST_POINTER_VERSION = 1
 
 
@@ -97,14 +105,10 @@ class RecordsPart(StrictModel):
     sha256: Sha256Hex
 
 
-class ParticipantManifest(StrictModel):
-    """One participant's exported state: the records it saved, as parts of records files."""
+class RecordsManifest(StrictModel):
+    """Records saved as parts of records files: what a participant's state and a trainer
+    file kept as records have in common."""
 
-    schema_version: int = PARTICIPANT_MANIFEST_VERSION
-    kind: ParticipantKind
-    instance: Identifier
-    """The participant instance, e.g. ``model-replica-0``."""
-    checkpoint_id: CheckpointId
     parts: list[RecordsPart]
     """In record order: the records are the parts' lines, one part after the other."""
     count: NonNegativeInt
@@ -118,6 +122,25 @@ class ParticipantManifest(StrictModel):
     migrated schema-1 manifest: what tells a retried commit from another one."""
     written_at: float
     """Unix time the manifest was written."""
+
+
+class ParticipantManifest(RecordsManifest):
+    """One participant's exported state: the records it saved, as parts of records files."""
+
+    schema_version: int = PARTICIPANT_MANIFEST_VERSION
+    kind: ParticipantKind
+    instance: Identifier
+    """The participant instance, e.g. ``model-replica-0``."""
+    checkpoint_id: CheckpointId
+
+
+class TrainerFileManifest(RecordsManifest):
+    """A trainer file of a snapshot kept as records (``FileEntry.format`` ``records``)."""
+
+    schema_version: int = TRAINER_FILE_MANIFEST_VERSION
+    name: str
+    """The trainer file the records make (``ledger.json``, ``tq.json``)."""
+    snapshot_id: Identifier
 
 
 # --- snapshot --------------------------------------------------------------------------
@@ -163,6 +186,9 @@ class FileEntry(StrictModel):
     """Relative to the snapshot folder."""
     sha256: Sha256Hex
     bytes: NonNegativeInt
+    format: Literal["document", "records"] = "document"
+    """``document``: the file is the JSON document; ``records``: it is a
+    :class:`TrainerFileManifest` naming the records the document is made of."""
 
 
 class SnapshotManifest(StrictModel):
@@ -244,10 +270,22 @@ def _snapshot_v3_to_v4(doc: dict[str, Any]) -> dict[str, Any]:
     return doc
 
 
+def _snapshot_v4_to_v5(doc: dict[str, Any]) -> dict[str, Any]:
+    files = doc.get("files")
+    if isinstance(files, dict):
+        for entry in files.values():
+            if isinstance(entry, dict):
+                if "format" in entry:
+                    raise ValueError("a version 4 file entry has no 'format' field")
+                entry["format"] = "document"
+    return doc
+
+
 SNAPSHOT_MANIFEST_MIGRATIONS: dict[int, Migration] = {
     1: _snapshot_v1_to_v2,
     2: _snapshot_v2_to_v3,
     3: _snapshot_v3_to_v4,
+    4: _snapshot_v4_to_v5,
 }
 
 
@@ -272,6 +310,7 @@ def _participant_v1_to_v2(doc: dict[str, Any]) -> dict[str, Any]:
 
 
 PARTICIPANT_MANIFEST_MIGRATIONS: dict[int, Migration] = {1: _participant_v1_to_v2}
+TRAINER_FILE_MANIFEST_MIGRATIONS: dict[int, Migration] = {}
 LATEST_POINTER_MIGRATIONS: dict[int, Migration] = {}
 
 
@@ -361,6 +400,16 @@ def load_participant_manifest(doc: Mapping[str, Any], what: str) -> ParticipantM
         ParticipantManifest,
         PARTICIPANT_MANIFEST_MIGRATIONS,
         PARTICIPANT_MANIFEST_VERSION,
+        what,
+    )
+
+
+def load_trainer_file_manifest(doc: Mapping[str, Any], what: str) -> TrainerFileManifest:
+    return load_versioned(
+        doc,
+        TrainerFileManifest,
+        TRAINER_FILE_MANIFEST_MIGRATIONS,
+        TRAINER_FILE_MANIFEST_VERSION,
         what,
     )
 

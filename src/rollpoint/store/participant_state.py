@@ -51,6 +51,7 @@ from rollpoint.store.filesystem import Filesystem, filesystem_for
 from rollpoint.store.record_packs import (
     OBJECTS_DIR,
     PackIndex,
+    check_totals,
     hash_records,
     pack_records,
     read_parts,
@@ -249,10 +250,5 @@ def _read_manifest(
                 f"{manifest_path}: names records file {part.file!r}, but its digest "
                 f"makes it {records_file_name(part.sha256)!r}"
             )
-    totals = (sum(p.count for p in manifest.parts), sum(p.length for p in manifest.parts))
-    if totals != (manifest.count, manifest.bytes):
-        raise InvalidCheckpointStateError(
-            f"{manifest_path}: its parts hold {totals[0]} records in {totals[1]} bytes, "
-            f"it says {manifest.count} in {manifest.bytes}"
-        )
+    check_totals(manifest, manifest_path)
     return manifest

@@ -57,7 +57,7 @@ from typing import Any, BinaryIO
 import orjson
 
 from rollpoint.protocol.errors import InvalidCheckpointStateError
-from rollpoint.protocol.manifest import RecordsPart
+from rollpoint.protocol.manifest import RecordsManifest, RecordsPart
 from rollpoint.store.collector_pause import collector_paused
 from rollpoint.store.deferred_value import DeferredValue
 from rollpoint.store.digest import BLOCK_BYTES
@@ -68,6 +68,7 @@ __all__ = [
     "OBJECTS_DIR",
     "PackIndex",
     "PackedRecords",
+    "check_totals",
     "hash_records",
     "pack_records",
     "read_parts",
@@ -371,6 +372,16 @@ def _unencodable(record: object, number: int, exc: Exception) -> InvalidCheckpoi
 
 
 # --- reading parts -----------------------------------------------------------------------
+
+
+def check_totals(manifest: RecordsManifest, path: str) -> None:
+    """Refuse a manifest whose parts do not add up to the count and size it states."""
+    totals = (sum(p.count for p in manifest.parts), sum(p.length for p in manifest.parts))
+    if totals != (manifest.count, manifest.bytes):
+        raise InvalidCheckpointStateError(
+            f"{path}: its parts hold {totals[0]} records in {totals[1]} bytes, "
+            f"it says {manifest.count} in {manifest.bytes}"
+        )
 
 
 def read_parts(

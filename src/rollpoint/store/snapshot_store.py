@@ -5,7 +5,8 @@ Owns the layout of a run's snapshot root (a local folder or an fsspec URL)::
     <root>/staging/<snapshot_id>/            being written (local roots only)
     <root>/snapshots/<snapshot_id>/          published once manifest.json is in it
         manifest.json                        SnapshotManifest, written last and sealed
-        <files>                              ledger, TQ... (FileEntry digests in the manifest)
+        <files>                              trainer files (FileEntry digests in the manifest)
+        trainer/<name>                       a trainer file kept as records (trainer_records)
         participants/<kind>/<instance>/      one participant's state (participant_state)
     <root>/objects/records-<hex>.jsonl       records files shared by snapshots (record_packs)
     <root>/latest                            LatestPointer to the newest published snapshot
@@ -21,8 +22,8 @@ of each of its own fields, so a reader refuses a manifest edited after the fact,
 the field. ``latest`` is moved after the manifest and is advisory: readers choose the
 newest snapshot that verifies, so a crash between the two loses nothing.
 
-Records files in ``objects/`` are named by the participant manifests of the snapshots that
-reference them: publication refuses a snapshot naming one that is not there, and retention
+Records files in ``objects/`` are named by the participant manifests and trainer file
+manifests of the snapshots that reference them: publication refuses a snapshot naming one that is not there, and retention
 deletes one once no snapshot folder left (published or being written) names it. That
 holds because the store has one writer at a time (the workdir lock) and the coordinator
 takes one snapshot at a time: no write is running while a publication prunes.
@@ -38,8 +39,9 @@ import hashlib
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from rollpoint.protocol.errors import (
     BadRequestError,
@@ -74,7 +76,7 @@ from rollpoint.store.filesystem import (
     resolve_inside,
 )
 from rollpoint.store.participant_state import MANIFEST_NAME, verify_participant_state
-from rollpoint.store.record_packs import OBJECTS_DIR
+from rollpoint.store.record_packs import OBJECTS_DIR, PackIndex
 from rollpoint.store.retention import Span
 from rollpoint.store.staging import (
     PARTICIPANTS_DIR,
@@ -82,6 +84,12 @@ from rollpoint.store.staging import (
     StagingAction,
     StagingRegistry,
     participant_subdir,
+)
+from rollpoint.store.trainer_records import (
+    read_trainer_records,
+    trainer_shared_files,
+    verify_trainer_records,
+    write_trainer_records,
 )
 
 __all__ = [
@@ -100,6 +108,8 @@ log = logging.getLogger("rollpoint.store")
 
 STAGING_DIR = "staging"
 SNAPSHOTS_DIR = "snapshots"
+TRAINER_DIR = "trainer"
+"""A snapshot folder's trainer files kept as records."""
 LATEST_NAME = "latest"
 
 _PROCESS_STARTED_AT = time.time()
@@ -207,9 +217,7 @@ class SnapshotStore:
         so a large file need not exist as one buffer.
         """
         self._stagings.advance(staging, StagingAction.WRITE)
-        relative = normalize_relative(name)
-        if relative == MANIFEST_NAME or relative.startswith(f"{PARTICIPANTS_DIR}/"):
-            raise BadRequestError(f"file name {name!r} is reserved by the snapshot layout")
+        relative = _trainer_file_path(name)
         path = resolve_inside(staging.path, relative)
         hasher = hashlib.sha256()
         size = 0
@@ -223,6 +231,25 @@ class SnapshotStore:
         except OSError as exc:
             raise SnapshotError(f"cannot write {path}: {exc}") from None
         return FileEntry(path=relative, sha256=hasher.hexdigest(), bytes=size)
+
+    def write_records(
+        self, staging: Staging, name: str, records: Sequence[Mapping[str, Any]], index: PackIndex
+    ) -> FileEntry:
+        """Write one trainer file kept as records (``trainer/<name>``, naming parts of the
+        shared records files); return its entry. Only what ``index`` (the file's, kept
+        between snapshots) does not hold is written; ``index`` becomes this write's."""
+        self._stagings.advance(staging, StagingAction.WRITE)
+        relative = f"{TRAINER_DIR}/{_trainer_file_path(name)}"
+        return write_trainer_records(
+            self._fs,
+            self.root,
+            resolve_inside(staging.path, relative),
+            name=name,
+            relative=relative,
+            snapshot_id=staging.snapshot_id,
+            records=records,
+            index=index,
+        )
 
     def publish(self, staging: Staging, manifest: SnapshotManifest) -> SnapshotManifest:
         """Publish the staged snapshot with ``manifest`` (stamped with ``published_at``).
@@ -299,11 +326,43 @@ class SnapshotStore:
     def read_file(self, snapshot_id: str, name: str) -> bytes:
         """The bytes of one trainer file of a snapshot, checked against its digest."""
         manifest = self.load(snapshot_id)
+        entry = self._file_entry(manifest, name)
+        return self._read_checked(self.snapshot_dir(snapshot_id), entry)
+
+    def file_format(self, snapshot_id: str, name: str) -> str:
+        """How trainer file ``name`` of a snapshot is kept: ``document`` or ``records``."""
+        return self._file_entry(self.load(snapshot_id), name).format
+
+    def read_records(self, snapshot_id: str, name: str) -> list[dict[str, Any]]:
+        """The records of a trainer file kept as records, every part verified."""
+        manifest = self.load(snapshot_id)
+        entry = self._file_entry(manifest, name)
+        if entry.format != "records":
+            raise InvalidCheckpointStateError(
+                f"snapshot {snapshot_id}: file {name!r} is a {entry.format}, not records"
+            )
+        folder = self.snapshot_dir(snapshot_id)
+        data = self._read_checked(folder, entry)
+        return read_trainer_records(
+            self._fs,
+            self.root,
+            self._inside(folder, entry.path),
+            data,
+            name=name,
+            snapshot_id=manifest.snapshot_id,
+        )
+
+    def _file_entry(self, manifest: SnapshotManifest, name: str) -> FileEntry:
         entry = manifest.files.get(name)
         if entry is None:
             known = ", ".join(sorted(manifest.files)) or "none"
-            raise NotFoundError(f"snapshot {snapshot_id} has no file {name!r} (it has: {known})")
-        path = self._inside(self.snapshot_dir(snapshot_id), entry.path)
+            raise NotFoundError(
+                f"snapshot {manifest.snapshot_id} has no file {name!r} (it has: {known})"
+            )
+        return entry
+
+    def _read_checked(self, folder: str, entry: FileEntry) -> bytes:
+        path = self._inside(folder, entry.path)
         try:
             data = self._fs.read_bytes(path)
         except FileNotFoundError:
@@ -404,6 +463,16 @@ class SnapshotStore:
                 f"snapshot {staging.snapshot_id} names files its staging folder lacks: "
                 + ", ".join(missing)
             )
+        for name, entry in manifest.files.items():
+            if entry.format == "records":
+                path = resolve_inside(staging.path, entry.path)
+                try:
+                    data = self._fs.read_bytes(path)
+                except OSError as exc:
+                    raise SnapshotError(f"cannot read {path}: {exc}") from None
+                self._check_objects(
+                    staging, f"trainer file {name}", trainer_shared_files(data, path)
+                )
         entries = []
         for participant in manifest.participants:
             path = resolve_inside(staging.path, participant.manifest_path)
@@ -412,25 +481,40 @@ class SnapshotStore:
             except OSError as exc:
                 raise SnapshotError(f"cannot read {path}: {exc}") from None
             digest = digest_bytes(data)
-            lacking = [
-                name
-                for name in sorted(_shared_files(data, path))
-                if not self._fs.exists(self._fs.join(self.root, OBJECTS_DIR, name))
-            ]
-            if lacking:
-                raise SnapshotError(
-                    f"snapshot {staging.snapshot_id}: participant {participant.instance} names "
-                    f"records files missing from {OBJECTS_DIR}/: " + ", ".join(lacking)
-                )
+            self._check_objects(
+                staging, f"participant {participant.instance}", _shared_files(data, path)
+            )
             entries.append(
                 participant.model_copy(update={"sha256": digest.sha256, "bytes": digest.bytes})
             )
         return entries
 
+    def _check_objects(self, staging: Staging, who: str, names: set[str]) -> None:
+        lacking = [
+            name
+            for name in sorted(names)
+            if not self._fs.exists(self._fs.join(self.root, OBJECTS_DIR, name))
+        ]
+        if lacking:
+            raise SnapshotError(
+                f"snapshot {staging.snapshot_id}: {who} names records files missing from "
+                f"{OBJECTS_DIR}/: " + ", ".join(lacking)
+            )
+
     def _verify_contents(self, manifest: SnapshotManifest) -> None:
         folder = self.snapshot_dir(manifest.snapshot_id)
         for name, entry in manifest.files.items():
-            self._verify_file(folder, name, entry)
+            if entry.format == "records":
+                verify_trainer_records(
+                    self._fs,
+                    self.root,
+                    self._inside(folder, entry.path),
+                    self._read_checked(folder, entry),
+                    name=name,
+                    snapshot_id=manifest.snapshot_id,
+                )
+            else:
+                self._verify_file(folder, name, entry)
         for participant in manifest.participants:
             manifest_path = self._inside(folder, participant.manifest_path)
             directory, _, file_name = manifest_path.rpartition("/")
@@ -601,6 +685,13 @@ class SnapshotStore:
 
     def _names_in(self, folder: str) -> set[str]:
         names: set[str] = set()
+        trainer = self._fs.join(folder, TRAINER_DIR)
+        if self._fs.isdir(trainer):
+            for name in self._fs.listdir(trainer):
+                if name.startswith("."):
+                    continue  # a temp file of a write that did not finish
+                path = self._fs.join(trainer, name)
+                names |= trainer_shared_files(self._fs.read_bytes(path), path)
         participants = self._fs.join(folder, PARTICIPANTS_DIR)
         if not self._fs.isdir(participants):
             return names
@@ -640,6 +731,14 @@ def _shared_files(data: bytes, path: str) -> set[str]:
     """The shared records files a participant manifest names."""
     manifest = load_participant_manifest(decode_document(data, path), path)
     return {part.file for part in manifest.parts if part.shared}
+
+
+def _trainer_file_path(name: str) -> str:
+    relative = normalize_relative(name)
+    reserved = (f"{PARTICIPANTS_DIR}/", f"{TRAINER_DIR}/")
+    if relative == MANIFEST_NAME or relative.startswith(reserved):
+        raise BadRequestError(f"file name {name!r} is reserved by the snapshot layout")
+    return relative
 
 
 def _span(manifest: SnapshotManifest) -> Span:

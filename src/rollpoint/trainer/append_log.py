@@ -10,14 +10,16 @@ growing — which is what lets a snapshot capture the ledger while rollouts are 
 encode it after they resume.
 
 Each full chunk also remembers its JSON encoding once it was asked for it
-(:meth:`LogChunk.encoded`), so a chunk is encoded once per run rather than once per
-snapshot. It does not know what the items mean; the encoder is the caller's.
+(:meth:`LogChunk.encoded`), and the snapshot record made of it (:meth:`LogChunk.record`), so
+a chunk is encoded once per run rather than once per snapshot, and a snapshot's writer finds
+the very record it wrote before (:mod:`rollpoint.store.record_packs`) and references it. It
+does not know what the items mean; the encoder is the caller's.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -27,11 +29,12 @@ CHUNK = 4096
 class LogChunk(Generic[T]):
     """Up to ``CHUNK`` items, immutable once full; remembers its encoding."""
 
-    __slots__ = ("_encoded", "items")
+    __slots__ = ("_encoded", "_record", "items")
 
     def __init__(self, items: tuple[T, ...]) -> None:
         self.items = items
         self._encoded: bytes | None = None
+        self._record: dict[str, Any] | None = None
 
     def __len__(self) -> int:
         return len(self.items)
@@ -44,6 +47,15 @@ class LogChunk(Generic[T]):
         if self._encoded is None:
             self._encoded = encode(self.items)
         return self._encoded
+
+    def record(self, make: Callable[[tuple[T, ...]], dict[str, Any]]) -> dict[str, Any]:
+        """``make(items)``, made the first time only and the same object afterwards.
+
+        Two threads racing here both make an equal record; either one is kept.
+        """
+        if self._record is None:
+            self._record = make(self.items)
+        return self._record
 
 
 class AppendLog(Generic[T]):

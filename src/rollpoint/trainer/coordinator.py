@@ -69,6 +69,7 @@ from rollpoint.protocol.manifest import (
 )
 from rollpoint.protocol.participant import CheckpointMode, ParticipantKind
 from rollpoint.store.collector_schedule import COLLECTOR_RELEASE_DELAY_S, ServerCollector
+from rollpoint.store.record_packs import PackIndex
 from rollpoint.store.snapshot_store import SnapshotStore
 from rollpoint.store.staging import Staging
 from rollpoint.trainer.control_calls import PREPARE_STAGES, by_deadline, failure_line
@@ -128,6 +129,8 @@ class SnapshotCoordinator:
         self.metrics = metrics
         self._trainer_state = trainer_state
         self._config_fingerprint = config_fingerprint
+        self._indexes = {LEDGER_FILE: PackIndex(), TQ_FILE: PackIndex()}
+        """Where each trainer file's last write put its records (snapshot_growth)."""
         # Keyed by client: a replica that comes back gets new clients, asked afresh.
         self._statuses: dict[ParticipantClient, StatusReply] = {}
         self._failures: list[str] = []
@@ -552,9 +555,13 @@ class SnapshotCoordinator:
 
     def _write_trainer_files(self, cut: Cut) -> dict[str, FileEntry]:
         assert cut.ledger is not None and cut.tq is not None, "a cut captures both"
+        # Kept as records: each write adds only what changed since the previous one.
+        ledger, tq = cut.ledger.as_records(), cut.tq.as_records()
         return {
-            LEDGER_FILE: self.store.write_file(cut.staging, LEDGER_FILE, cut.ledger.encode_parts()),
-            TQ_FILE: self.store.write_file(cut.staging, TQ_FILE, cut.tq.to_bytes()),
+            LEDGER_FILE: self.store.write_records(
+                cut.staging, LEDGER_FILE, ledger, self._indexes[LEDGER_FILE]
+            ),
+            TQ_FILE: self.store.write_records(cut.staging, TQ_FILE, tq, self._indexes[TQ_FILE]),
             TRAINER_FILE: self.store.write_file(
                 cut.staging, TRAINER_FILE, orjson.dumps(cut.trainer_doc)
             ),

@@ -13,7 +13,11 @@ It does not seal (the trainer seals in the ledger, then puts here) and does not 
 advantages (:mod:`.grpo`).
 
 A snapshot takes :meth:`FinishedQueue.capture` while rollouts are paused (references
-only: replies are immutable) and encodes it after they resume.
+only: replies are immutable) and encodes it after they resume, as records
+(:meth:`TQCapture.as_records`, joined back by :func:`tq_document_from_records`): a header, one
+record per partial reply, one per ready or consumed group. A group's record is made once
+per state and is the same object in every snapshot while the group waits, so the store
+references where it was first written (:mod:`rollpoint.store.trainer_records`).
 
 Schema history of the document (:meth:`FinishedQueue.to_document`): **1**, current.
 """
@@ -21,7 +25,7 @@ Schema history of the document (:meth:`FinishedQueue.to_document`): **1**, curre
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
 import orjson
@@ -47,10 +51,26 @@ class GroupBatch:
 
     group_id: str
     replies: tuple[RunReply, ...]
+    _records: dict[int, dict[str, Any]] = field(default_factory=dict, compare=False, repr=False)
+    """Its snapshot record, by the train step that consumed it (0: ready): made once."""
 
     @property
     def size(self) -> int:
         return len(self.replies)
+
+    def record(self, train_step: int) -> dict[str, Any]:
+        """This group's snapshot record, ready (``train_step`` 0) or consumed by a step."""
+        found = self._records.get(train_step)
+        if found is None:
+            doc = _batch_doc(self)
+            if train_step:
+                found = {
+                    "consumed": orjson.Fragment(orjson.dumps({**doc, "train_step": train_step}))
+                }
+            else:
+                found = {"ready": orjson.Fragment(orjson.dumps(doc))}
+            self._records[train_step] = found
+        return found
 
 
 class FinishedQueue:
@@ -300,6 +320,37 @@ class TQCapture:
 
     def to_bytes(self) -> bytes:
         return orjson.dumps(self.to_document())
+
+    def as_records(self) -> list[dict[str, Any]]:
+        """The document as snapshot records (:func:`tq_document_from_records` joins them)."""
+        header = {
+            "schema_version": TQ_SCHEMA_VERSION,
+            "committed_step": self.committed_step,
+            "last_take_step": self.last_take_step,
+            "groups": dict(self.groups),
+        }
+        records: list[dict[str, Any]] = [header]
+        records += [{"partial": r.model_dump(mode="json")} for r in self.partial]
+        records += [batch.record(0) for batch in self.ready]
+        records += [batch.record(step) for step, batch in self.consumed]
+        return records
+
+
+_LISTS = frozenset({"partial", "ready", "consumed"})
+
+
+def tq_document_from_records(records: list[dict[str, Any]], what: str) -> dict[str, Any]:
+    """The TQ document :meth:`TQCapture.as_records` were made of, to load as any saved
+    document; a record of another shape is an :class:`InvalidCheckpointStateError`."""
+    if not records or "schema_version" not in records[0]:
+        raise InvalidCheckpointStateError(f"{what}: its first record is not TQ's header")
+    doc: dict[str, Any] = {**records[0], "partial": [], "ready": [], "consumed": []}
+    for number, record in enumerate(records[1:], start=2):
+        key = next(iter(record), None) if len(record) == 1 else None
+        if key not in _LISTS or not isinstance(record[key], dict):
+            raise InvalidCheckpointStateError(f"{what}: record {number} is not a TQ record")
+        doc[key].append(record[key])
+    return doc
 
 
 def _batch_doc(batch: GroupBatch) -> dict[str, Any]:

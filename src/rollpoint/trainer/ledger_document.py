@@ -26,6 +26,13 @@ Schema history:
 Also here: :class:`LedgerCapture`, the ledger frozen at one instant (taken while a
 snapshot pauses rollouts, in O(live tries + chunks)) and its encoding into the current
 schema, done after rollouts resume.
+
+In a snapshot the document is kept as records (:meth:`LedgerCapture.as_records`, joined back
+by :func:`document_from_records`): a header, one record per chunk of tasks, groups,
+failures and final tries, one per live try. A full chunk's record is made once per run and
+is the same object in every snapshot, so the store references where it was first written
+instead of writing it again (:mod:`rollpoint.store.trainer_records`). The records join into
+the document above; its schema and migrations are unchanged.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ import orjson
 from pydantic import Field, model_validator
 
 from rollpoint.protocol.episode import TaskRow
+from rollpoint.protocol.errors import InvalidCheckpointStateError
 from rollpoint.protocol.ids import Identifier
 from rollpoint.protocol.manifest import Migration
 from rollpoint.protocol.model_base import StrictModel
@@ -143,6 +151,20 @@ class LedgerCapture:
             "archived": [chunk.items for chunk in self.archived],
         }
 
+    def as_records(self) -> list[dict[str, Any]]:
+        """The document as snapshot records (:func:`document_from_records` joins them).
+
+        Each full chunk's record is made once and then handed out again as the same
+        object; the live tries are one small record each.
+        """
+        records: list[dict[str, Any]] = [{"schema_version": LEDGER_SCHEMA_VERSION}]
+        records += [chunk.record(_tasks_record) for chunk in self.tasks if len(chunk)]
+        records += [chunk.record(_groups_record) for chunk in self.groups if len(chunk)]
+        records += [chunk.record(_failed_record) for chunk in self.failed if len(chunk)]
+        records += [chunk.record(_archived_record) for chunk in self.archived if len(chunk)]
+        records += [{"try": _record_doc(r)} for r in self.records]
+        return records
+
     def to_bytes(self) -> bytes:
         """The document encoded as JSON (:meth:`encode_parts` joined)."""
         return b"".join(self.encode_parts())
@@ -209,6 +231,59 @@ def _encode_tasks(items: tuple[TaskEntry, ...]) -> bytes:
 
 def _encode_groups(items: tuple[GroupEntry, ...]) -> bytes:
     return orjson.dumps({entry[0]: _group_doc(entry) for entry in items})[1:-1]
+
+
+def _tasks_record(items: tuple[TaskEntry, ...]) -> dict[str, Any]:
+    return {"tasks": orjson.Fragment(b"{" + _encode_tasks(items) + b"}")}
+
+
+def _groups_record(items: tuple[GroupEntry, ...]) -> dict[str, Any]:
+    return {"groups": orjson.Fragment(b"{" + _encode_groups(items) + b"}")}
+
+
+def _failed_record(items: tuple[FailureEntry, ...]) -> dict[str, Any]:
+    return {"failed": dict(items)}
+
+
+def _archived_record(items: tuple[ArchivedEntry, ...]) -> dict[str, Any]:
+    return {"archived": orjson.Fragment(orjson.dumps(items))}
+
+
+_JOINED = {"tasks": "task", "groups": "group", "failed": "failed group"}
+"""The document's objects a ledger's records join, and what each member is called."""
+
+
+def document_from_records(records: list[dict[str, Any]], what: str) -> dict[str, Any]:
+    """The ledger document :meth:`LedgerCapture.as_records` were made of, to load as any
+    saved document (its schema version checked there); a record of another shape, or a
+    key two records both hold, is an :class:`InvalidCheckpointStateError` naming it."""
+    if not records or "schema_version" not in records[0]:
+        raise InvalidCheckpointStateError(f"{what}: its first record is not the ledger's header")
+    doc: dict[str, Any] = {**records[0], "tasks": {}, "groups": {}, "failed": {}}
+    doc["records"], doc["archived"] = [], []
+    for number, record in enumerate(records[1:], start=2):
+        if len(record) != 1:
+            raise InvalidCheckpointStateError(
+                f"{what}: record {number} has fields {sorted(record)}, expected one"
+            )
+        [(key, value)] = record.items()
+        if key in _JOINED and isinstance(value, dict):
+            joined = doc[key]
+            twice = next((k for k in value if k in joined), None)
+            if twice is not None:
+                raise InvalidCheckpointStateError(
+                    f"{what}: {_JOINED[key]} {twice!r} is saved twice"
+                )
+            joined.update(value)
+        elif key == "archived" and isinstance(value, list):
+            doc["archived"].append(value)
+        elif key == "try" and isinstance(value, dict):
+            doc["records"].append(value)
+        else:
+            raise InvalidCheckpointStateError(
+                f"{what}: record {number} ({key!r}) is not a ledger record"
+            )
+    return doc
 
 
 _V1_STATES = {

@@ -69,8 +69,9 @@ from rollpoint.trainer.coordinator import (
     TQ_FILE,
     TRAINER_FILE,
 )
-from rollpoint.trainer.finished_queue import FinishedQueue
+from rollpoint.trainer.finished_queue import FinishedQueue, tq_document_from_records
 from rollpoint.trainer.ledger import RecoveryLedger, RolloutState
+from rollpoint.trainer.ledger_document import document_from_records
 from rollpoint.trainer.participant_client import ParticipantClient
 from rollpoint.trainer.train_checkpoint import TrainCheckpoint, TrainCheckpointStore
 from rollpoint.trainer.train_data import TrainData
@@ -144,11 +145,9 @@ def find_resume_point(
             continue
         try:
             manifest = store.verify(sid)
-            ledger_bytes = store.read_file(sid, LEDGER_FILE)
-            tq_bytes = store.read_file(sid, TQ_FILE)
+            ledger_doc = read_trainer_document(store, sid, LEDGER_FILE)
+            tq_doc = read_trainer_document(store, sid, TQ_FILE)
             trainer_doc = orjson.loads(store.read_file(sid, TRAINER_FILE))
-            with collector_paused():  # the ledger decodes into millions of objects
-                ledger_doc, tq_doc = orjson.loads(ledger_bytes), orjson.loads(tq_bytes)
             committed = int(tq_doc.get("committed_step", 0))
             _cross_check(manifest, trainer_doc, committed)
         except (RollpointError, orjson.JSONDecodeError, TypeError, ValueError) as exc:
@@ -167,6 +166,20 @@ def find_resume_point(
             )
         )
     return None, skipped
+
+
+def read_trainer_document(store: SnapshotStore, snapshot_id: str, name: str) -> dict[str, Any]:
+    """The ledger's or TQ's document in a snapshot, kept as a document or as records."""
+    what = f"{name} of snapshot {snapshot_id}"
+    if store.file_format(snapshot_id, name) == "records":
+        join = document_from_records if name == LEDGER_FILE else tq_document_from_records
+        return join(store.read_records(snapshot_id, name), what)
+    data = store.read_file(snapshot_id, name)
+    with collector_paused():  # the ledger decodes into millions of objects
+        doc = orjson.loads(data)
+    if not isinstance(doc, dict):
+        raise InvalidCheckpointStateError(f"{what} is not a JSON object")
+    return doc
 
 
 def choose_resume_point(

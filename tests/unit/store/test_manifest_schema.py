@@ -16,9 +16,11 @@ from rollpoint.protocol.manifest import (
     SnapshotManifest,
     decode_document,
     encode_document,
+    field_digests,
     load_latest_pointer,
     load_participant_manifest,
     load_snapshot_manifest,
+    load_trainer_file_manifest,
     load_versioned,
     topology_fingerprint,
 )
@@ -34,10 +36,34 @@ def load_golden_snapshot(name: str) -> SnapshotManifest:
     return load_snapshot_manifest(decode_document(path.read_bytes(), what), what)
 
 
-def test_golden_v4_loads_and_reencodes_to_the_same_bytes() -> None:
+def test_golden_v5_loads_and_reencodes_to_the_same_bytes() -> None:
+    manifest = load_golden_snapshot("snapshot_manifest_v5.json")
+
+    assert manifest.schema_version == SNAPSHOT_MANIFEST_VERSION == 5
+    assert len(manifest.participants) == 6
+    assert all(p.sha256 is not None and p.bytes is not None for p in manifest.participants)
+    assert manifest.committed_step == 12
+    assert manifest.seal is not None and "files" in manifest.seal
+    assert {name: (f.path, f.format) for name, f in manifest.files.items()} == {
+        "ledger.json": ("trainer/ledger.json", "records"),
+        "trainer.json": ("trainer.json", "document"),
+    }
+    assert [e.turns_completed for e in manifest.episodes] == [3, 5, 0]
+    assert encode_document(manifest) == (GOLDEN / "snapshot_manifest_v5.json").read_bytes()
+
+
+def test_golden_v5_with_a_file_format_changed_is_refused_by_its_seal() -> None:
+    doc = orjson.loads((GOLDEN / "snapshot_manifest_v5.json").read_bytes())
+    doc["files"]["ledger.json"]["format"] = "document"
+
+    with pytest.raises(InvalidCheckpointStateError, match="field 'files' does not match"):
+        load_snapshot_manifest(doc, "doc")
+
+
+def test_golden_v4_migrates_to_v5_with_every_file_a_document() -> None:
     manifest = load_golden_snapshot("snapshot_manifest_v4.json")
 
-    assert manifest.schema_version == SNAPSHOT_MANIFEST_VERSION == 4
+    assert manifest.schema_version == 5
     assert len(manifest.participants) == 6
     assert all(p.sha256 is not None and p.bytes is not None for p in manifest.participants)
     assert manifest.committed_step == 12
@@ -45,7 +71,30 @@ def test_golden_v4_loads_and_reencodes_to_the_same_bytes() -> None:
     assert [e.turns_completed for e in manifest.episodes] == [3, 5, 0]
     assert manifest.restarts[0].rollout_id == "r9e8d7c6b5a493827"
     assert [f.rollout_id for f in manifest.finished] == ["r0f1e2d3c4b5a6978"]
-    assert encode_document(manifest) == (GOLDEN / "snapshot_manifest_v4.json").read_bytes()
+    assert {name: f.format for name, f in manifest.files.items()} == {
+        "ledger": "document",
+        "tq": "document",
+    }
+
+
+def test_a_v4_file_entry_carrying_a_format_is_refused_not_guessed() -> None:
+    doc = orjson.loads((GOLDEN / "snapshot_manifest_v4.json").read_bytes())
+    doc["files"]["ledger"]["format"] = "records"
+    doc["seal"]["files"] = field_digests(doc)["files"]
+
+    with pytest.raises(InvalidCheckpointStateError, match="cannot migrate schema_version 4 to 5"):
+        load_snapshot_manifest(doc, "doc")
+
+
+def test_trainer_file_manifest_golden_loads_and_re_encodes_to_the_same_bytes() -> None:
+    raw = (GOLDEN / "trainer_file_manifest_v1.json").read_bytes()
+
+    manifest = load_trainer_file_manifest(orjson.loads(raw), "t")
+
+    assert (manifest.name, manifest.snapshot_id) == ("ledger.json", "snap-000042")
+    assert [(p.offset, p.count, p.shared) for p in manifest.parts] == [(0, 3, True), (112, 2, True)]
+    assert (manifest.count, manifest.bytes, manifest.written) == (5, 70, 30)
+    assert encode_document(manifest) == raw
 
 
 def test_golden_v4_with_a_flipped_train_step_is_refused_naming_the_field() -> None:
@@ -91,7 +140,7 @@ def test_golden_v3_migrates_to_v4_unsealed() -> None:
     v3 = load_golden_snapshot("snapshot_manifest_v3.json")
     v4 = load_golden_snapshot("snapshot_manifest_v4.json")
 
-    assert v3.schema_version == 4
+    assert v3.schema_version == 5
     assert v3.seal is None and v3.committed_step is None
     assert all(p.sha256 is None and p.bytes is None for p in v3.participants)
     unsealed = {"seal", "committed_step", "participants"}
@@ -114,7 +163,7 @@ def test_golden_v2_migrates_to_v3_with_no_finished_replies() -> None:
     v2 = load_golden_snapshot("snapshot_manifest_v2.json")
     v3 = load_golden_snapshot("snapshot_manifest_v3.json")
 
-    assert v2.schema_version == 4
+    assert v2.schema_version == SNAPSHOT_MANIFEST_VERSION
     assert v2.finished == []
     assert v2.model_dump(exclude={"finished"}) == v3.model_dump(exclude={"finished"})
 
@@ -123,7 +172,7 @@ def test_golden_v1_migrates_to_current() -> None:
     v1 = load_golden_snapshot("snapshot_manifest_v1.json")
     v2 = load_golden_snapshot("snapshot_manifest_v2.json")
 
-    assert v1.schema_version == 4
+    assert v1.schema_version == SNAPSHOT_MANIFEST_VERSION
     assert v1.pause_seconds == pytest.approx(0.184)
     assert v1.restarts == []
     same_fields = v1.model_dump(exclude={"restarts", "pause_seconds"})
@@ -144,7 +193,7 @@ def test_newer_golden_is_refused_with_upgrade_advice() -> None:
 
     assert "snapshot_manifest_v9_newer.json" in info.value.message
     assert (
-        "schema_version 9 is newer than this rollpoint understands (max 4); upgrade rollpoint"
+        "schema_version 9 is newer than this rollpoint understands (max 5); upgrade rollpoint"
         in info.value.message
     )
 

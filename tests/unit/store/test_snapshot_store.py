@@ -424,7 +424,7 @@ def test_a_refused_manifest_leaves_the_staging_open(location: str) -> None:
     store = SnapshotStore(location)
     staging, manifest = _stage(store, "s1")
 
-    with pytest.raises(BadRequestError, match="must have schema_version 4, got 1"):
+    with pytest.raises(BadRequestError, match="must have schema_version 5, got 1"):
         store.publish(staging, manifest.model_copy(update={"schema_version": 1}))
     store.write_file(staging, "late.json", b"{}")
     store.publish(staging, manifest)

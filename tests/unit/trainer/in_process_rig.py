@@ -33,7 +33,7 @@ from rollpoint.trainer.finished_queue import FinishedQueue
 from rollpoint.trainer.ledger import RecoveryLedger
 from rollpoint.trainer.metrics import TrainerMetrics
 from rollpoint.trainer.participant_client import ParticipantClient
-from rollpoint.trainer.restorer import ResumePoint
+from rollpoint.trainer.restorer import ResumePoint, read_trainer_document
 from rollpoint.trainer.train_checkpoint import TrainCheckpoint
 from tests.unit.gym.fake_participant import FakeParticipant
 
@@ -140,8 +140,8 @@ class Rig:
         return ResumePoint(
             manifest=store.verify(snapshot_id),
             checkpoint=checkpoint,
-            ledger_doc=orjson.loads(store.read_file(snapshot_id, LEDGER_FILE)),
-            tq_doc=orjson.loads(store.read_file(snapshot_id, TQ_FILE)),
+            ledger_doc=read_trainer_document(store, snapshot_id, LEDGER_FILE),
+            tq_doc=read_trainer_document(store, snapshot_id, TQ_FILE),
             trainer_doc=orjson.loads(store.read_file(snapshot_id, TRAINER_FILE)),
         )
 

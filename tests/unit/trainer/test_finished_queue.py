@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
+import orjson
 import pytest
 
 from rollpoint.protocol.episode import RunReply
 from rollpoint.protocol.errors import InvalidCheckpointStateError, InvalidPhaseError, NotFoundError
 from rollpoint.protocol.ids import EpisodeId
-from rollpoint.trainer.finished_queue import TQ_SCHEMA_VERSION, FinishedQueue
+from rollpoint.trainer.finished_queue import (
+    TQ_SCHEMA_VERSION,
+    FinishedQueue,
+    tq_document_from_records,
+)
 
 
 def reply(group_id: str, row: int, reward: float = 1.0) -> RunReply:
@@ -119,3 +125,43 @@ def test_a_newer_or_inconsistent_tq_document_is_refused() -> None:
     broken["ready"][0]["replies"].pop()
     with pytest.raises(InvalidCheckpointStateError, match="not whole"):
         FinishedQueue.from_document(broken)
+
+
+def _as_lines(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Records as a snapshot reads them back: each encoded as its line, then decoded."""
+    return [orjson.loads(orjson.dumps(r)) for r in records]
+
+
+def _group_of(record: dict[str, Any]) -> str:
+    [line] = _as_lines([record])
+    return str(next(iter(line.values()))["group_id"])
+
+
+def test_records_join_into_the_document_and_a_waiting_group_is_the_same_record() -> None:
+    tq = filled({"a": 2, "b": 2, "c": 2})
+    tq.expect_group("d", 2)
+    tq.put(reply("d", 1))
+    tq.take_groups(2, train_step=1)
+    first = tq.capture().as_records()
+
+    tq.take_groups(2, train_step=2)  # "b" moves from ready to consumed
+    second = tq.capture().as_records()
+
+    joined = tq_document_from_records(_as_lines(second), "tq")
+    assert joined == json.loads(json.dumps(tq.to_document()))
+    assert FinishedQueue.from_document(joined).counts() == tq.counts()
+    # "a" stayed consumed by step 1 and "c" ready: their records are the very same
+    # objects, so a snapshot's writer references them; "b"'s changed with its state.
+    by_group = {_group_of(r): r for r in first[2:]}
+    again = {_group_of(r): r for r in second[2:]}
+    assert first[1] == {"partial": reply("d", 1).model_dump(mode="json")}
+    assert again["a"] is by_group["a"] and again["c"] is by_group["c"]
+    assert "ready" in by_group["b"] and "consumed" in again["b"]
+
+
+def test_a_tq_record_of_another_shape_is_refused_naming_it() -> None:
+    records = _as_lines(filled({"a": 2}).capture().as_records())
+    with pytest.raises(InvalidCheckpointStateError, match="record 2 is not a TQ record"):
+        tq_document_from_records([records[0], {"trained": {}}], "tq")
+    with pytest.raises(InvalidCheckpointStateError, match="not TQ's header"):
+        tq_document_from_records(records[1:], "tq")

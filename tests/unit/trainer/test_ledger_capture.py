@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import orjson
+import pytest
 
 from rollpoint.protocol.episode import TaskRow
+from rollpoint.protocol.errors import InvalidCheckpointStateError
 from rollpoint.trainer.append_log import AppendLog
 from rollpoint.trainer.ledger import RecoveryLedger, RolloutState
-from rollpoint.trainer.ledger_document import LEDGER_SCHEMA_VERSION
+from rollpoint.trainer.ledger_document import LEDGER_SCHEMA_VERSION, document_from_records
 
 GOLDEN = Path(__file__).parents[2] / "golden"
 S = RolloutState
@@ -130,3 +133,50 @@ def test_the_version_2_golden_ledger_migrates_to_version_3() -> None:
         "r0000000000000c03",
     ]
     assert RecoveryLedger.from_document(migrated).to_document() == migrated
+
+
+def _as_lines(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Records as a snapshot reads them back: each encoded as its line, then decoded."""
+    return [orjson.loads(orjson.dumps(r)) for r in records]
+
+
+def test_the_ledger_as_records_joins_into_its_document_and_round_trips() -> None:
+    ledger = busy_ledger(groups=5000, sealed=4200)  # two full archive chunks, an open one
+    ledger.fail_group("g4999", "bad task")
+
+    joined = document_from_records(_as_lines(ledger.capture().as_records()), "ledger")
+
+    assert joined == json.loads(json.dumps(ledger.to_document()))
+    restored = RecoveryLedger.from_document(joined)
+    assert restored.to_document() == ledger.to_document()
+    assert restored.failed_groups() == {"g4999": "bad task"}
+
+
+def test_a_full_chunk_is_the_same_record_in_every_capture() -> None:
+    ledger = busy_ledger(groups=5000, sealed=4200)
+    first = ledger.capture().as_records()
+    for record in ledger.in_flight("replica-0"):
+        ledger.finish(record.rollout_id)
+        ledger.seal(record.rollout_id)
+    second = ledger.capture().as_records()
+
+    kept = {id(r) for r in first} & {id(r) for r in second}
+    # Full chunks: tasks (1: 5000 tasks hold 4096 and an open 904), groups (1), final tries
+    # (2 of 8400 + 2 sealed). The open chunks and the live tries are new records.
+    assert len(kept) == 4
+    assert all(
+        len(r) == 1 and next(iter(r)) in {"tasks", "groups", "archived"}
+        for r in first
+        if id(r) in kept
+    )
+
+
+def test_a_ledger_record_of_another_shape_or_saved_twice_is_refused() -> None:
+    records = _as_lines(busy_ledger(groups=3, sealed=1).capture().as_records())
+    header, tasks = records[0], next(r for r in records if "tasks" in r)
+    with pytest.raises(InvalidCheckpointStateError, match="ledger: task 't0' is saved twice"):
+        document_from_records([header, tasks, tasks], "ledger")
+    with pytest.raises(InvalidCheckpointStateError, match="record 2 \\('rows'\\) is not a ledger"):
+        document_from_records([header, {"rows": []}], "ledger")
+    with pytest.raises(InvalidCheckpointStateError, match="not the ledger's header"):
+        document_from_records(records[1:], "ledger")

@@ -13,9 +13,12 @@ Measured in CPU time of the measuring thread, each as the best of a few repeats:
   closed (``capture``): ``in_flight`` of every replica, ``ledger.capture()``,
   ``tq.capture()`` — references to immutable chunks and the live tries that moved;
 - what the publish does after it reopens, from a worker thread (it holds the GIL, so the
-  trainer's event loop runs slower meanwhile): encoding both captures to JSON, the first
-  time after the run grew (``encode_first``: every chunk filled since is encoded once) and
-  again (``encode``: full chunks reuse their bytes);
+  trainer's event loop runs slower meanwhile): writing both captures as records into
+  shared records files with the index of the previous write, as a snapshot does, the first
+  time after the run grew (``write_first``: every chunk filled since is encoded and
+  written once) and again (``write``: full chunks are the same records, referenced), with
+  the bytes each wrote; and encoding them as one JSON document (``encode_first``,
+  ``encode``: how snapshots wrote them before session 13, and the size of the document);
 - the capture again with ``queued`` more rows queued ahead and never started
   (``queued_capture``), at the largest size only: rows nothing has happened to are
   implied by their group, so they must not show either;
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -40,6 +44,8 @@ from bench.report import BenchResult
 from rollpoint.envs import get_environment
 from rollpoint.protocol.episode import RunReply, TaskRow
 from rollpoint.protocol.ids import EpisodeId
+from rollpoint.store.filesystem import LocalFilesystem
+from rollpoint.store.record_packs import PackIndex, pack_records
 from rollpoint.trainer.finished_queue import FinishedQueue, TQCapture
 from rollpoint.trainer.ledger import RecoveryLedger
 from rollpoint.trainer.ledger_document import LedgerCapture
@@ -68,6 +74,8 @@ class Run:
         self.groups: list[str] = []
         self._template = _template()
         self._step = 0
+        self.indexes = {"ledger": PackIndex(), "tq": PackIndex()}
+        """Where each file's previous write put its records, as the coordinator keeps them."""
         for _ in range(IN_FLIGHT // GROUP_SIZE):
             _, rollout_ids = self._add()
             replica = REPLICAS[len(self.groups) % len(REPLICAS)]
@@ -126,6 +134,14 @@ def _reply(rollout_id: str, task_id: str, group_id: str, row: int) -> RunReply:
     )
 
 
+def _write(capture: LedgerCapture | TQCapture, index: PackIndex, folder: str) -> int:
+    """Write ``capture`` as a snapshot does (its records, packed against ``index``);
+    return the bytes written."""
+    packed = pack_records(LocalFilesystem(), folder, capture.as_records(), index, shared=True)
+    index.replace(packed.index)
+    return packed.written
+
+
 def _best(fn: Callable[[], object], repeats: int = REPEATS) -> float:
     """CPU seconds of the fastest of ``repeats`` calls.
 
@@ -148,13 +164,22 @@ def _per_op_us(fn: Callable[[Any], object], args: Sequence[Any]) -> float:
     return _best(loop) / len(args) * 1e6
 
 
-def measure(run: Run) -> dict[str, float | int]:
+def measure(run: Run, folder: str) -> dict[str, float | int]:
     rng = random.Random(0)
     ledger = run.ledger
     done = rng.choices(run.finished_ids, k=LOOKUPS)
     live = rng.choices(run.in_flight_ids, k=LOOKUPS)
     rows = [(rng.choice(run.groups), rng.randrange(GROUP_SIZE)) for _ in range(LOOKUPS)]
     ledger_capture, tq_capture = run.capture()
+    written: dict[str, int] = {}
+
+    def write(name: str, capture: LedgerCapture | TQCapture) -> None:
+        written[name] = _write(capture, run.indexes[name], folder)
+
+    write_first = _best(lambda: write("ledger", ledger_capture), repeats=1)
+    written_first = written["ledger"]
+    write_again = _best(lambda: write("ledger", ledger_capture))
+    tq_write = _best(lambda: write("tq", tq_capture))
     encode_first = _best(ledger_capture.to_bytes, repeats=1)
     encoded = ledger_capture.to_bytes()
     return {
@@ -165,6 +190,11 @@ def measure(run: Run) -> dict[str, float | int]:
         "ledger_capture_ms": _best(ledger.capture) * 1e3,
         "tq_capture_ms": _best(run.tq.capture) * 1e3,
         "capture_ms": _best(run.capture) * 1e3,
+        "ledger_write_first_ms": write_first * 1e3,
+        "ledger_write_ms": write_again * 1e3,
+        "ledger_written_first_mb": written_first / 1e6,
+        "ledger_written_mb": written["ledger"] / 1e6,
+        "tq_write_ms": tq_write * 1e3,
         "ledger_encode_first_ms": encode_first * 1e3,
         "ledger_encode_ms": _best(ledger_capture.to_bytes) * 1e3,
         "tq_encode_ms": _best(tq_capture.to_bytes) * 1e3,
@@ -180,11 +210,12 @@ def _measure_all(sizes: Sequence[int], queued: int) -> dict[int, dict[str, float
     largest again with ``queued`` rows queued ahead."""
     run = Run()
     out: dict[int, dict[str, float | int]] = {}
-    for size in sorted(sizes):
-        t0 = time.thread_time()
-        run.finish(size - len(run.finished_ids))
-        grow_s = time.thread_time() - t0
-        out[size] = measure(run) | {"grow_s": grow_s}
+    with tempfile.TemporaryDirectory() as folder:
+        for size in sorted(sizes):
+            t0 = time.thread_time()
+            run.finish(size - len(run.finished_ids))
+            grow_s = time.thread_time() - t0
+            out[size] = measure(run, folder) | {"grow_s": grow_s}
     run.queue(queued)
     out[max(sizes)]["queued_capture_ms"] = _best(run.capture) * 1e3
     return out
@@ -198,6 +229,7 @@ RATIO_KEYS = (
     "ledger_capture_ms",
     "tq_capture_ms",
     "capture_ms",
+    "ledger_write_ms",
     "ledger_encode_ms",
 )
 

@@ -10,17 +10,19 @@ stores its ids and logprobs).
 For every published snapshot, before it is published (not timed), the store measures from the
 files themselves, not from what the writers report:
 
-- ``held``: the bytes of records the participants' states hold (every part they name);
+- ``held``: the bytes of records the participants' states and the trainer's files kept as
+  records (ledger, TQ) hold (every part they name);
 - ``written``: bytes of records files that did not exist before this snapshot, plus every
   manifest and trainer file in the snapshot's own folder;
-- ``changed``: bytes of the participants' record lines that are not byte-for-byte a line of
-  the same participant's state in the previous snapshot (each line is hashed). The unit of
-  change is a record: an agent session is one record (its transcript included), a model call
-  one, a resources episode one. So a session that took a turn counts whole as changed.
+- ``changed``: bytes of record lines that are not byte-for-byte a line of the same
+  participant's state (or the same trainer file) in the previous snapshot (each line is
+  hashed). The unit of change is a record: an agent session's header or transcript part, a
+  model call, a resources episode, a chunk of the ledger's tasks, groups or final tries, a
+  live try, a TQ group.
 
-``written_vs_changed`` divides the participants' written bytes by their changed bytes (goal
-at most 2); ``total_written_vs_changed`` adds the trainer's files (ledger, TQ: rewritten whole at
-every snapshot) and the manifests. Then ``write`` (after the barrier reopened: every
+``written_vs_changed`` divides the records files written by the bytes changed (goal at most
+2); ``total_written_vs_changed`` adds what the snapshot's own folder holds (the manifests,
+``trainer.json``). Then ``write`` (after the barrier reopened: every
 participant writes what it captured and confirms it, and the trainer writes and publishes;
 the time this item spends measuring, inside the publication, is taken off) and the pause, as ``snapshot_pause``
 measures them; ``bytes_per_token`` divides the model servers' held bytes by the token ids
@@ -45,9 +47,10 @@ from bench.latency import percentile
 from bench.report import BenchResult
 from bench.snapshot_pause import KINDS, Phase, StageClock, TimedStore, _stats, measure
 from rollpoint.protocol.manifest import (
-    ParticipantManifest,
+    RecordsManifest,
     SnapshotManifest,
     load_participant_manifest,
+    load_trainer_file_manifest,
 )
 from rollpoint.store.digest import BLOCK_BYTES
 from rollpoint.store.participant_state import MANIFEST_NAME, read_participant_state
@@ -88,28 +91,35 @@ class GrowthStore(TimedStore):
             out["written"] += (objects / name).stat().st_size
         folder = Path(staging.path)
         out["written"] += sum(p.stat().st_size for p in folder.rglob("*") if p.is_file())
+        states: list[tuple[str, str, RecordsManifest, Path]] = []
         for entry in manifest.participants:
             path = folder / entry.manifest_path
-            state = load_participant_manifest(orjson.loads(path.read_bytes()), str(path))
+            held = load_participant_manifest(orjson.loads(path.read_bytes()), str(path))
+            states.append((entry.instance, entry.kind.value, held, path.parent))
+        for name, file in manifest.files.items():
+            if file.format == "records":
+                path = folder / file.path
+                trainer = load_trainer_file_manifest(orjson.loads(path.read_bytes()), str(path))
+                states.append((f"trainer:{name}", "trainer", trainer, path.parent))
+        for owner, kind, state, directory in states:
             out["held"] += state.bytes
-            out[f"held_{entry.kind.value}"] += state.bytes
-            previous = self._lines.get(entry.instance, set())
+            out[f"held_{kind}"] += state.bytes
+            previous = self._lines.get(owner, set())
             digests: set[bytes] = set()
-            for line in _lines(state, path.parent, objects):
+            for line in _lines(state, directory, objects):
                 digest = hashlib.sha256(line).digest()
                 digests.add(digest)
                 if digest not in previous:
                     out["changed"] += len(line) + 1
-                    out[f"changed_{entry.kind.value}"] += len(line) + 1
-            self._lines[entry.instance] = digests
+                    out[f"changed_{kind}"] += len(line) + 1
+            self._lines[owner] = digests
         for name in new_objects:
-            # A records file is written by one participant: count it as its kind's.
             out["written_records"] += (objects / name).stat().st_size
-        out["trainer_files"] = sum(f.bytes for f in manifest.files.values())
+        out["own_folder"] = out["written"] - out["written_records"]
         return dict(out)
 
 
-def _lines(state: ParticipantManifest, directory: Path, objects: Path) -> Iterator[bytes]:
+def _lines(state: RecordsManifest, directory: Path, objects: Path) -> Iterator[bytes]:
     """Every record line a participant state names, read from its parts."""
     for part in state.parts:
         path = (objects if part.shared else directory) / part.file
@@ -171,9 +181,9 @@ def _figures(
     def p50(key: str) -> float:
         return percentile([float(g.get(key, 0)) for g in measured], 50)
 
-    for key in ("held", "written", "written_records", "changed", "trainer_files"):
+    for key in ("held", "written", "written_records", "changed", "own_folder"):
         out[f"{tag}_{key}_mb_p50"] = p50(key) / 1e6
-    for kind in KINDS:
+    for kind in (*KINDS, "trainer"):
         out[f"{tag}_held_{kind}_mb_p50"] = p50(f"held_{kind}") / 1e6
         out[f"{tag}_changed_{kind}_mb_p50"] = p50(f"changed_{kind}") / 1e6
     ratios = [g.get("written_records", 0) / g["changed"] for g in measured if g.get("changed")]

@@ -179,7 +179,10 @@ def test_a_run_on_an_object_store_killed_and_rerun_trains_every_row_once(
         else set()
     )
     named = set().union(*(referenced(s3, snapshot_id) for snapshot_id in final))
-    assert shared <= named, f"records files no kept snapshot names: {sorted(shared - named)}"
+    # A write the kill cut short leaves its temp file; retention deletes it 10 minutes on
+    # (docs/protocol.md §8), so only a named records file must be named by a kept snapshot.
+    unnamed = {o for o in shared - named if not o.rsplit("/", 1)[-1].startswith(".records-")}
+    assert not unnamed, f"records files no kept snapshot names: {sorted(unnamed)}"
     for snapshot_id in final:
         found_objects = objects(s3, snapshot_id) | shared
         missing_objects = referenced(s3, snapshot_id) - found_objects
@@ -198,13 +201,15 @@ def test_a_run_on_an_object_store_killed_and_rerun_trains_every_row_once(
 
 def referenced(fs: Any, snapshot_id: str) -> set[str]:
     """Every object a published snapshot's manifest names, directly or through a
-    participant's manifest (its records file)."""
+    participant's manifest or a trainer file kept as records (their records files)."""
     folder = f"{BUCKET}/{PREFIX}/snapshots/{snapshot_id}"
     manifest = orjson.loads(fs.cat_file(f"{folder}/manifest.json"))
     names = {f"{folder}/manifest.json"}
     names |= {f"{folder}/{entry['path']}" for entry in manifest["files"].values()}
-    for participant in manifest["participants"]:
-        path = f"{folder}/{participant['manifest_path']}"
+    with_parts = [p["manifest_path"] for p in manifest["participants"]]
+    with_parts += [e["path"] for e in manifest["files"].values() if e["format"] == "records"]
+    for relative in with_parts:
+        path = f"{folder}/{relative}"
         state = orjson.loads(fs.cat_file(path))
         names.add(path)
         names |= {

@@ -187,7 +187,9 @@ class CollectorSchedule:
             self._last_full = now + self._last_duration
             if thaw:
                 self._last_thaw = self._last_full
-        log.debug(
+        # At info: a full collection holds its process's event loop for its whole length,
+        # and a reply late by that much is explained by this line (snapshot_growth).
+        log.info(
             "full collection%s: %d unreachable in %.3f s",
             " (thawed)" if thaw else "",
             found,

@@ -10,6 +10,7 @@ nothing of it is recorded.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -262,3 +263,41 @@ async def test_the_start_check_names_an_engine_without_ids(
         assert f"policy engine 'vllm' at {url}/v1 returns no token ids" in err
         with pytest.raises(LaunchError, match="capture_tokens is 'required'"):
             await check_token_capture(url + "/v1", required=True, **kw)
+
+
+def slow_engine(delay_s: float) -> FastAPI:
+    """An engine that answers with token ids, after ``delay_s`` (a long policy latency)."""
+    app = FastAPI()
+    inner = broken_engine(lambda reply: None)
+
+    @app.post("/v1/chat/completions")
+    async def completions(request: Request) -> Response:
+        await asyncio.sleep(delay_s)
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=inner), base_url="http://engine"
+        ) as client:
+            reply = await client.post("/v1/chat/completions", content=await request.body())
+        return Response(reply.content, media_type="application/json")
+
+    return app
+
+
+async def test_an_engine_slower_than_the_start_check_is_not_called_one_without_ids(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from rollpoint.policy.engine_adapters import check_token_capture
+    from rollpoint.protocol.errors import LaunchError
+
+    kw: dict[str, Any] = {"engine": "vllm", "model": "m", "api_key": None, "timeout_s": 0.3}
+    with serve_app(slow_engine(1.0)) as url:
+        assert await check_token_capture(url + "/v1", required=False, **kw) is None
+        err = capsys.readouterr().err
+        assert f"could not check whether policy engine 'vllm' at {url}/v1 returns token ids" in err
+        assert "no answer within 0.3s" in err and "token capture stays on" in err
+        assert "returns no token ids" not in err
+        with pytest.raises(LaunchError, match=r"could not check .*; policy.capture_tokens is 'required'"):
+            await check_token_capture(url + "/v1", required=True, **kw)
+        # Given the time, the same engine is found to return ids.
+        assert (
+            await check_token_capture(url + "/v1", required=True, **{**kw, "timeout_s": 5}) is True
+        )

@@ -370,13 +370,26 @@ def adapter_for(engine: str) -> EngineAdapter:
         raise ConfigError(f"unknown engine {engine!r}; known engines: {known}") from None
 
 
-async def check_token_capture(
-    base_url: str, *, engine: str, model: str, api_key: str | None, required: bool
-) -> bool:
-    """Ask the engine for one token with token data, once at start: whether it returns ids.
+START_CHECK_TIMEOUT_S = 30.0
+"""How long the start check waits for the engine's answer to its one-token call."""
 
-    An engine that does not is reported on the console and in the log, by name, once;
-    with ``required`` it stops the run (:class:`LaunchError`) instead.
+
+async def check_token_capture(
+    base_url: str,
+    *,
+    engine: str,
+    model: str,
+    api_key: str | None,
+    required: bool,
+    timeout_s: float = START_CHECK_TIMEOUT_S,
+) -> bool | None:
+    """Ask the engine for one token with token data, once at start: whether it returns ids
+    (None: it did not answer in time, or could not be reached, so nobody knows).
+
+    An engine that answers without ids is reported on the console and in the log, by name,
+    once; one that does not answer is reported as not checked, and token capture stays on
+    (a slow engine is not one without ids: a call whose reply has none is stored without).
+    With ``required``, either stops the run (:class:`LaunchError`) instead.
     """
     adapter = adapter_for(engine)
     body = {
@@ -386,17 +399,36 @@ async def check_token_capture(
         **adapter.request_fields(),
     }
     why = ""
-    async with HttpClient(token=api_key, timeout_s=30, connect_timeout_s=5) as client:
+    async with HttpClient(token=api_key, timeout_s=timeout_s, connect_timeout_s=5) as client:
         try:
-            tokens = adapter.read(await client.post_json(f"{base_url}/chat/completions", body))
-        except RollpointError as exc:
-            tokens, why = None, f": {exc.message}"
+            reply = await client.post_json(f"{base_url}/chat/completions", body)
+        except TransportError as exc:  # no answer: nothing is known about its token data
+            _not_checked(engine, base_url, exc.message, required)
+            return None
+        except RollpointError as exc:  # an answer: an error instead of the token data
+            reply, why = None, f": {exc.message}"
+    try:
+        tokens = None if reply is None else adapter.read(reply)
+    except RollpointError as exc:
+        tokens, why = None, f": {exc.message}"
     if tokens is not None:
         return True
     text = f"policy engine '{engine}' at {base_url} returns no token ids{why}"
     if required:
         raise LaunchError(f"{text}; policy.capture_tokens is 'required'")
-    text += "; the run goes on without token data"
+    _warn(f"{text}; the run goes on without token data")
+    return False
+
+
+def _not_checked(engine: str, base_url: str, why: str, required: bool) -> None:
+    text = (
+        f"could not check whether policy engine '{engine}' at {base_url} returns token ids ({why})"
+    )
+    if required:
+        raise LaunchError(f"{text}; policy.capture_tokens is 'required'")
+    _warn(f"{text}; token capture stays on")
+
+
+def _warn(text: str) -> None:
     log.warning(text)
     print(f"warning: {text}", file=sys.stderr)
-    return False

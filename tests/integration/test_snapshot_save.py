@@ -21,13 +21,13 @@ from rollpoint.protocol.episode import TaskRow
 from rollpoint.protocol.errors import ConfigError
 from rollpoint.servers.agent.session_parts import join_parts
 from rollpoint.servers.resources.episode_record import EpisodeRecord
-from rollpoint.store import collector_schedule as collector_schedule_module
-from rollpoint.store.collector_schedule import collector_schedule
 from rollpoint.store.participant_state import read_participant_state
 from rollpoint.trainer.coordinator import LEDGER_FILE
 from rollpoint.trainer.restorer import read_trainer_document
 from rollpoint.trainer.train_hooks import TrainSample
 from rollpoint.trainer.trainer_loop import Trainer
+from rollpoint.tuning import collector_schedule as collector_schedule_module
+from rollpoint.tuning.collector_schedule import collector_schedule
 from tests.support.embedded_job import embedded_job
 
 pytestmark = pytest.mark.integration

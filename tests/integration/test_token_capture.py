@@ -295,7 +295,9 @@ async def test_an_engine_slower_than_the_start_check_is_not_called_one_without_i
         assert f"could not check whether policy engine 'vllm' at {url}/v1 returns token ids" in err
         assert "no answer within 0.3s" in err and "token capture stays on" in err
         assert "returns no token ids" not in err
-        with pytest.raises(LaunchError, match=r"could not check .*; policy.capture_tokens is 'required'"):
+        with pytest.raises(
+            LaunchError, match=r"could not check .*; policy.capture_tokens is 'required'"
+        ):
             await check_token_capture(url + "/v1", required=True, **kw)
         # Given the time, the same engine is found to return ids.
         assert (

@@ -36,9 +36,9 @@ from rollpoint.participant.participant import CapturingParticipant, Participant,
 from rollpoint.protocol.control import CommitReply, Phase
 from rollpoint.protocol.errors import DeadlineExceededError, SnapshotError
 from rollpoint.protocol.manifest import ParticipantManifest
-from rollpoint.store.collector_pause import collector_paused
 from rollpoint.store.participant_state import write_participant_state
 from rollpoint.store.record_packs import PackIndex
+from rollpoint.tuning.collector_pause import collector_paused
 
 log = logging.getLogger(__name__)
 

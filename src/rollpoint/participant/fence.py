@@ -33,7 +33,7 @@ and an aborted checkpoint writes nothing. The captures and writes themselves, an
 few kept for ``confirm``, are :mod:`rollpoint.participant.checkpoint_write`'s.
 
 **Full collections.** While a fence runs, its process's automatic full garbage collections
-are off (:mod:`rollpoint.store.collector_schedule`): the fence runs one when its collector
+are off (:mod:`rollpoint.tuning.collector_schedule`): the fence runs one when its collector
 hold is given back after a checkpoint (when due), the moment furthest from the next
 checkpoint, and a background task runs an overdue one for a process that sees none.
 """
@@ -107,13 +107,13 @@ from rollpoint.protocol.errors import (
     StaleCheckpointError,
 )
 from rollpoint.protocol.ids import EpisodeId, is_identifier
-from rollpoint.store.collector_schedule import (
+from rollpoint.store.filesystem import resolve_inside
+from rollpoint.store.participant_state import read_participant_state
+from rollpoint.tuning.collector_schedule import (
     COLLECTOR_RELEASE_DELAY_S,
     CollectorSchedule,
     ServerCollector,
 )
-from rollpoint.store.filesystem import resolve_inside
-from rollpoint.store.participant_state import read_participant_state
 
 log = logging.getLogger(__name__)
 

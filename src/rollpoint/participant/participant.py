@@ -106,7 +106,7 @@ class Participant(Protocol):
         replies). Called at most once per checkpoint, with admission closed. ``scope`` is
         an :class:`~rollpoint.participant.episode_scope.EpisodeScope`: distinct, in key order, and
         cheapest read as keys (:func:`~rollpoint.participant.episode_scope.episode_pairs`).
-        A record value may be a :class:`~rollpoint.store.deferred_value.DeferredValue`,
+        A record value may be a :class:`~rollpoint.tuning.deferred_value.DeferredValue`,
         made by the writer after the pause from a copy nobody changes."""
         ...
 

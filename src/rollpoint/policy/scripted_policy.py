@@ -30,7 +30,7 @@ prefix + continuation is exactly that call's output. The call log then has the
 false`` answers such requests with a 400, as an engine that cannot take a prefix does.
 
 It runs full garbage collections only while no call is in flight
-(:class:`~rollpoint.store.collector_schedule.ServerCollector` with ``idle``). Holding 10k calls in a
+(:class:`~rollpoint.tuning.collector_schedule.ServerCollector` with ``idle``). Holding 10k calls in a
 benchmark, CPython's own took 1.1-2.8 s every few seconds and freed nothing: the stand-in
 engine stalled every call it held. (They were also suspected of lengthening the next
 snapshot pause through the burst of replies after each; with them gone the 10k point
@@ -87,7 +87,7 @@ from rollpoint.policy.openai_wire import (
 from rollpoint.policy.playbook import Decision, FinalDecision, Playbook
 from rollpoint.protocol.errors import BadRequestError, ModelNotFoundError
 from rollpoint.protocol.model_base import StrictModel
-from rollpoint.store.collector_schedule import CollectorSchedule, ServerCollector
+from rollpoint.tuning.collector_schedule import CollectorSchedule, ServerCollector
 
 _CHARS_PER_TOKEN = 4
 _TOKENS_PER_MESSAGE = 4

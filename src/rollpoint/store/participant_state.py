@@ -20,7 +20,7 @@ inside the root at the moment it is opened, never through a symlink.
 
 It does not know what a record means (each participant does) nor where the folder sits
 in a snapshot (:mod:`rollpoint.store.snapshot_store`). Decoding runs with the cyclic
-garbage collector paused (:mod:`rollpoint.store.collector_pause`): decoded JSON holds no
+garbage collector paused (:mod:`rollpoint.tuning.collector_pause`): decoded JSON holds no
 reference cycles, but each of its millions of containers counts toward the collector's
 thresholds, and the collections that triggered over a growing heap took three quarters of
 a restore's time.

@@ -37,7 +37,7 @@ Without a store root (a folder written on its own), every write writes one file 
 records in the participant's folder and references nothing.
 
 Records are encoded with orjson: non-finite floats are written as ``null``; a
-:class:`~rollpoint.store.deferred_value.DeferredValue` anywhere in a record is made here, in
+:class:`~rollpoint.tuning.deferred_value.DeferredValue` anywhere in a record is made here, in
 the writer's thread, and written as its value.
 
 It does not know what a record means (each participant does), the manifest around the parts
@@ -58,10 +58,10 @@ import orjson
 
 from rollpoint.protocol.errors import InvalidCheckpointStateError
 from rollpoint.protocol.manifest import RecordsManifest, RecordsPart
-from rollpoint.store.collector_pause import collector_paused
-from rollpoint.store.deferred_value import DeferredValue
 from rollpoint.store.digest import BLOCK_BYTES
 from rollpoint.store.filesystem import Filesystem
+from rollpoint.tuning.collector_pause import collector_paused
+from rollpoint.tuning.deferred_value import DeferredValue
 
 __all__ = [
     "COMPACT_BELOW",

@@ -68,7 +68,6 @@ from rollpoint.protocol.manifest import (
     topology_fingerprint,
 )
 from rollpoint.protocol.participant import CheckpointMode, ParticipantKind
-from rollpoint.store.collector_schedule import COLLECTOR_RELEASE_DELAY_S, ServerCollector
 from rollpoint.store.record_packs import PackIndex
 from rollpoint.store.snapshot_store import SnapshotStore
 from rollpoint.store.staging import Staging
@@ -82,6 +81,7 @@ from rollpoint.trainer.participant_client import ParticipantClient
 from rollpoint.trainer.replica_roster import ReplicaRoster
 from rollpoint.trainer.resumer import Resumer
 from rollpoint.trainer.stray_replies import REPLY_HOLDING_STATES, ack_strays, is_wanted
+from rollpoint.tuning.collector_schedule import COLLECTOR_RELEASE_DELAY_S, ServerCollector
 
 __all__ = [
     "LEDGER_FILE",

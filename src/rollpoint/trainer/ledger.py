@@ -36,7 +36,6 @@ from rollpoint.protocol.errors import (
 )
 from rollpoint.protocol.ids import EpisodeId, new_rollout_id
 from rollpoint.protocol.manifest import load_versioned
-from rollpoint.store.collector_pause import collector_paused
 from rollpoint.trainer.append_log import AppendLog
 from rollpoint.trainer.ledger_document import (
     LEDGER_MIGRATIONS,
@@ -48,6 +47,7 @@ from rollpoint.trainer.ledger_document import (
     LedgerDocument,
     TaskEntry,
 )
+from rollpoint.tuning.collector_pause import collector_paused
 
 
 class RolloutState(StrEnum):

@@ -61,7 +61,6 @@ from rollpoint.protocol.errors import (
 from rollpoint.protocol.ids import EpisodeId
 from rollpoint.protocol.manifest import SavedEpisode, SnapshotManifest
 from rollpoint.protocol.participant import ParticipantKind
-from rollpoint.store.collector_pause import collector_paused
 from rollpoint.store.snapshot_store import SNAPSHOTS_DIR, SnapshotStore
 from rollpoint.trainer.coordinator import (
     LEDGER_FILE,
@@ -75,6 +74,7 @@ from rollpoint.trainer.ledger_document import document_from_records
 from rollpoint.trainer.participant_client import ParticipantClient
 from rollpoint.trainer.train_checkpoint import TrainCheckpoint, TrainCheckpointStore
 from rollpoint.trainer.train_data import TrainData
+from rollpoint.tuning.collector_pause import collector_paused
 
 log = logging.getLogger(__name__)
 

@@ -46,9 +46,9 @@ from rollpoint.protocol.errors import (
     StaleCheckpointError,
 )
 from rollpoint.protocol.ids import EpisodeId
-from rollpoint.store import collector_schedule as collector_schedule_module
-from rollpoint.store.collector_schedule import MAX_GAP_S, CollectorSchedule
 from rollpoint.store.participant_state import read_participant_state
+from rollpoint.tuning import collector_schedule as collector_schedule_module
+from rollpoint.tuning.collector_schedule import MAX_GAP_S, CollectorSchedule
 from tests.support.records import records_paths
 from tests.unit.gym.fake_participant import FakeClock, FakeParticipant
 

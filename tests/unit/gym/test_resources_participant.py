@@ -25,8 +25,8 @@ from rollpoint.servers.resources import resources_server
 from rollpoint.servers.resources.episode_record import EpisodeRecord, call_fingerprint, pack_state
 from rollpoint.servers.resources.resources_participant import ResourcesParticipant
 from rollpoint.servers.resources.resources_server import ResourcesService
-from rollpoint.store.deferred_value import DeferredValue
 from rollpoint.store.participant_state import read_participant_state, write_participant_state
+from rollpoint.tuning.deferred_value import DeferredValue
 
 EVENT = {"title": "Team sync", "date": "2025-01-15", "start_time": "10:00", "duration_minutes": 30}
 

@@ -17,8 +17,8 @@ import pytest
 from rollpoint.policy import scripted_policy
 from rollpoint.policy.openai_wire import ChatCompletion, ChatCompletionChunk, ModelList
 from rollpoint.policy.scripted_policy import PolicySettings, create_policy_app
-from rollpoint.store import collector_schedule
-from rollpoint.store.collector_schedule import CollectorSchedule
+from rollpoint.tuning import collector_schedule
+from rollpoint.tuning.collector_schedule import CollectorSchedule
 from tests.unit.policy.fake_environments import MAIL, SYNC, WORKPLACE_TOOLS, workplace_prompt
 
 WORKPLACE = {

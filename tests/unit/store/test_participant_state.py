@@ -22,7 +22,6 @@ from rollpoint.protocol.errors import (
 )
 from rollpoint.protocol.manifest import ParticipantManifest, RecordsPart, encode_document
 from rollpoint.protocol.participant import ParticipantKind
-from rollpoint.store.deferred_value import DeferredValue
 from rollpoint.store.filesystem import filesystem_for
 from rollpoint.store.participant_state import (
     MANIFEST_NAME,
@@ -30,6 +29,7 @@ from rollpoint.store.participant_state import (
     verify_participant_state,
     write_participant_state,
 )
+from rollpoint.tuning.deferred_value import DeferredValue
 
 IDENTITY: dict[str, str] = {
     "kind": "agent",

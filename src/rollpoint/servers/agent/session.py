@@ -39,7 +39,7 @@ from rollpoint.protocol.errors import InvalidPhaseError
 from rollpoint.protocol.ids import EpisodeId
 from rollpoint.protocol.model_base import StrictModel
 from rollpoint.servers.agent.session_parts import PART_ITEMS, grow_parts
-from rollpoint.store.encoded_json import encoded, encoded_or_itself
+from rollpoint.tuning.encoded_json import encoded, encoded_or_itself
 
 
 class SessionState(StrEnum):
@@ -332,7 +332,7 @@ class Session:
         it for every session that changed, between checkpoints and in their pauses.
 
         The row, each model call and each message are :class:`orjson.Fragment` s, encoded
-        once in the session's life (:mod:`rollpoint.store.encoded_json`);
+        once in the session's life (:mod:`rollpoint.tuning.encoded_json`);
         ``orjson.loads(orjson.dumps(record))`` is the plain dump. Why: a session lives
         through many checkpoints, and encoding its whole transcript again in every one was
         most of a snapshot write's time (254 MiB of sessions: 0.64 s of orjson per write as

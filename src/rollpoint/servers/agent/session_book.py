@@ -68,7 +68,7 @@ from rollpoint.servers.agent.session import (
     SessionState,
 )
 from rollpoint.servers.agent.session_parts import join_parts
-from rollpoint.store.encoded_json import encoded
+from rollpoint.tuning.encoded_json import encoded
 
 log = logging.getLogger(__name__)
 

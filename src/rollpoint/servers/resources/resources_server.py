@@ -94,7 +94,7 @@ from rollpoint.servers.resources.episode_record import (
     pack_state,
 )
 from rollpoint.servers.resources.resources_participant import ResourcesParticipant
-from rollpoint.store.deferred_value import DeferredValue
+from rollpoint.tuning.deferred_value import DeferredValue
 
 log = logging.getLogger(__name__)
 

@@ -1,12 +1,15 @@
 """When a checkpoint participant's process runs its full garbage collections.
 
+Justified by ``snapshot_pause_100k`` (an automatic full collection that started
+before a prepare put the pause p99 past 1 s).
+
 Owns :class:`CollectorSchedule`, one per process (:func:`collector_schedule`): while any
 fence (or the trainer's snapshot coordinator, for its run) is attached, CPython's
 *automatic* full (generation-2) collections are off and the process runs them itself, at
 moments a fence or the coordinator picks: right after a checkpoint's pause. At 100k in-flight sessions an
 environment server holds millions of objects, and an automatic full collection takes
 0.5-2.5 s every 10-20 s. The fence already pauses the collector from prepare to just after
-resume (:mod:`rollpoint.store.collector_pause`), but a full collection that *starts* just
+resume (:mod:`rollpoint.tuning.collector_pause`), but a full collection that *starts* just
 before a prepare or commit arrives holds that reply for its whole length, which is what put
 the snapshot pause's p99 past its 1 s target. Run right after a checkpoint's pause ends,
 a full collection is as far from the next checkpoint as it can be.
@@ -28,7 +31,7 @@ from growing between full ones. The schedule does not decide *when* a checkpoint
 fence calls :meth:`CollectorSchedule.collect_if_due` then, and a background task
 :meth:`CollectorSchedule.collect_if_overdue` for a process that sees no checkpoints, or
 :meth:`CollectorSchedule.collect_if_grown` for one whose heap grows with none ending), does
-not pause the collector (:mod:`rollpoint.store.collector_pause`) and does not track full
+not pause the collector (:mod:`rollpoint.tuning.collector_pause`) and does not track full
 collections it did not run itself.
 """
 
@@ -43,7 +46,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from rollpoint.store.collector_pause import CollectorHold
+from rollpoint.tuning.collector_pause import CollectorHold
 
 log = logging.getLogger(__name__)
 

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from rollpoint.store import collector_schedule
-from rollpoint.store.collector_pause import collector_paused
-from rollpoint.store.collector_schedule import (
+from rollpoint.tuning import collector_schedule
+from rollpoint.tuning.collector_pause import collector_paused
+from rollpoint.tuning.collector_schedule import (
     MAX_GAP_S,
     MIN_GAP_S,
     QUIET_S,

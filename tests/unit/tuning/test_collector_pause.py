@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from rollpoint.store.collector_pause import collector_paused
+from rollpoint.tuning.collector_pause import collector_paused
 
 
 def test_the_collector_is_off_inside_and_back_on_after() -> None:

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from rollpoint.protocol.errors import BadRequestError, SnapshotError
-from rollpoint.store.deferred_value import DeferredValue
+from rollpoint.tuning.deferred_value import DeferredValue
 
 
 def test_the_value_is_made_on_first_use_and_then_remembered() -> None:

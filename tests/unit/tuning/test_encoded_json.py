@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from rollpoint.store.encoded_json import encoded, encoded_or_itself
+from rollpoint.tuning.encoded_json import encoded, encoded_or_itself
 
 JSON = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**53), 2**53) | st.text(),

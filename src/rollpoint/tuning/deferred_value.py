@@ -1,5 +1,8 @@
 """A record value made when it is written, not when it is captured: :class:`DeferredValue`.
 
+Justified by ``snapshot_pause`` (``mechanism``: the capture inside the pause takes
+references, the dumps happen after it).
+
 Owns the deferral and its memo. A participant captures its records inside the snapshot
 pause, and the writer encodes them afterwards in a worker thread
 (:mod:`rollpoint.store.participant_state`): work that only turns an already captured,

@@ -1,5 +1,8 @@
 """Pausing Python's cyclic garbage collector while a large document is decoded.
 
+Justified by ``snapshot_io`` (restore: collections over the growing heap took three
+quarters of a restore) and ``snapshot_pause`` (no collection inside a pause).
+
 Owns :func:`collector_paused`, and :class:`CollectorHold` for a pause that spans several
 calls (a checkpoint participant holds it from prepare to resume). Decoding a snapshot (participant records, the ledger)
 allocates millions of dicts and lists that hold no reference cycles, yet every 700

@@ -1,5 +1,8 @@
 """JSON encoded once and kept: :func:`encoded`, the pre-encoded parts of exported records.
 
+Justified by ``snapshot_io`` (254 MiB of session exports written in 0.33 s instead of
+0.64 s) and ``snapshot_pause_100k`` (resident memory of kept encodings).
+
 Owns how a participant keeps a value it will write in many snapshots already encoded: an
 :class:`orjson.Fragment` that the writer (:mod:`rollpoint.store.participant_state`) copies
 into the record's line as it is, instead of encoding the value again in every snapshot. An

@@ -570,3 +570,25 @@ def test_a_file_written_in_parts_is_the_parts_joined(location: str) -> None:
     files = manifest.files | {"parts": entry}
     store.publish(staging, manifest.model_copy(update={"files": files}))
     assert store.read_file("s1", "parts") == whole
+
+
+def test_a_publication_does_not_read_its_own_manifest_back(
+    location: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Retention orders snapshots by their manifests; the one just published is in hand,
+    so it is neither read back nor validated again (half of a publish at 100k in flight)."""
+    store = SnapshotStore(location, keep=2)
+    _publish(store, "s1")
+    loaded: list[str] = []
+    real_load = SnapshotStore.load
+
+    def counting_load(self: SnapshotStore, snapshot_id: str) -> SnapshotManifest:
+        loaded.append(snapshot_id)
+        return real_load(self, snapshot_id)
+
+    monkeypatch.setattr(SnapshotStore, "load", counting_load)
+    _publish(store, "s2")
+    _publish(store, "s3")  # prunes s1: retention still orders them right
+
+    assert loaded == []
+    assert [s.snapshot_id for s in store.list_snapshots()] == ["s3", "s2"]

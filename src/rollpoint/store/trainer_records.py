@@ -96,15 +96,8 @@ def read_trainer_records(
 ) -> list[dict[str, Any]]:
     """The records of the trainer file whose manifest (read from ``path``, its digest
     already checked) is ``data``; every part verified before any is returned."""
-    manifest = _manifest(data, path, name, snapshot_id)
     records: list[dict[str, Any]] = []
-    read_parts(
-        fs,
-        manifest.parts,
-        directory=path.rsplit("/", 1)[0],
-        objects=fs.join(root, OBJECTS_DIR),
-        into=records,
-    )
+    _read(fs, root, path, _manifest(data, path, name, snapshot_id), into=records)
     return records
 
 
@@ -112,26 +105,34 @@ def verify_trainer_records(
     fs: Filesystem, root: str, path: str, data: bytes, *, name: str, snapshot_id: str
 ) -> None:
     """Check the parts :func:`read_trainer_records` would read, decoding nothing."""
-    manifest = _manifest(data, path, name, snapshot_id)
-    read_parts(
-        fs,
-        manifest.parts,
-        directory=path.rsplit("/", 1)[0],
-        objects=fs.join(root, OBJECTS_DIR),
-        into=None,
-    )
+    _read(fs, root, path, _manifest(data, path, name, snapshot_id), into=None)
 
 
 def trainer_shared_files(data: bytes, path: str) -> set[str]:
     """The shared records files the trainer file manifest ``data`` names."""
+    return {part.file for part in _load(data, path).parts if part.shared}
+
+
+def _read(
+    fs: Filesystem,
+    root: str,
+    path: str,
+    manifest: TrainerFileManifest,
+    *,
+    into: list[dict[str, Any]] | None,
+) -> None:
+    directory = path.rsplit("/", 1)[0]
+    objects = fs.join(root, OBJECTS_DIR)
+    read_parts(fs, manifest.parts, directory=directory, objects=objects, into=into)
+
+
+def _load(data: bytes, path: str) -> TrainerFileManifest:
     what = f"trainer file manifest {path}"
-    manifest = load_trainer_file_manifest(decode_document(data, what), what)
-    return {part.file for part in manifest.parts if part.shared}
+    return load_trainer_file_manifest(decode_document(data, what), what)
 
 
 def _manifest(data: bytes, path: str, name: str, snapshot_id: str) -> TrainerFileManifest:
-    what = f"trainer file manifest {path}"
-    manifest = load_trainer_file_manifest(decode_document(data, what), what)
+    manifest = _load(data, path)
     found = {"name": manifest.name, "snapshot_id": manifest.snapshot_id}
     expected = {"name": name, "snapshot_id": snapshot_id}
     differences = [

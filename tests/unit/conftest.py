@@ -8,6 +8,8 @@ from typing import Any
 
 import pytest
 
+from rollpoint.tuning.collector_pause import unfreeze
+
 
 @pytest.fixture
 def full_collections() -> Iterator[list[int]]:
@@ -24,5 +26,5 @@ def full_collections() -> Iterator[list[int]]:
     yield seen
     gc.callbacks.remove(record)
     gc.set_threshold(*thresholds)
-    gc.unfreeze()  # a schedule's collections freeze their survivors
+    unfreeze()  # a schedule's collections freeze their survivors
     (gc.enable if enabled else gc.disable)()

@@ -9,6 +9,12 @@ allocates millions of dicts and lists that hold no reference cycles, yet every 7
 allocations trigger a young collection and the older generations' collections walk the
 growing heap again and again: measured, that was three quarters of a restore's time. It
 does not decide what to decode; callers wrap their decoding in it.
+
+Also owns :func:`freeze` and :func:`unfreeze`, through which rollpoint freezes objects
+(the collector schedule freezes its collections' survivors): they keep a flag saying that
+something is frozen, because CPython's ``gc.get_freeze_count()`` walks the whole frozen
+generation to count it. At 100k in-flight sessions that walk, once per pause, was 64 % of
+an agent's snapshot writer thread (py-spy, ``snapshot_growth_100k``, 2026-12-02).
 """
 
 from __future__ import annotations
@@ -55,16 +61,51 @@ class CollectorPause:
             # Move what was allocated meanwhile out of the young generations unscanned: a
             # young collection would otherwise walk every decoded container right now
             # (0.6 s per 100k sessions), for records that hold no cycles.
-            if gc.get_freeze_count() == 0:
-                # To the oldest generation: the next full collection still scans them.
-                gc.freeze()
-                gc.unfreeze()
-            else:
-                # Objects are frozen already (by the collector schedule, or the
-                # application): freeze these with them, and thaw nothing of theirs.
-                gc.freeze()
+            _settle_allocations()
             if self._was_enabled:
                 gc.enable()
+
+
+_FROZEN_LOCK = threading.RLock()
+_frozen = False
+"""rollpoint froze objects (:func:`freeze`) and has not thawed them since."""
+
+
+def freeze() -> None:
+    """``gc.freeze()``, remembered: a later pause need not count the frozen generation."""
+    global _frozen
+    with _FROZEN_LOCK:
+        gc.freeze()
+        _frozen = True
+
+
+def unfreeze() -> None:
+    """``gc.unfreeze()``, remembered (it thaws an application's own frozen objects too)."""
+    global _frozen
+    with _FROZEN_LOCK:
+        gc.unfreeze()
+        _frozen = False
+
+
+def frozen_lock() -> threading.RLock:
+    """Held by a caller whose thaw, collect and freeze must not interleave with a pause's exit."""
+    return _FROZEN_LOCK
+
+
+def _settle_allocations() -> None:
+    """Move what was allocated during a pause out of the young generations, unscanned."""
+    with _FROZEN_LOCK:
+        # The flag first: counting is a walk of the frozen generation (millions of objects
+        # once the schedule has frozen its survivors); it is counted only when rollpoint
+        # froze nothing, to keep an application's own ``gc.freeze`` (then usually small).
+        if _frozen or gc.get_freeze_count() > 0:
+            # Objects are frozen already (by the collector schedule, or the application):
+            # freeze these with them, and thaw nothing of theirs.
+            freeze()
+        else:
+            # To the oldest generation: the next full collection still scans them.
+            gc.freeze()
+            gc.unfreeze()
 
 
 _PAUSE = CollectorPause()

@@ -46,7 +46,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from rollpoint.tuning.collector_pause import CollectorHold
+from rollpoint.tuning.collector_pause import CollectorHold, freeze, frozen_lock, unfreeze
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +142,7 @@ class CollectorSchedule:
             if self._attached == 0 and self._saved is not None:
                 gc.set_threshold(*self._saved)
                 self._saved = None
-                gc.unfreeze()  # the heap as CPython's own collections expect it
+                unfreeze()  # the heap as CPython's own collections expect it
 
     def due(self, now: float) -> bool:
         """A full collection may run at ``now``: the collector is on (no checkpoint holds
@@ -175,16 +175,18 @@ class CollectorSchedule:
         return self._collect_if(self.grown, now)
 
     def _collect_if(self, wanted: Callable[[float], bool], now: float | None) -> bool:
-        with self._lock:
+        # The frozen lock too: a pause ending meanwhile (another thread) must not freeze the
+        # heap between the thaw and the collection.
+        with self._lock, frozen_lock():
             now = self._clock() if now is None else now
             if not wanted(now):
                 return False
             started = self._clock()
             thaw = started - self._last_thaw >= THAW_GAP_S
             if thaw:
-                gc.unfreeze()
+                unfreeze()
             found = gc.collect(2)
-            gc.freeze()
+            freeze()
             self._blocks_after = sys.getallocatedblocks()
             self._last_duration = self._clock() - started
             self._last_full = now + self._last_duration

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from rollpoint.tuning import collector_schedule
-from rollpoint.tuning.collector_pause import collector_paused
+from rollpoint.tuning.collector_pause import collector_paused, unfreeze
 from rollpoint.tuning.collector_schedule import (
     MAX_GAP_S,
     MIN_GAP_S,
@@ -38,7 +38,7 @@ def gc_state() -> Iterator[None]:
     yield
     gc.set_threshold(*thresholds)
     (gc.enable if enabled else gc.disable)()
-    gc.unfreeze()
+    unfreeze()
 
 
 def collections_while_allocating() -> set[int]:

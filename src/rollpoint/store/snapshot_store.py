@@ -63,7 +63,7 @@ from rollpoint.protocol.manifest import (
     encode_document,
     load_participant_manifest,
     load_snapshot_manifest,
-    seal_manifest,
+    sealed_document,
 )
 from rollpoint.protocol.model_base import StrictModel
 from rollpoint.protocol.participant import ParticipantKind
@@ -258,11 +258,11 @@ class SnapshotStore:
         """
         self._stagings.advance(staging, StagingAction.BEGIN_PUBLISH)
         try:
-            participants = self._check_publishable(staging, manifest)
+            participants, references = self._check_publishable(staging, manifest)
         except BaseException:
             self._stagings.advance(staging, StagingAction.REFUSE)
             raise
-        published = seal_manifest(
+        published, encoded = sealed_document(
             manifest.model_copy(update={"published_at": time.time(), "participants": participants})
         )
         final = self.snapshot_dir(staging.snapshot_id)
@@ -273,7 +273,7 @@ class SnapshotStore:
                 self._fs.rename(staging.path, final)
                 moved = True
                 self._fs.sync_dir(self._snapshots_root())
-            self._fs.publish_bytes(self._fs.join(final, MANIFEST_NAME), encode_document(published))
+            self._fs.publish_bytes(self._fs.join(final, MANIFEST_NAME), encoded)
         except OSError as exc:
             self._fs.remove_tree(final if moved else staging.path)
             self._stagings.advance(staging, StagingAction.FAIL)
@@ -283,6 +283,9 @@ class SnapshotStore:
         # it is not read back and validated again (at 100k in flight that validation of its
         # episode list took half of every publish: snapshot_growth_100k, session 13).
         self._loaded[published.snapshot_id] = (published.published_at, _span(published))
+        # And the records files it names were just read for the checks: the sweep need
+        # not read its manifests again (snapshot_growth_100k, session 14).
+        self._references[published.snapshot_id] = references
         log.info("published snapshot %s at %s", published.snapshot_id, final)
         self._write_latest(published)
         self._prune(protect=published.snapshot_id)
@@ -443,9 +446,10 @@ class SnapshotStore:
 
     def _check_publishable(
         self, staging: Staging, manifest: SnapshotManifest
-    ) -> list[ParticipantEntry]:
+    ) -> tuple[list[ParticipantEntry], frozenset[str]]:
         """Refuse a manifest its staging folder does not match; return its participant
-        entries stamped with the digest of each participant's manifest file."""
+        entries stamped with the digest of each participant's manifest file, and the
+        shared records files the snapshot names (its trainer files' and participants')."""
         if manifest.snapshot_id != staging.snapshot_id:
             raise BadRequestError(
                 f"manifest is for snapshot {manifest.snapshot_id}, staging is {staging.snapshot_id}"
@@ -467,6 +471,7 @@ class SnapshotStore:
                 f"snapshot {staging.snapshot_id} names files its staging folder lacks: "
                 + ", ".join(missing)
             )
+        references: set[str] = set()
         for name, entry in manifest.files.items():
             if entry.format == "records":
                 path = resolve_inside(staging.path, entry.path)
@@ -474,9 +479,9 @@ class SnapshotStore:
                     data = self._fs.read_bytes(path)
                 except OSError as exc:
                     raise SnapshotError(f"cannot read {path}: {exc}") from None
-                self._check_objects(
-                    staging, f"trainer file {name}", trainer_shared_files(data, path)
-                )
+                names = trainer_shared_files(data, path)
+                self._check_objects(staging, f"trainer file {name}", names)
+                references |= names
         entries = []
         for participant in manifest.participants:
             path = resolve_inside(staging.path, participant.manifest_path)
@@ -485,13 +490,13 @@ class SnapshotStore:
             except OSError as exc:
                 raise SnapshotError(f"cannot read {path}: {exc}") from None
             digest = digest_bytes(data)
-            self._check_objects(
-                staging, f"participant {participant.instance}", _shared_files(data, path)
-            )
+            names = _shared_files(data, path)
+            self._check_objects(staging, f"participant {participant.instance}", names)
+            references |= names
             entries.append(
                 participant.model_copy(update={"sha256": digest.sha256, "bytes": digest.bytes})
             )
-        return entries
+        return entries, frozenset(references)
 
     def _check_objects(self, staging: Staging, who: str, names: set[str]) -> None:
         lacking = [

@@ -17,6 +17,7 @@ from rollpoint.protocol.manifest import (
     SnapshotManifest,
     topology_fingerprint,
 )
+from rollpoint.store import snapshot_store
 from rollpoint.store.filesystem import filesystem_for
 from rollpoint.store.participant_state import (
     read_participant_state,
@@ -189,6 +190,28 @@ def test_retention_deletes_exactly_the_records_files_no_kept_snapshot_names(
         assert set(_objects(store)) == set().union(*(files_by_snapshot[k] for k in kept))
         for k in kept:
             _read(store, k)  # every kept snapshot still reads and verifies
+
+
+def test_a_publication_reads_each_participant_manifest_once(
+    location: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The checks before publishing read which records files the snapshot names; the sweep
+    after it reuses that, and still keeps exactly the named files (snapshot_growth_100k)."""
+    store, index = SnapshotStore(location, keep=2), PackIndex()
+    records = _records(40)
+    _snapshot(store, "s0", records, index)
+    read: list[str] = []
+    real = snapshot_store._shared_files
+
+    def counting(data: bytes, path: str) -> set[str]:
+        read.append(path)
+        return real(data, path)
+
+    monkeypatch.setattr(snapshot_store, "_shared_files", counting)
+    names = {p.file for p in _snapshot(store, "s1", [*records[1:], {"new": 1}], index).parts}
+    assert len(read) == 1  # the check; the sweep did not read it again
+    assert names <= set(_objects(store))
+    _read(store, "s1")
 
 
 def test_publication_refuses_a_snapshot_naming_a_missing_records_file(location: str) -> None:

@@ -20,6 +20,8 @@ import pytest
 import yaml
 
 from rollpoint.config import load_config
+from rollpoint.protocol.control import Verb
+from rollpoint.protocol.participant import ParticipantKind
 from rollpoint.testing import invariants
 from rollpoint.testing.chaos import ChaosRunner
 from rollpoint.testing.chaos_plan import ChaosFault, PlannedFault, TrialEvent, TrialPlan
@@ -191,3 +193,62 @@ async def test_a_trainer_killed_alone_resumes_on_its_live_servers_with_no_violat
     assert served["snapshot_store"] == str(plan.workdir / "snapshots")
     continued, _ = last.resumed()
     assert continued > 0
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [
+        # Long enough that a save's prepare meets it and its leases lapse.
+        PlannedFault(
+            kind=ChaosFault.REPLICA_STOP,
+            run=0,
+            at_s=0.8,
+            replica=0,
+            servers=[ParticipantKind.AGENT, ParticipantKind.MODEL, ParticipantKind.RESOURCES],
+            seconds=2.0,
+        ),
+        PlannedFault(
+            kind=ChaosFault.LOST_CONTROL_REPLY,
+            run=0,
+            at_s=0.5,
+            participant=ParticipantKind.MODEL,
+            verb=Verb.PREPARE,
+        ),
+        PlannedFault(
+            kind=ChaosFault.LOST_CONTROL_REPLY,
+            run=0,
+            at_s=0.2,
+            participant=ParticipantKind.AGENT,
+            verb=Verb.ACK,
+        ),
+    ],
+    ids=lambda f: f.kind if f.verb is None else f"{f.kind}-{f.verb}",
+)
+async def test_a_stopped_replica_or_a_lost_prepare_or_ack_reply_leaves_no_violation(
+    tmp_path: Path, fault: PlannedFault
+) -> None:
+    config_path = write_config(tmp_path)
+    config = load_config(config_path)
+    runner = ChaosRunner(config_path, config, run_timeout_s=120)
+    plan = TrialPlan(trial=0, config=config_path, workdir=tmp_path / "trial-0", faults=[fault])
+
+    outcome = await runner.trial(plan)
+
+    assert outcome.violations == [], invariants.report(outcome.violations)
+    # It took effect (the trial process said so when it struck), and one run finished.
+    assert outcome.faults_injected == {fault.kind: 1}
+    assert [r.returncode for r in outcome.runs] == [0]
+    saves = [
+        orjson.loads(line)
+        for line in (plan.workdir / "metrics.jsonl").read_bytes().splitlines()
+        if b'"event":"snapshot"' in line
+    ]
+    if fault.kind is ChaosFault.REPLICA_STOP:
+        # A save met the stopped servers: its prepare waited for them, and it published.
+        assert any(
+            s["outcome"] == "published" and s["prepare_seconds"] > fault.seconds / 2 for s in saves
+        ), saves
+    elif fault.verb is Verb.PREPARE:
+        # The save whose prepare reply was lost failed; a later one published (I4).
+        assert saves[-1]["outcome"] == "published"
+        assert any(s["outcome"] == "failed" and "prepare" in s["detail"] for s in saves), saves

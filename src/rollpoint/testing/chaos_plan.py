@@ -40,6 +40,9 @@ class ChaosFault(StrEnum):
     process group of their own and live on; the rerun attaches to them again."""
     REPLICA_KILL = "replica_kill"
     """SIGKILL of one replica's server processes; the runtime restarts the replica."""
+    REPLICA_STOP = "replica_stop"
+    """SIGSTOP of one replica's server processes, SIGCONT a moment later: they wake up
+    past their leases and deadlines, with requests queued on their sockets."""
     LOST_RUN_REPLY = "lost_run_reply"
     """One ``POST /run`` row stream runs to its end on the agent, and its reply is lost."""
     LOST_CONTROL_REPLY = "lost_control_reply"
@@ -66,6 +69,22 @@ PROXIED = frozenset(
     }
 )
 """Faults applied by a fault proxy in front of one participant's URL."""
+SIGNALLED = frozenset({ChaosFault.REPLICA_KILL, ChaosFault.REPLICA_STOP})
+"""Faults the trial process signals its own runtime's server processes with."""
+STOP_S = (0.2, 2.5)
+"""How long a ``replica_stop`` lasts: from shorter than a lease to past a save's deadline."""
+LOST_REPLY_VERBS = (
+    Verb.PREPARE,
+    Verb.RENEW,
+    Verb.COMMIT,
+    Verb.CONFIRM,
+    Verb.RESUME,
+    Verb.RETIRE,
+    Verb.FORGET,
+    Verb.ACK,
+)
+"""The verbs a ``lost_control_reply`` may lose, each sent by the run's trainer (``ack`` to
+agents only). Not ``restore``: a rerun sends it before its faults start."""
 
 
 class PlannedFault(StrictModel):
@@ -78,11 +97,12 @@ class PlannedFault(StrictModel):
     participant: ParticipantKind = ParticipantKind.AGENT
     """Proxied faults: whose URL the proxy stands in front of."""
     servers: list[ParticipantKind] = Field(default_factory=list)
-    """``replica_kill``: which of the replica's servers are killed."""
+    """``replica_kill``, ``replica_stop``: which of the replica's servers are signalled."""
     verb: Verb | None = None
     """``lost_control_reply``: the verb whose reply is lost."""
     seconds: Annotated[float, Field(ge=0)] = 0.0
-    """``partition``: how long it lasts; ``slow_prepare``: how late the prepare arrives."""
+    """``partition``, ``replica_stop``: how long it lasts; ``slow_prepare``: how late the
+    prepare arrives."""
     forward: bool = False
     """``partition``: the participant gets the request that starts it (its reply is lost)."""
 
@@ -92,6 +112,7 @@ class PlannedFault(StrictModel):
             where = f"{self.participant}@{where}"
         extra = {
             ChaosFault.REPLICA_KILL: f" ({', '.join(self.servers)})",
+            ChaosFault.REPLICA_STOP: f" ({', '.join(self.servers)}, {self.seconds:.2f}s)",
             ChaosFault.LOST_CONTROL_REPLY: f" ({self.verb})",
             ChaosFault.PARTITION: f" ({self.seconds:.2f}s{', forwarded' if self.forward else ''})",
             ChaosFault.SLOW_PREPARE: f" (+{self.seconds:.2f}s)",
@@ -186,10 +207,8 @@ def _draw_faults(rng: random.Random, replicas: int, within_s: float) -> list[Pla
             faults.append(PlannedFault(kind=kill, run=1, at_s=rng.uniform(0.0, 1.0)))
     # One proxied fault per participant and run: a partition heals its whole proxy.
     free = {run: [(r, p) for r in range(replicas) for p in ParticipantKind] for run in range(2)}
-    # Servers apart from the trainer are not its processes: it cannot kill a replica's.
-    pool = sorted(
-        IN_PROCESS - ({ChaosFault.REPLICA_KILL} if kill is ChaosFault.TRAINER_KILL else set())
-    )
+    # Servers apart from the trainer are not its processes: it cannot signal a replica's.
+    pool = sorted(IN_PROCESS - (SIGNALLED if kill is ChaosFault.TRAINER_KILL else set()))
     kinds = rng.sample(pool, rng.randint(0 if kill_at is not None else 1, 3))
     # A replica kill first: proxied faults then avoid its replica (once it restarts on new
     # ports, the trainer no longer goes through their proxy).
@@ -221,13 +240,16 @@ def _draw_one(
     replicas: int,
 ) -> PlannedFault | None:
     """One fault of ``kind``; None when no participant it can target is still free."""
-    if kind is ChaosFault.REPLICA_KILL:
+    if kind in SIGNALLED:
         servers = rng.choice(
             [[ParticipantKind.AGENT], [ParticipantKind.RESOURCES], list(ParticipantKind)]
         )
-        return PlannedFault(
+        fault = PlannedFault(
             kind=kind, run=run, at_s=at_s, replica=rng.randrange(replicas), servers=servers
         )
+        if kind is ChaosFault.REPLICA_STOP:
+            return fault.model_copy(update={"seconds": rng.uniform(*STOP_S)})
+        return fault
     # Model and resources URLs carry only control traffic from the trainer: a partition of
     # them cuts the control routes, not the row streams. /run is the agent's.
     allowed = {
@@ -242,7 +264,15 @@ def _draw_one(
     fault = PlannedFault(kind=kind, run=run, at_s=at_s, replica=replica, participant=participant)
     if kind is ChaosFault.LOST_CONTROL_REPLY:
         return fault.model_copy(
-            update={"verb": rng.choice([Verb.COMMIT, Verb.CONFIRM, Verb.RESUME])}
+            update={
+                "verb": rng.choice(
+                    [
+                        v
+                        for v in LOST_REPLY_VERBS
+                        if v is not Verb.ACK or participant is ParticipantKind.AGENT
+                    ]
+                )
+            }
         )
     if kind is ChaosFault.PARTITION:
         return fault.model_copy(

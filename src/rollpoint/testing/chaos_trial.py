@@ -35,9 +35,11 @@ from rollpoint.protocol.errors import ConfigError, RollpointError
 from rollpoint.protocol.participant import ParticipantKind
 from rollpoint.runtime.contract import Runtime
 from rollpoint.runtime.embedded import EmbeddedRuntime, replica_name, replica_of
+from rollpoint.runtime.process_group import ChildServer
 from rollpoint.store.workdir_lock import lock_workdir
 from rollpoint.testing.chaos_plan import (
     PROXIED,
+    SIGNALLED,
     ChaosFault,
     PlannedFault,
     TrialEvent,
@@ -115,6 +117,7 @@ class TrialFaults:
         self._up_at = time.monotonic()
         self._strikes: dict[ChaosFault, _StrikeFn] = {
             ChaosFault.REPLICA_KILL: self._kill_replica,
+            ChaosFault.REPLICA_STOP: self._stop_replica,
             ChaosFault.LOST_RUN_REPLY: self._lose_reply,
             ChaosFault.LOST_CONTROL_REPLY: self._lose_reply,
             ChaosFault.PARTITION: self._partition,
@@ -143,10 +146,12 @@ class TrialFaults:
         self, trainer: Trainer, runtime: Runtime, metrics: TrainerMetrics
     ) -> RunSummary:
         """Run the job as ``rollpoint run`` does, the faults landing beside it."""
-        if any(f.kind is ChaosFault.REPLICA_KILL for f in self.faults) and not isinstance(
+        if any(f.kind in SIGNALLED for f in self.faults) and not isinstance(
             runtime, EmbeddedRuntime
         ):
-            raise ConfigError("rollpoint chaos kills local server processes: use runtime: embedded")
+            raise ConfigError(
+                "rollpoint chaos signals local server processes: use runtime: embedded"
+            )
         applying = [asyncio.create_task(self._apply(f, trainer, runtime)) for f in self.faults]
         try:
             return await drive_quietly(trainer, runtime, metrics)
@@ -176,14 +181,9 @@ class TrialFaults:
     async def _kill_replica(
         self, fault: PlannedFault, trainer: Trainer, runtime: Runtime
     ) -> Strike | None:
-        assert isinstance(runtime, EmbeddedRuntime)  # drive checked it
         name = replica_name(fault.replica)
-        victims = [
-            c
-            for c in runtime.group.children
-            if c.alive and replica_of(c.spec.name) == name and c.spec.kind in fault.servers
-        ]
-        if not victims or not trainer.roster.is_up(name):
+        victims = _servers_of(fault, trainer, runtime)
+        if not victims:
             return None
         before = trainer.roster.endpoints(name)
         for child in victims:
@@ -200,6 +200,28 @@ class TrialFaults:
                 await asyncio.sleep(_NOTICED_POLL_S)
 
         return Strike(time.time(), noticed)
+
+    async def _stop_replica(
+        self, fault: PlannedFault, trainer: Trainer, runtime: Runtime
+    ) -> Strike | None:
+        victims = _servers_of(fault, trainer, runtime)
+        if not victims:
+            return None
+        for child in victims:
+            with contextlib.suppress(ProcessLookupError):
+                child.process.send_signal(signal.SIGSTOP)
+
+        async def cont() -> None:
+            # Continued however the wait ends: a trial cancelled while they are stopped
+            # must not leave processes that ignore the runtime's SIGTERM at shutdown.
+            try:
+                await asyncio.sleep(fault.seconds)
+            finally:
+                for child in victims:
+                    with contextlib.suppress(ProcessLookupError):
+                        child.process.send_signal(signal.SIGCONT)
+
+        return Strike(time.time(), cont)
 
     async def _lose_reply(
         self, fault: PlannedFault, trainer: Trainer, runtime: Runtime
@@ -242,6 +264,20 @@ class TrialFaults:
         if proxy is None:
             raise ConfigError(f"chaos: no proxy for {fault.describe()}")
         return proxy
+
+
+def _servers_of(fault: PlannedFault, trainer: Trainer, runtime: Runtime) -> list[ChildServer]:
+    """The live server processes of the fault's replica it names; none while the
+    trainer counts the replica down (a kill or stop then finds nothing to hit)."""
+    assert isinstance(runtime, EmbeddedRuntime)  # drive checked it
+    name = replica_name(fault.replica)
+    if not trainer.roster.is_up(name):
+        return []
+    return [
+        c
+        for c in runtime.group.children
+        if c.alive and replica_of(c.spec.name) == name and c.spec.kind in fault.servers
+    ]
 
 
 async def run_trial(plan: TrialPlan, config: RunConfig) -> RunSummary:

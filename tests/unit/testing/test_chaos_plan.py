@@ -1,0 +1,69 @@
+"""The chaos plan's draw: every fault kind comes up, and each lands where it can strike."""
+
+from __future__ import annotations
+
+from collections import Counter
+from pathlib import Path
+
+from rollpoint.protocol.control import Verb
+from rollpoint.protocol.participant import ParticipantKind
+from rollpoint.testing.chaos_plan import (
+    LOST_REPLY_VERBS,
+    SIGNALLED,
+    STOP_S,
+    ChaosFault,
+    TrialPlan,
+    draw_plans,
+)
+
+
+def drawn(trials: int = 400, seed: int = 7) -> list[TrialPlan]:
+    return draw_plans(
+        trials, seed, config=Path("job.yaml"), root=Path("/runs"), replicas=2, within_s=3.0
+    )
+
+
+def test_a_seed_names_the_plans() -> None:
+    assert drawn(seed=3) == drawn(seed=3)
+    assert drawn(seed=3) != drawn(seed=4)
+
+
+def test_every_kind_and_every_lost_reply_verb_is_drawn() -> None:
+    faults = [f for plan in drawn() for f in plan.faults]
+
+    assert {f.kind for f in faults} == set(ChaosFault)
+    verbs = Counter(f.verb for f in faults if f.kind is ChaosFault.LOST_CONTROL_REPLY)
+    assert set(verbs) == set(LOST_REPLY_VERBS)
+
+
+def test_an_ack_reply_is_lost_only_on_an_agent_which_alone_is_sent_acks() -> None:
+    lost = [
+        f
+        for plan in drawn()
+        for f in plan.faults
+        if f.kind is ChaosFault.LOST_CONTROL_REPLY and f.verb is Verb.ACK
+    ]
+
+    assert lost
+    assert {f.participant for f in lost} == {ParticipantKind.AGENT}
+
+
+def test_a_stop_lasts_a_drawn_moment_and_names_the_servers_it_stops() -> None:
+    stops = [f for plan in drawn() for f in plan.faults if f.kind is ChaosFault.REPLICA_STOP]
+
+    assert stops
+    assert all(STOP_S[0] <= f.seconds <= STOP_S[1] and f.servers for f in stops)
+    assert "s)" in stops[0].describe()  # the duration is in the fault's line
+
+
+def test_no_server_is_signalled_in_a_trial_whose_servers_run_apart() -> None:
+    # A trainer kill puts the servers under rollpoint serve: not the trial's processes.
+    apart = [plan for plan in drawn() if plan.servers_apart]
+
+    assert apart
+    assert not [f for plan in apart for f in plan.faults if f.kind in SIGNALLED]
+
+
+def test_a_plan_round_trips_the_command_line() -> None:
+    for plan in drawn(trials=50):
+        assert TrialPlan.model_validate_json(plan.model_dump_json()) == plan

@@ -67,9 +67,12 @@ class AppendLog(Generic[T]):
         self._chunk = chunk
         self._full: list[LogChunk[T]] = []
         self._open: list[T] = []
+        self._tail: LogChunk[T] | None = None
+        """The open tail's last capture, while nothing was appended since."""
         self._count = 0
 
     def append(self, item: T) -> None:
+        self._tail = None
         self._open.append(item)
         self._count += 1
         if len(self._open) == self._chunk:
@@ -85,5 +88,13 @@ class AppendLog(Generic[T]):
         yield from self._open
 
     def capture(self) -> tuple[LogChunk[T], ...]:
-        """Every item so far, as chunks: the full ones shared, the open tail copied."""
-        return (*self._full, LogChunk(tuple(self._open)))
+        """Every item so far, as chunks: the full ones shared, the open tail copied.
+
+        The tail is copied again only once something was appended to it: a log that did
+        not grow between two captures (the task list of a run, loaded at its start) hands
+        out the same tail chunk, whose record and encoding are then made once, not every
+        snapshot (~0.4 s of the trainer's write at 100k in flight: ``snapshot_growth_100k``).
+        """
+        if self._tail is None:
+            self._tail = LogChunk(tuple(self._open))
+        return (*self._full, self._tail)

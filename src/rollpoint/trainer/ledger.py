@@ -22,7 +22,7 @@ The saved document's schema, its versions and migrations live in :mod:`.ledger_d
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
@@ -120,6 +120,20 @@ class LedgerRecord:
     """How many fresh rollout ids this row has used, this one included (1 for the first)."""
 
     _episode: EpisodeId | None = field(default=None, init=False, repr=False, compare=False)
+    _record: dict[str, Any] | None = field(default=None, init=False, repr=False, compare=False)
+
+    def snapshot_record(self, make: Callable[[LedgerRecord], dict[str, Any]]) -> dict[str, Any]:
+        """``make(self)``, made the first time only and the same object afterwards.
+
+        A try in flight is one snapshot record (:meth:`LedgerCapture.as_records`); handed
+        the very dict it wrote before, the writer references it by identity instead of
+        encoding and hashing 100k unchanged tries every snapshot (``snapshot_growth_100k``,
+        ``write``). Two threads racing here both make an equal dict; either is kept.
+        """
+        if self._record is None:
+            object.__setattr__(self, "_record", make(self))
+        assert self._record is not None
+        return self._record
 
     @property
     def episode(self) -> EpisodeId:

@@ -162,7 +162,7 @@ class LedgerCapture:
         records += [chunk.record(_groups_record) for chunk in self.groups if len(chunk)]
         records += [chunk.record(_failed_record) for chunk in self.failed if len(chunk)]
         records += [chunk.record(_archived_record) for chunk in self.archived if len(chunk)]
-        records += [{"try": _record_doc(r)} for r in self.records]
+        records += [r.snapshot_record(_try_record) for r in self.records]
         return records
 
     def to_bytes(self) -> bytes:
@@ -210,6 +210,10 @@ def _record_doc(r: LedgerRecord) -> dict[str, Any]:
         "replica": r.replica,
         "tries": r.tries,
     }
+
+
+def _try_record(r: LedgerRecord) -> dict[str, Any]:
+    return {"try": _record_doc(r)}
 
 
 def _json_object(

@@ -36,15 +36,30 @@ def busy_ledger(groups: int, sealed: int) -> RecoveryLedger:
     return ledger
 
 
-def test_an_append_log_shares_full_chunks_and_copies_only_its_tail() -> None:
+def test_an_append_log_shares_full_chunks_and_copies_its_tail_once_it_grew() -> None:
     log: AppendLog[int] = AppendLog(chunk=4)
     for i in range(10):
         log.append(i)
     first, second = log.capture(), log.capture()
     assert [c.items for c in first] == [(0, 1, 2, 3), (4, 5, 6, 7), (8, 9)]
     assert first[0] is second[0] and first[1] is second[1]
-    assert first[2] is not second[2]
-    assert list(log) == list(range(10)) and len(log) == 10
+    assert first[2] is second[2]  # nothing appended in between: the same tail
+    log.append(10)
+    third = log.capture()
+    assert third[2] is not first[2] and third[2].items == (8, 9, 10)
+    assert first[2].items == (8, 9)  # an earlier capture stays as it was
+    assert list(log) == list(range(11)) and len(log) == 11
+
+
+def test_a_tail_refilled_to_the_same_length_is_copied_again() -> None:
+    log: AppendLog[int] = AppendLog(chunk=4)
+    log.append(0)
+    (before,) = log.capture()
+    for i in range(1, 5):  # fills the chunk, then one item in a new tail
+        log.append(i)
+    after = log.capture()
+    assert len(after[-1]) == len(before) == 1
+    assert after[-1] is not before and after[-1].items == (4,)
 
 
 def test_a_chunk_encodes_once() -> None:
@@ -152,23 +167,28 @@ def test_the_ledger_as_records_joins_into_its_document_and_round_trips() -> None
     assert restored.failed_groups() == {"g4999": "bad task"}
 
 
-def test_a_full_chunk_is_the_same_record_in_every_capture() -> None:
-    ledger = busy_ledger(groups=5000, sealed=4200)
+def test_what_did_not_change_is_the_same_record_in_the_next_capture() -> None:
+    ledger = busy_ledger(groups=5000, sealed=4200)  # group 4200's two rows in flight
     first = ledger.capture().as_records()
-    for record in ledger.in_flight("replica-0"):
-        ledger.finish(record.rollout_id)
-        ledger.seal(record.rollout_id)
+    moved, stayed = ledger.in_flight("replica-0")
+    ledger.finish(moved.rollout_id)
+    ledger.seal(moved.rollout_id)
     second = ledger.capture().as_records()
 
-    kept = {id(r) for r in first} & {id(r) for r in second}
-    # Full chunks: tasks (1: 5000 tasks hold 4096 and an open 904), groups (1), final tries
-    # (2 of 8400 + 2 sealed). The open chunks and the live tries are new records.
-    assert len(kept) == 4
-    assert all(
-        len(r) == 1 and next(iter(r)) in {"tasks", "groups", "archived"}
-        for r in first
-        if id(r) in kept
-    )
+    kept = [r for r in second if any(r is f for f in first)]
+    # Unchanged, so the same objects: the tasks (a full chunk of 4096 and the open 904: no
+    # task was added), the groups (a full chunk and the open tail), the two full chunks of
+    # final tries, and the try still in flight. New: the header and the final tries' open
+    # chunk (the seal went there); the sealed try left the live ones.
+    assert len(kept) == 2 + 2 + 2 + 1
+    assert [r["try"]["rollout_id"] for r in kept if "try" in r] == [stayed.rollout_id]
+    assert moved.rollout_id not in {r["try"]["rollout_id"] for r in second if "try" in r}
+    # A try that moves is a new record of its new state.
+    ledger.finish(stayed.rollout_id)
+    third = ledger.capture().as_records()
+    mine = next(r for r in third if "try" in r and r["try"]["rollout_id"] == stayed.rollout_id)
+    assert mine["try"]["state"] == "finished"
+    assert not any(mine is r for r in second)
 
 
 def test_a_ledger_record_of_another_shape_or_saved_twice_is_refused() -> None:

@@ -252,3 +252,40 @@ async def test_a_stopped_replica_or_a_lost_prepare_or_ack_reply_leaves_no_violat
         # The save whose prepare reply was lost failed; a later one published (I4).
         assert saves[-1]["outcome"] == "published"
         assert any(s["outcome"] == "failed" and "prepare" in s["detail"] for s in saves), saves
+
+
+async def test_a_rerun_whose_restore_reply_is_lost_asks_again_and_continues(
+    tmp_path: Path,
+) -> None:
+    config_path = write_config(tmp_path)
+    raw = yaml.safe_load(config_path.read_text())
+    raw["policy"]["latency_ms"] = 150  # the kill lands with episodes in flight
+    config_path.write_text(yaml.safe_dump(raw))
+    config = load_config(config_path)
+    runner = ChaosRunner(config_path, config, run_timeout_s=120)
+    plan = TrialPlan(
+        trial=0,
+        config=config_path,
+        workdir=tmp_path / "trial-0",
+        faults=[
+            PlannedFault(kind=ChaosFault.PROCESS_KILL, run=0, at_s=1.5),
+            PlannedFault(
+                kind=ChaosFault.LOST_CONTROL_REPLY,
+                run=1,
+                at_s=0.0,
+                participant=ParticipantKind.AGENT,
+                verb=Verb.RESTORE,
+            ),
+        ],
+    )
+
+    outcome = await runner.trial(plan)
+
+    assert outcome.violations == [], invariants.report(outcome.violations)
+    first, second, *more = outcome.runs
+    assert first.killed
+    # The rerun lost the agent's restore reply, asked again and went on: no third run.
+    assert second.faults() == {ChaosFault.LOST_CONTROL_REPLY: 1}
+    assert second.returncode == 0 and more == []
+    continued, _ = second.resumed()
+    assert continued > 0

@@ -83,8 +83,9 @@ LOST_REPLY_VERBS = (
     Verb.FORGET,
     Verb.ACK,
 )
-"""The verbs a ``lost_control_reply`` may lose, each sent by the run's trainer (``ack`` to
-agents only). Not ``restore``: a rerun sends it before its faults start."""
+"""The verbs a ``lost_control_reply`` may lose at any moment, each sent by the run's
+trainer (``ack`` to agents only); a rerun may lose a ``restore`` reply too (its first call,
+struck whatever the moment)."""
 
 
 class PlannedFault(StrictModel):
@@ -268,7 +269,7 @@ def _draw_one(
                 "verb": rng.choice(
                     [
                         v
-                        for v in LOST_REPLY_VERBS
+                        for v in (*LOST_REPLY_VERBS, *([Verb.RESTORE] if run else []))
                         if v is not Verb.ACK or participant is ParticipantKind.AGENT
                     ]
                 )

@@ -114,6 +114,8 @@ class TrialFaults:
         self._proxies: dict[tuple[str, ParticipantKind], FaultProxy] = {}
         """(replica, participant) → the proxy in front of it; its faults share it."""
         self._stack = contextlib.AsyncExitStack()
+        self._early: list[asyncio.Task[None]] = []
+        """Faults struck from the route on: a rerun's restore is sent before ``drive``."""
         self._up_at = time.monotonic()
         self._strikes: dict[ChaosFault, _StrikeFn] = {
             ChaosFault.REPLICA_KILL: self._kill_replica,
@@ -125,6 +127,9 @@ class TrialFaults:
         }
 
     async def aclose(self) -> None:
+        for task in self._early:
+            task.cancel()
+        await asyncio.gather(*self._early, return_exceptions=True)
         await self._stack.aclose()
 
     async def route(self, deployment: Deployment) -> Deployment:
@@ -140,6 +145,11 @@ class TrialFaults:
             replicas[key[0]] = replicas[key[0]].model_copy(update={field: self._proxies[key].url})
         self._up_at = time.monotonic()
         emit(TrialEvent(event="up", ts=time.time()))
+        self._early = [
+            asyncio.create_task(self._strike(f, self._lose_restore_reply(f)))
+            for f in self.faults
+            if _at_restore(f)
+        ]
         return deployment.model_copy(update={"replicas": list(replicas.values())})
 
     async def drive(
@@ -152,7 +162,11 @@ class TrialFaults:
             raise ConfigError(
                 "rollpoint chaos signals local server processes: use runtime: embedded"
             )
-        applying = [asyncio.create_task(self._apply(f, trainer, runtime)) for f in self.faults]
+        applying = [
+            asyncio.create_task(self._apply(f, trainer, runtime))
+            for f in self.faults
+            if not _at_restore(f)
+        ]
         try:
             return await drive_quietly(trainer, runtime, metrics)
         finally:
@@ -162,8 +176,12 @@ class TrialFaults:
 
     async def _apply(self, fault: PlannedFault, trainer: Trainer, runtime: Runtime) -> None:
         await asyncio.sleep(max(0.0, self._up_at + fault.at_s - time.monotonic()))
+        await self._strike(fault, self._strikes[fault.kind](fault, trainer, runtime))
+
+    async def _strike(self, fault: PlannedFault, striking: Awaitable[Strike | None]) -> None:
+        """Wait for the fault to take effect, then for it to be over, saying both."""
         try:
-            strike = await self._strikes[fault.kind](fault, trainer, runtime)
+            strike = await striking
         except RollpointError as exc:
             log.warning("chaos: %s could not be applied: %s", fault.describe(), exc.message)
             return
@@ -235,6 +253,13 @@ class TrialFaults:
         await rule.wait(timeout_s=_FOREVER_S)
         return Strike(time.time())
 
+    async def _lose_restore_reply(self, fault: PlannedFault) -> Strike:
+        # Armed as the servers come up: the restore is the rerun's first control call.
+        path = f"{CONTROL_PREFIX}/{Verb.RESTORE}"
+        rule = self._proxy_of(fault).add(Fault.drop_reply(method="POST", path=path))
+        await rule.wait(timeout_s=_FOREVER_S)
+        return Strike(time.time())
+
     async def _partition(
         self, fault: PlannedFault, trainer: Trainer, runtime: Runtime
     ) -> Strike | None:
@@ -264,6 +289,10 @@ class TrialFaults:
         if proxy is None:
             raise ConfigError(f"chaos: no proxy for {fault.describe()}")
         return proxy
+
+
+def _at_restore(fault: PlannedFault) -> bool:
+    return fault.kind is ChaosFault.LOST_CONTROL_REPLY and fault.verb is Verb.RESTORE
 
 
 def _servers_of(fault: PlannedFault, trainer: Trainer, runtime: Runtime) -> list[ChildServer]:

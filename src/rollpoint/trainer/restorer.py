@@ -57,6 +57,7 @@ from rollpoint.protocol.errors import (
     InvalidCheckpointStateError,
     RestoreError,
     RollpointError,
+    TransportError,
 )
 from rollpoint.protocol.ids import EpisodeId
 from rollpoint.protocol.manifest import SavedEpisode, SnapshotManifest
@@ -478,21 +479,27 @@ class Restorer:
         saved = sorted({e for t in plan for e in t.scope}, key=lambda e: e.key)
         if saved:
             await self._clear_for_install(saved, clients)
-        results = await asyncio.gather(
-            *(
-                t.client.restore(
-                    restore_id,
-                    deadline,
-                    directory,
-                    t.scope,
-                    manifest.checkpoint_id,
-                    # Omitted for its own replica: what every participant has understood.
-                    None if t.sources == [t.client.address.replica] else t.sources,
-                )
-                for t in plan
-            ),
-            return_exceptions=True,
-        )
+
+        def send(t: _Target) -> Awaitable[Any]:
+            return t.client.restore(
+                restore_id,
+                deadline,
+                directory,
+                t.scope,
+                manifest.checkpoint_id,
+                # Omitted for its own replica: what every participant has understood.
+                None if t.sources == [t.client.address.replica] else t.sources,
+            )
+
+        results: list[Any] = await asyncio.gather(*(send(t) for t in plan), return_exceptions=True)
+        # A reply lost on the wire is asked for once more before the deadline: a
+        # participant answers the same restore again with the reply it gave (the fence
+        # remembers it), and a whole rerun would otherwise fail on one dropped reply.
+        lost = [i for i, r in enumerate(results) if isinstance(r, TransportError)]
+        if lost and time.time() < deadline:
+            again = await asyncio.gather(*(send(plan[i]) for i in lost), return_exceptions=True)
+            for i, reply in zip(lost, again, strict=True):
+                results[i] = reply
         failed = [
             f"{c.label}: {r.message if isinstance(r, RollpointError) else repr(r)}"
             for c, r in zip(clients, results, strict=True)

@@ -8,6 +8,7 @@ from pathlib import Path
 from rollpoint.protocol.control import Verb
 from rollpoint.protocol.participant import ParticipantKind
 from rollpoint.testing.chaos_plan import (
+    KILLS,
     LOST_REPLY_VERBS,
     SIGNALLED,
     STOP_S,
@@ -33,7 +34,21 @@ def test_every_kind_and_every_lost_reply_verb_is_drawn() -> None:
 
     assert {f.kind for f in faults} == set(ChaosFault)
     verbs = Counter(f.verb for f in faults if f.kind is ChaosFault.LOST_CONTROL_REPLY)
-    assert set(verbs) == set(LOST_REPLY_VERBS)
+    assert set(verbs) == {*LOST_REPLY_VERBS, Verb.RESTORE}
+
+
+def test_a_restore_reply_is_lost_only_in_a_rerun_after_a_kill() -> None:
+    plans = [
+        p
+        for p in drawn()
+        if any(f.kind is ChaosFault.LOST_CONTROL_REPLY and f.verb is Verb.RESTORE for f in p.faults)
+    ]
+
+    assert plans
+    for plan in plans:
+        lost = [f for f in plan.faults if f.verb is Verb.RESTORE]
+        assert {f.run for f in lost} == {1}
+        assert any(f.run == 0 and f.kind in KILLS for f in plan.faults)
 
 
 def test_an_ack_reply_is_lost_only_on_an_agent_which_alone_is_sent_acks() -> None:

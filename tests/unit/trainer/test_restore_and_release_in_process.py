@@ -10,12 +10,14 @@ import pytest
 
 from rollpoint.protocol.control import Phase
 from rollpoint.protocol.errors import RestoreError
+from rollpoint.testing import Fault
 from rollpoint.trainer.ledger import RolloutState
 from rollpoint.trainer.release_batcher import ReleaseBatcher
 from rollpoint.trainer.restorer import Restorer, ResumePoint
 from tests.unit.trainer.in_process_rig import Rig, build_rig
 
 MODEL, AGENT, RESOURCES = "model@replica-0", "agent@replica-0", "resources@replica-0"
+RESTORE = "/rollpoint/v1/checkpoint/restore"
 
 
 @pytest.fixture
@@ -46,6 +48,22 @@ async def test_a_restore_installs_the_saved_state_onto_every_participant(
         assert sorted(participant.state) == continued, label
         assert set(participant.state.values()) == {1}, label
     assert set(rig.phases().values()) == {Phase.IDLE}  # resumed after the install
+
+
+async def test_a_lost_restore_reply_is_asked_for_again_and_the_restore_holds(
+    rig: Rig, tmp_path: Path
+) -> None:
+    point = await saved(rig)
+    rule = rig.faults(AGENT).add(Fault.drop_reply(path=RESTORE))
+
+    run = await Restorer(rig.clients).restore(point, train_data=tmp_path / "train_data.jsonl")
+
+    assert rule.hits == 1
+    # The agent restored on the first request; the second got the reply it had lost.
+    assert rig.calls(AGENT).count("restore") == 2
+    continued = sorted(e.key for e in run.continued)
+    assert sorted(rig.participants[AGENT].state) == continued
+    assert set(rig.phases().values()) == {Phase.IDLE}
 
 
 async def test_a_failing_participant_fails_the_restore_and_every_participant_is_resumed(

@@ -84,6 +84,9 @@ async def _main(keys: list[str], quick: bool) -> list[BenchResult]:
             traceback.print_exc(file=sys.stderr)
             result = BenchResult(key, "FAILED", {"error": f"{type(exc).__name__}: {exc}"})
         result.elapsed_s = time.monotonic() - t0
+        # Saved under the name it ran as: snapshot_growth_100k is snapshot_growth's code,
+        # and its figures must not replace the 10k run's in latest.json.
+        result.key = key
         print(f"  {key}: {result.elapsed_s:.1f} s", file=sys.stderr, flush=True)
         results.append(result)
     return results

@@ -244,10 +244,14 @@ async def test_a_stopped_replica_or_a_lost_prepare_or_ack_reply_leaves_no_violat
         if b'"event":"snapshot"' in line
     ]
     if fault.kind is ChaosFault.REPLICA_STOP:
-        # A save met the stopped servers: its prepare waited for them, and it published.
-        assert any(
-            s["outcome"] == "published" and s["prepare_seconds"] > fault.seconds / 2 for s in saves
-        ), saves
+        # While the replica's servers were stopped no snapshot could publish (each needs
+        # all of them; one every 0.3 s otherwise), and one did once they were continued.
+        (run,) = outcome.runs
+        stopped = [e.ts for e in run.events if e.event in ("fault", "over")]
+        assert len(stopped) == 2, run.events
+        published = [s["ts"] for s in saves if s["outcome"] == "published"]
+        assert not [t for t in published if stopped[0] + 0.2 < t < stopped[1]], (stopped, saves)
+        assert any(t > stopped[1] for t in published), (stopped, saves)
     elif fault.verb is Verb.PREPARE:
         # The save whose prepare reply was lost failed; a later one published (I4).
         assert saves[-1]["outcome"] == "published"

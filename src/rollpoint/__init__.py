@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from rollpoint.config import RunConfig, load_config, parse_config
-    from rollpoint.protocol.deployment import ServedDeployment
+    from rollpoint.protocol.deployment import ReplicaEndpoints, ServedDeployment
     from rollpoint.protocol.errors import RollpointError
     from rollpoint.rollouts import Rollouts, SyncRollouts, TrainBatch, load_served
     from rollpoint.trainer.train_hooks import TrainSample, TrainTurn, token_segments
@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 __version__ = "0.1.0"
 
 __all__ = [
+    "ReplicaEndpoints",
     "Rollouts",
     "RollpointError",
     "RunConfig",
@@ -54,6 +55,7 @@ _HOMES = {
     "SyncRollouts": "rollpoint.rollouts",
     "load_served": "rollpoint.rollouts",
     "ServedDeployment": "rollpoint.protocol.deployment",
+    "ReplicaEndpoints": "rollpoint.protocol.deployment",
     "RollpointError": "rollpoint.protocol.errors",
     "RunConfig": "rollpoint.config",
     "load_config": "rollpoint.config",

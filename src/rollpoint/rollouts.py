@@ -2,7 +2,8 @@
 
 Owns :class:`Rollouts`, the few calls a trainer author needs — open a run (on servers
 ``rollpoint serve`` started, or on ones it starts), learn where it resumed, pull batches
-of finished prompt groups, say when a batch's update is done, take a snapshot — and
+of finished prompt groups, say when a batch's update is done, take a snapshot, report a
+replica's servers gone and back — and
 :class:`TrainBatch`, one batch handed out. Everything else (the recovery ledger, the
 dispatcher, the finished-rollout queue, snapshots, ``train_data.jsonl`` and its
 checkpoints, the restore) runs underneath as it does for ``rollpoint run``: the façade
@@ -23,17 +24,17 @@ import contextlib
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Self, TypeVar
 
 from pydantic import ValidationError
 
 from rollpoint.config import RunConfig
 from rollpoint.job import Drive, drive_quietly, run_job
-from rollpoint.protocol.deployment import ServedDeployment
+from rollpoint.protocol.deployment import ReplicaEndpoints, ServedDeployment
 from rollpoint.protocol.errors import ConfigError, InvalidPhaseError
 from rollpoint.runtime.contract import Runtime
 from rollpoint.trainer.cut import SaveReport
@@ -42,8 +43,16 @@ from rollpoint.trainer.train_hooks import TrainSample
 from rollpoint.trainer.trainer_loop import RunSummary, Trainer
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
-__all__ = ["Rollouts", "ServedDeployment", "SyncRollouts", "TrainBatch", "load_served"]
+__all__ = [
+    "ReplicaEndpoints",
+    "Rollouts",
+    "ServedDeployment",
+    "SyncRollouts",
+    "TrainBatch",
+    "load_served",
+]
 
 
 @dataclass
@@ -204,6 +213,24 @@ class Rollouts:
             raise InvalidPhaseError("rollouts: this run has no control plane to snapshot")
         return await coordinator.save()
 
+    async def replica_down(self, name: str) -> None:
+        """Replica ``name``'s servers are gone (your scheduler saw them die, or took their
+        node): stop sending to it. The tries the latest snapshot saved there wait for
+        :meth:`replica_up`; the rest of what it held goes fresh to the replicas still up,
+        and snapshots go on without it. Servers this run started are watched for you; on
+        ``rollpoint serve`` servers only you can tell. Idempotent."""
+        trainer = self._started()
+        _known(trainer, name, "replica_down")
+        await trainer.replica_down(name)
+
+    async def replica_up(self, endpoints: ReplicaEndpoints) -> None:
+        """Replica ``endpoints.name``'s servers run again, started empty, at these URLs:
+        the tries held for it are restored there from the snapshot that saved them, and it
+        takes rows and part in snapshots again."""
+        trainer = self._started()
+        _known(trainer, endpoints.name, "replica_up")
+        await trainer.replica_up(endpoints)
+
     async def summary(self) -> RunSummary:
         """The run's end: wait for it (every batch pulled and done) and return its figures."""
         if self._job is None:
@@ -243,6 +270,12 @@ class Rollouts:
         reply: asyncio.Future[dict[str, float]] = asyncio.get_running_loop().create_future()
         await self._batches.put(TrainBatch(step, batch, reply))
         return await reply
+
+
+def _known(trainer: Trainer, name: str, call: str) -> None:
+    if name not in trainer.roster:
+        known = ", ".join(trainer.roster.names)
+        raise ConfigError(f"rollouts.{call}: no replica {name!r} in this run (it has {known})")
 
 
 class SyncRollouts:
@@ -319,9 +352,21 @@ class SyncRollouts:
 
     def snapshot(self) -> SaveReport:
         """Take one snapshot now; returns once it is published or failed."""
+        return self._call(self._rollouts.snapshot())
+
+    def replica_down(self, name: str) -> None:
+        """As :meth:`Rollouts.replica_down`, from your thread."""
+        self._call(self._rollouts.replica_down(name))
+
+    def replica_up(self, endpoints: ReplicaEndpoints) -> None:
+        """As :meth:`Rollouts.replica_up`, from your thread."""
+        self._call(self._rollouts.replica_up(endpoints))
+
+    def _call(self, call: Coroutine[Any, Any, T]) -> T:
         if self._loop is None:
+            call.close()
             raise InvalidPhaseError("rollouts: the run is not open (use with)")
-        return asyncio.run_coroutine_threadsafe(self._rollouts.snapshot(), self._loop).result()
+        return asyncio.run_coroutine_threadsafe(call, self._loop).result()
 
     def summary(self) -> RunSummary:
         """The run's end: every batch pulled and done; its figures."""

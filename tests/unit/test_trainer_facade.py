@@ -25,6 +25,7 @@ SERVED = (
 
 def test_the_top_level_exports_are_pinned_and_each_resolves() -> None:
     assert rollpoint.__all__ == [
+        "ReplicaEndpoints",
         "Rollouts",
         "RollpointError",
         "RunConfig",

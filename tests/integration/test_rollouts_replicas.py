@@ -1,0 +1,115 @@
+"""The façade told that a replica is gone: ``Rollouts.replica_down`` on ``rollpoint serve``
+servers, whose processes no trainer watches.
+
+The servers run under ``rollpoint serve`` in a process group of their own; the test kills
+one replica's three servers with SIGKILL mid-run, as a node lost under a scheduler would,
+and reports it through the façade. The run must go on without it: every row trained once,
+snapshots published after the loss (a participant that no longer answers would fail every
+one of them), the loss in the run's event log.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import orjson
+import pytest
+import yaml
+
+from rollpoint import Rollouts, ServedDeployment, parse_config
+from rollpoint.protocol.errors import ConfigError
+from tests.support.serve_process import served
+
+pytestmark = pytest.mark.integration
+
+TASKS, GROUP_SIZE = 12, 2
+LOST = "replica-1"
+
+
+def replica_pids(root: Path, replica: str) -> list[int]:
+    """The server processes of ``replica`` serving from ``root`` (read from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if (
+            b"rollpoint.runtime.server_process" in cmdline
+            and f'"replica":"{replica}"'.encode() in cmdline
+            and str(root).encode() in cmdline
+        ):
+            found.append(int(entry.name))
+    return found
+
+
+async def test_a_replica_reported_down_is_left_out_and_every_row_trains_once(
+    tmp_path: Path,
+) -> None:
+    servers = tmp_path / "servers"
+    servers.mkdir()
+    serve_config = tmp_path / "serve.yaml"
+    serve_config.write_text(
+        yaml.safe_dump(
+            {
+                "workdir": str(servers),
+                "environment": "workplace",
+                "tasks": TASKS,
+                "group_size": GROUP_SIZE,
+                "replicas": 2,
+                "policy": {"latency_ms": 100, "error_rate": 0},
+            }
+        )
+    )
+    config = parse_config(
+        {
+            "workdir": str(tmp_path / "trainer"),
+            "environment": "workplace",
+            "tasks": TASKS,
+            "group_size": GROUP_SIZE,
+            "replicas": 2,
+            "concurrency": 8,
+            "train": {"batch_size": 4},
+            "snapshot": {"every_seconds": 0.5},
+        }
+    )
+    config.workdir.mkdir()
+    with served(serve_config) as line:
+        deployment = ServedDeployment.model_validate(line)
+        async with Rollouts(config, deployment=deployment) as run:
+            with pytest.raises(ConfigError, match="no replica 'replica-9' in this run"):
+                await run.replica_down("replica-9")
+            lost_at = None
+            async for batch in run.batches():
+                if lost_at is None:
+                    victims = replica_pids(servers, LOST)
+                    assert len(victims) == 3, victims  # its agent, model and resources
+                    for pid in victims:
+                        os.kill(pid, signal.SIGKILL)
+                    lost_at = time.time()
+                    await run.replica_down(LOST)
+                    await run.replica_down(LOST)  # idempotent
+                batch.done()
+            summary = await run.summary()
+
+    trained = [
+        orjson.loads(x) for x in (config.workdir / "train_data.jsonl").read_bytes().splitlines()
+    ]
+    assert len({(r["group_id"], r["row"]) for r in trained}) == len(trained) == TASKS * GROUP_SIZE
+    assert summary.episodes == TASKS * GROUP_SIZE
+    events = [
+        orjson.loads(x) for x in (config.workdir / "run_events.jsonl").read_bytes().splitlines()
+    ]
+    assert [e["replica"] for e in events if e.get("kind") == "replica_down"] == [LOST]
+    saves = [
+        orjson.loads(x)
+        for x in (config.workdir / "metrics.jsonl").read_bytes().splitlines()
+        if b'"event":"snapshot"' in x
+    ]
+    assert lost_at is not None
+    assert any(s["outcome"] == "published" and s["ts"] > lost_at + 0.5 for s in saves), saves

@@ -20,12 +20,11 @@ from pathlib import Path
 
 import orjson
 import pytest
-import yaml
 
 from rollpoint.envs import get_environment
 from rollpoint.testing import invariants
 from tests.support.run_dir import has_checkpoint, newest_holds_depth, published
-from tests.support.serve_process import served
+from tests.support.serve_process import served, workplace_serve_config
 
 pytestmark = pytest.mark.chaos
 
@@ -48,22 +47,8 @@ def _start(served_file: Path, workdir: Path, out: Path) -> subprocess.Popen[byte
 def test_own_trainer_killed_after_a_snapshot_resumes_and_trains_every_row_once(
     tmp_path: Path,
 ) -> None:
-    servers = tmp_path / "servers"
-    servers.mkdir()
-    config = tmp_path / "serve.yaml"
     # 200 ms a policy call: the example's 32 episodes outlast several snapshots.
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "workdir": str(servers),
-                "environment": "workplace",
-                "tasks": TASKS,
-                "group_size": GROUP_SIZE,
-                "replicas": 2,
-                "policy": {"latency_ms": 200, "error_rate": 0},
-            }
-        )
-    )
+    config, _ = workplace_serve_config(tmp_path, tasks=TASKS, group_size=GROUP_SIZE, latency_ms=200)
     workdir, out = tmp_path / "trainer", tmp_path / "trainer.out"
     with served(config) as deployment:
         served_file = tmp_path / "served.json"

@@ -35,7 +35,7 @@ SEED = 1
 """Plans a process kill, replica kills and lost control replies in these 3 trials."""
 
 
-def write_config(folder: Path) -> Path:
+def write_config(folder: Path, *, latency_ms: int = 50) -> Path:
     config = {
         "workdir": str(folder / "run"),
         "environment": "workplace",
@@ -44,13 +44,23 @@ def write_config(folder: Path) -> Path:
         "max_turns": 8,
         "replicas": 2,
         "concurrency": 8,
-        "policy": {"latency_ms": 50, "error_rate": 0},
+        "policy": {"latency_ms": latency_ms, "error_rate": 0},
         "snapshot": {"every_seconds": 0.3},
         "train": {"batch_size": 4},
     }
     path = folder / "job.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
+
+
+async def one_trial(
+    tmp_path: Path, faults: list[PlannedFault], *, latency_ms: int = 50
+) -> tuple[TrialPlan, TrialOutcome]:
+    """One trial of the small job under ``faults``, run as ``rollpoint chaos`` runs it."""
+    config_path = write_config(tmp_path, latency_ms=latency_ms)
+    runner = ChaosRunner(config_path, load_config(config_path), run_timeout_s=120)
+    plan = TrialPlan(trial=0, config=config_path, workdir=tmp_path / "trial-0", faults=faults)
+    return plan, await runner.trial(plan)
 
 
 def rollpoint(*args: str, timeout_s: float = 85) -> subprocess.CompletedProcess[str]:
@@ -168,20 +178,10 @@ def test_an_unreadable_config_is_one_line_and_exit_2(tmp_path: Path) -> None:
 async def test_a_trainer_killed_alone_resumes_on_its_live_servers_with_no_violation(
     tmp_path: Path,
 ) -> None:
-    config_path = write_config(tmp_path)
-    raw = yaml.safe_load(config_path.read_text())
-    raw["policy"]["latency_ms"] = 150  # the kill lands with episodes in flight
-    config_path.write_text(yaml.safe_dump(raw))
-    config = load_config(config_path)
-    runner = ChaosRunner(config_path, config, run_timeout_s=120)
-    plan = TrialPlan(
-        trial=0,
-        config=config_path,
-        workdir=tmp_path / "trial-0",
-        faults=[PlannedFault(kind=ChaosFault.TRAINER_KILL, run=0, at_s=1.5)],
+    # 150 ms a policy call: the kill lands with episodes in flight.
+    plan, outcome = await one_trial(
+        tmp_path, [PlannedFault(kind=ChaosFault.TRAINER_KILL, run=0, at_s=1.5)], latency_ms=150
     )
-
-    outcome = await runner.trial(plan)
 
     assert outcome.violations == [], invariants.report(outcome.violations)
     first, *_, last = outcome.runs
@@ -227,12 +227,7 @@ async def test_a_trainer_killed_alone_resumes_on_its_live_servers_with_no_violat
 async def test_a_stopped_replica_or_a_lost_prepare_or_ack_reply_leaves_no_violation(
     tmp_path: Path, fault: PlannedFault
 ) -> None:
-    config_path = write_config(tmp_path)
-    config = load_config(config_path)
-    runner = ChaosRunner(config_path, config, run_timeout_s=120)
-    plan = TrialPlan(trial=0, config=config_path, workdir=tmp_path / "trial-0", faults=[fault])
-
-    outcome = await runner.trial(plan)
+    plan, outcome = await one_trial(tmp_path, [fault])
 
     assert outcome.violations == [], invariants.report(outcome.violations)
     # It took effect (the trial process said so when it struck), and one run finished.
@@ -261,17 +256,10 @@ async def test_a_stopped_replica_or_a_lost_prepare_or_ack_reply_leaves_no_violat
 async def test_a_rerun_whose_restore_reply_is_lost_asks_again_and_continues(
     tmp_path: Path,
 ) -> None:
-    config_path = write_config(tmp_path)
-    raw = yaml.safe_load(config_path.read_text())
-    raw["policy"]["latency_ms"] = 150  # the kill lands with episodes in flight
-    config_path.write_text(yaml.safe_dump(raw))
-    config = load_config(config_path)
-    runner = ChaosRunner(config_path, config, run_timeout_s=120)
-    plan = TrialPlan(
-        trial=0,
-        config=config_path,
-        workdir=tmp_path / "trial-0",
-        faults=[
+    # 150 ms a policy call: the kill lands with episodes in flight.
+    _, outcome = await one_trial(
+        tmp_path,
+        [
             PlannedFault(kind=ChaosFault.PROCESS_KILL, run=0, at_s=1.5),
             PlannedFault(
                 kind=ChaosFault.LOST_CONTROL_REPLY,
@@ -281,9 +269,8 @@ async def test_a_rerun_whose_restore_reply_is_lost_asks_again_and_continues(
                 verb=Verb.RESTORE,
             ),
         ],
+        latency_ms=150,
     )
-
-    outcome = await runner.trial(plan)
 
     assert outcome.violations == [], invariants.report(outcome.violations)
     first, second, *more = outcome.runs

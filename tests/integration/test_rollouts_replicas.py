@@ -17,11 +17,11 @@ from pathlib import Path
 
 import orjson
 import pytest
-import yaml
 
 from rollpoint import Rollouts, ServedDeployment, parse_config
 from rollpoint.protocol.errors import ConfigError
-from tests.support.serve_process import served
+from tests.support.processes import replica_servers
+from tests.support.serve_process import served, workplace_serve_config
 
 pytestmark = pytest.mark.integration
 
@@ -29,42 +29,11 @@ TASKS, GROUP_SIZE = 12, 2
 LOST = "replica-1"
 
 
-def replica_pids(root: Path, replica: str) -> list[int]:
-    """The server processes of ``replica`` serving from ``root`` (read from /proc)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if (
-            b"rollpoint.runtime.server_process" in cmdline
-            and f'"replica":"{replica}"'.encode() in cmdline
-            and str(root).encode() in cmdline
-        ):
-            found.append(int(entry.name))
-    return found
-
-
 async def test_a_replica_reported_down_is_left_out_and_every_row_trains_once(
     tmp_path: Path,
 ) -> None:
-    servers = tmp_path / "servers"
-    servers.mkdir()
-    serve_config = tmp_path / "serve.yaml"
-    serve_config.write_text(
-        yaml.safe_dump(
-            {
-                "workdir": str(servers),
-                "environment": "workplace",
-                "tasks": TASKS,
-                "group_size": GROUP_SIZE,
-                "replicas": 2,
-                "policy": {"latency_ms": 100, "error_rate": 0},
-            }
-        )
+    serve_config, servers = workplace_serve_config(
+        tmp_path, tasks=TASKS, group_size=GROUP_SIZE, latency_ms=100
     )
     config = parse_config(
         {
@@ -87,7 +56,7 @@ async def test_a_replica_reported_down_is_left_out_and_every_row_trains_once(
             lost_at = None
             async for batch in run.batches():
                 if lost_at is None:
-                    victims = replica_pids(servers, LOST)
+                    victims = replica_servers(servers, LOST)
                     assert len(victims) == 3, victims  # its agent, model and resources
                     for pid in victims:
                         os.kill(pid, signal.SIGKILL)

@@ -5,24 +5,42 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
+
+
+def _processes(file: str) -> Iterator[tuple[int, bytes]]:
+    """(pid, the bytes of ``/proc/<pid>/<file>``) of every process still there (Linux only)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            yield int(entry.name), (entry / file).read_bytes()
+        except OSError:
+            continue
 
 
 def children_of(pid: int) -> list[int]:
     """Direct children of ``pid`` (scans /proc; Linux only)."""
     found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
+    for child, raw in _processes("stat"):
+        stat = raw.decode(errors="replace")
         # The command name may hold spaces or parentheses: fields start after the last ')'.
         fields = stat[stat.rfind(")") + 2 :].split()
         if int(fields[1]) == pid:
-            found.append(int(entry.name))
+            found.append(child)
     return found
+
+
+def replica_servers(root: Path, replica: str) -> list[int]:
+    """The server processes of ``replica`` serving from ``root`` (its workdir, in their
+    command lines), whoever started them."""
+    wanted = (b"rollpoint.runtime.server_process", f'"replica":"{replica}"'.encode())
+    return [
+        pid
+        for pid, cmdline in _processes("cmdline")
+        if all(w in cmdline for w in wanted) and str(root).encode() in cmdline
+    ]
 
 
 def alive(pid: int) -> bool:

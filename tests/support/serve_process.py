@@ -1,6 +1,7 @@
 """One ``rollpoint serve --json`` as a child process: its deployment line, then a clean stop.
 
-Owns starting the command in its own session, reading the one JSON line it prints (the
+Owns the workplace config such tests serve (:func:`workplace_serve_config`), starting the
+command in its own session, reading the one JSON line it prints (the
 replicas' URLs and the token files) and stopping the whole process group on the way out.
 """
 
@@ -16,6 +17,30 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import yaml
+
+
+def workplace_serve_config(
+    folder: Path, *, tasks: int, group_size: int, latency_ms: int
+) -> tuple[Path, Path]:
+    """(the config ``rollpoint serve`` is given, the servers' workdir): two replicas of the
+    workplace environment, a scripted policy of ``latency_ms`` a call that never errs."""
+    servers = folder / "servers"
+    servers.mkdir()
+    config = folder / "serve.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "workdir": str(servers),
+                "environment": "workplace",
+                "tasks": tasks,
+                "group_size": group_size,
+                "replicas": 2,
+                "policy": {"latency_ms": latency_ms, "error_rate": 0},
+            }
+        )
+    )
+    return config, servers
 
 
 @contextmanager

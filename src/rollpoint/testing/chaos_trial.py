@@ -145,8 +145,9 @@ class TrialFaults:
             replicas[key[0]] = replicas[key[0]].model_copy(update={field: self._proxies[key].url})
         self._up_at = time.monotonic()
         emit(TrialEvent(event="up", ts=time.time()))
+        # Armed as the servers come up: the restore is a rerun's first control call.
         self._early = [
-            asyncio.create_task(self._strike(f, self._lose_restore_reply(f)))
+            asyncio.create_task(self._strike(f, self._lost(f)))
             for f in self.faults
             if _at_restore(f)
         ]
@@ -244,18 +245,13 @@ class TrialFaults:
     async def _lose_reply(
         self, fault: PlannedFault, trainer: Trainer, runtime: Runtime
     ) -> Strike | None:
-        proxy = self._proxy_of(fault)
-        if fault.kind is ChaosFault.LOST_RUN_REPLY:
-            rule = proxy.add(Fault.drop_reply(method="POST", path="/run"))
-        else:
-            verb = fault.verb or Verb.COMMIT
-            rule = proxy.add(Fault.drop_reply(method="POST", path=f"{CONTROL_PREFIX}/{verb}"))
-        await rule.wait(timeout_s=_FOREVER_S)
-        return Strike(time.time())
+        return await self._lost(fault)
 
-    async def _lose_restore_reply(self, fault: PlannedFault) -> Strike:
-        # Armed as the servers come up: the restore is the rerun's first control call.
-        path = f"{CONTROL_PREFIX}/{Verb.RESTORE}"
+    async def _lost(self, fault: PlannedFault) -> Strike:
+        """The reply of the next request the fault names is lost: once one was."""
+        path = "/run"
+        if fault.kind is not ChaosFault.LOST_RUN_REPLY:
+            path = f"{CONTROL_PREFIX}/{fault.verb or Verb.COMMIT}"
         rule = self._proxy_of(fault).add(Fault.drop_reply(method="POST", path=path))
         await rule.wait(timeout_s=_FOREVER_S)
         return Strike(time.time())

@@ -51,7 +51,7 @@ from typing import Any
 import orjson
 from pydantic import JsonValue
 
-from rollpoint.protocol.control import StatusReply
+from rollpoint.protocol.control import Phase, StatusReply
 from rollpoint.protocol.errors import (
     ConfigError,
     InvalidCheckpointStateError,
@@ -81,6 +81,8 @@ log = logging.getLogger(__name__)
 
 PARTICIPANTS_SUBDIR = "participants"
 _LIST_LIMIT = 10
+_LEASE_POLL_S = 0.1
+"""How often a restore waiting for a lapsing lease asks the participants again."""
 
 
 @dataclass
@@ -474,8 +476,9 @@ class Restorer:
         """Restore every planned participant or none: one cleanup path on any failure."""
         restore_id = f"restore-{int(time.time() * 1000)}"
         directory = f"{SNAPSHOTS_DIR}/{manifest.snapshot_id}/{PARTICIPANTS_SUBDIR}"
-        deadline = time.time() + deadline_s
         clients = [t.client for t in plan]
+        await self._await_leases(clients, time.time() + deadline_s)
+        deadline = time.time() + deadline_s  # a wait for a lease does not shorten the install
         saved = sorted({e for t in plan for e in t.scope}, key=lambda e: e.key)
         if saved:
             await self._clear_for_install(saved, clients)
@@ -511,6 +514,45 @@ class Restorer:
                 f"restore of snapshot {manifest.snapshot_id} failed, nothing kept: {'; '.join(failed)}"
             )
         await self._resume_all(restore_id, clients)
+
+    async def _await_leases(self, clients: list[ParticipantClient], deadline: float) -> None:
+        """Wait, until ``deadline`` at most, for every participant to be idle.
+
+        A trainer killed in the middle of a snapshot leaves the servers that outlive it (a
+        trainer killed on its own, ``rollpoint serve``) in that checkpoint's phase, refusing
+        any other checkpoint id, until its lease lapses: the deadline it was given plus the
+        grace. Only the lease ends a checkpoint whose coordinator stopped answering: nothing
+        tells a participant that coordinator is gone rather than slow, so the restore waits
+        for the lease instead of resuming a checkpoint it did not start. Past ``deadline``
+        it fails naming the holders; nothing is installed."""
+        warned = False
+        while True:
+            replies = await asyncio.gather(*(c.status() for c in clients), return_exceptions=True)
+            held = [
+                (c, r)
+                for c, r in zip(clients, replies, strict=True)
+                if isinstance(r, StatusReply) and r.phase is not Phase.IDLE
+            ]
+            if not held:
+                return
+            shown = _names([f"{c.label} ({r.phase.value} for {r.checkpoint_id})" for c, r in held])
+            lapses = max(r.lease_expires_at or 0.0 for _, r in held)
+            left = deadline - time.time()
+            if left <= 0:
+                raise RestoreError(
+                    f"restore not started: {shown} still held by a checkpoint of a coordinator "
+                    f"that went away (its lease lapses at {lapses:.1f}, in "
+                    f"{max(lapses - time.time(), 0.0):.1f}s); nothing was installed"
+                )
+            if not warned:
+                warned = True
+                log.warning(
+                    "restore waits for %s: a checkpoint of the trainer that stopped; "
+                    "its lease lapses in %.1fs",
+                    shown,
+                    max(lapses - time.time(), 0.0),
+                )
+            await asyncio.sleep(min(_LEASE_POLL_S, left))
 
     async def _clear_for_install(
         self, saved: list[EpisodeId], clients: list[ParticipantClient]

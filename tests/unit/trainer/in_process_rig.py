@@ -154,9 +154,13 @@ class Rig:
             await fence.aclose()
 
 
-def build_rig(root: Path, replicas: tuple[str, ...] = ("replica-0",)) -> Rig:
+def build_rig(
+    root: Path, replicas: tuple[str, ...] = ("replica-0",), *, lease_grace_s: float = 2
+) -> Rig:
     rig = Rig(root=root)
-    settings = ControlSettings(token="unused-in-process", snapshot_root=str(root), lease_grace_s=2)
+    settings = ControlSettings(
+        token="unused-in-process", snapshot_root=str(root), lease_grace_s=lease_grace_s
+    )
     for replica in replicas:
         for kind in KINDS:
             participant = SessionParticipant(kind=kind, name=str(kind), replica=replica)

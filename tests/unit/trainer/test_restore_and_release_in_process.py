@@ -66,6 +66,57 @@ async def test_a_lost_restore_reply_is_asked_for_again_and_the_restore_holds(
     assert set(rig.phases().values()) == {Phase.IDLE}
 
 
+async def left_mid_snapshot(rig: Rig, checkpoint_id: str, lease_s: float) -> None:
+    """Every participant prepared and committed ``checkpoint_id`` (detached), as a trainer
+    killed before its resume leaves them: held in phase committed until the lease lapses."""
+    deadline = time.time() + lease_s
+    for client in rig.clients:
+        await client.prepare(checkpoint_id, deadline)
+    for client in rig.clients:
+        await client.commit(checkpoint_id, deadline, "dead-trainer", [], wait_for_write=False)
+    assert set(rig.phases().values()) == {Phase.COMMITTED}
+
+
+async def test_a_restore_waits_for_the_lease_of_a_checkpoint_a_killed_trainer_left(
+    tmp_path: Path,
+) -> None:
+    rig = build_rig(tmp_path / "snapshots", lease_grace_s=0.1)
+    try:
+        point = await saved(rig)
+        await left_mid_snapshot(rig, "snap-of-the-dead-trainer", lease_s=0.5)
+
+        run = await Restorer(rig.clients).restore(point, train_data=tmp_path / "train_data.jsonl")
+
+        continued = sorted(e.key for e in run.continued)
+        for label, participant in rig.participants.items():
+            assert sorted(participant.state) == continued, label
+            # The restore came after the lease reopened it: it never met a conflict.
+            assert rig.fences[label].checkpoint_id is None, label
+        assert set(rig.phases().values()) == {Phase.IDLE}
+    finally:
+        await rig.aclose()
+
+
+async def test_a_lease_that_outlasts_the_restore_deadline_fails_it_naming_the_holders(
+    rig: Rig, tmp_path: Path
+) -> None:
+    point = await saved(rig)
+    await left_mid_snapshot(rig, "snap-of-the-dead-trainer", lease_s=30)
+
+    with pytest.raises(RestoreError) as caught:
+        await Restorer(rig.clients).restore(
+            point, train_data=tmp_path / "train_data.jsonl", deadline_s=0.3
+        )
+
+    message = caught.value.message
+    assert "restore not started" in message and "nothing was installed" in message
+    assert f"{AGENT} (committed for snap-of-the-dead-trainer)" in message
+    assert all(participant.state == {} for participant in rig.participants.values())
+    assert all("restore" not in rig.calls(label) for label in rig.participants)
+    # Still the dead trainer's: only its lease ends it.
+    assert set(rig.phases().values()) == {Phase.COMMITTED}
+
+
 async def test_a_failing_participant_fails_the_restore_and_every_participant_is_resumed(
     rig: Rig, tmp_path: Path
 ) -> None:

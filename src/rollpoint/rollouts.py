@@ -20,7 +20,6 @@ See docs/trainers.md.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import queue
 import threading
@@ -168,11 +167,12 @@ class Rollouts:
             return
         if not job.done():
             job.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            if exc is None:
-                await job
-            else:
-                await asyncio.gather(job, return_exceptions=True)
+        # asyncio.wait, not ``await job`` under suppress(CancelledError): a cancel of the
+        # caller while the run stops must reach the caller (rollpoint.background says why).
+        await asyncio.wait({job})
+        error = None if job.cancelled() else job.exception()
+        if exc is None and error is not None:
+            raise error
 
     @property
     def resumed_from(self) -> str | None:

@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 
 from pydantic import JsonValue
 
+from rollpoint.background import stop_task
 from rollpoint.participant.checkpoint_write import (
     REMEMBERED_WRITES,
     CheckpointWrite,
@@ -431,11 +432,8 @@ class Fence:
         left as is."""
         self._closed = True
         await self._collector.aclose()
-        if self._watcher is not None:
-            self._watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._watcher
-            self._watcher = None
+        await stop_task(self._watcher)
+        self._watcher = None
         if isinstance(self._participant, CapturingParticipant):
             await self._participant.aclose()  # its state image's sweep
 

@@ -31,11 +31,12 @@ nor writing (:mod:`rollpoint.participant.checkpoint_write`).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterable
 from typing import Generic, TypeVar
+
+from rollpoint.background import stop_task
 
 log = logging.getLogger(__name__)
 
@@ -119,11 +120,8 @@ class StateImage(Generic[V]):
     async def aclose(self) -> None:
         """Stop the sweep for good (captures still work, remaking what is stale)."""
         self._closed = True
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeper
-            self._sweeper = None
+        await stop_task(self._sweeper)
+        self._sweeper = None
 
     def _start_sweeping(self) -> None:
         if self._sweeper is None and not self._closed:

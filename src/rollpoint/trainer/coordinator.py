@@ -52,6 +52,7 @@ from typing import Any
 import orjson
 from pydantic import JsonValue
 
+from rollpoint.background import stop_task
 from rollpoint.config import SnapshotConfig
 from rollpoint.protocol.control import (
     DETACHED_WRITE,
@@ -354,7 +355,7 @@ class SnapshotCoordinator:
         finally:
             held = final and cut is not None
             if renewer is not None and not held:
-                await _stop(renewer)
+                await stop_task(renewer)
             # Resume is the abort before a publish and the reopen after a good cut: one path.
             try:
                 if not held:
@@ -377,7 +378,7 @@ class SnapshotCoordinator:
             return await self._write_and_publish(cut, prepared, report)
         finally:
             if renewer is not None and not renewer.done():
-                await _stop(renewer)  # a final save's participants were held until now
+                await stop_task(renewer)  # a final save's participants were held until now
 
     async def _write_and_publish(
         self, cut: Cut, prepared: Prepared, report: SaveReport
@@ -619,12 +620,6 @@ async def _drain(models: list[ParticipantClient], until: float) -> None:
         if not running:
             return
         await asyncio.sleep(_DRAIN_POLL_S)
-
-
-async def _stop(task: asyncio.Task[None]) -> None:
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
 
 
 _STORAGE_FAULTS = {

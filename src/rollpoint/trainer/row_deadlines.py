@@ -9,11 +9,11 @@ waits for anything) nor what becomes of a late row (``expire`` decides).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections import deque
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
+from rollpoint.background import stop_task
 from rollpoint.protocol.errors import BadRequestError
 from rollpoint.trainer.dispatch_barrier import DispatchBarrier
 
@@ -51,11 +51,8 @@ class RowDeadlines(Generic[S]):
             self._task = asyncio.create_task(self._watch(), name="row-deadlines")
 
     async def aclose(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await stop_task(self._task)
+        self._task = None
 
     async def _watch(self) -> None:
         while True:

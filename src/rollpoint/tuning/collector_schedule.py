@@ -38,7 +38,6 @@ collections it did not run itself.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import logging
 import sys
@@ -46,6 +45,7 @@ import threading
 import time
 from collections.abc import Callable
 
+from rollpoint.background import stop_task
 from rollpoint.tuning.collector_pause import CollectorHold, freeze, frozen_lock, unfreeze
 
 log = logging.getLogger(__name__)
@@ -286,11 +286,8 @@ class ServerCollector:
         """Stop the task and detach (so shutdown runs no full collection here), then give
         the hold back. A closed collector never starts again."""
         self._closed = True
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await stop_task(self._task)
+        self._task = None
         self._leave()
         self._hold.release()
 

@@ -241,6 +241,10 @@ class RunConfig(_Section):
     limit (each in-flight call holds a socket on every hop)."""
     row_timeout_seconds: Annotated[float, Field(gt=0)] = 300.0
     """Give up on one row after this long (time paused by a snapshot not counted)."""
+    final_states_log: Path | None = None
+    """An audit folder: each resources server appends every verified episode's final
+    environment state there (``resources-<replica>.jsonl``), before the verify reply.
+    ``rollpoint chaos`` sets it and counts tool side effects (I2) from it. None: off."""
 
     @model_validator(mode="after")
     def _check(self) -> RunConfig:

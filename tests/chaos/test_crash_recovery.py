@@ -10,8 +10,10 @@ so one run takes a few seconds.
 
 from __future__ import annotations
 
+import hashlib
 import random
 import re
+import shutil
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -46,6 +48,8 @@ def write_config(tmp_path: Path, **overrides: object) -> Path:
         "policy": {"latency_ms": 60, "error_rate": 0},
         "snapshot": {"every_seconds": 0.3},
         "train": {"batch_size": 4},
+        # I2 is counted from what each resources server held when it verified a rollout.
+        "final_states_log": str(tmp_path / "final-states"),
     }
     config.update(overrides)
     path = tmp_path / "job.yaml"
@@ -124,6 +128,8 @@ def assert_invariants(config_path: Path, final: Finished) -> None:
         config.group_size,
         resumed_since=final.started_at,
         full_reward="all",  # error_rate 0: every rollout must reach full reward
+        final_states=config.final_states_log,
+        store=config.snapshot.store,
     )
     assert found == [], invariants.report(found)
 
@@ -312,6 +318,10 @@ def _line(
     }
 
 
+GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "manifest"
+SNAPSHOT = "snap-000042"  # the golden manifests' id
+
+
 def test_the_invariant_checks_report_each_kind_of_violation(tmp_path: Path) -> None:
     task = TaskRow(
         task_id="workplace-0000",
@@ -338,7 +348,7 @@ def test_the_invariant_checks_report_each_kind_of_violation(tmp_path: Path) -> N
         b"".join(
             orjson.dumps({"ts": ts, "event": "snapshot", "snapshot_id": sid, "outcome": outcome})
             + b"\n"
-            for ts, sid, outcome in [(10.0, "s1", "published"), (25.0, "s2", "failed")]
+            for ts, sid, outcome in [(10.0, SNAPSHOT, "published"), (25.0, "s2", "failed")]
         )
     )
 
@@ -357,12 +367,20 @@ def test_the_invariant_checks_report_each_kind_of_violation(tmp_path: Path) -> N
     assert [v.detail for v in found[invariants.Invariant.SNAPSHOTS_COMMIT]] == [
         "tried 1 snapshot(s) but published none"
     ]
-    # s1 was published but is not in the store; a rerun that did nothing owes no snapshot.
-    assert invariants.check_snapshots_commit(tmp_path, since=5.0)
-    manifest = tmp_path / "snapshots" / "snapshots" / "s1" / "manifest.json"
+    # Published but not in the store, then with a manifest whose sealed train step was
+    # flipped, then sound; a rerun that did nothing owes no snapshot.
+    store = tmp_path / "elsewhere"  # the configured snapshot.store, not WORKDIR/snapshots
+    assert [
+        v.detail for v in invariants.check_snapshots_commit(tmp_path, since=5.0, store=str(store))
+    ] == [f"published but not in {store}"]
+    manifest = store / "snapshots" / SNAPSHOT / "manifest.json"
     manifest.parent.mkdir(parents=True)
-    manifest.write_text("{}")
-    assert invariants.check_snapshots_commit(tmp_path, since=5.0) == []
+    shutil.copy(GOLDEN / "snapshot_manifest_v4_flipped_train_step.json", manifest)
+    (unreadable,) = invariants.check_snapshots_commit(tmp_path, since=5.0, store=str(store))
+    assert unreadable.detail.startswith("published but unreadable: ")
+    shutil.copy(GOLDEN / "snapshot_manifest_v5.json", manifest)
+    assert invariants.check_snapshots_commit(tmp_path, since=5.0, store=str(store)) == []
+    assert invariants.check_snapshots_commit(tmp_path, since=5.0) != []  # not in WORKDIR
     assert invariants.check_snapshots_commit(tmp_path, since=30.0) == []
     (tmp_path / "checkpoints").mkdir()
     (tmp_path / "checkpoints" / "step-00000001.json").write_bytes(
@@ -381,3 +399,26 @@ def test_the_invariant_checks_report_each_kind_of_violation(tmp_path: Path) -> N
     assert [v.detail for v in invariants.check_snapshots_commit(tmp_path, since=30.0)] == [
         "trained steps [1] but published none"
     ]
+    # I1 from the checkpoints' digests: one that covers the first line, and one whose
+    # digest the file no longer matches (a line edited after it was trained).
+    first = len(orjson.dumps(lines[0])) + 1
+    data = (tmp_path / "train_data.jsonl").read_bytes()
+    for step, digest in [(2, hashlib.sha256(data[:first]).hexdigest()), (3, "0" * 64)]:
+        (tmp_path / "checkpoints" / f"step-{step:08d}.json").write_bytes(
+            orjson.dumps(
+                {
+                    "schema_version": 2,
+                    "step": step,
+                    "policy_version": step,
+                    "train_data_bytes": first,
+                    "train_data_lines": 1,
+                    "train_data_sha256": digest,
+                    "episodes_trained": 4,
+                    "groups_trained": 1,
+                    "written_at": 40.0,
+                }
+            )
+        )
+    (edited,) = invariants.check_train_data_digests(tmp_path)
+    assert edited.kind is invariants.Invariant.EXACTLY_ONCE
+    assert edited.subject == "train checkpoint step 3" and "a line was edited" in edited.detail

@@ -7,6 +7,7 @@ import base64
 import json
 import re
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -26,6 +27,7 @@ from rollpoint.protocol.errors import (
     NotFoundError,
 )
 from rollpoint.protocol.ids import EpisodeId
+from rollpoint.servers.resources.final_state_log import read_final_states
 from rollpoint.servers.resources.resources_server import (
     ResourcesService,
     create_resources_app,
@@ -408,3 +410,33 @@ async def _play_one_blackjack_hand(client: HttpClient, url: str, task: TaskRow) 
     verdict = await client.post_json(f"{url}/episodes/verify", {"episode": episode()})
     outcome = json.loads(stand["content"])["outcome"]
     assert verdict["reward"] == {"win": 1.0, "draw": 0.5, "lose": 0.0}[outcome]
+
+
+async def test_with_a_final_state_log_every_verify_logs_the_state_it_scored(
+    tmp_path: Path,
+) -> None:
+    app = create_resources_app("workplace", replica="replica-3", final_states_dir=tmp_path)
+    task = TaskRow(
+        task_id="w1", environment="workplace", prompt="p", params={"events": [SYNC], "emails": []}
+    )
+    with serve_app(app) as url:
+        async with HttpClient(timeout_s=10) as http:
+            await start(http, url, task=task)
+            verify_url = f"{url}/episodes/verify"
+            await http.post_json(verify_url, {"episode": episode()})  # nothing created yet
+            await http.post_json(f"{url}/tools/calendar_create_event", call(0, 0, SYNC))
+            # A retried call under the same key is replayed, not applied again.
+            await http.post_json(f"{url}/tools/calendar_create_event", call(0, 0, SYNC))
+            await http.post_json(verify_url, {"episode": episode()})
+
+    lines = (tmp_path / "resources-replica-3.jsonl").read_bytes().splitlines()
+    assert len(lines) == 2
+    states, unreadable = read_final_states(tmp_path)
+    assert unreadable == []
+    entry = states[("r1", 0)]  # the last verify of the attempt
+    assert (entry.task_id, entry.environment, entry.line) == ("w1", "workplace", 2)
+    env = WorkplaceEnvironment()
+    state = env.restore_state(task, entry.state)
+    assert env.side_effects(state) == {e: 1 for e in env.expected_side_effects(task)}
+    first = env.restore_state(task, orjson.loads(lines[0])["state"])
+    assert env.side_effects(first) == {}

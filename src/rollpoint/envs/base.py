@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import random
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Generic, TypeVar
@@ -177,6 +178,19 @@ class Environment(ABC, Generic[StateT]):
     @abstractmethod
     def restore_state(self, task: TaskRow, exported: Mapping[str, Any]) -> StateT:
         """State equal to the exported one; ``InvalidCheckpointStateError`` when malformed."""
+
+    # ---- side effects ------------------------------------------------------------------
+    def side_effects(self, state: StateT) -> Counter[str]:
+        """Every side effect the episode's state holds (a row inserted, an email sent),
+        each named by one string and counted: an effect counted twice was applied twice.
+        Read from the state itself, never from the transcript: ``rollpoint chaos`` checks
+        exactly-once tool effects (I2) against it. None by default."""
+        return Counter()
+
+    def expected_side_effects(self, task: TaskRow) -> list[str]:
+        """The effects a finished episode of ``task`` holds once each, named as
+        :meth:`side_effects` names them (none by default)."""
+        return []
 
     def close(self, state: StateT) -> None:
         """Release what the state holds (a database connection); a no-op by default."""

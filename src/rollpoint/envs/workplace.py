@@ -174,6 +174,14 @@ def _mail_row(row: tuple[Any, ...]) -> dict[str, JsonValue]:
     return {"id": row[0], "to": row[1], "subject": row[2], "body": row[3]}
 
 
+def _event_effect(title: str, date: str, start_time: str, minutes: int) -> str:
+    return f"event {title!r} on {date} at {start_time} for {minutes} min"
+
+
+def _email_effect(recipient: str, subject: str) -> str:
+    return f"email to {recipient} subject {subject!r}"
+
+
 def _dumps(value: JsonValue) -> str:
     return json.dumps(value, ensure_ascii=False)
 
@@ -321,6 +329,29 @@ class WorkplaceEnvironment(Environment[WorkplaceState]):
             "duplicates": duplicates,
         }
         return VerifyReply(reward=reward, detail=detail)
+
+    def side_effects(self, state: WorkplaceState) -> Counter[str]:
+        effects: Counter[str] = Counter(
+            _event_effect(*row)
+            for row in state.db.execute(
+                "SELECT title, date, start_time, duration_minutes FROM events"
+            )
+        )
+        effects.update(
+            _email_effect(*row)
+            for row in state.db.execute("SELECT recipient, subject FROM sent_mail")
+        )
+        return effects
+
+    def expected_side_effects(self, task: TaskRow) -> list[str]:
+        params = _params(task)
+        return [
+            *(
+                _event_effect(e.title, e.date, e.start_time, e.duration_minutes)
+                for e in params.events
+            ),
+            *(_email_effect(m.to, m.subject) for m in params.emails),
+        ]
 
     def export_state(self, state: WorkplaceState) -> dict[str, JsonValue]:
         return _sqlite_export(state.db.serialize())

@@ -75,6 +75,9 @@ class ReplicaPlan(StrictModel):
     """The reply shape token data is read from (``policy.engine``)."""
     agent_loop: str | None = None
     """The agents' custom loop by import path (None: the built-in one)."""
+    final_states_dir: str | None = None
+    """Set: each resources server logs every verified episode's state there
+    (``final_states_log``)."""
 
     @classmethod
     def of(cls, config: RunConfig, *, policy_url: str, snapshot_root: str | None) -> ReplicaPlan:
@@ -94,6 +97,9 @@ class ReplicaPlan(StrictModel):
             generation_cut=config.policy.generation_cut,
             engine=config.policy.engine,
             agent_loop=config.agent_loop,
+            final_states_dir=None
+            if config.final_states_log is None
+            else str(config.final_states_log.resolve()),
         )
 
     def _port(self, offset: int, restarted: bool) -> int:
@@ -112,7 +118,16 @@ class ReplicaPlan(StrictModel):
             name=f"resources-{replica}",
             host=self.host,
             port=self._port(1 + 3 * index, restarted),
-            settings=self._settings(index, "resources", environment=self.environment),
+            settings=self._settings(
+                index,
+                "resources",
+                environment=self.environment,
+                **(
+                    {}
+                    if self.final_states_dir is None
+                    else {"final_states_dir": self.final_states_dir}
+                ),
+            ),
         )
         model = ServerSpec(
             kind="model",

@@ -20,6 +20,7 @@ import signal
 import socket
 import sys
 import threading
+from pathlib import Path
 from types import FrameType
 
 import orjson
@@ -58,11 +59,13 @@ def build_app(spec: ServerSpec) -> FastAPI:
 
     settings = dict(spec.settings)
     root = settings.get("snapshot_root")
+    final_states = settings.get("final_states_dir")
     return create_resources_app(
         str(settings["environment"]),
         name=str(settings.get("name", "resources")),
         replica=str(settings.get("replica", "replica-0")),
         snapshot_root=None if root is None else str(root),
+        final_states_dir=None if final_states is None else Path(str(final_states)),
     )
 
 

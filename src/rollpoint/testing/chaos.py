@@ -43,6 +43,7 @@ from rollpoint.testing.chaos_plan import (
     TrialEvent,
     TrialPlan,
     draw_plans,
+    final_states_dir,
     served_store,
 )
 from rollpoint.testing.chaos_tally import ChaosTally, RunRecord, TrialOutcome
@@ -103,6 +104,9 @@ class ChaosRunner:
             self.config.group_size,
             resumed_since=runs[-1].settled_since(),
             full_reward=self._reward_scope(),
+            final_states=final_states_dir(plan),
+            # The store the trial's runs were configured with (trial_config): its own.
+            store=served_store(plan),
         )
         for r in runs:
             if r.timed_out:
@@ -131,7 +135,11 @@ class ChaosRunner:
             return
         folder = plan.workdir / "servers"
         folder.mkdir()
-        doc = self.config.model_dump(mode="json") | {"workdir": str(folder), "base_port": None}
+        doc = self.config.model_dump(mode="json") | {
+            "workdir": str(folder),
+            "base_port": None,
+            "final_states_log": str(final_states_dir(plan)),
+        }
         doc["snapshot"] = doc["snapshot"] | {"store": served_store(plan)}
         config = folder / "serve.yaml"
         config.write_text(yaml.safe_dump(doc))

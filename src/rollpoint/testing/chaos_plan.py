@@ -160,6 +160,12 @@ def served_store(plan: TrialPlan) -> str:
     return str(plan.workdir / "snapshots")
 
 
+def final_states_dir(plan: TrialPlan) -> Path:
+    """Where a trial's resources servers log every verified episode's final state (the
+    run's ``final_states_log``), whoever starts them: I2 is counted from it."""
+    return plan.workdir / "final-states"
+
+
 class TrialEvent(StrictModel):
     """One line a trial process prints on stdout."""
 

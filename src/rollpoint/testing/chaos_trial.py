@@ -44,6 +44,7 @@ from rollpoint.testing.chaos_plan import (
     PlannedFault,
     TrialEvent,
     TrialPlan,
+    final_states_dir,
     served_store,
 )
 from rollpoint.testing.fault import Fault
@@ -90,7 +91,12 @@ def trial_config(plan: TrialPlan) -> RunConfig:
     store = served_store(plan) if plan.served is not None else None
     snapshot = config.snapshot.model_copy(update={"store": store})
     return config.model_copy(
-        update={"workdir": plan.workdir, "base_port": None, "snapshot": snapshot}
+        update={
+            "workdir": plan.workdir,
+            "base_port": None,
+            "snapshot": snapshot,
+            "final_states_log": final_states_dir(plan),
+        }
     )
 
 

@@ -6,15 +6,19 @@ store) and judging it against I1 to I4. Every check returns a list of :class:`Vi
 chaos tests report the same findings the same way. It does not run, kill or restart
 anything, and it knows the ``workplace`` tools only as far as I2 needs.
 
-- I1 every ``(group_id, row)`` of ``tasks x group_size`` is trained exactly once;
-- I2 no tool side effect applied twice: no ``calendar_search_events`` result lists an
-  event the task creates more than once, and rollouts that had to reach full reward did;
+- I1 every ``(group_id, row)`` of ``tasks x group_size`` is trained exactly once, and
+  ``train_data.jsonl`` still verifies against every kept train checkpoint's digest;
+- I2 no tool side effect applied twice, counted from the environment's own final state
+  of every trained rollout (the ``final_states_log`` its resources server wrote at verify:
+  for ``workplace`` the SQLite rows, emails included), and every effect applied where the
+  rollout had to reach full reward; without that log, from the transcripts (no
+  ``calendar_search_events`` result lists an event twice) and the rewards;
 - I3 a continued rollout (attempt ≥ 1) did not regenerate turns from before the cut: one
   assistant message per turn, no ``calendar_create_event`` call repeated verbatim, and —
   when the line records them — exactly one model call per turn, the older attempts' calls
   all before the current attempt's;
 - I4 snapshots still commit after the fault: if the run trained or started a snapshot
-  after it, one was published, and the last one is really in the store.
+  after it, one was published, and the last one is really in the configured store.
 
 I5 and I6 are about error replies, not workdir contents: the tests check those directly.
 """
@@ -30,9 +34,13 @@ from typing import Any, Literal
 
 import orjson
 
+from rollpoint.envs.registry import get_environment
 from rollpoint.protocol.episode import TaskRow
-from rollpoint.store.snapshot_store import SNAPSHOTS_DIR
+from rollpoint.protocol.errors import NotFoundError, RestoreError, RollpointError
+from rollpoint.servers.resources.final_state_log import read_final_states
+from rollpoint.store.snapshot_store import SnapshotStore
 from rollpoint.trainer.train_checkpoint import TrainCheckpointStore
+from rollpoint.trainer.train_data import TrainData
 from rollpoint.trainer.trainer_loop import TRAIN_DATA_FILE, group_id_for
 
 METRICS_FILE = "metrics.jsonl"
@@ -192,6 +200,24 @@ def check_exactly_once(
     return found
 
 
+def check_train_data_digests(workdir: Path) -> list[Violation]:
+    """Every kept train checkpoint's coverage of ``train_data.jsonl`` still verifies (its
+    byte count, line count and running digest, :meth:`TrainData.verify`): a row trained
+    under a checkpoint and then rewritten or cut mid-line breaks it."""
+    path = workdir / TRAIN_DATA_FILE
+    found = []
+    for checkpoint in TrainCheckpointStore(workdir / CHECKPOINTS_DIR).available():
+        try:
+            TrainData.verify(path, checkpoint.coverage)
+        except RestoreError as exc:
+            found.append(
+                Violation(
+                    Invariant.EXACTLY_ONCE, f"train checkpoint step {checkpoint.step}", exc.message
+                )
+            )
+    return found
+
+
 # ---- I2 --------------------------------------------------------------------------------------
 def check_side_effects_once(
     rollouts: Sequence[TrainedRollout],
@@ -225,6 +251,71 @@ def check_side_effects_once(
                     f"reward {r.reward}, want {FULL_REWARD}",
                 )
             )
+    return found
+
+
+def check_side_effects_from_state(
+    rollouts: Sequence[TrainedRollout],
+    tasks: Sequence[TaskRow],
+    final_states: Path,
+    *,
+    full_reward: RewardScope = "continued",
+) -> list[Violation]:
+    """I2 from the environment's own state: the final state each resources server logged
+    when it verified a trained rollout (``final_states_log``), read back through the
+    environment (:meth:`~rollpoint.envs.base.Environment.side_effects`). An effect the
+    state holds twice was applied twice; a rollout that had to reach full reward
+    (``full_reward`` as in :func:`check_side_effects_once`) must hold every effect its task
+    asks for. A trained rollout whose verify left no line is a violation too."""
+    states, unreadable = read_final_states(final_states)
+    found = [
+        Violation(Invariant.SIDE_EFFECTS_ONCE, str(final_states), f"unreadable: {problem}")
+        for problem in unreadable
+    ]
+    by_id = {t.task_id: t for t in tasks}
+    for r in rollouts:
+        task = by_id.get(r.task_id)
+        if task is None:
+            continue  # not a row of this job: I1 says so
+        entry = states.get((r.rollout_id, r.attempt))
+        if entry is None:
+            found.append(
+                Violation(
+                    Invariant.SIDE_EFFECTS_ONCE,
+                    r.subject,
+                    f"trained, but no resources server logged its final state in {final_states}",
+                )
+            )
+            continue
+        environment = get_environment(task.environment)
+        try:
+            state = environment.restore_state(task, entry.state)
+        except RollpointError as exc:
+            where = f"{entry.file.name} line {entry.line}"
+            found.append(
+                Violation(Invariant.SIDE_EFFECTS_ONCE, r.subject, f"{where}: {exc.message}")
+            )
+            continue
+        try:
+            effects = environment.side_effects(state)
+        finally:
+            environment.close(state)
+        for effect, n in sorted(effects.items()):
+            if n > 1:
+                found.append(
+                    Violation(
+                        Invariant.SIDE_EFFECTS_ONCE, r.subject, f"applied {n} times: {effect}"
+                    )
+                )
+        must_succeed = full_reward == "all" or (full_reward == "continued" and r.attempt >= 1)
+        if must_succeed:
+            for effect in environment.expected_side_effects(task):
+                if effects[effect] == 0:
+                    found.append(
+                        Violation(
+                            Invariant.SIDE_EFFECTS_ONCE, r.subject, f"never applied: {effect}"
+                        )
+                    )
     return found
 
 
@@ -306,12 +397,16 @@ def _model_call_problems(r: TrainedRollout) -> list[str]:
 
 
 # ---- I4 --------------------------------------------------------------------------------------
-def check_snapshots_commit(workdir: Path, *, since: float) -> list[Violation]:
+def check_snapshots_commit(
+    workdir: Path, *, since: float, store: str | None = None
+) -> list[Violation]:
     """Snapshots still commit from ``since`` on (a Unix time: a rerun's start, or the end of
     a fault): if a step was trained or a snapshot started since, one was published since,
-    and the last one published is in the store. A rerun that found nothing left to do
-    takes none. A snapshot that was under way when ``since`` came is the fault's own and
-    does not count: an event is stamped as the save ends, its pause is how long it ran."""
+    and the last one published is in the store (``store``: the run's ``snapshot.store``,
+    a path or fsspec URL; None: ``WORKDIR/snapshots``), its sealed manifest loading. A
+    rerun that found nothing left to do takes none. A snapshot that was under way when
+    ``since`` came is the fault's own and does not count: an event is stamped as the save
+    ends, its pause is how long it ran."""
     path = workdir / METRICS_FILE
     tried = [e for e in _events(path) if e.get("event") == "snapshot" and _started(e) >= since]
     trained = [
@@ -325,11 +420,19 @@ def check_snapshots_commit(workdir: Path, *, since: float) -> list[Violation]:
             return []
         did = f"trained steps {sorted(trained)}" if trained else f"tried {len(tried)} snapshot(s)"
         return [Violation(Invariant.SNAPSHOTS_COMMIT, str(path), f"{did} but published none")]
-    manifest = workdir / SNAPSHOT_STORE_DIR / SNAPSHOTS_DIR / published[-1] / "manifest.json"
-    if not manifest.exists():
+    root = store if store is not None else str(workdir / SNAPSHOT_STORE_DIR)
+    try:
+        SnapshotStore(root, clean_leftovers=False).load(published[-1])
+    except NotFoundError:
+        return [
+            Violation(Invariant.SNAPSHOTS_COMMIT, published[-1], f"published but not in {root}")
+        ]
+    except RollpointError as exc:
         return [
             Violation(
-                Invariant.SNAPSHOTS_COMMIT, published[-1], f"published but {manifest} is missing"
+                Invariant.SNAPSHOTS_COMMIT,
+                published[-1],
+                f"published but unreadable: {exc.message}",
             )
         ]
     return []
@@ -370,14 +473,23 @@ def check_workdir(
     *,
     resumed_since: float,
     full_reward: RewardScope = "continued",
+    final_states: Path | None = None,
+    store: str | None = None,
 ) -> list[Violation]:
-    """I1 to I4 on a run that finished after a crash; ``resumed_since`` as in
-    :func:`check_snapshots_commit`."""
+    """I1 to I4 on a run that finished after a crash; ``resumed_since`` and ``store`` as in
+    :func:`check_snapshots_commit`. With ``final_states`` (the run's ``final_states_log``)
+    I2 is counted from the environment's own state; without, from the transcripts."""
     rollouts, unreadable = read_train_data(workdir)
+    side_effects = (
+        check_side_effects_once(rollouts, created_titles(tasks), full_reward=full_reward)
+        if final_states is None
+        else check_side_effects_from_state(rollouts, tasks, final_states, full_reward=full_reward)
+    )
     return [
         *unreadable,
         *check_exactly_once(rollouts, expected_rows(tasks, group_size)),
-        *check_side_effects_once(rollouts, created_titles(tasks), full_reward=full_reward),
+        *check_train_data_digests(workdir),
+        *side_effects,
         *check_no_regenerated_turns(rollouts),
-        *check_snapshots_commit(workdir, since=resumed_since),
+        *check_snapshots_commit(workdir, since=resumed_since, store=store),
     ]

@@ -49,6 +49,7 @@ from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from functools import partial
+from pathlib import Path
 from typing import Annotated, Any
 
 import orjson
@@ -93,6 +94,7 @@ from rollpoint.servers.resources.episode_record import (
     episode_records,
     pack_state,
 )
+from rollpoint.servers.resources.final_state_log import FinalStateLog
 from rollpoint.servers.resources.resources_participant import ResourcesParticipant
 from rollpoint.tuning.deferred_value import DeferredValue
 
@@ -197,9 +199,16 @@ class ResourcesService:
     """
 
     def __init__(
-        self, environment: Environment[Any], *, name: str = "resources", replica: str = "replica-0"
+        self,
+        environment: Environment[Any],
+        *,
+        name: str = "resources",
+        replica: str = "replica-0",
+        final_states: FinalStateLog | None = None,
     ) -> None:
         self.environment = environment
+        self.final_states = final_states
+        """Set: every verified episode's state is appended there before the reply."""
         self.name = name
         self.replica = replica
         self._episodes: dict[str, _Episode] = {}
@@ -392,7 +401,15 @@ class ResourcesService:
     def verify(self, request: VerifyRequest) -> VerifyReply:
         self._guard(request.episode)
         episode = self._episode(request.episode.rollout_id)
-        return self.environment.verify(episode.state, episode.task, request.final_message)
+        reply = self.environment.verify(episode.state, episode.task, request.final_message)
+        if self.final_states is not None:
+            self.final_states.append(
+                request.episode,
+                episode.task.task_id,
+                self.environment.name,
+                self.environment.export_state(episode.state),
+            )
+        return reply
 
     async def release_when_thawed(self, rollout_ids: Iterable[str]) -> int:
         async with self.gate.admit():
@@ -614,14 +631,18 @@ def create_resources_app(
     replica: str = "replica-0",
     snapshot_root: str | None = None,
     lease_grace_s: float = 2.0,
+    final_states_dir: Path | None = None,
 ) -> FastAPI:
     """The resources server of one replica; its service is ``app.state.resources_service``.
 
     With ``snapshot_root`` (a local path or fsspec URL) it is a checkpoint participant
-    too: the control routes are mounted, guarded by ``ROLLPOINT_CONTROL_TOKEN``.
+    too: the control routes are mounted, guarded by ``ROLLPOINT_CONTROL_TOKEN``. With
+    ``final_states_dir`` every verified episode's state is logged there
+    (:mod:`~rollpoint.servers.resources.final_state_log`).
     """
     env = get_environment(environment) if isinstance(environment, str) else environment
-    service = ResourcesService(env, name=name, replica=replica)
+    final_states = None if final_states_dir is None else FinalStateLog(final_states_dir, replica)
+    service = ResourcesService(env, name=name, replica=replica, final_states=final_states)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -629,6 +650,8 @@ def create_resources_app(
             yield
         finally:
             await close_control_plane(app)
+            if final_states is not None:
+                final_states.close()
 
     app = create_app(
         f"rollpoint {name} ({replica}, {env.name})", lifespan=lifespan, data_token=data_token()

@@ -104,6 +104,12 @@ def test_a_short_chaos_run_injects_faults_and_finds_no_violation(
     assert report["violations"] == {kind.value: 0 for kind in Invariant}
     assert set(report["faults_injected"]) == {kind.value for kind in ChaosFault}
     assert sum(report["faults_injected"].values()) >= 1
+    # Every planned fault took effect or is named as not injected, with why.
+    for kind, planned in report["faults_planned"].items():
+        assert report["faults_injected"][kind] + report["faults_missed"][kind] == planned, kind
+    missed = [m for trial in report["per_trial"] for m in trial["faults_missed"]]
+    assert len(missed) == sum(report["faults_missed"].values())
+    assert all(m["fault"] and m["reason"] for m in missed)
     assert report["trials_unfinished"] == 0
     assert report["snapshots"]["committed"] > 0
     workdir = load_config(config).workdir

@@ -169,14 +169,18 @@ def final_states_dir(plan: TrialPlan) -> Path:
 class TrialEvent(StrictModel):
     """One line a trial process prints on stdout."""
 
-    event: Literal["up", "fault", "over", "resumed", "finished", "error"]
+    event: Literal["up", "fault", "over", "missed", "resumed", "finished", "error"]
     """``fault``: a planned fault took effect; ``over``: it ended (a partition healed, a
-    killed replica is back up); ``finished``/``error``: the run's last line."""
+    killed replica is back up); ``missed``: it did not take effect, ``reason`` says why;
+    ``finished``/``error``: the run's last line."""
     ts: float
     """Unix time it happened."""
     kind: ChaosFault | None = None
     """``fault`` and ``over``: which kind of fault."""
     detail: str = ""
+    """``fault``, ``over``, ``missed``: the fault as :meth:`PlannedFault.describe` says it."""
+    reason: str = ""
+    """``missed``: why it did not take effect."""
     snapshot_id: str | None = None
     continued: int = 0
     """``resumed``: episodes continued from the snapshot."""

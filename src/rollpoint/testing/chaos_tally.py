@@ -18,7 +18,7 @@ from typing import Any
 
 from rich.table import Table
 
-from rollpoint.testing.chaos_plan import ChaosFault, TrialEvent, TrialPlan
+from rollpoint.testing.chaos_plan import KILLS, ChaosFault, PlannedFault, TrialEvent, TrialPlan
 from rollpoint.testing.invariants import Invariant, Violation
 
 PUBLISHED = "published"
@@ -49,6 +49,15 @@ class RunRecord:
     def failed(self) -> bool:
         """It exited non-zero on its own (not killed by the plan, not hung)."""
         return self.returncode not in (0, None) and not self.killed and not self.timed_out
+
+    @property
+    def ending(self) -> str:
+        """How it ended, in words."""
+        if self.killed:
+            return "killed by the plan"
+        if self.timed_out:
+            return "hung, killed"
+        return f"exit {self.returncode}"
 
     @property
     def error(self) -> str:
@@ -94,6 +103,31 @@ class TrialOutcome:
         return sum((r.faults() for r in self.runs), Counter())
 
     @property
+    def missed(self) -> list[tuple[PlannedFault, str]]:
+        """Every planned fault that did not take effect, with why: what the trial process
+        said, or what the runner saw (the run ended first, or never ran)."""
+        found = []
+        for fault in self.plan.faults:
+            reason = self._missed_because(fault)
+            if reason is not None:
+                found.append((fault, reason))
+        return found
+
+    def _missed_because(self, fault: PlannedFault) -> str | None:
+        if fault.run >= len(self.runs):
+            return f"run {fault.run} never ran: the trial ended with run {len(self.runs) - 1}"
+        record = self.runs[fault.run]
+        if fault.kind in KILLS:
+            if record.killed:
+                return None
+            return f"the run ended ({record.ending}) before the kill at {fault.at_s:.2f}s"
+        described = fault.describe()
+        if any(e.event == "fault" and e.detail == described for e in record.events):
+            return None
+        said = [e.reason for e in record.events if e.event == "missed" and e.detail == described]
+        return said[0] if said else f"the run ended ({record.ending}) before it took effect"
+
+    @property
     def episodes(self) -> tuple[int, int]:
         resumed = [r.resumed() for r in self.runs]
         return sum(c for c, _ in resumed), sum(r for _, r in resumed)
@@ -116,6 +150,9 @@ class TrialOutcome:
             ],
             "faults_planned": [f.describe() for f in self.plan.faults],
             "faults_injected": _all(ChaosFault, self.faults_injected),
+            "faults_missed": [
+                {"fault": fault.describe(), "reason": reason} for fault, reason in self.missed
+            ],
             "snapshots": {"committed": self.snapshots[PUBLISHED], "failed": self.snapshots[FAILED]},
             "episodes": {"continued": continued, "restarted": restarted},
             "violations": _all(Invariant, Counter(v.kind for v in self.violations)),
@@ -144,6 +181,10 @@ class ChaosTally:
     @property
     def faults_planned(self) -> Counter[ChaosFault]:
         return Counter(f.kind for o in self.outcomes for f in o.plan.faults)
+
+    @property
+    def faults_missed(self) -> Counter[ChaosFault]:
+        return Counter(f.kind for o in self.outcomes for f, _ in o.missed)
 
     @property
     def violations(self) -> list[Violation]:
@@ -191,6 +232,7 @@ class ChaosTally:
             "trials_unfinished": sums["trials_unfinished"],
             "faults_injected": _all(ChaosFault, self.faults_injected),
             "faults_planned": _all(ChaosFault, self.faults_planned),
+            "faults_missed": _all(ChaosFault, self.faults_missed),
             "snapshots": {"committed": sums["committed"], "failed": sums["failed"]},
             "episodes": {"continued": sums["continued"], "restarted": sums["restarted"]},
             "violations": {k.value: n for k, n in self.violations_by_kind.items()},
@@ -217,8 +259,11 @@ class ChaosTally:
         for fault in ChaosFault:
             table.add_row(f"faults injected: {fault}", f"{injected[fault]} of {planned[fault]}")
         table.add_row(
-            "faults injected: all",
-            f"{sum(injected.values())} of {sum(planned.values())}",
+            "faults injected: all", f"{sum(injected.values())} of {sum(planned.values())}"
+        )
+        table.add_row(
+            "faults not injected (why: --verbose, --json)",
+            str(sum(self.faults_missed.values())),
             end_section=True,
         )
         table.add_row("snapshots committed", str(sums["committed"]))
@@ -232,7 +277,7 @@ class ChaosTally:
 
     def trial_table(self) -> Table:
         table = Table(title="trials")
-        for column in ("trial", "exits", "faults injected", "snapshots ok/failed"):
+        for column in ("trial", "exits", "faults injected", "not injected", "snapshots ok/failed"):
             table.add_column(column)
         for column in ("continued/restarted", "violations", "seconds"):
             table.add_column(column, justify="right")
@@ -245,6 +290,7 @@ class ChaosTally:
                 str(o.trial),
                 ",".join(str(r.returncode) for r in o.runs),
                 faults or "-",
+                "; ".join(f"{f.describe()}: {why}" for f, why in o.missed) or "-",
                 f"{o.snapshots[PUBLISHED]}/{o.snapshots[FAILED]}",
                 f"{continued}/{restarted}",
                 str(len(o.violations)),

@@ -123,6 +123,8 @@ class TrialFaults:
         self._early: list[asyncio.Task[None]] = []
         """Faults struck from the route on: a rerun's restore is sent before ``drive``."""
         self._up_at = time.monotonic()
+        self._struck: set[str] = set()
+        """The faults that took effect, by description."""
         self._strikes: dict[ChaosFault, _StrikeFn] = {
             ChaosFault.REPLICA_KILL: self._kill_replica,
             ChaosFault.REPLICA_STOP: self._stop_replica,
@@ -133,10 +135,18 @@ class TrialFaults:
         }
 
     async def aclose(self) -> None:
-        for task in self._early:
-            task.cancel()
-        await asyncio.gather(*self._early, return_exceptions=True)
+        await self._give_up(self._early)
         await self._stack.aclose()
+
+    async def _give_up(self, tasks: list[asyncio.Task[None]]) -> None:
+        """Cancel the faults still waiting to strike as the run ends, saying each missed
+        (a task is named by its fault); one that struck and waits to be over is not."""
+        for task in tasks:
+            task.cancel()
+        ended = await asyncio.gather(*tasks, return_exceptions=True)
+        for task, outcome in zip(tasks, ended, strict=True):
+            if isinstance(outcome, asyncio.CancelledError) and task.get_name() not in self._struck:
+                _missed(task.get_name(), "the run ended before it took effect")
 
     async def route(self, deployment: Deployment) -> Deployment:
         """Put a proxy in front of each participant a fault targets; the moments start now."""
@@ -153,7 +163,7 @@ class TrialFaults:
         emit(TrialEvent(event="up", ts=time.time()))
         # Armed as the servers come up: the restore is a rerun's first control call.
         self._early = [
-            asyncio.create_task(self._strike(f, self._lost(f)))
+            asyncio.create_task(self._strike(f, self._lost(f)), name=f.describe())
             for f in self.faults
             if _at_restore(f)
         ]
@@ -170,16 +180,14 @@ class TrialFaults:
                 "rollpoint chaos signals local server processes: use runtime: embedded"
             )
         applying = [
-            asyncio.create_task(self._apply(f, trainer, runtime))
+            asyncio.create_task(self._apply(f, trainer, runtime), name=f.describe())
             for f in self.faults
             if not _at_restore(f)
         ]
         try:
             return await drive_quietly(trainer, runtime, metrics)
         finally:
-            for task in applying:
-                task.cancel()
-            await asyncio.gather(*applying, return_exceptions=True)
+            await self._give_up(applying)
 
     async def _apply(self, fault: PlannedFault, trainer: Trainer, runtime: Runtime) -> None:
         await asyncio.sleep(max(0.0, self._up_at + fault.at_s - time.monotonic()))
@@ -191,11 +199,14 @@ class TrialFaults:
             strike = await striking
         except RollpointError as exc:
             log.warning("chaos: %s could not be applied: %s", fault.describe(), exc.message)
+            _missed(fault.describe(), f"could not be applied: {exc.message}")
             return
         if strike is None:
             log.info("chaos: %s found nothing to hit", fault.describe())
+            _missed(fault.describe(), "found nothing to hit: its replica was down or gone")
             return
         log.info("chaos: %s took effect", fault.describe())
+        self._struck.add(fault.describe())
         emit(TrialEvent(event="fault", ts=strike.ts, kind=fault.kind, detail=fault.describe()))
         if strike.recover is not None:
             await strike.recover()
@@ -291,6 +302,10 @@ class TrialFaults:
         if proxy is None:
             raise ConfigError(f"chaos: no proxy for {fault.describe()}")
         return proxy
+
+
+def _missed(fault: str, reason: str) -> None:
+    emit(TrialEvent(event="missed", ts=time.time(), detail=fault, reason=reason))
 
 
 def _at_restore(fault: PlannedFault) -> bool:

@@ -27,6 +27,7 @@ from rollpoint.testing.chaos import ChaosRunner
 from rollpoint.testing.chaos_plan import ChaosFault, PlannedFault, TrialEvent, TrialPlan
 from rollpoint.testing.chaos_tally import ChaosTally, RunRecord, TrialOutcome
 from rollpoint.testing.invariants import Invariant, snapshot_outcomes
+from rollpoint.testing.snapshot_damage import Damage
 
 pytestmark = pytest.mark.chaos
 
@@ -286,3 +287,29 @@ async def test_a_rerun_whose_restore_reply_is_lost_asks_again_and_continues(
     assert second.returncode == 0 and more == []
     continued, _ = second.resumed()
     assert continued > 0
+
+
+@pytest.mark.parametrize("damage", list(Damage))
+async def test_a_snapshot_damaged_between_kill_and_rerun_is_skipped_and_the_one_before_holds(
+    tmp_path: Path, damage: Damage
+) -> None:
+    plan, outcome = await one_trial(
+        tmp_path,
+        [
+            PlannedFault(kind=ChaosFault.PROCESS_KILL, run=0, at_s=1.5),
+            PlannedFault(kind=ChaosFault.SNAPSHOT_TAMPER, run=1, at_s=0.0, damage=damage),
+        ],
+        latency_ms=150,
+    )
+
+    assert outcome.violations == [], invariants.report(outcome.violations)
+    assert outcome.faults_injected == {ChaosFault.PROCESS_KILL: 1, ChaosFault.SNAPSHOT_TAMPER: 1}
+    (struck,) = [e for e in outcome.runs[1].events if e.event == "fault"]
+    damaged = struck.reason.split(":")[0].removeprefix("snapshot ")
+    resumed = [e.snapshot_id for e in outcome.runs[1].events if e.event == "resumed"]
+    assert resumed and resumed[0] != damaged, (damaged, resumed)
+    if damage is not Damage.MANIFEST:  # a removed manifest leaves no snapshot to skip
+        # The trial's warnings go to its log (rollpoint run prints them on the console).
+        assert (
+            f"WARNING skipping snapshot {damaged}: " in (plan.workdir / "rollpoint.log").read_text()
+        )

@@ -9,7 +9,9 @@ trial's processes reported (faults that took effect, episodes continued and rest
 and what its workdir holds (snapshots published and failed). :class:`ChaosTally` sums the
 trials into one table and one JSON object.
 
-It does not apply the in-process faults (the trial process does) and draws no plan itself.
+Between two runs it damages the trial's newest snapshot when the plan says so
+(:mod:`rollpoint.testing.snapshot_damage`). It does not apply the in-process faults (the
+trial process does) and draws no plan itself.
 Trials run one after another: each is a whole job with its servers.
 """
 
@@ -48,6 +50,7 @@ from rollpoint.testing.chaos_plan import (
 )
 from rollpoint.testing.chaos_tally import ChaosTally, RunRecord, TrialOutcome
 from rollpoint.testing.invariants import Invariant, RewardScope, Violation
+from rollpoint.testing.snapshot_damage import Damage, NothingToDamage, damage_newest
 
 _GONE_WAIT_S = 5.0
 _SERVE_START_S = 120.0
@@ -82,7 +85,8 @@ class ChaosRunner:
         with (plan.workdir / "stderr.log").open("ab") as stderr:
             async with self._servers_apart(plan, stderr) as plan:
                 for run in range(MAX_RERUNS + 1):
-                    runs.append(await self._run(plan.model_copy(update={"run": run}), stderr))
+                    this = plan.model_copy(update={"run": run})
+                    runs.append(await self._run(this, stderr, before=self._between(this)))
                     if runs[-1].returncode == 0:
                         break
         return TrialOutcome(
@@ -177,7 +181,30 @@ class ChaosRunner:
             _kill_group(process.pid)  # a server that outlived serve itself
             await asyncio.to_thread(_wait_group_gone, process.pid)
 
-    async def _run(self, plan: TrialPlan, stderr: IO[bytes]) -> RunRecord:
+    def _between(self, plan: TrialPlan) -> list[TrialEvent]:
+        """Apply the faults on the trial's folder planned before this run: what happened,
+        as the events the run's record starts with."""
+        events = []
+        for fault in plan.before_run():
+            now = time.time()
+            try:
+                done = damage_newest(Path(served_store(plan)), fault.damage or Damage.FILE)
+            except NothingToDamage as exc:
+                events.append(
+                    TrialEvent(event="missed", ts=now, detail=fault.describe(), reason=str(exc))
+                )
+                continue
+            for event in ("fault", "over"):
+                events.append(
+                    TrialEvent(
+                        event=event, ts=now, kind=fault.kind, detail=fault.describe(), reason=done
+                    )
+                )
+        return events
+
+    async def _run(
+        self, plan: TrialPlan, stderr: IO[bytes], *, before: list[TrialEvent]
+    ) -> RunRecord:
         process = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
@@ -190,7 +217,7 @@ class ChaosRunner:
             env={**os.environ, "NO_COLOR": "1"},
         )
         kills = plan.kills()
-        record = RunRecord(run=plan.run, started_at=time.time())
+        record = RunRecord(run=plan.run, started_at=time.time(), events=list(before))
         if kills:
             record.kill = kills[0].kind
         live = _Run(process, record)

@@ -7,8 +7,8 @@ line each on stdout), and :func:`draw_plans`, which draws every trial's faults f
 ``random.Random(seed)`` so a seed names a run of trials.
 
 Moments are seconds after a run's servers are up. Whole-process kills are the runner's
-(it owns the process group); every other fault is applied inside the trial process, on
-the run the plan names. It does not run, kill or check anything.
+(it owns the process group), and so is damage to the trial's snapshots between two runs;
+every other fault is applied inside the trial process, on the run the plan names. It does not run, kill or check anything.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from pydantic import Field
 from rollpoint.protocol.control import Verb
 from rollpoint.protocol.model_base import StrictModel
 from rollpoint.protocol.participant import ParticipantKind
+from rollpoint.testing.snapshot_damage import Damage
 
 MAX_RERUNS = 4
 """Reruns of a trial after its first run, until one exits 0."""
@@ -51,13 +52,21 @@ class ChaosFault(StrEnum):
     """A participant's control routes are unreachable for a moment (refused), then heal."""
     SLOW_PREPARE = "slow_prepare"
     """A participant's prepare reaches it late."""
+    SNAPSHOT_TAMPER = "snapshot_tamper"
+    """Between a kill and the rerun, the newest published snapshot is damaged (a byte of a
+    file, a sealed field, or its manifest gone: :mod:`rollpoint.testing.snapshot_damage`);
+    the rerun must skip it and resume from the one before."""
 
 
 KILLS = frozenset({ChaosFault.PROCESS_KILL, ChaosFault.TRAINER_KILL})
 """The runner's faults: it SIGKILLs the trial process's group (with the servers in it, or
 not when they run under ``rollpoint serve``)."""
-IN_PROCESS = frozenset(set(ChaosFault) - KILLS)
+BETWEEN_RUNS = frozenset({ChaosFault.SNAPSHOT_TAMPER})
+"""The runner's faults on the trial's folder, after one run ended and before the next."""
+IN_PROCESS = frozenset(set(ChaosFault) - KILLS - BETWEEN_RUNS)
 """Faults the trial process applies itself."""
+TAMPER_SHARE = 0.3
+"""Of the trials drawn with a kill, this share damage a snapshot before the rerun."""
 TRAINER_KILL_SHARE = 0.3
 """Of the trials drawn with a kill, this share kill the trainer alone."""
 PROXIED = frozenset(
@@ -106,6 +115,8 @@ class PlannedFault(StrictModel):
     prepare arrives."""
     forward: bool = False
     """``partition``: the participant gets the request that starts it (its reply is lost)."""
+    damage: Damage | None = None
+    """``snapshot_tamper``: how the newest snapshot is damaged."""
 
     def describe(self) -> str:
         where = f"replica-{self.replica}"
@@ -118,6 +129,8 @@ class PlannedFault(StrictModel):
             ChaosFault.PARTITION: f" ({self.seconds:.2f}s{', forwarded' if self.forward else ''})",
             ChaosFault.SLOW_PREPARE: f" (+{self.seconds:.2f}s)",
         }.get(self.kind, "")
+        if self.kind is ChaosFault.SNAPSHOT_TAMPER:
+            return f"{self.kind} of the newest snapshot ({self.damage}) before run {self.run}"
         if self.kind is ChaosFault.PROCESS_KILL:
             where = "trial"
         elif self.kind is ChaosFault.TRAINER_KILL:
@@ -153,6 +166,10 @@ class TrialPlan(StrictModel):
         """The runner's kill of this run (at most one)."""
         return [f for f in self.faults if f.run == self.run and f.kind in KILLS]
 
+    def before_run(self) -> list[PlannedFault]:
+        """The runner's faults on the trial's folder before this run starts."""
+        return [f for f in self.faults if f.run == self.run and f.kind in BETWEEN_RUNS]
+
 
 def served_store(plan: TrialPlan) -> str:
     """The snapshot store of a trial whose servers run apart: the trial's own
@@ -180,7 +197,8 @@ class TrialEvent(StrictModel):
     detail: str = ""
     """``fault``, ``over``, ``missed``: the fault as :meth:`PlannedFault.describe` says it."""
     reason: str = ""
-    """``missed``: why it did not take effect."""
+    """``missed``: why it did not take effect; a runner's fault on the trial's folder
+    (``fault``): what it did."""
     snapshot_id: str | None = None
     continued: int = 0
     """``resumed``: episodes continued from the snapshot."""
@@ -239,6 +257,13 @@ def _draw_faults(rng: random.Random, replicas: int, within_s: float) -> list[Pla
         faults.append(fault)
         if kind is ChaosFault.REPLICA_KILL and replicas > 1:
             free[run] = [t for t in free[run] if t[0] != fault.replica]
+    # Drawn last, so the other faults of a seed stay what they were without it.
+    if kill_at is not None and rng.random() < TAMPER_SHARE:
+        faults.append(
+            PlannedFault(
+                kind=ChaosFault.SNAPSHOT_TAMPER, run=1, at_s=0.0, damage=rng.choice(list(Damage))
+            )
+        )
     return faults
 
 

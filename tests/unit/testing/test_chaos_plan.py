@@ -16,6 +16,7 @@ from rollpoint.testing.chaos_plan import (
     TrialPlan,
     draw_plans,
 )
+from rollpoint.testing.snapshot_damage import Damage
 
 
 def drawn(trials: int = 400, seed: int = 7) -> list[TrialPlan]:
@@ -82,3 +83,16 @@ def test_no_server_is_signalled_in_a_trial_whose_servers_run_apart() -> None:
 def test_a_plan_round_trips_the_command_line() -> None:
     for plan in drawn(trials=50):
         assert TrialPlan.model_validate_json(plan.model_dump_json()) == plan
+
+
+def test_a_snapshot_is_damaged_only_before_the_rerun_of_a_killed_run_each_way() -> None:
+    tampers = [
+        (plan, f) for plan in drawn() for f in plan.faults if f.kind is ChaosFault.SNAPSHOT_TAMPER
+    ]
+
+    assert {f.damage for _, f in tampers} == set(Damage)
+    for plan, fault in tampers:
+        assert fault.run == 1
+        assert any(f.run == 0 and f.kind in KILLS for f in plan.faults)
+        assert plan.model_copy(update={"run": 1}).before_run() == [fault]
+        assert fault not in plan.model_copy(update={"run": 1}).in_process()

@@ -8,12 +8,13 @@ violations by the same check and tally code the command uses.
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 import pytest
@@ -313,3 +314,20 @@ async def test_a_snapshot_damaged_between_kill_and_rerun_is_skipped_and_the_one_
         assert (
             f"WARNING skipping snapshot {damaged}: " in (plan.workdir / "rollpoint.log").read_text()
         )
+
+
+@pytest.mark.parametrize("error", ["ENOSPC", "EIO"])
+async def test_a_snapshot_store_failing_every_write_for_a_moment_is_ridden_out(
+    tmp_path: Path, error: Literal["ENOSPC", "EIO"]
+) -> None:
+    fault = PlannedFault(kind=ChaosFault.STORE_FULL, run=0, at_s=1.0, seconds=0.7, error=error)
+    plan, outcome = await one_trial(tmp_path, [fault], latency_ms=150)
+
+    assert outcome.violations == [], invariants.report(outcome.violations)
+    assert outcome.faults_injected == {ChaosFault.STORE_FULL: 1}
+    assert [r.returncode for r in outcome.runs] == [0]
+    # Saves in the window failed on the store (the trainer's writes or the participants'),
+    # were counted, and the next ones published (I4 checked that much).
+    assert outcome.snapshots["failed"] >= 1, outcome.snapshots
+    log = (plan.workdir / "rollpoint.log").read_text()
+    assert os.strerror(getattr(errno, error)) in log

@@ -46,9 +46,11 @@ from rollpoint.testing.chaos_plan import (
     TrialPlan,
     draw_plans,
     final_states_dir,
-    served_store,
+    trial_store,
+    trial_store_folder,
 )
 from rollpoint.testing.chaos_tally import ChaosTally, RunRecord, TrialOutcome
+from rollpoint.testing.faulty_store import heal
 from rollpoint.testing.invariants import Invariant, RewardScope, Violation
 from rollpoint.testing.snapshot_damage import Damage, NothingToDamage, damage_newest
 
@@ -109,8 +111,8 @@ class ChaosRunner:
             resumed_since=runs[-1].settled_since(),
             full_reward=self._reward_scope(),
             final_states=final_states_dir(plan),
-            # The store the trial's runs were configured with (trial_config): its own.
-            store=served_store(plan),
+            # The store the trial's runs were configured with (trial_config).
+            store=trial_store(plan),
         )
         for r in runs:
             if r.timed_out:
@@ -144,7 +146,7 @@ class ChaosRunner:
             "base_port": None,
             "final_states_log": str(final_states_dir(plan)),
         }
-        doc["snapshot"] = doc["snapshot"] | {"store": served_store(plan)}
+        doc["snapshot"] = doc["snapshot"] | {"store": trial_store(plan)}
         config = folder / "serve.yaml"
         config.write_text(yaml.safe_dump(doc))
         process = await asyncio.create_subprocess_exec(
@@ -184,11 +186,13 @@ class ChaosRunner:
     def _between(self, plan: TrialPlan) -> list[TrialEvent]:
         """Apply the faults on the trial's folder planned before this run: what happened,
         as the events the run's record starts with."""
+        # A trial process killed while the disk was full left it full: it has room again.
+        heal(trial_store_folder(plan))
         events = []
         for fault in plan.before_run():
             now = time.time()
             try:
-                done = damage_newest(Path(served_store(plan)), fault.damage or Damage.FILE)
+                done = damage_newest(trial_store_folder(plan), fault.damage or Damage.FILE)
             except NothingToDamage as exc:
                 events.append(
                     TrialEvent(event="missed", ts=now, detail=fault.describe(), reason=str(exc))

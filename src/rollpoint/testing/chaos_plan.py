@@ -23,6 +23,7 @@ from pydantic import Field
 from rollpoint.protocol.control import Verb
 from rollpoint.protocol.model_base import StrictModel
 from rollpoint.protocol.participant import ParticipantKind
+from rollpoint.testing.faulty_store import store_url
 from rollpoint.testing.snapshot_damage import Damage
 
 MAX_RERUNS = 4
@@ -52,6 +53,9 @@ class ChaosFault(StrEnum):
     """A participant's control routes are unreachable for a moment (refused), then heal."""
     SLOW_PREPARE = "slow_prepare"
     """A participant's prepare reaches it late."""
+    STORE_FULL = "store_full"
+    """Every write to the snapshot store fails (``ENOSPC`` or ``EIO``) for a moment, for the
+    trainer and every participant alike; then the disk has room again."""
     SNAPSHOT_TAMPER = "snapshot_tamper"
     """Between a kill and the rerun, the newest published snapshot is damaged (a byte of a
     file, a sealed field, or its manifest gone: :mod:`rollpoint.testing.snapshot_damage`);
@@ -80,6 +84,8 @@ PROXIED = frozenset(
 """Faults applied by a fault proxy in front of one participant's URL."""
 SIGNALLED = frozenset({ChaosFault.REPLICA_KILL, ChaosFault.REPLICA_STOP})
 """Faults the trial process signals its own runtime's server processes with."""
+STORE_FULL_S = (0.2, 0.8)
+"""How long a ``store_full`` lasts."""
 STOP_S = (0.2, 2.5)
 """How long a ``replica_stop`` lasts: from shorter than a lease to past a save's deadline."""
 LOST_REPLY_VERBS = (
@@ -117,6 +123,8 @@ class PlannedFault(StrictModel):
     """``partition``: the participant gets the request that starts it (its reply is lost)."""
     damage: Damage | None = None
     """``snapshot_tamper``: how the newest snapshot is damaged."""
+    error: Literal["ENOSPC", "EIO"] | None = None
+    """``store_full``: what the failed writes raise."""
 
     def describe(self) -> str:
         where = f"replica-{self.replica}"
@@ -128,11 +136,14 @@ class PlannedFault(StrictModel):
             ChaosFault.LOST_CONTROL_REPLY: f" ({self.verb})",
             ChaosFault.PARTITION: f" ({self.seconds:.2f}s{', forwarded' if self.forward else ''})",
             ChaosFault.SLOW_PREPARE: f" (+{self.seconds:.2f}s)",
+            ChaosFault.STORE_FULL: f" ({self.error}, {self.seconds:.2f}s)",
         }.get(self.kind, "")
         if self.kind is ChaosFault.SNAPSHOT_TAMPER:
             return f"{self.kind} of the newest snapshot ({self.damage}) before run {self.run}"
         if self.kind is ChaosFault.PROCESS_KILL:
             where = "trial"
+        elif self.kind is ChaosFault.STORE_FULL:
+            where = "the snapshot store"
         elif self.kind is ChaosFault.TRAINER_KILL:
             where = "trainer"
         return f"{self.kind} of {where}{extra} at {self.at_s:.2f}s of run {self.run}"
@@ -171,10 +182,19 @@ class TrialPlan(StrictModel):
         return [f for f in self.faults if f.run == self.run and f.kind in BETWEEN_RUNS]
 
 
-def served_store(plan: TrialPlan) -> str:
-    """The snapshot store of a trial whose servers run apart: the trial's own
-    ``snapshots`` folder, as for every trial, named alike by its servers and its trainer."""
-    return str(plan.workdir / "snapshots")
+def trial_store_folder(plan: TrialPlan) -> Path:
+    """The local folder of a trial's snapshot store: its own ``snapshots`` folder."""
+    return plan.workdir / "snapshots"
+
+
+def trial_store(plan: TrialPlan) -> str:
+    """The ``snapshot.store`` of a trial's runs and of its servers apart (named alike by
+    both): its own folder, through the fault-injecting ``faultyfile://`` protocol when the
+    plan fills the disk (:mod:`rollpoint.testing.faulty_store`)."""
+    folder = trial_store_folder(plan)
+    if any(f.kind is ChaosFault.STORE_FULL for f in plan.faults):
+        return store_url(folder)
+    return str(folder)
 
 
 def final_states_dir(plan: TrialPlan) -> Path:
@@ -276,6 +296,16 @@ def _draw_one(
     replicas: int,
 ) -> PlannedFault | None:
     """One fault of ``kind``; None when no participant it can target is still free."""
+    if kind is ChaosFault.STORE_FULL:
+        # Shorter than a save's retry window (retry_after_seconds, 1 s): the run rides it
+        # out; a longer one stops it on purpose (three failed saves in a row).
+        return PlannedFault(
+            kind=kind,
+            run=run,
+            at_s=at_s,
+            seconds=rng.uniform(*STORE_FULL_S),
+            error=rng.choice(["ENOSPC", "EIO"]),
+        )
     if kind in SIGNALLED:
         servers = rng.choice(
             [[ParticipantKind.AGENT], [ParticipantKind.RESOURCES], list(ParticipantKind)]

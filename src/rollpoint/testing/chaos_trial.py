@@ -45,10 +45,12 @@ from rollpoint.testing.chaos_plan import (
     TrialEvent,
     TrialPlan,
     final_states_dir,
-    served_store,
+    trial_store,
+    trial_store_folder,
 )
 from rollpoint.testing.fault import Fault
 from rollpoint.testing.fault_proxy import FaultProxy
+from rollpoint.testing.faulty_store import fail_writes, heal
 from rollpoint.trainer.metrics import TrainerMetrics
 from rollpoint.trainer.trainer_loop import RunSummary, Trainer
 
@@ -88,8 +90,7 @@ def trial_config(plan: TrialPlan) -> RunConfig:
     ports: trials must not share state or collide with servers still dying."""
     config = load_config(plan.config)
     # Servers apart name the store by its path; the trainer must name it alike.
-    store = served_store(plan) if plan.served is not None else None
-    snapshot = config.snapshot.model_copy(update={"store": store})
+    snapshot = config.snapshot.model_copy(update={"store": trial_store(plan)})
     return config.model_copy(
         update={
             "workdir": plan.workdir,
@@ -132,7 +133,9 @@ class TrialFaults:
             ChaosFault.LOST_CONTROL_REPLY: self._lose_reply,
             ChaosFault.PARTITION: self._partition,
             ChaosFault.SLOW_PREPARE: self._slow_prepare,
+            ChaosFault.STORE_FULL: self._fill_store,
         }
+        self._store = trial_store_folder(plan)
 
     async def aclose(self) -> None:
         await self._give_up(self._early)
@@ -296,6 +299,19 @@ class TrialFaults:
         )
         await rule.wait(timeout_s=_FOREVER_S)
         return Strike(time.time(), lambda: asyncio.sleep(fault.seconds))
+
+    async def _fill_store(
+        self, fault: PlannedFault, trainer: Trainer, runtime: Runtime
+    ) -> Strike | None:
+        fail_writes(self._store, fault.error or "ENOSPC")
+
+        async def free() -> None:
+            try:
+                await asyncio.sleep(fault.seconds)
+            finally:  # a run cut short must not leave the disk full (the runner heals too)
+                heal(self._store)
+
+        return Strike(time.time(), free)
 
     def _proxy_of(self, fault: PlannedFault) -> FaultProxy:
         proxy = self._proxies.get((replica_name(fault.replica), fault.participant))

@@ -64,7 +64,9 @@ def resume_point(config: RunConfig, root: Path) -> ResumePoint:
 
 def continued_from_the_cut(rows: list[dict[str, Any]], manifest: SnapshotManifest) -> set[str]:
     """The saved episodes trained as ``attempt + 1`` whose pre-cut turns were answered by
-    the saved attempt (they continued at their saved turn, not from the prompt)."""
+    the saved attempt (they continued at their saved turn, not from the prompt). One saved
+    before its first turn completed has no pre-cut turn: its continuation starts at turn 0
+    (CI met one: the cut came as its first policy call was on the wire)."""
     saved = {e.rollout_id: e for e in manifest.episodes}
     found = set()
     for row in rows:
@@ -72,7 +74,8 @@ def continued_from_the_cut(rows: list[dict[str, Any]], manifest: SnapshotManifes
         if episode is None or row["attempt"] != episode.attempt + 1:
             continue
         early = [c["attempt"] for c in row["model_calls"] if c["turn"] < episode.turns_completed]
-        if early and set(early) == {episode.attempt}:
+        pre_cut = {episode.attempt} if episode.turns_completed else set()
+        if len(early) == episode.turns_completed and set(early) == pre_cut:
             found.add(row["rollout_id"])
     return found
 

@@ -331,3 +331,39 @@ async def test_a_snapshot_store_failing_every_write_for_a_moment_is_ridden_out(
     assert outcome.snapshots["failed"] >= 1, outcome.snapshots
     log = (plan.workdir / "rollpoint.log").read_text()
     assert os.strerror(getattr(errno, error)) in log
+
+
+@pytest.mark.parametrize(
+    "fault",
+    [
+        # A tool call reaches the resources server, is applied, and its reply is lost.
+        PlannedFault(
+            kind=ChaosFault.PEER_PARTITION,
+            run=0,
+            at_s=0.8,
+            participant=ParticipantKind.RESOURCES,
+            seconds=0.4,
+            forward=True,
+        ),
+        PlannedFault(
+            kind=ChaosFault.PEER_PARTITION,
+            run=0,
+            at_s=0.8,
+            participant=ParticipantKind.MODEL,
+            seconds=0.4,
+        ),
+    ],
+    ids=["resources-forwarded", "model"],
+)
+async def test_an_agent_cut_from_its_peer_for_a_moment_leaves_no_violation(
+    tmp_path: Path, fault: PlannedFault
+) -> None:
+    plan, outcome = await one_trial(tmp_path, [fault], latency_ms=100)
+
+    # The episodes whose call met the cut are given up and re-sent under new rollout ids;
+    # I2 counts the trained rollouts' effects from the resources servers' final states.
+    assert outcome.violations == [], invariants.report(outcome.violations)
+    assert outcome.faults_injected == {ChaosFault.PEER_PARTITION: 1}
+    assert [r.returncode for r in outcome.runs] == [0]
+    log = (plan.workdir / "rollpoint.log").read_text()
+    assert "re-sending under new rollout" in log  # the episode the cut call belonged to

@@ -21,6 +21,7 @@ from rollpoint.protocol.deployment import Deployment, ReplicaEndpoints
 from rollpoint.protocol.errors import LaunchError, RollpointError
 from rollpoint.runtime.process_group import ProcessGroup
 from rollpoint.runtime.replica_plan import (
+    PeerRoute,
     ReplicaPlan,
     replica_index,
     replica_name,
@@ -44,11 +45,14 @@ class EmbeddedRuntime:
         data_token: str | None = None,
         snapshot_root: str | None = None,
         log_dir: Path | None = None,
+        peer_route: PeerRoute | None = None,
     ) -> None:
         """With ``control_token`` and ``snapshot_root`` every server is a checkpoint
         participant (control routes on); without, they serve the data plane only. With
-        ``data_token`` the replicas' data routes need it (the policy keeps its api_key)."""
+        ``data_token`` the replicas' data routes need it (the policy keeps its api_key).
+        ``peer_route`` gives each agent its peers' URLs (a replica restarted later too)."""
         self.config = config
+        self._peer_route = peer_route
         self._data_token = data_token
         env = {CONTROL_TOKEN_ENV: control_token} if control_token else {}
         if data_token:
@@ -85,7 +89,9 @@ class EmbeddedRuntime:
     async def _start_replica(self, index: int) -> ReplicaEndpoints:
         assert self._plan is not None
         restarted = replica_name(index) in self._restarts
-        return await start_replica(self.group, self._plan, index, restarted=restarted)
+        return await start_replica(
+            self.group, self._plan, index, restarted=restarted, peer_route=self._peer_route
+        )
 
     async def restart_replica(self, name: str) -> ReplicaEndpoints:
         """Stop what is left of one replica and start it again, empty, on new ports."""

@@ -9,11 +9,14 @@ or watching replicas (each runtime's ``supervise``).
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 from pydantic import JsonValue
 
 from rollpoint.config import RunConfig
 from rollpoint.protocol.deployment import ReplicaEndpoints
 from rollpoint.protocol.model_base import StrictModel
+from rollpoint.protocol.participant import ParticipantKind
 from rollpoint.runtime.process_group import ProcessGroup
 from rollpoint.runtime.server_spec import ServerSpec
 
@@ -175,13 +178,28 @@ class ReplicaPlan(StrictModel):
         )
 
 
+PeerRoute = Callable[[str, ParticipantKind, str], Awaitable[str]]
+"""(replica, peer kind, peer URL) → the URL that replica's agent is given for that peer:
+chaos trials put a fault proxy there, between an agent and its model or resources server."""
+
+
 async def start_replica(
-    group: ProcessGroup, plan: ReplicaPlan, index: int, *, restarted: bool = False
+    group: ProcessGroup,
+    plan: ReplicaPlan,
+    index: int,
+    *,
+    restarted: bool = False,
+    peer_route: PeerRoute | None = None,
 ) -> ReplicaEndpoints:
     """Start replica ``index``'s three servers in ``group``; their URLs once all listen."""
     resources, model = await group.start(plan.peer_specs(index, restarted=restarted))
+    model_url, resources_url = model.url, resources.url
+    if peer_route is not None:
+        name = replica_name(index)
+        model_url = await peer_route(name, ParticipantKind.MODEL, model.url)
+        resources_url = await peer_route(name, ParticipantKind.RESOURCES, resources.url)
     spec = plan.agent_spec(
-        index, model_url=model.url, resources_url=resources.url, restarted=restarted
+        index, model_url=model_url, resources_url=resources_url, restarted=restarted
     )
     (agent,) = await group.start([spec])
     return ReplicaEndpoints(

@@ -53,6 +53,10 @@ class ChaosFault(StrEnum):
     """A participant's control routes are unreachable for a moment (refused), then heal."""
     SLOW_PREPARE = "slow_prepare"
     """A participant's prepare reaches it late."""
+    PEER_PARTITION = "peer_partition"
+    """An agent's link to its model or resources server is cut for a moment (refused),
+    then heals; with ``forward`` the request that cuts it reaches the peer, which acts (a
+    tool call applied), and its reply is lost."""
     STORE_FULL = "store_full"
     """Every write to the snapshot store fails (``ENOSPC`` or ``EIO``) for a moment, for the
     trainer and every participant alike; then the disk has room again."""
@@ -84,6 +88,11 @@ PROXIED = frozenset(
 """Faults applied by a fault proxy in front of one participant's URL."""
 SIGNALLED = frozenset({ChaosFault.REPLICA_KILL, ChaosFault.REPLICA_STOP})
 """Faults the trial process signals its own runtime's server processes with."""
+OWN_SERVERS = SIGNALLED | {ChaosFault.PEER_PARTITION}
+"""Faults that need the trial's servers to be its own processes (not ``rollpoint serve``'s):
+signalled, or with a proxy between an agent and its peers, set up as they start."""
+PEER_PATHS = {ParticipantKind.MODEL: "/v1/", ParticipantKind.RESOURCES: "/tools/"}
+"""What a ``peer_partition`` is cut on: a policy call, or a tool call (a side effect)."""
 STORE_FULL_S = (0.2, 0.8)
 """How long a ``store_full`` lasts."""
 STOP_S = (0.2, 2.5)
@@ -111,16 +120,18 @@ class PlannedFault(StrictModel):
     """Seconds after that run's servers are up."""
     replica: Annotated[int, Field(ge=0)] = 0
     participant: ParticipantKind = ParticipantKind.AGENT
-    """Proxied faults: whose URL the proxy stands in front of."""
+    """Proxied faults: whose URL the proxy stands in front of; ``peer_partition``: which
+    of the agent's peers it cuts the agent from."""
     servers: list[ParticipantKind] = Field(default_factory=list)
     """``replica_kill``, ``replica_stop``: which of the replica's servers are signalled."""
     verb: Verb | None = None
     """``lost_control_reply``: the verb whose reply is lost."""
     seconds: Annotated[float, Field(ge=0)] = 0.0
-    """``partition``, ``replica_stop``: how long it lasts; ``slow_prepare``: how late the
-    prepare arrives."""
+    """``partition``, ``peer_partition``, ``replica_stop``, ``store_full``: how long it
+    lasts; ``slow_prepare``: how late the prepare arrives."""
     forward: bool = False
-    """``partition``: the participant gets the request that starts it (its reply is lost)."""
+    """``partition``, ``peer_partition``: the participant gets the request that starts it
+    (its reply is lost)."""
     damage: Damage | None = None
     """``snapshot_tamper``: how the newest snapshot is damaged."""
     error: Literal["ENOSPC", "EIO"] | None = None
@@ -130,11 +141,14 @@ class PlannedFault(StrictModel):
         where = f"replica-{self.replica}"
         if self.kind in PROXIED:
             where = f"{self.participant}@{where}"
+        elif self.kind is ChaosFault.PEER_PARTITION:
+            where = f"agent-{self.participant} link@{where}"
         extra = {
             ChaosFault.REPLICA_KILL: f" ({', '.join(self.servers)})",
             ChaosFault.REPLICA_STOP: f" ({', '.join(self.servers)}, {self.seconds:.2f}s)",
             ChaosFault.LOST_CONTROL_REPLY: f" ({self.verb})",
             ChaosFault.PARTITION: f" ({self.seconds:.2f}s{', forwarded' if self.forward else ''})",
+            ChaosFault.PEER_PARTITION: f" ({self.seconds:.2f}s{', forwarded' if self.forward else ''})",
             ChaosFault.SLOW_PREPARE: f" (+{self.seconds:.2f}s)",
             ChaosFault.STORE_FULL: f" ({self.error}, {self.seconds:.2f}s)",
         }.get(self.kind, "")
@@ -257,7 +271,7 @@ def _draw_faults(rng: random.Random, replicas: int, within_s: float) -> list[Pla
     # One proxied fault per participant and run: a partition heals its whole proxy.
     free = {run: [(r, p) for r in range(replicas) for p in ParticipantKind] for run in range(2)}
     # Servers apart from the trainer are not its processes: it cannot signal a replica's.
-    pool = sorted(IN_PROCESS - (SIGNALLED if kill is ChaosFault.TRAINER_KILL else set()))
+    pool = sorted(IN_PROCESS - (OWN_SERVERS if kill is ChaosFault.TRAINER_KILL else set()))
     kinds = rng.sample(pool, rng.randint(0 if kill_at is not None else 1, 3))
     # A replica kill first: proxied faults then avoid its replica (once it restarts on new
     # ports, the trainer no longer goes through their proxy).
@@ -305,6 +319,16 @@ def _draw_one(
             at_s=at_s,
             seconds=rng.uniform(*STORE_FULL_S),
             error=rng.choice(["ENOSPC", "EIO"]),
+        )
+    if kind is ChaosFault.PEER_PARTITION:
+        return PlannedFault(
+            kind=kind,
+            run=run,
+            at_s=at_s,
+            replica=rng.randrange(replicas),
+            participant=rng.choice([ParticipantKind.MODEL, ParticipantKind.RESOURCES]),
+            seconds=rng.uniform(0.1, 0.6),
+            forward=rng.random() < 0.5,
         )
     if kind in SIGNALLED:
         servers = rng.choice(

@@ -38,8 +38,9 @@ from rollpoint.runtime.embedded import EmbeddedRuntime, replica_name, replica_of
 from rollpoint.runtime.process_group import ChildServer
 from rollpoint.store.workdir_lock import lock_workdir
 from rollpoint.testing.chaos_plan import (
+    OWN_SERVERS,
+    PEER_PATHS,
     PROXIED,
-    SIGNALLED,
     ChaosFault,
     PlannedFault,
     TrialEvent,
@@ -120,6 +121,8 @@ class TrialFaults:
         self.faults = plan.in_process()
         self._proxies: dict[tuple[str, ParticipantKind], FaultProxy] = {}
         """(replica, participant) → the proxy in front of it; its faults share it."""
+        self._peer_proxies: dict[tuple[str, ParticipantKind], FaultProxy] = {}
+        """(replica, peer) → the proxy between that replica's agent and the peer."""
         self._stack = contextlib.AsyncExitStack()
         self._early: list[asyncio.Task[None]] = []
         """Faults struck from the route on: a rerun's restore is sent before ``drive``."""
@@ -134,6 +137,7 @@ class TrialFaults:
             ChaosFault.PARTITION: self._partition,
             ChaosFault.SLOW_PREPARE: self._slow_prepare,
             ChaosFault.STORE_FULL: self._fill_store,
+            ChaosFault.PEER_PARTITION: self._partition_peer,
         }
         self._store = trial_store_folder(plan)
 
@@ -150,6 +154,26 @@ class TrialFaults:
         for task, outcome in zip(tasks, ended, strict=True):
             if isinstance(outcome, asyncio.CancelledError) and task.get_name() not in self._struck:
                 _missed(task.get_name(), "the run ended before it took effect")
+
+    @property
+    def routes_peers(self) -> bool:
+        return any(f.kind is ChaosFault.PEER_PARTITION for f in self.faults)
+
+    async def peer_route(self, replica: str, peer: ParticipantKind, url: str) -> str:
+        """The URL an agent is given for its peer: a proxy when a fault cuts that link. A
+        replica started again gets its new peers directly (the fault then finds nothing)."""
+        key = (replica, peer)
+        wanted = any(
+            f.kind is ChaosFault.PEER_PARTITION and (replica_name(f.replica), f.participant) == key
+            for f in self.faults
+        )
+        if not wanted:
+            return url
+        if key in self._peer_proxies:
+            del self._peer_proxies[key]
+            return url
+        self._peer_proxies[key] = await self._stack.enter_async_context(FaultProxy(url))
+        return self._peer_proxies[key].url
 
     async def route(self, deployment: Deployment) -> Deployment:
         """Put a proxy in front of each participant a fault targets; the moments start now."""
@@ -176,7 +200,7 @@ class TrialFaults:
         self, trainer: Trainer, runtime: Runtime, metrics: TrainerMetrics
     ) -> RunSummary:
         """Run the job as ``rollpoint run`` does, the faults landing beside it."""
-        if any(f.kind in SIGNALLED for f in self.faults) and not isinstance(
+        if any(f.kind in OWN_SERVERS for f in self.faults) and not isinstance(
             runtime, EmbeddedRuntime
         ):
             raise ConfigError(
@@ -300,6 +324,22 @@ class TrialFaults:
         await rule.wait(timeout_s=_FOREVER_S)
         return Strike(time.time(), lambda: asyncio.sleep(fault.seconds))
 
+    async def _partition_peer(
+        self, fault: PlannedFault, trainer: Trainer, runtime: Runtime
+    ) -> Strike | None:
+        proxy = self._peer_proxies.get((replica_name(fault.replica), fault.participant))
+        if proxy is None:
+            return None  # its replica was started again: the agent talks to its peer directly
+        # Cut on the agent's next call of that kind, so the partition meets an episode.
+        rule = proxy.add(Fault.refuse(path=PEER_PATHS[fault.participant], forward=fault.forward))
+        await rule.wait(timeout_s=_FOREVER_S)
+
+        async def heal() -> None:
+            await asyncio.sleep(fault.seconds)
+            await proxy.heal()
+
+        return Strike(time.time(), heal)
+
     async def _fill_store(
         self, fault: PlannedFault, trainer: Trainer, runtime: Runtime
     ) -> Strike | None:
@@ -356,6 +396,7 @@ async def run_trial(plan: TrialPlan, config: RunConfig) -> RunSummary:
             say=say,
             drive=faults.drive,
             route=faults.route,
+            peer_route=faults.peer_route if faults.routes_peers and attach is None else None,
             attach=attach,
         )
     finally:

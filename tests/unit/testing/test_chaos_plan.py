@@ -10,6 +10,7 @@ from rollpoint.protocol.participant import ParticipantKind
 from rollpoint.testing.chaos_plan import (
     KILLS,
     LOST_REPLY_VERBS,
+    OWN_SERVERS,
     SIGNALLED,
     STOP_S,
     ChaosFault,
@@ -72,12 +73,22 @@ def test_a_stop_lasts_a_drawn_moment_and_names_the_servers_it_stops() -> None:
     assert "s)" in stops[0].describe()  # the duration is in the fault's line
 
 
-def test_no_server_is_signalled_in_a_trial_whose_servers_run_apart() -> None:
-    # A trainer kill puts the servers under rollpoint serve: not the trial's processes.
+def test_no_server_is_signalled_nor_cut_from_its_peers_in_a_trial_whose_servers_run_apart() -> None:
+    # A trainer kill puts the servers under rollpoint serve: not the trial's processes, and
+    # their agents were given their peers' URLs by serve.
     apart = [plan for plan in drawn() if plan.servers_apart]
 
     assert apart
-    assert not [f for plan in apart for f in plan.faults if f.kind in SIGNALLED]
+    assert SIGNALLED < OWN_SERVERS and ChaosFault.PEER_PARTITION in OWN_SERVERS
+    assert not [f for plan in apart for f in plan.faults if f.kind in OWN_SERVERS]
+
+
+def test_a_peer_partition_cuts_an_agent_from_its_model_or_its_resources() -> None:
+    cuts = [f for plan in drawn() for f in plan.faults if f.kind is ChaosFault.PEER_PARTITION]
+
+    assert {f.participant for f in cuts} == {ParticipantKind.MODEL, ParticipantKind.RESOURCES}
+    assert {f.forward for f in cuts} == {True, False}
+    assert all(0.1 <= f.seconds <= 0.6 for f in cuts)
 
 
 def test_a_plan_round_trips_the_command_line() -> None:

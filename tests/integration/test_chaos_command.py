@@ -367,3 +367,44 @@ async def test_an_agent_cut_from_its_peer_for_a_moment_leaves_no_violation(
     assert [r.returncode for r in outcome.runs] == [0]
     log = (plan.workdir / "rollpoint.log").read_text()
     assert "re-sending under new rollout" in log  # the episode the cut call belonged to
+
+
+@pytest.mark.parametrize("server", list(ParticipantKind))
+async def test_a_server_restarted_in_place_with_nothing_leaves_no_violation(
+    tmp_path: Path, server: ParticipantKind
+) -> None:
+    fault = PlannedFault(
+        kind=ChaosFault.PARTICIPANT_RESTART, run=0, at_s=1.0, replica=0, servers=[server]
+    )
+    plan, outcome = await one_trial(tmp_path, [fault], latency_ms=150)
+
+    assert outcome.violations == [], invariants.report(outcome.violations)
+    assert outcome.faults_injected == {ChaosFault.PARTICIPANT_RESTART: 1}
+    assert [r.returncode for r in outcome.runs] == [0]
+    # The calls in flight as it went met a closed address; the runtime restarted nothing.
+    log = (plan.workdir / "rollpoint.log").read_text()
+    assert "re-sending under new rollout" in log
+    assert "restarting replica" not in log
+
+
+async def test_a_resources_server_restarted_empty_between_two_tool_calls_fails_no_group(
+    tmp_path: Path,
+) -> None:
+    # Policy calls outlast the restart: the episodes touch the resources server next only
+    # once it is back, empty, and it no longer knows them (404). That is its lost state,
+    # not the rows' fault: they are re-sent, not failed with their groups (on the code
+    # before, four rows were never trained).
+    fault = PlannedFault(
+        kind=ChaosFault.PARTICIPANT_RESTART,
+        run=0,
+        at_s=0.5,
+        replica=0,
+        servers=[ParticipantKind.RESOURCES],
+    )
+    plan, outcome = await one_trial(tmp_path, [fault], latency_ms=1500)
+
+    assert outcome.violations == [], invariants.report(outcome.violations)
+    assert outcome.faults_injected == {ChaosFault.PARTICIPANT_RESTART: 1}
+    log = (plan.workdir / "rollpoint.log").read_text()
+    assert "which this agent started there: it lost its state" in log
+    assert "failed: row" not in log  # no group failed

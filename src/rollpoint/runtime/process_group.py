@@ -20,6 +20,7 @@ import sys
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from rollpoint.protocol.errors import LaunchError
 from rollpoint.runtime.server_spec import ReadyLine, ServerSpec
@@ -109,6 +110,18 @@ class ProcessGroup:
                 f"{child.spec.name} failed to start: {reason} (log: {child.log_path})"
             )
         child.url = ReadyLine.model_validate_json(raw).url
+
+    async def restart_in_place(self, child: ChildServer) -> ChildServer:
+        """SIGKILL one child and start its spec again on the address it had, empty: what
+        a container restarted behind a stable service address looks like. The group never
+        lists it dead (a supervisor sees no replica go down). For fault injection."""
+        port = urlsplit(child.url).port
+        self.children.remove(child)
+        with contextlib.suppress(ProcessLookupError):
+            child.process.send_signal(signal.SIGKILL)
+        await child.process.wait()
+        (again,) = await self.start([child.spec.model_copy(update={"port": port})])
+        return again
 
     def dead(self) -> list[ChildServer]:
         return [c for c in self.children if not c.alive]

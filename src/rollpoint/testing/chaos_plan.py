@@ -42,6 +42,10 @@ class ChaosFault(StrEnum):
     process group of their own and live on; the rerun attaches to them again."""
     REPLICA_KILL = "replica_kill"
     """SIGKILL of one replica's server processes; the runtime restarts the replica."""
+    PARTICIPANT_RESTART = "participant_restart"
+    """One server of a replica SIGKILLed and started again at once on the same address,
+    empty (a container restarted behind a stable address): the runtime sees no replica
+    go down, the trainer only a participant that forgot everything."""
     REPLICA_STOP = "replica_stop"
     """SIGSTOP of one replica's server processes, SIGCONT a moment later: they wake up
     past their leases and deadlines, with requests queued on their sockets."""
@@ -86,7 +90,9 @@ PROXIED = frozenset(
     }
 )
 """Faults applied by a fault proxy in front of one participant's URL."""
-SIGNALLED = frozenset({ChaosFault.REPLICA_KILL, ChaosFault.REPLICA_STOP})
+SIGNALLED = frozenset(
+    {ChaosFault.REPLICA_KILL, ChaosFault.REPLICA_STOP, ChaosFault.PARTICIPANT_RESTART}
+)
 """Faults the trial process signals its own runtime's server processes with."""
 OWN_SERVERS = SIGNALLED | {ChaosFault.PEER_PARTITION}
 """Faults that need the trial's servers to be its own processes (not ``rollpoint serve``'s):
@@ -123,7 +129,8 @@ class PlannedFault(StrictModel):
     """Proxied faults: whose URL the proxy stands in front of; ``peer_partition``: which
     of the agent's peers it cuts the agent from."""
     servers: list[ParticipantKind] = Field(default_factory=list)
-    """``replica_kill``, ``replica_stop``: which of the replica's servers are signalled."""
+    """``replica_kill``, ``replica_stop``: which of the replica's servers are signalled;
+    ``participant_restart``: the one restarted."""
     verb: Verb | None = None
     """``lost_control_reply``: the verb whose reply is lost."""
     seconds: Annotated[float, Field(ge=0)] = 0.0
@@ -145,6 +152,7 @@ class PlannedFault(StrictModel):
             where = f"agent-{self.participant} link@{where}"
         extra = {
             ChaosFault.REPLICA_KILL: f" ({', '.join(self.servers)})",
+            ChaosFault.PARTICIPANT_RESTART: f" ({', '.join(self.servers)})",
             ChaosFault.REPLICA_STOP: f" ({', '.join(self.servers)}, {self.seconds:.2f}s)",
             ChaosFault.LOST_CONTROL_REPLY: f" ({self.verb})",
             ChaosFault.PARTITION: f" ({self.seconds:.2f}s{', forwarded' if self.forward else ''})",
@@ -319,6 +327,14 @@ def _draw_one(
             at_s=at_s,
             seconds=rng.uniform(*STORE_FULL_S),
             error=rng.choice(["ENOSPC", "EIO"]),
+        )
+    if kind is ChaosFault.PARTICIPANT_RESTART:
+        return PlannedFault(
+            kind=kind,
+            run=run,
+            at_s=at_s,
+            replica=rng.randrange(replicas),
+            servers=[rng.choice(list(ParticipantKind))],
         )
     if kind is ChaosFault.PEER_PARTITION:
         return PlannedFault(

@@ -132,6 +132,7 @@ class TrialFaults:
         self._strikes: dict[ChaosFault, _StrikeFn] = {
             ChaosFault.REPLICA_KILL: self._kill_replica,
             ChaosFault.REPLICA_STOP: self._stop_replica,
+            ChaosFault.PARTICIPANT_RESTART: self._restart_in_place,
             ChaosFault.LOST_RUN_REPLY: self._lose_reply,
             ChaosFault.LOST_CONTROL_REPLY: self._lose_reply,
             ChaosFault.PARTITION: self._partition,
@@ -285,6 +286,16 @@ class TrialFaults:
                         child.process.send_signal(signal.SIGCONT)
 
         return Strike(time.time(), cont)
+
+    async def _restart_in_place(
+        self, fault: PlannedFault, trainer: Trainer, runtime: Runtime
+    ) -> Strike | None:
+        victims = _servers_of(fault, trainer, runtime)
+        if not victims:
+            return None
+        assert isinstance(runtime, EmbeddedRuntime)  # drive checked it
+        await runtime.group.restart_in_place(victims[0])
+        return Strike(time.time())
 
     async def _lose_reply(
         self, fault: PlannedFault, trainer: Trainer, runtime: Runtime

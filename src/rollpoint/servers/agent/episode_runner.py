@@ -20,8 +20,9 @@ the same idempotency keys ``(rollout_id, turn, call_index)``.
 
 Does not own: sessions, parking, or what a failure means for the row (the book turns
 errors into :class:`~rollpoint.protocol.episode.RowFailure`): a peer that is down, times
-out or answers off-protocol raises :class:`TransportError`; a refusal about the data (404
-unknown episode, 422) raises the peer's :class:`ProtocolError`.
+out or answers off-protocol raises :class:`TransportError`, and so does a resources server
+that no longer knows an episode this agent started there (it lost its state: restarted
+empty); a refusal about the data (422) raises the peer's :class:`ProtocolError`.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from rollpoint.protocol.episode import (
     VerifyReply,
     VerifyRequest,
 )
-from rollpoint.protocol.errors import ConfigError, TransportError
+from rollpoint.protocol.errors import ConfigError, NotFoundError, TransportError
 from rollpoint.protocol.ids import (
     HEADER_ATTEMPT,
     HEADER_POLICY_VERSION,
@@ -304,15 +305,29 @@ class EpisodeRunner:
             arguments = "{}" if arguments is None else str(arguments)
         url = f"{self._resources}/tools/{name}"
         body = ToolCall(episode=session.episode, turn=turn, call_index=index, arguments=arguments)
-        reply = await self._client.post_json(
-            url, body.model_dump(mode="json"), timeout_s=self._tool_timeout_s
-        )
+        reply = await self._episode_call(session, url, body)
         result = _parse(ToolResult, reply, url)
         if result.is_error and not result.content.lower().startswith("error"):
             # Tool errors reach the model marked as such, as real agent loops do; the
             # policy retries a step only when it sees the mark.
             return f"error: {result.content}"
         return result.content
+
+    async def _episode_call(self, session: Session, url: str, body: BaseModel) -> Any:
+        """A resources call about an episode this agent started there. One the server no
+        longer knows (404) means the server lost its state: restarted empty on the same
+        address, as a container behind a stable service address is. The episode cannot go
+        on there, through no fault of its row: a transport failure (the trainer re-sends
+        the row fresh), not a data failure that would fail the whole group."""
+        try:
+            return await self._client.post_json(
+                url, body.model_dump(mode="json"), timeout_s=self._tool_timeout_s
+            )
+        except NotFoundError as exc:
+            raise TransportError(
+                f"{url}: the resources server no longer has episode {session.episode.key}, "
+                f"which this agent started there: it lost its state ({exc.message})"
+            ) from None
 
     async def _verify(
         self, session: Session, finish_reason: Literal["final", "max_turns"]
@@ -324,9 +339,7 @@ class EpisodeRunner:
         body = VerifyRequest(
             episode=session.episode, final_message=final if isinstance(final, str) else None
         )
-        reply = await self._client.post_json(
-            url, body.model_dump(mode="json"), timeout_s=self._tool_timeout_s
-        )
+        reply = await self._episode_call(session, url, body)
         verdict = _parse(VerifyReply, reply, url)
         session.pending_response = None
         row = session.row

@@ -486,6 +486,9 @@ def chaos(
     run_timeout: Annotated[
         float, typer.Option("--run-timeout", help="A run still going after this is wedged.")
     ] = 180.0,
+    jobs: Annotated[
+        int, typer.Option("--jobs", help="Trials run at once (each is a whole job).")
+    ] = 1,
 ) -> None:
     """Run the job N times under random faults (process and replica kills, lost replies,
     partitions, slow participants) and check after each that nothing was lost or done twice.
@@ -505,6 +508,7 @@ def chaos(
         verbose=verbose,
         within_s=within,
         run_timeout_s=run_timeout,
+        jobs=jobs,
         console=console,
         out=out,
     )

@@ -90,6 +90,8 @@ def chaos_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str,
         str(SEED),
         "--within",
         "1.0",
+        "--jobs",
+        "2",
         "--json",
         str(report),
     )
@@ -103,6 +105,8 @@ def test_a_short_chaos_run_injects_faults_and_finds_no_violation(
     config, report = chaos_run
 
     assert report["trials"] == TRIALS
+    # Two at a time (--jobs 2), reported in trial order.
+    assert [t["trial"] for t in report["per_trial"]] == list(range(TRIALS))
     assert report["violations"] == {kind.value: 0 for kind in Invariant}
     assert set(report["faults_injected"]) == {kind.value for kind in ChaosFault}
     assert sum(report["faults_injected"].values()) >= 1
@@ -163,6 +167,7 @@ def test_the_tally_counts_violations_in_a_tampered_trial(
     [
         (["--trials", "0"], "--trials must be at least 1, got 0"),
         (["--trials", "2", "--within", "0"], "--within and --run-timeout must be positive"),
+        (["--trials", "2", "--jobs", "0"], "--jobs must be at least 1, got 0"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str], message: str) -> None:

@@ -12,7 +12,8 @@ trials into one table and one JSON object.
 Between two runs it damages the trial's newest snapshot when the plan says so
 (:mod:`rollpoint.testing.snapshot_damage`). It does not apply the in-process faults (the
 trial process does) and draws no plan itself.
-Trials run one after another: each is a whole job with its servers.
+Trials run one after another, or ``--jobs`` of them at once: each is a whole job with its
+servers, in its own folder, on free ports.
 """
 
 from __future__ import annotations
@@ -300,8 +301,14 @@ def _group_members(pgid: int) -> list[int]:
 
 
 async def run_chaos(
-    runner: ChaosRunner, plans: list[TrialPlan], tally: ChaosTally, console: Console
+    runner: ChaosRunner,
+    plans: list[TrialPlan],
+    tally: ChaosTally,
+    console: Console,
+    *,
+    jobs: int = 1,
 ) -> None:
+    """Run every plan, ``jobs`` trials at once; the tally lists them in trial order."""
     columns = (
         TextColumn("[bold]trials"),
         BarColumn(),
@@ -311,14 +318,23 @@ async def run_chaos(
     )
     with Progress(*columns, console=console, transient=False) as progress:
         bar = progress.add_task("trials", total=len(plans), faults=0, violations=0)
-        for plan in plans:
-            tally.add(await runner.trial(plan))
+        gate = asyncio.Semaphore(jobs)
+
+        async def one(plan: TrialPlan) -> None:
+            async with gate:
+                outcome = await runner.trial(plan)
+            tally.add(outcome)
             progress.update(
                 bar,
                 advance=1,
                 faults=sum(tally.faults_injected.values()),
                 violations=sum(tally.violations_by_kind.values()),
             )
+
+        try:
+            await asyncio.gather(*(one(plan) for plan in plans))
+        finally:
+            tally.outcomes.sort(key=lambda o: o.trial)
 
 
 def chaos_command(
@@ -330,6 +346,7 @@ def chaos_command(
     verbose: bool,
     within_s: float,
     run_timeout_s: float,
+    jobs: int = 1,
     console: Console,
     out: Console,
 ) -> int:
@@ -340,6 +357,8 @@ def chaos_command(
             raise ConfigError(f"--trials must be at least 1, got {trials}")
         if within_s <= 0 or run_timeout_s <= 0:
             raise ConfigError("--within and --run-timeout must be positive")
+        if jobs < 1:
+            raise ConfigError(f"--jobs must be at least 1, got {jobs}")
         config = load_config(config_path)
         runner = ChaosRunner(config_path, config, run_timeout_s=run_timeout_s)
     except RollpointError as exc:
@@ -355,7 +374,7 @@ def chaos_command(
     )
     tally = ChaosTally(seed=seed, config=str(config_path))
     try:
-        asyncio.run(run_chaos(runner, plans, tally, console))
+        asyncio.run(run_chaos(runner, plans, tally, console, jobs=jobs))
     except KeyboardInterrupt:
         console.print(f"[yellow]interrupted[/] after {len(tally.outcomes)} trial(s)")
         return 130

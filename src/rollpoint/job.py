@@ -6,8 +6,8 @@ usable snapshot are refused with one line, never deleted), check the config and 
 data against it, start the servers, restore, run the trainer with the replica supervisor beside
 it, and stop everything on every exit path. It owns no display: callers pass ``say`` for
 messages and ``drive`` to watch the trainer (the CLI draws progress; chaos trials do not),
-and may reroute the deployment and each agent's peers (chaos trials put fault proxies in
-those paths).
+and may reroute the deployment and change each server's spec before it starts (chaos
+trials put fault proxies in those paths and skew clocks).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from rollpoint.protocol.episode import TaskRow
 from rollpoint.protocol.errors import ConfigError, RestoreError
 from rollpoint.runtime.attached import AttachedRuntime
 from rollpoint.runtime.contract import Runtime, runtime_for
-from rollpoint.runtime.replica_plan import PeerRoute
+from rollpoint.runtime.replica_plan import SpecHook
 from rollpoint.start_checks import check_store_writable, check_workdir_writable, unreadable
 from rollpoint.store.snapshot_store import SnapshotStore
 from rollpoint.store.workdir_lock import lock_workdir
@@ -170,7 +170,7 @@ async def run_job(
     say: Callable[[str], None] = log.info,
     drive: Drive = drive_quietly,
     route: Route | None = None,
-    peer_route: PeerRoute | None = None,
+    spec_hook: SpecHook | None = None,
     data_token: str | None = None,
     stop: StopRequest | None = None,
     hooks: TrainHooks | None = None,
@@ -227,15 +227,15 @@ async def run_job(
         )
     metrics = TrainerMetrics(config.workdir / "metrics.jsonl", config.workdir / EVENTS_FILE)
     events = metrics.run_events
-    if attach is not None and peer_route is not None:
-        raise ConfigError("an attached run starts no agents: it cannot route their peers")
+    if attach is not None and spec_hook is not None:
+        raise ConfigError("an attached run starts no servers: it has no specs to hook")
     runtime: Runtime = (
         runtime_for(
             config,
             control_token=token,
             data_token=data_token,
             snapshot_root=root,
-            peer_route=peer_route,
+            spec_hook=spec_hook,
         )
         if attach is None
         else AttachedRuntime(config, attach.deployment())

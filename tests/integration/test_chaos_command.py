@@ -413,3 +413,42 @@ async def test_a_resources_server_restarted_empty_between_two_tool_calls_fails_n
     log = (plan.workdir / "rollpoint.log").read_text()
     assert "which this agent started there: it lost its state" in log
     assert "failed: row" not in log  # no group failed
+
+
+@pytest.mark.parametrize(
+    ("server", "skew_s"),
+    [(ParticipantKind.RESOURCES, 2.0), (ParticipantKind.AGENT, -2.0), (ParticipantKind.MODEL, 2.0)],
+    ids=["resources-ahead", "agent-behind", "model-ahead"],
+)
+async def test_a_participant_whose_clock_is_skewed_within_tolerance_leaves_no_violation(
+    tmp_path: Path, server: ParticipantKind, skew_s: float
+) -> None:
+    fault = PlannedFault(
+        kind=ChaosFault.CLOCK_SKEW, run=0, at_s=0.0, replica=1, participant=server, seconds=skew_s
+    )
+    plan, outcome = await one_trial(tmp_path, [fault])
+
+    assert outcome.violations == [], invariants.report(outcome.violations)
+    assert outcome.faults_injected == {ChaosFault.CLOCK_SKEW: 1}
+    assert outcome.snapshots["failed"] == 0, outcome.snapshots  # nothing refused a deadline
+    assert "Traceback" not in (plan.workdir / "logs" / f"{server}-replica-1.log").read_text()
+
+
+async def test_a_clock_skewed_past_the_deadline_fails_every_snapshot_naming_the_participant(
+    tmp_path: Path,
+) -> None:
+    # Beyond the tolerance (15 s ahead, deadlines 10 s): the skew is real, and caught.
+    fault = PlannedFault(
+        kind=ChaosFault.CLOCK_SKEW,
+        run=0,
+        at_s=0.0,
+        replica=1,
+        participant=ParticipantKind.RESOURCES,
+        seconds=15.0,
+    )
+    plan, outcome = await one_trial(tmp_path, [fault])
+
+    assert outcome.snapshots["published"] == 0 and outcome.snapshots["failed"] >= 1
+    assert {v.kind for v in outcome.violations} == {Invariant.SNAPSHOTS_COMMIT}
+    log = (plan.workdir / "rollpoint.log").read_text()
+    assert "resources@replica-1 prepare" in log and "passed 5.0" in log  # 15 s - 10 s

@@ -15,11 +15,15 @@ Does not own the phase machine (:mod:`rollpoint.participant.fence`), the routes
 
 from __future__ import annotations
 
+import math
+import time
+
 from fastapi import FastAPI
 
 from rollpoint.participant.control_routes import mount_control_routes
 from rollpoint.participant.fence import ControlSettings, Fence
 from rollpoint.participant.participant import Participant
+from rollpoint.protocol.errors import ConfigError
 
 __all__ = ["close_control_plane", "control_fence", "mount_participant"]
 
@@ -31,18 +35,24 @@ def mount_participant(
     token: str,
     snapshot_root: str,
     lease_grace_s: float = 2.0,
+    clock_skew_s: float = 0.0,
 ) -> Fence:
     """Make ``app`` a checkpoint participant: a fence over ``participant`` and the control
     routes, guarded by ``token`` (passed explicitly: nothing is read from the environment).
 
     The SDK's one mounting function (``rollpoint.participant``), the built-in servers'
     too. Returns the fence (also on ``app.state.fence``); close it with
-    :func:`close_control_plane` when the app shuts down.
+    :func:`close_control_plane` when the app shuts down. ``clock_skew_s`` is for fault
+    injection: the fence reads deadlines and leases against a clock that far ahead of this
+    machine's (behind when negative), as a participant on a skewed machine would.
     """
     settings = ControlSettings(
         token=token, snapshot_root=snapshot_root, lease_grace_s=lease_grace_s
     )
-    fence = Fence(participant, settings)
+    if not math.isfinite(clock_skew_s):
+        raise ConfigError(f"clock_skew_s must be a finite number of seconds, got {clock_skew_s}")
+    clock = time.time if clock_skew_s == 0 else (lambda: time.time() + clock_skew_s)
+    fence = Fence(participant, settings, clock=clock)
     mount_control_routes(app, fence, settings)
     app.state.fence = fence
     return fence

@@ -16,7 +16,7 @@ from typing import Protocol, Self
 from rollpoint.config import RunConfig
 from rollpoint.protocol.deployment import Deployment, ReplicaEndpoints
 from rollpoint.protocol.errors import ConfigError
-from rollpoint.runtime.replica_plan import PeerRoute
+from rollpoint.runtime.replica_plan import SpecHook
 
 OnDown = Callable[[str], Awaitable[None]]
 OnUp = Callable[[ReplicaEndpoints], Awaitable[None]]
@@ -60,13 +60,13 @@ def runtime_for(
     data_token: str | None = None,
     snapshot_root: str | None = None,
     log_dir: Path | None = None,
-    peer_route: PeerRoute | None = None,
+    spec_hook: SpecHook | None = None,
 ) -> Runtime:
     """The runtime ``config.runtime`` names, with the same tokens and snapshot settings.
-    ``peer_route`` (chaos trials) needs the embedded runtime: its agents are local."""
+    ``spec_hook`` (chaos trials) needs the embedded runtime: it starts local processes."""
     if config.runtime == "ray":
-        if peer_route is not None:
-            raise ConfigError("routing agents' peers through a proxy needs runtime: embedded")
+        if spec_hook is not None:
+            raise ConfigError("a hook on the servers' specs needs runtime: embedded")
         from rollpoint.runtime.ray_runtime import RayRuntime
 
         return RayRuntime(
@@ -84,5 +84,5 @@ def runtime_for(
         data_token=data_token,
         snapshot_root=snapshot_root,
         log_dir=log_dir,
-        peer_route=peer_route,
+        spec_hook=spec_hook,
     )

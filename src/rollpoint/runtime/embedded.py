@@ -21,8 +21,8 @@ from rollpoint.protocol.deployment import Deployment, ReplicaEndpoints
 from rollpoint.protocol.errors import LaunchError, RollpointError
 from rollpoint.runtime.process_group import ProcessGroup
 from rollpoint.runtime.replica_plan import (
-    PeerRoute,
     ReplicaPlan,
+    SpecHook,
     replica_index,
     replica_name,
     replica_of,
@@ -45,14 +45,15 @@ class EmbeddedRuntime:
         data_token: str | None = None,
         snapshot_root: str | None = None,
         log_dir: Path | None = None,
-        peer_route: PeerRoute | None = None,
+        spec_hook: SpecHook | None = None,
     ) -> None:
         """With ``control_token`` and ``snapshot_root`` every server is a checkpoint
         participant (control routes on); without, they serve the data plane only. With
         ``data_token`` the replicas' data routes need it (the policy keeps its api_key).
-        ``peer_route`` gives each agent its peers' URLs (a replica restarted later too)."""
+        ``spec_hook`` sees every replica server's spec before it starts (a replica restarted
+        later too)."""
         self.config = config
-        self._peer_route = peer_route
+        self._spec_hook = spec_hook
         self._data_token = data_token
         env = {CONTROL_TOKEN_ENV: control_token} if control_token else {}
         if data_token:
@@ -90,7 +91,7 @@ class EmbeddedRuntime:
         assert self._plan is not None
         restarted = replica_name(index) in self._restarts
         return await start_replica(
-            self.group, self._plan, index, restarted=restarted, peer_route=self._peer_route
+            self.group, self._plan, index, restarted=restarted, spec_hook=self._spec_hook
         )
 
     async def restart_replica(self, name: str) -> ReplicaEndpoints:

@@ -16,7 +16,6 @@ from pydantic import JsonValue
 from rollpoint.config import RunConfig
 from rollpoint.protocol.deployment import ReplicaEndpoints
 from rollpoint.protocol.model_base import StrictModel
-from rollpoint.protocol.participant import ParticipantKind
 from rollpoint.runtime.process_group import ProcessGroup
 from rollpoint.runtime.server_spec import ServerSpec
 
@@ -178,9 +177,10 @@ class ReplicaPlan(StrictModel):
         )
 
 
-PeerRoute = Callable[[str, ParticipantKind, str], Awaitable[str]]
-"""(replica, peer kind, peer URL) → the URL that replica's agent is given for that peer:
-chaos trials put a fault proxy there, between an agent and its model or resources server."""
+SpecHook = Callable[[ServerSpec], Awaitable[ServerSpec]]
+"""Sees each replica server's spec before it starts and returns the one to start: chaos
+trials put a fault proxy between an agent and its peers (its ``model_url`` or
+``resources_url``) or skew a participant's control clock (``clock_skew_s``)."""
 
 
 async def start_replica(
@@ -189,18 +189,18 @@ async def start_replica(
     index: int,
     *,
     restarted: bool = False,
-    peer_route: PeerRoute | None = None,
+    spec_hook: SpecHook | None = None,
 ) -> ReplicaEndpoints:
     """Start replica ``index``'s three servers in ``group``; their URLs once all listen."""
-    resources, model = await group.start(plan.peer_specs(index, restarted=restarted))
-    model_url, resources_url = model.url, resources.url
-    if peer_route is not None:
-        name = replica_name(index)
-        model_url = await peer_route(name, ParticipantKind.MODEL, model.url)
-        resources_url = await peer_route(name, ParticipantKind.RESOURCES, resources.url)
+    peers = plan.peer_specs(index, restarted=restarted)
+    if spec_hook is not None:
+        peers = [await spec_hook(spec) for spec in peers]
+    resources, model = await group.start(peers)
     spec = plan.agent_spec(
-        index, model_url=model_url, resources_url=resources_url, restarted=restarted
+        index, model_url=model.url, resources_url=resources.url, restarted=restarted
     )
+    if spec_hook is not None:
+        spec = await spec_hook(spec)
     (agent,) = await group.start([spec])
     return ReplicaEndpoints(
         name=replica_name(index),

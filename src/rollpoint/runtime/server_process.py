@@ -66,6 +66,7 @@ def build_app(spec: ServerSpec) -> FastAPI:
         replica=str(settings.get("replica", "replica-0")),
         snapshot_root=None if root is None else str(root),
         final_states_dir=None if final_states is None else Path(str(final_states)),
+        clock_skew_s=float(str(settings.get("clock_skew_s", 0.0))),
     )
 
 

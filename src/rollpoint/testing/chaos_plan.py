@@ -18,7 +18,7 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from rollpoint.protocol.control import Verb
 from rollpoint.protocol.model_base import StrictModel
@@ -57,6 +57,10 @@ class ChaosFault(StrEnum):
     """A participant's control routes are unreachable for a moment (refused), then heal."""
     SLOW_PREPARE = "slow_prepare"
     """A participant's prepare reaches it late."""
+    CLOCK_SKEW = "clock_skew"
+    """One participant's control clock runs ahead or behind the trainer's, within the
+    protocol's tolerance (:data:`CLOCK_SKEW_S`), for the whole run: every deadline and
+    lease it keeps is read against it."""
     PEER_PARTITION = "peer_partition"
     """An agent's link to its model or resources server is cut for a moment (refused),
     then heals; with ``forward`` the request that cuts it reaches the peer, which acts (a
@@ -94,11 +98,16 @@ SIGNALLED = frozenset(
     {ChaosFault.REPLICA_KILL, ChaosFault.REPLICA_STOP, ChaosFault.PARTICIPANT_RESTART}
 )
 """Faults the trial process signals its own runtime's server processes with."""
-OWN_SERVERS = SIGNALLED | {ChaosFault.PEER_PARTITION}
+SPEC_FAULTS = frozenset({ChaosFault.PEER_PARTITION, ChaosFault.CLOCK_SKEW})
+"""Faults set up in a server's spec as the runtime starts it."""
+OWN_SERVERS = SIGNALLED | SPEC_FAULTS
 """Faults that need the trial's servers to be its own processes (not ``rollpoint serve``'s):
-signalled, or with a proxy between an agent and its peers, set up as they start."""
+signalled, or set up in their specs as they start."""
 PEER_PATHS = {ParticipantKind.MODEL: "/v1/", ParticipantKind.RESOURCES: "/tools/"}
 """What a ``peer_partition`` is cut on: a policy call, or a tool call (a side effect)."""
+CLOCK_SKEW_S = 2.0
+"""How far a ``clock_skew`` moves a participant's clock, either way: within the
+tolerance docs/protocol.md states (well under ``snapshot.deadline_seconds``)."""
 STORE_FULL_S = (0.2, 0.8)
 """How long a ``store_full`` lasts."""
 STOP_S = (0.2, 2.5)
@@ -133,9 +142,10 @@ class PlannedFault(StrictModel):
     ``participant_restart``: the one restarted."""
     verb: Verb | None = None
     """``lost_control_reply``: the verb whose reply is lost."""
-    seconds: Annotated[float, Field(ge=0)] = 0.0
+    seconds: Annotated[float, Field(allow_inf_nan=False)] = 0.0
     """``partition``, ``peer_partition``, ``replica_stop``, ``store_full``: how long it
-    lasts; ``slow_prepare``: how late the prepare arrives."""
+    lasts; ``slow_prepare``: how late the prepare arrives; ``clock_skew``: how far ahead
+    (negative: behind) the participant's clock runs."""
     forward: bool = False
     """``partition``, ``peer_partition``: the participant gets the request that starts it
     (its reply is lost)."""
@@ -144,9 +154,15 @@ class PlannedFault(StrictModel):
     error: Literal["ENOSPC", "EIO"] | None = None
     """``store_full``: what the failed writes raise."""
 
+    @model_validator(mode="after")
+    def _durations_are_not_negative(self) -> PlannedFault:
+        if self.seconds < 0 and self.kind is not ChaosFault.CLOCK_SKEW:
+            raise ValueError(f"{self.kind}: seconds must be >= 0, got {self.seconds}")
+        return self
+
     def describe(self) -> str:
         where = f"replica-{self.replica}"
-        if self.kind in PROXIED:
+        if self.kind in PROXIED or self.kind is ChaosFault.CLOCK_SKEW:
             where = f"{self.participant}@{where}"
         elif self.kind is ChaosFault.PEER_PARTITION:
             where = f"agent-{self.participant} link@{where}"
@@ -159,6 +175,7 @@ class PlannedFault(StrictModel):
             ChaosFault.PEER_PARTITION: f" ({self.seconds:.2f}s{', forwarded' if self.forward else ''})",
             ChaosFault.SLOW_PREPARE: f" (+{self.seconds:.2f}s)",
             ChaosFault.STORE_FULL: f" ({self.error}, {self.seconds:.2f}s)",
+            ChaosFault.CLOCK_SKEW: f" ({self.seconds:+.2f}s)",
         }.get(self.kind, "")
         if self.kind is ChaosFault.SNAPSHOT_TAMPER:
             return f"{self.kind} of the newest snapshot ({self.damage}) before run {self.run}"
@@ -335,6 +352,15 @@ def _draw_one(
             at_s=at_s,
             replica=rng.randrange(replicas),
             servers=[rng.choice(list(ParticipantKind))],
+        )
+    if kind is ChaosFault.CLOCK_SKEW:
+        return PlannedFault(
+            kind=kind,
+            run=run,
+            at_s=0.0,
+            replica=rng.randrange(replicas),
+            participant=rng.choice(list(ParticipantKind)),
+            seconds=rng.uniform(-CLOCK_SKEW_S, CLOCK_SKEW_S),
         )
     if kind is ChaosFault.PEER_PARTITION:
         return PlannedFault(

@@ -36,11 +36,13 @@ from rollpoint.protocol.participant import ParticipantKind
 from rollpoint.runtime.contract import Runtime
 from rollpoint.runtime.embedded import EmbeddedRuntime, replica_name, replica_of
 from rollpoint.runtime.process_group import ChildServer
+from rollpoint.runtime.server_spec import ServerSpec
 from rollpoint.store.workdir_lock import lock_workdir
 from rollpoint.testing.chaos_plan import (
     OWN_SERVERS,
     PEER_PATHS,
     PROXIED,
+    SPEC_FAULTS,
     ChaosFault,
     PlannedFault,
     TrialEvent,
@@ -123,6 +125,8 @@ class TrialFaults:
         """(replica, participant) → the proxy in front of it; its faults share it."""
         self._peer_proxies: dict[tuple[str, ParticipantKind], FaultProxy] = {}
         """(replica, peer) → the proxy between that replica's agent and the peer."""
+        self._skewed: set[str] = set()
+        """Servers started with a skewed control clock, by name."""
         self._stack = contextlib.AsyncExitStack()
         self._early: list[asyncio.Task[None]] = []
         """Faults struck from the route on: a rerun's restore is sent before ``drive``."""
@@ -139,6 +143,7 @@ class TrialFaults:
             ChaosFault.SLOW_PREPARE: self._slow_prepare,
             ChaosFault.STORE_FULL: self._fill_store,
             ChaosFault.PEER_PARTITION: self._partition_peer,
+            ChaosFault.CLOCK_SKEW: self._skew_clock,
         }
         self._store = trial_store_folder(plan)
 
@@ -157,24 +162,35 @@ class TrialFaults:
                 _missed(task.get_name(), "the run ended before it took effect")
 
     @property
-    def routes_peers(self) -> bool:
-        return any(f.kind is ChaosFault.PEER_PARTITION for f in self.faults)
+    def hooks_specs(self) -> bool:
+        return any(f.kind in SPEC_FAULTS for f in self.faults)
 
-    async def peer_route(self, replica: str, peer: ParticipantKind, url: str) -> str:
-        """The URL an agent is given for its peer: a proxy when a fault cuts that link. A
-        replica started again gets its new peers directly (the fault then finds nothing)."""
-        key = (replica, peer)
-        wanted = any(
-            f.kind is ChaosFault.PEER_PARTITION and (replica_name(f.replica), f.participant) == key
-            for f in self.faults
-        )
-        if not wanted:
-            return url
-        if key in self._peer_proxies:
-            del self._peer_proxies[key]
-            return url
-        self._peer_proxies[key] = await self._stack.enter_async_context(FaultProxy(url))
-        return self._peer_proxies[key].url
+    async def spec_hook(self, spec: ServerSpec) -> ServerSpec:
+        """A replica server's spec as the faults want it started: an agent given a proxy
+        for a peer a ``peer_partition`` cuts it from, a participant whose control clock a
+        ``clock_skew`` moves. A replica started again gets neither (the fault then finds
+        nothing, or the skew is over)."""
+        replica = replica_of(spec.name)
+        settings = dict(spec.settings)
+        for fault in self.faults:
+            if replica != replica_name(fault.replica):
+                continue
+            if fault.kind is ChaosFault.PEER_PARTITION and spec.kind == "agent":
+                key = (replica, fault.participant)
+                url_key = f"{fault.participant}_url"
+                if key in self._peer_proxies:
+                    del self._peer_proxies[key]  # started again: its new peers directly
+                    continue
+                proxy = await self._stack.enter_async_context(FaultProxy(str(settings[url_key])))
+                self._peer_proxies[key] = proxy
+                settings[url_key] = proxy.url
+            elif fault.kind is ChaosFault.CLOCK_SKEW and spec.kind == fault.participant:
+                if spec.name in self._skewed:
+                    self._skewed.discard(spec.name)  # started again: a clock of its own
+                    continue
+                self._skewed.add(spec.name)
+                settings["clock_skew_s"] = fault.seconds
+        return spec.model_copy(update={"settings": settings})
 
     async def route(self, deployment: Deployment) -> Deployment:
         """Put a proxy in front of each participant a fault targets; the moments start now."""
@@ -351,6 +367,14 @@ class TrialFaults:
 
         return Strike(time.time(), heal)
 
+    async def _skew_clock(
+        self, fault: PlannedFault, trainer: Trainer, runtime: Runtime
+    ) -> Strike | None:
+        """In effect from the server's start (its spec carried the skew): said at its
+        moment, over at once; none when the server runs with its own clock again."""
+        name = f"{fault.participant}-{replica_name(fault.replica)}"
+        return Strike(time.time()) if name in self._skewed else None
+
     async def _fill_store(
         self, fault: PlannedFault, trainer: Trainer, runtime: Runtime
     ) -> Strike | None:
@@ -407,7 +431,7 @@ async def run_trial(plan: TrialPlan, config: RunConfig) -> RunSummary:
             say=say,
             drive=faults.drive,
             route=faults.route,
-            peer_route=faults.peer_route if faults.routes_peers and attach is None else None,
+            spec_hook=faults.spec_hook if faults.hooks_specs and attach is None else None,
             attach=attach,
         )
     finally:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import math
+import time
 from pathlib import Path
 
 import httpx
@@ -10,9 +12,11 @@ import pytest
 from fastapi import FastAPI
 
 import rollpoint.participant
+from rollpoint.http.app import create_app
 from rollpoint.http.auth import CONTROL_TOKEN_ENV
 from rollpoint.participant import Participant, close_control_plane, control_fence, mount_participant
 from rollpoint.protocol.control import CONTROL_PREFIX
+from rollpoint.protocol.errors import ConfigError
 from tests.unit.gym.fake_participant import FakeParticipant
 
 SDK = Path(rollpoint.participant.__file__).parent
@@ -129,3 +133,41 @@ async def test_mount_participant_guards_the_routes_with_the_token_it_is_given(
     assert status.status_code == 200
     assert status.json()["portable"] is False  # declared by the participant, read as such
     await close_control_plane(app)
+
+
+@pytest.mark.parametrize(("skew_s", "refused"), [(5.0, True), (-5.0, False), (0.0, False)])
+async def test_a_skewed_control_clock_reads_deadlines_against_itself(
+    tmp_path: Path, skew_s: float, refused: bool
+) -> None:
+    # A deadline 3 s ahead of this machine's clock has passed for a participant 5 s ahead.
+    app = create_app("skewed participant")  # rollpoint's envelope: errors as codes
+    token = "sdk-token-0123456789abcdef"
+    mount_participant(
+        app, FakeParticipant(), token=token, snapshot_root=str(tmp_path), clock_skew_s=skew_s
+    )
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://sdk") as client:
+        reply = await client.post(
+            f"{CONTROL_PREFIX}/prepare",
+            json={"checkpoint_id": "c1", "deadline_ts": time.time() + 3},
+            headers={"authorization": f"Bearer {token}"},
+        )
+    if refused:
+        assert reply.status_code == 409, reply.text
+        assert reply.json()["error"]["code"] == "deadline_exceeded"
+    else:
+        assert reply.status_code == 200, reply.text
+        lease = reply.json()["lease_expires_at"]
+        assert lease is not None
+    await close_control_plane(app)
+
+
+def test_a_clock_skew_that_is_no_number_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="clock_skew_s must be a finite number"):
+        mount_participant(
+            FastAPI(),
+            FakeParticipant(),
+            token="t" * 24,
+            snapshot_root=str(tmp_path),
+            clock_skew_s=math.inf,
+        )

@@ -84,6 +84,8 @@ class AgentSettings(BaseModel):
     (token from ``ROLLPOINT_CONTROL_TOKEN``). None: a plain data server."""
     lease_grace_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 2.0
     """A checkpoint's lease lapses this long after its deadline, then boundaries reopen."""
+    clock_skew_s: Annotated[float, Field(allow_inf_nan=False)] = 0.0
+    """Fault injection: the control clock runs this far ahead (``rollpoint chaos``)."""
 
 
 class AckEpisodes(StrictModel):
@@ -226,6 +228,7 @@ def create_agent_app(settings: AgentSettings) -> FastAPI:
             token=load_token(),
             snapshot_root=settings.snapshot_root,
             lease_grace_s=settings.lease_grace_s,
+            clock_skew_s=settings.clock_skew_s,
         )
         # One copy of the retire marks: the fence writes them, /run admission reads them.
         server.book.marks = fence.marks

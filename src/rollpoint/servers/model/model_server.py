@@ -125,6 +125,8 @@ class ModelServerSettings(BaseModel):
     (token from ``ROLLPOINT_CONTROL_TOKEN``). None: a plain data server."""
     lease_grace_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 2.0
     """A checkpoint's lease lapses this long after its deadline, then the gate reopens."""
+    clock_skew_s: Annotated[float, Field(allow_inf_nan=False)] = 0.0
+    """Fault injection: the control clock runs this far ahead (``rollpoint chaos``)."""
     cut_generations: bool = False
     """Stream every tagged one-choice call from the engine (a plain caller still gets a
     plain reply), so a snapshot saves the prefix of each call in flight and the
@@ -937,6 +939,7 @@ def create_model_app(settings: ModelServerSettings) -> FastAPI:
             token=load_token(),
             snapshot_root=settings.snapshot_root,
             lease_grace_s=settings.lease_grace_s,
+            clock_skew_s=settings.clock_skew_s,
         )
     if fence is not None:
         server.attempt_guard = fence.check_attempt

@@ -632,13 +632,15 @@ def create_resources_app(
     snapshot_root: str | None = None,
     lease_grace_s: float = 2.0,
     final_states_dir: Path | None = None,
+    clock_skew_s: float = 0.0,
 ) -> FastAPI:
     """The resources server of one replica; its service is ``app.state.resources_service``.
 
     With ``snapshot_root`` (a local path or fsspec URL) it is a checkpoint participant
     too: the control routes are mounted, guarded by ``ROLLPOINT_CONTROL_TOKEN``. With
     ``final_states_dir`` every verified episode's state is logged there
-    (:mod:`~rollpoint.servers.resources.final_state_log`).
+    (:mod:`~rollpoint.servers.resources.final_state_log`). ``clock_skew_s``: fault
+    injection, as :func:`~rollpoint.participant.mount_participant` says.
     """
     env = get_environment(environment) if isinstance(environment, str) else environment
     final_states = None if final_states_dir is None else FinalStateLog(final_states_dir, replica)
@@ -668,6 +670,7 @@ def create_resources_app(
             token=load_token(),
             snapshot_root=snapshot_root,
             lease_grace_s=lease_grace_s,
+            clock_skew_s=clock_skew_s,
         )
     if fence is not None:
         service.attempt_guard = fence.check_attempt

@@ -452,3 +452,16 @@ async def test_a_clock_skewed_past_the_deadline_fails_every_snapshot_naming_the_
     assert {v.kind for v in outcome.violations} == {Invariant.SNAPSHOTS_COMMIT}
     log = (plan.workdir / "rollpoint.log").read_text()
     assert "resources@replica-1 prepare" in log and "passed 5.0" in log  # 15 s - 10 s
+
+
+async def test_a_second_run_on_the_workdir_is_refused_naming_the_first_and_changes_nothing(
+    tmp_path: Path,
+) -> None:
+    fault = PlannedFault(kind=ChaosFault.SECOND_RUN, run=0, at_s=0.5)
+    plan, outcome = await one_trial(tmp_path, [fault])
+
+    assert outcome.violations == [], invariants.report(outcome.violations)
+    assert outcome.faults_injected == {ChaosFault.SECOND_RUN: 1}
+    (struck,) = [e for e in outcome.runs[0].events if e.event == "fault"]
+    assert f"workdir {plan.workdir} is in use by" in struck.reason
+    assert outcome.runs[0].intruders == []

@@ -43,6 +43,7 @@ from rollpoint.protocol.errors import ConfigError, LaunchError, RollpointError
 from rollpoint.testing import invariants
 from rollpoint.testing.chaos_plan import (
     MAX_RERUNS,
+    PlannedFault,
     TrialEvent,
     TrialPlan,
     draw_plans,
@@ -56,6 +57,10 @@ from rollpoint.testing.invariants import Invariant, RewardScope, Violation
 from rollpoint.testing.snapshot_damage import Damage, NothingToDamage, damage_newest
 
 _GONE_WAIT_S = 5.0
+_SECOND_RUN_WAIT_S = 60.0
+"""A second run on a locked workdir is refused within seconds (its imports, its lock)."""
+_BUSY = "is in use by"
+"""What the refusal of a second run on a workdir says (rollpoint.store.workdir_lock)."""
 _SERVE_START_S = 120.0
 
 
@@ -116,6 +121,7 @@ class ChaosRunner:
             store=trial_store(plan),
         )
         for r in runs:
+            found += [Violation(Invariant.EXACTLY_ONCE, f"run {r.run}", p) for p in r.intruders]
             if r.timed_out:
                 detail = f"wedged: no exit within {self.run_timeout_s:.0f}s"
             elif r.failed:
@@ -228,6 +234,9 @@ class ChaosRunner:
         live = _Run(process, record)
         helpers = [asyncio.create_task(self._read(live, plan.workdir / "events.jsonl"))]
         helpers += [asyncio.create_task(self._kill_at(live, f.at_s)) for f in kills]
+        helpers += [
+            asyncio.create_task(self._second_run_at(live, plan, f)) for f in plan.second_runs()
+        ]
         try:
             async with asyncio.timeout(self.run_timeout_s):
                 await process.wait()
@@ -261,6 +270,51 @@ class ChaosRunner:
                 live.record.events.append(event)
                 if event.event == "up":
                     live.up.set()
+
+    async def _second_run_at(self, live: _Run, plan: TrialPlan, fault: PlannedFault) -> None:
+        """Start the same run again on the trial's workdir while the first one runs; it
+        must be refused at once, naming the holder. Its events are not the trial's."""
+        await live.up.wait()
+        await asyncio.sleep(fault.at_s)
+        if live.process.returncode is not None:
+            return  # the run ended first: not injected
+        second = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "rollpoint.testing.chaos_trial",
+            plan.model_dump_json(),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
+            start_new_session=True,
+            env={**os.environ, "NO_COLOR": "1"},
+        )
+        struck = time.time()
+        try:
+            async with asyncio.timeout(_SECOND_RUN_WAIT_S):
+                _, err = await second.communicate()
+        except TimeoutError:
+            err = b""
+        finally:
+            _kill_group(second.pid)
+            await second.wait()
+        said = err.decode(errors="replace").strip().splitlines()
+        refused = second.returncode not in (0, None, -signal.SIGKILL) and any(
+            _BUSY in line for line in said
+        )
+        event = TrialEvent(
+            event="fault",
+            ts=struck,
+            kind=fault.kind,
+            detail=fault.describe(),
+            reason=said[-1] if said else f"exit {second.returncode}",
+        )
+        live.record.events += [event, event.model_copy(update={"event": "over"})]
+        if not refused:
+            live.record.intruders.append(
+                f"a second run on the workdir was not refused at once (exit {second.returncode}"
+                f"{': ' + said[-1] if said else ''})"
+            )
 
     async def _kill_at(self, live: _Run, at_s: float) -> None:
         await live.up.wait()

@@ -68,6 +68,10 @@ class ChaosFault(StrEnum):
     STORE_FULL = "store_full"
     """Every write to the snapshot store fails (``ENOSPC`` or ``EIO``) for a moment, for the
     trainer and every participant alike; then the disk has room again."""
+    SECOND_RUN = "second_run"
+    """A second run of the trial started on its workdir while the first runs (a scheduler
+    retrying a job still being torn down): it must be refused, naming the holder, before
+    it touches anything."""
     SNAPSHOT_TAMPER = "snapshot_tamper"
     """Between a kill and the rerun, the newest published snapshot is damaged (a byte of a
     file, a sealed field, or its manifest gone: :mod:`rollpoint.testing.snapshot_damage`);
@@ -77,10 +81,14 @@ class ChaosFault(StrEnum):
 KILLS = frozenset({ChaosFault.PROCESS_KILL, ChaosFault.TRAINER_KILL})
 """The runner's faults: it SIGKILLs the trial process's group (with the servers in it, or
 not when they run under ``rollpoint serve``)."""
+RUNNER_DURING = frozenset({ChaosFault.SECOND_RUN})
+"""The runner's other faults during a run: it starts a second run beside it."""
 BETWEEN_RUNS = frozenset({ChaosFault.SNAPSHOT_TAMPER})
 """The runner's faults on the trial's folder, after one run ended and before the next."""
-IN_PROCESS = frozenset(set(ChaosFault) - KILLS - BETWEEN_RUNS)
+IN_PROCESS = frozenset(set(ChaosFault) - KILLS - BETWEEN_RUNS - RUNNER_DURING)
 """Faults the trial process applies itself."""
+SECOND_RUN_SHARE = 0.15
+"""Of all trials, this share start a second run on the workdir while one runs."""
 TAMPER_SHARE = 0.3
 """Of the trials drawn with a kill, this share damage a snapshot before the rerun."""
 TRAINER_KILL_SHARE = 0.3
@@ -177,6 +185,8 @@ class PlannedFault(StrictModel):
             ChaosFault.STORE_FULL: f" ({self.error}, {self.seconds:.2f}s)",
             ChaosFault.CLOCK_SKEW: f" ({self.seconds:+.2f}s)",
         }.get(self.kind, "")
+        if self.kind is ChaosFault.SECOND_RUN:
+            return f"{self.kind} on the workdir at {self.at_s:.2f}s of run {self.run}"
         if self.kind is ChaosFault.SNAPSHOT_TAMPER:
             return f"{self.kind} of the newest snapshot ({self.damage}) before run {self.run}"
         if self.kind is ChaosFault.PROCESS_KILL:
@@ -215,6 +225,10 @@ class TrialPlan(StrictModel):
     def kills(self) -> list[PlannedFault]:
         """The runner's kill of this run (at most one)."""
         return [f for f in self.faults if f.run == self.run and f.kind in KILLS]
+
+    def second_runs(self) -> list[PlannedFault]:
+        """The runner's second runs beside this one."""
+        return [f for f in self.faults if f.run == self.run and f.kind in RUNNER_DURING]
 
     def before_run(self) -> list[PlannedFault]:
         """The runner's faults on the trial's folder before this run starts."""
@@ -316,7 +330,15 @@ def _draw_faults(rng: random.Random, replicas: int, within_s: float) -> list[Pla
         faults.append(fault)
         if kind is ChaosFault.REPLICA_KILL and replicas > 1:
             free[run] = [t for t in free[run] if t[0] != fault.replica]
-    # Drawn last, so the other faults of a seed stay what they were without it.
+    # Drawn last, so the other faults of a seed stay what they were without them.
+    if rng.random() < SECOND_RUN_SHARE:
+        run = 0 if kill_at is None or rng.random() < 0.5 else 1
+        last = kill_at if run == 0 and kill_at is not None else within_s
+        faults.append(
+            PlannedFault(
+                kind=ChaosFault.SECOND_RUN, run=run, at_s=rng.uniform(0.05, max(last, 0.1))
+            )
+        )
     if kill_at is not None and rng.random() < TAMPER_SHARE:
         faults.append(
             PlannedFault(

@@ -39,6 +39,8 @@ class RunRecord:
     kill: ChaosFault = ChaosFault.PROCESS_KILL
     """Which kill that was: the whole trial's, or the trainer's alone."""
     timed_out: bool = False
+    intruders: list[str] = field(default_factory=list)
+    """What went wrong with a second run started beside this one (it was not refused)."""
 
     @property
     def killed(self) -> bool:

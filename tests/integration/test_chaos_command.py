@@ -11,8 +11,10 @@ from __future__ import annotations
 import errno
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, Literal
 
@@ -465,3 +467,32 @@ async def test_a_second_run_on_the_workdir_is_refused_naming_the_first_and_chang
     (struck,) = [e for e in outcome.runs[0].events if e.event == "fault"]
     assert f"workdir {plan.workdir} is in use by" in struck.reason
     assert outcome.runs[0].intruders == []
+
+
+def test_an_interrupted_chaos_run_still_reports_the_trials_it_finished(tmp_path: Path) -> None:
+    config = write_config(tmp_path)
+    report = tmp_path / "chaos.json"
+    proc = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "rollpoint", "chaos", str(config)),
+            *("--trials", "20", "--seed", "3", "--within", "1.0", "--json", str(report)),
+        ],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "NO_COLOR": "1", "COLUMNS": "200"},
+    )
+    second = load_config(config).workdir / "chaos" / "trial-1"
+    deadline = time.monotonic() + 120
+    while not second.exists() and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.1)  # trials run one by one: trial 0 is over once trial 1 starts
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+
+    assert proc.returncode == 130, err[-2000:]
+    assert "interrupted after" in err and "Traceback" not in err
+    tally = orjson.loads(report.read_bytes())
+    assert 1 <= tally["trials"] < 20
+    assert [t["trial"] for t in tally["per_trial"]] == list(range(tally["trials"]))
+    assert "rollpoint chaos" in out  # the summary table of what finished

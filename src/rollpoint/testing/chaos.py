@@ -427,15 +427,19 @@ def chaos_command(
         within_s=within_s,
     )
     tally = ChaosTally(seed=seed, config=str(config_path))
+    interrupted = False
     try:
         asyncio.run(run_chaos(runner, plans, tally, console, jobs=jobs))
     except KeyboardInterrupt:
+        # What finished is still reported (and written): an hour of trials is not lost
+        # to a Ctrl-C; the exit code says the run was cut short.
+        interrupted = True
+        tally.outcomes.sort(key=lambda o: o.trial)
         console.print(f"[yellow]interrupted[/] after {len(tally.outcomes)} trial(s)")
-        return 130
     for table in tally.tables(verbose=verbose):
         out.print(table)
     if tally.violations:
         out.print(invariants.report(tally.violations), highlight=False, soft_wrap=True)
     if json_path is not None:
         json_path.write_bytes(orjson.dumps(tally.to_json(), option=orjson.OPT_INDENT_2))
-    return tally.exit_code
+    return 130 if interrupted else tally.exit_code

@@ -496,3 +496,29 @@ def test_an_interrupted_chaos_run_still_reports_the_trials_it_finished(tmp_path:
     assert 1 <= tally["trials"] < 20
     assert [t["trial"] for t in tally["per_trial"]] == list(range(tally["trials"]))
     assert "rollpoint chaos" in out  # the summary table of what finished
+
+
+async def test_a_run_whose_first_snapshot_meets_a_full_disk_trains_nothing_until_one_commits(
+    tmp_path: Path,
+) -> None:
+    # rollpoint chaos met it (trials 54 and 269 of seed 2027): the snapshot before the first
+    # row failed on a full disk, the next one was slow, the kill came first, and the rerun
+    # found train data with no snapshot to go with it; refused, every row was lost.
+    _, outcome = await one_trial(
+        tmp_path,
+        [
+            PlannedFault(kind=ChaosFault.STORE_FULL, run=0, at_s=0.0, seconds=0.6, error="EIO"),
+            PlannedFault(
+                kind=ChaosFault.SLOW_PREPARE,
+                run=0,
+                at_s=0.4,
+                participant=ParticipantKind.AGENT,
+                replica=1,
+                seconds=1.5,
+            ),
+            PlannedFault(kind=ChaosFault.PROCESS_KILL, run=0, at_s=1.3),
+        ],
+    )
+
+    assert outcome.violations == [], invariants.report(outcome.violations)
+    assert outcome.runs[0].killed and outcome.runs[-1].returncode == 0

@@ -73,6 +73,8 @@ from rollpoint.trainer.train_hooks import SimulatedTrainer, TrainHooks, TrainSam
 log = logging.getLogger(__name__)
 
 REPLICA_DOWN_GRACE_S = 1.0
+FIRST_SNAPSHOT_RETRY_S = 0.2
+"""The wait between tries of the snapshot a run takes before its first row."""
 """A row whose replica stopped answering waits this long for the runtime to report that
 replica down before it is re-sent fresh: a dying replica's saved tries are then held for
 its restart (restored from the snapshot) instead of starting over. The runtimes notice a
@@ -307,7 +309,7 @@ class Trainer:
                 # A snapshot before the first row is sent: whatever this run trains is then
                 # resumable (it composes with step 0), so a rerun never finds train data
                 # with no snapshot to go with it (it refuses that rather than delete it).
-                await self.coordinator.save()
+                await self._first_snapshot(self.coordinator)
             side: list[Any] = [self._watch_stall(self.dispatcher)]
             if self.events.path is not None:
                 side.append(self._sample_in_flight())
@@ -578,6 +580,17 @@ class Trainer:
         ).checkpoints
 
     # --- snapshots -------------------------------------------------------------------
+
+    async def _first_snapshot(self, coordinator: SnapshotCoordinator) -> None:
+        """Save until one snapshot is published, before anything is trained. A save that
+        failed (a store full for a moment) is tried again: training on without one left,
+        after a crash, train data no snapshot composes with, which the rerun refuses (chaos:
+        a snapshot disk full as the run began, then a kill, stranded every row). Failures
+        in a row past ``retry_after_seconds`` stop the run, as for any save."""
+        while True:
+            if (await coordinator.save()).published:
+                return
+            await asyncio.sleep(FIRST_SNAPSHOT_RETRY_S)
 
     async def _snapshot_loop(self, coordinator: SnapshotCoordinator) -> None:
         every = self.config.snapshot.every_seconds

@@ -216,17 +216,7 @@ class ChaosRunner:
     async def _run(
         self, plan: TrialPlan, stderr: IO[bytes], *, before: list[TrialEvent]
     ) -> RunRecord:
-        process = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "rollpoint.testing.chaos_trial",
-            plan.model_dump_json(),
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=stderr,
-            start_new_session=True,
-            env={**os.environ, "NO_COLOR": "1"},
-        )
+        process = await _start_trial(plan, stdout=asyncio.subprocess.PIPE, stderr=stderr)
         kills = plan.kills()
         record = RunRecord(run=plan.run, started_at=time.time(), events=list(before))
         if kills:
@@ -278,16 +268,8 @@ class ChaosRunner:
         await asyncio.sleep(fault.at_s)
         if live.process.returncode is not None:
             return  # the run ended first: not injected
-        second = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "rollpoint.testing.chaos_trial",
-            plan.model_dump_json(),
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.PIPE,
-            start_new_session=True,
-            env={**os.environ, "NO_COLOR": "1"},
+        second = await _start_trial(
+            plan, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE
         )
         struck = time.time()
         try:
@@ -322,6 +304,23 @@ class ChaosRunner:
         if live.process.returncode is None:
             _kill_group(live.process.pid)
             live.record.killed_at = time.time()
+
+
+async def _start_trial(
+    plan: TrialPlan, *, stdout: int, stderr: int | IO[bytes]
+) -> asyncio.subprocess.Process:
+    """One trial process for ``plan``, in a session of its own (its servers join its group)."""
+    return await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "rollpoint.testing.chaos_trial",
+        plan.model_dump_json(),
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=stdout,
+        stderr=stderr,
+        start_new_session=True,
+        env={**os.environ, "NO_COLOR": "1"},
+    )
 
 
 def _kill_group(pgid: int) -> None:

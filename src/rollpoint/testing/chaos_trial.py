@@ -330,16 +330,8 @@ class TrialFaults:
     async def _partition(
         self, fault: PlannedFault, trainer: Trainer, runtime: Runtime
     ) -> Strike | None:
-        proxy = self._proxy_of(fault)
         # Cut on the next control request, so the partition meets a snapshot.
-        rule = proxy.add(Fault.refuse(path=CONTROL_PREFIX, forward=fault.forward))
-        await rule.wait(timeout_s=_FOREVER_S)
-
-        async def heal() -> None:
-            await asyncio.sleep(fault.seconds)
-            await proxy.heal()
-
-        return Strike(time.time(), heal)
+        return await _cut(self._proxy_of(fault), CONTROL_PREFIX, fault)
 
     async def _slow_prepare(
         self, fault: PlannedFault, trainer: Trainer, runtime: Runtime
@@ -358,14 +350,7 @@ class TrialFaults:
         if proxy is None:
             return None  # its replica was started again: the agent talks to its peer directly
         # Cut on the agent's next call of that kind, so the partition meets an episode.
-        rule = proxy.add(Fault.refuse(path=PEER_PATHS[fault.participant], forward=fault.forward))
-        await rule.wait(timeout_s=_FOREVER_S)
-
-        async def heal() -> None:
-            await asyncio.sleep(fault.seconds)
-            await proxy.heal()
-
-        return Strike(time.time(), heal)
+        return await _cut(proxy, PEER_PATHS[fault.participant], fault)
 
     async def _skew_clock(
         self, fault: PlannedFault, trainer: Trainer, runtime: Runtime
@@ -393,6 +378,19 @@ class TrialFaults:
         if proxy is None:
             raise ConfigError(f"chaos: no proxy for {fault.describe()}")
         return proxy
+
+
+async def _cut(proxy: FaultProxy, path: str, fault: PlannedFault) -> Strike:
+    """Partition ``proxy`` on its next request under ``path`` (forwarded first when the
+    fault says so); it heals ``fault.seconds`` later."""
+    rule = proxy.add(Fault.refuse(path=path, forward=fault.forward))
+    await rule.wait(timeout_s=_FOREVER_S)
+
+    async def heal() -> None:
+        await asyncio.sleep(fault.seconds)
+        await proxy.heal()
+
+    return Strike(time.time(), heal)
 
 
 def _missed(fault: str, reason: str) -> None:

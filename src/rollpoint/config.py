@@ -141,10 +141,12 @@ class SnapshotConfig(_Section):
     deadline_seconds: Annotated[float, Field(gt=0, le=3000)] = 10.0
     """At most 3,000 s: a participant refuses a deadline more than an hour ahead of its
     clock (``ControlSettings.max_deadline_ahead_s``), and clocks may differ a little."""
-    retry_after_seconds: Annotated[float, Field(ge=0)] = 1.0
+    retry_after_seconds: Annotated[float, Field(ge=0)] = 10.0
     """Three failed snapshots in a row stop the run only once the failures also span this
     long: back-to-back saves (train checkpoints) that fail within milliseconds while a
-    replica dies must not end the run. Every save is still attempted."""
+    replica dies must not end the run, nor a server gone for a few seconds behind its
+    address (a container restarting: rollpoint chaos stopped runs on 1 s). Every save is
+    still attempted."""
     allow_restart_only: bool = False
     store: str | None = None
     """A path or fsspec URL; None keeps snapshots under <workdir>/snapshots."""

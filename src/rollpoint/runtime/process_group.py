@@ -111,17 +111,17 @@ class ProcessGroup:
             )
         child.url = ReadyLine.model_validate_json(raw).url
 
-    async def restart_in_place(self, child: ChildServer) -> ChildServer:
-        """SIGKILL one child and start its spec again on the address it had, empty: what
-        a container restarted behind a stable service address looks like. The group never
-        lists it dead (a supervisor sees no replica go down). For fault injection."""
+    async def kill_unlisted(self, child: ChildServer) -> ServerSpec:
+        """SIGKILL one child without the group ever listing it dead (a supervisor sees no
+        replica go down), and return the spec that starts it again, empty, on the address it
+        had: with :meth:`start`, what a container restarted behind a stable service address
+        looks like. For fault injection."""
         port = urlsplit(child.url).port
         self.children.remove(child)
         with contextlib.suppress(ProcessLookupError):
             child.process.send_signal(signal.SIGKILL)
         await child.process.wait()
-        (again,) = await self.start([child.spec.model_copy(update={"port": port})])
-        return again
+        return child.spec.model_copy(update={"port": port})
 
     def dead(self) -> list[ChildServer]:
         return [c for c in self.children if not c.alive]

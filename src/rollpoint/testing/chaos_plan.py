@@ -43,9 +43,10 @@ class ChaosFault(StrEnum):
     REPLICA_KILL = "replica_kill"
     """SIGKILL of one replica's server processes; the runtime restarts the replica."""
     PARTICIPANT_RESTART = "participant_restart"
-    """One server of a replica SIGKILLed and started again at once on the same address,
-    empty (a container restarted behind a stable address): the runtime sees no replica
-    go down, the trainer only a participant that forgot everything."""
+    """One server of a replica SIGKILLed and started again on the same address, empty,
+    after ``seconds`` (a container restarted behind a stable address): the runtime sees no
+    replica go down, the trainer a participant unreachable for a while that comes back
+    having forgotten everything."""
     REPLICA_STOP = "replica_stop"
     """SIGSTOP of one replica's server processes, SIGCONT a moment later: they wake up
     past their leases and deadlines, with requests queued on their sockets."""
@@ -116,6 +117,9 @@ PEER_PATHS = {ParticipantKind.MODEL: "/v1/", ParticipantKind.RESOURCES: "/tools/
 CLOCK_SKEW_S = 2.0
 """How far a ``clock_skew`` moves a participant's clock, either way: within the
 tolerance docs/protocol.md states (well under ``snapshot.deadline_seconds``)."""
+RESTART_DOWN_S = (0.0, 3.0)
+"""How long a ``participant_restart``'s server is gone before it starts again (then its
+own start-up, about a second)."""
 STORE_FULL_S = (0.2, 0.8)
 """How long a ``store_full`` lasts."""
 STOP_S = (0.2, 2.5)
@@ -152,7 +156,7 @@ class PlannedFault(StrictModel):
     """``lost_control_reply``: the verb whose reply is lost."""
     seconds: Annotated[float, Field(allow_inf_nan=False)] = 0.0
     """``partition``, ``peer_partition``, ``replica_stop``, ``store_full``: how long it
-    lasts; ``slow_prepare``: how late the prepare arrives; ``clock_skew``: how far ahead
+    lasts; ``participant_restart``: how long the server is gone; ``slow_prepare``: how late the prepare arrives; ``clock_skew``: how far ahead
     (negative: behind) the participant's clock runs."""
     forward: bool = False
     """``partition``, ``peer_partition``: the participant gets the request that starts it
@@ -176,7 +180,7 @@ class PlannedFault(StrictModel):
             where = f"agent-{self.participant} link@{where}"
         extra = {
             ChaosFault.REPLICA_KILL: f" ({', '.join(self.servers)})",
-            ChaosFault.PARTICIPANT_RESTART: f" ({', '.join(self.servers)})",
+            ChaosFault.PARTICIPANT_RESTART: f" ({', '.join(self.servers)}, down {self.seconds:.2f}s)",
             ChaosFault.REPLICA_STOP: f" ({', '.join(self.servers)}, {self.seconds:.2f}s)",
             ChaosFault.LOST_CONTROL_REPLY: f" ({self.verb})",
             ChaosFault.PARTITION: f" ({self.seconds:.2f}s{', forwarded' if self.forward else ''})",
@@ -358,8 +362,8 @@ def _draw_one(
 ) -> PlannedFault | None:
     """One fault of ``kind``; None when no participant it can target is still free."""
     if kind is ChaosFault.STORE_FULL:
-        # Shorter than a save's retry window (retry_after_seconds, 1 s): the run rides it
-        # out; a longer one stops it on purpose (three failed saves in a row).
+        # Shorter than a save's retry window (retry_after_seconds): the run rides it out;
+        # a longer one stops it on purpose (three failed saves in a row).
         return PlannedFault(
             kind=kind,
             run=run,
@@ -374,6 +378,7 @@ def _draw_one(
             at_s=at_s,
             replica=rng.randrange(replicas),
             servers=[rng.choice(list(ParticipantKind))],
+            seconds=rng.uniform(*RESTART_DOWN_S),
         )
     if kind is ChaosFault.CLOCK_SKEW:
         return PlannedFault(

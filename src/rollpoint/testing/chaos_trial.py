@@ -310,8 +310,14 @@ class TrialFaults:
         if not victims:
             return None
         assert isinstance(runtime, EmbeddedRuntime)  # drive checked it
-        await runtime.group.restart_in_place(victims[0])
-        return Strike(time.time())
+        group = runtime.group
+        again = await group.kill_unlisted(victims[0])
+
+        async def back() -> None:
+            await asyncio.sleep(fault.seconds)  # the container's own restart time
+            await group.start([again])
+
+        return Strike(time.time(), back)
 
     async def _lose_reply(
         self, fault: PlannedFault, trainer: Trainer, runtime: Runtime

@@ -556,3 +556,25 @@ async def test_a_server_gone_for_seconds_behind_its_address_does_not_stop_the_ru
     assert [r.returncode for r in outcome.runs] == [0]
     log = (plan.workdir / "rollpoint.log").read_text()
     assert "still closed by an earlier checkpoint and unreachable" in log
+
+
+async def test_a_rerun_killed_before_its_first_snapshot_leaves_nothing_the_next_restore_trips_on(
+    tmp_path: Path,
+) -> None:
+    # The trainer alone killed, then its rerun killed too once it had continued the saved
+    # episodes on the live servers (as attempt + 1) and before it published a snapshot: the
+    # next rerun restores the same snapshot, whose continuations are those attempts again.
+    # The 1,000-trial chaos run met it (trial 412): the agent refused the restore, "rollout
+    # ... is running here as ...#1", because only the saved attempts were stopped first.
+    plan, outcome = await one_trial(
+        tmp_path,
+        [
+            PlannedFault(kind=ChaosFault.TRAINER_KILL, run=0, at_s=1.5),
+            PlannedFault(kind=ChaosFault.TRAINER_KILL, run=1, at_s=0.2),
+        ],
+        latency_ms=150,
+    )
+
+    assert outcome.violations == [], invariants.report(outcome.violations)
+    resumed = [e.snapshot_id for r in outcome.runs for e in r.events if e.event == "resumed"]
+    assert len(resumed) >= 2 and resumed[0] == resumed[1], resumed  # the same snapshot twice

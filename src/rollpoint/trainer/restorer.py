@@ -59,7 +59,7 @@ from rollpoint.protocol.errors import (
     RollpointError,
     TransportError,
 )
-from rollpoint.protocol.ids import EpisodeId
+from rollpoint.protocol.ids import MAX_ATTEMPT, EpisodeId
 from rollpoint.protocol.manifest import SavedEpisode, SnapshotManifest
 from rollpoint.protocol.participant import ParticipantKind
 from rollpoint.store.snapshot_store import SNAPSHOTS_DIR, SnapshotStore
@@ -82,6 +82,9 @@ log = logging.getLogger(__name__)
 PARTICIPANTS_SUBDIR = "participants"
 _LIST_LIMIT = 10
 _LEASE_POLL_S = 0.1
+RERUN_REACH = 16
+"""How many attempts past a saved one a restore stops before installing: those earlier
+reruns of the same snapshot may have started on servers that outlived them."""
 """How often a restore waiting for a lapsing lease asks the participants again."""
 
 
@@ -561,19 +564,30 @@ class Restorer:
 
         Servers can outlive the trainer that took the snapshot (a trainer killed on its
         own, its servers left running, as with ``rollpoint serve``): they still run its
-        attempts of the saved episodes, from past the cut. Retire stops them (an agent
-        cancels a live session at or under its mark); forget drops what they left (a
+        attempts of the saved episodes, from past the cut, and the continuations of a rerun
+        of the same snapshot killed before it published another. Retire stops them all (an
+        agent cancels a live session at or under its mark); forget drops what they left (a
         resources server's state of the rollout, and the marks a failed restore's cleanup
         left on the next attempts, which would refuse the continued ones); a second retire
         marks the saved attempts again, so a call of theirs still on the wire is refused.
         The continued attempts are above those marks. On fresh servers all three find
         nothing to stop or drop."""
         rollout_ids = sorted({e.rollout_id for e in saved})
+        # And every attempt an earlier rerun may have started from this same snapshot: a
+        # rerun killed before it published a newer one left its continuations (the saved
+        # attempts + 1, or further along a chain of reruns) running on these servers, and
+        # this restore continues them under those numbers again (chaos trial 412: "rollout
+        # ... is running here as ...#1"; or two sessions of one attempt, and its effects
+        # lost). The high marks go with the forget that follows.
+        reach = [
+            EpisodeId(rollout_id=e.rollout_id, attempt=min(e.attempt + RERUN_REACH, MAX_ATTEMPT))
+            for e in saved
+        ]
 
         async def each(call: Callable[[ParticipantClient], Awaitable[object]]) -> None:
             await asyncio.gather(*(call(p) for p in clients), return_exceptions=True)
 
-        await each(lambda p: p.retire(saved))
+        await each(lambda p: p.retire(reach))
         await each(lambda p: p.forget(rollout_ids))
         await each(lambda p: p.retire(saved))
 

@@ -566,7 +566,7 @@ async def test_a_rerun_killed_before_its_first_snapshot_leaves_nothing_the_next_
     # next rerun restores the same snapshot, whose continuations are those attempts again.
     # The 1,000-trial chaos run met it (trial 412): the agent refused the restore, "rollout
     # ... is running here as ...#1", because only the saved attempts were stopped first.
-    plan, outcome = await one_trial(
+    _, outcome = await one_trial(
         tmp_path,
         [
             PlannedFault(kind=ChaosFault.TRAINER_KILL, run=0, at_s=1.5),

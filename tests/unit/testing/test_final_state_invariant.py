@@ -119,12 +119,12 @@ def test_a_continued_rollout_missing_an_effect_is_a_violation(tmp_path: Path) ->
     ]
 
 
-def test_a_trained_rollout_with_no_logged_state_and_a_torn_line_are_named(
+def test_a_trained_rollout_with_no_logged_state_and_a_bad_line_are_named(
     tmp_path: Path,
 ) -> None:
     log(tmp_path, ("r1", 1, final_state()))
     with (tmp_path / "resources-replica-0.jsonl").open("ab") as f:
-        f.write(b'{"rollout_id": "r9", "att')  # torn by a kill
+        f.write(b'{"rollout_id": "r9", "att\n')  # a whole line that is not one
     found = check(tmp_path, trained("r1"), trained("r2"))
     assert len(found) == 2
     assert (
@@ -132,3 +132,56 @@ def test_a_trained_rollout_with_no_logged_state_and_a_torn_line_are_named(
     )
     assert found[1].subject == trained("r2").subject
     assert "no resources server logged its final state" in found[1].detail
+
+
+def test_a_line_torn_by_a_kill_is_skipped_and_cut_off_by_the_next_server(
+    tmp_path: Path,
+) -> None:
+    # A server killed in the write: no newline, and its verify never replied.
+    log(tmp_path, ("r1", 1, final_state()))
+    path = tmp_path / "resources-replica-0.jsonl"
+    with path.open("ab") as f:
+        f.write(b'{"rollout_id": "r9", "att')
+    assert check(tmp_path, trained("r1")) == []
+    # The rerun's server on the same replica name appends whole lines after the cut, so
+    # the torn bytes do not run into its first line (they did: a CI run's I2 "unreadable").
+    log(tmp_path, ("r2", 1, final_state()))
+    assert check(tmp_path, trained("r1"), trained("r2")) == []
+    assert b"r9" not in path.read_bytes()
+    assert len(path.read_bytes().splitlines()) == 2
+
+
+def test_a_torn_line_longer_than_one_probe_is_cut_whole(tmp_path: Path) -> None:
+    log(tmp_path, ("r1", 1, final_state()))
+    path = tmp_path / "resources-replica-0.jsonl"
+    whole = path.stat().st_size
+    with path.open("ab") as f:
+        f.write(b'{"rollout_id": "r9", "state": "' + b"x" * 200_000)
+    log(tmp_path)
+    assert path.stat().st_size == whole
+
+
+def test_a_file_that_is_one_torn_line_is_emptied(tmp_path: Path) -> None:
+    path = tmp_path / "resources-replica-0.jsonl"
+    path.write_bytes(b'{"rollout_id": "r9"')
+    log(tmp_path, ("r1", 1, final_state()))
+    assert check(tmp_path, trained("r1")) == []
+    assert path.read_bytes().startswith(b'{"ts"')
+
+
+def test_a_write_the_kernel_takes_in_parts_still_writes_the_whole_line(
+    tmp_path: Path,
+) -> None:
+    journal = FinalStateLog(tmp_path, "replica-0")
+    real = journal._file
+
+    class Partial:
+        """A raw file whose writes take at most 1,000 bytes, as a raw write may."""
+
+        def write(self, data: memoryview) -> int:
+            return real.write(data[:1000]) or 0
+
+    journal._file = Partial()  # type: ignore[assignment]
+    journal.append(EpisodeId(rollout_id="r1", attempt=1), TASK.task_id, "workplace", final_state())
+    real.close()
+    assert check(tmp_path, trained("r1")) == []

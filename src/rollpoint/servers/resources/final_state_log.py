@@ -3,8 +3,11 @@
 Owns one JSONL file per resources server (``<folder>/resources-<replica>.jsonl``, the
 folder is the run's ``final_states_log``) and reading such folders back. A line is written
 when an episode is verified, before the verify reply leaves, so a reward the trainer saw
-always has its line (a process killed after the write keeps it: the write is a single
-unbuffered ``write`` to the kernel). It holds the rollout, the attempt, the task and the
+always has its line (a process killed after the write keeps it: the line goes to the kernel
+unbuffered, in as many ``write`` calls as the kernel asks for). A process killed *during*
+the write leaves a torn last line with no newline; its verify never replied, so the line
+stands for nothing: the next server to open the file cuts it off (and says so), and a
+reader skips a torn last line. Any other line that does not parse is named. It holds the rollout, the attempt, the task and the
 environment's own export of the state (``Environment.export_state``: for ``workplace``
 the whole SQLite database), which is what exactly-once tool effects are counted from
 (``rollpoint chaos``, invariant I2) instead of transcripts or rewards.
@@ -16,6 +19,8 @@ checker (:mod:`rollpoint.testing.invariants`) does.
 
 from __future__ import annotations
 
+import logging
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +33,9 @@ from rollpoint.protocol.errors import ConfigError
 from rollpoint.protocol.ids import EpisodeId
 
 FILE_PATTERN = "resources-*.jsonl"
+
+logger = logging.getLogger(__name__)
+_TAIL_PROBE = 64 * 1024  # bytes read from the end to find the last newline
 
 
 @dataclass(frozen=True)
@@ -50,10 +58,35 @@ class FinalStateLog:
         try:
             folder.mkdir(parents=True, exist_ok=True)
             self.path = folder / f"resources-{replica}.jsonl"
-            # Unbuffered: each line is one write, in the kernel when verify replies.
+            # Unbuffered: each line is in the kernel when verify replies.
             self._file: BinaryIO = self.path.open("ab", buffering=0)
+            self._cut_torn_tail()
         except OSError as exc:
             raise ConfigError(f"final_states_log {folder}: {exc.strerror or exc}") from None
+
+    def _cut_torn_tail(self) -> None:
+        """Cut off the line an earlier server was killed in the middle of writing, so this
+        server's lines do not run on from it (that verify never replied)."""
+        size = os.fstat(self._file.fileno()).st_size
+        if size == 0:
+            return
+        with self.path.open("rb") as reader:
+            reader.seek(size - 1)
+            if reader.read(1) == b"\n":
+                return
+            # Read back, a block at a time, to the newline before the torn line.
+            start, tail = size, b""
+            while start > 0 and b"\n" not in tail:
+                start = max(0, start - _TAIL_PROBE)
+                reader.seek(start)
+                tail = reader.read(size - start)
+        keep = start + tail.rfind(b"\n") + 1  # 0 when the whole file is one torn line
+        os.truncate(self.path, keep)
+        logger.warning(
+            "final_states_log %s: cut off a line torn by a kill (%d bytes)",
+            self.path,
+            size - keep,
+        )
 
     def append(
         self,
@@ -70,7 +103,10 @@ class FinalStateLog:
             "environment": environment,
             "state": state,
         }
-        self._file.write(orjson.dumps(line) + b"\n")
+        data = memoryview(orjson.dumps(line) + b"\n")
+        while data:  # a raw write may take only part of a large line
+            written = self._file.write(data)
+            data = data[written or 0 :]
 
     def close(self) -> None:
         self._file.close()
@@ -78,11 +114,16 @@ class FinalStateLog:
 
 def read_final_states(folder: Path) -> tuple[dict[tuple[str, int], FinalState], list[str]]:
     """Every verified episode's last line in ``folder`` by (rollout id, attempt), and the
-    lines that could not be read (a line torn by a kill is named, never guessed at)."""
+    lines that could not be read. A torn last line (no newline: its writer was killed in
+    the write, before the verify replied) is skipped; any other bad line is named, never
+    guessed at."""
     found: dict[tuple[str, int], FinalState] = {}
     unreadable: list[str] = []
     for path in sorted(folder.glob(FILE_PATTERN)):
-        for number, raw in enumerate(path.read_bytes().splitlines(), start=1):
+        content = path.read_bytes()
+        if not content.endswith(b"\n"):
+            content = content[: content.rfind(b"\n") + 1]
+        for number, raw in enumerate(content.splitlines(), start=1):
             try:
                 doc = orjson.loads(raw)
                 entry = FinalState(

@@ -16,6 +16,7 @@ from rollpoint.http.client import HttpClient
 from rollpoint.protocol.episode import RunReply
 from rollpoint.runtime.process_group import ProcessGroup
 from rollpoint.runtime.server_spec import ServerSpec
+from rollpoint.testing.fault_proxy import FaultProxy
 from rollpoint.trainer.dispatch_barrier import DispatchBarrier
 from rollpoint.trainer.dispatcher import Dispatcher
 from rollpoint.trainer.ledger import RecoveryLedger, RolloutState
@@ -49,6 +50,7 @@ class Harness:
         row_timeout_s: float = 30.0,
         agent_urls: dict[str, str] | None = None,
         concurrency: int = 8,
+        retry_window_s: float = 10.0,
     ) -> None:
         self.ledger = RecoveryLedger()
         self.barrier = DispatchBarrier()
@@ -62,6 +64,7 @@ class Harness:
             row_timeout_s=row_timeout_s,
             barrier=self.barrier,
             on_reply=self._on_reply,
+            retry_window_s=retry_window_s,
         )
 
     async def _on_reply(self, reply: RunReply) -> None:
@@ -83,6 +86,7 @@ async def harness(
     row_timeout_s: float = 30.0,
     agent_urls: dict[str, str] | None = None,
     concurrency: int = 8,
+    retry_window_s: float = 10.0,
 ) -> AsyncIterator[Harness]:
     async with HttpClient() as client:
         h = Harness(
@@ -91,6 +95,7 @@ async def harness(
             row_timeout_s=row_timeout_s,
             agent_urls=agent_urls,
             concurrency=concurrency,
+            retry_window_s=retry_window_s,
         )
         try:
             yield h
@@ -271,6 +276,58 @@ async def test_a_broken_stream_resends_only_the_rows_that_never_came_back(
         assert row.rollout_id not in first  # never re-sent under an id the agent may run
         assert (row.tries, row.state, row.replica) == (2, RolloutState.SEALED, "replica-1")
     assert {e.rollout_id for e in h.dispatcher.retire_queue} == {first[2], first[3]}
+
+
+@contextlib.asynccontextmanager
+async def proxied_agents(cluster: Cluster) -> AsyncIterator[list[FaultProxy]]:
+    async with contextlib.AsyncExitStack() as stack:
+        yield [await stack.enter_async_context(FaultProxy(r.agent.url)) for r in cluster.replicas]
+
+
+async def test_rows_lost_while_every_agent_is_cut_for_seconds_are_kept_until_it_heals(
+    cluster: Cluster,
+) -> None:
+    # Trial 355 of the chaos run: a model server restarting for ~2 s, the other replica
+    # down, and four rows spent their three fresh tries in under a second, failing their
+    # groups. Three tries take under a second here too; the window keeps the rows.
+    async with proxied_agents(cluster) as proxies:
+        urls = {r.name: p.url for r, p in zip(cluster.replicas, proxies, strict=True)}
+        async with harness(cluster, agent_urls=urls) as h:
+            h.add_group(cluster)
+            for proxy in proxies:
+                await proxy.partition()
+            run = asyncio.create_task(h.dispatcher.run_group("g"))
+            await eventually(
+                lambda: min(h.ledger.current("g", row).tries for row in range(4)) > 3,
+                "every row past its three fresh tries while the agents are cut",
+            )
+            assert not run.done()
+            for proxy in proxies:
+                await proxy.heal()
+            outcome = await asyncio.wait_for(run, 20)
+
+    assert outcome.ok, outcome.failed
+    rows = [h.ledger.current("g", row) for row in range(4)]
+    assert [r.state for r in rows] == [RolloutState.SEALED] * 4
+
+
+async def test_a_row_lost_for_longer_than_the_window_fails_its_group_naming_it(
+    cluster: Cluster,
+) -> None:
+    async with proxied_agents(cluster) as proxies:
+        urls = {r.name: p.url for r, p in zip(cluster.replicas, proxies, strict=True)}
+        async with harness(cluster, agent_urls=urls, retry_window_s=1.5) as h:
+            h.add_group(cluster)
+            for proxy in proxies:
+                await proxy.partition()
+            started = time.monotonic()
+            outcome = await asyncio.wait_for(h.dispatcher.run_group("g"), 20)
+            took = time.monotonic() - started
+
+    assert outcome.failed is not None
+    assert took >= 1.5
+    assert "fresh tries in" in outcome.failed and "gave up after" in outcome.failed
+    assert h.dispatcher.failed_groups == {"g": outcome.failed}
 
 
 async def test_the_row_deadline_does_not_count_time_paused_by_a_snapshot(

@@ -73,7 +73,7 @@ from rollpoint.protocol.errors import (
 )
 from rollpoint.protocol.ids import EpisodeId
 from rollpoint.trainer.dispatch_barrier import DispatchBarrier
-from rollpoint.trainer.given_up_tries import GivenUpTries
+from rollpoint.trainer.given_up_tries import RETRY_WINDOW_S, GivenUpTries
 from rollpoint.trainer.group_run import GroupOutcome, GroupRun
 from rollpoint.trainer.ledger import LedgerRecord, RecoveryLedger, RolloutState
 from rollpoint.trainer.release_batcher import ReleaseBatcher
@@ -106,6 +106,7 @@ class Dispatcher:
         barrier: DispatchBarrier,
         on_reply: Callable[[RunReply], Awaitable[None]],
         max_tries: int = 3,
+        retry_window_s: float = RETRY_WINDOW_S,
         roster: ReplicaRoster | None = None,
         releases: ReleaseBatcher | None = None,
         down_grace_s: float = 0.0,
@@ -113,7 +114,9 @@ class Dispatcher:
         """``roster`` (shared with the trainer, which marks replicas down and up) replaces
         ``deployment`` when given; ``releases`` lets a give-up retire before it decides;
         ``down_grace_s``: how long a give-up whose replica did not answer waits for it to
-        be reported down before it re-sends fresh."""
+        be reported down before it re-sends fresh; a lost row fails its group after
+        ``max_tries`` fresh tries and no sooner than ``retry_window_s`` after it was first
+        lost."""
         if max_tries < 1:
             raise BadRequestError(f"dispatcher: max_tries must be >= 1, got {max_tries}")
         self._ledger = ledger
@@ -137,6 +140,7 @@ class Dispatcher:
             self._picker,
             releases=releases,
             max_tries=max_tries,
+            retry_window_s=retry_window_s,
             down_grace_s=down_grace_s,
             send=self._send_ahead,
             fail=self._fail,

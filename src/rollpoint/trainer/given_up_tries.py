@@ -8,8 +8,11 @@ the **same** identity, the agent returns the stored reply without running anythi
 is sealed like any reply: no rerun. With no release batcher, or when the replica cannot be
 reached, the try is abandoned and re-sent fresh at once; it stays in the ledger's abandoned
 tries (:attr:`Dispatcher.retire_queue <rollpoint.trainer.dispatcher.Dispatcher.retire_queue>`)
-and the batcher retires it later. A row that has used ``max_tries`` fresh rollout ids fails
-its group instead.
+and the batcher retires it later. A row fails its group instead once it has used
+``max_tries`` fresh rollout ids **and** :data:`RETRY_WINDOW_S` has passed since it was first
+lost: a server restarting, or a network cut, costs seconds, and a handful of quick tries
+must not fail a group over it. Past ``max_tries`` every re-send backs off (up to
+:data:`FRESH_BACKOFF_MAX_S`), so a row that fails everywhere is not sent in a loop.
 
 Owns that sequence: asking for the retire (through the
 :class:`~rollpoint.trainer.release_batcher.ReleaseBatcher`, after the barrier opens, within
@@ -40,6 +43,10 @@ log = logging.getLogger(__name__)
 
 FRESH_BACKOFF_S = 0.25
 FRESH_BACKOFF_MAX_S = 2.0
+RETRY_WINDOW_S = 10.0
+"""A lost row fails its group no sooner than this after it was first lost (the chaos run's
+trial 355 lost 4 rows in under a second while a model server restarted; a container restart
+takes seconds: the same reasoning as ``snapshot.retry_after_seconds``)."""
 RETIRE_TIMEOUT_S = 5.0
 """How long a give-up waits for the agent's retire answer before it re-sends fresh."""
 RETIRE_ROUNDS = 3
@@ -62,6 +69,7 @@ class GivenUpTries:
         *,
         releases: ReleaseBatcher | None,
         max_tries: int,
+        retry_window_s: float = RETRY_WINDOW_S,
         down_grace_s: float,
         send: SendRows,
         fail: Callable[[GroupRun, str], None],
@@ -72,6 +80,7 @@ class GivenUpTries:
         self._picker = picker
         self._releases = releases
         self._max_tries = max_tries
+        self._retry_window_s = retry_window_s
         self._down_grace_s = down_grace_s
         self._send = send
         self._fail = fail
@@ -159,12 +168,14 @@ class GivenUpTries:
         if group.failure is not None or not records:
             return
         fresh: list[str] = []
+        now = time.monotonic()
         for record in records:
-            if record.tries >= self._max_tries:
+            lost_for = now - group.first_lost.setdefault(record.row, now)
+            if record.tries >= self._max_tries and lost_for >= self._retry_window_s:
                 self._fail(
                     group,
-                    f"row {record.row} gave up after {record.tries} fresh tries; "
-                    f"last: {record.key}: {reason}",
+                    f"row {record.row} gave up after {record.tries} fresh tries in "
+                    f"{lost_for:.1f}s; last: {record.key}: {reason}",
                 )
                 return
             fresh.append(self._ledger.abandon(record.rollout_id).rollout_id)
@@ -179,8 +190,8 @@ class GivenUpTries:
         group.spawn(self._resend_fresh(group, fresh, tries=1 + max(r.tries for r in records)))
 
     async def _resend_fresh(self, group: GroupRun, rollout_ids: list[str], *, tries: int) -> None:
-        if self._picker.all_suspect():
-            # No healthy replica to go to: give a restarting agent a moment before the
-            # row spends another of its tries on it.
+        if self._picker.all_suspect() or tries > self._max_tries:
+            # No healthy replica to go to, or a row failing wherever it goes: give a
+            # restarting server a moment before the row spends another try on it.
             await asyncio.sleep(min(FRESH_BACKOFF_S * 2 ** (tries - 2), FRESH_BACKOFF_MAX_S))
         await self._send(group, rollout_ids)

@@ -1,7 +1,7 @@
 """Group runs: one group the dispatcher is playing, and the outcome it ends with.
 
 Owns a running group's bookkeeping: the rows it still waits for, why it failed (if it did),
-the refusals per try, and the tasks working on it (spawned, watched for a bug, cancelled
+the refusals per try, when each row was first lost, and the tasks working on it (spawned, watched for a bug, cancelled
 together when the group ends). It does not decide anything about a row, send anything or
 touch the ledger: the :class:`~rollpoint.trainer.dispatcher.Dispatcher` does.
 """
@@ -37,6 +37,8 @@ class GroupRun:
         self.failure: str | None = None
         self.error: BaseException | None = None
         self.refusals: Counter[str] = Counter()
+        self.first_lost: dict[int, float] = {}
+        """Row → when (monotonic) a try of it was first given up on."""
 
     def spawn(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(work, name=f"dispatch-{self.group_id}")

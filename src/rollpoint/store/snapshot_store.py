@@ -275,8 +275,15 @@ class SnapshotStore:
                 self._fs.sync_dir(self._snapshots_root())
             self._fs.publish_bytes(self._fs.join(final, MANIFEST_NAME), encoded)
         except OSError as exc:
-            self._fs.remove_tree(final if moved else staging.path)
             self._stagings.advance(staging, StagingAction.FAIL)
+            leftover = final if moved else staging.path
+            try:
+                self._fs.remove_tree(leftover)
+            except OSError as cleanup:
+                # The store that refused the write may refuse the removal too (a full or
+                # failing disk). The folder has no manifest, so nothing trusts it; the
+                # next start removes it as unpublished (chaos run, trials 90, 532, 829).
+                log.warning("could not remove unpublished folder %s: %s", leftover, cleanup)
             raise SnapshotError(f"cannot publish snapshot {staging.snapshot_id}: {exc}") from None
         self._stagings.advance(staging, StagingAction.FINISH)
         # Retention orders snapshots by what their manifests say: this one's is in hand, so

@@ -42,6 +42,7 @@ from rollpoint.store.snapshot_store import (
     Staging,
     participant_subdir,
 )
+from rollpoint.testing.faulty_store import fail_writes, heal, store_url
 
 INSTANCES = [("model", "model-replica-0"), ("agent", "agent-replica-0")]
 
@@ -496,6 +497,26 @@ def test_publish_refuses_a_manifest_naming_files_the_staging_lacks(location: str
     with pytest.raises(BadRequestError, match="manifest is for snapshot s1, staging is s2"):
         store.publish(store.begin("s2"), manifest)
     assert store.list_snapshots() == []
+
+
+def test_a_disk_that_fails_the_publish_and_its_cleanup_is_one_snapshot_error(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The chaos run's trials 90, 532 and 829: the manifest write failed, then so did the
+    # removal of the folder, and that OSError escaped as a traceback that ended the run.
+    root = tmp_path / "snapshots"
+    store = SnapshotStore(store_url(root))
+    staging, manifest = _stage(store, "s1")
+    fail_writes(root, "EIO")
+
+    with caplog.at_level(logging.WARNING), pytest.raises(SnapshotError, match="cannot publish"):
+        store.publish(staging, manifest)
+    assert "could not remove unpublished folder" in caplog.text
+
+    heal(root)
+    assert SnapshotStore(store_url(root)).list_snapshots() == []  # no manifest: not one
+    _publish(store, "s2")  # the store goes on after the disk heals
+    assert store.latest() is not None and store.latest().snapshot_id == "s2"  # type: ignore[union-attr]
 
 
 def test_a_manifest_entry_that_escapes_the_snapshot_is_refused(location: str) -> None:

@@ -42,6 +42,7 @@ from rollpoint.trainer.control_plane import ControlPlane, participant_clients, s
 from rollpoint.trainer.coordinator import SaveReport, SnapshotCoordinator
 from rollpoint.trainer.metrics import TrainerMetrics
 from rollpoint.trainer.participant_client import ParticipantClient
+from rollpoint.trainer.train_hooks import SimulatedTrainer, TrainHooks, TrainSample
 from rollpoint.trainer.trainer_loop import RunSummary, Trainer
 from tests.support.control_deployment import control_deployment
 from tests.support.polling import eventually
@@ -110,7 +111,7 @@ class Harness:
 
 @asynccontextmanager
 async def harness(
-    config: RunConfig, behind_proxy: ParticipantKind = AGENT
+    config: RunConfig, behind_proxy: ParticipantKind = AGENT, hooks: TrainHooks | None = None
 ) -> AsyncIterator[Harness]:
     """The job's deployment, with replica-0's ``behind_proxy`` participant behind a proxy."""
     token = secrets.token_urlsafe(16)
@@ -137,7 +138,7 @@ async def harness(
                 participants = [proxied if c is target else c for c in clients]
                 control = ControlPlane(participants, store, metrics)
                 tasks = get_environment(config.environment).make_tasks(TASKS, config.seed)
-                trainer = Trainer(config, deployment, tasks, control=control)
+                trainer = Trainer(config, deployment, tasks, control=control, hooks=hooks)
                 yield Harness(config, trainer, store, proxy, {c.label: c for c in clients})
 
 
@@ -420,6 +421,35 @@ async def test_three_failed_snapshots_in_a_row_stop_the_run_naming_each_blocker(
             assert_left_nothing(h, report)
         assert rule.hits == 3
         await assert_all_idle(h)
+
+
+async def test_a_run_whose_last_snapshot_fails_saves_again_before_it_ends(
+    tmp_path: Path,
+) -> None:
+    # The chaos run's trials 85 and 473: the snapshot after the last step failed (a server
+    # stopped for a moment), and the run ended with its newest snapshot behind its steps.
+    last_step = TASKS * GROUP_SIZE // 4
+    proxy: list[FaultProxy] = []
+
+    class FailTheLastSave(SimulatedTrainer):
+        async def train_step(self, step: int, batch: list[TrainSample]) -> dict[str, float]:
+            if step == last_step:  # the next save is this step's checkpoint's: it fails
+                proxy[0].add(Fault.garbage(path=PREPARE, times=2))
+            return await super().train_step(step, batch)
+
+    config = job(tmp_path, retry_after_seconds=30)
+    config = config.model_copy(
+        update={"train": config.train.model_copy(update={"checkpoint_every_steps": 1})}
+    )
+    async with harness(config, AGENT, hooks=FailTheLastSave()) as h:
+        proxy.append(h.proxy)
+        summary = await h.trainer.run()
+        history = h.coordinator.history
+    assert_trained_exactly_once(h, summary)
+    assert [r.published for r in history[-3:]] == [False, False, True]
+    last = h.store.latest()
+    assert last is not None and last.snapshot_id == history[-1].snapshot_id
+    assert last.train_step == last_step
 
 
 # --- corrupt and partial snapshots -----------------------------------------------------

@@ -73,12 +73,13 @@ from rollpoint.trainer.train_hooks import SimulatedTrainer, TrainHooks, TrainSam
 log = logging.getLogger(__name__)
 
 REPLICA_DOWN_GRACE_S = 1.0
-FIRST_SNAPSHOT_RETRY_S = 0.2
-"""The wait between tries of the snapshot a run takes before its first row."""
 """A row whose replica stopped answering waits this long for the runtime to report that
 replica down before it is re-sent fresh: a dying replica's saved tries are then held for
 its restart (restored from the snapshot) instead of starting over. The runtimes notice a
 death within 0.25 s (embedded: process poll) or milliseconds (Ray: actor death)."""
+SNAPSHOT_RETRY_S = 0.2
+"""The wait between tries of the snapshot a run takes before its first row, and of the one
+it takes after its last step when the step's own snapshot failed."""
 
 TRAIN_DATA_FILE = "train_data.jsonl"
 STALL_REPORT_ROWS = 10
@@ -319,6 +320,8 @@ class Trainer:
                 await _supervise(main=[self._feed(self.dispatcher), self._train(client)], side=side)
             if self.releases is not None:
                 await self.releases.flush()
+            if self.coordinator is not None and self._snapshots_on:
+                await self._last_snapshot(self.coordinator)
         finally:
             if self.coordinator is not None:
                 await self.coordinator.collector.aclose()
@@ -590,7 +593,19 @@ class Trainer:
         while True:
             if (await coordinator.save()).published:
                 return
-            await asyncio.sleep(FIRST_SNAPSHOT_RETRY_S)
+            await asyncio.sleep(SNAPSHOT_RETRY_S)
+
+    async def _last_snapshot(self, coordinator: SnapshotCoordinator) -> None:
+        """Save until the run's last save is a published one, after its last step. The
+        snapshot that went with the last train checkpoint may have failed (a server
+        stopped for a moment as the run ended): the run would end with its newest
+        snapshot older than what it trained, and a rerun would go back to it and redo those
+        steps (chaos run, trials 85 and 473). Failures in a row past
+        ``retry_after_seconds`` stop the run, as for any save."""
+        while not (coordinator.history and coordinator.history[-1].published):
+            if (await coordinator.save()).published:
+                return
+            await asyncio.sleep(SNAPSHOT_RETRY_S)
 
     async def _snapshot_loop(self, coordinator: SnapshotCoordinator) -> None:
         every = self.config.snapshot.every_seconds

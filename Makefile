@@ -24,7 +24,7 @@ lint: $(STAMP)
 
 typecheck: $(STAMP)
 	$(BIN)/mypy
-	$(BIN)/mypy examples/sandbox_env/src/sandbox_env
+	$(BIN)/mypy examples/sandbox_env/src/sandbox_env examples/own_trainer.py
 
 test: lint typecheck
 	$(BIN)/python -m pytest -q

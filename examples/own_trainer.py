@@ -5,8 +5,9 @@
 
 The "policy update" is a stand-in (a running mean of advantages per task, saved as the
 weights); the shape is a real async RL loop's: pull a batch, update, save the weights, say
-done, snapshot every few seconds. Kill it anywhere (SIGKILL too) and run it again: it loads
-the weights of the step it resumed at, and nothing is trained twice.
+done (handing over where the weights are: the trainer's own state, kept with the step),
+snapshot every few seconds. Kill it anywhere (SIGKILL too) and run it again: it loads the
+weights the resumed step's state names, and nothing is trained twice.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import asyncio
 import json
 import sys
 from pathlib import Path
+
+from pydantic import JsonValue
 
 from rollpoint import (
     Rollouts,
@@ -28,18 +31,21 @@ from rollpoint import (
 SNAPSHOT_EVERY_S = 2.0
 
 
-def load_weights(workdir: Path, step: int) -> dict[str, float]:
-    """The weights saved after ``step`` (none before the first)."""
-    path = workdir / "weights" / f"step-{step}.json"
-    return json.loads(path.read_text()) if step > 0 else {}
+def load_weights(state: JsonValue) -> dict[str, float]:
+    """The weights the resumed step's state names (none on a fresh start)."""
+    where = state.get("weights") if isinstance(state, dict) else None
+    if not isinstance(where, str):
+        return {}
+    weights: dict[str, float] = json.loads(Path(where).read_text())
+    return weights
 
 
-def save_weights(workdir: Path, step: int, weights: dict[str, float]) -> None:
+def save_weights(workdir: Path, step: int, weights: dict[str, float]) -> Path:
     folder = workdir / "weights"
     folder.mkdir(parents=True, exist_ok=True)
     tmp = folder / f"step-{step}.json.tmp"
     tmp.write_text(json.dumps(weights))
-    tmp.replace(folder / f"step-{step}.json")  # whole or absent, whenever we are killed
+    return tmp.replace(folder / f"step-{step}.json")  # whole or absent, whenever killed
 
 
 async def snapshot_now_and_then(run: Rollouts) -> None:
@@ -70,20 +76,22 @@ def job(served_file: Path, workdir: Path) -> tuple[ServedDeployment, RunConfig]:
 async def train(served: ServedDeployment, config: RunConfig) -> None:
     async with Rollouts(config, deployment=served) as run:
         if run.resumed_from:
+            state = run.resumed_state
+            where = state.get("weights") if isinstance(state, dict) else None
             print(
                 f"resumed from {run.resumed_from} at step {run.resumed_step}: "
-                f"{run.continued} episodes continued",
+                f"{run.continued} episodes continued; weights {where}",
                 flush=True,
             )
-        weights = load_weights(config.workdir, run.resumed_step)
+        weights = load_weights(run.resumed_state)
         snapshots = asyncio.create_task(snapshot_now_and_then(run))
         try:
             async for batch in run.batches():
                 for sample in batch.samples:  # the stand-in update
                     old = weights.get(sample.task_id, 0.0)
                     weights[sample.task_id] = old + 0.5 * (sample.advantage - old)
-                save_weights(config.workdir, batch.step, weights)
-                batch.done({"samples": float(len(batch.samples))})
+                saved = save_weights(config.workdir, batch.step, weights)
+                batch.done({"samples": float(len(batch.samples))}, state={"weights": str(saved)})
                 print(f"step {batch.step}: {len(batch.samples)} samples", flush=True)
         finally:
             snapshots.cancel()

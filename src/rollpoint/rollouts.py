@@ -13,8 +13,9 @@ anywhere resumes at its last snapshot with nothing trained twice.
 
 What the trainer must persist itself: its weights (and optimizer) after each batch, before
 :meth:`TrainBatch.done` (rollpoint's checkpoint of step N then says rows up to N are
-trained); after a restore :attr:`Rollouts.resumed_step` is the step whose weights to load.
-See docs/trainers.md.
+trained), handing over where they are as ``done(state=...)``; after a restore
+:attr:`Rollouts.resumed_step` is the step whose weights to load and
+:attr:`Rollouts.resumed_state` the state given with it. See docs/trainers.md.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Self, TypeVar
 
-from pydantic import ValidationError
+from pydantic import JsonValue, ValidationError
 
 from rollpoint.config import RunConfig
 from rollpoint.job import Drive, drive_quietly, run_job
@@ -38,7 +39,7 @@ from rollpoint.protocol.errors import ConfigError, InvalidPhaseError
 from rollpoint.runtime.contract import Runtime
 from rollpoint.trainer.cut import SaveReport
 from rollpoint.trainer.metrics import TrainerMetrics
-from rollpoint.trainer.train_hooks import TrainSample
+from rollpoint.trainer.train_hooks import StepResult, TrainSample
 from rollpoint.trainer.trainer_loop import RunSummary, Trainer
 
 log = logging.getLogger(__name__)
@@ -62,25 +63,32 @@ class TrainBatch:
     step: int
     """The train step this batch is (1 for the first a fresh run trains)."""
     samples: list[TrainSample]
-    _reply: asyncio.Future[dict[str, float]] = field(repr=False)
+    _reply: asyncio.Future[dict[str, float] | StepResult] = field(repr=False)
 
-    def done(self, metrics: dict[str, float] | None = None) -> None:
+    def done(self, metrics: dict[str, float] | None = None, *, state: JsonValue = None) -> None:
         """The update on this batch is over (your weights saved): rollpoint writes the
         batch to ``train_data.jsonl``, checkpoints the step and moves on. ``metrics`` go to
-        the run's metrics log. Calling it twice is a no-op; any thread may call it."""
+        the run's metrics log. ``state``: your trainer's own state after this step, as JSON
+        (where its weights are, a data cursor; at most 1 MiB encoded, else a one-line
+        ``BadRequestError`` here): the step's checkpoint keeps it and a run restored at
+        the step hands it back as :attr:`Rollouts.resumed_state`. Given once, it is kept
+        until another is given. Calling ``done`` twice is a no-op; any thread may call it."""
+        result: dict[str, float] | StepResult = dict(metrics or {})
+        if state is not None:
+            result = StepResult(metrics=dict(metrics or {}), state=state)
         loop = self._reply.get_loop()
         try:
             here = asyncio.get_running_loop() is loop
         except RuntimeError:
             here = False
         if here:
-            self._settle(dict(metrics or {}))
+            self._settle(result)
         else:
-            loop.call_soon_threadsafe(self._settle, dict(metrics or {}))
+            loop.call_soon_threadsafe(self._settle, result)
 
-    def _settle(self, metrics: dict[str, float]) -> None:
+    def _settle(self, result: dict[str, float] | StepResult) -> None:
         if not self._reply.done():
-            self._reply.set_result(metrics)
+            self._reply.set_result(result)
 
 
 _END = object()
@@ -187,6 +195,14 @@ class Rollouts:
         return 0 if restored is None else restored.checkpoint.step
 
     @property
+    def resumed_state(self) -> JsonValue:
+        """The state your trainer handed over with :attr:`resumed_step`'s batch
+        (``batch.done(state=...)``, or the last one given before it); None on a fresh
+        start or when none was given."""
+        restored = self._started().restored
+        return None if restored is None else restored.checkpoint.trainer_state
+
+    @property
     def continued(self) -> int:
         """How many episodes the restore continued at their last completed turn."""
         restored = self._started().restored
@@ -265,9 +281,12 @@ class Rollouts:
 
         return noted
 
-    async def train_step(self, step: int, batch: list[TrainSample]) -> dict[str, float]:
+    async def train_step(
+        self, step: int, batch: list[TrainSample]
+    ) -> dict[str, float] | StepResult:
         """The trainer loop's hook: hand the batch out, wait for it to be done."""
-        reply: asyncio.Future[dict[str, float]] = asyncio.get_running_loop().create_future()
+        reply: asyncio.Future[dict[str, float] | StepResult]
+        reply = asyncio.get_running_loop().create_future()
         await self._batches.put(TrainBatch(step, batch, reply))
         return await reply
 
@@ -331,6 +350,10 @@ class SyncRollouts:
     @property
     def resumed_step(self) -> int:
         return self._rollouts.resumed_step
+
+    @property
+    def resumed_state(self) -> JsonValue:
+        return self._rollouts.resumed_state
 
     @property
     def continued(self) -> int:

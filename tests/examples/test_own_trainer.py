@@ -30,7 +30,7 @@ pytestmark = pytest.mark.chaos
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "own_trainer.py"
 TASKS, GROUP_SIZE = 16, 2  # what the example's config says
-_RESUMED = re.compile(r"resumed from (\S+) at step (\d+): (\d+) episodes continued")
+_RESUMED = re.compile(r"resumed from (\S+) at step (\d+): (\d+) episodes continued; weights (\S+)")
 
 
 def _start(served_file: Path, workdir: Path, out: Path) -> subprocess.Popen[bytes]:
@@ -102,5 +102,7 @@ def test_own_trainer_killed_after_a_snapshot_resumes_and_trains_every_row_once(
         and any(c.attempt < r.attempt for c in r.model_calls)
     ]
     assert kept, "no continued rollout kept a turn from before the kill"
-    # The weights the rerun loaded are the ones saved at the step it resumed at.
-    assert (workdir / "weights" / f"step-{match.group(2)}.json").exists()
+    # The weights the rerun loaded are the ones saved at the step it resumed at, as the
+    # state the example handed over with that step names them.
+    assert Path(match.group(4)) == workdir / "weights" / f"step-{match.group(2)}.json"
+    assert Path(match.group(4)).exists()

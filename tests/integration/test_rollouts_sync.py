@@ -57,3 +57,24 @@ def test_a_synchronous_loop_pulls_every_batch_once_and_snapshots_from_its_thread
         orjson.loads(x) for x in (config.workdir / "train_data.jsonl").read_bytes().splitlines()
     ]
     assert len({(r["group_id"], r["row"]) for r in trained}) == len(trained) == 12
+
+
+def test_the_state_handed_over_with_a_step_comes_back_with_the_run_resumed_there(
+    tmp_path: Path,
+) -> None:
+    config = job(tmp_path)
+    with SyncRollouts(config) as run:
+        assert run.resumed_state is None
+        for batch in run.batches():
+            if batch.step == 3:
+                break  # step 2 is checkpointed and its snapshot taken before step 3 comes
+            batch.done(state={"weights": f"w/step-{batch.step}.pt", "cursor": batch.step * 4})
+
+    with SyncRollouts(config) as run:
+        assert run.resumed_step == 2
+        assert run.resumed_state == {"weights": "w/step-2.pt", "cursor": 8}
+        for batch in run.batches():
+            batch.done()  # no new state: the last one is kept with the step
+        run.summary()
+    step_3 = orjson.loads((config.workdir / "checkpoints" / "step-00000003.json").read_bytes())
+    assert step_3["trainer_state"] == {"weights": "w/step-2.pt", "cursor": 8}

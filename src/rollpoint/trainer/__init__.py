@@ -16,7 +16,7 @@ from rollpoint.trainer.ledger import (
     RecoveryLedger,
     RolloutState,
 )
-from rollpoint.trainer.train_hooks import SimulatedTrainer, TrainHooks, TrainSample
+from rollpoint.trainer.train_hooks import SimulatedTrainer, StepResult, TrainHooks, TrainSample
 from rollpoint.trainer.trainer_loop import RunSummary, Trainer, TrainerStats
 
 __all__ = [
@@ -31,6 +31,7 @@ __all__ = [
     "RolloutState",
     "RunSummary",
     "SimulatedTrainer",
+    "StepResult",
     "TrainHooks",
     "TrainSample",
     "Trainer",

@@ -10,9 +10,14 @@ run's counters. TQ releases the rollouts consumed up to S only after that (see
 A real trainer keeps its own weights; it calls :meth:`TrainCheckpointStore.save` with
 its step when its own checkpoint is durable, and the same composition rule holds.
 
-Schema history: **1** recorded only ``train_data_bytes``; **2** (current) adds
-``train_data_lines`` and ``train_data_sha256``. Migration 1 → 2 sets both to ``null``: a
-version-1 checkpoint is checked for its length and line boundary only.
+It also keeps the trainer's own state at that step (``trainer_state``: any JSON a trainer
+hands over with the step, such as where its weights and optimizer state are; handed back
+after a restore, see :attr:`rollpoint.Rollouts.resumed_state`).
+
+Schema history: **1** recorded only ``train_data_bytes``; **2** adds ``train_data_lines``
+and ``train_data_sha256``; **3** (current) adds ``trainer_state``. Migration 1 → 2 sets
+both to ``null``: a version-1 checkpoint is checked for its length and line boundary only.
+Migration 2 → 3 sets ``trainer_state`` to ``null`` (the trainer handed none over).
 
 Which checkpoints are kept is not decided here alone: :meth:`TrainCheckpointStore.save`
 keeps the ``keep`` newest plus every step in ``protect`` (the steps kept snapshots compose
@@ -30,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from pydantic import Field
+from pydantic import Field, JsonValue
 
 from rollpoint.protocol.errors import InvalidCheckpointStateError, StorageError
 from rollpoint.protocol.manifest import Sha256Hex, decode_document, load_versioned
@@ -39,7 +44,9 @@ from rollpoint.trainer.train_data import EMPTY_SHA256, Coverage
 
 log = logging.getLogger(__name__)
 
-TRAIN_CHECKPOINT_VERSION = 2
+TRAIN_CHECKPOINT_VERSION = 3
+TRAINER_STATE_MAX_BYTES = 1 << 20
+"""The trainer's state rides in every checkpoint file: paths and counters, not weights."""
 _NAME = re.compile(r"^step-(\d{8})\.json$")
 
 
@@ -56,6 +63,8 @@ class TrainCheckpoint(StrictModel):
     episodes_trained: int = Field(ge=0)
     groups_trained: int = Field(ge=0)
     written_at: float
+    trainer_state: JsonValue = None
+    """The trainer's own state at this step, as it handed it over (None: none)."""
 
     @property
     def coverage(self) -> Coverage:
@@ -72,7 +81,14 @@ def _checkpoint_v1_to_v2(doc: dict[str, Any]) -> dict[str, Any]:
     return doc
 
 
-TRAIN_CHECKPOINT_MIGRATIONS = {1: _checkpoint_v1_to_v2}
+def _checkpoint_v2_to_v3(doc: dict[str, Any]) -> dict[str, Any]:
+    if "trainer_state" in doc:
+        raise ValueError("a version 2 train checkpoint has no 'trainer_state' field")
+    doc["trainer_state"] = None
+    return doc
+
+
+TRAIN_CHECKPOINT_MIGRATIONS = {1: _checkpoint_v1_to_v2, 2: _checkpoint_v2_to_v3}
 
 INITIAL = TrainCheckpoint(
     step=0,
@@ -163,7 +179,12 @@ class TrainCheckpointStore:
 
 
 def stamp(
-    step: int, policy_version: int, coverage: Coverage, episodes: int, groups: int
+    step: int,
+    policy_version: int,
+    coverage: Coverage,
+    episodes: int,
+    groups: int,
+    trainer_state: JsonValue = None,
 ) -> TrainCheckpoint:
     return TrainCheckpoint(
         step=step,
@@ -174,4 +195,5 @@ def stamp(
         episodes_trained=episodes,
         groups_trained=groups,
         written_at=time.time(),
+        trainer_state=trainer_state,
     )

@@ -1,7 +1,8 @@
 """Train hooks: the seam between rollpoint's loop and whatever updates the policy.
 
 Owns the :class:`TrainHooks` protocol a trainer implements (one async ``train_step`` per
-batch of whole prompt groups), the :class:`TrainSample` it receives, and the built-in
+batch of whole prompt groups), the :class:`TrainSample` it receives, the
+:class:`StepResult` it may answer with (metrics and its own state), and the built-in
 :class:`SimulatedTrainer`, which does no learning: it sleeps for the configured step time
 and reports metrics computed from the batch it was given. It does not pick batches
 (:mod:`.trainer_loop`) or compute advantages (:mod:`.grpo`).
@@ -14,10 +15,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import orjson
 from pydantic import JsonValue
 
 from rollpoint.protocol.episode import ModelCall, RunReply
-from rollpoint.protocol.errors import ConfigError
+from rollpoint.protocol.errors import BadRequestError, ConfigError
+from rollpoint.trainer.train_checkpoint import TRAINER_STATE_MAX_BYTES
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,9 +138,42 @@ class TrainSample:
         )
 
 
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """What a train step answers when it has state of its own to keep with the step."""
+
+    metrics: dict[str, float]
+    state: JsonValue = None
+    """The trainer's own state after this step (JSON, at most
+    :data:`~rollpoint.trainer.train_checkpoint.TRAINER_STATE_MAX_BYTES` encoded: where the
+    weights and optimizer state are, a data cursor, a learning-rate schedule's position;
+    not the weights). The step's train checkpoint keeps it, and a run restored at that
+    step hands it back (:attr:`rollpoint.Rollouts.resumed_state`)."""
+
+    def __post_init__(self) -> None:
+        check_trainer_state(self.state)
+
+
+def check_trainer_state(state: JsonValue) -> None:
+    """Refuse, in one line, a trainer state that is not JSON or too big to keep per step."""
+    try:
+        encoded = orjson.dumps(state)
+    except TypeError as exc:
+        raise BadRequestError(f"trainer state: not JSON: {exc}") from None
+    if len(encoded) > TRAINER_STATE_MAX_BYTES:
+        raise BadRequestError(
+            f"trainer state: {len(encoded):,} bytes encoded, more than the "
+            f"{TRAINER_STATE_MAX_BYTES:,} kept with every train checkpoint (keep the "
+            "weights in files of your own and put their paths here)"
+        )
+
+
 class TrainHooks(Protocol):
-    async def train_step(self, step: int, batch: list[TrainSample]) -> dict[str, float]:
-        """Update the policy on ``batch`` (whole prompt groups); return metrics to log."""
+    async def train_step(
+        self, step: int, batch: list[TrainSample]
+    ) -> dict[str, float] | StepResult:
+        """Update the policy on ``batch`` (whole prompt groups); return metrics to log, or
+        a :class:`StepResult` with the trainer's own state to keep with the step."""
         ...
 
 

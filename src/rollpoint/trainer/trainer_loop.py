@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+from pydantic import JsonValue
 
 from rollpoint.config import RunConfig
 from rollpoint.http.client import HttpClient
@@ -68,7 +69,7 @@ from rollpoint.trainer.run_events import (
 )
 from rollpoint.trainer.train_checkpoint import TrainCheckpointStore, stamp
 from rollpoint.trainer.train_data import TrainData
-from rollpoint.trainer.train_hooks import SimulatedTrainer, TrainHooks, TrainSample
+from rollpoint.trainer.train_hooks import SimulatedTrainer, StepResult, TrainHooks, TrainSample
 
 log = logging.getLogger(__name__)
 
@@ -181,11 +182,14 @@ class Trainer:
         self._groups_trained = 0
         self._episodes_trained = 0
         self._policy_version = 0
+        self._trainer_state: JsonValue = None
+        """The state the train hooks last handed over (kept in each train checkpoint)."""
         self.checkpoints = TrainCheckpointStore(config.workdir / "checkpoints")
         if restored is not None:
             ckpt, doc = restored.checkpoint, restored.trainer_doc
             self._train_steps = ckpt.step
             self._policy_version = ckpt.policy_version
+            self._trainer_state = ckpt.trainer_state
             self._groups_trained = ckpt.groups_trained
             self._episodes_trained = ckpt.episodes_trained
             self._episodes = self.ledger.counts()[RolloutState.SEALED]
@@ -472,7 +476,11 @@ class Trainer:
             for reply in batch.replies
         ]
         generated_by = self._policy_version
-        self.last_metrics = await self.hooks.train_step(step, samples)
+        result = await self.hooks.train_step(step, samples)
+        if isinstance(result, StepResult):
+            self.last_metrics, self._trainer_state = result.metrics, result.state
+        else:
+            self.last_metrics = result
         self._policy_version += 1
         await self._publish_policy_version(client, self._policy_version)
         await asyncio.to_thread(self._append_train_data, step, samples, generated_by)
@@ -553,6 +561,7 @@ class Trainer:
             self.train_data.coverage(),
             self._episodes_trained,
             self._groups_trained,
+            self._trainer_state,
         )
         protect = await asyncio.to_thread(self._steps_to_keep, step)
         await asyncio.to_thread(self.checkpoints.save, checkpoint, protect=protect)

@@ -9,7 +9,11 @@ import orjson
 import pytest
 
 from rollpoint.protocol.errors import RestoreError
-from rollpoint.trainer.train_checkpoint import INITIAL, TrainCheckpointStore
+from rollpoint.trainer.train_checkpoint import (
+    INITIAL,
+    TRAIN_CHECKPOINT_VERSION,
+    TrainCheckpointStore,
+)
 from rollpoint.trainer.train_data import Coverage, TrainData
 
 
@@ -95,7 +99,7 @@ def test_a_schema_1_checkpoint_loads_with_no_digest(tmp_path: Path) -> None:
 
     checkpoint = TrainCheckpointStore(folder).load(3)
 
-    assert checkpoint.schema_version == 2
+    assert checkpoint.schema_version == TRAIN_CHECKPOINT_VERSION
     assert checkpoint.coverage == Coverage(120, None, None)
 
 

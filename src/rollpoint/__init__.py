@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from rollpoint.config import RunConfig, load_config, parse_config
     from rollpoint.protocol.deployment import ReplicaEndpoints, ServedDeployment
+    from rollpoint.protocol.episode import TaskRow
     from rollpoint.protocol.errors import RollpointError
     from rollpoint.rollouts import Rollouts, SyncRollouts, TrainBatch, load_served
     from rollpoint.trainer.train_hooks import TrainSample, TrainTurn, token_segments
@@ -40,6 +41,7 @@ __all__ = [
     "RunConfig",
     "ServedDeployment",
     "SyncRollouts",
+    "TaskRow",
     "TrainBatch",
     "TrainSample",
     "TrainTurn",
@@ -57,6 +59,7 @@ _HOMES = {
     "ServedDeployment": "rollpoint.protocol.deployment",
     "ReplicaEndpoints": "rollpoint.protocol.deployment",
     "RollpointError": "rollpoint.protocol.errors",
+    "TaskRow": "rollpoint.protocol.episode",
     "RunConfig": "rollpoint.config",
     "load_config": "rollpoint.config",
     "parse_config": "rollpoint.config",

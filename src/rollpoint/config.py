@@ -208,8 +208,9 @@ class RunConfig(_Section):
     agent_loop: str | None = None
     """A custom agent loop by import path ``package.module:ClassName`` (``rollpoint.loops``);
     None sends the policy the transcript as it is."""
-    tasks: Annotated[int, Field(ge=1)] | None = 32
-    """Number of synthetic tasks; ignored when ``dataset`` is given."""
+    tasks: Annotated[int, Field(ge=0)] | None = 32
+    """Number of synthetic tasks; ignored when ``dataset`` is given. 0 only for a run that
+    takes its groups while it runs (``Rollouts(..., more_groups=True)``)."""
     dataset: Path | None = None
     """A JSONL file of task rows ({task_id, environment, prompt, params})."""
     group_size: Annotated[int, Field(ge=1, le=1024)] = 4

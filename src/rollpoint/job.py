@@ -26,7 +26,7 @@ from rollpoint.http.client import HttpClient
 from rollpoint.preemption import StopRequest, drive_until_stopped
 from rollpoint.protocol.deployment import Deployment, ServedDeployment
 from rollpoint.protocol.episode import TaskRow
-from rollpoint.protocol.errors import ConfigError, RestoreError
+from rollpoint.protocol.errors import ConfigError, RestoreError, RollpointError
 from rollpoint.runtime.attached import AttachedRuntime
 from rollpoint.runtime.contract import Runtime, runtime_for
 from rollpoint.runtime.replica_plan import SpecHook
@@ -61,21 +61,27 @@ Route = Callable[[Deployment], Awaitable[Deployment]]
 
 def load_tasks_for(config: RunConfig) -> list[TaskRow]:
     from rollpoint.envs import get_environment, load_tasks
-    from rollpoint.envs.registry import environment_matches, resolve_environment
 
     if config.dataset is not None:
         tasks = load_tasks(config.dataset)
-        cls = resolve_environment(config.environment)
-        wrong = [
-            t.task_id for t in tasks if not environment_matches(t.environment, cls, resolve=True)
-        ]
-        if wrong:
-            raise ConfigError(
-                f"{config.dataset}: task {wrong[0]} is for another environment than '{config.environment}'"
-            )
+        check_environment(config, tasks, str(config.dataset))
         return tasks
     assert config.tasks is not None
     return get_environment(config.environment).make_tasks(config.tasks, config.seed)
+
+
+def check_environment(
+    config: RunConfig, tasks: list[TaskRow], where: str, error: type[RollpointError] = ConfigError
+) -> None:
+    """Every task is for the run's environment, or one line names the first that is not."""
+    from rollpoint.envs.registry import environment_matches, resolve_environment
+
+    cls = resolve_environment(config.environment)
+    wrong = [t.task_id for t in tasks if not environment_matches(t.environment, cls, resolve=True)]
+    if wrong:
+        raise error(
+            f"{where}: task {wrong[0]} is for another environment than '{config.environment}'"
+        )
 
 
 def prepare_workdir(workdir: Path, *, fresh: bool, force: bool) -> None:
@@ -175,15 +181,22 @@ async def run_job(
     stop: StopRequest | None = None,
     hooks: TrainHooks | None = None,
     attach: ServedDeployment | None = None,
+    more_groups: bool = False,
 ) -> RunSummary:
     """``data_token`` guards the servers' data routes (one is made when None); a caller that
     talks to the servers itself (a benchmark reading their stats) passes its own. With
     ``stop`` a signal ends the run after one final snapshot (see :mod:`rollpoint.preemption`).
     ``hooks`` update the policy (default: the simulated trainer). With ``attach`` the job
     starts no servers: it runs on those ``rollpoint serve`` printed, with their tokens, and
-    leaves them running when it ends."""
+    leaves them running when it ends. ``more_groups``: the trainer takes groups added while
+    it runs (:meth:`Trainer.add_groups`), and the config's tasks may be none."""
     lock_workdir(config.workdir)  # held already when the CLI prepared the workdir
     tasks = load_tasks_for(config)
+    if not tasks and not more_groups:
+        raise ConfigError(
+            "tasks: 0 gives the run nothing to train (a run that is handed its groups "
+            "while it runs opens them with Rollouts(..., more_groups=True))"
+        )
     root = snapshot_root(config)
     if attach is None:
         token: str | None = secrets.token_urlsafe(32)
@@ -307,6 +320,7 @@ async def run_job(
             client=data_http,
             control=control,
             restored=restored,
+            more_groups=more_groups,
         )
         if stop is None:
             summary = await drive(trainer, runtime, metrics)

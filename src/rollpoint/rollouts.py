@@ -1,9 +1,9 @@
 """The trainer's façade: rollouts to train on, pulled by a loop of your own.
 
 Owns :class:`Rollouts`, the few calls a trainer author needs — open a run (on servers
-``rollpoint serve`` started, or on ones it starts), learn where it resumed, pull batches
-of finished prompt groups, say when a batch's update is done, take a snapshot, report a
-replica's servers gone and back — and
+``rollpoint serve`` started, or on ones it starts), learn where it resumed, add prompt
+groups while it runs, pull batches of finished prompt groups, say when a batch's update is
+done, take a snapshot, report a replica's servers gone and back — and
 :class:`TrainBatch`, one batch handed out. Everything else (the recovery ledger, the
 dispatcher, the finished-rollout queue, snapshots, ``train_data.jsonl`` and its
 checkpoints, the restore) runs underneath as it does for ``rollpoint run``: the façade
@@ -24,7 +24,7 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -33,9 +33,10 @@ from typing import Any, Self, TypeVar
 from pydantic import JsonValue, ValidationError
 
 from rollpoint.config import RunConfig
-from rollpoint.job import Drive, drive_quietly, run_job
+from rollpoint.job import Drive, check_environment, drive_quietly, run_job
 from rollpoint.protocol.deployment import ReplicaEndpoints, ServedDeployment
-from rollpoint.protocol.errors import ConfigError, InvalidPhaseError
+from rollpoint.protocol.episode import TaskRow
+from rollpoint.protocol.errors import BadRequestError, ConfigError, InvalidPhaseError
 from rollpoint.runtime.contract import Runtime
 from rollpoint.trainer.cut import SaveReport
 from rollpoint.trainer.metrics import TrainerMetrics
@@ -125,6 +126,9 @@ class Rollouts:
     the line with :func:`load_served`); they are left running when the
     run ends. Without it, the servers ``config.runtime`` names are started and stopped here.
     ``fresh``: start over instead of resuming (a workdir with progress is refused).
+    ``more_groups``: besides the config's tasks (which may then be ``tasks: 0``), the run
+    takes the groups :meth:`add_groups` hands it while it runs, and ends after
+    :meth:`end_groups` once every group is trained.
     """
 
     def __init__(
@@ -133,6 +137,7 @@ class Rollouts:
         *,
         deployment: ServedDeployment | None = None,
         fresh: bool = False,
+        more_groups: bool = False,
         say: Callable[[str], None] = log.info,
     ) -> None:
         if deployment is not None:
@@ -140,6 +145,7 @@ class Rollouts:
         self.config = config
         self._deployment = deployment
         self._fresh = fresh
+        self._more_groups = more_groups
         self._say = say
         self._batches: asyncio.Queue[TrainBatch | object] = asyncio.Queue()
         self._trainer: asyncio.Future[Trainer] | None = None
@@ -222,6 +228,23 @@ class Rollouts:
             self._pending = item
             yield item
 
+    async def add_groups(self, tasks: Iterable[TaskRow]) -> list[str]:
+        """Add one prompt group (``group_size`` rows) per task, sent after those before it;
+        returns the ids of the groups added. Needs ``more_groups=True``. A task whose group
+        the run already has (added before, or restored from the snapshot) is skipped: a
+        trainer resumed from a snapshot adds its stream again from its own cursor (keep it
+        in ``batch.done(state=...)``), and only what the snapshot lacks is added. Tasks for
+        another environment, repeated task ids, or a known task id with other contents
+        are refused whole, in one line (``BadRequestError``)."""
+        rows = list(tasks)
+        check_environment(self.config, rows, "rollouts.add_groups", BadRequestError)
+        return self._started().add_groups(rows)
+
+    async def end_groups(self) -> None:
+        """No more groups will be added: :meth:`batches` ends once those the run has are
+        trained. Idempotent."""
+        self._started().end_groups()
+
     async def snapshot(self) -> SaveReport:
         """Take one snapshot now (besides those ``snapshot.every_seconds`` takes)."""
         coordinator = self._started().coordinator
@@ -269,6 +292,7 @@ class Rollouts:
                 drive=drive,
                 hooks=self,
                 attach=self._deployment,
+                more_groups=self._more_groups,
             )
         finally:
             self._batches.put_nowait(_END)
@@ -312,9 +336,12 @@ class SyncRollouts:
         *,
         deployment: ServedDeployment | None = None,
         fresh: bool = False,
+        more_groups: bool = False,
         say: Callable[[str], None] = log.info,
     ) -> None:
-        self._rollouts = Rollouts(config, deployment=deployment, fresh=fresh, say=say)
+        self._rollouts = Rollouts(
+            config, deployment=deployment, fresh=fresh, more_groups=more_groups, say=say
+        )
         self._items: queue.Queue[TrainBatch | BaseException | object] = queue.Queue()
         self._ready = threading.Event()
         self._failed: BaseException | None = None
@@ -376,6 +403,14 @@ class SyncRollouts:
     def snapshot(self) -> SaveReport:
         """Take one snapshot now; returns once it is published or failed."""
         return self._call(self._rollouts.snapshot())
+
+    def add_groups(self, tasks: Iterable[TaskRow]) -> list[str]:
+        """As :meth:`Rollouts.add_groups`, from your thread."""
+        return self._call(self._rollouts.add_groups(list(tasks)))
+
+    def end_groups(self) -> None:
+        """As :meth:`Rollouts.end_groups`, from your thread."""
+        self._call(self._rollouts.end_groups())
 
     def replica_down(self, name: str) -> None:
         """As :meth:`Rollouts.replica_down`, from your thread."""

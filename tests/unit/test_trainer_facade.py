@@ -31,6 +31,7 @@ def test_the_top_level_exports_are_pinned_and_each_resolves() -> None:
         "RunConfig",
         "ServedDeployment",
         "SyncRollouts",
+        "TaskRow",
         "TrainBatch",
         "TrainSample",
         "TrainTurn",

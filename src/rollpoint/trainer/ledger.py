@@ -246,6 +246,9 @@ class RecoveryLedger:
     def group_ids(self) -> list[str]:
         return list(self._groups)
 
+    def has_group(self, group_id: str) -> bool:
+        return group_id in self._groups
+
     def task(self, task_id: str) -> TaskRow:
         try:
             return self._tasks[task_id]

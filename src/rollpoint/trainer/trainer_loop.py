@@ -27,6 +27,7 @@ import logging
 import math
 import time
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +40,7 @@ from rollpoint.http.client import HttpClient
 from rollpoint.protocol.deployment import Deployment, ReplicaEndpoints
 from rollpoint.protocol.episode import RunReply, TaskRow
 from rollpoint.protocol.errors import (
+    BadRequestError,
     ConfigError,
     InvalidPhaseError,
     RollpointError,
@@ -132,12 +134,15 @@ class Trainer:
         control: ControlPlane | None = None,
         restored: RestoredRun | None = None,
         replica_restart_wait_s: float | None = None,
+        more_groups: bool = False,
     ) -> None:
         """``restored`` continues a run from a snapshot (see :mod:`rollpoint.trainer.restorer`);
         its ledger and TQ replace the fresh ones built from ``tasks``.
         ``replica_restart_wait_s``: how long a lost replica's snapshot tries wait for it to
-        come back before they start over elsewhere (default: the snapshot deadline)."""
-        _check_inputs(config, tasks, stall_timeout_s)
+        come back before they start over elsewhere (default: the snapshot deadline).
+        ``more_groups``: the run takes groups added while it runs (:meth:`add_groups`) and
+        ends only after :meth:`end_groups`; ``tasks`` may then be empty."""
+        _check_inputs(config, tasks, stall_timeout_s, more_groups=more_groups)
         self.config = config
         self.deployment = deployment
         self.hooks: TrainHooks = hooks or SimulatedTrainer(config.train.step_seconds)
@@ -163,6 +168,10 @@ class Trainer:
                 gid = group_id_for(task.task_id)
                 self.ledger.add_group(task, gid, config.group_size)
                 self.tq.expect_group(gid, config.group_size)
+        self._feed_order = self.ledger.group_ids()
+        """The groups to send, in order: the ledger's, then those added while running."""
+        self._more_groups = more_groups
+        self._groups_added = asyncio.Event()
         self._client = client
         self._http: HttpClient | None = None
         """The data-plane client while :meth:`run` runs."""
@@ -419,7 +428,14 @@ class Trainer:
                 self._group_done(task.result())
 
         try:
-            for gid in self.ledger.group_ids():
+            sent = 0
+            while sent < len(self._feed_order) or self._more_groups:
+                if sent == len(self._feed_order):
+                    self._groups_added.clear()
+                    await self._groups_added.wait()  # add_groups or end_groups
+                    continue
+                gid = self._feed_order[sent]
+                sent += 1
                 await tickets.acquire()
                 if errors:
                     raise errors[0]
@@ -437,6 +453,41 @@ class Trainer:
             await asyncio.gather(*leftover, return_exceptions=True)
         self._dispatch_done = True
         self._tq_changed.set()
+
+    # --- groups added while running -------------------------------------------------
+
+    def add_groups(self, tasks: Iterable[TaskRow]) -> list[str]:
+        """Add one prompt group per task to a run opened with ``more_groups``; they are
+        sent after the groups before them, like the first ones. A task whose group the run
+        already has (added before, or restored from a snapshot) is skipped, so a trainer
+        resumed from a snapshot may add its stream again from a cursor of its own. Returns
+        the ids of the groups added. Bad input is refused whole, in one line."""
+        if not self._more_groups:
+            raise InvalidPhaseError(
+                "trainer: this run takes no more groups (open it with more_groups=True, "
+                "and add before end_groups)"
+            )
+        rows = list(tasks)
+        _check_task_ids(rows, BadRequestError)
+        new = [t for t in rows if not self.ledger.has_group(group_id_for(t.task_id))]
+        for task in rows:
+            if task not in new and self.ledger.task(task.task_id) != task:
+                raise BadRequestError(f"trainer: task {task.task_id} was added with other contents")
+        added = []
+        for task in new:
+            gid = group_id_for(task.task_id)
+            self.ledger.add_group(task, gid, self.config.group_size)
+            self.tq.expect_group(gid, self.config.group_size)
+            self._feed_order.append(gid)
+            added.append(gid)
+        if added:
+            self._groups_added.set()
+        return added
+
+    def end_groups(self) -> None:
+        """No more groups will be added: the run ends once those it has are trained."""
+        self._more_groups = False
+        self._groups_added.set()
 
     def _group_done(self, outcome: GroupOutcome) -> None:
         if outcome.failed is not None:
@@ -686,16 +737,12 @@ class Trainer:
         )
 
 
-def _check_inputs(config: RunConfig, tasks: list[TaskRow], stall_timeout_s: float) -> None:
-    if not tasks:
+def _check_inputs(
+    config: RunConfig, tasks: list[TaskRow], stall_timeout_s: float, *, more_groups: bool
+) -> None:
+    if not tasks and not more_groups:
         raise ConfigError("trainer: no tasks to run")
-    ids = [t.task_id for t in tasks]
-    duplicates = sorted(tid for tid, n in Counter(ids).items() if n > 1)
-    if duplicates:
-        raise ConfigError(f"trainer: task ids appear more than once: {duplicates[:5]}")
-    too_long = [tid for tid in ids if len(group_id_for(tid)) > 128]
-    if too_long:
-        raise ConfigError(f"trainer: task id too long for a group id: {too_long[0][:40]}...")
+    _check_task_ids(tasks)
     if config.group_size > config.concurrency:
         raise ConfigError(
             f"trainer: group_size {config.group_size} is larger than concurrency "
@@ -703,6 +750,17 @@ def _check_inputs(config: RunConfig, tasks: list[TaskRow], stall_timeout_s: floa
         )
     if stall_timeout_s <= 0:
         raise ConfigError(f"trainer: stall_timeout_s must be > 0, got {stall_timeout_s}")
+
+
+def _check_task_ids(tasks: list[TaskRow], error: type[RollpointError] = ConfigError) -> None:
+    """Config tasks are refused as a ConfigError, tasks handed to add_groups as a 400."""
+    ids = [t.task_id for t in tasks]
+    duplicates = sorted(tid for tid, n in Counter(ids).items() if n > 1)
+    if duplicates:
+        raise error(f"trainer: task ids appear more than once: {duplicates[:5]}")
+    too_long = [tid for tid in ids if len(group_id_for(tid)) > 128]
+    if too_long:
+        raise error(f"trainer: task id too long for a group id: {too_long[0][:40]}...")
 
 
 async def _supervise(main: list[Any], side: list[Any]) -> None:

@@ -66,17 +66,30 @@ class TrainBatch:
     samples: list[TrainSample]
     _reply: asyncio.Future[dict[str, float] | StepResult] = field(repr=False)
 
-    def done(self, metrics: dict[str, float] | None = None, *, state: JsonValue = None) -> None:
-        """The update on this batch is over (your weights saved): rollpoint writes the
-        batch to ``train_data.jsonl``, checkpoints the step and moves on. ``metrics`` go to
-        the run's metrics log. ``state``: your trainer's own state after this step, as JSON
-        (where its weights are, a data cursor; at most 1 MiB encoded, else a one-line
-        ``BadRequestError`` here): the step's checkpoint keeps it and a run restored at
-        the step hands it back as :attr:`Rollouts.resumed_state`. Given once, it is kept
-        until another is given. Calling ``done`` twice is a no-op; any thread may call it."""
+    def done(
+        self,
+        metrics: dict[str, float] | None = None,
+        *,
+        state: JsonValue = None,
+        durable: bool | None = None,
+    ) -> None:
+        """The update on this batch is over: rollpoint writes the batch to
+        ``train_data.jsonl`` and moves on. ``metrics`` go to the run's metrics log.
+
+        ``state``: your trainer's own state after this step, as JSON (where its weights
+        are, a data cursor; at most 1 MiB encoded, else a one-line ``BadRequestError``
+        here): the step's checkpoint keeps it and a run restored at the step hands it
+        back as :attr:`Rollouts.resumed_state`. Given once, it is kept until another is.
+
+        ``durable``: whether your weights of this step are saved for good. None (the
+        default): as ``train.checkpoint_every_steps`` says (every step: save them before
+        ``done``). False: not yet (your save runs in the background); call
+        :meth:`Rollouts.mark_durable` with the step when it is, and until then its rows
+        are held (a restore trains them again). A durable step is checkpointed and a
+        snapshot follows. Calling ``done`` twice is a no-op; any thread may call it."""
         result: dict[str, float] | StepResult = dict(metrics or {})
-        if state is not None:
-            result = StepResult(metrics=dict(metrics or {}), state=state)
+        if state is not None or durable is not None:
+            result = StepResult(metrics=dict(metrics or {}), state=state, durable=durable)
         loop = self._reply.get_loop()
         try:
             here = asyncio.get_running_loop() is loop
@@ -245,6 +258,14 @@ class Rollouts:
         trained. Idempotent."""
         self._started().end_groups()
 
+    async def mark_durable(self, step: int) -> None:
+        """Your weights of ``step`` (done with ``durable=False``) are saved for good now:
+        rollpoint writes that step's checkpoint as it stood, releases the rows it covered
+        and takes a snapshot. Earlier steps never marked are passed over (this one covers
+        them); a step already durable is a no-op; a step not trained, or not waiting, is a
+        one-line ``BadRequestError``."""
+        await self._started().mark_durable(step)
+
     async def snapshot(self) -> SaveReport:
         """Take one snapshot now (besides those ``snapshot.every_seconds`` takes)."""
         coordinator = self._started().coordinator
@@ -411,6 +432,10 @@ class SyncRollouts:
     def end_groups(self) -> None:
         """As :meth:`Rollouts.end_groups`, from your thread."""
         self._call(self._rollouts.end_groups())
+
+    def mark_durable(self, step: int) -> None:
+        """As :meth:`Rollouts.mark_durable`, from your thread."""
+        self._call(self._rollouts.mark_durable(step))
 
     def replica_down(self, name: str) -> None:
         """As :meth:`Rollouts.replica_down`, from your thread."""

@@ -14,6 +14,7 @@ import pytest
 
 from rollpoint import SyncRollouts, parse_config
 from rollpoint.config import RunConfig
+from rollpoint.protocol.errors import BadRequestError
 
 pytestmark = pytest.mark.integration
 
@@ -78,3 +79,55 @@ def test_the_state_handed_over_with_a_step_comes_back_with_the_run_resumed_there
         run.summary()
     step_3 = orjson.loads((config.workdir / "checkpoints" / "step-00000003.json").read_bytes())
     assert step_3["trainer_state"] == {"weights": "w/step-2.pt", "cursor": 8}
+
+
+def test_steps_the_trainer_makes_durable_later_are_where_a_rerun_resumes(
+    tmp_path: Path,
+) -> None:
+    # A trainer whose weight saves run in the background: steps are done not durable, and
+    # marked durable once the save lands. Only marked steps are checkpointed.
+    config = job(tmp_path)
+    checkpoints = config.workdir / "checkpoints"
+    with SyncRollouts(config) as run:
+        for batch in run.batches():
+            if batch.step == 3:
+                assert sorted(p.name for p in checkpoints.iterdir()) == ["step-00000002.json"]
+                break  # stopped with step 3 never done
+            batch.done(state={"weights": f"w{batch.step}"}, durable=False)
+            if batch.step == 2:
+                with pytest.raises(BadRequestError, match=r"step 9 is not a trained step .*"):
+                    run.mark_durable(9)
+                run.mark_durable(2)  # covers step 1, never marked
+                run.mark_durable(1)  # already covered: nothing happens
+
+    with SyncRollouts(config) as run:
+        assert run.resumed_step == 2 and run.resumed_state == {"weights": "w2"}
+        for batch in run.batches():
+            batch.done()
+        run.summary()
+    trained = [
+        orjson.loads(x) for x in (config.workdir / "train_data.jsonl").read_bytes().splitlines()
+    ]
+    assert len({(r["group_id"], r["row"]) for r in trained}) == len(trained) == 12
+
+
+def test_steps_never_made_durable_are_trained_again_after_a_rerun(tmp_path: Path) -> None:
+    config = job(tmp_path)
+    with SyncRollouts(config) as run:
+        for batch in run.batches():
+            if batch.step == 3:
+                break
+            batch.done(durable=False)
+    assert not (config.workdir / "checkpoints").exists() or not any(
+        (config.workdir / "checkpoints").iterdir()
+    )
+
+    with SyncRollouts(config) as run:
+        assert run.resumed_step == 0  # the only durable point: nothing trained
+        steps = [batch.step for batch in run.batches()]
+        run.summary()
+    assert steps == [1, 2, 3]
+    trained = [
+        orjson.loads(x) for x in (config.workdir / "train_data.jsonl").read_bytes().splitlines()
+    ]
+    assert len({(r["group_id"], r["row"]) for r in trained}) == len(trained) == 12

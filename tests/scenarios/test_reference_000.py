@@ -170,8 +170,14 @@ async def test_retired_episodes_are_marked_retired(tmp_path: Path) -> None:
     # participant of the replica raised its marks.
     assert [r.ledger.get(t.rollout_id).state for t in old] == [RolloutState.RETIRED] * 2
     assert r.dispatcher.retire_queue == set()
-    # Every participant of the replica holds the marks (Fence._raise_marks) ...
-    assert {name: s.retired_rollouts for name, s in after.items()} == {c.label: 2 for c in direct}
+    # Every participant of the replica holds the marks (Fence._raise_marks), one per try the
+    # ledger retired: the two above, and any fresh re-send of theirs that also met the cut
+    # before the heal (a loaded machine gives them that time: a CI run saw 4).
+    retired = r.ledger.counts()[RolloutState.RETIRED]
+    assert retired >= 2
+    assert {name: s.retired_rollouts for name, s in after.items()} == {
+        c.label: retired for c in direct
+    }
     # ... and refuses a late call of the retired try, each in its own way.
     assert late == {
         "model": "stale_attempt",

@@ -148,7 +148,13 @@ class StepResult:
     :data:`~rollpoint.trainer.train_checkpoint.TRAINER_STATE_MAX_BYTES` encoded: where the
     weights and optimizer state are, a data cursor, a learning-rate schedule's position;
     not the weights). The step's train checkpoint keeps it, and a run restored at that
-    step hands it back (:attr:`rollpoint.Rollouts.resumed_state`)."""
+    step hands it back (:attr:`rollpoint.Rollouts.resumed_state`). None keeps the last
+    state given."""
+    durable: bool | None = None
+    """Whether the trainer's own checkpoint of this step is durable now. None: as
+    ``train.checkpoint_every_steps`` says. False: not yet (a save still running in the
+    background); the trainer calls :meth:`~rollpoint.trainer.Trainer.mark_durable` when
+    it is, and until then the step's rows stay held (a restore trains them again)."""
 
     def __post_init__(self) -> None:
         check_trainer_state(self.state)

@@ -69,7 +69,7 @@ from rollpoint.trainer.run_events import (
     RunEvents,
     TrainStep,
 )
-from rollpoint.trainer.train_checkpoint import TrainCheckpointStore, stamp
+from rollpoint.trainer.train_checkpoint import TrainCheckpoint, TrainCheckpointStore, stamp
 from rollpoint.trainer.train_data import TrainData
 from rollpoint.trainer.train_hooks import SimulatedTrainer, StepResult, TrainHooks, TrainSample
 
@@ -193,6 +193,12 @@ class Trainer:
         self._policy_version = 0
         self._trainer_state: JsonValue = None
         """The state the train hooks last handed over (kept in each train checkpoint)."""
+        self._not_durable: dict[int, TrainCheckpoint] = {}
+        """Steps trained but not durable yet: their checkpoints as they stood, by step."""
+        self._checkpointing = asyncio.Lock()
+        self._step_in_hand: int | None = None
+        """The step handed to the train hooks and not yet recorded."""
+        self._step_recorded = asyncio.Condition()
         self.checkpoints = TrainCheckpointStore(config.workdir / "checkpoints")
         if restored is not None:
             ckpt, doc = restored.checkpoint, restored.trainer_doc
@@ -335,6 +341,12 @@ class Trainer:
                 await self.releases.flush()
             if self.coordinator is not None and self._snapshots_on:
                 await self._last_snapshot(self.coordinator)
+            if self._not_durable:
+                log.warning(
+                    "the run ended with train steps %s never made durable (mark_durable): "
+                    "a rerun resumes before them and trains their rows again",
+                    ", ".join(map(str, sorted(self._not_durable))),
+                )
         finally:
             if self.coordinator is not None:
                 await self.coordinator.collector.aclose()
@@ -527,9 +539,37 @@ class Trainer:
             for reply in batch.replies
         ]
         generated_by = self._policy_version
+        self._step_in_hand = step
+        try:
+            await self._record_step(client, step, groups, samples, generated_by)
+        finally:
+            # Waiters in mark_durable go on whether the step was recorded or failed.
+            async with self._step_recorded:
+                self._step_in_hand = None
+                self._step_recorded.notify_all()
+        log.info(
+            "train step %d: %d rollouts from %d groups; %s",
+            step,
+            len(samples),
+            len(groups),
+            ", ".join(f"{k}={v:.4g}" for k, v in self.last_metrics.items()),
+        )
+
+    async def _record_step(
+        self,
+        client: HttpClient,
+        step: int,
+        groups: list[GroupBatch],
+        samples: list[TrainSample],
+        generated_by: int,
+    ) -> None:
+        """The hooks' update of ``step``, then its train data, event and checkpoint."""
         result = await self.hooks.train_step(step, samples)
+        durable: bool | None = None
         if isinstance(result, StepResult):
-            self.last_metrics, self._trainer_state = result.metrics, result.state
+            self.last_metrics, durable = result.metrics, result.durable
+            if result.state is not None:
+                self._trainer_state = result.state
         else:
             self.last_metrics = result
         self._policy_version += 1
@@ -542,16 +582,23 @@ class Trainer:
         self.events.append(
             TrainStep(ts=time.time(), step=step, rollouts=len(samples), groups=len(groups))
         )
-        every = self.config.train.checkpoint_every_steps
-        if every is not None and step % every == 0:
-            await self._checkpoint(step)
-        log.info(
-            "train step %d: %d rollouts from %d groups; %s",
+        # What the step's checkpoint records, as of now: a trainer that saves its weights
+        # in the background marks the step durable later (mark_durable).
+        checkpoint = stamp(
             step,
-            len(samples),
-            len(groups),
-            ", ".join(f"{k}={v:.4g}" for k, v in self.last_metrics.items()),
+            self._policy_version,
+            self.train_data.coverage(),
+            self._episodes_trained,
+            self._groups_trained,
+            self._trainer_state,
         )
+        if durable is None:
+            every = self.config.train.checkpoint_every_steps
+            durable = every is not None and step % every == 0
+        if durable:
+            await self._checkpoint(checkpoint)
+        else:
+            self._not_durable[step] = checkpoint
 
     async def _publish_policy_version(
         self, client: HttpClient, version: int, replicas: list[ReplicaEndpoints] | None = None
@@ -603,20 +650,38 @@ class Trainer:
             )
         self.train_data.append(bytes(lines))
 
-    async def _checkpoint(self, step: int) -> None:
+    async def mark_durable(self, step: int) -> None:
+        """The trainer's own checkpoint of ``step`` (a step it trained without saying it
+        was durable) is durable now: rollpoint writes its train checkpoint of that step as
+        it stood then, TQ lets go of what it consumed, and a snapshot follows. Steps before
+        it that were never marked are passed over; a step already durable is a no-op."""
+        if step == self._step_in_hand:
+            # Marked as soon as it was done, before the loop recorded it: wait for that.
+            async with self._step_recorded:
+                await self._step_recorded.wait_for(lambda: self._step_in_hand != step)
+        if step <= self.tq.committed_step:
+            return
+        checkpoint = self._not_durable.get(step)
+        if checkpoint is None:
+            waiting = ", ".join(map(str, sorted(self._not_durable))) or "none"
+            raise BadRequestError(
+                f"trainer: step {step} is not a trained step waiting to be durable "
+                f"(trained up to {self._train_steps}; waiting: {waiting})"
+            )
+        await self._checkpoint(checkpoint)
+
+    async def _checkpoint(self, checkpoint: TrainCheckpoint) -> None:
         """A durable train checkpoint, then TQ lets go of what it consumed, then a snapshot
         that composes with it (taken at a step >= the checkpoint's)."""
-        checkpoint = stamp(
-            step,
-            self._policy_version,
-            self.train_data.coverage(),
-            self._episodes_trained,
-            self._groups_trained,
-            self._trainer_state,
-        )
-        protect = await asyncio.to_thread(self._steps_to_keep, step)
-        await asyncio.to_thread(self.checkpoints.save, checkpoint, protect=protect)
-        self.tq.commit(step)
+        step = checkpoint.step
+        async with self._checkpointing:  # the train loop and mark_durable, one at a time
+            if step <= self.tq.committed_step:
+                return  # a later step was made durable meanwhile
+            protect = await asyncio.to_thread(self._steps_to_keep, step)
+            await asyncio.to_thread(self.checkpoints.save, checkpoint, protect=protect)
+            self.tq.commit(step)
+            for older in [s for s in self._not_durable if s <= step]:
+                del self._not_durable[older]
         if self.coordinator is not None:
             await self.coordinator.save()
 

@@ -6,6 +6,7 @@ Everything here runs in the trainer process and reaches the environment over HTT
 parts through a :class:`Trainer`'s ``ledger``, ``barrier``, ``tq`` and ``dispatcher``.
 """
 
+from rollpoint.trainer.cut import Blocker, SavePhase, SaveReport
 from rollpoint.trainer.dispatch_barrier import DispatchBarrier
 from rollpoint.trainer.dispatcher import Dispatcher, GroupOutcome
 from rollpoint.trainer.finished_queue import FinishedQueue, GroupBatch
@@ -20,6 +21,7 @@ from rollpoint.trainer.train_hooks import SimulatedTrainer, StepResult, TrainHoo
 from rollpoint.trainer.trainer_loop import RunSummary, Trainer, TrainerStats
 
 __all__ = [
+    "Blocker",
     "DispatchBarrier",
     "Dispatcher",
     "FinishedQueue",
@@ -30,6 +32,8 @@ __all__ = [
     "RecoveryLedger",
     "RolloutState",
     "RunSummary",
+    "SavePhase",
+    "SaveReport",
     "SimulatedTrainer",
     "StepResult",
     "TrainHooks",

@@ -2,7 +2,8 @@
 
 Owns the stage order of prepare and resume (:data:`PREPARE_STAGES`), running one verb on
 many participants against a shared deadline so none holds the pause
-(:func:`by_deadline`), and the one line that names a participant whose call failed
+(:func:`by_deadline`), and what names a participant whose call failed: the typed
+:class:`~rollpoint.trainer.cut.Blocker` (:func:`blocker`) and its one line
 (:func:`failure_line`).
 
 It does not own the calls themselves (:class:`~rollpoint.trainer.participant_client.ParticipantClient`)
@@ -16,8 +17,9 @@ import time
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from rollpoint.protocol.errors import RollpointError
+from rollpoint.protocol.errors import DeadlineExceededError, RollpointError, StorageError
 from rollpoint.protocol.participant import ParticipantKind
+from rollpoint.trainer.cut import Blocker
 from rollpoint.trainer.participant_client import ParticipantClient
 
 R = TypeVar("R")
@@ -61,9 +63,23 @@ async def by_deadline(
 
 def failure_line(client: ParticipantClient, verb: str, error: BaseException) -> str:
     """One line naming the participant and what went wrong, without repeating the label."""
+    return blocker(client.label, verb, error).message
+
+
+def blocker(participant: str | None, verb: str, error: BaseException) -> Blocker:
+    """What failed, typed: the error's code and whether retrying can help. A call with no
+    reply by the deadline is ``deadline_exceeded`` (retryable); an error outside the tree
+    is ``internal`` (a bug: not retryable)."""
+    who = participant or "trainer"
     if isinstance(error, RollpointError):
         text = error.message
-        return text if text.startswith(client.label) else f"{client.label} {verb}: {text}"
+        message = text if text.startswith(who) else f"{who} {verb}: {text}"
+        return Blocker(participant, verb, error.code, error.retryable, message)
     if isinstance(error, TimeoutError):
-        return f"{client.label} {verb}: {error or 'no reply by the deadline'}"
-    return f"{client.label} {verb}: {type(error).__name__}: {error}"
+        message = f"{who} {verb}: {error or 'no reply by the deadline'}"
+        return Blocker(participant, verb, DeadlineExceededError.code, True, message)
+    if isinstance(error, OSError):
+        message = f"{who} {verb}: {error}"
+        return Blocker(participant, verb, StorageError.code, StorageError.retryable, message)
+    message = f"{who} {verb}: {type(error).__name__}: {error}"
+    return Blocker(participant, verb, "internal", False, message)

@@ -60,8 +60,15 @@ from rollpoint.protocol.control import (
     CommitReply,
     Phase,
     StatusReply,
+    Verb,
 )
-from rollpoint.protocol.errors import ConfigError, RollpointError, SnapshotError, TransportError
+from rollpoint.protocol.errors import (
+    ConfigError,
+    DeadlineExceededError,
+    RollpointError,
+    SnapshotError,
+    TransportError,
+)
 from rollpoint.protocol.manifest import (
     FileEntry,
     ParticipantEntry,
@@ -72,8 +79,8 @@ from rollpoint.protocol.participant import CheckpointMode, ParticipantKind
 from rollpoint.store.record_packs import PackIndex
 from rollpoint.store.snapshot_store import SnapshotStore
 from rollpoint.store.staging import Staging
-from rollpoint.trainer.control_calls import PREPARE_STAGES, by_deadline, failure_line
-from rollpoint.trainer.cut import Cut, Prepared, SaveReport
+from rollpoint.trainer.control_calls import PREPARE_STAGES, blocker, by_deadline
+from rollpoint.trainer.cut import Blocker, Cut, Prepared, SaveBlocked, SavePhase, SaveReport
 from rollpoint.trainer.dispatch_barrier import DispatchBarrier
 from rollpoint.trainer.finished_queue import FinishedQueue
 from rollpoint.trainer.ledger import RecoveryLedger
@@ -183,17 +190,16 @@ class SnapshotCoordinator:
             try:
                 await self._discover(clients)
                 return [self._statuses[c] for c in clients]
-            except SnapshotError:
+            except SaveBlocked as exc:
                 if time.monotonic() >= give_up_at:
-                    raise
+                    raise SnapshotError(str(exc)) from None
                 await asyncio.sleep(_DISCOVER_RETRY_S)
 
     async def _discover(self, clients: list[ParticipantClient]) -> None:
         replies = await asyncio.gather(*(p.status() for p in clients), return_exceptions=True)
         for client, reply in zip(clients, replies, strict=True):
             if isinstance(reply, BaseException):
-                detail = reply.message if isinstance(reply, RollpointError) else repr(reply)
-                raise SnapshotError(f"participant {client.label} did not answer status: {detail}")
+                raise SaveBlocked([blocker(client.label, Verb.STATUS, reply)])
             if reply.kind != client.address.kind:
                 raise ConfigError(
                     f"{client.label} says it is a {reply.kind} server, not a {client.address.kind}"
@@ -310,17 +316,24 @@ class SnapshotCoordinator:
         try:
             # A replica that came back since the last save: ask its new servers who they are.
             await self._discover([c for c in clients if c not in self._statuses])
-        except SnapshotError as exc:
-            report.blocked_by = exc.message
+        except SaveBlocked as exc:
+            report.blockers = exc.blockers
             return report
+        report.phase = SavePhase.RESUME_LEFTOVERS
         await self._resumer.resume_leftovers(self.participants)
         if self._resumer.unresumed:
             # Still closed by an earlier checkpoint and out of reach: a prepare now would
             # hold every agent at its deadline behind that participant's frozen calls.
-            report.blocked_by = (
-                f"{', '.join(sorted(self._resumer.unresumed))} still closed by an earlier checkpoint "
-                "and unreachable"
-            )
+            report.blockers = [
+                Blocker(
+                    label,
+                    Verb.RESUME,
+                    TransportError.code,
+                    True,
+                    f"{label} still closed by an earlier checkpoint and unreachable",
+                )
+                for label in sorted(self._resumer.unresumed)
+            ]
             return report
         checkpoint_id = snapshot_id
         started_at = time.time()
@@ -338,20 +351,24 @@ class SnapshotCoordinator:
             deadline = time.time() + self.config.deadline_seconds
             renewer = asyncio.create_task(self._renew_leases(checkpoint_id, prepared.clients))
             t0 = time.monotonic()
+            report.phase = SavePhase.PREPARE
             await self._prepare_all(
                 clients, checkpoint_id, deadline, prepared, drain_until=time.time() + drain_s
             )
             report.prepare_s = time.monotonic() - t0
+            report.phase = SavePhase.COMMIT
             staging = await asyncio.to_thread(self.store.begin, snapshot_id)
             t1 = time.monotonic()
             cut = await self._commit_all(clients, staging, checkpoint_id, prepared)
             cut.created_at = started_at
             report.commit_s = time.monotonic() - t1
-        except RollpointError as exc:
-            report.blocked_by = exc.message
+        except SaveBlocked as exc:
+            report.blockers = exc.blockers
+        except (RollpointError, OSError) as exc:  # the store's begin, say
+            report.blockers = [blocker(None, report.phase, exc)]
         except Exception as exc:  # a bug must not leave every participant closed
             log.exception("snapshot %s failed unexpectedly", snapshot_id)
-            report.blocked_by = f"{type(exc).__name__}: {exc}"
+            report.blockers = [blocker(None, report.phase, exc)]
         finally:
             held = final and cut is not None
             if renewer is not None and not held:
@@ -386,18 +403,24 @@ class SnapshotCoordinator:
         snapshot_id = report.snapshot_id
         t2 = time.monotonic()
         try:
+            report.phase = SavePhase.WRITE
             files = await self._write_all(cut)
             report.write_s = time.monotonic() - t2
             # After the reopen, and after the confirms (a detached agent reports what it
             # exported there): sorting the cut's tries into saved, finished and restarts
             # builds a manifest entry per try (~30 ms of the pause at 10k when inside).
             cut.classify(prepared)
+            report.phase = SavePhase.PUBLISH
             report.manifest = await asyncio.to_thread(self._publish, cut, files, report.pause_s)
-        except RollpointError as exc:
-            report.blocked_by = f"publish: {exc.message}"
+        except (SaveBlocked, RollpointError) as exc:
+            if isinstance(exc, SaveBlocked):
+                report.blockers = exc.blockers
+            else:
+                report.blockers = [blocker(None, report.phase, exc)]
             with contextlib.suppress(RollpointError, OSError):
                 await asyncio.to_thread(self.store.abort, cut.staging)
             return report
+        report.phase = SavePhase.PUBLISHED
         report.published = True
         report.saved, report.restarts, report.finished = (
             len(cut.episodes),
@@ -428,10 +451,10 @@ class SnapshotCoordinator:
             replies = await by_deadline(
                 [p.prepare(checkpoint_id, deadline) for p in stage_clients], deadline
             )
-            blocked: list[str] = []
+            blocked: list[Blocker] = []
             for client, reply in zip(stage_clients, replies, strict=True):
                 if isinstance(reply, BaseException):
-                    blocked.append(failure_line(client, "prepare", reply))
+                    blocked.append(blocker(client.label, Verb.PREPARE, reply))
                     continue
                 # Whatever else happens to this save, a stray reply is released after it.
                 strays = [e for e in reply.report.finished_unacked if not is_wanted(self.ledger, e)]
@@ -440,14 +463,21 @@ class SnapshotCoordinator:
                 if reply.phase != Phase.PREPARED:
                     r = reply.report
                     blocked.append(
-                        f"{client.label} not ready by the deadline: {r.blocker_count} blocker(s) "
-                        f"{', '.join(r.blockers[:5])}{'…' if r.blocker_count > 5 else ''}"
+                        Blocker(
+                            client.label,
+                            Verb.PREPARE,
+                            DeadlineExceededError.code,
+                            True,
+                            f"{client.label} not ready by the deadline: {r.blocker_count} "
+                            f"blocker(s) {', '.join(r.blockers[:5])}"
+                            f"{'…' if r.blocker_count > 5 else ''}",
+                        )
                     )
                 else:
                     prepared.restarts.update(e.key for e in reply.report.restarts)
                     prepared.finished_unacked.update(e.key for e in reply.report.finished_unacked)
             if blocked:
-                raise SnapshotError("; ".join(blocked))
+                raise SaveBlocked(blocked)
             if stage == ParticipantKind.MODEL and drain_until > time.time():
                 await _drain(stage_clients, min(drain_until, deadline))
 
@@ -471,9 +501,11 @@ class SnapshotCoordinator:
         in_flight = {replica: self.ledger.in_flight(replica) for replica in replicas}
         elsewhere = [r.describe() for r in self.ledger.in_flight() if r.replica not in in_flight]
         if elsewhere:
-            raise SnapshotError(
-                f"episodes in flight on replicas taking no part in the cut: {', '.join(elsewhere[:10])}"
+            message = (
+                "episodes in flight on replicas taking no part in the cut: "
+                f"{', '.join(elsewhere[:10])}"
             )
+            raise SaveBlocked([Blocker(None, Verb.COMMIT, SnapshotError.code, True, message)])
         cut.ledger = self.ledger.capture()
         cut.tq = self.tq.capture()
         cut.trainer_doc = self._trainer_state()
@@ -498,12 +530,12 @@ class SnapshotCoordinator:
             deadline,
         )
         failed = [
-            failure_line(client, "commit", reply)
+            blocker(client.label, Verb.COMMIT, reply)
             for client, reply in zip(clients, replies, strict=True)
             if isinstance(reply, BaseException)
         ]
         if failed:
-            raise SnapshotError("; ".join(failed))
+            raise SaveBlocked(failed)
         cut.in_flight = in_flight
         for client, reply in zip(clients, replies, strict=True):
             # A commit that did not wait for the write reports it with its confirm.
@@ -514,18 +546,18 @@ class SnapshotCoordinator:
 
     async def _write_all(self, cut: Cut) -> dict[str, FileEntry]:
         """The trainer's files, written while the participants finish writing what their
-        commits captured; a :class:`SnapshotError` names every write that failed."""
+        commits captured; :class:`SaveBlocked` names every write that failed."""
         written = asyncio.ensure_future(asyncio.to_thread(self._write_trainer_files, cut))
         failed = await self._confirm_all(cut)
         try:
             files = await written
         except (RollpointError, OSError) as exc:
-            failed.insert(0, f"trainer files: {exc}")
+            failed.insert(0, blocker(None, SavePhase.WRITE, exc))
         if failed:
-            raise SnapshotError("; ".join(failed))
+            raise SaveBlocked(failed)
         return files
 
-    async def _confirm_all(self, cut: Cut) -> list[str]:
+    async def _confirm_all(self, cut: Cut) -> list[Blocker]:
         """Wait for every detached write; one line per participant whose write failed.
 
         A confirm lost on the wire (or answered with garbage) is sent once more before the
@@ -546,10 +578,10 @@ class SnapshotCoordinator:
             )
             for i, reply in zip(lost, again, strict=True):
                 replies[i] = reply
-        failed: list[str] = []
+        failed: list[Blocker] = []
         for client, reply in zip(clients, replies, strict=True):
             if isinstance(reply, BaseException):
-                failed.append(failure_line(client, "confirm", reply))
+                failed.append(blocker(client.label, Verb.CONFIRM, reply))
             elif client.address.kind == ParticipantKind.AGENT:
                 cut.agent_exported.setdefault(client.address.replica, reply.exported)
         return failed

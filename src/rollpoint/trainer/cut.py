@@ -5,7 +5,9 @@ Owns the data a save carries from the pause to the publish: what prepare found
 they reported, stray replies), what the commit captured (:class:`Cut`: the in-flight tries,
 the ledger, TQ and trainer captures, each agent's commit reply), the sorting of each
 in-flight try into saved, finished or restart (:meth:`Cut.classify`), and the
-:class:`SaveReport` of one attempt.
+:class:`SaveReport` of one attempt: the :class:`SavePhase` it reached, in the order a save
+goes through them, and, for a failed one, its :class:`Blocker` s (who, in which verb, with
+which error code, and whether trying again can help).
 
 It does not call participants, write files or publish (the
 :class:`~rollpoint.trainer.coordinator.SnapshotCoordinator` does), nor encode the captures
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from rollpoint.protocol.ids import EpisodeId
@@ -29,12 +32,51 @@ from rollpoint.trainer.participant_client import ParticipantClient
 log = logging.getLogger(__name__)
 
 
+class SavePhase(StrEnum):
+    """The phases of one save, in the order it goes through them."""
+
+    DISCOVER = "discover"
+    """Ask servers that came back who they are (status)."""
+    RESUME_LEFTOVERS = "resume_leftovers"
+    """Reopen what an earlier save's lost resume left closed."""
+    PREPARE = "prepare"
+    """Close admission everywhere, models first, and wait for every turn boundary."""
+    COMMIT = "commit"
+    """Capture the cut: trainer state and every participant's scope."""
+    WRITE = "write"
+    """After the reopen: the trainer's files, and every participant's confirmed write."""
+    PUBLISH = "publish"
+    """Seal and publish the manifest."""
+    PUBLISHED = "published"
+
+
+@dataclass(frozen=True, slots=True)
+class Blocker:
+    """One reason a save could not go on."""
+
+    participant: str | None
+    """The participant's label (``agent@replica-0``); None for the trainer's own part."""
+    verb: str
+    """What failed: a control verb (``prepare``, ``commit``, ``confirm``, ``resume``,
+    ``status``) or the trainer's ``write`` or ``publish``."""
+    code: str
+    """The error code (:mod:`rollpoint.protocol.errors`), e.g. ``deadline_exceeded``."""
+    retryable: bool
+    """Whether the next save can get past it (a peer down, a deadline) or not."""
+    message: str
+    """One line saying all of it, the participant named first."""
+
+
 @dataclass
 class SaveReport:
     """What one save attempt did, published or not."""
 
     snapshot_id: str
     published: bool
+    phase: SavePhase = SavePhase.DISCOVER
+    """The phase the save reached: where it stopped when it failed."""
+    blockers: list[Blocker] = field(default_factory=list)
+    """Why it failed (empty when it was published)."""
     pause_s: float = 0.0
     prepare_s: float = 0.0
     commit_s: float = 0.0
@@ -47,8 +89,20 @@ class SaveReport:
     finished: int = 0
     acked_away: int = 0
     """Finished replies of tries nobody will seal, released on their agents."""
-    blocked_by: str = ""
     manifest: SnapshotManifest | None = None
+
+    @property
+    def blocked_by(self) -> str:
+        """The blockers as one line (empty when published)."""
+        return "; ".join(b.message for b in self.blockers)
+
+
+class SaveBlocked(Exception):
+    """A phase of a save cannot go on; raised and caught inside the coordinator only."""
+
+    def __init__(self, blockers: list[Blocker]) -> None:
+        super().__init__("; ".join(b.message for b in blockers))
+        self.blockers = blockers
 
 
 @dataclass

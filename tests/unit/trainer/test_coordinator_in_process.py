@@ -12,6 +12,7 @@ from rollpoint.protocol.control import Phase
 from rollpoint.protocol.participant import ParticipantKind
 from rollpoint.store.snapshot_store import STAGING_DIR
 from rollpoint.testing import Fault
+from rollpoint.trainer.cut import SavePhase
 from rollpoint.trainer.resumer import Resumer
 from tests.unit.trainer.in_process_rig import Rig, build_rig
 
@@ -35,6 +36,7 @@ async def test_a_save_publishes_a_manifest_naming_every_participant(rig: Rig) ->
     episodes = rig.dispatch()
     report = await rig.coordinator().save()
     assert report.published, report.blocked_by
+    assert (report.phase, report.blockers) == (SavePhase.PUBLISHED, [])
     manifest = rig.store.verify(report.snapshot_id)
     assert {(p.kind, p.replica) for p in manifest.participants} == {
         (kind, "replica-0") for kind in ParticipantKind
@@ -53,6 +55,15 @@ async def test_a_participant_refusing_prepare_fails_the_save_and_names_it(rig: R
     report = await rig.coordinator().save()
     assert not report.published
     assert RESOURCES in report.blocked_by and "someone-else" in report.blocked_by
+    # Typed: who, in which verb, the wire's code, and that a later save may get past it.
+    (blocker,) = report.blockers
+    assert (blocker.participant, blocker.verb, blocker.code, blocker.retryable) == (
+        RESOURCES,
+        "prepare",
+        "checkpoint_conflict",
+        False,
+    )
+    assert report.phase is SavePhase.PREPARE
     assert rig.store.list_snapshots(include_invalid=True) == []
     phases = rig.phases()
     assert phases.pop(RESOURCES) is Phase.PREPARED  # still the other checkpoint's
@@ -66,6 +77,14 @@ async def test_a_lost_commit_reply_publishes_no_half_snapshot(rig: Rig) -> None:
     assert rule.hits == 1 and "commit" in rig.calls(AGENT)  # the agent did commit
     assert not report.published
     assert f"{AGENT} commit" in report.blocked_by
+    (blocker,) = report.blockers
+    assert (blocker.participant, blocker.verb, blocker.code, blocker.retryable) == (
+        AGENT,
+        "commit",
+        "transport_error",
+        True,
+    )
+    assert report.phase is SavePhase.COMMIT
     assert rig.store.list_snapshots(include_invalid=True) == []
     staging = rig.root / STAGING_DIR
     assert not staging.exists() or list(staging.iterdir()) == []  # aborted, not left half
@@ -110,3 +129,21 @@ async def test_the_resumer_reopens_callees_last(rig: Rig) -> None:
         participant.open_admission = opened  # type: ignore[method-assign]
     await Resumer().resume_all("c1", rig.clients)
     assert order == [RESOURCES, AGENT, "model@replica-0"]
+
+
+async def test_a_save_behind_an_unreachable_leftover_names_each_one_before_any_pause(
+    rig: Rig,
+) -> None:
+    rig.dispatch()
+    coordinator = rig.coordinator()
+    for client in rig.clients:
+        await client.prepare("c1", time.time() + 30)
+    rig.faults(AGENT).add(Fault.reset(path=RESUME, times=None))
+    await coordinator._resumer.resume_all("c1", rig.clients)
+    report = await coordinator.save()
+    assert not report.published and report.phase is SavePhase.RESUME_LEFTOVERS
+    assert [(b.participant, b.verb, b.code, b.retryable) for b in report.blockers] == [
+        (AGENT, "resume", "transport_error", True)
+    ]
+    assert report.blocked_by == f"{AGENT} still closed by an earlier checkpoint and unreachable"
+    assert report.pause_s == 0.0  # no prepare was sent: the barrier never closed

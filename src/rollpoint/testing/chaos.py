@@ -385,7 +385,14 @@ async def run_chaos(
             )
 
         try:
-            await asyncio.gather(*(one(plan) for plan in plans))
+            # A task group, not gather: cancelled (Ctrl-C), gather returns as soon as one
+            # trial ends cancelled, and the runner then cancels the others again while
+            # they reap their processes (a trial process left unreaped when the loop
+            # closed, and a traceback from its transport: a CI run). The group waits for
+            # every trial to finish its cleanup.
+            async with asyncio.TaskGroup() as group:
+                for plan in plans:
+                    group.create_task(one(plan))
         finally:
             tally.outcomes.sort(key=lambda o: o.trial)
 

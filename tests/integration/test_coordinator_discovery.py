@@ -17,8 +17,8 @@ from rollpoint.config import RunConfig, SnapshotConfig, TrainConfig
 from rollpoint.http.auth import CONTROL_TOKEN_ENV
 from rollpoint.http.client import HttpClient
 from rollpoint.protocol.errors import SnapshotError
+from rollpoint.testing import LocalCluster
 from rollpoint.trainer.trainer_loop import Trainer
-from tests.integration.trainer_cluster import Cluster
 
 pytestmark = pytest.mark.integration
 
@@ -26,9 +26,9 @@ TOKEN = "discovery-test-token"
 
 
 @pytest.fixture
-def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cluster]:
+def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[LocalCluster]:
     monkeypatch.setenv(CONTROL_TOKEN_ENV, TOKEN)
-    with Cluster(replicas=2, snapshot_root=str(tmp_path / "snapshots")) as c:
+    with LocalCluster(replicas=2, snapshot_root=str(tmp_path / "snapshots")) as c:
         yield c
 
 
@@ -44,7 +44,7 @@ def config(tmp_path: Path, deadline_s: float) -> RunConfig:
 
 
 async def test_a_replica_that_dies_during_discovery_is_dropped_not_waited_for(
-    cluster: Cluster, tmp_path: Path
+    cluster: LocalCluster, tmp_path: Path
 ) -> None:
     cluster.replicas[1].model.stop()  # replica-1 is dead; the runtime has not said so yet
     async with HttpClient(token=TOKEN) as http:
@@ -64,7 +64,7 @@ async def test_a_replica_that_dies_during_discovery_is_dropped_not_waited_for(
 
 
 async def test_a_participant_unreachable_past_the_deadline_is_named(
-    cluster: Cluster, tmp_path: Path
+    cluster: LocalCluster, tmp_path: Path
 ) -> None:
     cluster.replicas[1].model.stop()
     async with HttpClient(token=TOKEN) as http:

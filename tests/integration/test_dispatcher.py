@@ -16,11 +16,11 @@ from rollpoint.http.client import HttpClient
 from rollpoint.protocol.episode import RunReply
 from rollpoint.runtime.process_group import ProcessGroup
 from rollpoint.runtime.server_spec import ServerSpec
+from rollpoint.testing import LocalCluster
 from rollpoint.testing.fault_proxy import FaultProxy
 from rollpoint.trainer.dispatch_barrier import DispatchBarrier
 from rollpoint.trainer.dispatcher import Dispatcher
 from rollpoint.trainer.ledger import RecoveryLedger, RolloutState
-from tests.integration.trainer_cluster import Cluster
 from tests.support.direct_play import play_directly
 from tests.support.polling import eventually
 
@@ -28,8 +28,8 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
-def cluster() -> Iterator[Cluster]:
-    with Cluster(replicas=2, latency_ms=2.0) as c:
+def cluster() -> Iterator[LocalCluster]:
+    with LocalCluster(replicas=2, latency_ms=2.0) as c:
         try:
             yield c
         finally:
@@ -44,7 +44,7 @@ class Harness:
 
     def __init__(
         self,
-        cluster: Cluster,
+        cluster: LocalCluster,
         client: HttpClient,
         *,
         row_timeout_s: float = 30.0,
@@ -71,7 +71,7 @@ class Harness:
         self.ledger.seal(reply.episode.rollout_id)
         self.replies.append(reply)
 
-    def add_group(self, cluster: Cluster, group_id: str = "g", size: int = 4) -> list[str]:
+    def add_group(self, cluster: LocalCluster, group_id: str = "g", size: int = 4) -> list[str]:
         (task,) = cluster.tasks(1)
         return [r.rollout_id for r in self.ledger.add_group(task, group_id, size)]
 
@@ -81,7 +81,7 @@ class Harness:
 
 @contextlib.asynccontextmanager
 async def harness(
-    cluster: Cluster,
+    cluster: LocalCluster,
     *,
     row_timeout_s: float = 30.0,
     agent_urls: dict[str, str] | None = None,
@@ -103,7 +103,7 @@ async def harness(
             await h.dispatcher.aclose()
 
 
-async def test_a_failed_row_does_not_end_its_siblings_stream(cluster: Cluster) -> None:
+async def test_a_failed_row_does_not_end_its_siblings_stream(cluster: LocalCluster) -> None:
     r0 = cluster.replicas[0]
     r0.on_gate(lambda gate: gate.close())  # hold every row at its first policy call
     async with harness(cluster) as h:
@@ -138,7 +138,7 @@ async def test_a_failed_row_does_not_end_its_siblings_stream(cluster: Cluster) -
 
 
 async def test_a_data_failure_fails_the_group_and_queues_its_running_tries(
-    cluster: Cluster,
+    cluster: LocalCluster,
 ) -> None:
     async with harness(cluster) as h:
         (math_task,) = get_environment("math").make_tasks(1, 0)  # for a workplace agent
@@ -154,7 +154,7 @@ async def test_a_data_failure_fails_the_group_and_queues_its_running_tries(
 
 
 async def test_a_refused_row_keeps_its_id_waits_behind_the_barrier_and_is_resent_in_stream(
-    cluster: Cluster,
+    cluster: LocalCluster,
 ) -> None:
     r0, r1 = cluster.replicas
     r0.on_gate(lambda gate: gate.close())  # siblings stay in their stream on replica-0
@@ -211,7 +211,7 @@ async def test_a_refused_row_keeps_its_id_waits_behind_the_barrier_and_is_resent
 
 
 async def test_a_cohort_whose_refused_row_is_resent_in_stream_does_not_deadlock(
-    cluster: Cluster,
+    cluster: LocalCluster,
 ) -> None:
     """A cohort verifier holds a group's admitted rows until its refused row arrives. Every
     slot is taken and the next group waits for them: the refused row must still go out."""
@@ -247,7 +247,7 @@ async def test_a_cohort_whose_refused_row_is_resent_in_stream_does_not_deadlock(
 
 
 async def test_a_broken_stream_resends_only_the_rows_that_never_came_back(
-    cluster: Cluster, tmp_path: Path
+    cluster: LocalCluster, tmp_path: Path
 ) -> None:
     r0 = cluster.replicas[0]
     group = ProcessGroup(tmp_path / "logs")
@@ -279,13 +279,13 @@ async def test_a_broken_stream_resends_only_the_rows_that_never_came_back(
 
 
 @contextlib.asynccontextmanager
-async def proxied_agents(cluster: Cluster) -> AsyncIterator[list[FaultProxy]]:
+async def proxied_agents(cluster: LocalCluster) -> AsyncIterator[list[FaultProxy]]:
     async with contextlib.AsyncExitStack() as stack:
         yield [await stack.enter_async_context(FaultProxy(r.agent.url)) for r in cluster.replicas]
 
 
 async def test_rows_lost_while_every_agent_is_cut_for_seconds_are_kept_until_it_heals(
-    cluster: Cluster,
+    cluster: LocalCluster,
 ) -> None:
     # Trial 355 of the chaos run: a model server restarting for ~2 s, the other replica
     # down, and four rows spent their three fresh tries in under a second, failing their
@@ -312,7 +312,7 @@ async def test_rows_lost_while_every_agent_is_cut_for_seconds_are_kept_until_it_
 
 
 async def test_a_row_lost_for_longer_than_the_window_fails_its_group_naming_it(
-    cluster: Cluster,
+    cluster: LocalCluster,
 ) -> None:
     async with proxied_agents(cluster) as proxies:
         urls = {r.name: p.url for r, p in zip(cluster.replicas, proxies, strict=True)}
@@ -331,7 +331,7 @@ async def test_a_row_lost_for_longer_than_the_window_fails_its_group_naming_it(
 
 
 async def test_the_row_deadline_does_not_count_time_paused_by_a_snapshot(
-    cluster: Cluster,
+    cluster: LocalCluster,
 ) -> None:
     for replica in cluster.replicas:
         replica.on_gate(lambda gate: gate.close())  # no row can finish

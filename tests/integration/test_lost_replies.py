@@ -32,6 +32,7 @@ from rollpoint.protocol.ids import EpisodeId, new_rollout_id
 from rollpoint.runtime.process_group import ProcessGroup
 from rollpoint.runtime.server_spec import ServerSpec
 from rollpoint.servers.model.model_server import model_server_of
+from rollpoint.testing.local_cluster import LocalCluster, LocalReplica, ThreadServer
 from rollpoint.trainer.dispatch_barrier import DispatchBarrier
 from rollpoint.trainer.dispatcher import Dispatcher
 from rollpoint.trainer.ledger import RecoveryLedger, RolloutState
@@ -39,7 +40,6 @@ from rollpoint.trainer.release_batcher import ReleaseBatcher
 from rollpoint.trainer.replica_roster import ReplicaRoster
 from rollpoint.trainer.train_hooks import TrainSample
 from rollpoint.trainer.trainer_loop import Trainer
-from tests.integration.trainer_cluster import Cluster, Replica, ThreadServer
 from tests.support.direct_play import play, play_directly
 from tests.support.polling import eventually
 
@@ -106,10 +106,10 @@ class LossyAgent:
 
 
 @pytest.fixture
-def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cluster]:
+def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[LocalCluster]:
     monkeypatch.setenv(CONTROL_TOKEN_ENV, TOKEN)
     root = str(tmp_path / "snapshots")
-    with Cluster(replicas=1, latency_ms=5.0, snapshot_root=root) as c:
+    with LocalCluster(replicas=1, latency_ms=5.0, snapshot_root=root) as c:
         try:
             yield c
         finally:
@@ -118,7 +118,7 @@ def cluster(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Cluster
 
 
 @contextlib.contextmanager
-def lossy(replica: Replica, lose_at: Callable[[int], int | None]) -> Iterator[LossyAgent]:
+def lossy(replica: LocalReplica, lose_at: Callable[[int], int | None]) -> Iterator[LossyAgent]:
     proxy = LossyAgent(replica.agent.url, lose_at)
     proxy.start()
     try:
@@ -127,18 +127,18 @@ def lossy(replica: Replica, lose_at: Callable[[int], int | None]) -> Iterator[Lo
         proxy.stop()
 
 
-def held_replies(replica: Replica) -> list[str]:
+def held_replies(replica: LocalReplica) -> list[str]:
     return replica.on_book(lambda book: sorted(e.key for e in book.finished_unacked()))
 
 
-def agent_holds(replica: Replica, rollout_id: str) -> tuple[bool, int | None]:
+def agent_holds(replica: LocalReplica, rollout_id: str) -> tuple[bool, int | None]:
     """Whether the agent runs a session of the rollout, and its retire mark there."""
     return replica.on_book(
         lambda book: (book.session(rollout_id) is not None, book.retire_mark(rollout_id))
     )
 
 
-def calls_total(replica: Replica) -> int:
+def calls_total(replica: LocalReplica) -> int:
     return replica.model.call(lambda: model_server_of(replica.model.app).calls_total)
 
 
@@ -152,7 +152,7 @@ class RecordingHooks:
 
 
 async def test_a_reply_lost_after_the_agent_finished_is_adopted_and_snapshots_keep_committing(
-    cluster: Cluster, tmp_path: Path
+    cluster: LocalCluster, tmp_path: Path
 ) -> None:
     (replica,) = cluster.replicas
     config = RunConfig(
@@ -202,7 +202,7 @@ async def test_a_reply_lost_after_the_agent_finished_is_adopted_and_snapshots_ke
 
 
 async def test_a_cut_stream_adopts_the_finished_row_and_resends_only_the_running_ones(
-    cluster: Cluster, tmp_path: Path
+    cluster: LocalCluster, tmp_path: Path
 ) -> None:
     (replica,) = cluster.replicas
     with lossy(replica, lambda rows: 1 if rows == 4 else None) as proxy:
@@ -251,7 +251,7 @@ async def test_a_cut_stream_adopts_the_finished_row_and_resends_only_the_running
 
 
 async def test_finished_replies_no_current_try_wants_are_acked_away_at_the_next_snapshot(
-    cluster: Cluster, tmp_path: Path
+    cluster: LocalCluster, tmp_path: Path
 ) -> None:
     (replica,) = cluster.replicas
     config = RunConfig(
@@ -307,7 +307,7 @@ async def test_finished_replies_no_current_try_wants_are_acked_away_at_the_next_
 
 
 async def test_the_release_batcher_acks_away_the_reply_of_a_given_up_try_it_retires(
-    cluster: Cluster, tmp_path: Path
+    cluster: LocalCluster, tmp_path: Path
 ) -> None:
     (replica,) = cluster.replicas
     async with HttpClient(token=TOKEN) as http:
@@ -333,7 +333,9 @@ async def test_with_its_agent_unreachable_a_given_up_try_is_resent_fresh_and_lef
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv(CONTROL_TOKEN_ENV, TOKEN)
-    with Cluster(replicas=2, latency_ms=5.0, snapshot_root=str(tmp_path / "snapshots")) as cluster:
+    with LocalCluster(
+        replicas=2, latency_ms=5.0, snapshot_root=str(tmp_path / "snapshots")
+    ) as cluster:
         r0 = cluster.replicas[0]
         processes = ProcessGroup(tmp_path / "logs", env={CONTROL_TOKEN_ENV: TOKEN})
         try:
@@ -381,14 +383,14 @@ class DispatchHarness:
     dispatcher: Dispatcher
     replies: list[RunReply]
 
-    def add_group(self, cluster: Cluster, size: int = 4) -> list[str]:
+    def add_group(self, cluster: LocalCluster, size: int = 4) -> list[str]:
         (task,) = cluster.tasks(1)
         return [r.rollout_id for r in self.ledger.add_group(task, "g", size)]
 
 
 @asynccontextmanager
 async def dispatcher_with_control(
-    cluster: Cluster,
+    cluster: LocalCluster,
     http: HttpClient,
     tmp_path: Path,
     *,

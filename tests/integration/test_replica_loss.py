@@ -25,6 +25,7 @@ from rollpoint.http.client import HttpClient
 from rollpoint.protocol.episode import RunReply
 from rollpoint.protocol.errors import RunStalledError
 from rollpoint.protocol.manifest import SnapshotManifest
+from rollpoint.testing import LocalCluster
 from rollpoint.trainer.coordinator import LEDGER_FILE, TQ_FILE, TRAINER_FILE
 from rollpoint.trainer.dispatch_barrier import DispatchBarrier
 from rollpoint.trainer.dispatcher import Dispatcher
@@ -32,7 +33,6 @@ from rollpoint.trainer.ledger import RecoveryLedger, RolloutState
 from rollpoint.trainer.replica_roster import ReplicaRoster
 from rollpoint.trainer.restorer import Restorer, ResumePoint, read_trainer_document
 from rollpoint.trainer.trainer_loop import TRAIN_DATA_FILE, Trainer
-from tests.integration.trainer_cluster import Cluster
 from tests.support.embedded_job import EmbeddedJob, embedded_job, embedded_servers
 from tests.support.polling import eventually
 
@@ -211,12 +211,14 @@ def resume_point(h: EmbeddedJob, manifest: SnapshotManifest) -> ResumePoint:
 
 
 @pytest.fixture
-def cluster() -> Iterator[Cluster]:
-    with Cluster(replicas=2, latency_ms=2.0) as c:
+def cluster() -> Iterator[LocalCluster]:
+    with LocalCluster(replicas=2, latency_ms=2.0) as c:
         yield c
 
 
-async def test_with_no_replica_up_rows_wait_unsent_until_one_comes_back(cluster: Cluster) -> None:
+async def test_with_no_replica_up_rows_wait_unsent_until_one_comes_back(
+    cluster: LocalCluster,
+) -> None:
     ledger, barrier = RecoveryLedger(), DispatchBarrier()
     roster = ReplicaRoster.of_deployment(cluster.deployment())
     replies: list[RunReply] = []
@@ -258,7 +260,7 @@ async def test_with_no_replica_up_rows_wait_unsent_until_one_comes_back(cluster:
 
 
 async def test_the_stall_watchdog_stops_a_run_with_no_replica_up_and_says_so(
-    cluster: Cluster, tmp_path: Path
+    cluster: LocalCluster, tmp_path: Path
 ) -> None:
     config = RunConfig(
         workdir=tmp_path, environment="workplace", group_size=2, replicas=2, concurrency=4

@@ -37,14 +37,13 @@ from rollpoint.protocol.manifest import SnapshotManifest
 from rollpoint.protocol.participant import ParticipantKind
 from rollpoint.store.participant_state import MANIFEST_NAME
 from rollpoint.store.snapshot_store import SnapshotStore
-from rollpoint.testing import Fault, FaultProxy
+from rollpoint.testing import Fault, FaultProxy, LocalCluster
 from rollpoint.trainer.control_plane import ControlPlane, participant_clients, snapshot_root
 from rollpoint.trainer.coordinator import SaveReport, SnapshotCoordinator
 from rollpoint.trainer.metrics import TrainerMetrics
 from rollpoint.trainer.participant_client import ParticipantClient
 from rollpoint.trainer.train_hooks import SimulatedTrainer, TrainHooks, TrainSample
 from rollpoint.trainer.trainer_loop import RunSummary, Trainer
-from tests.support.control_deployment import control_deployment
 from tests.support.polling import eventually
 from tests.support.records import records_paths
 
@@ -118,14 +117,15 @@ async def harness(
     root = snapshot_root(config)
     store = SnapshotStore(root, keep=config.snapshot.keep)
     metrics = TrainerMetrics(config.workdir / "metrics.jsonl")
-    with control_deployment(
-        token=token,
+    with LocalCluster(
+        control_token=token,
         snapshot_root=root,
         replicas=config.replicas,
         lease_grace_s=LEASE_GRACE_S,
         latency_ms=POLICY_LATENCY_MS,
         seed=config.seed,
-    ) as deployment:
+    ) as cluster:
+        deployment = cluster.deployment()
         async with HttpClient(token=token) as http:
             clients = participant_clients(deployment, http)
             (target,) = [

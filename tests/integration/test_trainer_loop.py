@@ -16,16 +16,16 @@ import pytest
 from rollpoint.config import RunConfig, TrainConfig
 from rollpoint.envs.registry import get_environment
 from rollpoint.protocol.errors import RunStalledError
+from rollpoint.testing import LocalCluster
 from rollpoint.trainer.ledger import RolloutState
 from rollpoint.trainer.trainer_loop import Trainer
-from tests.integration.trainer_cluster import Cluster
 
 pytestmark = pytest.mark.integration
 
 
 @pytest.fixture
-def cluster() -> Iterator[Cluster]:
-    with Cluster(replicas=2, latency_ms=2.0, error_rate=0.2) as c:
+def cluster() -> Iterator[LocalCluster]:
+    with LocalCluster(replicas=2, latency_ms=2.0, error_rate=0.2) as c:
         try:
             yield c
         finally:
@@ -50,7 +50,7 @@ def read_train_data(path: Path) -> list[dict[str, object]]:
 
 
 async def test_every_row_of_every_group_is_trained_exactly_once(
-    cluster: Cluster, tmp_path: Path
+    cluster: LocalCluster, tmp_path: Path
 ) -> None:
     tasks = cluster.tasks(8)
     trainer = Trainer(config(tmp_path), cluster.deployment(), tasks)
@@ -86,7 +86,7 @@ async def test_every_row_of_every_group_is_trained_exactly_once(
 
 
 async def test_a_group_with_a_data_failure_is_reported_and_the_others_train(
-    cluster: Cluster, tmp_path: Path
+    cluster: LocalCluster, tmp_path: Path
 ) -> None:
     tasks = cluster.tasks(3)
     (bad,) = get_environment("math").make_tasks(1, 7)  # the workplace agents refuse it
@@ -103,7 +103,7 @@ async def test_a_group_with_a_data_failure_is_reported_and_the_others_train(
 
 
 async def test_the_stall_watchdog_names_in_flight_rows_and_ignores_paused_time(
-    cluster: Cluster, tmp_path: Path
+    cluster: LocalCluster, tmp_path: Path
 ) -> None:
     for replica in cluster.replicas:
         replica.on_gate(lambda gate: gate.close())  # nothing can finish: a stall

@@ -60,6 +60,7 @@ from rollpoint.servers.model.model_server import (
 from rollpoint.servers.resources.resources_server import create_resources_app
 from rollpoint.store.snapshot_store import SnapshotStore
 from rollpoint.testing import FaultProxy, ProxiedRequest
+from rollpoint.testing.local_cluster import ThreadServer
 from rollpoint.trainer.control_plane import ControlPlane
 from rollpoint.trainer.control_transport import ControlTransport, HttpControlTransport
 from rollpoint.trainer.coordinator import SaveReport, SnapshotCoordinator
@@ -74,7 +75,6 @@ from rollpoint.trainer.replica_roster import ReplicaRoster
 from rollpoint.trainer.restorer import RestoredRun
 from rollpoint.trainer.train_hooks import TrainHooks, TrainSample
 from rollpoint.trainer.trainer_loop import TRAIN_DATA_FILE, RunSummary, Trainer
-from tests.integration.trainer_cluster import ThreadServer
 from tests.support.polling import eventually
 
 T = TypeVar("T")

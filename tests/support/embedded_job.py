@@ -5,7 +5,7 @@ the job's snapshot root), the HTTP client carrying that token, and a trainer wir
 ``rollpoint run`` wires one: a control plane over every participant, the snapshot store and
 ``metrics.jsonl`` in the job's workdir. It also reads back what a job left (published
 manifests, train rows). It does not run the job, inject faults or judge the results: tests
-do. For servers as threads of the test process, see ``tests/support/control_deployment.py``
+do. For servers as threads of the test process, see :class:`rollpoint.testing.LocalCluster`
 and ``tests/integration/trainer_cluster.py``.
 """
 

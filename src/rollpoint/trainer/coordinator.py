@@ -47,6 +47,7 @@ import logging
 import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import orjson
@@ -199,7 +200,10 @@ class SnapshotCoordinator:
         replies = await asyncio.gather(*(p.status() for p in clients), return_exceptions=True)
         for client, reply in zip(clients, replies, strict=True):
             if isinstance(reply, BaseException):
-                raise SaveBlocked([blocker(client.label, Verb.STATUS, reply)])
+                found = blocker(client.label, Verb.STATUS, reply)
+                detail = reply.message if isinstance(reply, RollpointError) else repr(reply)
+                said = f"participant {client.label} did not answer status: {detail}"
+                raise SaveBlocked([replace(found, message=said)])
             if reply.kind != client.address.kind:
                 raise ConfigError(
                     f"{client.label} says it is a {reply.kind} server, not a {client.address.kind}"

@@ -1,36 +1,46 @@
-"""A real environment deployment on loopback for the trainer's integration tests.
+"""A local cluster: rollpoint's real servers on loopback, in threads of this process.
 
-One scripted policy and, per replica, a real resources, model and agent server, each a
-uvicorn server in its own thread with its own event loop. Tests act on a server's objects
-(the agent's :class:`SessionBook`, the model server's gate) through :meth:`ThreadServer.call`,
-which runs the action on that server's loop, as the server's own code would.
+Owns :class:`LocalCluster`, what the embedded runtime starts (a scripted policy, then per
+replica a resources, a model and an agent server, each a real uvicorn server on its own
+event loop) but in threads of the caller's process: it starts in a fraction of a second,
+it takes settings the runtime does not expose (the lease grace, a policy's latency), and a
+test can act on a server's own objects (the agent's session book, the model server's
+admission gate) on that server's loop, as the server's code would (:class:`LocalReplica`).
+With ``snapshot_root`` every server is a checkpoint participant (control routes on,
+guarded by ``control_token``) and :meth:`LocalCluster.control_plane` is the trainer's
+handle on them, as ``rollpoint run`` builds it.
 
-With ``snapshot_root`` every server is a checkpoint participant too (control routes on,
-guarded by ``ROLLPOINT_CONTROL_TOKEN``, which the test sets before building the cluster), and
-:meth:`Cluster.control_plane` gives the trainer its handle on them, as ``rollpoint run`` does.
+rollpoint's own trainer tests run on it, and so can an environment or trainer author's:
+nothing is mocked, every call crosses a real socket. It does not start processes (the
+runtimes do) nor inject faults (put a :class:`~rollpoint.testing.FaultProxy` in front of a
+server's URL).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Self, TypeVar
 
 import uvicorn
 from fastapi import FastAPI
 
 from rollpoint.envs.registry import get_environment
+from rollpoint.http.auth import CONTROL_TOKEN_ENV
 from rollpoint.http.client import HttpClient
 from rollpoint.participant.admission_gate import AdmissionGate
 from rollpoint.policy.scripted_policy import PolicySettings, create_policy_app
 from rollpoint.protocol.deployment import Deployment, ReplicaEndpoints
 from rollpoint.protocol.episode import EnvironmentName, TaskRow
+from rollpoint.protocol.errors import LaunchError
 from rollpoint.servers.agent.agent_server import AgentSettings, agent_server_of, create_agent_app
 from rollpoint.servers.agent.session_book import SessionBook
 from rollpoint.servers.model.model_server import (
@@ -45,25 +55,31 @@ from rollpoint.trainer.metrics import TrainerMetrics
 
 T = TypeVar("T")
 
+_START_S = 10.0
+
 
 class ThreadServer:
     """A real uvicorn server on 127.0.0.1:<free port>, in a thread, with its loop exposed."""
 
     def __init__(self, app: FastAPI) -> None:
         self.app = app
-        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # IPPROTO_TCP on purpose: asyncio sets TCP_NODELAY only on sockets whose proto says
+        # TCP, and without it every keep-alive request waits ~40 ms for a delayed ACK.
+        self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         self._sock.bind(("127.0.0.1", 0))
         self._sock.listen(1024)
         self.url = f"http://127.0.0.1:{self._sock.getsockname()[1]}"
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on")
         self._server = uvicorn.Server(config)
         self.loop: asyncio.AbstractEventLoop | None = None
+        # uvicorn installs signal handlers only in the main thread; this one is not.
         self._thread = threading.Thread(target=self._serve, daemon=True)
         self._thread.start()
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + _START_S
         while not self._server.started:
             if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("test server did not start")
+                self._sock.close()
+                raise LaunchError(f"local cluster: a server at {self.url} did not start")
             time.sleep(0.005)
 
     def _serve(self) -> None:
@@ -90,7 +106,9 @@ class ThreadServer:
 
 
 @dataclass
-class Replica:
+class LocalReplica:
+    """One replica's three servers."""
+
     name: str
     model: ThreadServer
     resources: ThreadServer
@@ -117,8 +135,14 @@ class Replica:
         return self.model.call(lambda: model_server_of(self.model.app).policy_version)
 
 
-class Cluster:
-    """A scripted policy and ``replicas`` replicas of one environment."""
+class LocalCluster:
+    """A scripted policy and ``replicas`` replicas of one environment; a context manager.
+
+    ``snapshot_root`` makes every server a checkpoint participant writing under it;
+    ``control_token`` guards their control routes (None: the token already in
+    ``ROLLPOINT_CONTROL_TOKEN``, as a server process reads it). ``lease_grace_s``: how long
+    a participant held by a vanished coordinator waits before it reopens (None: the
+    servers' default)."""
 
     def __init__(
         self,
@@ -129,57 +153,67 @@ class Cluster:
         error_rate: float = 0.0,
         seed: int = 0,
         snapshot_root: str | None = None,
+        control_token: str | None = None,
+        lease_grace_s: float | None = None,
     ) -> None:
         self.environment = environment
         self.snapshot_root = snapshot_root
+        self._lease_grace_s = lease_grace_s
         self._servers: list[ThreadServer] = []
-        self.policy = self._start(
-            create_policy_app(
-                PolicySettings(seed=seed, latency_ms=latency_ms, error_rate=error_rate)
+        try:
+            self.policy = self._start(
+                create_policy_app(
+                    PolicySettings(seed=seed, latency_ms=latency_ms, error_rate=error_rate)
+                )
             )
-        )
-        self.replicas = [self._replica(f"replica-{i}") for i in range(replicas)]
+            # Each server reads the token once, as its app is created.
+            with _token_in_environment(control_token):
+                self.replicas = [self._replica(f"replica-{i}") for i in range(replicas)]
+        except BaseException:
+            self.close()
+            raise
 
     def _start(self, app: FastAPI) -> ThreadServer:
         server = ThreadServer(app)
         self._servers.append(server)
         return server
 
-    def _replica(self, name: str) -> Replica:
-        root = self.snapshot_root
-        resources = self._start(
-            create_resources_app(self.environment, replica=name, snapshot_root=root)
-        )
+    def _control(self) -> dict[str, Any]:
+        control: dict[str, Any] = {"snapshot_root": self.snapshot_root}
+        if self._lease_grace_s is not None:
+            control["lease_grace_s"] = self._lease_grace_s
+        return control
+
+    def _replica(self, name: str) -> LocalReplica:
+        control = self._control()
+        resources = self._start(create_resources_app(self.environment, replica=name, **control))
         model = self._start(
             create_model_app(
-                ModelServerSettings(
-                    upstream_url=f"{self.policy.url}/v1", replica=name, snapshot_root=root
+                ModelServerSettings.model_validate(
+                    {"upstream_url": f"{self.policy.url}/v1", "replica": name, **control}
                 )
             )
         )
         agent = self._start(
-            create_agent_app(
-                AgentSettings(
-                    model_url=model.url,
-                    resources_url=resources.url,
-                    environment=self.environment,
-                    replica=name,
-                    snapshot_root=root,
-                )
-            )
+            create_agent_app(AgentSettings.model_validate(self._agent_doc(name, model, resources)))
         )
-        return Replica(name, model, resources, agent)
+        return LocalReplica(name, model, resources, agent)
+
+    def _agent_doc(self, name: str, model: ThreadServer, resources: ThreadServer) -> dict[str, Any]:
+        return {
+            "model_url": model.url,
+            "resources_url": resources.url,
+            "environment": self.environment,
+            "replica": name,
+            "checkpoint_mode": get_environment(self.environment).checkpoint_mode,
+            **self._control(),
+        }
 
     def agent_settings(self, index: int) -> dict[str, Any]:
         """Settings of replica ``index``'s agent, to start another copy of it elsewhere."""
         replica = self.replicas[index]
-        return AgentSettings(
-            model_url=replica.model.url,
-            resources_url=replica.resources.url,
-            environment=self.environment,
-            replica=replica.name,
-            snapshot_root=self.snapshot_root,
-        ).model_dump(mode="json")
+        doc = self._agent_doc(replica.name, replica.model, replica.resources)
+        return AgentSettings.model_validate(doc).model_dump(mode="json")
 
     def deployment(self, **agent_urls: str) -> Deployment:
         """The deployment; ``agent_urls`` (by replica name) replaces agents started elsewhere."""
@@ -199,20 +233,23 @@ class Cluster:
     ) -> ControlPlane:
         """The trainer's control plane over every participant (needs ``snapshot_root``);
         ``http`` must carry the control token; ``agent_urls`` as for :meth:`deployment`."""
-        assert self.snapshot_root is not None, "start the cluster with a snapshot_root"
+        if self.snapshot_root is None:
+            raise LaunchError("local cluster: start it with a snapshot_root to take snapshots")
         store = SnapshotStore(self.snapshot_root, keep=keep)
         metrics = TrainerMetrics(workdir / "metrics.jsonl")
         participants = participant_clients(self.deployment(**(agent_urls or {})), http)
         return ControlPlane(participants, store, metrics)
 
     def tasks(self, n: int, seed: int = 0) -> list[TaskRow]:
+        """``n`` tasks of the cluster's environment."""
         return get_environment(self.environment).make_tasks(n, seed)
 
     def close(self) -> None:
         for server in reversed(self._servers):
             server.stop()
+        self._servers.clear()
 
-    def __enter__(self) -> Cluster:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(
@@ -222,3 +259,19 @@ class Cluster:
         tb: TracebackType | None,
     ) -> None:
         self.close()
+
+
+@contextmanager
+def _token_in_environment(token: str | None) -> Iterator[None]:
+    if token is None:
+        yield
+        return
+    previous = os.environ.get(CONTROL_TOKEN_ENV)
+    os.environ[CONTROL_TOKEN_ENV] = token
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop(CONTROL_TOKEN_ENV, None)
+        else:
+            os.environ[CONTROL_TOKEN_ENV] = previous

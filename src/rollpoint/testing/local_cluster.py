@@ -90,9 +90,14 @@ class ThreadServer:
         finally:
             loop.close()
 
+    @property
+    def running(self) -> bool:
+        return self.loop is not None and not self.loop.is_closed() and self._thread.is_alive()
+
     def call(self, action: Callable[[], T]) -> T:
         """Run ``action`` on the server's event loop and return its result."""
-        assert self.loop is not None
+        if self.loop is None or not self.running:
+            raise LaunchError(f"local cluster: the server at {self.url} is not running")
 
         async def run() -> T:
             return action()
@@ -245,6 +250,14 @@ class LocalCluster:
         return get_environment(self.environment).make_tasks(n, seed)
 
     def close(self) -> None:
+        """Stop every server. A call a test left held at a closed gate or turn boundary
+        would hold its server's shutdown: those are reopened first."""
+        replicas: list[LocalReplica] = getattr(self, "replicas", [])
+        for replica in replicas:
+            if replica.model.running:  # not one the test stopped itself
+                replica.on_gate(lambda gate: gate.open())
+            if replica.agent.running:
+                replica.on_book(lambda book: book.open_boundaries())
         for server in reversed(self._servers):
             server.stop()
         self._servers.clear()

@@ -98,6 +98,10 @@ def chaos_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str,
         str(report),
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    # In a pipe, progress is a plain line per finished trial, not a bar drawn at the end.
+    lines = [x for x in done.stderr.splitlines() if x.startswith("trial ")]
+    assert len(lines) == TRIALS, done.stderr[-3000:]
+    assert lines[-1].startswith("trial ") and f"trials {TRIALS}/{TRIALS} · faults" in lines[-1]
     return config, orjson.loads(report.read_bytes())
 
 

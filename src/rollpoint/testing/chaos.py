@@ -361,7 +361,8 @@ async def run_chaos(
     *,
     jobs: int = 1,
 ) -> None:
-    """Run every plan, ``jobs`` trials at once; the tally lists them in trial order."""
+    """Run every plan, ``jobs`` trials at once; the tally lists them in trial order.
+    Progress: a bar on a terminal, one plain line per finished trial in a pipe or a log."""
     columns = (
         TextColumn("[bold]trials"),
         BarColumn(),
@@ -369,19 +370,29 @@ async def run_chaos(
         TextColumn("faults {task.fields[faults]} · violations {task.fields[violations]}"),
         TimeElapsedColumn(),
     )
-    with Progress(*columns, console=console, transient=False) as progress:
-        bar = progress.add_task("trials", total=len(plans), faults=0, violations=0)
+    started = time.monotonic()
+    with contextlib.ExitStack() as stack:
+        progress = None
+        if console.is_terminal:
+            progress = stack.enter_context(Progress(*columns, console=console, transient=False))
+            bar = progress.add_task("trials", total=len(plans), faults=0, violations=0)
         gate = asyncio.Semaphore(jobs)
 
         async def one(plan: TrialPlan) -> None:
             async with gate:
                 outcome = await runner.trial(plan)
             tally.add(outcome)
-            progress.update(
-                bar,
-                advance=1,
-                faults=sum(tally.faults_injected.values()),
-                violations=sum(tally.violations_by_kind.values()),
+            faults = sum(tally.faults_injected.values())
+            violations = sum(tally.violations_by_kind.values())
+            if progress is not None:
+                progress.update(bar, advance=1, faults=faults, violations=violations)
+                return
+            elapsed = int(time.monotonic() - started)
+            console.print(
+                f"trial {outcome.trial} done · trials {len(tally.outcomes)}/{len(plans)} · "
+                f"faults {faults} · violations {violations} · {elapsed // 60}:{elapsed % 60:02d}",
+                highlight=False,
+                soft_wrap=True,
             )
 
         try:

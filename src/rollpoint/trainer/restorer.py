@@ -82,10 +82,17 @@ log = logging.getLogger(__name__)
 PARTICIPANTS_SUBDIR = "participants"
 _LIST_LIMIT = 10
 _LEASE_POLL_S = 0.1
+"""How often a restore waiting for a lapsing lease asks the participants again."""
+_LEASE_GRACE_WAIT_S = 10.0
+"""The longest a restore waits past its own deadline for a lease it saw lapsing then: a
+killed restore's lease outlasts a rerun's deadline by up to the participants' grace
+(2 s by default; the conformance kit allows up to 10 s). A lease further out is a
+checkpoint still running, and the restore fails at its deadline naming the holders."""
+_LEASE_MARGIN_S = 1.0
+"""Slack past a lease's lapse for the participant's lease task to reopen it."""
 RERUN_REACH = 16
 """How many attempts past a saved one a restore stops before installing: those earlier
 reruns of the same snapshot may have started on servers that outlived them."""
-"""How often a restore waiting for a lapsing lease asks the participants again."""
 
 
 @dataclass
@@ -527,8 +534,15 @@ class Restorer:
         grace. Only the lease ends a checkpoint whose coordinator stopped answering: nothing
         tells a participant that coordinator is gone rather than slow, so the restore waits
         for the lease instead of resuming a checkpoint it did not start. Past ``deadline``
-        it fails naming the holders; nothing is installed."""
+        it fails naming the holders; nothing is installed.
+
+        A rerun that starts within the grace of a killed restore sees a lease that lapses
+        after its own deadline (that restore's deadline plus the grace), though the holder
+        is surely gone: the first lease seen lapsing within ``_LEASE_GRACE_WAIT_S`` of
+        ``deadline`` moves the limit to just past that lapse. The limit is set once, so a
+        lease someone keeps renewing cannot hold a restore forever."""
         warned = False
+        limit: float | None = None
         while True:
             replies = await asyncio.gather(*(c.status() for c in clients), return_exceptions=True)
             held = [
@@ -540,7 +554,10 @@ class Restorer:
                 return
             shown = _names([f"{c.label} ({r.phase.value} for {r.checkpoint_id})" for c, r in held])
             lapses = max(r.lease_expires_at or 0.0 for _, r in held)
-            left = deadline - time.time()
+            if limit is None:
+                reachable = lapses <= deadline + _LEASE_GRACE_WAIT_S
+                limit = max(deadline, lapses + _LEASE_MARGIN_S) if reachable else deadline
+            left = limit - time.time()
             if left <= 0:
                 raise RestoreError(
                     f"restore not started: {shown} still held by a checkpoint of a coordinator "

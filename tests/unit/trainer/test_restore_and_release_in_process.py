@@ -97,6 +97,29 @@ async def test_a_restore_waits_for_the_lease_of_a_checkpoint_a_killed_trainer_le
         await rig.aclose()
 
 
+async def test_a_lease_that_lapses_just_past_the_restore_deadline_is_waited_out(
+    tmp_path: Path,
+) -> None:
+    # Chaos trial 670: a rerun started within the lease grace of a killed restore, whose
+    # lease (its deadline plus the grace) lapses after the rerun's own deadline.
+    rig = build_rig(tmp_path / "snapshots", lease_grace_s=0.1)
+    try:
+        point = await saved(rig)
+        await left_mid_snapshot(rig, "restore-of-the-killed-rerun", lease_s=0.6)
+
+        run = await Restorer(rig.clients).restore(
+            point, train_data=tmp_path / "train_data.jsonl", deadline_s=0.3
+        )
+
+        continued = sorted(e.key for e in run.continued)
+        assert continued
+        for label, participant in rig.participants.items():
+            assert sorted(participant.state) == continued, label
+        assert set(rig.phases().values()) == {Phase.IDLE}
+    finally:
+        await rig.aclose()
+
+
 async def test_a_lease_that_outlasts_the_restore_deadline_fails_it_naming_the_holders(
     rig: Rig, tmp_path: Path
 ) -> None:

@@ -12,8 +12,10 @@ import pytest
 
 from rollpoint.http.client import HttpClient
 from rollpoint.protocol.control import CONTROL_PREFIX
+from rollpoint.protocol.episode import RunRow
 from rollpoint.protocol.errors import LaunchError, UnauthorizedError
-from rollpoint.testing import LocalCluster
+from rollpoint.protocol.ids import EpisodeId
+from rollpoint.testing import FaultProxy, LocalCluster
 
 pytestmark = pytest.mark.integration
 
@@ -52,3 +54,34 @@ async def test_close_reopens_a_gate_the_test_left_closed(tmp_path: Path) -> None
         await asyncio.gather(held, return_exceptions=True)
     with pytest.raises(LaunchError, match="is not running"):
         replica.on_gate(lambda gate: gate.open())
+
+
+async def test_each_agent_calls_its_resources_server_at_the_url_agent_resources_url_gives(
+    tmp_path: Path,
+) -> None:
+    async with FaultProxy("http://127.0.0.1:9") as proxy:
+        given: list[tuple[str, str]] = []
+
+        def wire(replica: str, resources_url: str) -> str:
+            given.append((replica, resources_url))
+            proxy.upstream = resources_url
+            return proxy.url
+
+        cluster = LocalCluster(replicas=1, latency_ms=1.0, agent_resources_url=wire)
+        try:
+            replica = cluster.replicas[0]
+            assert given == [(replica.name, replica.resources.url)]
+            assert cluster.agent_settings(0)["resources_url"] == proxy.url
+            (task,) = cluster.tasks(1)
+            row = RunRow(task=task, group_id="g", row=0, episode=EpisodeId(rollout_id="r-0"))
+            body = {"rows": [row.model_dump(mode="json")]}
+            async with HttpClient(timeout_s=30) as http:
+                lines = [
+                    line async for line in http.stream_ndjson(f"{replica.agent.url}/run", body)
+                ]
+        finally:
+            await asyncio.to_thread(cluster.close)
+    assert [line["episode"]["rollout_id"] for line in lines] == ["r-0"]
+    # The episode's start and its tool calls all crossed the proxy.
+    assert proxy.stats.by_route["POST /episodes/start"] == 1
+    assert proxy.stats.forwarded >= 2

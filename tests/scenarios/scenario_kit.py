@@ -5,10 +5,11 @@ trainer's parts wired as ``rollpoint run`` wires them, a spy on control calls, a
 Owns setting these up and tearing them down. It asserts nothing: each scenario builds its
 defect's situation from these parts and states what it checks itself.
 
-- :class:`ScenarioCluster`: a scripted policy and N replicas (model, agent, resources),
-  each a real uvicorn server in a thread whose loop is exposed (to hold a gate or read a
-  session book), all checkpoint participants with a short lease grace; optionally a
-  :class:`~rollpoint.testing.FaultProxy` on each agent's wire to its resources server.
+- :class:`ScenarioCluster`: the shared :class:`~rollpoint.testing.LocalCluster` (a
+  scripted policy and N replicas of real servers in threads, loops exposed to hold a gate
+  or read a session book), every server a checkpoint participant under its own control
+  token, warmed up; optionally a :class:`~rollpoint.testing.FaultProxy` on each agent's
+  wire to its resources server.
 - :func:`fronted`: fault proxies in front of chosen participants (their control routes and,
   for an agent, ``/run`` too).
 - :func:`job` / :class:`Job`: the real :class:`~rollpoint.trainer.trainer_loop.Trainer`.
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import secrets
 import socket
 import urllib.request
@@ -41,26 +41,14 @@ from pydantic import BaseModel
 
 from rollpoint.config import RunConfig, SnapshotConfig, parse_config
 from rollpoint.envs import get_environment
-from rollpoint.http.auth import CONTROL_TOKEN_ENV
 from rollpoint.http.client import HttpClient
-from rollpoint.participant.admission_gate import AdmissionGate
-from rollpoint.policy.scripted_policy import PolicySettings, create_policy_app
 from rollpoint.protocol.control import CONTROL_PREFIX, StatusReply
 from rollpoint.protocol.control_verbs import ControlVerb
-from rollpoint.protocol.deployment import Deployment, ReplicaEndpoints
+from rollpoint.protocol.deployment import Deployment
 from rollpoint.protocol.episode import EnvironmentName, RunReply, RunRow, TaskRow
 from rollpoint.protocol.participant import ParticipantKind
-from rollpoint.servers.agent.agent_server import AgentSettings, agent_server_of, create_agent_app
-from rollpoint.servers.agent.session_book import SessionBook
-from rollpoint.servers.model.model_server import (
-    ModelServerSettings,
-    create_model_app,
-    model_server_of,
-)
-from rollpoint.servers.resources.resources_server import create_resources_app
 from rollpoint.store.snapshot_store import SnapshotStore
-from rollpoint.testing import FaultProxy, ProxiedRequest
-from rollpoint.testing.local_cluster import ThreadServer
+from rollpoint.testing import FaultProxy, LocalCluster, LocalReplica, ProxiedRequest
 from rollpoint.trainer.control_plane import ControlPlane
 from rollpoint.trainer.control_transport import ControlTransport, HttpControlTransport
 from rollpoint.trainer.coordinator import SaveReport, SnapshotCoordinator
@@ -96,42 +84,20 @@ def label(kind: ParticipantKind, replica: str) -> str:
 
 
 @dataclass
-class ScenarioReplica:
-    name: str
-    model: ThreadServer
-    agent: ThreadServer
-    resources: ThreadServer
-    tools: FaultProxy | None
+class ScenarioReplica(LocalReplica):
+    tools: FaultProxy | None = None
     """The agent's wire to its resources server (start, tools, verify), when asked for."""
 
-    @property
-    def endpoints(self) -> ReplicaEndpoints:
-        return ReplicaEndpoints(
-            name=self.name,
-            model_url=self.model.url,
-            agent_url=self.agent.url,
-            resources_url=self.resources.url,
-        )
 
-    def url(self, kind: ParticipantKind) -> str:
-        return {
-            ParticipantKind.MODEL: self.model.url,
-            ParticipantKind.AGENT: self.agent.url,
-            ParticipantKind.RESOURCES: self.resources.url,
-        }[kind]
-
-    def on_gate(self, action: Callable[[AdmissionGate], T]) -> T:
-        """Act on the model server's real admission gate, on its own loop."""
-        return self.model.call(lambda: action(model_server_of(self.model.app).gate))
-
-    def on_book(self, action: Callable[[SessionBook], T]) -> T:
-        """Act on the agent's real session book, on its own loop."""
-        return self.agent.call(lambda: action(agent_server_of(self.agent.app).book))
+# Where a tool proxy points until its replica's resources server exists (never called).
+_NOT_YET = "http://127.0.0.1:9"
 
 
 class ScenarioCluster:
-    """A scripted policy and ``replicas`` replicas, every server a checkpoint participant
-    writing under ``snapshot_root``; use as an async context manager."""
+    """A :class:`~rollpoint.testing.LocalCluster` whose every server is a checkpoint
+    participant writing under ``snapshot_root``, its control token its own; use as an async
+    context manager. ``tool_proxy`` puts a fault proxy on each agent's wire to its
+    resources server."""
 
     def __init__(
         self,
@@ -152,26 +118,48 @@ class ScenarioCluster:
         self._lease_grace_s = lease_grace_s
         self._tool_proxy = tool_proxy
         self._seed = seed
-        self._servers: list[ThreadServer] = []
         self._stack = AsyncExitStack()
+        self._local: LocalCluster | None = None
         self.replicas: list[ScenarioReplica] = []
         self.policy_url = ""
 
     async def __aenter__(self) -> ScenarioCluster:
-        settings = PolicySettings(seed=self._seed, latency_ms=self._latency_ms, error_rate=0.0)
-        self.policy_url = self._start(create_policy_app(settings), "/v1/models").url
-        previous = os.environ.get(CONTROL_TOKEN_ENV)
-        # Every server reads the token once, as its app is created.
-        os.environ[CONTROL_TOKEN_ENV] = self.token
-        try:
+        tools: dict[str, FaultProxy] = {}
+        if self._tool_proxy:
             for i in range(self._count):
-                self.replicas.append(await self._replica(f"replica-{i}"))
-        finally:
-            if previous is None:
-                os.environ.pop(CONTROL_TOKEN_ENV, None)
-            else:
-                os.environ[CONTROL_TOKEN_ENV] = previous
+                proxy = FaultProxy(_NOT_YET)
+                tools[f"replica-{i}"] = await self._stack.enter_async_context(proxy)
+
+        def wire(replica: str, resources_url: str) -> str:
+            tools[replica].upstream = resources_url
+            return tools[replica].url
+
+        try:
+            self._local = LocalCluster(
+                replicas=self._count,
+                environment=self.environment,
+                latency_ms=self._latency_ms,
+                seed=self._seed,
+                snapshot_root=self.snapshot_root,
+                control_token=self.token,
+                lease_grace_s=self._lease_grace_s,
+                agent_resources_url=wire if tools else None,
+            )
+        except BaseException:
+            await self._stack.aclose()
+            raise
+        self.policy_url = self._local.policy.url
+        self.replicas = [
+            ScenarioReplica(r.name, r.model, r.resources, r.agent, tools.get(r.name))
+            for r in self._local.replicas
+        ]
+        # One request at a time before any test traffic: FastAPI builds a route's models on
+        # its first request, and apps doing that at once in threads of one process race.
+        _warm_up(self.policy_url + "/v1/models")
         for replica in self.replicas:
+            _warm_up(replica.resources.url + "/tools")
+            _warm_up(replica.model.url + "/rollpoint/v1/stats")
+            _warm_up(replica.agent.url + "/rollpoint/v1/sessions")
             for kind in KINDS:
                 _warm_up(replica.url(kind) + CONTROL_PREFIX + "/status", self.token)
         return self
@@ -183,46 +171,8 @@ class ScenarioCluster:
         tb: TracebackType | None,
     ) -> None:
         await self._stack.aclose()  # proxies first: a held tool call is cut, not waited for
-        for replica in self.replicas:
-            # A call held at a closed gate or boundary would hold its server's shutdown.
-            replica.on_gate(lambda gate: gate.open())
-            replica.on_book(lambda book: book.open_boundaries())
-        # All at once: each waits for uvicorn's shutdown tick, and nothing is left to serve.
-        await asyncio.gather(*(asyncio.to_thread(s.stop) for s in self._servers))
-
-    def _start(self, app: Any, warm_up_path: str) -> ThreadServer:
-        server = ThreadServer(app)
-        self._servers.append(server)
-        # One request before the next server starts: FastAPI builds a route's models on its
-        # first request, and apps doing that at once in threads of one process race.
-        _warm_up(server.url + warm_up_path)
-        return server
-
-    async def _replica(self, name: str) -> ScenarioReplica:
-        control: dict[str, Any] = {
-            "snapshot_root": self.snapshot_root,
-            "lease_grace_s": self._lease_grace_s,
-        }
-        resources = self._start(
-            create_resources_app(self.environment, replica=name, **control), "/tools"
-        )
-        tools = None
-        if self._tool_proxy:
-            tools = await self._stack.enter_async_context(FaultProxy(resources.url))
-        model_settings = ModelServerSettings(
-            upstream_url=f"{self.policy_url}/v1", replica=name, **control
-        )
-        model = self._start(create_model_app(model_settings), "/rollpoint/v1/stats")
-        agent_settings = AgentSettings(
-            model_url=model.url,
-            resources_url=tools.url if tools is not None else resources.url,
-            environment=self.environment,
-            replica=name,
-            checkpoint_mode=get_environment(self.environment).checkpoint_mode,
-            **control,
-        )
-        agent = self._start(create_agent_app(agent_settings), "/rollpoint/v1/sessions")
-        return ScenarioReplica(name, model, agent, resources, tools)
+        if self._local is not None:
+            await asyncio.to_thread(self._local.close)
 
     # --- views -------------------------------------------------------------------------
 

@@ -41,6 +41,7 @@ from rollpoint.policy.scripted_policy import PolicySettings, create_policy_app
 from rollpoint.protocol.deployment import Deployment, ReplicaEndpoints
 from rollpoint.protocol.episode import EnvironmentName, TaskRow
 from rollpoint.protocol.errors import LaunchError
+from rollpoint.protocol.participant import ParticipantKind
 from rollpoint.servers.agent.agent_server import AgentSettings, agent_server_of, create_agent_app
 from rollpoint.servers.agent.session_book import SessionBook
 from rollpoint.servers.model.model_server import (
@@ -104,8 +105,12 @@ class ThreadServer:
 
         return asyncio.run_coroutine_threadsafe(run(), self.loop).result(timeout=5)
 
-    def stop(self) -> None:
+    def request_stop(self) -> None:
+        """Ask the server to exit; :meth:`stop` waits for it."""
         self._server.should_exit = True
+
+    def stop(self) -> None:
+        self.request_stop()
         self._thread.join(timeout=10)
         self._sock.close()
 
@@ -136,6 +141,14 @@ class LocalReplica:
         """Act on the model server's real admission gate, on its loop."""
         return self.model.call(lambda: action(model_server_of(self.model.app).gate))
 
+    def url(self, kind: ParticipantKind) -> str:
+        """The URL of this replica's server of ``kind``."""
+        return {
+            ParticipantKind.MODEL: self.model.url,
+            ParticipantKind.AGENT: self.agent.url,
+            ParticipantKind.RESOURCES: self.resources.url,
+        }[kind]
+
     def policy_version(self) -> int:
         return self.model.call(lambda: model_server_of(self.model.app).policy_version)
 
@@ -147,7 +160,9 @@ class LocalCluster:
     ``control_token`` guards their control routes (None: the token already in
     ``ROLLPOINT_CONTROL_TOKEN``, as a server process reads it). ``lease_grace_s``: how long
     a participant held by a vanished coordinator waits before it reopens (None: the
-    servers' default)."""
+    servers' default). ``agent_resources_url``, given a replica's name and its resources
+    server's URL, returns the URL that replica's agent calls instead (a
+    :class:`~rollpoint.testing.FaultProxy` in front of it, say)."""
 
     def __init__(
         self,
@@ -160,10 +175,13 @@ class LocalCluster:
         snapshot_root: str | None = None,
         control_token: str | None = None,
         lease_grace_s: float | None = None,
+        agent_resources_url: Callable[[str, str], str] | None = None,
     ) -> None:
         self.environment = environment
         self.snapshot_root = snapshot_root
         self._lease_grace_s = lease_grace_s
+        self._agent_resources_url = agent_resources_url
+        self._tool_urls: dict[str, str] = {}
         self._servers: list[ThreadServer] = []
         try:
             self.policy = self._start(
@@ -192,6 +210,8 @@ class LocalCluster:
     def _replica(self, name: str) -> LocalReplica:
         control = self._control()
         resources = self._start(create_resources_app(self.environment, replica=name, **control))
+        wire = self._agent_resources_url
+        self._tool_urls[name] = resources.url if wire is None else wire(name, resources.url)
         model = self._start(
             create_model_app(
                 ModelServerSettings.model_validate(
@@ -200,14 +220,14 @@ class LocalCluster:
             )
         )
         agent = self._start(
-            create_agent_app(AgentSettings.model_validate(self._agent_doc(name, model, resources)))
+            create_agent_app(AgentSettings.model_validate(self._agent_doc(name, model)))
         )
         return LocalReplica(name, model, resources, agent)
 
-    def _agent_doc(self, name: str, model: ThreadServer, resources: ThreadServer) -> dict[str, Any]:
+    def _agent_doc(self, name: str, model: ThreadServer) -> dict[str, Any]:
         return {
             "model_url": model.url,
-            "resources_url": resources.url,
+            "resources_url": self._tool_urls[name],
             "environment": self.environment,
             "replica": name,
             "checkpoint_mode": get_environment(self.environment).checkpoint_mode,
@@ -217,7 +237,7 @@ class LocalCluster:
     def agent_settings(self, index: int) -> dict[str, Any]:
         """Settings of replica ``index``'s agent, to start another copy of it elsewhere."""
         replica = self.replicas[index]
-        doc = self._agent_doc(replica.name, replica.model, replica.resources)
+        doc = self._agent_doc(replica.name, replica.model)
         return AgentSettings.model_validate(doc).model_dump(mode="json")
 
     def deployment(self, **agent_urls: str) -> Deployment:
@@ -258,6 +278,9 @@ class LocalCluster:
                 replica.on_gate(lambda gate: gate.open())
             if replica.agent.running:
                 replica.on_book(lambda book: book.open_boundaries())
+        # All asked first: each then waits for uvicorn's shutdown tick at the same time.
+        for server in self._servers:
+            server.request_stop()
         for server in reversed(self._servers):
             server.stop()
         self._servers.clear()

@@ -95,9 +95,18 @@ class CallLog:
             return Counter(self.calls)
 
 
+POLICY_LATENCY_MS = 120
+"""Slow enough that an episode spends longer between its 1st and its TOOL_TURNS-th turn than
+a snapshot interval (0.3 s), so the crash tests see a snapshot holding one at the depth they
+wait for: at 40 ms a CI run finished all 24 episodes in about a second, before such a
+snapshot was published, and the test failed on a run that had done nothing wrong."""
+
+
 @pytest.fixture
 def policy() -> Iterator[tuple[str, CallLog]]:
-    settings = PolicySettings(seed=0, latency_ms=40, error_rate=0.0, tool_turns=TOOL_TURNS)
+    settings = PolicySettings(
+        seed=0, latency_ms=POLICY_LATENCY_MS, error_rate=0.0, tool_turns=TOOL_TURNS
+    )
     log = CallLog(create_policy_app(settings))
     with serve_app(log) as url:  # type: ignore[arg-type]
         yield f"{url}/v1", log

@@ -35,7 +35,7 @@ async def run(tasks: int = 64, replicas: int = 2, concurrency: int = 64) -> Benc
         rows = get_environment("workplace").make_tasks(tasks, config.seed)
         async with EmbeddedRuntime(config) as runtime:
             assert runtime.deployment is not None
-            trainer = Trainer(config, runtime.deployment, rows)
+            trainer = Trainer(config.trainer_settings(), runtime.deployment, rows)
             t0 = time.perf_counter()
             summary = await trainer.run()
             elapsed = time.perf_counter() - t0

@@ -43,7 +43,6 @@ from rollpoint.runtime.embedded import EmbeddedRuntime
 from rollpoint.runtime.process_group import ProcessGroup
 from rollpoint.runtime.server_spec import ServerSpec
 from rollpoint.store.snapshot_store import SnapshotStore
-from rollpoint.trainer.control_plane import snapshot_root
 from rollpoint.trainer.metrics import TrainerMetrics
 from rollpoint.trainer.trainer_loop import Trainer
 
@@ -79,7 +78,7 @@ def _config(workdir: Path, engine_url: str, *, cut: bool, seed: int) -> RunConfi
 
 async def _killed_run(config: RunConfig, after_s: float, into_s: float) -> float:
     """Run until ``after_s``, then kill at ``into_s`` after the next published snapshot."""
-    store_root = snapshot_root(config)
+    store_root = config.snapshot_root()
     killed_at = 0.0
 
     async def drive(trainer: Trainer, runtime: Runtime, metrics: TrainerMetrics) -> Any:

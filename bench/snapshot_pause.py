@@ -79,7 +79,7 @@ from rollpoint.protocol.participant import ParticipantKind
 from rollpoint.runtime.embedded import EmbeddedRuntime
 from rollpoint.store.participant_state import MANIFEST_NAME
 from rollpoint.store.snapshot_store import PARTICIPANTS_DIR, SnapshotStore, Staging
-from rollpoint.trainer.control_plane import ControlPlane, participant_clients, snapshot_root
+from rollpoint.trainer.control_plane import ControlPlane, participant_clients
 from rollpoint.trainer.coordinator import SaveReport
 from rollpoint.trainer.ledger import RecoveryLedger
 from rollpoint.trainer.metrics import TrainerMetrics
@@ -471,7 +471,7 @@ async def measure(
         tasks = [long_task(i) for i in range(3 * math.ceil(sessions / group_size) + 200)]
         clock = StageClock()
         token = secrets.token_urlsafe(32)
-        root = snapshot_root(config)
+        root = config.snapshot_root()
         store = await asyncio.to_thread(
             store_class or TimedStore, root, config.snapshot.keep, clock
         )
@@ -486,7 +486,11 @@ async def measure(
                 ]
                 control = ControlPlane(participants, store, TrainerMetrics())
                 trainer = Trainer(
-                    config, runtime.deployment, tasks, control=control, client=data_http
+                    config.trainer_settings(),
+                    runtime.deployment,
+                    tasks,
+                    control=control,
+                    client=data_http,
                 )
                 replicas = [r.name for r in runtime.deployment.replicas]
                 prefill_finished(trainer.ledger, finished, replicas)

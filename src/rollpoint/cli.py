@@ -299,7 +299,6 @@ def serve(
     from rollpoint.protocol.deployment import ServedDeployment
     from rollpoint.runtime.embedded import EmbeddedRuntime
     from rollpoint.store.workdir_lock import lock_workdir
-    from rollpoint.trainer.control_plane import snapshot_root
 
     def _private_token(path: Path) -> str:
         token = secrets.token_urlsafe(32)
@@ -317,7 +316,7 @@ def serve(
             config,
             control_token=token,
             data_token=data_token,
-            snapshot_root=snapshot_root(config),
+            snapshot_root=config.snapshot_root(),
         )
         async with runtime:
             assert runtime.deployment is not None
@@ -326,7 +325,7 @@ def serve(
                     **runtime.deployment.model_dump(),
                     control_token_file=str(token_file),
                     data_token_file=None if data_file is None else str(data_file),
-                    snapshot_store=snapshot_root(config),
+                    snapshot_store=config.snapshot_root(),
                 )
                 typer.echo(served.model_dump_json())
             table = Table(title=f"rollpoint servers ({config.environment})")
@@ -338,7 +337,7 @@ def serve(
                 print_full(out, table)
                 for text in (
                     f"policy: {runtime.deployment.policy_url}",
-                    f"control token: {token_file} (snapshots under {snapshot_root(config)})",
+                    f"control token: {token_file} (snapshots under {config.snapshot_root()})",
                     f"data token: {data_file or 'none (data routes open)'}",
                 ):
                     out.print(text, soft_wrap=True, highlight=False)

@@ -8,7 +8,7 @@ that names the file and the key.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
 
 import yaml
 from pydantic import (
@@ -23,6 +23,9 @@ from pydantic import (
 
 from rollpoint.protocol.episode import EnvironmentName
 from rollpoint.protocol.errors import ConfigError
+
+if TYPE_CHECKING:  # imported when used: loading a config need not load the trainer
+    from rollpoint.trainer.settings import SaveSettings, TrainerSettings
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
@@ -151,6 +154,16 @@ class SnapshotConfig(_Section):
     store: str | None = None
     """A path or fsspec URL; None keeps snapshots under <workdir>/snapshots."""
 
+    def save_settings(self) -> SaveSettings:
+        """What the snapshot coordinator is told of these keys."""
+        from rollpoint.trainer.settings import SaveSettings
+
+        return SaveSettings(
+            deadline_seconds=self.deadline_seconds,
+            retry_after_seconds=self.retry_after_seconds,
+            allow_restart_only=self.allow_restart_only,
+        )
+
 
 class PreemptionConfig(_Section):
     """What ``rollpoint run`` does on SIGTERM or SIGINT (a scheduler's notice, Ctrl-C)."""
@@ -267,6 +280,40 @@ class RunConfig(_Section):
     @property
     def metrics_host(self) -> str:
         return self.metrics.host or self.host
+
+    def snapshot_root(self) -> str:
+        """Where snapshots go: ``snapshot.store``, or ``<workdir>/snapshots`` made absolute."""
+        return self.snapshot.store or str((self.workdir / "snapshots").resolve())
+
+    def fingerprint(self) -> dict[str, JsonValue]:
+        """The keys a snapshot's saved state depends on; a restore must match them."""
+        return {
+            "environment": self.environment,
+            "group_size": self.group_size,
+            "max_turns": self.max_turns,
+            "replicas": self.replicas,
+            "tasks": self.tasks if self.dataset is None else None,
+            "dataset": str(self.dataset) if self.dataset is not None else None,
+            "seed": self.seed,
+        }
+
+    def trainer_settings(self) -> TrainerSettings:
+        """What the trainer loop is told of this config (the library reads no config)."""
+        from rollpoint.trainer.settings import TrainerSettings
+
+        return TrainerSettings(
+            workdir=self.workdir,
+            group_size=self.group_size,
+            concurrency=self.concurrency,
+            max_turns=self.max_turns,
+            batch_size=self.train.batch_size,
+            checkpoint_every_steps=self.train.checkpoint_every_steps,
+            step_seconds=self.train.step_seconds,
+            row_timeout_seconds=self.row_timeout_seconds,
+            snapshot_every_seconds=self.snapshot.every_seconds,
+            save=self.snapshot.save_settings(),
+            fingerprint=self.fingerprint(),
+        )
 
 
 def _format_validation_error(source: str, exc: ValidationError) -> str:

@@ -33,12 +33,7 @@ from rollpoint.runtime.replica_plan import SpecHook
 from rollpoint.start_checks import check_store_writable, check_workdir_writable, unreadable
 from rollpoint.store.snapshot_store import SnapshotStore
 from rollpoint.store.workdir_lock import lock_workdir
-from rollpoint.trainer.control_plane import (
-    ControlPlane,
-    config_fingerprint,
-    participant_clients,
-    snapshot_root,
-)
+from rollpoint.trainer.control_plane import ControlPlane, participant_clients
 from rollpoint.trainer.metrics import TrainerMetrics
 from rollpoint.trainer.restorer import Restorer, Skipped, check_config, find_resume_point
 from rollpoint.trainer.run_events import (
@@ -197,7 +192,7 @@ async def run_job(
             "tasks: 0 gives the run nothing to train (a run that is handed its groups "
             "while it runs opens them with Rollouts(..., more_groups=True))"
         )
-    root = snapshot_root(config)
+    root = config.snapshot_root()
     if attach is None:
         token: str | None = secrets.token_urlsafe(32)
         # The data plane has a token of its own: whoever can call /run cannot snapshot or restore.
@@ -232,7 +227,7 @@ async def run_job(
     elif point is None:
         refuse_unresumable_run(config.workdir, root, skipped)
     else:
-        check_config(point.manifest, config_fingerprint(config))
+        check_config(point.manifest, config.fingerprint())
         # Before any server starts: a train data file that does not match its checkpoint
         # is refused here, naming the file, and left as it is.
         train_data = await asyncio.to_thread(
@@ -313,7 +308,7 @@ async def run_job(
                 )
             )
         trainer = Trainer(
-            config,
+            config.trainer_settings(),
             deployment,
             tasks,
             hooks=hooks,

@@ -50,7 +50,10 @@ async def test_a_replica_that_dies_during_discovery_is_dropped_not_waited_for(
     async with HttpClient(token=TOKEN) as http:
         control = cluster.control_plane(http, tmp_path)
         trainer = Trainer(
-            config(tmp_path, 30), cluster.deployment(), cluster.tasks(1), control=control
+            config(tmp_path, 30).trainer_settings(),
+            cluster.deployment(),
+            cluster.tasks(1),
+            control=control,
         )
         assert trainer.coordinator is not None
         asking = asyncio.create_task(trainer.coordinator.discover())
@@ -70,7 +73,10 @@ async def test_a_participant_unreachable_past_the_deadline_is_named(
     async with HttpClient(token=TOKEN) as http:
         control = cluster.control_plane(http, tmp_path)
         trainer = Trainer(
-            config(tmp_path, 0.5), cluster.deployment(), cluster.tasks(1), control=control
+            config(tmp_path, 0.5).trainer_settings(),
+            cluster.deployment(),
+            cluster.tasks(1),
+            control=control,
         )
         assert trainer.coordinator is not None
         with pytest.raises(SnapshotError, match=r"model@replica-1 did not answer status"):

@@ -170,7 +170,7 @@ async def test_a_reply_lost_after_the_agent_finished_is_adopted_and_snapshots_ke
         async with HttpClient(token=TOKEN) as http:
             control = cluster.control_plane(http, tmp_path)
             trainer = Trainer(
-                config,
+                config.trainer_settings(),
                 cluster.deployment(**{replica.name: proxy.url}),
                 cluster.tasks(10),
                 hooks=hooks,
@@ -266,7 +266,7 @@ async def test_finished_replies_no_current_try_wants_are_acked_away_at_the_next_
     async with HttpClient(token=TOKEN) as http:
         control = cluster.control_plane(http, tmp_path)
         (task,) = cluster.tasks(1)
-        trainer = Trainer(config, cluster.deployment(), [task], control=control)
+        trainer = Trainer(config.trainer_settings(), cluster.deployment(), [task], control=control)
         ledger, gid = trainer.ledger, f"{task.task_id}-g0"
         # Row 0: a try the trainer gave up on (its row went on under a new id) that then
         # finished on the agent anyway.

@@ -265,7 +265,9 @@ async def test_the_stall_watchdog_stops_a_run_with_no_replica_up_and_says_so(
     config = RunConfig(
         workdir=tmp_path, environment="workplace", group_size=2, replicas=2, concurrency=4
     )
-    trainer = Trainer(config, cluster.deployment(), cluster.tasks(2), stall_timeout_s=0.5)
+    trainer = Trainer(
+        config.trainer_settings(), cluster.deployment(), cluster.tasks(2), stall_timeout_s=0.5
+    )
     for replica in cluster.replicas:
         await trainer.replica_down(replica.name)
     with pytest.raises(RunStalledError, match=r"replicas down: replica-0, replica-1 \(none up\)"):

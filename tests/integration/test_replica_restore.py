@@ -20,7 +20,6 @@ from pathlib import Path
 
 import pytest
 
-from rollpoint.config import SnapshotConfig
 from rollpoint.envs import get_environment
 from rollpoint.http.client import HttpClient
 from rollpoint.protocol.deployment import ReplicaEndpoints
@@ -36,6 +35,7 @@ from rollpoint.trainer.ledger import LedgerRecord, RecoveryLedger, RolloutState
 from rollpoint.trainer.metrics import TrainerMetrics
 from rollpoint.trainer.replica_recovery import ReplicaRecovery
 from rollpoint.trainer.replica_roster import ReplicaRoster
+from rollpoint.trainer.settings import SaveSettings
 from rollpoint.trainer.trainer_loop import Trainer
 from tests.integration.test_replica_loss import LOST, assert_every_row_trained_once, job, kill
 from tests.support.embedded_job import embedded_job
@@ -154,7 +154,7 @@ async def parts(tmp_path: Path, wait_s: float) -> AsyncIterator[Parts]:
         ledger=ledger,
         tq=FinishedQueue(),
         barrier=barrier,
-        config=SnapshotConfig(),
+        config=SaveSettings(),
         metrics=TrainerMetrics(),
         trainer_state=dict,
         config_fingerprint={},

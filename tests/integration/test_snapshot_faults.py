@@ -38,7 +38,7 @@ from rollpoint.protocol.participant import ParticipantKind
 from rollpoint.store.participant_state import MANIFEST_NAME
 from rollpoint.store.snapshot_store import SnapshotStore
 from rollpoint.testing import Fault, FaultProxy, LocalCluster
-from rollpoint.trainer.control_plane import ControlPlane, participant_clients, snapshot_root
+from rollpoint.trainer.control_plane import ControlPlane, participant_clients
 from rollpoint.trainer.coordinator import SaveReport, SnapshotCoordinator
 from rollpoint.trainer.metrics import TrainerMetrics
 from rollpoint.trainer.participant_client import ParticipantClient
@@ -114,7 +114,7 @@ async def harness(
 ) -> AsyncIterator[Harness]:
     """The job's deployment, with replica-0's ``behind_proxy`` participant behind a proxy."""
     token = secrets.token_urlsafe(16)
-    root = snapshot_root(config)
+    root = config.snapshot_root()
     store = SnapshotStore(root, keep=config.snapshot.keep)
     metrics = TrainerMetrics(config.workdir / "metrics.jsonl")
     with LocalCluster(
@@ -138,7 +138,9 @@ async def harness(
                 participants = [proxied if c is target else c for c in clients]
                 control = ControlPlane(participants, store, metrics)
                 tasks = get_environment(config.environment).make_tasks(TASKS, config.seed)
-                trainer = Trainer(config, deployment, tasks, control=control, hooks=hooks)
+                trainer = Trainer(
+                    config.trainer_settings(), deployment, tasks, control=control, hooks=hooks
+                )
                 yield Harness(config, trainer, store, proxy, {c.label: c for c in clients})
 
 

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from rollpoint.config import RunConfig, TrainConfig
 from rollpoint.envs.registry import get_environment
 from rollpoint.protocol.errors import RunStalledError
 from rollpoint.testing import LocalCluster
 from rollpoint.trainer.ledger import RolloutState
+from rollpoint.trainer.settings import TrainerSettings
 from rollpoint.trainer.trainer_loop import Trainer
 
 pytestmark = pytest.mark.integration
@@ -33,15 +33,10 @@ def cluster() -> Iterator[LocalCluster]:
                 replica.on_gate(lambda gate: gate.open())
 
 
-def config(workdir: Path, *, batch_size: int = 6, concurrency: int = 8) -> RunConfig:
-    return RunConfig(
-        workdir=workdir,
-        environment="workplace",
-        group_size=4,
-        replicas=2,
-        concurrency=concurrency,
-        max_turns=12,
-        train=TrainConfig(batch_size=batch_size),
+def config(workdir: Path, *, batch_size: int = 6, concurrency: int = 8) -> TrainerSettings:
+    # The library's own settings, no run config: as a trainer embedding it would build them.
+    return TrainerSettings(
+        workdir=workdir, group_size=4, concurrency=concurrency, max_turns=12, batch_size=batch_size
     )
 
 

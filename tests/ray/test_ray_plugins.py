@@ -19,7 +19,6 @@ from rollpoint.http.client import HttpClient
 from rollpoint.job import load_tasks_for, run_job
 from rollpoint.runtime.ray_runtime import RayRuntime
 from rollpoint.testing import invariants
-from rollpoint.trainer.control_plane import snapshot_root
 from tests.ray.conftest import RayCluster
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(120)]
@@ -47,7 +46,7 @@ async def test_an_environment_by_import_path_runs_on_every_replica_actor(
     config.workdir.mkdir(parents=True, exist_ok=True)
     async with (
         RayRuntime(
-            config, control_token=secrets.token_urlsafe(16), snapshot_root=snapshot_root(config)
+            config, control_token=secrets.token_urlsafe(16), snapshot_root=config.snapshot_root()
         ) as rt,
         HttpClient(timeout_s=10) as http,
     ):

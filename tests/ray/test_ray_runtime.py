@@ -30,7 +30,6 @@ from rollpoint.runtime.contract import Runtime
 from rollpoint.runtime.ray_runtime import RayRuntime
 from rollpoint.store.snapshot_store import SnapshotStore
 from rollpoint.testing import invariants
-from rollpoint.trainer.control_plane import snapshot_root
 from rollpoint.trainer.metrics import TrainerMetrics
 from rollpoint.trainer.trainer_loop import RunSummary, Trainer
 from tests.ray.conftest import RayCluster
@@ -73,7 +72,7 @@ async def test_each_replica_is_an_actor_on_its_own_node_serving_the_driver(
     tmp_path: Path, ray_cluster: RayCluster
 ) -> None:
     config = ray_job(tmp_path, ray_cluster)
-    root = snapshot_root(config)
+    root = config.snapshot_root()
     async with (
         RayRuntime(config, control_token=secrets.token_urlsafe(16), snapshot_root=root) as rt,
         HttpClient(timeout_s=10) as http,

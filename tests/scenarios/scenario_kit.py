@@ -39,7 +39,7 @@ import orjson
 from aiohttp import web
 from pydantic import BaseModel
 
-from rollpoint.config import RunConfig, SnapshotConfig, parse_config
+from rollpoint.config import RunConfig, parse_config
 from rollpoint.envs import get_environment
 from rollpoint.http.client import HttpClient
 from rollpoint.protocol.control import CONTROL_PREFIX, StatusReply
@@ -61,6 +61,7 @@ from rollpoint.trainer.participant_client import ParticipantAddress, Participant
 from rollpoint.trainer.release_batcher import ReleaseBatcher
 from rollpoint.trainer.replica_roster import ReplicaRoster
 from rollpoint.trainer.restorer import RestoredRun
+from rollpoint.trainer.settings import SaveSettings
 from rollpoint.trainer.train_hooks import TrainHooks, TrainSample
 from rollpoint.trainer.trainer_loop import TRAIN_DATA_FILE, RunSummary, Trainer
 from tests.support.polling import eventually
@@ -407,7 +408,7 @@ async def job(
         metrics = TrainerMetrics(config.workdir / "metrics.jsonl")
         control = ControlPlane(cluster.clients(http, urls=urls), store, metrics)
         trainer = Trainer(
-            config,
+            config.trainer_settings(),
             cluster.deployment(runs),
             cluster.tasks(config.tasks or 1, config.seed),
             hooks=hooks,
@@ -519,7 +520,7 @@ class Rig:
             ledger=self.ledger,
             tq=self.tq,
             barrier=self.barrier,
-            config=SnapshotConfig(deadline_seconds=deadline_s, keep=100),
+            config=SaveSettings(deadline_seconds=deadline_s),
             metrics=self.metrics,
             trainer_state=lambda: {"train_step": 0, "policy_version": 0},
             config_fingerprint={},

@@ -22,7 +22,6 @@ from rollpoint.protocol.manifest import ParticipantEntry, SnapshotManifest
 from rollpoint.protocol.participant import CheckpointMode, ParticipantKind
 from rollpoint.store.snapshot_store import SNAPSHOTS_DIR, SnapshotStore
 from rollpoint.testing import invariants
-from rollpoint.trainer.control_plane import config_fingerprint
 from rollpoint.trainer.ledger import RolloutState
 from rollpoint.trainer.restorer import (
     PARTICIPANTS_SUBDIR,
@@ -98,7 +97,7 @@ async def test_a_two_replica_snapshot_restores_onto_one_replica(tmp_path: Path) 
     assert report.manifest is not None
     point = resume_point(two, root)
     # `replicas` may change: before this, the rerun was refused here.
-    check_config(point.manifest, config_fingerprint(one))
+    check_config(point.manifest, one.fingerprint())
     moved = {e.rollout_id for e in point.manifest.episodes if e.replica == "replica-1"}
     assert moved
     async with ScenarioCluster(root, replicas=1) as fresh, HttpClient(token=fresh.token) as http:
@@ -146,7 +145,7 @@ async def test_a_one_replica_snapshot_restores_onto_two_replicas(tmp_path: Path)
         await save_with_episodes(j, {"replica-0"})
         await crash(run)
     point = resume_point(one, root)
-    check_config(point.manifest, config_fingerprint(two))
+    check_config(point.manifest, two.fingerprint())
     async with ScenarioCluster(root, replicas=2) as fresh, HttpClient(token=fresh.token) as http:
         since = time.time()
         restored = await Restorer(fresh.clients(http)).restore(

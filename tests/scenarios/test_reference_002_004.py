@@ -16,7 +16,6 @@ from pathlib import Path
 
 import pytest
 
-from rollpoint.config import SnapshotConfig
 from rollpoint.http.client import HttpClient
 from rollpoint.protocol.control import Phase
 from rollpoint.protocol.errors import RestoreError, StaleAttemptError
@@ -37,6 +36,7 @@ from rollpoint.trainer.restorer import (
     choose_resume_point,
     read_trainer_document,
 )
+from rollpoint.trainer.settings import SaveSettings
 from rollpoint.trainer.train_checkpoint import TrainCheckpointStore
 from rollpoint.trainer.trainer_loop import TRAIN_DATA_FILE
 from tests.scenarios.scenario_kit import (
@@ -373,7 +373,7 @@ async def cut_of(
         tq=FinishedQueue(),
         barrier=DispatchBarrier(),
         # A long deadline: no lease renewal lands inside either save.
-        config=SnapshotConfig(deadline_seconds=60, keep=100),
+        config=SaveSettings(deadline_seconds=60),
         metrics=TrainerMetrics(),
         trainer_state=lambda: {"train_step": 0, "policy_version": 0},
         config_fingerprint={},

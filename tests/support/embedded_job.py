@@ -26,7 +26,7 @@ from rollpoint.protocol.deployment import Deployment
 from rollpoint.protocol.manifest import SnapshotManifest
 from rollpoint.runtime.embedded import EmbeddedRuntime
 from rollpoint.store.snapshot_store import SnapshotStore
-from rollpoint.trainer.control_plane import ControlPlane, participant_clients, snapshot_root
+from rollpoint.trainer.control_plane import ControlPlane, participant_clients
 from rollpoint.trainer.metrics import TrainerMetrics
 from rollpoint.trainer.participant_client import ParticipantClient
 from rollpoint.trainer.train_hooks import TrainHooks
@@ -76,7 +76,7 @@ async def embedded_servers(config: RunConfig) -> AsyncIterator[EmbeddedServers]:
     token = secrets.token_urlsafe(16)
     async with (
         EmbeddedRuntime(
-            config, control_token=token, snapshot_root=snapshot_root(config)
+            config, control_token=token, snapshot_root=config.snapshot_root()
         ) as runtime,
         HttpClient(token=token) as http,
     ):
@@ -96,13 +96,13 @@ async def embedded_job(
 
     ``replica_restart_wait_s``: how long the trainer holds a lost replica's saved tries
     for it to come back (default: the snapshot deadline)."""
-    store = SnapshotStore(snapshot_root(config), keep=config.snapshot.keep)
+    store = SnapshotStore(config.snapshot_root(), keep=config.snapshot.keep)
     metrics = TrainerMetrics(config.workdir / "metrics.jsonl")
     async with embedded_servers(config) as servers:
         control = ControlPlane(servers.participants(), store, metrics)
         tasks = get_environment(config.environment).make_tasks(config.tasks or 1, config.seed)
         trainer = Trainer(
-            config,
+            config.trainer_settings(),
             servers.deployment,
             tasks,
             hooks=hooks,

@@ -5,7 +5,10 @@
   app (``rollpoint.cli``, ``rollpoint.job``, ``rollpoint.config``);
 - the SDK never imports the built-in servers: they are built on it, not it on them;
 - a server imports the SDK only through ``rollpoint.participant``, never one of its modules;
-- ``rollpoint.protocol`` imports neither side (nor the app).
+- ``rollpoint.protocol`` imports neither side (nor the app);
+- the trainer library (``rollpoint.trainer``) imports neither the servers nor the
+  participant SDK nor the app (the CLI, the job, the run config, the façade over the job):
+  what it needs of a run it is told (``TrainerSettings``, ``SaveSettings``).
 
 Every import counts: at the top, inside a function, under ``TYPE_CHECKING``.
 """
@@ -23,6 +26,7 @@ import rollpoint.participant
 
 SRC = Path(rollpoint.__file__).parent
 APP = ("rollpoint.cli", "rollpoint.job", "rollpoint.config")
+FACADE_OVER_THE_JOB = ("rollpoint.rollouts", "rollpoint.preemption")
 TRAINER = ("rollpoint.trainer",)
 ENVIRONMENT_SIDE = ("rollpoint.participant", "rollpoint.servers")
 SDK_PUBLIC = set(rollpoint.participant.__all__)
@@ -98,6 +102,11 @@ def test_the_servers_import_the_sdk_only_through_its_package() -> None:
 
 def test_the_protocol_imports_neither_side_nor_the_app() -> None:
     assert _violations("protocol", ENVIRONMENT_SIDE + TRAINER + APP) == []
+
+
+def test_the_trainer_library_imports_no_server_nor_sdk_nor_app() -> None:
+    assert _modules("trainer"), "no modules under rollpoint/trainer"
+    assert _violations("trainer", ENVIRONMENT_SIDE + APP + FACADE_OVER_THE_JOB) == []
 
 
 def test_the_reader_sees_every_kind_of_import() -> None:

@@ -4,6 +4,9 @@ Everything here runs in the trainer process and reaches the environment over HTT
 (:class:`~rollpoint.http.client.HttpClient`); control calls go through a
 :class:`~rollpoint.trainer.control_transport.ControlTransport`, HTTP in a run. The snapshot coordinator composes these
 parts through a :class:`Trainer`'s ``ledger``, ``barrier``, ``tq`` and ``dispatcher``.
+
+The library reads no run config: it is told what it needs as :class:`TrainerSettings` and
+:class:`SaveSettings` (``rollpoint run`` builds them from its YAML).
 """
 
 from rollpoint.trainer.cut import Blocker, SavePhase, SaveReport
@@ -17,6 +20,7 @@ from rollpoint.trainer.ledger import (
     RecoveryLedger,
     RolloutState,
 )
+from rollpoint.trainer.settings import SaveSettings, TrainerSettings
 from rollpoint.trainer.train_hooks import SimulatedTrainer, StepResult, TrainHooks, TrainSample
 from rollpoint.trainer.trainer_loop import RunSummary, Trainer, TrainerStats
 
@@ -34,11 +38,13 @@ __all__ = [
     "RunSummary",
     "SavePhase",
     "SaveReport",
+    "SaveSettings",
     "SimulatedTrainer",
     "StepResult",
     "TrainHooks",
     "TrainSample",
     "Trainer",
+    "TrainerSettings",
     "TrainerStats",
     "advantages_by_episode",
     "group_advantages",

@@ -54,7 +54,6 @@ import orjson
 from pydantic import JsonValue
 
 from rollpoint.background import stop_task
-from rollpoint.config import SnapshotConfig
 from rollpoint.protocol.control import (
     DETACHED_WRITE,
     SCOPE_KEYS,
@@ -89,6 +88,7 @@ from rollpoint.trainer.metrics import TrainerMetrics
 from rollpoint.trainer.participant_client import ParticipantClient
 from rollpoint.trainer.replica_roster import ReplicaRoster
 from rollpoint.trainer.resumer import Resumer
+from rollpoint.trainer.settings import SaveSettings
 from rollpoint.trainer.stray_replies import REPLY_HOLDING_STATES, ack_strays, is_wanted
 from rollpoint.tuning.collector_schedule import COLLECTOR_RELEASE_DELAY_S, ServerCollector
 
@@ -120,7 +120,7 @@ class SnapshotCoordinator:
         ledger: RecoveryLedger,
         tq: FinishedQueue,
         barrier: DispatchBarrier,
-        config: SnapshotConfig,
+        config: SaveSettings,
         metrics: TrainerMetrics,
         trainer_state: Callable[[], dict[str, Any]],
         config_fingerprint: dict[str, JsonValue],

@@ -35,7 +35,6 @@ from typing import Any
 import orjson
 from pydantic import JsonValue
 
-from rollpoint.config import RunConfig
 from rollpoint.http.client import HttpClient
 from rollpoint.protocol.deployment import Deployment, ReplicaEndpoints
 from rollpoint.protocol.episode import RunReply, TaskRow
@@ -49,7 +48,7 @@ from rollpoint.protocol.errors import (
 from rollpoint.protocol.model_base import StrictModel
 from rollpoint.protocol.participant import ParticipantKind
 from rollpoint.store import retention
-from rollpoint.trainer.control_plane import ControlPlane, config_fingerprint
+from rollpoint.trainer.control_plane import ControlPlane
 from rollpoint.trainer.coordinator import SnapshotCoordinator
 from rollpoint.trainer.dispatch_barrier import DispatchBarrier
 from rollpoint.trainer.dispatcher import Dispatcher, GroupOutcome
@@ -69,6 +68,7 @@ from rollpoint.trainer.run_events import (
     RunEvents,
     TrainStep,
 )
+from rollpoint.trainer.settings import TrainerSettings
 from rollpoint.trainer.train_checkpoint import TrainCheckpoint, TrainCheckpointStore, stamp
 from rollpoint.trainer.train_data import TrainData
 from rollpoint.trainer.train_hooks import SimulatedTrainer, StepResult, TrainHooks, TrainSample
@@ -124,7 +124,7 @@ def group_id_for(task_id: str) -> str:
 class Trainer:
     def __init__(
         self,
-        config: RunConfig,
+        config: TrainerSettings,
         deployment: Deployment,
         tasks: list[TaskRow],
         *,
@@ -145,7 +145,7 @@ class Trainer:
         _check_inputs(config, tasks, stall_timeout_s, more_groups=more_groups)
         self.config = config
         self.deployment = deployment
-        self.hooks: TrainHooks = hooks or SimulatedTrainer(config.train.step_seconds)
+        self.hooks: TrainHooks = hooks or SimulatedTrainer(config.step_seconds)
         self.ledger = restored.ledger if restored is not None else RecoveryLedger()
         self.tq = restored.tq if restored is not None else FinishedQueue()
         self.barrier = DispatchBarrier()
@@ -234,16 +234,16 @@ class Trainer:
                 ledger=self.ledger,
                 tq=self.tq,
                 barrier=self.barrier,
-                config=config.snapshot,
+                config=config.save,
                 metrics=control.metrics,
                 trainer_state=self.state,
-                config_fingerprint=config_fingerprint(config),
+                config_fingerprint=config.fingerprint,
             )
             # Snapshot retention never prunes the last snapshot a kept checkpoint needs.
             control.store.checkpoint_steps = self.checkpoints.steps
             self.releases = ReleaseBatcher(self.roster, self.ledger, barrier=self.barrier)
             self.coordinator.before_save = self.releases.flush
-            deadline_s = config.snapshot.deadline_seconds
+            deadline_s = config.save.deadline_seconds
             self.recovery = ReplicaRecovery(
                 self.ledger,
                 self.roster,
@@ -518,7 +518,7 @@ class Trainer:
 
     async def _next_batch(self, step: int) -> list[GroupBatch]:
         """Whole groups for ``step`` once a batch is ready (or the last, partial one)."""
-        batch_size = self.config.train.batch_size
+        batch_size = self.config.batch_size
         while True:
             if self.tq.ready_rollouts >= batch_size or (
                 self._dispatch_done and self.tq.ready_groups
@@ -593,7 +593,7 @@ class Trainer:
             self._trainer_state,
         )
         if durable is None:
-            every = self.config.train.checkpoint_every_steps
+            every = self.config.checkpoint_every_steps
             durable = every is not None and step % every == 0
         if durable:
             await self._checkpoint(checkpoint)
@@ -689,8 +689,8 @@ class Trainer:
     def _snapshots_on(self) -> bool:
         """Whether this run takes snapshots by itself (a caller may also call save)."""
         return (
-            self.config.train.checkpoint_every_steps is not None
-            or self.config.snapshot.every_seconds is not None
+            self.config.checkpoint_every_steps is not None
+            or self.config.snapshot_every_seconds is not None
         )
 
     def _steps_to_keep(self, step: int) -> frozenset[int]:
@@ -733,7 +733,7 @@ class Trainer:
             await asyncio.sleep(SNAPSHOT_RETRY_S)
 
     async def _snapshot_loop(self, coordinator: SnapshotCoordinator) -> None:
-        every = self.config.snapshot.every_seconds
+        every = self.config.snapshot_every_seconds
         if every is None:
             await asyncio.Event().wait()  # snapshots only at train checkpoints
         assert every is not None
@@ -803,7 +803,7 @@ class Trainer:
 
 
 def _check_inputs(
-    config: RunConfig, tasks: list[TaskRow], stall_timeout_s: float, *, more_groups: bool
+    config: TrainerSettings, tasks: list[TaskRow], stall_timeout_s: float, *, more_groups: bool
 ) -> None:
     if not tasks and not more_groups:
         raise ConfigError("trainer: no tasks to run")

@@ -17,7 +17,6 @@ from pathlib import Path
 import orjson
 from pydantic import JsonValue
 
-from rollpoint.config import SnapshotConfig
 from rollpoint.participant import ControlSettings, Fence
 from rollpoint.participant.in_process_control import InProcessControlTransport
 from rollpoint.protocol.control import Phase
@@ -34,6 +33,7 @@ from rollpoint.trainer.ledger import RecoveryLedger
 from rollpoint.trainer.metrics import TrainerMetrics
 from rollpoint.trainer.participant_client import ParticipantClient
 from rollpoint.trainer.restorer import ResumePoint, read_trainer_document
+from rollpoint.trainer.settings import SaveSettings
 from rollpoint.trainer.train_checkpoint import TrainCheckpoint
 from tests.unit.gym.fake_participant import FakeParticipant
 
@@ -120,7 +120,7 @@ class Rig:
             ledger=self.ledger,
             tq=self.tq,
             barrier=self.barrier,
-            config=SnapshotConfig(deadline_seconds=deadline_s, keep=100),
+            config=SaveSettings(deadline_seconds=deadline_s),
             metrics=TrainerMetrics(self.root.parent / "metrics.jsonl"),
             trainer_state=lambda: {"train_step": 0, "policy_version": 0},
             config_fingerprint={},

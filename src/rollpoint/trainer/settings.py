@@ -1,0 +1,99 @@
+"""What the trainer library is told of a run, typed: :class:`SaveSettings` (the snapshot
+coordinator's) and :class:`TrainerSettings` (the trainer loop's).
+
+The trainer library reads no run config. ``rollpoint run``'s YAML (:mod:`rollpoint.config`,
+the app's) builds these (:meth:`~rollpoint.config.RunConfig.trainer_settings`,
+:meth:`~rollpoint.config.SnapshotConfig.save_settings`); an embedding or a test builds them
+as it likes. The defaults are the config's, and a value the config would refuse is refused
+here too, as one :class:`~rollpoint.protocol.errors.ConfigError` naming the field.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pydantic import JsonValue
+
+from rollpoint.protocol.errors import ConfigError
+
+MAX_DEADLINE_S = 3000.0
+"""A participant refuses a deadline more than an hour ahead of its clock
+(``ControlSettings.max_deadline_ahead_s``), and clocks may differ a little."""
+
+
+@dataclass(frozen=True, slots=True)
+class SaveSettings:
+    """How the snapshot coordinator saves."""
+
+    deadline_seconds: float = 10.0
+    """A save's one deadline, from its prepare to the last commit (and a restore's)."""
+    retry_after_seconds: float = 10.0
+    """Three failed snapshots in a row stop the run only once the failures also span this
+    long (see ``snapshot.retry_after_seconds`` in docs/guide.md)."""
+    allow_restart_only: bool = False
+    """Save a deployment whose participants can only restart their episodes."""
+
+    def __post_init__(self) -> None:
+        if not (0 < self.deadline_seconds <= MAX_DEADLINE_S):
+            raise ConfigError(
+                f"SaveSettings.deadline_seconds must be in (0, {MAX_DEADLINE_S:g}],"
+                f" not {self.deadline_seconds!r}"
+            )
+        if not (self.retry_after_seconds >= 0 and math.isfinite(self.retry_after_seconds)):
+            raise ConfigError(
+                "SaveSettings.retry_after_seconds must be a finite number >= 0,"
+                f" not {self.retry_after_seconds!r}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class TrainerSettings:
+    """What one run of the trainer loop (:class:`~rollpoint.trainer.Trainer`) needs."""
+
+    workdir: Path
+    """Where ``train_data.jsonl`` and the train checkpoints go."""
+    group_size: int = 4
+    """Rollouts per prompt group."""
+    concurrency: int = 32
+    """Episodes in flight at once, across all replicas."""
+    max_turns: int = 8
+    batch_size: int = 16
+    """Rollouts per train step; rounded up to whole prompt groups."""
+    checkpoint_every_steps: int | None = 1
+    """A train checkpoint (and a snapshot) every this many steps; None never checkpoints."""
+    step_seconds: float = 0.0
+    """The built-in simulated trainer's time per step."""
+    row_timeout_seconds: float = 300.0
+    """Give up on one row after this long (time paused by a snapshot not counted)."""
+    snapshot_every_seconds: float | None = None
+    """A snapshot this often, besides those at train checkpoints; None: only those."""
+    save: SaveSettings = field(default_factory=SaveSettings)
+    fingerprint: dict[str, JsonValue] = field(default_factory=dict)
+    """The config keys a snapshot's saved state depends on: saved with every snapshot, and
+    a restore refuses a snapshot whose keys differ (naming the key)."""
+
+    def __post_init__(self) -> None:
+        for name in ("group_size", "concurrency", "max_turns", "batch_size"):
+            value = getattr(self, name)
+            if value < 1:
+                raise ConfigError(f"TrainerSettings.{name} must be at least 1, not {value!r}")
+        if self.checkpoint_every_steps is not None and self.checkpoint_every_steps < 1:
+            raise ConfigError(
+                "TrainerSettings.checkpoint_every_steps must be at least 1 or None,"
+                f" not {self.checkpoint_every_steps!r}"
+            )
+        if self.step_seconds < 0:
+            raise ConfigError(
+                f"TrainerSettings.step_seconds must be >= 0, not {self.step_seconds!r}"
+            )
+        if not self.row_timeout_seconds > 0:
+            raise ConfigError(
+                f"TrainerSettings.row_timeout_seconds must be > 0, not {self.row_timeout_seconds!r}"
+            )
+        every = self.snapshot_every_seconds
+        if every is not None and not every > 0:
+            raise ConfigError(
+                f"TrainerSettings.snapshot_every_seconds must be > 0 or None, not {every!r}"
+            )

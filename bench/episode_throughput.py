@@ -15,9 +15,11 @@ from rollpoint.config import parse_config
 from rollpoint.envs import get_environment
 from rollpoint.runtime.embedded import EmbeddedRuntime
 from rollpoint.trainer.trainer_loop import Trainer
+from rollpoint.tuning import install as install_tuning
 
 
 async def run(tasks: int = 64, replicas: int = 2, concurrency: int = 64) -> BenchResult:
+    install_tuning()  # the trainer runs here: as run_job, its entry point, would
     with tempfile.TemporaryDirectory() as tmp:
         config = parse_config(
             {

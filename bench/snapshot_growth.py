@@ -47,6 +47,7 @@ from bench.latency import percentile
 from bench.report import BenchResult
 from bench.snapshot_pause import KINDS, Phase, StageClock, TimedStore, _stats, measure
 from rollpoint.protocol.manifest import (
+    ParticipantManifest,
     RecordsManifest,
     SnapshotManifest,
     load_participant_manifest,
@@ -56,6 +57,7 @@ from rollpoint.store.digest import BLOCK_BYTES
 from rollpoint.store.participant_state import MANIFEST_NAME, read_participant_state
 from rollpoint.store.record_packs import OBJECTS_DIR
 from rollpoint.store.snapshot_store import Staging
+from rollpoint.tuning.collector_pause import collector_paused
 
 TOKENS_POLICY: dict[str, Any] = {"capture_tokens": True, "reasoning_tokens": 1000}
 """~1k-token turns: 1,000 stand-in reasoning tokens before every tool call, ids and logprobs
@@ -145,6 +147,16 @@ class _Last:
     model_bytes = 0
 
 
+def _read_paused(
+    directory: str, *, kind: str, instance: str, checkpoint_id: str, root: str
+) -> tuple[ParticipantManifest, list[dict[str, Any]]]:
+    """:func:`read_participant_state` with the collector paused, as the fence's restore reads."""
+    with collector_paused():
+        return read_participant_state(
+            directory, kind=kind, instance=instance, checkpoint_id=checkpoint_id, root=root
+        )
+
+
 async def _after(store: GrowthStore, last: _Last) -> None:
     manifest = await asyncio.to_thread(store.latest)
     if manifest is None:
@@ -153,7 +165,7 @@ async def _after(store: GrowthStore, last: _Last) -> None:
     t0 = time.perf_counter()
     for entry in manifest.participants:
         state, records = await asyncio.to_thread(
-            read_participant_state,
+            _read_paused,
             str((folder / entry.manifest_path).parent),
             kind=entry.kind.value,
             instance=entry.instance,

@@ -24,6 +24,7 @@ from rollpoint.protocol.episode import ModelCall, RunRow, TaskRow
 from rollpoint.protocol.ids import EpisodeId
 from rollpoint.servers.agent.session import Session
 from rollpoint.store.participant_state import read_participant_state, write_participant_state
+from rollpoint.tuning.collector_pause import collector_paused
 
 _BLOCK = 8 << 20
 INSTANCE = "agent-replica-0"
@@ -119,9 +120,10 @@ def _measure(tmp: Path, n: int, repeats: int) -> dict[str, float]:
 
     def restore() -> float:
         t0 = time.perf_counter()
-        _, back = read_participant_state(
-            str(folder), kind="agent", instance=INSTANCE, checkpoint_id=f"bench-{n}"
-        )
+        with collector_paused():  # as the fence's restore reads it
+            _, back = read_participant_state(
+                str(folder), kind="agent", instance=INSTANCE, checkpoint_id=f"bench-{n}"
+            )
         took = time.perf_counter() - t0
         assert len(back) == n
         return took

@@ -85,6 +85,7 @@ from rollpoint.trainer.ledger import RecoveryLedger
 from rollpoint.trainer.metrics import TrainerMetrics
 from rollpoint.trainer.participant_client import ParticipantAddress, ParticipantClient
 from rollpoint.trainer.trainer_loop import Trainer
+from rollpoint.tuning import install as install_tuning
 
 T = TypeVar("T")
 
@@ -464,6 +465,9 @@ async def measure(
     ``settle_s``: after the ramp, run this long (a snapshot every :data:`RAMP_SNAPSHOT_S`,
     not measured) so sessions are some turns in; ``gap_s``: between measured snapshots.
     """
+    # The trainer runs in this process: install the tricks as ``run_job`` does, so the pause
+    # measured is the one a run has (the servers' processes install their own).
+    install_tuning()
     with tempfile.TemporaryDirectory() as tmp:
         config = _config(keep_logs or Path(tmp) / "run", sessions, policy)
         config.workdir.mkdir(parents=True, exist_ok=True)

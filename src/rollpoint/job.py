@@ -8,6 +8,10 @@ it, and stop everything on every exit path. It owns no display: callers pass ``s
 messages and ``drive`` to watch the trainer (the CLI draws progress; chaos trials do not),
 and may reroute the deployment and change each server's spec before it starts (chaos
 trials put fault proxies in those paths and skew clocks).
+
+It is the trainer process's entry point (``rollpoint run``, the :class:`~rollpoint.rollouts.Rollouts`
+façade, chaos trials): it installs the performance tricks on the checkpoint seam
+(:func:`rollpoint.tuning.install`) once, so the coordinator's pauses are heard.
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ from rollpoint.trainer.train_checkpoint import TrainCheckpointStore
 from rollpoint.trainer.train_data import TrainData
 from rollpoint.trainer.train_hooks import TrainHooks
 from rollpoint.trainer.trainer_loop import TRAIN_DATA_FILE, RunSummary, Trainer
+from rollpoint.tuning import install as install_tuning
 
 log = logging.getLogger(__name__)
 
@@ -186,6 +191,7 @@ async def run_job(
     leaves them running when it ends. ``more_groups``: the trainer takes groups added while
     it runs (:meth:`Trainer.add_groups`), and the config's tasks may be none."""
     lock_workdir(config.workdir)  # held already when the CLI prepared the workdir
+    install_tuning()  # the trainer's entry point (idempotent: a second job adds nothing)
     tasks = load_tasks_for(config)
     if not tasks and not more_groups:
         raise ConfigError(

@@ -27,6 +27,7 @@ from rollpoint.trainer.restorer import read_trainer_document
 from rollpoint.trainer.train_hooks import TrainSample
 from rollpoint.trainer.trainer_loop import Trainer
 from rollpoint.tuning import collector_schedule as collector_schedule_module
+from rollpoint.tuning.collector_listener import installed
 from rollpoint.tuning.collector_schedule import collector_schedule
 from tests.support.embedded_job import embedded_job
 
@@ -168,10 +169,13 @@ async def test_the_trainers_full_collections_run_on_the_schedule_for_the_run(
     )
     gc.callbacks.append(record)
     try:
-        async with embedded_job(config) as h:
-            watcher = asyncio.create_task(watch())
-            summary = await h.trainer.run()
-            watcher.cancel()
+        # As run_job, the trainer's entry point, installs it (embedded_job builds the
+        # trainer itself); the servers' processes install their own.
+        with installed():
+            async with embedded_job(config) as h:
+                watcher = asyncio.create_task(watch())
+                summary = await h.trainer.run()
+                watcher.cancel()
     finally:
         gc.callbacks.remove(record)
     assert summary.episodes == 32 and not summary.failed_groups

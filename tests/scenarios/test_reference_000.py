@@ -33,6 +33,8 @@ from rollpoint.trainer.restorer import Restorer, choose_resume_point, read_train
 from rollpoint.trainer.train_checkpoint import TrainCheckpointStore
 from rollpoint.trainer.train_hooks import TrainSample
 from rollpoint.trainer.trainer_loop import TRAIN_DATA_FILE
+from rollpoint.tuning import seam
+from rollpoint.tuning.collector_listener import CollectorListener
 from tests.scenarios.scenario_kit import (
     PREPARE,
     RESTORE,
@@ -158,7 +160,13 @@ async def test_retired_episodes_are_marked_retired(tmp_path: Path) -> None:
         report = await r.coordinator.save()  # its resume reopens the gate
         # Given back at once: no trainer run started this coordinator's collector, so a
         # hold kept past the save would never be released (the collector off for good).
-        assert not r.coordinator.collector.held
+        # (The LocalCluster under the scenario installed the collector's listener.)
+        collectors = [
+            listener.collector(r.coordinator)
+            for listener in seam.listeners()
+            if isinstance(listener, CollectorListener)
+        ]
+        assert collectors and all(c is not None and not c.held for c in collectors)
         outcome = await asyncio.wait_for(run, 10)
         direct = cluster.clients(http)
         after = await statuses(direct)

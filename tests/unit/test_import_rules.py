@@ -8,7 +8,16 @@
 - ``rollpoint.protocol`` imports neither side (nor the app);
 - the trainer library (``rollpoint.trainer``) imports neither the servers nor the
   participant SDK nor the app (the CLI, the job, the run config, the façade over the job):
-  what it needs of a run it is told (``TrainerSettings``, ``SaveSettings``).
+  what it needs of a run it is told (``TrainerSettings``, ``SaveSettings``);
+- ``rollpoint.store`` knows files: it imports no performance trick (``rollpoint.tuning``),
+  neither side, nor the app;
+- the SDK and the trainer reach the tricks only through the checkpoint seam
+  (``rollpoint.tuning.seam``, whose events they emit) and the decode pause they wrap around
+  their own reads (``rollpoint.tuning.collector_pause``): no fence nor coordinator holds a
+  collector of its own;
+- the tricks are installed by the entry points alone (a server process, ``run_job``,
+  ``LocalCluster``), and nothing else outside ``rollpoint.tuning`` uses the collector
+  schedule but the scripted policy, which takes no part in checkpoints.
 
 Every import counts: at the top, inside a function, under ``TYPE_CHECKING``.
 """
@@ -30,10 +39,23 @@ FACADE_OVER_THE_JOB = ("rollpoint.rollouts", "rollpoint.preemption")
 TRAINER = ("rollpoint.trainer",)
 ENVIRONMENT_SIDE = ("rollpoint.participant", "rollpoint.servers")
 SDK_PUBLIC = set(rollpoint.participant.__all__)
+TUNING = ("rollpoint.tuning",)
+SEAM_SIDE = ("rollpoint.tuning.seam", "rollpoint.tuning.collector_pause")
+"""What of ``rollpoint.tuning`` the SDK and the trainer may import."""
+INSTALLERS = {
+    "rollpoint.runtime.server_process",
+    "rollpoint.job",
+    "rollpoint.testing.local_cluster",
+}
+"""The entry points that install the tricks (the façade and chaos trials go through run_job)."""
 
 
 def _modules(package: str) -> list[Path]:
     return sorted((SRC / package).rglob("*.py"))
+
+
+def _all_modules() -> list[Path]:
+    return sorted(SRC.rglob("*.py"))
 
 
 def _name(path: Path) -> str:
@@ -107,6 +129,46 @@ def test_the_protocol_imports_neither_side_nor_the_app() -> None:
 def test_the_trainer_library_imports_no_server_nor_sdk_nor_app() -> None:
     assert _modules("trainer"), "no modules under rollpoint/trainer"
     assert _violations("trainer", ENVIRONMENT_SIDE + APP + FACADE_OVER_THE_JOB) == []
+
+
+def test_the_store_imports_no_trick_neither_side_nor_the_app() -> None:
+    assert _modules("store"), "no modules under rollpoint/store"
+    assert _violations("store", TUNING + ENVIRONMENT_SIDE + TRAINER + APP) == []
+
+
+@pytest.mark.parametrize("package", ["participant", "trainer"])
+def test_the_sdk_and_the_trainer_reach_the_tricks_only_through_the_seam(package: str) -> None:
+    found = [
+        f"{path.relative_to(SRC)}:{line} imports {module}"
+        for path in _modules(package)
+        for line, module in _imports(path)
+        # ``from rollpoint.tuning import seam`` also yields the package itself.
+        if _under(module, TUNING) and module != "rollpoint.tuning" and not _under(module, SEAM_SIDE)
+    ]
+    assert found == []
+
+
+def test_only_the_entry_points_install_the_tricks() -> None:
+    installers = {
+        _name(path)
+        for path in _all_modules()
+        if not _under(_name(path), TUNING)
+        for _, module in _imports(path)
+        if module == "rollpoint.tuning.install"
+        or _under(module, ("rollpoint.tuning.collector_listener",))
+    }
+    assert installers == INSTALLERS
+
+
+def test_no_module_but_the_tricks_and_the_scripted_policy_uses_the_collector_schedule() -> None:
+    users = {
+        _name(path)
+        for path in _all_modules()
+        if not _under(_name(path), TUNING)
+        for _, module in _imports(path)
+        if _under(module, ("rollpoint.tuning.collector_schedule",))
+    }
+    assert users == {"rollpoint.policy.scripted_policy"}
 
 
 def test_the_reader_sees_every_kind_of_import() -> None:

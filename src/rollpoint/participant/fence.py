@@ -32,10 +32,13 @@ writes it and returns the manifest, so encoding and hashing run outside the snap
 and an aborted checkpoint writes nothing. The captures and writes themselves, and the last
 few kept for ``confirm``, are :mod:`rollpoint.participant.checkpoint_write`'s.
 
-**Full collections.** While a fence runs, its process's automatic full garbage collections
-are off (:mod:`rollpoint.tuning.collector_schedule`): the fence runs one when its collector
-hold is given back after a checkpoint (when due), the moment furthest from the next
-checkpoint, and a background task runs an overdue one for a process that sees none.
+**Checkpoint events.** The fence holds no performance trick: it tells the process's
+listeners on :mod:`rollpoint.tuning.seam` that checkpoints are in use here (its first status
+or lease, on its loop), that a checkpoint holds it (the phase leaves idle), that the hold
+ended (the phase is back to idle) and that it closed. The entry point that started the
+process installs what listens (:func:`rollpoint.tuning.install`: the garbage collector
+paused through the hold, full collections run right after it); with nothing installed
+the events cost a check of an empty tuple.
 """
 
 from __future__ import annotations
@@ -48,6 +51,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from pydantic import JsonValue
 
@@ -108,13 +112,11 @@ from rollpoint.protocol.errors import (
     StaleCheckpointError,
 )
 from rollpoint.protocol.ids import EpisodeId, is_identifier
+from rollpoint.protocol.manifest import ParticipantManifest
 from rollpoint.store.filesystem import resolve_inside
 from rollpoint.store.participant_state import read_participant_state
-from rollpoint.tuning.collector_schedule import (
-    COLLECTOR_RELEASE_DELAY_S,
-    CollectorSchedule,
-    ServerCollector,
-)
+from rollpoint.tuning import seam
+from rollpoint.tuning.collector_pause import collector_paused
 
 log = logging.getLogger(__name__)
 
@@ -170,9 +172,7 @@ class Fence:
         settings: ControlSettings,
         *,
         clock: Callable[[], float] = time.time,
-        schedule: CollectorSchedule | None = None,
     ) -> None:
-        """``schedule``: whose full collections to run (default: the process's own)."""
         self._participant = participant
         self._settings = settings
         self._clock = clock
@@ -198,12 +198,10 @@ class Fence:
         self._marks = RetireMarks()
         self._lease_changed = asyncio.Event()
         self._watcher: asyncio.Task[None] | None = None
-        self._collector = ServerCollector(schedule)
-        """Holds the cyclic collector paused while the phase is not idle, and runs this
-        process's full collections around checkpoints once started."""
         self._closed = False
-        self._capturing = False
-        """The participant was told to keep its saved form current (:meth:`_first_use`)."""
+        self._in_use = False
+        """Checkpoints came into use (:meth:`_first_use`): the seam heard it, and a
+        capturing participant was told to keep its saved form current."""
 
     # --- read side ---------------------------------------------------------------------
 
@@ -426,12 +424,12 @@ class Fence:
             return await self._reap_lease()
 
     async def aclose(self) -> None:
-        """Stop the lease and collection tasks (and the participant's capturing, if it
-        captures), and let the collector run again, with its
-        automatic full collections back unless another fence still runs. The phase is
-        left as is."""
+        """Stop the lease task (and the participant's capturing, if it captures), and tell
+        the seam's listeners this fence closed (the collector's gives its hold back and
+        puts automatic full collections back unless another fence still runs). The phase
+        is left as is."""
         self._closed = True
-        await self._collector.aclose()
+        await seam.closed(self)
         await stop_task(self._watcher)
         self._watcher = None
         if isinstance(self._participant, CapturingParticipant):
@@ -459,13 +457,13 @@ class Fence:
         before, after = self._phase, next_phase(self._phase, step)
         if before is Phase.IDLE and after is not Phase.IDLE:
             await self._close_admission()
-            # No cyclic collection while the participant is held: a full collection walks
-            # the heap of every session (hundreds of ms at 5k sessions, measured), and the
-            # cut's own allocations (parsing the scope, exporting) are what would trigger
-            # one inside the pause. The lease bounds how long.
-            self._collector.hold()
+            # The pause starts (the lease bounds how long). The collector's listener pauses
+            # the cyclic collector through it: the cut's own allocations (parsing the
+            # scope, exporting) would otherwise trigger a full collection over every
+            # session's heap (hundreds of ms at 5k sessions, measured).
+            seam.hold(self)
         elif before is not Phase.IDLE and after is Phase.IDLE:
-            self._collector.release_soon(COLLECTOR_RELEASE_DELAY_S)
+            seam.release(self)
             await await_hook("open_admission", self._participant.open_admission())
             if step in (Verb.RESUME, Event.LEASE_EXPIRED) and self._checkpoint_id is not None:
                 self._remember(self._checkpoint_id)
@@ -571,7 +569,7 @@ class Fence:
         records: list[dict[str, JsonValue]] = []
         for instance, directory in folders.items():
             read = asyncio.to_thread(
-                read_participant_state,
+                _read_state,
                 directory,
                 kind=self._participant.kind.value,
                 instance=instance,
@@ -639,17 +637,18 @@ class Fence:
 
     def _first_use(self) -> None:
         """A coordinator asked for the status (it discovers every participant so when a run
-        starts), or a lease began: checkpoints are in use. Start the collector's schedule,
-        and tell a capturing participant to keep its saved form current."""
-        self._collector.start()
-        if self._closed or self._capturing:
+        starts), or a lease began: checkpoints are in use. Once, on the loop that serves
+        this fence (an app factory may build it inside another): tell the seam, and tell a
+        capturing participant to keep its saved form current. A closed fence does neither."""
+        if self._closed or self._in_use:
             return
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        self._in_use = True
+        seam.in_use(self)
         if isinstance(self._participant, CapturingParticipant):
-            try:
-                asyncio.get_running_loop()
-            except RuntimeError:
-                return
-            self._capturing = True
             call_hook("keep_current", self._participant.keep_current)
 
     # --- paths -------------------------------------------------------------------------
@@ -660,6 +659,18 @@ class Fence:
         folder = resolve_inside(self._settings.snapshot_root, checkpoint_dir)
         instance = self._instance if replica is None else f"{self._participant.name}-{replica}"
         return resolve_inside(folder, f"{self._participant.kind.value}/{instance}")
+
+
+def _read_state(
+    directory: str, *, kind: str, instance: str, checkpoint_id: str, root: str
+) -> tuple[ParticipantManifest, list[dict[str, Any]]]:
+    """:func:`read_participant_state`, its decoding with the cyclic collector paused: the
+    records hold no cycles, but their millions of containers would trigger collections over
+    the growing heap (three quarters of a restore's time, ``snapshot_io``)."""
+    with collector_paused():
+        return read_participant_state(
+            directory, kind=kind, instance=instance, checkpoint_id=checkpoint_id, root=root
+        )
 
 
 def _wire_report(report: Readiness) -> Readiness:

@@ -8,6 +8,10 @@ included, so a killed ``rollpoint run`` never leaves servers behind. While the l
 lives, such a server ignores SIGINT and SIGTERM: Ctrl-C in a terminal signals the whole
 foreground process group, and schedulers (Slurm's ``scancel``, a container runtime) signal
 every process of a job, but the launcher still needs its servers for one last snapshot.
+
+As a process's entry point it installs the performance tricks on the checkpoint seam
+(:func:`rollpoint.tuning.install`) before it builds the app: the server's fence emits, the
+tricks listen.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from fastapi import FastAPI
 
 from rollpoint.protocol.errors import LaunchError, RollpointError
 from rollpoint.runtime.server_spec import ReadyLine, ServerSpec
+from rollpoint.tuning import install as install_tuning
 
 log = logging.getLogger("rollpoint.server")
 
@@ -126,6 +131,7 @@ def _watch_stdin(server: _LeashedServer) -> None:
 
 
 def serve(spec: ServerSpec) -> None:
+    install_tuning()  # this process's entry point: the fence's checkpoint events are heard
     app = build_app(spec)
     sock = bind_socket(spec.host, spec.port, owner=spec.name)
     host, port = sock.getsockname()[:2]

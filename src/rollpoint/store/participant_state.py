@@ -19,11 +19,9 @@ Given the store's ``root``, a local folder is read and written through
 inside the root at the moment it is opened, never through a symlink.
 
 It does not know what a record means (each participant does) nor where the folder sits
-in a snapshot (:mod:`rollpoint.store.snapshot_store`). Decoding runs with the cyclic
-garbage collector paused (:mod:`rollpoint.tuning.collector_pause`): decoded JSON holds no
-reference cycles, but each of its millions of containers counts toward the collector's
-thresholds, and the collections that triggered over a growing heap took three quarters of
-a restore's time.
+in a snapshot (:mod:`rollpoint.store.snapshot_store`), nor the interpreter: a caller that
+decodes a large state (the fence's restore) pauses the cyclic garbage collector around
+:func:`read_participant_state` itself (:mod:`rollpoint.tuning.collector_pause`).
 """
 
 from __future__ import annotations

@@ -37,11 +37,13 @@ Without a store root (a folder written on its own), every write writes one file 
 records in the participant's folder and references nothing.
 
 Records are encoded with orjson: non-finite floats are written as ``null``; a
-:class:`~rollpoint.tuning.deferred_value.DeferredValue` anywhere in a record is made here, in
-the writer's thread, and written as its value.
+:class:`ValueMadeOnWrite` anywhere in a record is made here, in the writer's thread, and
+written as its value (:class:`~rollpoint.tuning.deferred_value.DeferredValue` is one).
 
 It does not know what a record means (each participant does), the manifest around the parts
-(:mod:`rollpoint.store.participant_state`), nor which snapshots are kept.
+(:mod:`rollpoint.store.participant_state`), nor which snapshots are kept. Nor the
+interpreter: a caller that decodes a large state pauses the garbage collector around the
+read itself (:mod:`rollpoint.tuning.collector_pause`).
 """
 
 from __future__ import annotations
@@ -60,14 +62,13 @@ from rollpoint.protocol.errors import InvalidCheckpointStateError
 from rollpoint.protocol.manifest import RecordsManifest, RecordsPart
 from rollpoint.store.digest import BLOCK_BYTES
 from rollpoint.store.filesystem import Filesystem
-from rollpoint.tuning.collector_pause import collector_paused
-from rollpoint.tuning.deferred_value import DeferredValue
 
 __all__ = [
     "COMPACT_BELOW",
     "OBJECTS_DIR",
     "PackIndex",
     "PackedRecords",
+    "ValueMadeOnWrite",
     "check_totals",
     "hash_records",
     "pack_records",
@@ -344,6 +345,19 @@ def _wait_all(pending: list[Future[Any]]) -> None:
         future.result()
 
 
+class ValueMadeOnWrite:
+    """A record value the writer makes when it writes the record, in its thread: the line
+    holds what :meth:`value` returns (JSON-ready), not this object. A plain base class, not
+    a Protocol: the writer's check runs once per such value on the write path, and an
+    ``isinstance`` of a plain class is the cheapest there is."""
+
+    __slots__ = ()
+
+    def value(self) -> object:
+        """The value to write; an error raised here fails the write, naming the record."""
+        raise NotImplementedError
+
+
 def _encode(record: Mapping[str, Any], number: int) -> bytes:
     try:
         return orjson.dumps(record, default=_encode_other)
@@ -353,7 +367,7 @@ def _encode(record: Mapping[str, Any], number: int) -> bytes:
 
 def _encode_other(value: object) -> object:
     """orjson's ``default``: called for every value it cannot encode itself."""
-    if isinstance(value, DeferredValue):
+    if isinstance(value, ValueMadeOnWrite):
         return value.value()
     if isinstance(value, Mapping):
         return dict(value)
@@ -401,11 +415,7 @@ def read_parts(
             f"the state in {directory} names records files shared by snapshots: "
             "read it with the store's root"
         )
-    if into is None:
-        _read_all(fs, parts, directory, objects, None)
-        return
-    with collector_paused():
-        _read_all(fs, parts, directory, objects, into)
+    _read_all(fs, parts, directory, objects, into)
 
 
 def _read_all(

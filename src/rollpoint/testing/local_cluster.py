@@ -53,6 +53,7 @@ from rollpoint.servers.resources.resources_server import create_resources_app
 from rollpoint.store.snapshot_store import SnapshotStore
 from rollpoint.trainer.control_plane import ControlPlane, participant_clients
 from rollpoint.trainer.metrics import TrainerMetrics
+from rollpoint.tuning import install as install_tuning
 
 T = TypeVar("T")
 
@@ -183,6 +184,9 @@ class LocalCluster:
         self._agent_resources_url = agent_resources_url
         self._tool_urls: dict[str, str] = {}
         self._servers: list[ThreadServer] = []
+        # The servers run in this process, whose entry point is the caller's: install the
+        # performance tricks here as a server process does (once per process; idempotent).
+        install_tuning()
         try:
             self.policy = self._start(
                 create_policy_app(

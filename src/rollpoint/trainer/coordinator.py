@@ -35,7 +35,9 @@ It does not own when snapshots happen (the trainer loop decides) nor the files' 
 (:mod:`rollpoint.store`). Its parts: the stage order and the shared deadline of the calls
 (:mod:`rollpoint.trainer.control_calls`), what a save captured and the sorting of its tries
 (:mod:`rollpoint.trainer.cut`), the resume (:mod:`rollpoint.trainer.resumer`) and the strays
-(:mod:`rollpoint.trainer.stray_replies`).
+(:mod:`rollpoint.trainer.stray_replies`). Nor any performance trick: it tells the
+checkpoint seam (:mod:`rollpoint.tuning.seam`) when a pause holds the trainer and when it
+ends, and the listeners the entry point installed act on that.
 """
 
 from __future__ import annotations
@@ -90,7 +92,7 @@ from rollpoint.trainer.replica_roster import ReplicaRoster
 from rollpoint.trainer.resumer import Resumer
 from rollpoint.trainer.settings import SaveSettings
 from rollpoint.trainer.stray_replies import REPLY_HOLDING_STATES, ack_strays, is_wanted
-from rollpoint.tuning.collector_schedule import COLLECTOR_RELEASE_DELAY_S, ServerCollector
+from rollpoint.tuning import seam
 
 __all__ = [
     "LEDGER_FILE",
@@ -150,10 +152,6 @@ class SnapshotCoordinator:
         self.history: list[SaveReport] = []
         self.before_save: Callable[[], Awaitable[None]] | None = None
         """Runs before the barrier closes (the trainer flushes retires and forgets: DESIGN §5.1)."""
-        self.collector = ServerCollector()
-        """Holds the cyclic collector paused through each pause. Once started (the trainer
-        loop starts it for its run and closes it after), this process's full collections
-        run on the servers' schedule too: right after a pause, and survivors frozen."""
 
     @property
     def saving(self) -> bool:
@@ -343,10 +341,10 @@ class SnapshotCoordinator:
         started_at = time.time()
         self.barrier.close()
         paused_at = time.monotonic()
-        # No cyclic collection inside the pause: the trainer's heap holds every in-flight
-        # stream and ledger record, and a full collection over it (triggered by the cut's
-        # own allocations) measured ~1 s at 10k sessions. Garbage is collected after.
-        self.collector.hold()
+        # The pause holds this process too (:mod:`rollpoint.tuning.seam`): the trainer's
+        # heap holds every in-flight stream and ledger record, and a full collection over
+        # it (triggered by the cut's own allocations) measured ~1 s at 10k sessions.
+        seam.hold(self)
         staging: Staging | None = None
         prepared = Prepared()
         renewer: asyncio.Task[None] | None = None
@@ -384,12 +382,7 @@ class SnapshotCoordinator:
             finally:
                 self.barrier.open()
                 report.pause_s = time.monotonic() - paused_at
-                if self.collector.started:
-                    self.collector.release_soon(COLLECTOR_RELEASE_DELAY_S)
-                else:
-                    # Nobody will close it (no trainer run started it), and the loop may end
-                    # before a delayed release: the collector would stay off for good.
-                    self.collector.release()
+                seam.release(self)
         report.acked_away = await ack_strays(prepared.strays)
         if cut is None:
             if staging is not None:

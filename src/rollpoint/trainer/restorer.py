@@ -186,7 +186,9 @@ def read_trainer_document(store: SnapshotStore, snapshot_id: str, name: str) -> 
     what = f"{name} of snapshot {snapshot_id}"
     if store.file_format(snapshot_id, name) == "records":
         join = document_from_records if name == LEDGER_FILE else tq_document_from_records
-        return join(store.read_records(snapshot_id, name), what)
+        with collector_paused():  # as for a document: millions of cycle-free records
+            records = store.read_records(snapshot_id, name)
+        return join(records, what)
     data = store.read_file(snapshot_id, name)
     with collector_paused():  # the ledger decodes into millions of objects
         doc = orjson.loads(data)

@@ -18,6 +18,10 @@ The runtime reports replicas that die and come back (:meth:`Trainer.replica_down
 the coordinator and the release batcher read; a :class:`ReplicaRecovery` restores the lost
 replica's snapshot tries onto it when it is back, and the dispatcher sends the rest
 elsewhere. It does not watch processes (that is the runtime's job).
+
+For its run, it tells the checkpoint seam (:mod:`rollpoint.tuning.seam`) that checkpoints
+are in use on its coordinator (after discovery) and that the coordinator closed (when the
+run ends); the coordinator itself emits each pause's hold and release.
 """
 
 from __future__ import annotations
@@ -72,6 +76,7 @@ from rollpoint.trainer.settings import TrainerSettings
 from rollpoint.trainer.train_checkpoint import TrainCheckpoint, TrainCheckpointStore, stamp
 from rollpoint.trainer.train_data import TrainData
 from rollpoint.trainer.train_hooks import SimulatedTrainer, StepResult, TrainHooks, TrainSample
+from rollpoint.tuning import seam
 
 log = logging.getLogger(__name__)
 
@@ -320,9 +325,10 @@ class Trainer:
                 self.dispatcher.replica_lost(name)
             if self.coordinator is not None:
                 await self.coordinator.discover()
-                # Full collections on the servers' schedule: after a pause, not into the
+                # Checkpoints are in use for this run: with the collector's listener
+                # installed, the trainer's full collections follow its pauses, not into the
                 # next one (a 0.35-0.78 s trainer collection preceded 10k pause outliers).
-                self.coordinator.collector.start()
+                seam.in_use(self.coordinator)
             if self._policy_version:
                 await self._publish_policy_version(client, self._policy_version)
             if self.coordinator is not None and not self._restored and self._snapshots_on:
@@ -349,7 +355,7 @@ class Trainer:
                 )
         finally:
             if self.coordinator is not None:
-                await self.coordinator.collector.aclose()
+                await seam.closed(self.coordinator)
             self._http = None
             if self._client is None:
                 await client.aclose()

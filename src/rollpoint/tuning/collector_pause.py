@@ -4,7 +4,8 @@ Justified by ``snapshot_io`` (restore: collections over the growing heap took th
 quarters of a restore) and ``snapshot_pause`` (no collection inside a pause).
 
 Owns :func:`collector_paused`, and :class:`CollectorHold` for a pause that spans several
-calls (a checkpoint participant holds it from prepare to resume). Decoding a snapshot (participant records, the ledger)
+calls (a checkpoint's, from the seam's hold to its release:
+:mod:`rollpoint.tuning.collector_listener`). Decoding a snapshot (participant records, the ledger)
 allocates millions of dicts and lists that hold no reference cycles, yet every 700
 allocations trigger a young collection and the older generations' collections walk the
 growing heap again and again: measured, that was three quarters of a restore's time. It

@@ -4,12 +4,13 @@ Justified by ``snapshot_pause_100k`` (an automatic full collection that started
 before a prepare put the pause p99 past 1 s).
 
 Owns :class:`CollectorSchedule`, one per process (:func:`collector_schedule`): while any
-fence (or the trainer's snapshot coordinator, for its run) is attached, CPython's
-*automatic* full (generation-2) collections are off and the process runs them itself, at
-moments a fence or the coordinator picks: right after a checkpoint's pause. At 100k in-flight sessions an
-environment server holds millions of objects, and an automatic full collection takes
-0.5-2.5 s every 10-20 s. The fence already pauses the collector from prepare to just after
-resume (:mod:`rollpoint.tuning.collector_pause`), but a full collection that *starts* just
+source of checkpoint events (a fence, or the trainer's snapshot coordinator for its run;
+:mod:`rollpoint.tuning.collector_listener` gives each a :class:`ServerCollector`) is
+attached, CPython's *automatic* full (generation-2) collections are off and the process
+runs them itself, at the moments those events mark: right after a checkpoint's pause. At
+100k in-flight sessions an environment server holds millions of objects, and an automatic
+full collection takes 0.5-2.5 s every 10-20 s. The collector is already paused from prepare
+to just after resume (:mod:`rollpoint.tuning.collector_pause`), but a full collection that *starts* just
 before a prepare or commit arrives holds that reply for its whole length, which is what put
 the snapshot pause's p99 past its 1 s target. Run right after a checkpoint's pause ends,
 a full collection is as far from the next checkpoint as it can be.
@@ -27,8 +28,9 @@ schedule, collecting only while it has no call in flight (the scripted policy en
 10k calls in flight took seconds and freed nothing).
 
 Young collections (generations 0 and 1) stay automatic: they are short and keep the heap
-from growing between full ones. The schedule does not decide *when* a checkpoint ends (the
-fence calls :meth:`CollectorSchedule.collect_if_due` then, and a background task
+from growing between full ones. The schedule does not decide *when* a checkpoint ends (a
+:class:`ServerCollector` calls :meth:`CollectorSchedule.collect_if_due` as its hold is
+given back, and a background task
 :meth:`CollectorSchedule.collect_if_overdue` for a process that sees no checkpoints, or
 :meth:`CollectorSchedule.collect_if_grown` for one whose heap grows with none ending), does
 not pause the collector (:mod:`rollpoint.tuning.collector_pause`) and does not track full
@@ -84,8 +86,8 @@ checkpoints come, collections follow them). The gap counts because a slow cadenc
 stop: at 100k sessions cuts came ~11 s apart in the bench, and a collection at 10 s would
 have met the next prepare."""
 COLLECTOR_RELEASE_DELAY_S = 0.25
-"""How long after a checkpoint's pause ends a fence or the trainer's coordinator gives its
-hold back (:meth:`ServerCollector.release_soon`), not at once: held off through the cut,
+"""How long after a checkpoint's pause ends the collector's listener gives a fence's or the
+trainer coordinator's hold back (:meth:`ServerCollector.release_soon`), not at once: held off through the cut,
 the collector's counts are far past the thresholds, and the first allocation would start a
 full collection inside the resume itself, before the reply leaves (1.4 s of a
 100k-session pause was the resume, measured); a due scheduled one then runs while the
@@ -212,9 +214,10 @@ def collector_schedule() -> CollectorSchedule:
 
 
 class ServerCollector:
-    """One server's share of its process's collector (or the trainer's: its snapshot
-    coordinator holds one): the :class:`CollectorHold` that keeps it paused while a
-    checkpoint holds the server (a fence holds it; the coordinator, its pause), and, from
+    """One server's share of its process's collector (or the trainer's, for its snapshot
+    coordinator): the :class:`CollectorHold` that keeps it paused while a checkpoint holds
+    the server (from the seam's hold to its release: :mod:`rollpoint.tuning.collector_listener`
+    keeps one per fence and one for the coordinator), and, from
     :meth:`start` to :meth:`aclose`, a place on the schedule: attached, a due collection
     whenever the hold is given back (a checkpoint just ended), and a task that looks every
     :data:`CHECK_EVERY_S`, while nothing is held, for an overdue one, and, when no
@@ -226,8 +229,8 @@ class ServerCollector:
     heap that makes next to no cyclic garbage (the scripted policy's: every full collection
     logged at 10k calls in flight found 0 objects, and took 1.1-2.8 s).
 
-    Not started at construction: an app factory may build the fence inside another event
-    loop than the one that serves it. Attached only while the task lives (its end detaches,
+    Not started at construction: an app factory may build a fence inside another event
+    loop than the one that serves it (the listener starts it at the seam's ``in_use``). Attached only while the task lives (its end detaches,
     also when its loop shuts down without :meth:`aclose`), so automatic full collections
     are never off without something to run them instead.
     """

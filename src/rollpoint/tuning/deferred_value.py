@@ -8,7 +8,9 @@ pause, and the writer encodes them afterwards in a worker thread
 (:mod:`rollpoint.store.participant_state`): work that only turns an already captured,
 never changed input into its saved form (a state's JSON dump, compression, base64) can
 move out of the pause by handing the writer a :class:`DeferredValue` instead of the
-value. The writer makes it on first use, and a later write of the same record reuses it.
+value. The writer makes it on first use (it is a
+:class:`~rollpoint.store.record_packs.ValueMadeOnWrite`, the one notion of it the store
+has), and a later write of the same record reuses it.
 
 It does not capture anything: what the function reads must already be a copy nobody
 changes (the participant takes that copy in the pause). Nor does it know records: which
@@ -21,12 +23,14 @@ from collections.abc import Callable
 from typing import Generic, TypeVar, cast
 
 from rollpoint.protocol.errors import RollpointError, SnapshotError
+from rollpoint.store.record_packs import ValueMadeOnWrite
 
 T = TypeVar("T")
 
 
-class DeferredValue(Generic[T]):
-    """A JSON value made by ``make()`` the first time it is asked for, then remembered.
+class DeferredValue(ValueMadeOnWrite, Generic[T]):
+    """A JSON value made by ``make()`` the first time it is asked for, then remembered: a
+    :class:`~rollpoint.store.record_packs.ValueMadeOnWrite`, so the writer makes it.
 
     Safe to share between the event loop and the writer's thread without a lock: two
     threads asking at once may both call ``make`` (it must be idempotent: same input,

@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 
 from rollpoint.participant import checkpoint_write as checkpoint_write_module
-from rollpoint.participant.fence import COLLECTOR_RELEASE_DELAY_S, ControlSettings, Fence
+from rollpoint.participant import fence as fence_module
+from rollpoint.participant.fence import ControlSettings, Fence
 from rollpoint.participant.phase_table import TRANSITIONS, next_phase
 from rollpoint.protocol.control import (
     MAX_REPORTED_BLOCKERS,
@@ -48,7 +49,13 @@ from rollpoint.protocol.errors import (
 from rollpoint.protocol.ids import EpisodeId
 from rollpoint.store.participant_state import read_participant_state
 from rollpoint.tuning import collector_schedule as collector_schedule_module
-from rollpoint.tuning.collector_schedule import MAX_GAP_S, CollectorSchedule
+from rollpoint.tuning import seam
+from rollpoint.tuning.collector_listener import installed
+from rollpoint.tuning.collector_schedule import (
+    COLLECTOR_RELEASE_DELAY_S,
+    MAX_GAP_S,
+    CollectorSchedule,
+)
 from tests.support.records import records_paths
 from tests.unit.gym.fake_participant import FakeClock, FakeParticipant
 
@@ -69,9 +76,13 @@ def participant() -> FakeParticipant:
 
 @pytest.fixture
 async def fence(participant: FakeParticipant, root: Path) -> AsyncIterator[Fence]:
-    f = Fence(participant, ControlSettings(token="t", snapshot_root=str(root), lease_grace_s=2.0))
-    yield f
-    await f.aclose()
+    # As a server process runs it: its entry point installed the collector's listener.
+    with installed():
+        f = Fence(
+            participant, ControlSettings(token="t", snapshot_root=str(root), lease_grace_s=2.0)
+        )
+        yield f
+        await f.aclose()
 
 
 def soon(seconds: float = 5.0) -> float:
@@ -455,23 +466,24 @@ async def test_full_collections_wait_for_the_end_of_a_checkpoints_pause(
     schedule = CollectorSchedule(clock)
     clock.advance(MAX_GAP_S - 1)  # due, not yet overdue
     before = gc.get_threshold()
-    fence = Fence(participant, ControlSettings("t", str(root)), schedule=schedule)
-    try:
-        fence.status()  # as the coordinator does first
-        assert schedule.attached and gc.get_threshold()[2] > 10**9
-        await fence.prepare(prepare())
-        await fence.commit(commit())
-        await fence.resume(ResumeRequest(checkpoint_id="c1"))
-        assert full_collections == []  # none from prepare to resume, though one was due
-        await asyncio.sleep(COLLECTOR_RELEASE_DELAY_S + 0.1)
-        assert gc.isenabled() and full_collections == [2]
-        # The next checkpoint's end comes too soon after: not due again.
-        await fence.prepare(prepare("c2"))
-        await fence.resume(ResumeRequest(checkpoint_id="c2"))
-        await asyncio.sleep(COLLECTOR_RELEASE_DELAY_S + 0.1)
-        assert full_collections == [2]
-    finally:
-        await fence.aclose()
+    with installed(schedule):
+        fence = Fence(participant, ControlSettings("t", str(root)))
+        try:
+            fence.status()  # as the coordinator does first
+            assert schedule.attached and gc.get_threshold()[2] > 10**9
+            await fence.prepare(prepare())
+            await fence.commit(commit())
+            await fence.resume(ResumeRequest(checkpoint_id="c1"))
+            assert full_collections == []  # none from prepare to resume, though one was due
+            await asyncio.sleep(COLLECTOR_RELEASE_DELAY_S + 0.1)
+            assert gc.isenabled() and full_collections == [2]
+            # The next checkpoint's end comes too soon after: not due again.
+            await fence.prepare(prepare("c2"))
+            await fence.resume(ResumeRequest(checkpoint_id="c2"))
+            await asyncio.sleep(COLLECTOR_RELEASE_DELAY_S + 0.1)
+            assert full_collections == [2]
+        finally:
+            await fence.aclose()
     assert not schedule.attached and gc.get_threshold() == before
 
 
@@ -484,20 +496,21 @@ async def test_an_overdue_full_collection_runs_in_the_background_but_not_while_h
     monkeypatch.setattr(collector_schedule_module, "CHECK_EVERY_S", 0.02)
     clock = FakeClock(0.0)
     schedule = CollectorSchedule(clock)
-    fence = Fence(participant, ControlSettings("t", str(root)), schedule=schedule)
-    try:
-        await fence.prepare(prepare())
-        clock.advance(MAX_GAP_S)
-        await asyncio.sleep(0.2)
-        assert full_collections == []  # overdue, but a checkpoint holds the participant
-        await fence.resume(ResumeRequest(checkpoint_id="c1"))
-        await asyncio.sleep(COLLECTOR_RELEASE_DELAY_S + 0.1)
-        assert full_collections == [2]  # run as the pause ended (due as well)
-        clock.advance(MAX_GAP_S)
-        await asyncio.sleep(0.2)
-        assert full_collections == [2, 2]  # no checkpoint: the task ran it
-    finally:
-        await fence.aclose()
+    with installed(schedule):
+        fence = Fence(participant, ControlSettings("t", str(root)))
+        try:
+            await fence.prepare(prepare())
+            clock.advance(MAX_GAP_S)
+            await asyncio.sleep(0.2)
+            assert full_collections == []  # overdue, but a checkpoint holds the participant
+            await fence.resume(ResumeRequest(checkpoint_id="c1"))
+            await asyncio.sleep(COLLECTOR_RELEASE_DELAY_S + 0.1)
+            assert full_collections == [2]  # run as the pause ended (due as well)
+            clock.advance(MAX_GAP_S)
+            await asyncio.sleep(0.2)
+            assert full_collections == [2, 2]  # no checkpoint: the task ran it
+        finally:
+            await fence.aclose()
     await asyncio.sleep(0.1)
     clock.advance(MAX_GAP_S)
     await asyncio.sleep(0.1)
@@ -509,18 +522,19 @@ async def test_fences_attach_on_first_use_and_the_last_close_detaches(
 ) -> None:
     schedule = CollectorSchedule()
     before = gc.get_threshold()
-    fences = [Fence(participant, ControlSettings("t", str(root)), schedule=schedule) for _ in "ab"]
-    assert not schedule.attached  # an app factory's loop may not be the one serving it
-    fences[0].status()
-    await fences[1].prepare(prepare())
-    assert schedule.attached and gc.get_threshold()[2] > 10**9
-    await fences[0].aclose()
-    await fences[0].aclose()  # idempotent: detaches once
-    assert schedule.attached and gc.get_threshold()[2] > 10**9
-    await fences[1].aclose()
-    assert not schedule.attached and gc.get_threshold() == before
-    fences[0].status()  # a closed fence does not attach again
-    assert not schedule.attached
+    with installed(schedule):
+        fences = [Fence(participant, ControlSettings("t", str(root))) for _ in "ab"]
+        assert not schedule.attached  # an app factory's loop may not be the one serving it
+        fences[0].status()
+        await fences[1].prepare(prepare())
+        assert schedule.attached and gc.get_threshold()[2] > 10**9
+        await fences[0].aclose()
+        await fences[0].aclose()  # idempotent: detaches once
+        assert schedule.attached and gc.get_threshold()[2] > 10**9
+        await fences[1].aclose()
+        assert not schedule.attached and gc.get_threshold() == before
+        fences[0].status()  # a closed fence does not attach again
+        assert not schedule.attached
 
 
 async def test_a_write_outliving_the_deadline_fails_the_call_and_a_retry_collects_it(
@@ -853,6 +867,28 @@ async def test_restore_installs_all_and_waits_closed_until_resume(
     await fence.resume(ResumeRequest(checkpoint_id="rs1"))
     assert fence.phase is Phase.IDLE and participant.admission_open
     assert participant.calls["install"] == 1
+
+
+async def test_a_restore_decodes_its_state_with_the_collector_paused(
+    participant: FakeParticipant, root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await committed_snapshot(root)
+    seen: list[bool] = []
+    real_read = fence_module.read_participant_state
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        seen.append(gc.isenabled())
+        return real_read(*args, **kwargs)
+
+    monkeypatch.setattr(fence_module, "read_participant_state", spy)
+    # Nothing on the seam: the decode pause is the reader's own, not a listener's.
+    with seam.listening(seam.CheckpointListener()):
+        fence = Fence(participant, ControlSettings("t", str(root)))
+        try:
+            await fence.restore(restore(source="c1"))
+        finally:
+            await fence.aclose()
+    assert seen == [False] and gc.isenabled()
 
 
 async def test_failed_install_leaves_the_participant_idle_and_unchanged(

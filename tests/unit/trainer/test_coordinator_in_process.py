@@ -14,6 +14,7 @@ from rollpoint.store.snapshot_store import STAGING_DIR
 from rollpoint.testing import Fault
 from rollpoint.trainer.cut import SavePhase
 from rollpoint.trainer.resumer import Resumer
+from rollpoint.tuning import seam
 from tests.unit.trainer.in_process_rig import Rig, build_rig
 
 AGENT, RESOURCES = "agent@replica-0", "resources@replica-0"
@@ -46,6 +47,28 @@ async def test_a_save_publishes_a_manifest_naming_every_participant(rig: Rig) ->
     )
     assert all_idle(rig)  # the pause ended: every participant resumed
     assert rig.barrier.is_open
+
+
+async def test_a_save_holds_the_trainer_on_the_seam_from_the_barriers_close_to_its_reopening(
+    rig: Rig,
+) -> None:
+    rig.dispatch()
+    coordinator = rig.coordinator()
+    heard: list[tuple[str, bool]] = []
+
+    class Barrier(seam.CheckpointListener):
+        def hold(self, source: object) -> None:
+            if source is coordinator:
+                heard.append(("hold", rig.barrier.is_open))
+
+        def release(self, source: object) -> None:
+            if source is coordinator:
+                heard.append(("release", rig.barrier.is_open))
+
+    with seam.listening(Barrier()):
+        report = await coordinator.save()
+    assert report.published, report.blocked_by
+    assert heard == [("hold", False), ("release", True)]
 
 
 async def test_a_participant_refusing_prepare_fails_the_save_and_names_it(rig: Rig) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
+from typing import Any, cast
 
 import orjson
 import pytest
@@ -11,7 +13,7 @@ from rollpoint.protocol.errors import RestoreError
 from rollpoint.protocol.manifest import SnapshotManifest
 from rollpoint.store.snapshot_store import SnapshotStore
 from rollpoint.trainer.coordinator import LEDGER_FILE, TQ_FILE, TRAINER_FILE
-from rollpoint.trainer.restorer import find_resume_point
+from rollpoint.trainer.restorer import find_resume_point, read_trainer_document
 from rollpoint.trainer.train_checkpoint import TrainCheckpointStore
 
 
@@ -72,3 +74,24 @@ def test_an_unreadable_store_is_one_line_naming_it(
     monkeypatch.setattr(store, "list_snapshots", refuse)
     with pytest.raises(RestoreError, match=r"cannot read the snapshot store .*: Permission denied"):
         find_resume_point(store, TrainCheckpointStore(tmp_path / "checkpoints"))
+
+
+class _Decoded(Exception):
+    pass
+
+
+def test_the_ledger_kept_as_records_is_decoded_with_the_collector_paused() -> None:
+    # The store decodes without knowing the interpreter: the restorer pauses it around.
+    seen: list[bool] = []
+
+    class Store:
+        def file_format(self, snapshot_id: str, name: str) -> str:
+            return "records"
+
+        def read_records(self, snapshot_id: str, name: str) -> list[dict[str, Any]]:
+            seen.append(gc.isenabled())
+            raise _Decoded
+
+    with pytest.raises(_Decoded):
+        read_trainer_document(cast(SnapshotStore, Store()), "s1", LEDGER_FILE)
+    assert seen == [False] and gc.isenabled()

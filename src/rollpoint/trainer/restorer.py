@@ -65,7 +65,6 @@ from rollpoint.protocol.participant import ParticipantKind
 from rollpoint.store.snapshot_store import SNAPSHOTS_DIR, SnapshotStore
 from rollpoint.trainer.coordinator import (
     LEDGER_FILE,
-    PREPARE_STAGES,
     TQ_FILE,
     TRAINER_FILE,
 )
@@ -73,6 +72,7 @@ from rollpoint.trainer.finished_queue import FinishedQueue, tq_document_from_rec
 from rollpoint.trainer.ledger import RecoveryLedger, RolloutState
 from rollpoint.trainer.ledger_document import document_from_records
 from rollpoint.trainer.participant_client import ParticipantClient
+from rollpoint.trainer.resumer import Resumer
 from rollpoint.trainer.train_checkpoint import TrainCheckpoint, TrainCheckpointStore
 from rollpoint.trainer.train_data import TrainData
 from rollpoint.tuning.collector_pause import collector_paused
@@ -525,7 +525,7 @@ class Restorer:
             raise RestoreError(
                 f"restore of snapshot {manifest.snapshot_id} failed, nothing kept: {'; '.join(failed)}"
             )
-        await self._resume_all(restore_id, clients)
+        await Resumer().resume_all(restore_id, clients)
 
     async def _await_leases(self, clients: list[ParticipantClient], deadline: float) -> None:
         """Wait, until ``deadline`` at most, for every participant to be idle.
@@ -620,22 +620,8 @@ class Restorer:
             await asyncio.gather(
                 *(p.retire(next_attempts) for p in self._participants), return_exceptions=True
             )
-        await self._resume_all(restore_id, [t.client for t in plan])
-
-    async def _resume_all(self, restore_id: str, clients: list[ParticipantClient]) -> None:
-        for stage in reversed(PREPARE_STAGES):
-            stage_clients = [p for p in clients if p.address.kind == stage]
-            results = await asyncio.gather(
-                *(p.resume(restore_id) for p in stage_clients), return_exceptions=True
-            )
-            for client, result in zip(stage_clients, results, strict=True):
-                if isinstance(result, BaseException):
-                    detail = result.message if isinstance(result, RollpointError) else repr(result)
-                    log.warning(
-                        "resume of %s after restore failed (%s); its lease reopens it",
-                        client.label,
-                        detail,
-                    )
+        # The saves' one resume path: callees last, one retry each, a lease for the rest.
+        await Resumer().resume_all(restore_id, [t.client for t in plan])
 
 
 def _check_cut(manifest: SnapshotManifest, ledger: RecoveryLedger) -> None:

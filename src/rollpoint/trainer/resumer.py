@@ -1,7 +1,8 @@
 """The resumer: reopening every participant a save closed, exactly once.
 
 Owns the resume that ends every save (the abort before a publish and the reopen after a
-good cut are one path), in reverse prepare stages so callees reopen last, with one retry per
+good cut are one path) and every restore (installed, or cleaned up after a failure: the
+:class:`~rollpoint.trainer.restorer.Restorer` resumes through it), in reverse prepare stages so callees reopen last, with one retry per
 participant; and the participants whose resume was lost (:attr:`Resumer.unresumed`), resumed
 again before the next save so its prepare does not find them still closed.
 

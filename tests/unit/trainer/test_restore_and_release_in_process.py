@@ -18,6 +18,7 @@ from tests.unit.trainer.in_process_rig import Rig, build_rig
 
 MODEL, AGENT, RESOURCES = "model@replica-0", "agent@replica-0", "resources@replica-0"
 RESTORE = "/rollpoint/v1/checkpoint/restore"
+RESUME = "/rollpoint/v1/checkpoint/resume"
 
 
 @pytest.fixture
@@ -63,6 +64,22 @@ async def test_a_lost_restore_reply_is_asked_for_again_and_the_restore_holds(
     assert rig.calls(AGENT).count("restore") == 2
     continued = sorted(e.key for e in run.continued)
     assert sorted(rig.participants[AGENT].state) == continued
+    assert set(rig.phases().values()) == {Phase.IDLE}
+
+
+async def test_a_restore_whose_resume_fails_once_resumes_again_at_once(
+    rig: Rig, tmp_path: Path
+) -> None:
+    # The saves' resume path: one retry, so the agent reopens now, not when its lease lapses.
+    point = await saved(rig)
+    rule = rig.faults(AGENT).add(Fault.reset(path=RESUME))
+    resumes = rig.calls(AGENT).count("resume")  # the save's
+
+    await Restorer(rig.clients).restore(point, train_data=tmp_path / "train_data.jsonl")
+
+    assert rule.hits == 1
+    # The reset one never reached the agent; the one after it did.
+    assert rig.calls(AGENT).count("resume") == resumes + 1
     assert set(rig.phases().values()) == {Phase.IDLE}
 
 

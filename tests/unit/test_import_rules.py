@@ -148,26 +148,26 @@ def test_the_sdk_and_the_trainer_reach_the_tricks_only_through_the_seam(package:
     assert found == []
 
 
-def test_only_the_entry_points_install_the_tricks() -> None:
-    installers = {
+def _importers_outside_tuning(*targets: str) -> set[str]:
+    """Modules outside ``rollpoint.tuning`` importing any of ``targets`` (or under them)."""
+    return {
         _name(path)
         for path in _all_modules()
         if not _under(_name(path), TUNING)
         for _, module in _imports(path)
-        if module == "rollpoint.tuning.install"
-        or _under(module, ("rollpoint.tuning.collector_listener",))
+        if _under(module, targets)
     }
+
+
+def test_only_the_entry_points_install_the_tricks() -> None:
+    installers = _importers_outside_tuning(
+        "rollpoint.tuning.install", "rollpoint.tuning.collector_listener"
+    )
     assert installers == INSTALLERS
 
 
 def test_no_module_but_the_tricks_and_the_scripted_policy_uses_the_collector_schedule() -> None:
-    users = {
-        _name(path)
-        for path in _all_modules()
-        if not _under(_name(path), TUNING)
-        for _, module in _imports(path)
-        if _under(module, ("rollpoint.tuning.collector_schedule",))
-    }
+    users = _importers_outside_tuning("rollpoint.tuning.collector_schedule")
     assert users == {"rollpoint.policy.scripted_policy"}
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 from bench.report import BenchResult
 from rollpoint.config import parse_config
 from rollpoint.envs import get_environment
+from rollpoint.loop import SimulatedTrainer
 from rollpoint.runtime.embedded import EmbeddedRuntime
 from rollpoint.trainer.trainer_loop import Trainer
 from rollpoint.tuning import install as install_tuning
@@ -37,7 +38,12 @@ async def run(tasks: int = 64, replicas: int = 2, concurrency: int = 64) -> Benc
         rows = get_environment("workplace").make_tasks(tasks, config.seed)
         async with EmbeddedRuntime(config) as runtime:
             assert runtime.deployment is not None
-            trainer = Trainer(config.trainer_settings(), runtime.deployment, rows)
+            trainer = Trainer(
+                config.trainer_settings(),
+                runtime.deployment,
+                rows,
+                hooks=SimulatedTrainer(config.train.step_seconds),
+            )
             t0 = time.perf_counter()
             summary = await trainer.run()
             elapsed = time.perf_counter() - t0

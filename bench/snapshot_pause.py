@@ -65,6 +65,7 @@ from bench.report import BenchResult
 from rollpoint.config import RunConfig, parse_config
 from rollpoint.envs.workplace import ExpectedEmail, ExpectedEvent, WorkplaceParams, workplace_prompt
 from rollpoint.http.client import HttpClient
+from rollpoint.loop import SimulatedTrainer
 from rollpoint.protocol.control import (
     CommitReply,
     ConfirmReply,
@@ -493,6 +494,7 @@ async def measure(
                     config.trainer_settings(),
                     runtime.deployment,
                     tasks,
+                    hooks=SimulatedTrainer(config.train.step_seconds),
                     control=control,
                     client=data_http,
                 )

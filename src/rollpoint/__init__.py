@@ -11,6 +11,7 @@ The package is split by which side of the wire a module lives on:
 - ``envs/``      built-in environments (workplace, blackjack, math)
 - ``policy/``    the scripted OpenAI-compatible policy
 - ``trainer/``   RL side: ledger, dispatcher, finished-rollout queue, trainer loop
+- ``loop/``      the built-in loop ``rollpoint run`` trains with, on the façade only
 - ``store/``     snapshot store (the only place that knows about files)
 - ``runtime/``   process launchers (the only place that knows about processes)
 
@@ -26,10 +27,11 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from rollpoint.config import RunConfig, load_config, parse_config
+    from rollpoint.preemption import StopRequest
     from rollpoint.protocol.deployment import ReplicaEndpoints, ServedDeployment
     from rollpoint.protocol.episode import TaskRow
     from rollpoint.protocol.errors import RollpointError
-    from rollpoint.rollouts import Rollouts, SyncRollouts, TrainBatch, load_served
+    from rollpoint.rollouts import Rollouts, RunProgress, SyncRollouts, TrainBatch, load_served
     from rollpoint.trainer.train_hooks import TrainSample, TrainTurn, token_segments
 
 __version__ = "0.1.0"
@@ -39,7 +41,9 @@ __all__ = [
     "Rollouts",
     "RollpointError",
     "RunConfig",
+    "RunProgress",
     "ServedDeployment",
+    "StopRequest",
     "SyncRollouts",
     "TaskRow",
     "TrainBatch",
@@ -55,6 +59,8 @@ _HOMES = {
     "Rollouts": "rollpoint.rollouts",
     "TrainBatch": "rollpoint.rollouts",
     "SyncRollouts": "rollpoint.rollouts",
+    "RunProgress": "rollpoint.rollouts",
+    "StopRequest": "rollpoint.preemption",
     "load_served": "rollpoint.rollouts",
     "ServedDeployment": "rollpoint.protocol.deployment",
     "ReplicaEndpoints": "rollpoint.protocol.deployment",

@@ -39,9 +39,7 @@ T = TypeVar("T")
 
 if TYPE_CHECKING:
     from rollpoint.preemption import StopRequest
-    from rollpoint.runtime.contract import Runtime
-    from rollpoint.trainer.metrics import TrainerMetrics
-    from rollpoint.trainer.trainer_loop import RunSummary, Trainer
+    from rollpoint.rollouts import Rollouts
 
 ConfigArg = Annotated[
     Path, typer.Argument(help="The run's YAML config.", show_default=False, metavar="CONFIG")
@@ -106,9 +104,8 @@ def _say(message: str) -> None:
     console.print(message, highlight=False, soft_wrap=True)
 
 
-async def _drive_with_progress(
-    trainer: Trainer, runtime: Runtime, metrics: TrainerMetrics
-) -> RunSummary:
+async def _show_progress(run: Rollouts) -> None:
+    """Redraw a bar from :meth:`Rollouts.progress` until cancelled (when the run ends)."""
     import asyncio
 
     from rich.progress import (
@@ -119,9 +116,8 @@ async def _drive_with_progress(
         TimeElapsedColumn,
     )
 
-    from rollpoint.job import drive_quietly
-
-    total = sum(len(trainer.ledger.group_records(g)) for g in trainer.ledger.group_ids())
+    if not console.is_terminal:
+        return await _show_lines(run)
     columns = (
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -132,66 +128,57 @@ async def _drive_with_progress(
         ),
         TimeElapsedColumn(),
     )
-    if not console.is_terminal:
-        return await _drive_with_lines(trainer, runtime, metrics, total)
     with Progress(*columns, console=console, transient=False) as progress:
-        bar = progress.add_task("episodes", total=total, turns=0, reward=0.0, steps=0, pause="-")
-        job = asyncio.create_task(drive_quietly(trainer, runtime, metrics))
+        bar = progress.add_task("episodes", total=None, turns=0, reward=0.0, steps=0, pause="-")
+
+        def draw() -> None:
+            p = run.progress()
+            progress.update(
+                bar,
+                total=p.episodes_total,
+                completed=p.episodes_finished,
+                turns=p.turns,
+                reward=p.reward_mean,
+                steps=p.train_steps,
+                pause=_pause(p.last_pause_s),
+            )
+
         try:
-            while not job.done():
-                await asyncio.wait({job}, timeout=0.25)
-                s = trainer.stats
-                pause = (
-                    "-" if metrics.last_pause_s is None else f"{metrics.last_pause_s * 1000:.0f} ms"
-                )
-                progress.update(
-                    bar,
-                    completed=s.episodes_finished,
-                    turns=s.turns,
-                    reward=s.reward_mean,
-                    steps=s.train_steps,
-                    pause=pause,
-                )
+            while True:
+                draw()
+                await asyncio.sleep(0.25)
         finally:
-            if not job.done():
-                job.cancel()
-                await asyncio.gather(job, return_exceptions=True)
-        return job.result()
+            draw()  # the bar left on screen is the run's end
 
 
-async def _drive_with_lines(
-    trainer: Trainer, runtime: Runtime, metrics: TrainerMetrics, total: int
-) -> RunSummary:
+async def _show_lines(run: Rollouts) -> None:
     """Progress for a pipe or a log file: one plain line every few seconds, and at the end."""
     import asyncio
     import time
 
-    from rollpoint.job import drive_quietly
-
     started = time.monotonic()
 
     def line() -> None:
-        s = trainer.stats
-        pause = "-" if metrics.last_pause_s is None else f"{metrics.last_pause_s * 1000:.0f} ms"
+        p = run.progress()
         elapsed = int(time.monotonic() - started)
         console.print(
-            f"episodes {s.episodes_finished}/{total} · in flight {s.in_flight} · turns {s.turns}"
-            f" · reward {s.reward_mean:.3f} · steps {s.train_steps} · last pause {pause}"
-            f" · {elapsed // 60}:{elapsed % 60:02d}",
+            f"episodes {p.episodes_finished}/{p.episodes_total} · in flight {p.in_flight}"
+            f" · turns {p.turns} · reward {p.reward_mean:.3f} · steps {p.train_steps}"
+            f" · last pause {_pause(p.last_pause_s)} · {elapsed // 60}:{elapsed % 60:02d}",
             highlight=False,
             soft_wrap=True,
         )
 
-    job = asyncio.create_task(drive_quietly(trainer, runtime, metrics))
     try:
-        while not job.done():
-            await asyncio.wait({job}, timeout=PROGRESS_EVERY_S)
+        while True:
+            await asyncio.sleep(PROGRESS_EVERY_S)
             line()
     finally:
-        if not job.done():
-            job.cancel()
-            await asyncio.gather(job, return_exceptions=True)
-    return job.result()
+        line()
+
+
+def _pause(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.0f} ms"
 
 
 class _ConsoleWarnings(logging.Handler):
@@ -234,7 +221,8 @@ def run(
 
     from rollpoint.config import load_config
     from rollpoint.full_table import print_full
-    from rollpoint.job import prepare_workdir, run_job
+    from rollpoint.job import prepare_workdir
+    from rollpoint.loop import run_builtin
     from rollpoint.rollouts import attached_config, load_served
 
     try:
@@ -245,13 +233,13 @@ def run(
         prepare_workdir(config.workdir, fresh=fresh, force=force)
         _setup_logging(config.workdir)
         summary = _run_async(
-            lambda stop: run_job(
+            lambda stop: run_builtin(
                 config,
                 fresh=fresh,
-                say=_say,
-                drive=_drive_with_progress,
+                deployment=served,
                 stop=stop,
-                attach=served,
+                say=_say,
+                watch=_show_progress,
             )
         )
     except RunPreemptedError as exc:

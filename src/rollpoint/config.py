@@ -134,7 +134,8 @@ class TrainConfig(_Section):
     """Write a train checkpoint (and take a snapshot) every this many steps. TQ keeps the
     rollouts it consumed until their checkpoint is durable; None never checkpoints."""
     step_seconds: Annotated[float, Field(ge=0)] = 0.0
-    """Built-in trainer only: time a train step takes (simulated work)."""
+    """Built-in loop only (``rollpoint run``'s :class:`~rollpoint.loop.SimulatedTrainer`):
+    time a train step takes (simulated work)."""
 
 
 class SnapshotConfig(_Section):
@@ -308,7 +309,6 @@ class RunConfig(_Section):
             max_turns=self.max_turns,
             batch_size=self.train.batch_size,
             checkpoint_every_steps=self.train.checkpoint_every_steps,
-            step_seconds=self.train.step_seconds,
             row_timeout_seconds=self.row_timeout_seconds,
             snapshot_every_seconds=self.snapshot.every_seconds,
             save=self.snapshot.save_settings(),

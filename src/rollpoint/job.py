@@ -151,6 +151,14 @@ def _read_token(path: str) -> str:
     return token
 
 
+def _simulated(config: RunConfig) -> TrainHooks:
+    """The built-in loop's update, for callers that bring none (chaos trials, benches).
+    Imported here, not at the top: the loop is built on the façade, which runs this job."""
+    from rollpoint.loop.simulated_trainer import SimulatedTrainer
+
+    return SimulatedTrainer(config.train.step_seconds)
+
+
 async def drive_quietly(trainer: Trainer, runtime: Runtime, metrics: TrainerMetrics) -> RunSummary:
     """Run the trainer with the replica supervisor beside it; the first error stops both."""
     job = asyncio.create_task(trainer.run())
@@ -186,7 +194,7 @@ async def run_job(
     """``data_token`` guards the servers' data routes (one is made when None); a caller that
     talks to the servers itself (a benchmark reading their stats) passes its own. With
     ``stop`` a signal ends the run after one final snapshot (see :mod:`rollpoint.preemption`).
-    ``hooks`` update the policy (default: the simulated trainer). With ``attach`` the job
+    ``hooks`` update the policy (default: the built-in loop's simulated update). With ``attach`` the job
     starts no servers: it runs on those ``rollpoint serve`` printed, with their tokens, and
     leaves them running when it ends. ``more_groups``: the trainer takes groups added while
     it runs (:meth:`Trainer.add_groups`), and the config's tasks may be none."""
@@ -317,7 +325,7 @@ async def run_job(
             config.trainer_settings(),
             deployment,
             tasks,
-            hooks=hooks,
+            hooks=hooks or _simulated(config),
             client=data_http,
             control=control,
             restored=restored,

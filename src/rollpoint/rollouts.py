@@ -34,6 +34,7 @@ from pydantic import JsonValue, ValidationError
 
 from rollpoint.config import RunConfig
 from rollpoint.job import Drive, check_environment, drive_quietly, run_job
+from rollpoint.preemption import StopRequest
 from rollpoint.protocol.deployment import ReplicaEndpoints, ServedDeployment
 from rollpoint.protocol.episode import TaskRow
 from rollpoint.protocol.errors import BadRequestError, ConfigError, InvalidPhaseError
@@ -49,6 +50,7 @@ T = TypeVar("T")
 __all__ = [
     "ReplicaEndpoints",
     "Rollouts",
+    "RunProgress",
     "ServedDeployment",
     "SyncRollouts",
     "TrainBatch",
@@ -105,6 +107,22 @@ class TrainBatch:
             self._reply.set_result(result)
 
 
+@dataclass(frozen=True, slots=True)
+class RunProgress:
+    """Where a run stands, for a progress display (:meth:`Rollouts.progress`)."""
+
+    episodes_total: int
+    """Rows the run has (restored, from the config's tasks, or added): each one episode."""
+    episodes_finished: int
+    in_flight: int
+    turns: int
+    reward_mean: float
+    """Over the finished episodes (0.0 before any)."""
+    train_steps: int
+    last_pause_s: float | None
+    """How long the latest snapshot paused the run (None: none taken yet)."""
+
+
 _END = object()
 
 
@@ -142,6 +160,11 @@ class Rollouts:
     ``more_groups``: besides the config's tasks (which may then be ``tasks: 0``), the run
     takes the groups :meth:`add_groups` hands it while it runs, and ends after
     :meth:`end_groups` once every group is trained.
+    ``stop``: a :class:`~rollpoint.preemption.StopRequest` your signal handlers call
+    (``loop.add_signal_handler(SIGTERM, stop.signal, SIGTERM)``): the first signal seals the
+    run, takes one final snapshot within ``preemption.grace_seconds`` and ends it with a
+    :class:`~rollpoint.protocol.errors.RunPreemptedError` naming the snapshot that holds it
+    (raised by :meth:`summary`); ``rollpoint run`` passes the one it handles SIGTERM with.
     """
 
     def __init__(
@@ -151,6 +174,7 @@ class Rollouts:
         deployment: ServedDeployment | None = None,
         fresh: bool = False,
         more_groups: bool = False,
+        stop: StopRequest | None = None,
         say: Callable[[str], None] = log.info,
     ) -> None:
         if deployment is not None:
@@ -159,7 +183,9 @@ class Rollouts:
         self._deployment = deployment
         self._fresh = fresh
         self._more_groups = more_groups
+        self._stop = stop
         self._say = say
+        self._metrics: TrainerMetrics | None = None
         self._batches: asyncio.Queue[TrainBatch | object] = asyncio.Queue()
         self._trainer: asyncio.Future[Trainer] | None = None
         self._job: asyncio.Task[RunSummary] | None = None
@@ -226,6 +252,21 @@ class Rollouts:
         """How many episodes the restore continued at their last completed turn."""
         restored = self._started().restored
         return 0 if restored is None else len(restored.continued)
+
+    def progress(self) -> RunProgress:
+        """Where the run stands now (cheap enough to poll a few times a second)."""
+        trainer = self._started()
+        stats = trainer.stats
+        ledger = trainer.ledger
+        return RunProgress(
+            episodes_total=sum(len(ledger.group_records(g)) for g in ledger.group_ids()),
+            episodes_finished=stats.episodes_finished,
+            in_flight=stats.in_flight,
+            turns=stats.turns,
+            reward_mean=stats.reward_mean,
+            train_steps=stats.train_steps,
+            last_pause_s=None if self._metrics is None else self._metrics.last_pause_s,
+        )
 
     async def batches(self) -> AsyncIterator[TrainBatch]:
         """Each train step's batch, until every prompt group is trained (or failed). A
@@ -314,6 +355,7 @@ class Rollouts:
                 hooks=self,
                 attach=self._deployment,
                 more_groups=self._more_groups,
+                stop=self._stop,
             )
         finally:
             self._batches.put_nowait(_END)
@@ -321,6 +363,7 @@ class Rollouts:
     def _drive_with(self, drive: Drive) -> Drive:
         async def noted(trainer: Trainer, runtime: Runtime, metrics: TrainerMetrics) -> RunSummary:
             assert self._trainer is not None
+            self._metrics = metrics
             self._trainer.set_result(trainer)
             return await drive(trainer, runtime, metrics)
 

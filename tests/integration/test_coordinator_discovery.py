@@ -16,6 +16,7 @@ import pytest
 from rollpoint.config import RunConfig, SnapshotConfig, TrainConfig
 from rollpoint.http.auth import CONTROL_TOKEN_ENV
 from rollpoint.http.client import HttpClient
+from rollpoint.loop import SimulatedTrainer
 from rollpoint.protocol.errors import SnapshotError
 from rollpoint.testing import LocalCluster
 from rollpoint.trainer.trainer_loop import Trainer
@@ -53,6 +54,7 @@ async def test_a_replica_that_dies_during_discovery_is_dropped_not_waited_for(
             config(tmp_path, 30).trainer_settings(),
             cluster.deployment(),
             cluster.tasks(1),
+            hooks=SimulatedTrainer(),
             control=control,
         )
         assert trainer.coordinator is not None
@@ -76,6 +78,7 @@ async def test_a_participant_unreachable_past_the_deadline_is_named(
             config(tmp_path, 0.5).trainer_settings(),
             cluster.deployment(),
             cluster.tasks(1),
+            hooks=SimulatedTrainer(),
             control=control,
         )
         assert trainer.coordinator is not None

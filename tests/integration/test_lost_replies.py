@@ -27,6 +27,7 @@ from rollpoint.config import RunConfig, SnapshotConfig, TrainConfig
 from rollpoint.http.app import create_app
 from rollpoint.http.auth import CONTROL_TOKEN_ENV
 from rollpoint.http.client import HttpClient
+from rollpoint.loop import SimulatedTrainer
 from rollpoint.protocol.episode import RunReply, RunRequest
 from rollpoint.protocol.ids import EpisodeId, new_rollout_id
 from rollpoint.runtime.process_group import ProcessGroup
@@ -266,7 +267,13 @@ async def test_finished_replies_no_current_try_wants_are_acked_away_at_the_next_
     async with HttpClient(token=TOKEN) as http:
         control = cluster.control_plane(http, tmp_path)
         (task,) = cluster.tasks(1)
-        trainer = Trainer(config.trainer_settings(), cluster.deployment(), [task], control=control)
+        trainer = Trainer(
+            config.trainer_settings(),
+            cluster.deployment(),
+            [task],
+            hooks=SimulatedTrainer(),
+            control=control,
+        )
         ledger, gid = trainer.ledger, f"{task.task_id}-g0"
         # Row 0: a try the trainer gave up on (its row went on under a new id) that then
         # finished on the agent anyway.

@@ -22,6 +22,7 @@ import pytest
 
 from rollpoint.config import RunConfig, parse_config
 from rollpoint.http.client import HttpClient
+from rollpoint.loop import SimulatedTrainer
 from rollpoint.protocol.episode import RunReply
 from rollpoint.protocol.errors import RunStalledError
 from rollpoint.protocol.manifest import SnapshotManifest
@@ -266,7 +267,11 @@ async def test_the_stall_watchdog_stops_a_run_with_no_replica_up_and_says_so(
         workdir=tmp_path, environment="workplace", group_size=2, replicas=2, concurrency=4
     )
     trainer = Trainer(
-        config.trainer_settings(), cluster.deployment(), cluster.tasks(2), stall_timeout_s=0.5
+        config.trainer_settings(),
+        cluster.deployment(),
+        cluster.tasks(2),
+        hooks=SimulatedTrainer(),
+        stall_timeout_s=0.5,
     )
     for replica in cluster.replicas:
         await trainer.replica_down(replica.name)

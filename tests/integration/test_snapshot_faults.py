@@ -31,6 +31,7 @@ import pytest
 from rollpoint.config import RunConfig, parse_config
 from rollpoint.envs import get_environment
 from rollpoint.http.client import HttpClient
+from rollpoint.loop import SimulatedTrainer
 from rollpoint.protocol.control import CONTROL_PREFIX, Phase
 from rollpoint.protocol.errors import SnapshotError
 from rollpoint.protocol.manifest import SnapshotManifest
@@ -42,7 +43,7 @@ from rollpoint.trainer.control_plane import ControlPlane, participant_clients
 from rollpoint.trainer.coordinator import SaveReport, SnapshotCoordinator
 from rollpoint.trainer.metrics import TrainerMetrics
 from rollpoint.trainer.participant_client import ParticipantClient
-from rollpoint.trainer.train_hooks import SimulatedTrainer, TrainHooks, TrainSample
+from rollpoint.trainer.train_hooks import TrainHooks, TrainSample
 from rollpoint.trainer.trainer_loop import RunSummary, Trainer
 from tests.support.polling import eventually
 from tests.support.records import records_paths
@@ -139,7 +140,11 @@ async def harness(
                 control = ControlPlane(participants, store, metrics)
                 tasks = get_environment(config.environment).make_tasks(TASKS, config.seed)
                 trainer = Trainer(
-                    config.trainer_settings(), deployment, tasks, control=control, hooks=hooks
+                    config.trainer_settings(),
+                    deployment,
+                    tasks,
+                    control=control,
+                    hooks=hooks or SimulatedTrainer(config.train.step_seconds),
                 )
                 yield Harness(config, trainer, store, proxy, {c.label: c for c in clients})
 

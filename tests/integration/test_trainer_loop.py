@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from rollpoint.envs.registry import get_environment
+from rollpoint.loop import SimulatedTrainer
 from rollpoint.protocol.errors import RunStalledError
 from rollpoint.testing import LocalCluster
 from rollpoint.trainer.ledger import RolloutState
@@ -48,7 +49,7 @@ async def test_every_row_of_every_group_is_trained_exactly_once(
     cluster: LocalCluster, tmp_path: Path
 ) -> None:
     tasks = cluster.tasks(8)
-    trainer = Trainer(config(tmp_path), cluster.deployment(), tasks)
+    trainer = Trainer(config(tmp_path), cluster.deployment(), tasks, hooks=SimulatedTrainer())
     summary = await asyncio.wait_for(trainer.run(), 30)
 
     rows = read_train_data(tmp_path / "train_data.jsonl")
@@ -85,7 +86,12 @@ async def test_a_group_with_a_data_failure_is_reported_and_the_others_train(
 ) -> None:
     tasks = cluster.tasks(3)
     (bad,) = get_environment("math").make_tasks(1, 7)  # the workplace agents refuse it
-    trainer = Trainer(config(tmp_path, batch_size=4), cluster.deployment(), [*tasks, bad])
+    trainer = Trainer(
+        config(tmp_path, batch_size=4),
+        cluster.deployment(),
+        [*tasks, bad],
+        hooks=SimulatedTrainer(),
+    )
     summary = await asyncio.wait_for(trainer.run(), 30)
 
     bad_group = f"{bad.task_id}-g0"
@@ -102,7 +108,13 @@ async def test_the_stall_watchdog_names_in_flight_rows_and_ignores_paused_time(
 ) -> None:
     for replica in cluster.replicas:
         replica.on_gate(lambda gate: gate.close())  # nothing can finish: a stall
-    trainer = Trainer(config(tmp_path), cluster.deployment(), cluster.tasks(2), stall_timeout_s=0.6)
+    trainer = Trainer(
+        config(tmp_path),
+        cluster.deployment(),
+        cluster.tasks(2),
+        hooks=SimulatedTrainer(),
+        stall_timeout_s=0.6,
+    )
     started = time.monotonic()
     run = asyncio.create_task(trainer.run())
     deadline = time.monotonic() + 5

@@ -42,6 +42,7 @@ from pydantic import BaseModel
 from rollpoint.config import RunConfig, parse_config
 from rollpoint.envs import get_environment
 from rollpoint.http.client import HttpClient
+from rollpoint.loop import SimulatedTrainer
 from rollpoint.protocol.control import CONTROL_PREFIX, StatusReply
 from rollpoint.protocol.control_verbs import ControlVerb
 from rollpoint.protocol.deployment import Deployment
@@ -411,7 +412,7 @@ async def job(
             config.trainer_settings(),
             cluster.deployment(runs),
             cluster.tasks(config.tasks or 1, config.seed),
-            hooks=hooks,
+            hooks=hooks or SimulatedTrainer(config.train.step_seconds),
             stall_timeout_s=stall_timeout_s,
             control=control,
             restored=restored,

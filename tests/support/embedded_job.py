@@ -22,6 +22,7 @@ import orjson
 from rollpoint.config import RunConfig
 from rollpoint.envs import get_environment
 from rollpoint.http.client import HttpClient
+from rollpoint.loop import SimulatedTrainer
 from rollpoint.protocol.deployment import Deployment
 from rollpoint.protocol.manifest import SnapshotManifest
 from rollpoint.runtime.embedded import EmbeddedRuntime
@@ -105,7 +106,7 @@ async def embedded_job(
             config.trainer_settings(),
             servers.deployment,
             tasks,
-            hooks=hooks,
+            hooks=hooks or SimulatedTrainer(config.train.step_seconds),
             control=control,
             replica_restart_wait_s=replica_restart_wait_s,
         )

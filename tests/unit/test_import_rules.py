@@ -1,13 +1,16 @@
 """The import rules of the layout (DESIGN.md §9), read from each module's imports with ``ast``.
 
 - ``rollpoint.participant`` (the SDK) and ``rollpoint.servers`` (the built-in servers) never
-  import the trainer side (``rollpoint.trainer``, where the built-in loop lives too) nor the
+  import the trainer side (``rollpoint.trainer``, ``rollpoint.loop``) nor the
   app (``rollpoint.cli``, ``rollpoint.job``, ``rollpoint.config``);
 - the SDK never imports the built-in servers: they are built on it, not it on them;
 - a server imports the SDK only through ``rollpoint.participant``, never one of its modules;
-- ``rollpoint.protocol`` imports neither side (nor the app);
+- ``rollpoint.protocol`` imports neither side (nor the app, nor the built-in loop);
+- the built-in loop (``rollpoint.loop``, what ``rollpoint run`` trains with) imports public
+  names only: the façade's (``rollpoint.__all__``), the trainer library's, the protocol;
 - the trainer library (``rollpoint.trainer``) imports neither the servers nor the
-  participant SDK nor the app (the CLI, the job, the run config, the façade over the job):
+  participant SDK nor the app (the CLI, the job, the run config, the façade over the job)
+  nor the built-in loop:
   what it needs of a run it is told (``TrainerSettings``, ``SaveSettings``);
 - ``rollpoint.store`` knows files: it imports no performance trick (``rollpoint.tuning``),
   neither side, nor the app;
@@ -32,9 +35,12 @@ import pytest
 
 import rollpoint
 import rollpoint.participant
+import rollpoint.trainer
 
 SRC = Path(rollpoint.__file__).parent
 APP = ("rollpoint.cli", "rollpoint.job", "rollpoint.config")
+LOOP = ("rollpoint.loop",)
+"""The built-in loop ``rollpoint run`` trains with, built on the façade."""
 FACADE_OVER_THE_JOB = ("rollpoint.rollouts", "rollpoint.preemption")
 TRAINER = ("rollpoint.trainer",)
 ENVIRONMENT_SIDE = ("rollpoint.participant", "rollpoint.servers")
@@ -102,7 +108,7 @@ def _violations(package: str, forbidden: tuple[str, ...]) -> list[str]:
 @pytest.mark.parametrize("package", ["participant", "servers"])
 def test_the_environment_side_imports_no_trainer_nor_app(package: str) -> None:
     assert _modules(package), f"no modules under rollpoint/{package}"
-    assert _violations(package, TRAINER + APP) == []
+    assert _violations(package, TRAINER + LOOP + APP) == []
 
 
 def test_the_sdk_imports_none_of_the_built_in_servers() -> None:
@@ -123,12 +129,41 @@ def test_the_servers_import_the_sdk_only_through_its_package() -> None:
 
 
 def test_the_protocol_imports_neither_side_nor_the_app() -> None:
-    assert _violations("protocol", ENVIRONMENT_SIDE + TRAINER + APP) == []
+    assert _violations("protocol", ENVIRONMENT_SIDE + TRAINER + LOOP + APP) == []
 
 
 def test_the_trainer_library_imports_no_server_nor_sdk_nor_app() -> None:
     assert _modules("trainer"), "no modules under rollpoint/trainer"
-    assert _violations("trainer", ENVIRONMENT_SIDE + APP + FACADE_OVER_THE_JOB) == []
+    assert _violations("trainer", ENVIRONMENT_SIDE + APP + FACADE_OVER_THE_JOB + LOOP) == []
+
+
+PUBLIC = {
+    "rollpoint": set(rollpoint.__all__),
+    "rollpoint.trainer": set(rollpoint.trainer.__all__),
+}
+"""The packages the built-in loop may take names from, and the names each makes public."""
+
+
+def _outside_the_public_names(module: str) -> bool:
+    """Whether ``module`` (as :func:`_imports_of` yields it) is neither a public package nor
+    one of its public names, the protocol, nor the loop's own."""
+    if module in PUBLIC or _under(module, ("rollpoint.protocol", *LOOP)):
+        return False
+    package, _, name = module.rpartition(".")
+    return not (package in PUBLIC and name in PUBLIC[package]) and module.startswith("rollpoint")
+
+
+def test_the_built_in_loop_is_built_on_public_names_only() -> None:
+    # ``rollpoint run`` makes the calls a trainer of your own makes: the façade's, the
+    # trainer library's ``__all__``, the wire models and errors; no private module.
+    assert _modules("loop"), "no modules under rollpoint/loop"
+    found = [
+        f"{path.relative_to(SRC)}:{line} imports {module}"
+        for path in _modules("loop")
+        for line, module in _imports(path)
+        if _outside_the_public_names(module)
+    ]
+    assert found == []
 
 
 def test_the_store_imports_no_trick_neither_side_nor_the_app() -> None:

@@ -21,7 +21,7 @@ from rollpoint.trainer.ledger import (
     RolloutState,
 )
 from rollpoint.trainer.settings import SaveSettings, TrainerSettings
-from rollpoint.trainer.train_hooks import SimulatedTrainer, StepResult, TrainHooks, TrainSample
+from rollpoint.trainer.train_hooks import StepResult, TrainHooks, TrainSample
 from rollpoint.trainer.trainer_loop import RunSummary, Trainer, TrainerStats
 
 __all__ = [
@@ -39,7 +39,6 @@ __all__ = [
     "SavePhase",
     "SaveReport",
     "SaveSettings",
-    "SimulatedTrainer",
     "StepResult",
     "TrainHooks",
     "TrainSample",

@@ -63,8 +63,6 @@ class TrainerSettings:
     """Rollouts per train step; rounded up to whole prompt groups."""
     checkpoint_every_steps: int | None = 1
     """A train checkpoint (and a snapshot) every this many steps; None never checkpoints."""
-    step_seconds: float = 0.0
-    """The built-in simulated trainer's time per step."""
     row_timeout_seconds: float = 300.0
     """Give up on one row after this long (time paused by a snapshot not counted)."""
     snapshot_every_seconds: float | None = None
@@ -83,10 +81,6 @@ class TrainerSettings:
             raise ConfigError(
                 "TrainerSettings.checkpoint_every_steps must be at least 1 or None,"
                 f" not {self.checkpoint_every_steps!r}"
-            )
-        if self.step_seconds < 0:
-            raise ConfigError(
-                f"TrainerSettings.step_seconds must be >= 0, not {self.step_seconds!r}"
             )
         if not self.row_timeout_seconds > 0:
             raise ConfigError(

@@ -2,16 +2,14 @@
 
 Owns the :class:`TrainHooks` protocol a trainer implements (one async ``train_step`` per
 batch of whole prompt groups), the :class:`TrainSample` it receives, the
-:class:`StepResult` it may answer with (metrics and its own state), and the built-in
-:class:`SimulatedTrainer`, which does no learning: it sleeps for the configured step time
-and reports metrics computed from the batch it was given. It does not pick batches
+:class:`StepResult` it may answer with (metrics and its own state), It holds no update of its own:
+the built-in loop's simulated one lives in :mod:`rollpoint.loop`, and a trainer of your own
+brings its own (through the façade, :class:`rollpoint.Rollouts`). It does not pick batches
 (:mod:`.trainer_loop`) or compute advantages (:mod:`.grpo`).
 """
 
 from __future__ import annotations
 
-import asyncio
-import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -19,7 +17,7 @@ import orjson
 from pydantic import JsonValue
 
 from rollpoint.protocol.episode import ModelCall, RunReply
-from rollpoint.protocol.errors import BadRequestError, ConfigError
+from rollpoint.protocol.errors import BadRequestError
 from rollpoint.trainer.train_checkpoint import TRAINER_STATE_MAX_BYTES
 
 
@@ -181,31 +179,3 @@ class TrainHooks(Protocol):
         """Update the policy on ``batch`` (whole prompt groups); return metrics to log, or
         a :class:`StepResult` with the trainer's own state to keep with the step."""
         ...
-
-
-class SimulatedTrainer:
-    """A trainer that takes ``step_seconds`` per step and learns nothing.
-
-    Its metrics are honest summaries of the batch: ``loss`` is the mean absolute
-    advantage (what a policy-gradient step with unit log-prob gradients would weigh),
-    ``reward_mean`` the batch's mean reward, ``zero_advantage_share`` the share of
-    samples from groups with no signal.
-    """
-
-    def __init__(self, step_seconds: float = 0.0) -> None:
-        if step_seconds < 0:
-            raise ConfigError(f"simulated trainer: step_seconds must be >= 0, got {step_seconds}")
-        self.step_seconds = step_seconds
-
-    async def train_step(self, step: int, batch: list[TrainSample]) -> dict[str, float]:
-        if self.step_seconds:
-            await asyncio.sleep(self.step_seconds)
-        n = len(batch)
-        if n == 0:
-            return {"loss": 0.0, "reward_mean": 0.0, "zero_advantage_share": 0.0, "samples": 0.0}
-        return {
-            "loss": math.fsum(abs(s.advantage) for s in batch) / n,
-            "reward_mean": math.fsum(s.reward for s in batch) / n,
-            "zero_advantage_share": sum(1 for s in batch if s.advantage == 0.0) / n,
-            "samples": float(n),
-        }

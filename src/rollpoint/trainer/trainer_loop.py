@@ -75,7 +75,7 @@ from rollpoint.trainer.run_events import (
 from rollpoint.trainer.settings import TrainerSettings
 from rollpoint.trainer.train_checkpoint import TrainCheckpoint, TrainCheckpointStore, stamp
 from rollpoint.trainer.train_data import TrainData
-from rollpoint.trainer.train_hooks import SimulatedTrainer, StepResult, TrainHooks, TrainSample
+from rollpoint.trainer.train_hooks import StepResult, TrainHooks, TrainSample
 from rollpoint.tuning import seam
 
 log = logging.getLogger(__name__)
@@ -133,7 +133,7 @@ class Trainer:
         deployment: Deployment,
         tasks: list[TaskRow],
         *,
-        hooks: TrainHooks | None = None,
+        hooks: TrainHooks,
         client: HttpClient | None = None,
         stall_timeout_s: float = 600.0,
         control: ControlPlane | None = None,
@@ -141,7 +141,9 @@ class Trainer:
         replica_restart_wait_s: float | None = None,
         more_groups: bool = False,
     ) -> None:
-        """``restored`` continues a run from a snapshot (see :mod:`rollpoint.trainer.restorer`);
+        """``hooks`` update the policy on each batch (the façade's hand batches to your
+        loop; ``rollpoint run``'s are :class:`rollpoint.loop.SimulatedTrainer`).
+        ``restored`` continues a run from a snapshot (see :mod:`rollpoint.trainer.restorer`);
         its ledger and TQ replace the fresh ones built from ``tasks``.
         ``replica_restart_wait_s``: how long a lost replica's snapshot tries wait for it to
         come back before they start over elsewhere (default: the snapshot deadline).
@@ -150,7 +152,7 @@ class Trainer:
         _check_inputs(config, tasks, stall_timeout_s, more_groups=more_groups)
         self.config = config
         self.deployment = deployment
-        self.hooks: TrainHooks = hooks or SimulatedTrainer(config.step_seconds)
+        self.hooks = hooks
         self.ledger = restored.ledger if restored is not None else RecoveryLedger()
         self.tq = restored.tq if restored is not None else FinishedQueue()
         self.barrier = DispatchBarrier()

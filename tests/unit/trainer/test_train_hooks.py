@@ -1,11 +1,12 @@
-"""The simulated trainer reports metrics computed from the batch it was given."""
+"""The train hooks' samples (tokens included), and the built-in loop's simulated update."""
 
 from __future__ import annotations
 
 import pytest
 
+from rollpoint.loop import SimulatedTrainer
 from rollpoint.protocol.errors import ConfigError
-from rollpoint.trainer.train_hooks import SimulatedTrainer, TrainSample
+from rollpoint.trainer.train_hooks import TrainSample
 
 
 def sample(reward: float, advantage: float) -> TrainSample:

@@ -47,10 +47,10 @@ from rollpoint.trainer.run_events import (
     RunStart,
     without_secrets,
 )
-from rollpoint.trainer.train_checkpoint import TrainCheckpointStore
-from rollpoint.trainer.train_data import TrainData
+from rollpoint.trainer.step_record import StepRecord
 from rollpoint.trainer.train_hooks import TrainHooks
-from rollpoint.trainer.trainer_loop import TRAIN_DATA_FILE, RunSummary, Trainer
+from rollpoint.trainer.trainer_loop import RunSummary, Trainer
+from rollpoint.trainer.workdir_record import WorkdirRecord
 from rollpoint.tuning import install as install_tuning
 
 log = logging.getLogger(__name__)
@@ -101,22 +101,12 @@ def prepare_workdir(workdir: Path, *, fresh: bool, force: bool) -> None:
     check_workdir_writable(workdir)
 
 
-def progress_in(workdir: Path) -> list[str]:
-    """What a run left that a fresh start would lose: train data, train checkpoints."""
-    found = []
-    train_data = workdir / TRAIN_DATA_FILE
-    if train_data.exists() and train_data.stat().st_size > 0:
-        found.append(f"{TRAIN_DATA_FILE}: {train_data.stat().st_size} bytes")
-    steps = TrainCheckpointStore(workdir / "checkpoints").steps()
-    if steps:
-        found.append(f"train checkpoints of steps {', '.join(map(str, steps[-5:]))}")
-    return found
-
-
-def refuse_unresumable_run(workdir: Path, root: str, skipped: list[Skipped]) -> None:
-    """No usable snapshot: a fresh start is the default only for a workdir with no
-    progress; anything else is refused with what was found and the two ways out."""
-    found = progress_in(workdir)
+def refuse_unresumable_run(
+    workdir: Path, record: StepRecord, root: str, skipped: list[Skipped]
+) -> None:
+    """No usable snapshot: a fresh start is the default only for a run whose record holds
+    no progress; anything else is refused with what was found and the two ways out."""
+    found = record.progress()
     if not found:
         return
     if skipped:
@@ -190,6 +180,7 @@ async def run_job(
     hooks: TrainHooks | None = None,
     attach: ServedDeployment | None = None,
     more_groups: bool = False,
+    step_record: StepRecord | None = None,
 ) -> RunSummary:
     """``data_token`` guards the servers' data routes (one is made when None); a caller that
     talks to the servers itself (a benchmark reading their stats) passes its own. With
@@ -197,7 +188,9 @@ async def run_job(
     ``hooks`` update the policy (default: the built-in loop's simulated update). With ``attach`` the job
     starts no servers: it runs on those ``rollpoint serve`` printed, with their tokens, and
     leaves them running when it ends. ``more_groups``: the trainer takes groups added while
-    it runs (:meth:`Trainer.add_groups`), and the config's tasks may be none."""
+    it runs (:meth:`Trainer.add_groups`), and the config's tasks may be none. ``step_record``:
+    the trainer's record of its steps, where a resume looks for durable steps (default:
+    rollpoint's, ``train_data.jsonl`` and ``checkpoints/`` in the workdir)."""
     lock_workdir(config.workdir)  # held already when the CLI prepared the workdir
     install_tuning()  # the trainer's entry point (idempotent: a second job adds nothing)
     tasks = load_tasks_for(config)
@@ -220,11 +213,11 @@ async def run_job(
         token = _read_token(attach.control_token_file)
         data_token = None if attach.data_token_file is None else _read_token(attach.data_token_file)
     await asyncio.to_thread(check_store_writable, root)  # before any server starts
-    checkpoints = TrainCheckpointStore(config.workdir / "checkpoints")
+    record = step_record or WorkdirRecord(config.workdir)
     try:
         store = await asyncio.to_thread(SnapshotStore, root, config.snapshot.keep)
         point, skipped = (
-            (None, []) if fresh else await asyncio.to_thread(find_resume_point, store, checkpoints)
+            (None, []) if fresh else await asyncio.to_thread(find_resume_point, store, record)
         )
     except OSError as exc:
         raise unreadable(exc, "the snapshot store") from None
@@ -232,21 +225,19 @@ async def run_job(
         # A warning reaches the console as well as rollpoint.log (the CLI's warning handler):
         # a skipped snapshot is progress given up.
         log.warning("%s", item.line())
-    train_data: TrainData | None = None
     if point is None and fresh:
-        if progress_in(config.workdir):
+        if record.progress():
             raise ConfigError(
                 f"workdir {config.workdir} holds progress; starting over needs --fresh --force"
             )
     elif point is None:
-        refuse_unresumable_run(config.workdir, root, skipped)
+        refuse_unresumable_run(config.workdir, record, root, skipped)
     else:
         check_config(point.manifest, config.fingerprint())
-        # Before any server starts: a train data file that does not match its checkpoint
-        # is refused here, naming the file, and left as it is.
-        train_data = await asyncio.to_thread(
-            TrainData.verify, config.workdir / TRAIN_DATA_FILE, point.checkpoint.coverage
-        )
+        # Before any server starts: a record that does not hold what its checkpoint
+        # covers (train data edited or cut short) is refused here, naming the file, and
+        # left as it is. The restorer checks it again: the same record, read once.
+        await asyncio.to_thread(record.check, point.checkpoint)
     metrics = TrainerMetrics(config.workdir / "metrics.jsonl", config.workdir / EVENTS_FILE)
     events = metrics.run_events
     if attach is not None and spec_hook is not None:
@@ -291,7 +282,7 @@ async def run_job(
             try:
                 restored = await Restorer(control.participants).restore(
                     point,
-                    train_data=train_data or config.workdir / TRAIN_DATA_FILE,
+                    step_record=record,
                     continue_episodes=config.recovery == "turn",
                 )
             except OSError as exc:
@@ -329,6 +320,7 @@ async def run_job(
             client=data_http,
             control=control,
             restored=restored,
+            step_record=record,
             more_groups=more_groups,
         )
         if stop is None:

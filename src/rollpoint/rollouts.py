@@ -41,6 +41,7 @@ from rollpoint.protocol.errors import BadRequestError, ConfigError, InvalidPhase
 from rollpoint.runtime.contract import Runtime
 from rollpoint.trainer.cut import SaveReport
 from rollpoint.trainer.metrics import TrainerMetrics
+from rollpoint.trainer.step_record import StepRecord
 from rollpoint.trainer.train_hooks import StepResult, TrainSample
 from rollpoint.trainer.trainer_loop import RunSummary, Trainer
 
@@ -165,6 +166,10 @@ class Rollouts:
     run, takes one final snapshot within ``preemption.grace_seconds`` and ends it with a
     :class:`~rollpoint.protocol.errors.RunPreemptedError` naming the snapshot that holds it
     (raised by :meth:`summary`); ``rollpoint run`` passes the one it handles SIGTERM with.
+    ``step_record``: where each batch's rows are written and which steps are durable, when
+    your trainer keeps that record itself (a :class:`~rollpoint.trainer.StepRecord`; the
+    default is rollpoint's, ``train_data.jsonl`` and ``checkpoints/`` in the workdir). A
+    rerun resumes from the newest snapshot that composes with one of its durable steps.
     """
 
     def __init__(
@@ -175,6 +180,7 @@ class Rollouts:
         fresh: bool = False,
         more_groups: bool = False,
         stop: StopRequest | None = None,
+        step_record: StepRecord | None = None,
         say: Callable[[str], None] = log.info,
     ) -> None:
         if deployment is not None:
@@ -184,6 +190,7 @@ class Rollouts:
         self._fresh = fresh
         self._more_groups = more_groups
         self._stop = stop
+        self._step_record = step_record
         self._say = say
         self._metrics: TrainerMetrics | None = None
         self._batches: asyncio.Queue[TrainBatch | object] = asyncio.Queue()
@@ -356,6 +363,7 @@ class Rollouts:
                 attach=self._deployment,
                 more_groups=self._more_groups,
                 stop=self._stop,
+                step_record=self._step_record,
             )
         finally:
             self._batches.put_nowait(_END)
@@ -401,10 +409,16 @@ class SyncRollouts:
         deployment: ServedDeployment | None = None,
         fresh: bool = False,
         more_groups: bool = False,
+        step_record: StepRecord | None = None,
         say: Callable[[str], None] = log.info,
     ) -> None:
         self._rollouts = Rollouts(
-            config, deployment=deployment, fresh=fresh, more_groups=more_groups, say=say
+            config,
+            deployment=deployment,
+            fresh=fresh,
+            more_groups=more_groups,
+            step_record=step_record,
+            say=say,
         )
         self._items: queue.Queue[TrainBatch | BaseException | object] = queue.Queue()
         self._ready = threading.Event()
@@ -463,6 +477,14 @@ class SyncRollouts:
                 return
             self._pending = item
             yield item
+
+    def progress(self) -> RunProgress:
+        """As :meth:`Rollouts.progress`, read on the run's loop (its ledger changes there)."""
+
+        async def read() -> RunProgress:
+            return self._rollouts.progress()
+
+        return self._call(read())
 
     def snapshot(self) -> SaveReport:
         """Take one snapshot now; returns once it is published or failed."""

@@ -33,7 +33,8 @@ from rollpoint.trainer.dispatcher import Dispatcher
 from rollpoint.trainer.ledger import RecoveryLedger, RolloutState
 from rollpoint.trainer.replica_roster import ReplicaRoster
 from rollpoint.trainer.restorer import Restorer, ResumePoint, read_trainer_document
-from rollpoint.trainer.trainer_loop import TRAIN_DATA_FILE, Trainer
+from rollpoint.trainer.trainer_loop import Trainer
+from rollpoint.trainer.workdir_record import TRAIN_DATA_FILE, WorkdirRecord
 from tests.support.embedded_job import EmbeddedJob, embedded_job, embedded_servers
 from tests.support.polling import eventually
 
@@ -180,10 +181,13 @@ async def test_a_replica_back_on_new_ports_is_used_again_and_a_cut_without_it_re
     # ... and a rerun after the crash restores it on fresh servers: the replica it does not
     # name is left alone, and nothing of the cut waits on it.
     point = resume_point(h, cut)
-    train_data = tmp_path / "train_data_copy.jsonl"
-    shutil.copy(config.workdir / TRAIN_DATA_FILE, train_data)
+    copy = tmp_path / "copy"  # the restore cuts the train data back: on a copy of it
+    copy.mkdir()
+    shutil.copy(config.workdir / TRAIN_DATA_FILE, copy / TRAIN_DATA_FILE)
     async with embedded_servers(config) as rerun:
-        restored = await Restorer(rerun.participants()).restore(point, train_data=train_data)
+        restored = await Restorer(rerun.participants()).restore(
+            point, step_record=WorkdirRecord(copy)
+        )
     assert restored.snapshot_id == cut.snapshot_id
     assert len(restored.continued) == len(cut.episodes)
     assert all(r.replica != LOST for r in restored.ledger.in_flight())
@@ -196,7 +200,7 @@ def resume_point(h: EmbeddedJob, manifest: SnapshotManifest) -> ResumePoint:
     tq_doc = read_trainer_document(h.store, sid, TQ_FILE)
     committed = int(tq_doc.get("committed_step", 0))
     checkpoints = [
-        c for c in h.trainer.checkpoints.available() if committed <= c.step <= manifest.train_step
+        c for c in h.trainer.step_record.available() if committed <= c.step <= manifest.train_step
     ]
     assert checkpoints, f"no train checkpoint composes with {sid}"
     return ResumePoint(

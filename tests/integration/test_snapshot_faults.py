@@ -45,6 +45,7 @@ from rollpoint.trainer.metrics import TrainerMetrics
 from rollpoint.trainer.participant_client import ParticipantClient
 from rollpoint.trainer.train_hooks import TrainHooks, TrainSample
 from rollpoint.trainer.trainer_loop import RunSummary, Trainer
+from rollpoint.trainer.workdir_record import TRAIN_DATA_FILE
 from tests.support.polling import eventually
 from tests.support.records import records_paths
 
@@ -155,7 +156,10 @@ async def harness(
 def assert_trained_exactly_once(h: Harness, summary: RunSummary) -> None:
     assert summary.failed_groups == {}
     assert summary.episodes == TASKS * GROUP_SIZE
-    rows = [orjson.loads(line) for line in h.trainer.train_data_path.read_bytes().splitlines()]
+    rows = [
+        orjson.loads(line)
+        for line in (h.config.workdir / TRAIN_DATA_FILE).read_bytes().splitlines()
+    ]
     trained = Counter((r["group_id"], r["row"]) for r in rows)
     assert set(trained.values()) == {1}, f"trained more than once: {trained.most_common(3)}"
     assert len(trained) == TASKS * GROUP_SIZE

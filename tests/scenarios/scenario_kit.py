@@ -64,7 +64,8 @@ from rollpoint.trainer.replica_roster import ReplicaRoster
 from rollpoint.trainer.restorer import RestoredRun
 from rollpoint.trainer.settings import SaveSettings
 from rollpoint.trainer.train_hooks import TrainHooks, TrainSample
-from rollpoint.trainer.trainer_loop import TRAIN_DATA_FILE, RunSummary, Trainer
+from rollpoint.trainer.trainer_loop import RunSummary, Trainer
+from rollpoint.trainer.workdir_record import TRAIN_DATA_FILE
 from tests.support.polling import eventually
 
 T = TypeVar("T")

@@ -31,8 +31,7 @@ from rollpoint.trainer.restorer import (
     choose_resume_point,
     place,
 )
-from rollpoint.trainer.train_checkpoint import TrainCheckpointStore
-from rollpoint.trainer.trainer_loop import TRAIN_DATA_FILE
+from rollpoint.trainer.workdir_record import WorkdirRecord
 from tests.scenarios.scenario_kit import (
     ControlCall,
     ScenarioCluster,
@@ -56,7 +55,7 @@ def configs(tmp_path: Path, before: int, after: int, **overrides: Any) -> tuple[
 
 def resume_point(config: RunConfig, root: Path) -> ResumePoint:
     store = SnapshotStore(str(root), keep=config.snapshot.keep)
-    point = choose_resume_point(store, TrainCheckpointStore(config.workdir / "checkpoints"))
+    point = choose_resume_point(store, WorkdirRecord(config.workdir))
     assert point is not None
     return point
 
@@ -116,7 +115,7 @@ async def test_a_two_replica_snapshot_restores_onto_one_replica(tmp_path: Path) 
             )
         assert (await agent.status()).phase is Phase.IDLE
         restored = await Restorer(fresh.clients(http)).restore(
-            point, train_data=one.workdir / TRAIN_DATA_FILE
+            point, step_record=WorkdirRecord(one.workdir)
         )
         assert restored.placement == {"replica-0": "replica-0", "replica-1": "replica-0"}
         assert len(restored.continued) == len(point.manifest.episodes)
@@ -149,7 +148,7 @@ async def test_a_one_replica_snapshot_restores_onto_two_replicas(tmp_path: Path)
     async with ScenarioCluster(root, replicas=2) as fresh, HttpClient(token=fresh.token) as http:
         since = time.time()
         restored = await Restorer(fresh.clients(http)).restore(
-            point, train_data=two.workdir / TRAIN_DATA_FILE
+            point, step_record=WorkdirRecord(two.workdir)
         )
         assert restored.placement == {"replica-0": "replica-0"}
         assert all(
@@ -197,7 +196,7 @@ async def test_state_that_is_not_portable_refuses_to_move_before_anything_is_ins
         calls: list[ControlCall] = []
         with pytest.raises(RestoreError) as refused:
             await Restorer(fresh.clients(http, spy=calls)).restore(
-                point, train_data=one.workdir / TRAIN_DATA_FILE
+                point, step_record=WorkdirRecord(one.workdir)
             )
         after = await statuses(fresh.clients(http))
     message = refused.value.message
@@ -214,7 +213,7 @@ async def test_state_that_is_not_portable_refuses_to_move_before_anything_is_ins
         HttpClient(token=same.token) as http,
     ):
         restored = await Restorer(same.clients(http)).restore(
-            point, train_data=two.workdir / TRAIN_DATA_FILE
+            point, step_record=WorkdirRecord(two.workdir)
         )
     assert restored.placement == {"replica-0": "replica-0", "replica-1": "replica-1"}
 

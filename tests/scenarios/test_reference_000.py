@@ -30,9 +30,8 @@ from rollpoint.testing import Fault, invariants
 from rollpoint.trainer.coordinator import LEDGER_FILE
 from rollpoint.trainer.ledger import RecoveryLedger, RolloutState
 from rollpoint.trainer.restorer import Restorer, choose_resume_point, read_trainer_document
-from rollpoint.trainer.train_checkpoint import TrainCheckpointStore
 from rollpoint.trainer.train_hooks import TrainSample
-from rollpoint.trainer.trainer_loop import TRAIN_DATA_FILE
+from rollpoint.trainer.workdir_record import TRAIN_DATA_FILE, WorkdirRecord
 from rollpoint.tuning import seam
 from rollpoint.tuning.collector_listener import CollectorListener
 from tests.scenarios.scenario_kit import (
@@ -446,7 +445,7 @@ async def test_train_step_ending_during_save_does_not_discard_it(tmp_path: Path)
     for later in j.store.list_snapshots():
         if later.published_at is not None and later.published_at > manifest.published_at:
             shutil.rmtree(j.store.snapshot_dir(later.snapshot_id))
-    point = choose_resume_point(j.store, TrainCheckpointStore(j.config.workdir / "checkpoints"))
+    point = choose_resume_point(j.store, WorkdirRecord(j.config.workdir))
     assert point is not None and point.manifest.snapshot_id == report.snapshot_id
 
 
@@ -534,12 +533,12 @@ async def test_ledger_manifest_mismatch_names_the_episodes(tmp_path: Path) -> No
         doc["records"].append(extra)
         publish_tampered(j.store, report.snapshot_id, orjson.dumps(doc))
 
-        point = choose_resume_point(j.store, TrainCheckpointStore(config.workdir / "checkpoints"))
+        point = choose_resume_point(j.store, WorkdirRecord(config.workdir))
         assert point is not None and point.manifest.snapshot_id == report.snapshot_id
         async with HttpClient(token=cluster.token) as http:
             clients = cluster.clients(http)
             with pytest.raises(RestoreError) as refused:
-                await Restorer(clients).restore(point, train_data=config.workdir / TRAIN_DATA_FILE)
+                await Restorer(clients).restore(point, step_record=WorkdirRecord(config.workdir))
             after = await statuses(clients)
 
     message = refused.value.message
@@ -578,7 +577,7 @@ async def test_failed_restore_resumes_each_participant_exactly_once(tmp_path: Pa
         run = await j.start(in_flight=3)
         report = await save_with_episodes(j, {"replica-0"})
         await crash(run)
-    point = choose_resume_point(j.store, TrainCheckpointStore(j.config.workdir / "checkpoints"))
+    point = choose_resume_point(j.store, WorkdirRecord(j.config.workdir))
     assert point is not None and point.manifest.snapshot_id == report.snapshot_id
     saved = point.manifest.episodes
     calls: list[ControlCall] = []
@@ -603,7 +602,7 @@ async def test_failed_restore_resumes_each_participant_exactly_once(tmp_path: Pa
         )
         clients = fresh.clients(http, urls={RES1: fronts[RES1].url}, spy=calls)
         with pytest.raises(RestoreError) as failed:
-            await Restorer(clients).restore(point, train_data=tmp_path / TRAIN_DATA_FILE)
+            await Restorer(clients).restore(point, step_record=WorkdirRecord(tmp_path))
         after = await statuses(fresh.clients(http))
         resumed_through_proxy = fronts[RES1].stats.by_route.get(f"POST {RESUME}", 0)
         retired = await next_attempt_refused(fresh, http, point, saved[0])
@@ -640,7 +639,7 @@ async def test_failed_restore_can_be_retried_into_the_same_servers(tmp_path: Pat
         run = await j.start(in_flight=3)
         await save_with_episodes(j, {"replica-0"})
         await crash(run)
-    point = choose_resume_point(j.store, TrainCheckpointStore(config.workdir / "checkpoints"))
+    point = choose_resume_point(j.store, WorkdirRecord(config.workdir))
     assert point is not None
     async with (
         ScenarioCluster(root) as servers,
@@ -662,10 +661,10 @@ async def test_failed_restore_can_be_retried_into_the_same_servers(tmp_path: Pat
         )
         proxied = servers.clients(http, urls={RES1: fronts[RES1].url})
         with pytest.raises(RestoreError):
-            await Restorer(proxied).restore(point, train_data=config.workdir / TRAIN_DATA_FILE)
+            await Restorer(proxied).restore(point, step_record=WorkdirRecord(config.workdir))
         # The operator fixes the cause and runs the same command again on the same servers.
         restored = await Restorer(servers.clients(http)).restore(
-            point, train_data=config.workdir / TRAIN_DATA_FILE
+            point, step_record=WorkdirRecord(config.workdir)
         )
         async with job(servers, config, restored=restored) as again:
             summary = await again.trainer.run()

@@ -37,8 +37,7 @@ from rollpoint.trainer.restorer import (
     read_trainer_document,
 )
 from rollpoint.trainer.settings import SaveSettings
-from rollpoint.trainer.train_checkpoint import TrainCheckpointStore
-from rollpoint.trainer.trainer_loop import TRAIN_DATA_FILE
+from rollpoint.trainer.workdir_record import WorkdirRecord
 from tests.scenarios.scenario_kit import (
     KINDS,
     PREPARE,
@@ -67,9 +66,7 @@ BOTH = ("replica-0", "replica-1")
 
 
 def resume_point(workdir: Path, root: Path) -> ResumePoint:
-    point = choose_resume_point(
-        SnapshotStore(str(root)), TrainCheckpointStore(workdir / "checkpoints")
-    )
+    point = choose_resume_point(SnapshotStore(str(root)), WorkdirRecord(workdir))
     assert point is not None, "no snapshot to resume from"
     return point
 
@@ -95,7 +92,7 @@ async def test_restore_missing_a_saved_participant_is_refused_before_installing(
         # replica's state (a 2-replica snapshot onto 1 complete replica is an elastic restore).
         without = [c for c in clients if c.address.kind != ParticipantKind.RESOURCES]
         with pytest.raises(RestoreError) as refused:
-            await Restorer(without).restore(point, train_data=workdir / TRAIN_DATA_FILE)
+            await Restorer(without).restore(point, step_record=WorkdirRecord(workdir))
         after = await statuses(clients)
 
     message = refused.value.message
@@ -304,7 +301,7 @@ async def test_reply_on_the_wire_at_the_cut_is_neither_lost_nor_trained_twice(
     assert rollout_id in {e.rollout_id for e in point.manifest.finished}
     async with ScenarioCluster(root) as rerun, HttpClient(token=rerun.token) as http:
         restored = await Restorer(rerun.clients(http)).restore(
-            point, train_data=workdir / TRAIN_DATA_FILE
+            point, step_record=WorkdirRecord(workdir)
         )
         hooks = RecordingHooks()
         async with job(rerun, config, restored=restored, hooks=hooks) as again:
@@ -443,7 +440,7 @@ async def test_more_than_one_replica_in_one_cut(tmp_path: Path) -> None:
     assert point.manifest.snapshot_id == manifest.snapshot_id
     async with ScenarioCluster(root) as rerun, HttpClient(token=rerun.token) as http:
         restored = await Restorer(rerun.clients(http)).restore(
-            point, train_data=workdir / TRAIN_DATA_FILE
+            point, step_record=WorkdirRecord(workdir)
         )
         pinned = {e.rollout_id: restored.ledger.get(e.rollout_id) for e in manifest.episodes}
         placed = {e.rollout_id: holders(rerun, e.rollout_id) for e in manifest.episodes}

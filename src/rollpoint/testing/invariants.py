@@ -41,11 +41,11 @@ from rollpoint.servers.resources.final_state_log import read_final_states
 from rollpoint.store.snapshot_store import SnapshotStore
 from rollpoint.trainer.train_checkpoint import TrainCheckpointStore
 from rollpoint.trainer.train_data import TrainData
-from rollpoint.trainer.trainer_loop import TRAIN_DATA_FILE, group_id_for
+from rollpoint.trainer.trainer_loop import group_id_for
+from rollpoint.trainer.workdir_record import CHECKPOINTS_DIR, TRAIN_DATA_FILE
 
 METRICS_FILE = "metrics.jsonl"
 SNAPSHOT_STORE_DIR = "snapshots"
-CHECKPOINTS_DIR = "checkpoints"
 CREATE_EVENT = "calendar_create_event"
 SEARCH_EVENTS = "calendar_search_events"
 FULL_REWARD = 1.0

@@ -5,6 +5,9 @@ Everything here runs in the trainer process and reaches the environment over HTT
 :class:`~rollpoint.trainer.control_transport.ControlTransport`, HTTP in a run. The snapshot coordinator composes these
 parts through a :class:`Trainer`'s ``ledger``, ``barrier``, ``tq`` and ``dispatcher``.
 
+What the trainer trained and which steps are durable is kept by a :class:`StepRecord`
+(rollpoint's own: :class:`WorkdirRecord`, ``train_data.jsonl`` and ``checkpoints/``).
+
 The library reads no run config: it is told what it needs as :class:`TrainerSettings` and
 :class:`SaveSettings` (``rollpoint run`` builds them from its YAML).
 """
@@ -21,11 +24,16 @@ from rollpoint.trainer.ledger import (
     RolloutState,
 )
 from rollpoint.trainer.settings import SaveSettings, TrainerSettings
+from rollpoint.trainer.step_record import StepRecord
+from rollpoint.trainer.train_checkpoint import TrainCheckpoint
+from rollpoint.trainer.train_data import Coverage
 from rollpoint.trainer.train_hooks import StepResult, TrainHooks, TrainSample
 from rollpoint.trainer.trainer_loop import RunSummary, Trainer, TrainerStats
+from rollpoint.trainer.workdir_record import WorkdirRecord
 
 __all__ = [
     "Blocker",
+    "Coverage",
     "DispatchBarrier",
     "Dispatcher",
     "FinishedQueue",
@@ -39,12 +47,15 @@ __all__ = [
     "SavePhase",
     "SaveReport",
     "SaveSettings",
+    "StepRecord",
     "StepResult",
+    "TrainCheckpoint",
     "TrainHooks",
     "TrainSample",
     "Trainer",
     "TrainerSettings",
     "TrainerStats",
+    "WorkdirRecord",
     "advantages_by_episode",
     "group_advantages",
 ]

@@ -2,8 +2,8 @@
 
 Owns choosing what to resume from and putting every piece back:
 
-1. the newest published snapshot that composes with a durable train checkpoint (TQ's
-   committed step ≤ checkpoint step ≤ the snapshot's train step); a corrupt, partial or
+1. the newest published snapshot that composes with a durable step of the trainer's
+   record (TQ's committed step ≤ checkpoint step ≤ the snapshot's train step); a corrupt, partial or
    tampered snapshot (a file or a sealed field that does not match, or a train step,
    policy version or committed step that disagrees with its ``trainer.json`` / ``tq.json``)
    is skipped, the reason returned for the console, for the previous one
@@ -28,8 +28,10 @@ Owns choosing what to resume from and putting every piece back:
    do tries the saved ledger holds queued for a replica: their state died with its
    servers), finished replies held by an agent are fetched again under their own
    identity (adopted, not rerun); TQ puts back what no durable train checkpoint consumed;
-   ``train_data.jsonl`` is cut back to the checkpoint, only to a boundary that verifies
-   (its digest, line count and a line end: :mod:`.train_data`), else refused unchanged.
+   the trainer's record of its steps (:class:`~.step_record.StepRecord`) is checked against
+   the checkpoint before anything is installed and cut back to it after (rollpoint's own,
+   ``train_data.jsonl``, only to a boundary that verifies: its digest, line count and a
+   line end, :mod:`.train_data`), else refused unchanged.
 
 :meth:`Restorer.restore_replica` does step 5 alone for one replica restarted mid-run
 (:mod:`.replica_recovery` decides what to restore and moves the ledger).
@@ -45,7 +47,6 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import orjson
@@ -73,8 +74,8 @@ from rollpoint.trainer.ledger import RecoveryLedger, RolloutState
 from rollpoint.trainer.ledger_document import document_from_records
 from rollpoint.trainer.participant_client import ParticipantClient
 from rollpoint.trainer.resumer import Resumer
-from rollpoint.trainer.train_checkpoint import TrainCheckpoint, TrainCheckpointStore
-from rollpoint.trainer.train_data import TrainData
+from rollpoint.trainer.step_record import StepRecord
+from rollpoint.trainer.train_checkpoint import TrainCheckpoint
 from rollpoint.tuning.collector_pause import collector_paused
 
 log = logging.getLogger(__name__)
@@ -122,8 +123,6 @@ class RestoredRun:
     tq_requeued: int = 0
     placement: dict[str, str] = field(default_factory=dict)
     """Saved replica → the live replica its state went to (differs after an elastic restore)."""
-    train_data: TrainData | None = None
-    """train_data.jsonl cut back to the checkpoint's verified end, its digest running on."""
 
 
 @dataclass(frozen=True)
@@ -138,11 +137,11 @@ class Skipped:
 
 
 def find_resume_point(
-    store: SnapshotStore, checkpoints: TrainCheckpointStore
+    store: SnapshotStore, step_record: StepRecord
 ) -> tuple[ResumePoint | None, list[Skipped]]:
-    """The newest usable snapshot that composes with a durable train checkpoint (or None),
-    and every newer snapshot skipped on the way, with the reason."""
-    available = checkpoints.available()
+    """The newest usable snapshot that composes with a durable step of ``step_record``
+    (or None), and every newer snapshot skipped on the way, with the reason."""
+    available = step_record.available()
     skipped: list[Skipped] = []
     try:
         summaries = store.list_snapshots(include_invalid=True)
@@ -197,11 +196,9 @@ def read_trainer_document(store: SnapshotStore, snapshot_id: str, name: str) -> 
     return doc
 
 
-def choose_resume_point(
-    store: SnapshotStore, checkpoints: TrainCheckpointStore
-) -> ResumePoint | None:
+def choose_resume_point(store: SnapshotStore, step_record: StepRecord) -> ResumePoint | None:
     """:func:`find_resume_point`, the skipped snapshots logged as warnings."""
-    point, skipped = find_resume_point(store, checkpoints)
+    point, skipped = find_resume_point(store, step_record)
     for item in skipped:
         log.warning("%s", item.line())
     return point
@@ -350,19 +347,17 @@ class Restorer:
         self,
         point: ResumePoint,
         *,
-        train_data: Path | TrainData,
+        step_record: StepRecord,
         deadline_s: float = 30.0,
         continue_episodes: bool = True,
     ) -> RestoredRun:
         """``continue_episodes=False`` is ``recovery: restart``: the saved episodes start over
         from their prompts (their sessions are not installed); the rest is the same.
-        ``train_data``: the file, or the file already verified against the checkpoint
-        (:meth:`TrainData.verify`); either way it is checked before anything is installed."""
+        ``step_record``: the trainer's record of its steps (the one ``point`` was found in):
+        checked against the point's checkpoint before anything is installed, cut back to
+        it once everything is."""
         manifest = point.manifest
-        if not isinstance(train_data, TrainData):
-            train_data = await asyncio.to_thread(
-                TrainData.verify, train_data, point.checkpoint.coverage
-            )
+        await asyncio.to_thread(step_record.check, point.checkpoint)
         placement = await self._check_topology(manifest)
         ledger = RecoveryLedger.from_document(
             point.ledger_doc, what=f"ledger of snapshot {manifest.snapshot_id}"
@@ -380,7 +375,6 @@ class Restorer:
             tq=tq,
             trainer_doc=point.trainer_doc,
             placement=placement.target_of,
-            train_data=train_data,
         )
         # A queued try pinned to a replica waits for state (a session, a held reply) that
         # lived only in the servers that crashed: it is not in this snapshot, so start over.
@@ -404,7 +398,7 @@ class Restorer:
             ledger.requeue(finished.rollout_id, keep_replica=True, pin=holder)
             run.adopted += 1
         run.tq_requeued = tq.rewind(point.checkpoint.step)
-        await asyncio.to_thread(train_data.cut_back)
+        await asyncio.to_thread(step_record.cut_back, point.checkpoint)
         return run
 
     async def restore_replica(

@@ -5,8 +5,9 @@ dispatcher are built here (and exposed, so a snapshot coordinator can drive them
 task keeps the dispatcher fed with prompt groups, one trains on whole groups as TQ fills,
 and a stall watchdog fails the run when no row result arrives for too long (time paused
 by a snapshot not counted). Every train step calls the :class:`TrainHooks`, bumps the
-policy version on every model server, appends the consumed rollouts to
-``<workdir>/train_data.jsonl`` (fsync'd per step) and commits TQ.
+policy version on every model server, writes the consumed rollouts to the trainer's
+:class:`StepRecord` (by default :class:`WorkdirRecord`: ``<workdir>/train_data.jsonl``,
+fsync'd per step) and, once the step is durable there, commits TQ.
 
 Given a :class:`ControlPlane`, it also takes snapshots (every ``snapshot.every_seconds``
 and at every train checkpoint) through a :class:`SnapshotCoordinator`, and releases what it
@@ -33,10 +34,8 @@ import time
 from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-import orjson
 from pydantic import JsonValue
 
 from rollpoint.http.client import HttpClient
@@ -73,9 +72,10 @@ from rollpoint.trainer.run_events import (
     TrainStep,
 )
 from rollpoint.trainer.settings import TrainerSettings
-from rollpoint.trainer.train_checkpoint import TrainCheckpoint, TrainCheckpointStore, stamp
-from rollpoint.trainer.train_data import TrainData
+from rollpoint.trainer.step_record import StepRecord
+from rollpoint.trainer.train_checkpoint import TrainCheckpoint, stamp
 from rollpoint.trainer.train_hooks import StepResult, TrainHooks, TrainSample
+from rollpoint.trainer.workdir_record import WorkdirRecord
 from rollpoint.tuning import seam
 
 log = logging.getLogger(__name__)
@@ -89,7 +89,6 @@ SNAPSHOT_RETRY_S = 0.2
 """The wait between tries of the snapshot a run takes before its first row, and of the one
 it takes after its last step when the step's own snapshot failed."""
 
-TRAIN_DATA_FILE = "train_data.jsonl"
 STALL_REPORT_ROWS = 10
 
 
@@ -138,6 +137,7 @@ class Trainer:
         stall_timeout_s: float = 600.0,
         control: ControlPlane | None = None,
         restored: RestoredRun | None = None,
+        step_record: StepRecord | None = None,
         replica_restart_wait_s: float | None = None,
         more_groups: bool = False,
     ) -> None:
@@ -145,6 +145,8 @@ class Trainer:
         loop; ``rollpoint run``'s are :class:`rollpoint.loop.SimulatedTrainer`).
         ``restored`` continues a run from a snapshot (see :mod:`rollpoint.trainer.restorer`);
         its ledger and TQ replace the fresh ones built from ``tasks``.
+        ``step_record``: where each step's rows are written and its checkpoints kept (the one
+        the restore checked and cut back; default: :class:`WorkdirRecord` in ``workdir``).
         ``replica_restart_wait_s``: how long a lost replica's snapshot tries wait for it to
         come back before they start over elsewhere (default: the snapshot deadline).
         ``more_groups``: the run takes groups added while it runs (:meth:`add_groups`) and
@@ -162,13 +164,8 @@ class Trainer:
         """Which replicas are up and how to reach them; shared by every part below."""
         self.dispatcher: Dispatcher | None = None
         """Built by :meth:`run` (it needs the running loop's HTTP client)."""
-        self.train_data_path: Path = config.workdir / TRAIN_DATA_FILE
-        self.train_data = (
-            restored.train_data
-            if restored is not None and restored.train_data is not None
-            else TrainData.open(self.train_data_path)
-        )
-        """Appends each step's rows with a running digest: what a checkpoint covers."""
+        self.step_record: StepRecord = step_record or WorkdirRecord(config.workdir)
+        """Writes each step's rows and keeps its checkpoints (what a restore resumes at)."""
         self.last_metrics: dict[str, float] = {}
         if restored is None:
             for task in tasks:
@@ -206,7 +203,6 @@ class Trainer:
         self._step_in_hand: int | None = None
         """The step handed to the train hooks and not yet recorded."""
         self._step_recorded = asyncio.Condition()
-        self.checkpoints = TrainCheckpointStore(config.workdir / "checkpoints")
         if restored is not None:
             ckpt, doc = restored.checkpoint, restored.trainer_doc
             self._train_steps = ckpt.step
@@ -247,7 +243,7 @@ class Trainer:
                 config_fingerprint=config.fingerprint,
             )
             # Snapshot retention never prunes the last snapshot a kept checkpoint needs.
-            control.store.checkpoint_steps = self.checkpoints.steps
+            control.store.checkpoint_steps = self.step_record.steps
             self.releases = ReleaseBatcher(self.roster, self.ledger, barrier=self.barrier)
             self.coordinator.before_save = self.releases.flush
             deadline_s = config.save.deadline_seconds
@@ -582,7 +578,7 @@ class Trainer:
             self.last_metrics = result
         self._policy_version += 1
         await self._publish_policy_version(client, self._policy_version)
-        await asyncio.to_thread(self._append_train_data, step, samples, generated_by)
+        coverage = await asyncio.to_thread(self.step_record.write_step, step, samples, generated_by)
         self._train_steps = step
         self._groups_trained += len(groups)
         self._episodes_trained += len(samples)
@@ -595,7 +591,7 @@ class Trainer:
         checkpoint = stamp(
             step,
             self._policy_version,
-            self.train_data.coverage(),
+            coverage,
             self._episodes_trained,
             self._groups_trained,
             self._trainer_state,
@@ -627,37 +623,6 @@ class Trainer:
 
         await asyncio.gather(*(publish(r.name, r.model_url) for r in replicas))
 
-    def _append_train_data(
-        self, step: int, samples: list[TrainSample], default_version: int
-    ) -> None:
-        lines = bytearray()
-        for s in samples:
-            # The oldest policy that wrote any turn of the episode: its staleness.
-            versions = [call.policy_version for call in s.model_calls]
-            lines += orjson.dumps(
-                {
-                    "task_id": s.task_id,
-                    "group_id": s.group_id,
-                    "row": s.row,
-                    "rollout_id": s.rollout_id,
-                    "attempt": s.attempt,
-                    "reward": s.reward,
-                    "advantage": s.advantage,
-                    "messages": s.messages,
-                    "train_step": step,
-                    "policy_version": min(versions, default=default_version),
-                    "turn_count": s.turns,
-                    # One entry per model call: the ids and logprobs the engine sampled and
-                    # the policy version that sampled them (schema: docs/protocol.md).
-                    "turns": [t.to_json() for t in s.trajectory],
-                    # Which attempt asked each turn: a continued episode shows its pre-cut
-                    # turns answered once, by the attempt before the restore.
-                    "model_calls": [{"turn": c.turn, "attempt": c.attempt} for c in s.model_calls],
-                },
-                option=orjson.OPT_APPEND_NEWLINE,
-            )
-        self.train_data.append(bytes(lines))
-
     async def mark_durable(self, step: int) -> None:
         """The trainer's own checkpoint of ``step`` (a step it trained without saying it
         was durable) is durable now: rollpoint writes its train checkpoint of that step as
@@ -686,7 +651,7 @@ class Trainer:
             if step <= self.tq.committed_step:
                 return  # a later step was made durable meanwhile
             protect = await asyncio.to_thread(self._steps_to_keep, step)
-            await asyncio.to_thread(self.checkpoints.save, checkpoint, protect=protect)
+            await asyncio.to_thread(self.step_record.save, checkpoint, protect=protect)
             self.tq.commit(step)
             for older in [s for s in self._not_durable if s <= step]:
                 del self._not_durable[older]
@@ -709,9 +674,9 @@ class Trainer:
         store = self.coordinator.store
         return retention.plan(
             store.spans(),
-            [*self.checkpoints.steps(), step],
+            [*self.step_record.steps(), step],
             keep_snapshots=store.keep,
-            keep_checkpoints=self.checkpoints.keep,
+            keep_checkpoints=self.step_record.keep,
             protect=store.pinned,
         ).checkpoints
 

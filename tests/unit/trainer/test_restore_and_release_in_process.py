@@ -14,6 +14,7 @@ from rollpoint.testing import Fault
 from rollpoint.trainer.ledger import RolloutState
 from rollpoint.trainer.release_batcher import ReleaseBatcher
 from rollpoint.trainer.restorer import Restorer, ResumePoint
+from rollpoint.trainer.workdir_record import WorkdirRecord
 from tests.unit.trainer.in_process_rig import Rig, build_rig
 
 MODEL, AGENT, RESOURCES = "model@replica-0", "agent@replica-0", "resources@replica-0"
@@ -42,7 +43,7 @@ async def test_a_restore_installs_the_saved_state_onto_every_participant(
     rig: Rig, tmp_path: Path
 ) -> None:
     point = await saved(rig)
-    run = await Restorer(rig.clients).restore(point, train_data=tmp_path / "train_data.jsonl")
+    run = await Restorer(rig.clients).restore(point, step_record=WorkdirRecord(tmp_path))
     continued = sorted(e.key for e in run.continued)
     assert continued == sorted(f"{e.rollout_id}#{e.attempt + 1}" for e in point.manifest.episodes)
     for label, participant in rig.participants.items():
@@ -57,7 +58,7 @@ async def test_a_lost_restore_reply_is_asked_for_again_and_the_restore_holds(
     point = await saved(rig)
     rule = rig.faults(AGENT).add(Fault.drop_reply(path=RESTORE))
 
-    run = await Restorer(rig.clients).restore(point, train_data=tmp_path / "train_data.jsonl")
+    run = await Restorer(rig.clients).restore(point, step_record=WorkdirRecord(tmp_path))
 
     assert rule.hits == 1
     # The agent restored on the first request; the second got the reply it had lost.
@@ -75,7 +76,7 @@ async def test_a_restore_whose_resume_fails_once_resumes_again_at_once(
     rule = rig.faults(AGENT).add(Fault.reset(path=RESUME))
     resumes = rig.calls(AGENT).count("resume")  # the save's
 
-    await Restorer(rig.clients).restore(point, train_data=tmp_path / "train_data.jsonl")
+    await Restorer(rig.clients).restore(point, step_record=WorkdirRecord(tmp_path))
 
     assert rule.hits == 1
     # The reset one never reached the agent; the one after it did.
@@ -102,7 +103,7 @@ async def test_a_restore_waits_for_the_lease_of_a_checkpoint_a_killed_trainer_le
         point = await saved(rig)
         await left_mid_snapshot(rig, "snap-of-the-dead-trainer", lease_s=0.5)
 
-        run = await Restorer(rig.clients).restore(point, train_data=tmp_path / "train_data.jsonl")
+        run = await Restorer(rig.clients).restore(point, step_record=WorkdirRecord(tmp_path))
 
         continued = sorted(e.key for e in run.continued)
         for label, participant in rig.participants.items():
@@ -125,7 +126,7 @@ async def test_a_lease_that_lapses_just_past_the_restore_deadline_is_waited_out(
         await left_mid_snapshot(rig, "restore-of-the-killed-rerun", lease_s=0.6)
 
         run = await Restorer(rig.clients).restore(
-            point, train_data=tmp_path / "train_data.jsonl", deadline_s=0.3
+            point, step_record=WorkdirRecord(tmp_path), deadline_s=0.3
         )
 
         continued = sorted(e.key for e in run.continued)
@@ -145,7 +146,7 @@ async def test_a_lease_that_outlasts_the_restore_deadline_fails_it_naming_the_ho
 
     with pytest.raises(RestoreError) as caught:
         await Restorer(rig.clients).restore(
-            point, train_data=tmp_path / "train_data.jsonl", deadline_s=0.3
+            point, step_record=WorkdirRecord(tmp_path), deadline_s=0.3
         )
 
     message = caught.value.message
@@ -163,7 +164,7 @@ async def test_a_failing_participant_fails_the_restore_and_every_participant_is_
     point = await saved(rig)
     rig.participants[RESOURCES].fail.add("install")
     with pytest.raises(RestoreError, match=f"failed, nothing kept: {RESOURCES}"):
-        await Restorer(rig.clients).restore(point, train_data=tmp_path / "train_data.jsonl")
+        await Restorer(rig.clients).restore(point, step_record=WorkdirRecord(tmp_path))
     assert set(rig.phases().values()) == {Phase.IDLE}
     for label in (MODEL, AGENT):  # restored, then resumed by the one cleanup path
         assert rig.calls(label)[-1] == "resume", label

@@ -14,7 +14,7 @@ from rollpoint.protocol.manifest import SnapshotManifest
 from rollpoint.store.snapshot_store import SnapshotStore
 from rollpoint.trainer.coordinator import LEDGER_FILE, TQ_FILE, TRAINER_FILE
 from rollpoint.trainer.restorer import find_resume_point, read_trainer_document
-from rollpoint.trainer.train_checkpoint import TrainCheckpointStore
+from rollpoint.trainer.workdir_record import WorkdirRecord
 
 
 def publish(store: SnapshotStore, sid: str, *, train_step: int, in_trainer_json: int) -> None:
@@ -56,7 +56,7 @@ def test_a_manifest_that_disagrees_with_its_trainer_json_is_skipped_naming_the_f
     publish(store, "s1", train_step=0, in_trainer_json=0)
     publish(store, "s2", train_step=1, in_trainer_json=0)
 
-    point, skipped = find_resume_point(store, TrainCheckpointStore(tmp_path / "checkpoints"))
+    point, skipped = find_resume_point(store, WorkdirRecord(tmp_path))
 
     assert point is not None and point.manifest.snapshot_id == "s1"
     assert [s.snapshot_id for s in skipped] == ["s2"]
@@ -73,7 +73,7 @@ def test_an_unreadable_store_is_one_line_naming_it(
 
     monkeypatch.setattr(store, "list_snapshots", refuse)
     with pytest.raises(RestoreError, match=r"cannot read the snapshot store .*: Permission denied"):
-        find_resume_point(store, TrainCheckpointStore(tmp_path / "checkpoints"))
+        find_resume_point(store, WorkdirRecord(tmp_path))
 
 
 class _Decoded(Exception):

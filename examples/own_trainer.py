@@ -5,9 +5,9 @@
 
 The "policy update" is a stand-in (a running mean of advantages per task, saved as the
 weights); the shape is a real async RL loop's: pull a batch, update, save the weights, say
-done (handing over where the weights are: the trainer's own state, kept with the step),
-snapshot every few seconds. Kill it anywhere (SIGKILL too) and run it again: it loads the
-weights the resumed step's state names, and nothing is trained twice.
+done (handing over where the weights are), snapshot every few seconds. SIGTERM takes one
+final snapshot and exits 143; SIGKILL anywhere loses only what came after the last one.
+Run it again: it loads the weights the resumed step's state names; nothing is trained twice.
 """
 
 from __future__ import annotations
@@ -19,25 +19,16 @@ from pathlib import Path
 
 from pydantic import JsonValue
 
-from rollpoint import (
-    Rollouts,
-    RollpointError,
-    RunConfig,
-    ServedDeployment,
-    load_served,
-    parse_config,
-)
+import rollpoint
+from rollpoint import Rollouts, RollpointError, RunConfig, StopRequest
 
 SNAPSHOT_EVERY_S = 2.0
 
 
-def load_weights(state: JsonValue) -> dict[str, float]:
+def weights_of(state: JsonValue) -> dict[str, float]:
     """The weights the resumed step's state names (none on a fresh start)."""
     where = state.get("weights") if isinstance(state, dict) else None
-    if not isinstance(where, str):
-        return {}
-    weights: dict[str, float] = json.loads(Path(where).read_text())
-    return weights
+    return json.loads(Path(where).read_text()) if isinstance(where, str) else {}
 
 
 def save_weights(workdir: Path, step: int, weights: dict[str, float]) -> Path:
@@ -55,26 +46,19 @@ async def snapshot_now_and_then(run: Rollouts) -> None:
         print(f"snapshot {report.snapshot_id}: published={report.published}", flush=True)
 
 
-def job(served_file: Path, workdir: Path) -> tuple[ServedDeployment, RunConfig]:
-    """The servers to train on and the run's config (its workdir made)."""
-    served = load_served(served_file)
-    config = parse_config(
-        {
-            "workdir": str(workdir),
-            "environment": "workplace",
-            "tasks": 16,
-            "group_size": 2,
-            "replicas": len(served.replicas),
-            "concurrency": 8,
-            "train": {"batch_size": 4},
-        }
-    )
+def config_for(workdir: Path, replicas: int) -> RunConfig:
     workdir.mkdir(parents=True, exist_ok=True)
-    return served, config
+    return rollpoint.parse_config(
+        {"workdir": str(workdir), "environment": "workplace", "tasks": 16, "group_size": 2,
+         "replicas": replicas, "concurrency": 8, "train": {"batch_size": 4}}
+    )  # fmt: skip
 
 
-async def train(served: ServedDeployment, config: RunConfig) -> None:
-    async with Rollouts(config, deployment=served) as run:
+async def train(served_file: Path, workdir: Path) -> None:
+    served = rollpoint.load_served(served_file)
+    config = config_for(workdir, len(served.replicas))
+    stop = StopRequest.on_signals()  # SIGTERM, SIGINT: a final snapshot, then the end
+    async with Rollouts(config, deployment=served, stop=stop) as run:
         if run.resumed_from:
             state = run.resumed_state
             where = state.get("weights") if isinstance(state, dict) else None
@@ -83,14 +67,14 @@ async def train(served: ServedDeployment, config: RunConfig) -> None:
                 f"{run.continued} episodes continued; weights {where}",
                 flush=True,
             )
-        weights = load_weights(run.resumed_state)
+        weights = weights_of(run.resumed_state)
         snapshots = asyncio.create_task(snapshot_now_and_then(run))
         try:
             async for batch in run.batches():
                 for sample in batch.samples:  # the stand-in update
                     old = weights.get(sample.task_id, 0.0)
                     weights[sample.task_id] = old + 0.5 * (sample.advantage - old)
-                saved = save_weights(config.workdir, batch.step, weights)
+                saved = save_weights(workdir, batch.step, weights)
                 batch.done({"samples": float(len(batch.samples))}, state={"weights": str(saved)})
                 print(f"step {batch.step}: {len(batch.samples)} samples", flush=True)
         finally:
@@ -101,6 +85,11 @@ async def train(served: ServedDeployment, config: RunConfig) -> None:
 
 if __name__ == "__main__":
     try:
-        asyncio.run(train(*job(Path(sys.argv[1]), Path(sys.argv[2]))))
+        asyncio.run(train(Path(sys.argv[1]), Path(sys.argv[2])))
+    except rollpoint.RunPreemptedError as exc:  # SIGTERM: the final snapshot holds the run
+        print(exc.message, flush=True)
+        sys.exit(exc.exit_code)
+    except asyncio.CancelledError:  # a second signal: no final snapshot
+        sys.exit("stopped at once: the latest snapshot holds the run")
     except RollpointError as exc:  # a refused resume, a busy workdir, a bad config: one line
         sys.exit(f"error: {exc.message}")

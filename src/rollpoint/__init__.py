@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from rollpoint.preemption import StopRequest
     from rollpoint.protocol.deployment import ReplicaEndpoints, ServedDeployment
     from rollpoint.protocol.episode import TaskRow
-    from rollpoint.protocol.errors import RollpointError
+    from rollpoint.protocol.errors import RollpointError, RunPreemptedError
     from rollpoint.rollouts import Rollouts, RunProgress, SyncRollouts, TrainBatch, load_served
     from rollpoint.trainer.train_hooks import TrainSample, TrainTurn, token_segments
 
@@ -41,6 +41,7 @@ __all__ = [
     "Rollouts",
     "RollpointError",
     "RunConfig",
+    "RunPreemptedError",
     "RunProgress",
     "ServedDeployment",
     "StopRequest",
@@ -65,6 +66,7 @@ _HOMES = {
     "ServedDeployment": "rollpoint.protocol.deployment",
     "ReplicaEndpoints": "rollpoint.protocol.deployment",
     "RollpointError": "rollpoint.protocol.errors",
+    "RunPreemptedError": "rollpoint.protocol.errors",
     "TaskRow": "rollpoint.protocol.episode",
     "RunConfig": "rollpoint.config",
     "load_config": "rollpoint.config",

@@ -56,12 +56,7 @@ def _run_async(make: Callable[[StopRequest], Awaitable[T]]) -> T:
     from rollpoint.preemption import StopRequest, signal_name
 
     async def _main() -> T:
-        task = asyncio.current_task()
-        assert task is not None
-        loop = asyncio.get_running_loop()
-        stop = StopRequest(cancel=task.cancel)
-        for signum in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(signum, stop.signal, signum)
+        stop = StopRequest.on_signals()
         try:
             return await make(stop)
         except asyncio.CancelledError:

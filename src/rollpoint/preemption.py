@@ -12,8 +12,9 @@ The final snapshot holds every participant after its cut until it is published (
 ``SnapshotCoordinator.save(final=True)``), so no policy call starts after the cut: a rerun
 re-does at most the calls that were in flight when the signal came.
 
-It does not install signal handlers (the CLI does, calling :meth:`StopRequest.signal`), nor
-stop the servers (``run_job``'s cleanup does).
+It installs signal handlers only when asked (:meth:`StopRequest.on_signals`, which the CLI
+and a trainer of its own call from their main task), and does not stop the servers
+(``run_job``'s cleanup does).
 """
 
 from __future__ import annotations
@@ -63,6 +64,20 @@ class StopRequest:
         """True once a signal cancelled the run outright (second signal, or too early)."""
         self.received = 0
         """How many signals came."""
+
+    @classmethod
+    def on_signals(cls, signums: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> StopRequest:
+        """A stop request for the running task, which the event loop calls on each of
+        ``signums`` (the main thread's loop only: Python delivers signals there). A signal
+        that cancels outright cancels this task."""
+        task = asyncio.current_task()
+        if task is None:
+            raise RuntimeError("StopRequest.on_signals() is called from a running task")
+        stop = cls(cancel=task.cancel)
+        loop = asyncio.get_running_loop()
+        for signum in signums:
+            loop.add_signal_handler(signum, stop.signal, signum)
+        return stop
 
     @property
     def exit_code(self) -> int:

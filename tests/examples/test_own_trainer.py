@@ -44,9 +44,16 @@ def _start(served_file: Path, workdir: Path, out: Path) -> subprocess.Popen[byte
         )
 
 
+_FINAL = re.compile(r"stopped by SIGTERM: snapshot (\S+) holds the run")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
 def test_own_trainer_killed_after_a_snapshot_resumes_and_trains_every_row_once(
-    tmp_path: Path,
+    tmp_path: Path, signum: int
 ) -> None:
+    # SIGKILL: the rerun resumes from the last snapshot taken. SIGTERM (a scheduler's
+    # preemption notice): the example's StopRequest takes one final snapshot, exits 143
+    # without a traceback, and the rerun resumes from that snapshot.
     # 200 ms a policy call: the example's 32 episodes outlast several snapshots.
     config, _ = workplace_serve_config(tmp_path, tasks=TASKS, group_size=GROUP_SIZE, latency_ms=200)
     workdir, out = tmp_path / "trainer", tmp_path / "trainer.out"
@@ -68,12 +75,16 @@ def test_own_trainer_killed_after_a_snapshot_resumes_and_trains_every_row_once(
                 if before is not None and newest_holds_depth(store, before, 1):
                     break
                 time.sleep(0.01)
-            os.killpg(first.pid, signal.SIGKILL)
-            first.wait(timeout=20)
+            os.killpg(first.pid, signum)
+            code = first.wait(timeout=60)
         finally:
             if first.poll() is None:
                 os.killpg(first.pid, signal.SIGKILL)
         killed_at = len(out.read_text())
+        final = _FINAL.search(out.read_text())
+        if signum == signal.SIGTERM:
+            assert code == 143 and final, out.read_text()
+            assert "Traceback" not in out.read_text(), out.read_text()
         rerun = _start(served_file, workdir, out)
         assert rerun.wait(timeout=240) == 0, out.read_text()[killed_at:]
 
@@ -81,6 +92,8 @@ def test_own_trainer_killed_after_a_snapshot_resumes_and_trains_every_row_once(
     assert "Traceback" not in said, said
     match = _RESUMED.search(said)
     assert match and int(match.group(3)) > 0, said
+    if final is not None:
+        assert match.group(1) == final.group(1), "the rerun did not resume at the final snapshot"
     tasks = get_environment("workplace").make_tasks(TASKS, 0)
     rollouts, unreadable = invariants.read_train_data(workdir)
     found = [

@@ -29,6 +29,7 @@ def test_the_top_level_exports_are_pinned_and_each_resolves() -> None:
         "Rollouts",
         "RollpointError",
         "RunConfig",
+        "RunPreemptedError",
         "RunProgress",
         "ServedDeployment",
         "StopRequest",

@@ -488,6 +488,10 @@ def test_an_interrupted_chaos_run_still_reports_the_trials_it_finished(tmp_path:
         stderr=subprocess.PIPE,
         text=True,
         env={**os.environ, "NO_COLOR": "1", "COLUMNS": "200"},
+        # Ctrl-C as a terminal delivers it: a test suite started in the background by a
+        # shell without job control runs with SIGINT ignored, which its children inherit
+        # (and Python then leaves it ignored, as nohup intends).
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     second = load_config(config).workdir / "chaos" / "trial-1"
     deadline = time.monotonic() + 120

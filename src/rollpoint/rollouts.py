@@ -161,8 +161,9 @@ class Rollouts:
     ``more_groups``: besides the config's tasks (which may then be ``tasks: 0``), the run
     takes the groups :meth:`add_groups` hands it while it runs, and ends after
     :meth:`end_groups` once every group is trained.
-    ``stop``: a :class:`~rollpoint.preemption.StopRequest` your signal handlers call
-    (``loop.add_signal_handler(SIGTERM, stop.signal, SIGTERM)``): the first signal seals the
+    ``stop``: a :class:`~rollpoint.preemption.StopRequest` the signals call
+    (:meth:`StopRequest.on_signals() <rollpoint.preemption.StopRequest.on_signals>` from
+    your main task: SIGTERM and SIGINT): the first signal seals the
     run, takes one final snapshot within ``preemption.grace_seconds`` and ends it with a
     :class:`~rollpoint.protocol.errors.RunPreemptedError` naming the snapshot that holds it
     (raised by :meth:`summary`); ``rollpoint run`` passes the one it handles SIGTERM with.

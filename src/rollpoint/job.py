@@ -27,6 +27,7 @@ from pathlib import Path
 
 from rollpoint.config import RunConfig
 from rollpoint.http.client import HttpClient
+from rollpoint.loop.simulated_trainer import SimulatedTrainer
 from rollpoint.preemption import StopRequest, drive_until_stopped
 from rollpoint.protocol.deployment import Deployment, ServedDeployment
 from rollpoint.protocol.episode import TaskRow
@@ -139,14 +140,6 @@ def _read_token(path: str) -> str:
     if not token:
         raise ConfigError(f"token file {path} is empty")
     return token
-
-
-def _simulated(config: RunConfig) -> TrainHooks:
-    """The built-in loop's update, for callers that bring none (chaos trials, benches).
-    Imported here, not at the top: the loop is built on the façade, which runs this job."""
-    from rollpoint.loop.simulated_trainer import SimulatedTrainer
-
-    return SimulatedTrainer(config.train.step_seconds)
 
 
 async def drive_quietly(trainer: Trainer, runtime: Runtime, metrics: TrainerMetrics) -> RunSummary:
@@ -316,7 +309,7 @@ async def run_job(
             config.trainer_settings(),
             deployment,
             tasks,
-            hooks=hooks or _simulated(config),
+            hooks=hooks or SimulatedTrainer(config.train.step_seconds),
             client=data_http,
             control=control,
             restored=restored,

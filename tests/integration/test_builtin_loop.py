@@ -13,30 +13,16 @@ from pathlib import Path
 import orjson
 import pytest
 
-from rollpoint import Rollouts, RunProgress, parse_config
+from rollpoint import Rollouts, RunProgress
 from rollpoint.config import RunConfig
 from rollpoint.loop import run_builtin
+from tests.support.small_job import small_job
 
 pytestmark = pytest.mark.integration
 
 
 def job(tmp_path: Path) -> RunConfig:
-    config = parse_config(
-        {
-            "workdir": str(tmp_path / "run"),
-            "environment": "math",
-            "tasks": 6,
-            "group_size": 2,
-            "max_turns": 1,
-            "replicas": 1,
-            "concurrency": 4,
-            "policy": {"latency_ms": 50, "error_rate": 0},
-            "train": {"batch_size": 4, "step_seconds": 0.05},
-            "snapshot": {"allow_restart_only": True},
-        }
-    )
-    config.workdir.mkdir(parents=True)
-    return config
+    return small_job(tmp_path, latency_ms=50, step_seconds=0.05)
 
 
 async def test_the_built_in_loop_trains_every_row_once_and_shows_the_runs_progress(

@@ -12,30 +12,16 @@ from pathlib import Path
 import orjson
 import pytest
 
-from rollpoint import SyncRollouts, parse_config
+from rollpoint import SyncRollouts
 from rollpoint.config import RunConfig
 from rollpoint.protocol.errors import BadRequestError
+from tests.support.small_job import small_job
 
 pytestmark = pytest.mark.integration
 
 
 def job(tmp_path: Path) -> RunConfig:
-    config = parse_config(
-        {
-            "workdir": str(tmp_path / "run"),
-            "environment": "math",
-            "tasks": 6,
-            "group_size": 2,
-            "max_turns": 1,
-            "replicas": 1,
-            "concurrency": 4,
-            "policy": {"latency_ms": 20, "error_rate": 0},
-            "train": {"batch_size": 4},
-            "snapshot": {"allow_restart_only": True},
-        }
-    )
-    config.workdir.mkdir(parents=True)
-    return config
+    return small_job(tmp_path)
 
 
 def test_a_synchronous_loop_pulls_every_batch_once_and_snapshots_from_its_thread(

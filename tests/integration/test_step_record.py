@@ -17,7 +17,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from rollpoint import SyncRollouts, parse_config
+from rollpoint import SyncRollouts
 from rollpoint.config import RunConfig
 from rollpoint.protocol.errors import RestoreError
 from rollpoint.trainer import (
@@ -28,6 +28,7 @@ from rollpoint.trainer import (
     WorkdirRecord,
 )
 from rollpoint.trainer.train_checkpoint import INITIAL
+from tests.support.small_job import small_job
 
 pytestmark = pytest.mark.integration
 
@@ -92,22 +93,7 @@ class SqliteRecord:
 
 
 def job(tmp_path: Path) -> RunConfig:
-    config = parse_config(
-        {
-            "workdir": str(tmp_path / "run"),
-            "environment": "math",
-            "tasks": 6,
-            "group_size": 2,
-            "max_turns": 1,
-            "replicas": 1,
-            "concurrency": 4,
-            "policy": {"latency_ms": 20, "error_rate": 0},
-            "train": {"batch_size": 4},
-            "snapshot": {"allow_restart_only": True},
-        }
-    )
-    config.workdir.mkdir(parents=True)
-    return config
+    return small_job(tmp_path)
 
 
 def test_a_run_resumes_at_the_step_the_trainers_own_record_made_durable(

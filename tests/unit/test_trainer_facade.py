@@ -94,3 +94,41 @@ def test_the_attached_runtime_refuses_another_replica_count() -> None:
     config = parse_config({"workdir": "/tmp/x", "environment": "math", "tasks": 1, "replicas": 2})
     with pytest.raises(ConfigError, match=r"replicas: the config says 2, the deployment has 1"):
         AttachedRuntime(config, served.deployment())
+
+
+def test_the_trainer_library_and_the_loop_export_pinned_names_that_each_resolve() -> None:
+    import rollpoint.loop
+    import rollpoint.trainer
+
+    assert rollpoint.trainer.__all__ == [
+        "Blocker",
+        "Coverage",
+        "DispatchBarrier",
+        "Dispatcher",
+        "FinishedQueue",
+        "GroupBatch",
+        "GroupOutcome",
+        "LedgerMove",
+        "LedgerRecord",
+        "RecoveryLedger",
+        "RolloutState",
+        "RunSummary",
+        "SavePhase",
+        "SaveReport",
+        "SaveSettings",
+        "StepRecord",
+        "StepResult",
+        "TrainCheckpoint",
+        "TrainHooks",
+        "TrainSample",
+        "Trainer",
+        "TrainerSettings",
+        "TrainerStats",
+        "WorkdirRecord",
+        "advantages_by_episode",
+        "group_advantages",
+    ]
+    assert rollpoint.loop.__all__ == ["SimulatedTrainer", "run_builtin"]
+    for package in (rollpoint.trainer, rollpoint.loop):
+        for name in package.__all__:
+            assert getattr(package, name).__name__ == name

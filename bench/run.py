@@ -64,7 +64,7 @@ ITEMS: dict[str, Item] = {
         else snapshot_growth.run((10_000,), snapshots=6)
     ),
     # Without token data only: with ~1k-token turns the servers hold 7.4 GB at 10k in
-    # flight (PERFORMANCE.md, session 13), and 100k would need far more than 24 GiB.
+    # flight (docs/log/performance-2026.md, session 13), and 100k would need far more than 24 GiB.
     "snapshot_growth_100k": lambda quick: snapshot_growth.run(
         (100_000,), snapshots=4, settle_s=60.0, variants=("plain",)
     ),

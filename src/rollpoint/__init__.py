@@ -1,6 +1,7 @@
 """rollpoint: checkpoint and recover in-flight multi-turn agent rollouts.
 
-The package is split by which side of the wire a module lives on:
+The package is split by which side of the wire a module lives on (docs/design.md#layout
+says why, with the rules between the parts):
 
 - ``protocol/``  wire models, ids and the error tree shared by both sides
 - ``http/``      the one HTTP seam: app factory, client transport, auth
@@ -8,12 +9,23 @@ The package is split by which side of the wire a module lives on:
   marks, gate, control routes, checkpoint writes, state images
 - ``servers/``   environment side: the built-in model, agent and resources servers, each
   its own package, built only on ``participant/``
-- ``envs/``      built-in environments (workplace, blackjack, math)
+- ``envs/``      environment side: the environment interface and the built-in
+  environments (workplace, blackjack, math)
+- ``loops/``     environment side: custom agent loops, the plug-in an agent server uses to
+  decide what each policy call sends
 - ``policy/``    the scripted OpenAI-compatible policy
-- ``trainer/``   RL side: ledger, dispatcher, finished-rollout queue, trainer loop
-- ``loop/``      the built-in loop ``rollpoint run`` trains with, on the façade only
+- ``trainer/``   RL side: ledger, dispatcher, finished-rollout queue, step record, snapshot
+  coordinator, restorer, trainer loop
+- ``loop/``      the built-in training loop ``rollpoint run`` trains with, on the façade only
 - ``store/``     snapshot store (the only place that knows about files)
 - ``runtime/``   process launchers (the only place that knows about processes)
+- ``tuning/``    performance tricks, reached through the checkpoint seam and installed by
+  the entry points only
+- ``testing/``   the shipped test kit: fault proxy, local cluster, conformance, the
+  invariant checker, ``rollpoint chaos``
+- ``report/``    ``rollpoint report``: one HTML page of a run
+- the modules at the top level: the app (the CLI, the job it runs, the run config) and the
+  trainer's façade over the job (:mod:`rollpoint.rollouts`, :mod:`rollpoint.preemption`)
 
 The top level exports the trainer's façade (:class:`~rollpoint.rollouts.Rollouts`, see
 docs/trainers.md) and the config it takes, imported on first use (PEP 562), so that

@@ -1,4 +1,5 @@
-"""``rollpoint run`` SIGKILLed at chosen moments, rerun to the end, and held to DESIGN §8.
+"""``rollpoint run`` SIGKILLed at chosen moments, rerun to the end, and held to the invariants
+(docs/design.md#invariants).
 
 Each test starts the real command in its own session, kills the whole process group
 (trainer and every server) at a moment read off the workdir or the run's stderr, checks

@@ -6,7 +6,7 @@ stop with the runtime. A replica whose server process dies is replaced by a new 
 whole job runs with ``runtime: ray``; one replica actor is killed with ``ray.kill``
 mid-job: Ray's report of the death marks the replica down, a new actor takes its place and
 gets rows, the other replica is never touched, and the run's workdir holds the invariants
-of DESIGN §8.
+of docs/design.md#invariants.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 A job crashes; the operator reruns it with another ``replicas`` count on fresh servers
 (threads on loopback). Every saved episode lands on a live replica and continues from its
-saved turn, the run finishes with the crash invariants of DESIGN §8 holding, and state
-that is not portable is refused, naming it, before anything is installed.
+saved turn, the run finishes with the crash invariants (docs/design.md#invariants) holding,
+and state that is not portable is refused, naming it, before anything is installed.
 """
 
 from __future__ import annotations

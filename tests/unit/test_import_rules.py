@@ -1,4 +1,5 @@
-"""The import rules of the layout (DESIGN.md §9), read from each module's imports with ``ast``.
+"""The import rules of the layout (docs/design.md#layout), read from each module's imports
+with ``ast``.
 
 - ``rollpoint.participant`` (the SDK) and ``rollpoint.servers`` (the built-in servers) never
   import the trainer side (``rollpoint.trainer``, ``rollpoint.loop``) nor the

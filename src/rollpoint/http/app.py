@@ -171,7 +171,7 @@ def _with_error_envelope(schema: dict[str, Any]) -> dict[str, Any]:
 _NO_TELEMETRY: TelemetryConfig = {"tracing": False, "metrics": False, "logs": False}
 """FastAPI's native OpenTelemetry off. With it on, every request asks the global
 OpenTelemetry providers whether one is configured: ~4 % of a model server's busy time
-under serial proxied calls (a py-spy profile, docs/PERFORMANCE.md session 8). rollpoint
+under serial proxied calls (a py-spy profile, docs/log/performance-2026.md session 8). rollpoint
 reports through the trainer's Prometheus ``/metrics``, each server's ``/rollpoint/v1/stats``
 and the logs."""
 

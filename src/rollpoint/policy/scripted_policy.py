@@ -34,7 +34,8 @@ It runs full garbage collections only while no call is in flight
 benchmark, CPython's own took 1.1-2.8 s every few seconds and freed nothing: the stand-in
 engine stalled every call it held. (They were also suspected of lengthening the next
 snapshot pause through the burst of replies after each; with them gone the 10k point
-still had pauses of 125-462 ms, so that was not the only cause. See docs/PERFORMANCE.md.)
+still had pauses of 125-462 ms, so that was not the only cause. See
+docs/log/performance-2026.md, "Re-measured on the code that landed".)
 
 Does not own: what to answer (:mod:`rollpoint.policy.playbook`) or the payload shapes
 (:mod:`rollpoint.policy.openai_wire`). Starting the process is the runtime's job.

@@ -1,4 +1,5 @@
-"""``rollpoint chaos``: run one job many times under random faults and hold each to DESIGN §8.
+"""``rollpoint chaos``: run one job many times under random faults and hold each to the
+invariants (docs/design.md#invariants).
 
 Owns the trials: for each plan of :func:`~rollpoint.testing.chaos_plan.draw_plans` it
 starts ``python -m rollpoint.testing.chaos_trial`` in its own session (its servers share

@@ -1,4 +1,4 @@
-"""The crash invariants of DESIGN §8, checked on a finished run's workdir.
+"""The crash invariants (docs/design.md#invariants), checked on a finished run's workdir.
 
 Owns reading what a run left behind (``train_data.jsonl``, ``metrics.jsonl``, the snapshot
 store) and judging it against I1 to I4. Every check returns a list of :class:`Violation`

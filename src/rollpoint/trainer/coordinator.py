@@ -1,6 +1,6 @@
 """The snapshot coordinator: one consistent cut across the trainer and every replica.
 
-Owns the save order of DESIGN §5 and the failure budget. A save:
+Owns the save order (docs/design.md#the-save-order) and the failure budget. A save:
 
 1. closes the dispatch barrier (the pause clock starts);
 2. prepares every participant of every up replica in stages — model servers (admission
@@ -151,7 +151,8 @@ class SnapshotCoordinator:
         self._failing_since = 0.0
         self.history: list[SaveReport] = []
         self.before_save: Callable[[], Awaitable[None]] | None = None
-        """Runs before the barrier closes (the trainer flushes retires and forgets: DESIGN §5.1)."""
+        """Runs before the barrier closes (the trainer flushes retires and forgets: step 1 of
+        docs/design.md#the-save-order)."""
 
     @property
     def saving(self) -> bool:

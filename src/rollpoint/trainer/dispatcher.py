@@ -24,7 +24,7 @@ Per-row rules (a row's result never ends its siblings' stream):
 - A row with no result within ``row_timeout_s`` on the barrier's pause clock (snapshot
   pauses do not count) is given up.
 
-**Giving up on a try** (DESIGN §5, last paragraph): retire it on its replica first, then
+**Giving up on a try** (docs/design.md#giving-up-on-a-try): retire it on its replica first, then
 adopt its stored reply or re-send the row fresh under a new rollout id; see
 :mod:`rollpoint.trainer.given_up_tries`.
 

@@ -1,4 +1,5 @@
-"""Given-up tries: what becomes of a try the dispatcher gives up on (DESIGN §5, last paragraph).
+"""Given-up tries: what becomes of a try the dispatcher gives up on
+(docs/design.md#giving-up-on-a-try).
 
 The try is retired on its replica's participants first, and the agent's answer decides.
 ``cancelled`` (it was still running) or ``unknown`` (it never got there): the row is re-sent

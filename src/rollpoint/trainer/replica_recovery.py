@@ -1,7 +1,8 @@
 """Replica recovery: a replica that dies mid-run gets its episodes back from the latest snapshot.
 
 Owns what happens to a lost replica's tries between the runtime's "down" and "up" reports
-(DESIGN §6.4 applied to one replica, while the others keep running):
+(docs/design.md#a-replica-lost-mid-run: the restore's ledger moves applied to one replica,
+while the others keep running):
 
 - **down** (:meth:`ReplicaRecovery.hold`): the tries the latest published snapshot saved on
   that replica and that are still in flight at the same attempt are *held*: they continue

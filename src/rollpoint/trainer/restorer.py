@@ -1,4 +1,4 @@
-"""Restore after a crash: the restore order of DESIGN §6.
+"""Restore after a crash: the restore order of docs/design.md#the-restore-order.
 
 Owns choosing what to resume from and putting every piece back:
 

@@ -75,7 +75,7 @@ ended for :data:`QUIET_S` (:meth:`CollectorSchedule.grown`). Without it, a serve
 sessions opened for a minute with no checkpoint met its first with all of them unfrozen:
 that collection, run just after the first pause, took 2.3-2.5 s in each model and agent
 server at 10k sessions (six servers collecting at once on two cores) and held the next
-pause 261 ms (docs/PERFORMANCE.md, session 8). Collected as it grows, the same heap is
+pause 261 ms (docs/log/performance-2026.md, session 8). Collected as it grows, the same heap is
 scanned a slice at a time, each slice frozen behind it (0.4-0.7 s each at a million blocks
 in that run, the first collection after the cut then ~1 ms; half that here, so that a
 resources server's smaller heap is sliced too)."""

@@ -8,11 +8,13 @@ fsspec URL) of numbered segments in the format of :mod:`rollpoint.store.journal_
     <folder>/segment-0000000003.rpj.untrusted   set aside: it came after a damaged record
 
 Group commit: :meth:`Journal.append` encodes its record in the caller, queues it and waits.
-One flusher takes every record queued within ``window_s`` of the oldest one (or sooner, once
-``batch_bytes`` are queued), writes them with one ``write`` and makes them durable with one
-fsync on one writer thread, then resolves every waiting append: an append returns only when
+One flusher takes every record queued within ``window_s`` of the oldest one (up to
+``batch_bytes``: then at once), writes them with one ``write`` and makes them durable with
+one fsync on one writer thread, then resolves every waiting append: an append returns only when
 its record is durable, and N concurrent appends cost one fsync, not N. Records queued while a
-batch is being written wait for the next one (at most ``window_s`` after they arrived).
+batch is being written wait for the next one (at most ``window_s`` after they arrived). When
+the last commit held a single record nobody else is appending: the next one is written at
+once instead of waiting out the window for company.
 
 Opening a journal scans it once (:func:`scan`): every whole record is indexed by key (the
 last record of a key answers it: :meth:`Journal.lookup` is one dict look-up and one
@@ -216,6 +218,7 @@ class Journal:
         self._pending: list[_Pending] = []
         self._pending_bytes = 0
         self._oldest = 0.0
+        self._last_batch = 0
         self._flusher: asyncio.Task[None] | None = None
         self._failed: BaseException | None = None
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="journal-writer")
@@ -287,11 +290,12 @@ class Journal:
         loop = asyncio.get_running_loop()
         try:
             while self._pending:
+                # A lone appender (the last commit held one record) is not kept waiting
+                # for company that is not coming: PostgreSQL's commit_siblings rule.
                 wait = self._oldest + self.window_s - time.monotonic()
-                if wait > 0 and self._pending_bytes < self.batch_bytes:
+                if wait > 0 and self._last_batch > 1 and self._pending_bytes < self.batch_bytes:
                     await asyncio.sleep(wait)
-                batch, self._pending, self._pending_bytes = self._pending, [], 0
-                self._oldest = time.monotonic()
+                batch = self._take_batch()
                 try:
                     ends = await loop.run_in_executor(
                         self._writer, self._write_batch, [p.frame for p in batch]
@@ -304,12 +308,26 @@ class Journal:
                             p.future.set_exception(error)
                     self._pending = []
                     return
+                self._last_batch = len(batch)
                 for p, (segment, start, end) in zip(batch, ends, strict=True):
                     self._index[p.key] = _Loc(segment, start, end)
                     if not p.future.done():  # a cancelled caller: its record is durable anyway
                         p.future.set_result(Position(segment, end))
         finally:
             self._flusher = None
+
+    def _take_batch(self) -> list[_Pending]:
+        """The oldest pending records up to ``batch_bytes`` (at least one): a burst of
+        appends is written in bounded commits, so the first of them wait for one commit's
+        write, not for everyone's."""
+        take, size = 0, 0
+        for pending in self._pending:
+            if take and size + len(pending.frame) > self.batch_bytes:
+                break
+            take, size = take + 1, size + len(pending.frame)
+        batch, self._pending = self._pending[:take], self._pending[take:]
+        self._pending_bytes -= size
+        return batch
 
     def _write_batch(self, frames: list[bytes]) -> list[tuple[int, int, int]]:
         """On the writer thread: one write and one fsync for the whole batch."""

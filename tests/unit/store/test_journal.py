@@ -201,3 +201,34 @@ async def test_a_failed_fsync_fails_the_waiting_appends_and_every_later_one(tmp_
     with pytest.raises(StorageError, match="an earlier write failed"):
         await journal.append("k2", "t", b"x")
     await journal.close()
+
+
+async def test_a_burst_is_committed_in_batches_of_at_most_batch_bytes(tmp_path: Path) -> None:
+    journal = _open(tmp_path / "j", window_s=0.0, batch_bytes=10_000)
+    ends = await asyncio.gather(*(journal.append(f"k{i:03d}", "t", b"b" * 960) for i in range(100)))
+    frame = ends[0].offset - HEADER  # every frame here is the same size
+    per_commit = 10_000 // frame
+    assert journal.metrics.commits == -(-100 // per_commit)
+    assert journal.metrics.records_per_fsync > 1
+    await journal.close()
+
+
+async def test_a_lone_appender_does_not_wait_out_the_window(tmp_path: Path) -> None:
+    # A 60 s window: were a lone append made to wait for company, this would time out.
+    journal = _open(tmp_path / "j", window_s=60.0)
+    for i in range(3):
+        await asyncio.wait_for(journal.append(f"k{i}", "t", b"x"), 30)
+    assert journal.metrics.commits == 3
+    await journal.close()
+
+
+async def test_under_load_the_window_gathers_appends_that_arrive_apart(tmp_path: Path) -> None:
+    journal = _open(tmp_path / "j", window_s=1.0)
+    await asyncio.gather(*(journal.append(f"a{i}", "t", b"x") for i in range(2)))  # load seen
+    tasks = []
+    for i in range(6):  # each in its own loop iteration: no two are ready at the same time
+        tasks.append(asyncio.create_task(journal.append(f"b{i}", "t", b"x")))
+        await asyncio.sleep(0)
+    await asyncio.gather(*tasks)
+    assert journal.metrics.commits == 2, "appends within the window took more than one commit"
+    await journal.close()

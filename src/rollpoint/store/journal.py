@@ -16,7 +16,7 @@ batch is being written wait for the next one (at most ``window_s`` after they ar
 the last commit held a single record nobody else is appending: the next one is written at
 once instead of waiting out the window for company.
 
-Opening a journal scans it once (:func:`scan`): every whole record is indexed by key (the
+Opening a journal scans it once (:func:`~rollpoint.store.journal_scan.scan`): every whole record is indexed by key (the
 last record of a key answers it: :meth:`Journal.lookup` is one dict look-up and one
 ``pread``), and at the first record that is cut short or fails its checksum the journal is
 cut, with a warning naming the file and offset. Nothing after it is trusted: later segments
@@ -38,13 +38,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import os
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import Any
 
 import orjson
 
@@ -54,27 +53,17 @@ from rollpoint.store.journal_format import (
     HEADER,
     Damage,
     SegmentHeader,
-    decode_header,
     encode_header,
     encode_record,
     scan_frames,
     segment_name,
-    segment_number,
 )
+from rollpoint.store.journal_scan import JournalScan, Placement, Position, scan
 
-__all__ = ["Journal", "JournalMetrics", "JournalRecord", "JournalScan", "Position", "scan"]
-
-log = logging.getLogger(__name__)
+__all__ = ["Journal", "JournalMetrics", "JournalRecord", "Position"]
 
 UNTRUSTED = ".untrusted"
 _O_APPEND_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW
-
-
-class Position(NamedTuple):
-    """A place in a journal: the end of a record (or of a segment's header)."""
-
-    segment: int
-    offset: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,86 +92,6 @@ class JournalMetrics:
     @property
     def records_per_fsync(self) -> float:
         return self.records / self.fsyncs if self.fsyncs else 0.0
-
-
-class _Loc(NamedTuple):
-    segment: int
-    offset: int
-    end: int
-
-
-@dataclass
-class JournalScan:
-    """What a scan found: the trusted extent of each segment and every record's place."""
-
-    limits: dict[int, int] = field(default_factory=dict)
-    """Segment number → where its trusted records end."""
-    index: dict[str, _Loc] = field(default_factory=dict)
-    cut: Position | None = None
-    """Where the first damage was; nothing from there on is trusted."""
-    untrusted: list[str] = field(default_factory=list)
-    """Segment files after the cut (names)."""
-    records: int = 0
-
-
-def scan(fs: Filesystem, folder: str) -> JournalScan:
-    """Read every segment of ``folder`` once; warn (file and offset) at the first damage."""
-    found = sorted(
-        (number, name)
-        for name in fs.listdir(folder)
-        if (number := segment_number(name)) is not None
-    )
-    result = JournalScan()
-    datas: list[tuple[int, str, bytes, SegmentHeader | None]] = []
-    for number, name in found:
-        path = fs.join(folder, name)
-        data = fs.read_bytes(path)
-        header: SegmentHeader | None = None
-        try:
-            header = decode_header(data, path)
-        except JournalFormatError as exc:
-            # A segment too short or unreadable is damage (a crash while creating it);
-            # a version we do not know is refused: its records may be fine.
-            if "format version" in exc.message or "flags" in exc.message:
-                raise
-        if header is not None and header.segment != number:
-            raise JournalFormatError(f"journal segment {path}: its header says {header.segment}")
-        datas.append((number, path, data, header))
-    for i, (number, path, data, header) in enumerate(datas):
-        if result.cut is not None:
-            result.untrusted.append(path.rsplit("/", 1)[-1])
-            continue
-        if header is None:
-            _warn_cut(path, 0, "header missing or damaged", len(data))
-            result.cut = Position(number, 0)
-            result.untrusted.append(path.rsplit("/", 1)[-1])
-            continue
-        follower = datas[i + 1][3] if i + 1 < len(datas) else None
-        limit = follower.prev_end if follower is not None else len(data)
-        if limit > len(data):
-            _warn_cut(path, len(data), f"segment ends before {limit}, where the next begins", 0)
-            limit = len(data)
-            result.cut = Position(number, limit)
-        for frame in scan_frames(data, HEADER, limit):
-            if isinstance(frame, Damage):
-                _warn_cut(path, frame.offset, frame.reason, limit - frame.offset)
-                result.cut = Position(number, frame.offset)
-                limit = frame.offset
-                break
-            result.index[frame.key] = _Loc(number, frame.offset, frame.end)
-            result.records += 1
-        result.limits[number] = limit
-    return result
-
-
-def _warn_cut(path: str, offset: int, reason: str, dropped: int) -> None:
-    log.warning(
-        "journal %s: %s at offset %d; cut there (%d bytes and every later record not trusted)",
-        path,
-        reason,
-        offset,
-        dropped,
-    )
 
 
 @dataclass(slots=True)
@@ -221,6 +130,7 @@ class Journal:
         self._last_batch = 0
         self._flusher: asyncio.Task[None] | None = None
         self._failed: BaseException | None = None
+        self._closed = False
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="journal-writer")
         self._readers: dict[int, int] = {}
         self._fd = -1
@@ -249,7 +159,6 @@ class Journal:
         for name in scanned.untrusted:
             path = fs.join(folder, name)
             fs.rename(path, path + UNTRUSTED)
-            scanned.limits.pop(segment_number(name) or -1, None)
         return cls(
             folder,
             scanned,
@@ -272,6 +181,8 @@ class Journal:
         the write failed: then every later append fails too, the journal is broken)."""
         if self._failed is not None:
             raise StorageError(f"journal {self.folder}: an earlier write failed: {self._failed}")
+        if self._closed:
+            raise StorageError(f"journal {self.folder}: closed; append refused")
         frame = encode_record(key, kind, payload, json=json)
         loop = asyncio.get_running_loop()
         pending = _Pending(frame, key, loop.create_future())
@@ -300,7 +211,7 @@ class Journal:
                     ends = await loop.run_in_executor(
                         self._writer, self._write_batch, [p.frame for p in batch]
                     )
-                except OSError as exc:
+                except Exception as exc:  # OSError mostly; any other must not strand appends
                     self._failed = exc
                     error = StorageError(f"journal {self.folder}: write failed: {exc}")
                     for p in (*batch, *self._pending):
@@ -310,7 +221,7 @@ class Journal:
                     return
                 self._last_batch = len(batch)
                 for p, (segment, start, end) in zip(batch, ends, strict=True):
-                    self._index[p.key] = _Loc(segment, start, end)
+                    self._index[p.key] = Placement(segment, start, end)
                     if not p.future.done():  # a cancelled caller: its record is durable anyway
                         p.future.set_result(Position(segment, end))
         finally:
@@ -368,8 +279,8 @@ class Journal:
         self.metrics.fsyncs += 2
         if self._fd >= 0:
             os.close(self._fd)
+        self._limits[number] = HEADER  # before _active: `position` reads both from the loop
         self._fd, self._active = fd, number
-        self._limits[number] = HEADER
 
     async def rotate(self) -> None:
         """Close the active segment (if it holds records) and start the next; after pending
@@ -419,7 +330,7 @@ class Journal:
                     Position(number, frame.end),
                 )
 
-    def _read(self, loc: _Loc) -> JournalRecord:
+    def _read(self, loc: Placement) -> JournalRecord:
         data = self._pread(loc.segment, loc.offset, loc.end - loc.offset)
         for frame in scan_frames(data, 0, len(data)):
             if isinstance(frame, Damage):
@@ -467,6 +378,7 @@ class Journal:
 
     async def close(self) -> None:
         """Wait for pending appends, then release the files (the active segment stays as is)."""
+        self._closed = True
         while self._flusher is not None:
             await asyncio.shield(self._flusher)
         self._writer.shutdown(wait=True)

@@ -36,7 +36,8 @@ from typing import NamedTuple
 
 from crc32c import crc32c
 
-from rollpoint.protocol.errors import JournalFormatError
+from rollpoint.protocol.errors import BadRequestError, JournalFormatError
+from rollpoint.protocol.ids import is_identifier
 
 __all__ = [
     "FORMAT_VERSION",
@@ -50,6 +51,7 @@ __all__ = [
     "decode_header",
     "encode_header",
     "encode_record",
+    "journal_key",
     "scan_frames",
     "segment_name",
     "segment_number",
@@ -73,6 +75,26 @@ SUFFIX = ".rpj"
 MIGRATIONS: dict[int, Callable[[bytes], bytes]] = {}
 """Older format version → a function turning such a segment's bytes into the current
 version's. Empty: version 1 is the first. A version neither current nor here is refused."""
+
+
+def journal_key(
+    participant: str, rollout_id: str, attempt: int, turn: int, call: int | None = None
+) -> str:
+    """The one stable string a unit of work is journaled under (and, in issue 36, the
+    idempotency key a tool sees): ``model|r7f3a|a0|t3|c1``; an agent's turn has no call index
+    (``agent|r7f3a|a0|t3``). Refused (:class:`BadRequestError`, naming it) when a part could
+    make two keys equal: a rollout id that is not an identifier, a negative number, a
+    participant kind with ``|`` in it."""
+    if not is_identifier(rollout_id):
+        raise BadRequestError(f"journal key: rollout id {rollout_id!r} is not an identifier")
+    if not participant or "|" in participant:
+        raise BadRequestError(f"journal key: participant kind {participant!r} is empty or has '|'")
+    numbers = {"attempt": attempt, "turn": turn, "call": 0 if call is None else call}
+    for name, value in numbers.items():
+        if value < 0:
+            raise BadRequestError(f"journal key of {rollout_id}: {name} {value} is negative")
+    key = f"{participant}|{rollout_id}|a{attempt}|t{turn}"
+    return key if call is None else f"{key}|c{call}"
 
 
 def segment_name(number: int) -> str:
@@ -131,18 +153,16 @@ def encode_record(key: str, kind: str, payload: bytes, *, json: bool = False) ->
         raise JournalFormatError(f"journal record kind {kind[:40]!r}…: longer than 255 bytes")
     if len(key_bytes) > 0xFFFF:
         raise JournalFormatError(f"journal record key {key[:40]!r}…: longer than 65535 bytes")
-    body = b"".join(
-        (
-            _BODY.pack(FLAG_JSON if json else 0, len(kind_bytes), len(key_bytes)),
-            kind_bytes,
-            key_bytes,
-            payload,
-        )
-    )
-    if len(body) > MAX_RECORD_BYTES:
-        raise JournalFormatError(f"journal record {key!r}: {len(body)} bytes, over the maximum")
-    length = _CRC.pack(len(body))
-    return length + _CRC.pack(crc32c(body, crc32c(length))) + body
+    # The frame is joined once: the checksum runs over the parts, so the payload (most of
+    # the record) is copied once, into the frame.
+    fields = _BODY.pack(FLAG_JSON if json else 0, len(kind_bytes), len(key_bytes))
+    fields += kind_bytes + key_bytes
+    size = len(fields) + len(payload)
+    if size > MAX_RECORD_BYTES:
+        raise JournalFormatError(f"journal record {key!r}: {size} bytes, over the maximum")
+    length = _CRC.pack(size)
+    crc = crc32c(payload, crc32c(fields, crc32c(length)))
+    return b"".join((length, _CRC.pack(crc), fields, payload))
 
 
 class Frame(NamedTuple):

@@ -232,3 +232,51 @@ async def test_under_load_the_window_gathers_appends_that_arrive_apart(tmp_path:
     await asyncio.gather(*tasks)
     assert journal.metrics.commits == 2, "appends within the window took more than one commit"
     await journal.close()
+
+
+async def test_a_segment_of_an_older_version_is_migrated_and_its_original_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    from crc32c import crc32c
+
+    from rollpoint.store import journal_format
+
+    folder = tmp_path / "j"
+    journal = _open(folder)
+    await journal.append("k0", "turn", b"zero")
+    await journal.close()
+    segment = folder / segment_name(1)
+    current = segment.read_bytes()
+    old = bytearray(current)
+    old[8] = 0  # as if written by a format 0 that differed only in its version
+    old[24:28] = crc32c(bytes(old[:24])).to_bytes(4, "little")
+    segment.write_bytes(bytes(old))
+
+    def from_0(data: bytes) -> bytes:
+        segment = int.from_bytes(data[12:16], "little")
+        prev_end = int.from_bytes(data[16:24], "little")
+        header = journal_format.SegmentHeader(segment=segment, prev_end=prev_end)
+        return journal_format.encode_header(header) + data[HEADER:]
+
+    monkeypatch.setitem(journal_format.MIGRATIONS, 0, from_0)
+    with caplog.at_level(logging.WARNING, logger="rollpoint.store.journal"):
+        reopened = _open(folder)
+    assert f"journal {segment}: migrated from format version 0 to 1" in caplog.text
+    assert reopened.lookup("k0").payload == b"zero"  # type: ignore[union-attr]
+    assert segment.read_bytes() == current
+    assert (folder / f"{segment_name(1)}.v0").read_bytes() == bytes(old)
+    await reopened.close()
+
+
+async def test_close_flushes_what_is_queued_and_refuses_later_appends(tmp_path: Path) -> None:
+    journal = _open(tmp_path / "j", window_s=0.5)
+    await asyncio.gather(*(journal.append(f"a{i}", "t", b"x") for i in range(2)))
+    queued = asyncio.create_task(journal.append("queued", "t", b"x"))
+    await asyncio.sleep(0)
+    await journal.close()
+    assert queued.done() and queued.result().segment == 1
+    with pytest.raises(StorageError, match="closed"):
+        await journal.append("late", "t", b"x")
+    reopened = _open(tmp_path / "j")
+    assert reopened.lookup("queued") is not None
+    await reopened.close()

@@ -158,3 +158,17 @@ def test_damaged_headers_are_refused_naming_the_file(damage: object, says: str) 
     with pytest.raises(JournalFormatError, match=says) as info:
         decode_header(data, "/j/segment-0000000001.rpj")
     assert "/j/segment-0000000001.rpj" in str(info.value)
+
+
+def test_journal_keys_are_one_stable_string_and_refuse_ambiguous_parts() -> None:
+    from rollpoint.protocol.errors import BadRequestError
+    from rollpoint.store.journal_format import journal_key
+
+    assert journal_key("model", "r7f3a", 0, 3, 1) == "model|r7f3a|a0|t3|c1"
+    assert journal_key("agent", "r7f3a", 2, 3) == "agent|r7f3a|a2|t3"
+    with pytest.raises(BadRequestError, match=r"rollout id 'r7\|x' is not an identifier"):
+        journal_key("model", "r7|x", 0, 0, 0)
+    with pytest.raises(BadRequestError, match="turn -1"):
+        journal_key("model", "r7", 0, -1, 0)
+    with pytest.raises(BadRequestError, match="participant kind"):
+        journal_key("mo|del", "r7", 0, 0, 0)

@@ -7,10 +7,13 @@ import asyncio
 import logging
 import os
 import threading
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from rollpoint.protocol.errors import JournalFormatError, StorageError
 from rollpoint.store.journal import Journal, Position
@@ -280,3 +283,51 @@ async def test_close_flushes_what_is_queued_and_refuses_later_appends(tmp_path: 
     reopened = _open(tmp_path / "j")
     assert reopened.lookup("queued") is not None
     await reopened.close()
+
+
+async def test_a_segment_left_empty_by_a_crash_while_creating_it_is_set_aside(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    folder = tmp_path / "j"
+    journal = _open(folder)
+    await journal.append("k0", "turn", b"0")
+    await journal.close()
+    (folder / segment_name(2)).write_bytes(b"")  # created, killed before its header was written
+    with caplog.at_level(logging.WARNING, logger="rollpoint.store.journal"):
+        reopened = _open(folder)
+    assert f"journal {folder / segment_name(2)}: header missing or damaged" in caplog.text
+    assert (folder / f"{segment_name(2)}.untrusted").exists()
+    await reopened.append("k1", "turn", b"1")
+    assert [r.key for r in reopened.records_after()] == ["k0", "k1"]
+    await reopened.close()
+
+
+@settings(
+    max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(payloads=st.lists(st.binary(min_size=0, max_size=40), min_size=2, max_size=4))
+def test_a_journal_torn_at_every_byte_of_its_last_record_reopens_to_the_records_before(
+    tmp_path: Path, payloads: list[bytes]
+) -> None:
+    async def scenario() -> None:
+        base = tmp_path / uuid.uuid4().hex
+        journal = _open(base / "whole", lambda fd: None)
+        ends = [await journal.append(f"k{i}", "turn", p) for i, p in enumerate(payloads)]
+        await journal.close()
+        whole = (base / "whole" / segment_name(1)).read_bytes()
+        last_start = ends[-2].offset
+        for cut in range(last_start + 1, ends[-1].offset):
+            folder = base / f"cut-{cut}"
+            folder.mkdir()
+            (folder / segment_name(1)).write_bytes(whole[:cut])
+            torn = _open(folder, lambda fd: None)
+            kept = [(r.key, r.payload) for r in torn.records_after()]
+            assert kept == [(f"k{i}", p) for i, p in enumerate(payloads[:-1])], cut
+            assert torn.lookup(f"k{len(payloads) - 1}") is None
+            await torn.append("after", "turn", b"a")
+            await torn.close()
+            again = _open(folder, lambda fd: None)
+            assert [r.key for r in again.records_after()][-1] == "after"
+            await again.close()
+
+    asyncio.run(scenario())

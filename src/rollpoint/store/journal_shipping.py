@@ -53,24 +53,39 @@ class SegmentShipper:
         self.metrics = ShippingMetrics()
         self._remote: Filesystem = filesystem_for(self.url)
         self._local: Filesystem = filesystem_for(journal.folder)
-        self._shipped = {n for n in self._remote.listdir(self.url) if segment_number(n) is not None}
+        # Name → size of what is at the URL. A closed segment is shipped when its name is not
+        # there, or is there with another size: after a cut the journal sets aside the
+        # segments that followed and writes new ones under the same numbers.
+        self._shipped = {
+            name: self._remote.size(self._remote.join(self.url, name))
+            for name in self._remote.listdir(self.url)
+            if segment_number(name) is not None
+        }
 
     async def ship_once(self) -> list[str]:
         """Close the active segment if it holds records, then put every closed segment not
         yet shipped; returns their names, oldest first."""
         await self.journal.rotate()
-        names = [n for n in self.journal.closed_segments() if n not in self._shipped]
+        names = await asyncio.to_thread(self._unshipped)
         for name in names:
-            await asyncio.to_thread(self._put, name)
-            self._shipped.add(name)
+            self._shipped[name] = await asyncio.to_thread(self._put, name)
         self.metrics.last_shipped_at = time.time()
         return names
 
-    def _put(self, name: str) -> None:
+    def _unshipped(self) -> list[str]:
+        folder = self.journal.folder
+        return [
+            name
+            for name in self.journal.closed_segments()
+            if self._shipped.get(name) != self._local.size(self._local.join(folder, name))
+        ]
+
+    def _put(self, name: str) -> int:
         data = self._local.read_bytes(self._local.join(self.journal.folder, name))
         self._remote.write_bytes(self._remote.join(self.url, name), data)
         self.metrics.segments += 1
         self.metrics.bytes += len(data)
+        return len(data)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Ship every ``every_s`` until ``stop`` is set, then once more."""
@@ -84,7 +99,7 @@ class SegmentShipper:
         """Delete the shipped copies of segments the journal dropped (its retention)."""
         for name in names:
             self._remote.remove_file(self._remote.join(self.url, name))
-            self._shipped.discard(name)
+            self._shipped.pop(name, None)
 
 
 def fetch_segments(url: str, folder: str) -> list[str]:

@@ -331,3 +331,22 @@ def test_a_journal_torn_at_every_byte_of_its_last_record_reopens_to_the_records_
             await again.close()
 
     asyncio.run(scenario())
+
+
+async def test_under_a_store_root_the_journal_goes_through_the_contained_filesystem(
+    tmp_path: Path,
+) -> None:
+    from rollpoint.protocol.errors import BadRequestError
+    from rollpoint.store.contained_filesystem import ContainedFilesystem
+
+    root = tmp_path / "store"
+    fs = ContainedFilesystem(str(root))
+    journal = Journal.open(str(root / "journal" / "model" / "model-0"), fs=fs)
+    await journal.append("k", "policy_call", b"x")
+    await journal.close()
+    assert (root / "journal" / "model" / "model-0" / segment_name(1)).exists()
+    (tmp_path / "elsewhere").mkdir()
+    (root / "journal" / "agent").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(BadRequestError, match="symlink"):
+        Journal.open(str(root / "journal" / "agent" / "agent-0"), fs=fs)
+    assert list((tmp_path / "elsewhere").iterdir()) == []

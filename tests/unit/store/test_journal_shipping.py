@@ -86,3 +86,33 @@ async def test_a_restart_on_the_same_machine_ships_what_the_last_process_left(
     s3.invalidate_cache()
     assert [p for p in s3.find(URL) if p.endswith(".rpj")] == []
     await reopened.close()
+
+
+async def test_segments_rewritten_after_a_cut_replace_their_shipped_namesakes(
+    s3: Any, tmp_path: Path
+) -> None:
+    spool = tmp_path / "spool"
+    journal = Journal.open(str(spool))
+    shipper = SegmentShipper(journal, URL, every_s=60)
+    await journal.append("k0", "turn", b"0" * 50)
+    await shipper.ship_once()
+    await journal.append("k1", "turn", b"1" * 50)
+    await shipper.ship_once()  # segments 1 and 2 are at the URL
+    await journal.close()
+    first = spool / "segment-0000000001.rpj"
+    damaged = bytearray(first.read_bytes())
+    damaged[-3] ^= 0x01  # k0's record: the cut is at segment 1's first record
+    first.write_bytes(bytes(damaged))
+    reopened = Journal.open(str(spool))  # sets 2 and 3 aside, writes a new segment 2
+    await reopened.append("k9", "turn", b"9")
+    shipper = SegmentShipper(reopened, URL, every_s=60)
+    assert await shipper.ship_once() == ["segment-0000000002.rpj"]
+    await reopened.close()
+
+    new_machine = tmp_path / "new-machine"
+    fetch_segments(URL, str(new_machine))
+    restored = Journal.open(str(new_machine))
+    # Segment 1 as shipped is whole, but the new segment 2 says it ends at its first record,
+    # where the writer cut it: what the writer set aside is not trusted anywhere.
+    assert [r.key for r in restored.records_after()] == ["k9"]
+    await restored.close()

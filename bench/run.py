@@ -16,6 +16,7 @@ from bench import (
     crash_rework,
     episode_throughput,
     generation_cut,
+    journal_append,
     ledger_scaling,
     model_overhead,
     runtime_compare,
@@ -58,6 +59,7 @@ ITEMS: dict[str, Item] = {
     "runtime_compare": lambda quick: runtime_compare.run(),
     "snapshot_pause_100k": lambda quick: snapshot_pause.run_large(100_000, snapshots=4),
     "generation_cut": lambda quick: generation_cut.run(),
+    "journal_append": lambda quick: journal_append.run(quick=quick),
     "snapshot_growth": lambda quick: (
         snapshot_growth.run((1000,), snapshots=3, settle_s=10.0, gap_s=2.0)
         if quick

@@ -34,6 +34,7 @@ that failed it, ``transport`` when the error is retryable::
     ├── WorkdirBusyError            409 workdir_busy           (another process holds the workdir)
     ├── StorageError                507 storage_failed         (a file could not be written: disk full, I/O, permissions)
     ├── RestoreError                500 restore_refused        (a restore that cannot be exact)
+    ├── JournalFormatError          500 journal_unreadable     (a journal segment this rollpoint cannot read)
     └── RunPreemptedError           500 run_preempted          (SIGTERM/SIGINT; CLI exit 143/130)
 
 On the wire every refusal is ``{"error": {"code", "message", "retryable"}}`` with the
@@ -231,6 +232,13 @@ class SnapshotError(RollpointError):
 
 class RestoreError(RollpointError):
     code = "restore_refused"
+
+
+class JournalFormatError(RollpointError):
+    """A journal segment that is not one, or of a format version this rollpoint cannot read:
+    the message names the file (:mod:`rollpoint.store.journal_format`)."""
+
+    code = "journal_unreadable"
 
 
 class RunStalledError(RollpointError):

@@ -18,19 +18,29 @@ from __future__ import annotations
 import random
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeAlias, TypeVar
 
 from pydantic import BaseModel, ConfigDict, JsonValue, ValidationError
 
 from rollpoint.protocol.episode import TaskRow, VerifyReply
 from rollpoint.protocol.errors import ConfigError
 from rollpoint.protocol.errors import ToolArgumentError as ToolArgumentError  # environments' import
+from rollpoint.envs.tool_call import ToolContext
 from rollpoint.protocol.participant import CheckpointMode
 
 StateT = TypeVar("StateT")
 ArgsT = TypeVar("ArgsT", bound="ToolArguments")
+
+ToolRun: TypeAlias = (
+    Callable[[StateT, ArgsT], str]
+    | Callable[[StateT, ArgsT, ToolContext], str]
+    | Callable[[StateT, ArgsT], Awaitable[str]]
+    | Callable[[StateT, ArgsT, ToolContext], Awaitable[str]]
+)
+"""A tool's function: ``(state, args)`` or ``(state, args, ctx)``, plain or ``async def``
+(:mod:`rollpoint.envs.tool_call` says how each is run)."""
 
 
 class ToolArguments(BaseModel):
@@ -81,8 +91,10 @@ class Tool(Generic[StateT, ArgsT]):
     name: str
     description: str
     arguments: type[ArgsT]
-    run: Callable[[StateT, ArgsT], str]
-    """Applies the call to the episode state and returns the text the model sees."""
+    run: ToolRun[StateT, ArgsT]
+    """Applies the call to the episode state and returns the text the model sees; may take
+    the call's :class:`~rollpoint.envs.tool_call.ToolContext` as a third argument, may be
+    ``async def``, may be marked :func:`~rollpoint.envs.tool_call.slow_tool`."""
 
     def spec(self) -> dict[str, JsonValue]:
         """The OpenAI function-tool spec."""
@@ -116,6 +128,12 @@ class Environment(ABC, Generic[StateT]):
     (a checkpoint copies no state for the thousands of episodes waiting for their first
     generation)."""
 
+    offload_slow_tools: ClassVar[bool] = False
+    """Its synchronous tools may run in a worker thread: one that took longer than
+    :data:`~rollpoint.envs.tool_call.SLOW_CALL_S` on the event loop runs in a thread from
+    then on. Off by default (a tool is only warned about): a thread touches the episode's
+    state from another thread, which some handles refuse (an SQLite connection)."""
+
     # ---- tasks -------------------------------------------------------------------------
     def make_tasks(self, n: int, seed: int) -> list[TaskRow]:
         """``n`` synthetic tasks, the same for the same seed.
@@ -142,13 +160,18 @@ class Environment(ABC, Generic[StateT]):
         return [tool.spec() for tool in self.tool_table().values()]
 
     def call(self, state: StateT, tool_name: str, arguments: Mapping[str, Any]) -> str:
-        """Run one tool call; :class:`ToolArgumentError` when it cannot run as asked."""
+        """Run one call of a synchronous two-argument tool (a test's shortcut);
+        :class:`ToolArgumentError` when it cannot run as asked. The resources server runs
+        every kind of tool through :class:`~rollpoint.envs.tool_call.ToolRunner`."""
         table = self.tool_table()
         tool = table.get(tool_name)
         if tool is None:
             known = ", ".join(table) or "none"
             raise ToolArgumentError(f"unknown tool '{tool_name}' (available tools: {known})")
-        return tool.run(state, tool.parse(arguments))
+        result = tool.run(state, tool.parse(arguments))  # type: ignore[call-arg]
+        if not isinstance(result, str):
+            raise TypeError(f"tool {tool_name!r} is not a synchronous two-argument tool")
+        return result
 
     # ---- episodes ----------------------------------------------------------------------
     @abstractmethod

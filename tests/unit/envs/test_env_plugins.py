@@ -88,12 +88,14 @@ def test_the_public_surface_is_pinned() -> None:
         "Tool",
         "ToolArgumentError",
         "ToolArguments",
+        "ToolContext",
         "VerifyReply",
         "environment_matches",
         "environment_names",
         "get_environment",
         "load_tasks",
         "resolve_environment",
+        "slow_tool",
         "write_tasks",
     ]
     for name in rollpoint.envs.__all__:

@@ -13,7 +13,6 @@ See docs/environments.md.
 
 from rollpoint.envs.base import Environment, NoArguments, Tool, ToolArgumentError, ToolArguments
 from rollpoint.envs.dataset import load_tasks, write_tasks
-from rollpoint.envs.tool_call import ToolContext, slow_tool
 from rollpoint.envs.registry import (
     ENTRY_POINT_GROUP,
     environment_matches,
@@ -21,6 +20,7 @@ from rollpoint.envs.registry import (
     get_environment,
     resolve_environment,
 )
+from rollpoint.envs.tool_call import ToolContext, slow_tool
 from rollpoint.protocol.episode import TaskRow, VerifyReply
 from rollpoint.protocol.errors import ConfigError, EpisodeError, InvalidCheckpointStateError
 from rollpoint.protocol.participant import CheckpointMode

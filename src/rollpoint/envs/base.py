@@ -24,10 +24,10 @@ from typing import Any, ClassVar, Generic, TypeAlias, TypeVar
 
 from pydantic import BaseModel, ConfigDict, JsonValue, ValidationError
 
+from rollpoint.envs.tool_call import ToolContext
 from rollpoint.protocol.episode import TaskRow, VerifyReply
 from rollpoint.protocol.errors import ConfigError
 from rollpoint.protocol.errors import ToolArgumentError as ToolArgumentError  # environments' import
-from rollpoint.envs.tool_call import ToolContext
 from rollpoint.protocol.participant import CheckpointMode
 
 StateT = TypeVar("StateT")

@@ -7,8 +7,9 @@ outside the state, which sees a tool run however often it runs. Tools:
 
 - ``note`` (sync, on the loop, takes the context): appends a note;
 - ``count`` (sync, the two-argument form every older tool has): the number of notes;
-- ``wait`` (:func:`slow_tool`, in a worker thread): blocks until the test sets
-  :attr:`WaitingEnvironment.release` or ``seconds`` pass, then notes ``waited``;
+- ``wait`` (:func:`slow_tool`, in a worker thread): notes ``waiting``, blocks until the
+  test sets :attr:`WaitingEnvironment.release` or ``seconds`` pass, then notes ``waited``
+  (a state half-changed while it blocks);
 - ``await_for`` (``async def``): sleeps ``seconds`` on the loop's clock, then notes;
 - ``block`` (sync, unmarked): sleeps ``seconds`` wherever it runs (the measured threshold).
 """
@@ -76,6 +77,8 @@ class WaitingEnvironment(Environment[Notes]):
         """Set: a ``wait`` running or to come returns at once."""
         self.running = 0
         """``wait`` calls running now."""
+        self.closed: list[int] = []
+        """``id()`` of every state closed, in order."""
         self._lock = threading.Lock()
         self._tools: dict[str, Tool[Notes, Any]] = {
             t.name: t
@@ -114,6 +117,7 @@ class WaitingEnvironment(Environment[Notes]):
             self.running += 1
         try:
             self._seen(ctx)
+            state.notes.append("waiting")
             self.release.wait(args.seconds)
             state.notes.append("waited")
             return "waited"
@@ -144,6 +148,9 @@ class WaitingEnvironment(Environment[Notes]):
 
     def verify(self, state: Notes, task: TaskRow, final_message: str | None) -> VerifyReply:
         return VerifyReply(reward=1.0, detail={"notes": len(state.notes)})
+
+    def close(self, state: Notes) -> None:
+        self.closed.append(id(state))
 
     def export_state(self, state: Notes) -> dict[str, JsonValue]:
         return {"notes": list(state.notes)}

@@ -120,7 +120,7 @@ def test_where_each_kind_of_tool_runs() -> None:
     threads = {s.tool: s.thread for s in env.outside}
     assert threads["wait"].startswith("rollpoint-tool") and threads["note"] == here
     assert threads["await_for"] == here
-    assert state.notes == ["waited", "n", "awaited"]
+    assert state.notes == ["waiting", "waited", "n", "awaited"]
     runner.close()
 
 

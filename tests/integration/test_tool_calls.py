@@ -96,9 +96,9 @@ async def start(http: httpx.AsyncClient, url: str, rollout_id: str) -> None:
 
 
 async def tool(
-    http: httpx.AsyncClient, url: str, name: str, body: dict[str, Any], timeout: float = 30
+    http: httpx.AsyncClient, url: str, name: str, body: dict[str, Any], read_s: float = 30
 ) -> dict[str, Any]:
-    reply = await http.post(f"{url}/tools/{name}", json=body, timeout=timeout)
+    reply = await http.post(f"{url}/tools/{name}", json=body, timeout=read_s)
     assert reply.status_code == 200, reply.text
     payload: dict[str, Any] = reply.json()
     return payload
@@ -155,7 +155,7 @@ async def test_a_call_re_sent_after_its_reply_was_lost_runs_once_and_replays_its
     await start(http, server.url, "r1")
     body = call_body("r1", 0, 0, {"seconds": 30.0})
     with pytest.raises(httpx.ReadTimeout):
-        await tool(http, server.url, "wait", body, timeout=0.3)
+        await tool(http, server.url, "wait", body, read_s=0.3)
     assert server.env.running == 1
     again = asyncio.create_task(tool(http, server.url, "wait", body))
     await eventually(lambda: server.service.in_flight == 2, "the re-sent call is in")

@@ -20,11 +20,11 @@ from abc import ABC, abstractmethod
 from collections import Counter
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Generic, TypeAlias, TypeVar
+from typing import Any, ClassVar, Generic, TypeAlias, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict, JsonValue, ValidationError
 
-from rollpoint.envs.tool_call import ToolContext
+from rollpoint.envs.tool_call import ToolContext, is_async, takes_context, tool_context
 from rollpoint.protocol.episode import TaskRow, VerifyReply
 from rollpoint.protocol.errors import ConfigError
 from rollpoint.protocol.errors import ToolArgumentError as ToolArgumentError  # environments' import
@@ -159,19 +159,39 @@ class Environment(ABC, Generic[StateT]):
         """OpenAI function-tool specs of every tool, in a stable order."""
         return [tool.spec() for tool in self.tool_table().values()]
 
-    def call(self, state: StateT, tool_name: str, arguments: Mapping[str, Any]) -> str:
-        """Run one call of a synchronous two-argument tool (a test's shortcut);
-        :class:`ToolArgumentError` when it cannot run as asked. The resources server runs
-        every kind of tool through :class:`~rollpoint.envs.tool_call.ToolRunner`."""
+    def call(
+        self,
+        state: StateT,
+        tool_name: str,
+        arguments: Mapping[str, Any],
+        context: ToolContext | None = None,
+    ) -> str:
+        """Run one call of a synchronous tool here and now (a test's shortcut; the
+        resources server runs every kind of tool through
+        :class:`~rollpoint.envs.tool_call.ToolRunner`); :class:`ToolArgumentError` when it
+        cannot run as asked. A tool that takes the call's context gets ``context``, or
+        without one a context of rollout ``local``, turn 0, call 0."""
         table = self.tool_table()
         tool = table.get(tool_name)
         if tool is None:
             known = ", ".join(table) or "none"
             raise ToolArgumentError(f"unknown tool '{tool_name}' (available tools: {known})")
-        result = tool.run(state, tool.parse(arguments))  # type: ignore[call-arg]
-        if not isinstance(result, str):
-            raise TypeError(f"tool {tool_name!r} is not a synchronous two-argument tool")
-        return result
+        if is_async(tool.run):
+            raise TypeError(f"tool {tool_name!r} is async def: await it through a ToolRunner")
+        args = tool.parse(arguments)
+        if not takes_context(self.name, tool):
+            return cast(str, tool.run(state, args))  # type: ignore[call-arg]
+        if context is None:
+            context = tool_context(
+                self.name,
+                tool_name,
+                rollout_id="local",
+                attempt=0,
+                task_id="local",
+                turn=0,
+                call_index=0,
+            )
+        return cast(str, tool.run(state, args, context))  # type: ignore[call-arg]
 
     # ---- episodes ----------------------------------------------------------------------
     @abstractmethod

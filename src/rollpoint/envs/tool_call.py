@@ -150,7 +150,7 @@ class _Convention:
     warned: bool = False
 
 
-def _takes_context(environment: str, tool: Tool[Any, Any]) -> bool:
+def takes_context(environment: str, tool: Tool[Any, Any]) -> bool:
     """Whether ``tool.run`` takes ``(state, args, ctx)`` rather than ``(state, args)``."""
     refused = (
         f"environment {environment!r}: tool {tool.name!r}: run must take (state, args) or"
@@ -170,7 +170,7 @@ def _takes_context(environment: str, tool: Tool[Any, Any]) -> bool:
     raise ConfigError(f"{refused}, not {tool.run.__qualname__}{signature}") from None
 
 
-def _is_async(run: Callable[..., Any]) -> bool:
+def is_async(run: Callable[..., Any]) -> bool:
     # A callable object with an ``async def __call__`` counts too.
     return inspect.iscoroutinefunction(run) or inspect.iscoroutinefunction(
         getattr(run, "__call__", None)  # noqa: B004
@@ -185,13 +185,13 @@ class ToolRunner:
         self._offload = environment.offload_slow_tools
         self._tools: dict[str, _Convention] = {}
         for name, tool in environment.tool_table().items():
-            if _is_async(tool.run):
+            if is_async(tool.run):
                 where = _Where.AWAITED
             elif is_slow_tool(tool.run):
                 where = _Where.THREAD
             else:
                 where = _Where.LOOP
-            self._tools[name] = _Convention(tool, _takes_context(environment.name, tool), where)
+            self._tools[name] = _Convention(tool, takes_context(environment.name, tool), where)
         self._threads = threads
         self._pool: ThreadPoolExecutor | None = None
 

@@ -158,14 +158,19 @@ async def test_a_call_re_sent_after_its_reply_was_lost_runs_once_and_replays_its
         await tool(http, server.url, "wait", body, read_s=0.3)
     assert server.env.running == 1
     again = asyncio.create_task(tool(http, server.url, "wait", body))
-    await eventually(lambda: server.service.in_flight == 2, "the re-sent call is in")
+    # And a call of the next turn, which runs on the loop: it waits for the episode too.
+    then = asyncio.create_task(tool(http, server.url, "note", call_body("r1", 1, 0, {"text": "x"})))
+    await eventually(lambda: server.service.in_flight == 3, "the re-sent call is in")
     await asyncio.sleep(0.2)  # time enough to have run a second time, had it not waited
-    assert not again.done() and server.env.running == 1
+    assert not again.done() and not then.done() and server.env.running == 1
     server.env.release.set()
     reply = await asyncio.wait_for(again, 10)
     assert reply == {"content": "waited", "is_error": False, "replayed": True}
-    assert [s.key for s in server.env.outside] == ["r1/0/0"]
-    assert server.service.tool_calls == 1 and server.service.tool_replays == 1
+    assert (await asyncio.wait_for(then, 10))["content"] == "noted x"
+    assert [s.key for s in server.env.outside] == ["r1/0/0", "r1/1/0"]
+    assert server.service.tool_calls == 2 and server.service.tool_replays == 1
+    state = server.thread.call(lambda: server.service._episodes["r1"].state)
+    assert state.notes == ["waiting", "waited", "x"]  # never interleaved
 
 
 async def test_a_continued_attempt_re_sending_a_lost_call_gets_the_same_key(

@@ -25,7 +25,7 @@ Routes (see ``docs/architecture.md``):
 
 Tool calls run through the environment's :class:`~rollpoint.envs.tool_call.ToolRunner`
 (made once, when the environment is loaded: it refuses a tool whose signature fits no
-convention). One call per episode runs at a time (the episode's lock): a call re-sent while
+convention). One call per episode runs at a time: a call re-sent while
 its first try still runs waits for it and replays its result. A plain tool runs on the
 event loop, so for it nothing else runs between the idempotency lookup and storing the
 result. A tool that leaves the loop (``async def``, or a slow one in a worker thread) lets
@@ -154,8 +154,10 @@ class _Episode:
     """A tool call ran on it, or it was installed from a saved state: ``state`` may differ
     from ``start(task)``."""
 
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    """Held by the tool call running on the episode: one at a time."""
+    busy: asyncio.Event | None = None
+    """Set while a call that gives up the event loop (async, or in a worker thread) runs
+    on the episode; set (the event) when it ends. Another call of the episode waits for
+    it; a call that stays on the loop cannot be interleaved, so no lock is kept for it."""
     saved_while_busy: dict[str, Any] | None = None
     """While a call that left the event loop runs: the state image's entry from before
     it, what the image holds until the call's result is stored."""
@@ -380,13 +382,16 @@ class ResourcesService:
             # Again: the attempt may have been retired while the call waited at the gate.
             self._guard(call.episode)
             episode = self._episode(call.episode.rollout_id)
-            # Uncontended (the usual case), taking the lock does not yield the loop.
-            async with episode.lock:
-                return await self._apply(episode, tool_name, call)
+            # One call per episode at a time: a call re-sent while its first try runs
+            # waits here, then finds its result. Woken together, the waiters run one by
+            # one, and the first to leave the loop makes the others wait again.
+            while episode.busy is not None:
+                await episode.busy.wait()
+            return await self._apply(episode, tool_name, call)
 
     async def _apply(self, episode: _Episode, tool_name: str, call: ToolCall) -> ToolResult:
-        """A tool call past the gate (counted in flight until it returns), holding the
-        episode's lock."""
+        """A tool call past the gate (counted in flight until it returns), with no other
+        call of the episode running."""
         key = (call.turn, call.call_index)
         fingerprint = call_fingerprint(tool_name, call.arguments)
         stored = episode.results.get(key)
@@ -403,25 +408,28 @@ class ResourcesService:
         self.tool_calls += 1
         rollout_id = call.episode.rollout_id
         on_loop = self.tools.runs_on_loop(tool_name)
+        busy = None
         if not on_loop:
             # The call will give up the loop while it changes the state: until its result
             # is stored, the image keeps the entry from before it (never one exported from
             # a state the call is changing in another thread).
             episode.saved_while_busy = self._image_entry(rollout_id)
+            episode.busy = busy = asyncio.Event()
         # For a tool on the loop nothing awaits between here and storing the result, so no
         # export sees the new state or result with the old record.
         episode.changing()
         self._image.changed(rollout_id)  # even if the tool raises half-way
         try:
             result = await self._run(episode, tool_name, call)
+            episode.results[key] = result
+            episode.fingerprints[key] = fingerprint
         finally:
-            if not on_loop:
-                episode.saved_while_busy = None
+            if busy is not None:
+                episode.saved_while_busy = episode.busy = None
+                busy.set()
                 self._image.changed(rollout_id)  # remade from the state after the call
                 if episode.dropped:
                     self.environment.close(episode.state)
-        episode.results[key] = result
-        episode.fingerprints[key] = fingerprint
         return result
 
     async def _run(self, episode: _Episode, tool_name: str, call: ToolCall) -> ToolResult:
@@ -475,7 +483,7 @@ class ResourcesService:
 
     def _close(self, episode: _Episode) -> None:
         """Close an episode's state now, or when the call running on it ends."""
-        if episode.lock.locked():
+        if episode.busy is not None:
             episode.dropped = True
         else:
             self.environment.close(episode.state)

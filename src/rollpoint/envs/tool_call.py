@@ -177,6 +177,14 @@ def is_async(run: Callable[..., Any]) -> bool:
     )
 
 
+def check_tools(environment: Environment[Any]) -> None:
+    """Refuse a tool of ``environment`` whose ``run`` fits no convention (ConfigError naming
+    the environment and the tool): the environment lookup calls it, so a config naming such
+    an environment is refused before any server starts."""
+    for tool in environment.tool_table().values():
+        takes_context(environment.name, tool)
+
+
 class ToolRunner:
     """Every tool of one environment with its calling convention, found once at load."""
 

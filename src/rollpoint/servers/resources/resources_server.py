@@ -489,7 +489,10 @@ class ResourcesService:
             self.environment.close(episode.state)
 
     def export(self, rollout_ids: Iterable[str]) -> list[dict[str, Any]]:
-        """One :class:`EpisodeRecord` (as JSON data) per rollout; NotFoundError if one is missing."""
+        """One :class:`EpisodeRecord` (as JSON data) per rollout; NotFoundError if one is missing.
+
+        Exports the live state: for callers that know no call is running on these
+        rollouts (tests, tools); a checkpoint goes through :meth:`capture`."""
         ids = list(dict.fromkeys(rollout_ids))
         missing = [r for r in ids if r not in self._episodes]
         if missing:

@@ -2,7 +2,8 @@
 
 Owns :class:`ToolContext` (what a tool may know about the call it serves: the idempotency
 key, the rollout, attempt and task, the turn and call index, a logger), the
-:func:`slow_tool` mark, and :class:`ToolRunner`, which the resources server builds once per
+:func:`slow_tool` mark, :func:`check_tools` (the environment lookup's check of every tool's
+signature), and :class:`ToolRunner`, which the resources server builds once per
 environment when it loads it and calls for every tool call it applies.
 
 A tool's ``run`` is one of (found once, at load, with :func:`inspect.signature`; a

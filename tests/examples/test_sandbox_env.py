@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import io
+import logging
 import tarfile
 from pathlib import Path
 from typing import Any
@@ -212,6 +213,28 @@ async def test_an_append_replayed_by_its_idempotency_key_is_applied_once(
     assert replay.replayed and replay.content == first.content
     (after,) = restored.export_episodes([_ep("r1")])
     assert after["packed_state"] == record["packed_state"]  # the tree did not change
+
+
+async def test_append_logs_its_calls_key_and_run_check_runs_in_a_worker_thread(
+    env: SandboxEnvironment, caplog: pytest.LogCaptureFixture
+) -> None:
+    service = ResourcesService(env)
+    await service.start(EpisodeStart(episode=_ep("r1"), task=task(2)))
+    assert not service.tools.runs_on_loop("run_check")  # @slow_tool
+    assert service.tools.runs_on_loop("fs_append")
+    line = '{"path": "todo.txt", "line": "a"}'
+    with caplog.at_level(logging.INFO, logger="rollpoint.envs.sandbox"):
+        for turn in (0, 1):
+            call = ToolCall(episode=_ep("r1"), turn=turn, call_index=0, arguments=line)
+            await service.call_tool("fs_append", call)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"[rollout r1#0 turn {turn} call 0 fs_append] appended a line to todo.txt (key r1/{turn}/0)"
+        for turn in (0, 1)
+    ]
+    check = ToolCall(episode=_ep("r1"), turn=2, call_index=0, arguments="")
+    report = orjson.loads((await service.call_tool("run_check", check)).content)
+    assert report["total"] >= 1
+    service.tools.close()
 
 
 class SetExport(SandboxEnvironment):

@@ -4,7 +4,8 @@ Everything an environment author needs is importable from here (``__all__`` is t
 pinned surface; the submodules are not): the :class:`Environment` base class with its
 :class:`Tool` entries and :class:`ToolArguments` models, the task and verifier wire models
 (:class:`TaskRow`, :class:`VerifyReply`), :class:`CheckpointMode`, the errors an environment
-raises, task datasets (:func:`load_tasks`, :func:`write_tasks`) and the lookup of an
+raises, the call context a tool may take (:class:`ToolContext`) and the
+:func:`slow_tool` mark, task datasets (:func:`load_tasks`, :func:`write_tasks`) and the lookup of an
 environment reference (a built-in name, a name registered in the entry-point group
 :data:`ENTRY_POINT_GROUP`, or an import path ``package.module:ClassName``).
 See docs/environments.md.
@@ -19,6 +20,7 @@ from rollpoint.envs.registry import (
     get_environment,
     resolve_environment,
 )
+from rollpoint.envs.tool_call import ToolContext, slow_tool
 from rollpoint.protocol.episode import TaskRow, VerifyReply
 from rollpoint.protocol.errors import ConfigError, EpisodeError, InvalidCheckpointStateError
 from rollpoint.protocol.participant import CheckpointMode
@@ -35,11 +37,13 @@ __all__ = [
     "Tool",
     "ToolArgumentError",
     "ToolArguments",
+    "ToolContext",
     "VerifyReply",
     "environment_matches",
     "environment_names",
     "get_environment",
     "load_tasks",
     "resolve_environment",
+    "slow_tool",
     "write_tasks",
 ]

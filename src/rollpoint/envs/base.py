@@ -18,12 +18,13 @@ from __future__ import annotations
 import random
 from abc import ABC, abstractmethod
 from collections import Counter
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import Any, ClassVar, Generic, TypeAlias, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict, JsonValue, ValidationError
 
+from rollpoint.envs.tool_call import ToolContext, is_async, takes_context, tool_context
 from rollpoint.protocol.episode import TaskRow, VerifyReply
 from rollpoint.protocol.errors import ConfigError
 from rollpoint.protocol.errors import ToolArgumentError as ToolArgumentError  # environments' import
@@ -31,6 +32,15 @@ from rollpoint.protocol.participant import CheckpointMode
 
 StateT = TypeVar("StateT")
 ArgsT = TypeVar("ArgsT", bound="ToolArguments")
+
+ToolRun: TypeAlias = (
+    Callable[[StateT, ArgsT], str]
+    | Callable[[StateT, ArgsT, ToolContext], str]
+    | Callable[[StateT, ArgsT], Awaitable[str]]
+    | Callable[[StateT, ArgsT, ToolContext], Awaitable[str]]
+)
+"""A tool's function: ``(state, args)`` or ``(state, args, ctx)``, plain or ``async def``
+(:mod:`rollpoint.envs.tool_call` says how each is run)."""
 
 
 class ToolArguments(BaseModel):
@@ -81,8 +91,10 @@ class Tool(Generic[StateT, ArgsT]):
     name: str
     description: str
     arguments: type[ArgsT]
-    run: Callable[[StateT, ArgsT], str]
-    """Applies the call to the episode state and returns the text the model sees."""
+    run: ToolRun[StateT, ArgsT]
+    """Applies the call to the episode state and returns the text the model sees; may take
+    the call's :class:`~rollpoint.envs.tool_call.ToolContext` as a third argument, may be
+    ``async def``, may be marked :func:`~rollpoint.envs.tool_call.slow_tool`."""
 
     def spec(self) -> dict[str, JsonValue]:
         """The OpenAI function-tool spec."""
@@ -116,6 +128,12 @@ class Environment(ABC, Generic[StateT]):
     (a checkpoint copies no state for the thousands of episodes waiting for their first
     generation)."""
 
+    offload_slow_tools: ClassVar[bool] = False
+    """Its synchronous tools may run in a worker thread: one that took longer than
+    :data:`~rollpoint.envs.tool_call.SLOW_CALL_S` on the event loop runs in a thread from
+    then on. Off by default (a tool is only warned about): a thread touches the episode's
+    state from another thread, which some handles refuse (an SQLite connection)."""
+
     # ---- tasks -------------------------------------------------------------------------
     def make_tasks(self, n: int, seed: int) -> list[TaskRow]:
         """``n`` synthetic tasks, the same for the same seed.
@@ -141,14 +159,39 @@ class Environment(ABC, Generic[StateT]):
         """OpenAI function-tool specs of every tool, in a stable order."""
         return [tool.spec() for tool in self.tool_table().values()]
 
-    def call(self, state: StateT, tool_name: str, arguments: Mapping[str, Any]) -> str:
-        """Run one tool call; :class:`ToolArgumentError` when it cannot run as asked."""
+    def call(
+        self,
+        state: StateT,
+        tool_name: str,
+        arguments: Mapping[str, Any],
+        context: ToolContext | None = None,
+    ) -> str:
+        """Run one call of a synchronous tool here and now (a test's shortcut; the
+        resources server runs every kind of tool through
+        :class:`~rollpoint.envs.tool_call.ToolRunner`); :class:`ToolArgumentError` when it
+        cannot run as asked. A tool that takes the call's context gets ``context``, or
+        without one a context of rollout ``local``, turn 0, call 0."""
         table = self.tool_table()
         tool = table.get(tool_name)
         if tool is None:
             known = ", ".join(table) or "none"
             raise ToolArgumentError(f"unknown tool '{tool_name}' (available tools: {known})")
-        return tool.run(state, tool.parse(arguments))
+        if is_async(tool.run):
+            raise TypeError(f"tool {tool_name!r} is async def: await it through a ToolRunner")
+        args = tool.parse(arguments)
+        if not takes_context(self.name, tool):
+            return cast(str, tool.run(state, args))  # type: ignore[call-arg]
+        if context is None:
+            context = tool_context(
+                self.name,
+                tool_name,
+                rollout_id="local",
+                attempt=0,
+                task_id="local",
+                turn=0,
+                call_index=0,
+            )
+        return cast(str, tool.run(state, args, context))  # type: ignore[call-arg]
 
     # ---- episodes ----------------------------------------------------------------------
     @abstractmethod

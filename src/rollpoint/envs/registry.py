@@ -25,6 +25,7 @@ from typing import Any
 from rollpoint.envs.base import Environment
 from rollpoint.envs.blackjack import BlackjackEnvironment
 from rollpoint.envs.math import MathEnvironment
+from rollpoint.envs.tool_call import check_tools
 from rollpoint.envs.workplace import WorkplaceEnvironment
 from rollpoint.import_path import is_import_path, load_class
 from rollpoint.protocol.errors import ConfigError
@@ -96,16 +97,19 @@ def _resolve(ref: str) -> type[Environment[Any]]:
 
 
 def get_environment(ref: str) -> Environment[Any]:
-    """A new instance of the environment ``ref`` names; ConfigError saying what was tried."""
+    """A new instance of the environment ``ref`` names; ConfigError saying what was tried,
+    or naming a tool whose function fits no calling convention (:func:`check_tools`)."""
     cls = resolve_environment(ref)
     try:
-        return cls()
+        environment = cls()
     except ConfigError:
         raise  # already says what is wrong (a missing extra: rollpoint.extras)
     except Exception as exc:
         raise ConfigError(
             f"environment {ref!r}: {cls.__qualname__}() failed ({type(exc).__name__}: {exc})"
         ) from None
+    check_tools(environment)
+    return environment
 
 
 def environment_matches(

@@ -88,12 +88,14 @@ def test_the_public_surface_is_pinned() -> None:
         "Tool",
         "ToolArgumentError",
         "ToolArguments",
+        "ToolContext",
         "VerifyReply",
         "environment_matches",
         "environment_names",
         "get_environment",
         "load_tasks",
         "resolve_environment",
+        "slow_tool",
         "write_tasks",
     ]
     for name in rollpoint.envs.__all__:
@@ -255,3 +257,34 @@ def test_a_server_matches_a_row_without_importing_what_it_names(tmp_path: Path) 
     assert not environment_matches("plug_side_effect:Anything", env, resolve=True)
     assert "plug_side_effect" in sys.modules
     os.environ.pop("PLUG_IMPORTED", None)
+
+
+BAD_TOOL_ENV = (
+    COUNTER_ENV
+    + """
+from rollpoint.envs import NoArguments, Tool
+
+def _bump(state):
+    return ""
+
+class BadToolEnvironment(CounterEnvironment):
+    name: ClassVar[str] = "badtool"
+
+    def tool_table(self):
+        return {"bump": Tool("bump", "Add one.", NoArguments, _bump)}
+"""
+)
+
+
+def test_a_config_naming_an_environment_with_a_tool_that_fits_no_convention_is_refused(
+    tmp_path: Path,
+) -> None:
+    write_module(tmp_path, "plug_badtool", BAD_TOOL_ENV)
+    ref = "plug_badtool:BadToolEnvironment"
+    config = parse_config({"environment": ref, "tasks": 2})
+    with pytest.raises(ConfigError) as caught:
+        load_tasks_for(config)
+    assert str(caught.value) == (
+        "environment 'badtool': tool 'bump': run must take (state, args) or"
+        " (state, args, ctx), not _bump(state)"
+    )

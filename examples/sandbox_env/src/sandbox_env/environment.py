@@ -15,6 +15,13 @@ is not idempotent by nature: a repeated call would add the line twice. Exactly-o
 from rollpoint's idempotency keys (a replayed call gets the saved result and does not run),
 not from anything here.
 
+Two tools show the call interface beyond ``run(state, args)``: ``fs_append`` takes the
+call's context (``ToolContext``) and logs each line it adds under its idempotency key (an
+environment that wrote somewhere outside its state would pass that key along, so a repeat
+could be recognised there); ``run_check`` is marked ``@slow_tool``, as a check that runs a
+test suite would be, so the resources server runs it in a worker thread and other
+episodes' calls go on meanwhile.
+
 Start is reproducible (the starting files come from the task alone), so an episode no tool
 has touched is saved as its task.
 
@@ -52,7 +59,9 @@ from rollpoint.envs import (
     Tool,
     ToolArgumentError,
     ToolArguments,
+    ToolContext,
     VerifyReply,
+    slow_tool,
 )
 from sandbox_env.tree import TreeError, pack_tree, read_tree, unpack_tree
 
@@ -146,7 +155,7 @@ def _write(state: SandboxState, args: WriteArgs) -> str:
     return f"wrote {len(data)} bytes to {args.path}"
 
 
-def _append(state: SandboxState, args: AppendArgs) -> str:
+def _append(state: SandboxState, args: AppendArgs, ctx: ToolContext) -> str:
     target = _file(state, args.path)
     if target.is_dir():
         raise ToolArgumentError(f"{args.path} is a directory")
@@ -155,6 +164,9 @@ def _append(state: SandboxState, args: AppendArgs) -> str:
     target.parent.mkdir(parents=True, exist_ok=True)
     with target.open("ab") as handle:
         handle.write(data)
+    # The key is the same for every try of this call (a retry, a continued attempt after a
+    # restore): what an outside system would be given to tell a repeat from a new line.
+    ctx.logger.info("appended a line to %s (key %s)", args.path, ctx.idempotency_key)
     lines = target.read_bytes().count(b"\n")
     return f"appended a line to {args.path} (now {lines} lines)"
 
@@ -167,6 +179,7 @@ def _read(state: SandboxState, args: PathArgs) -> str:
     return text if len(text) <= _READ_LIMIT else text[:_READ_LIMIT] + "\n[... truncated]"
 
 
+@slow_tool  # a real check runs a test suite: off the event loop, in a worker thread
 def _run_check(state: SandboxState, args: NoArguments) -> str:
     return orjson.dumps(_report(state)).decode()
 

@@ -23,8 +23,15 @@ Routes (see ``docs/architecture.md``):
 - ``GET /metrics``: tool calls applied, idempotent replays, 409 refusals of starts and tool
   calls by code (``rollpoint_resources_conflicts_total``), live episodes, calls in flight
 
-Tool calls run synchronously on the event loop (they are tiny): between the idempotency
-lookup and storing the result nothing else runs, so no lock is needed. While frozen, the
+Tool calls run through the environment's :class:`~rollpoint.envs.tool_call.ToolRunner`
+(made once, when the environment is loaded: it refuses a tool whose signature fits no
+convention). One call per episode runs at a time: a call re-sent while
+its first try still runs waits for it and replays its result. A plain tool runs on the
+event loop, so for it nothing else runs between the idempotency lookup and storing the
+result. A tool that leaves the loop (``async def``, or a slow one in a worker thread) lets
+other episodes' calls and the control verbs run meanwhile; its episode's saved form stays
+the one from before the call until the call's result is stored (a checkpoint waits for
+calls in flight anyway, so it sees the call whole or not at all). While frozen, the
 routes that change state (start, tools, release) wait at the gate instead of failing
 (counted as ``waiting``, then as ``in_flight`` until they return);
 verify only reads and is never held. Start, tools and verify of a retired attempt (the
@@ -42,6 +49,7 @@ itself is :class:`~rollpoint.servers.resources.episode_record.EpisodeRecord`.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections import Counter
@@ -58,6 +66,7 @@ from pydantic import Field, JsonValue, ValidationError
 
 from rollpoint.envs.base import Environment, ToolArgumentError
 from rollpoint.envs.registry import environment_matches, get_environment
+from rollpoint.envs.tool_call import ToolRunner, tool_context
 from rollpoint.http.app import create_app
 from rollpoint.http.auth import data_token, load_token
 from rollpoint.http.server_metrics import Reading, ServerMetrics
@@ -145,6 +154,16 @@ class _Episode:
     """A tool call ran on it, or it was installed from a saved state: ``state`` may differ
     from ``start(task)``."""
 
+    busy: asyncio.Event | None = None
+    """Set while a call that gives up the event loop (async, or in a worker thread) runs
+    on the episode; set (the event) when it ends. Another call of the episode waits for
+    it; a call that stays on the loop cannot be interleaved, so no lock is kept for it."""
+    saved_while_busy: dict[str, Any] | None = None
+    """While a call that left the event loop runs: the state image's entry from before
+    it, what the image holds until the call's result is stored."""
+    dropped: bool = False
+    """Released or replaced while a call ran on it: that call closes the state when done."""
+
     def changing(self) -> None:
         """Forget the last export: ``state`` or ``results`` is about to change."""
         self.packed_state = None
@@ -212,6 +231,8 @@ class ResourcesService:
         self.name = name
         self.replica = replica
         self._episodes: dict[str, _Episode] = {}
+        self.tools = ToolRunner(environment)
+        """Each tool's calling convention, found now: a tool that fits none is refused here."""
         self.gate = AdmissionGate()
         """Start, tool calls and release pass it; a freeze closes it (they wait, none fails)."""
         self.tool_calls = 0
@@ -360,11 +381,17 @@ class ResourcesService:
         async with self.gate.admit():
             # Again: the attempt may have been retired while the call waited at the gate.
             self._guard(call.episode)
-            return self._apply(tool_name, call)
+            episode = self._episode(call.episode.rollout_id)
+            # One call per episode at a time: a call re-sent while its first try runs
+            # waits here, then finds its result. Woken together, the waiters run one by
+            # one, and the first to leave the loop makes the others wait again.
+            while episode.busy is not None:
+                await episode.busy.wait()
+            return await self._apply(episode, tool_name, call)
 
-    def _apply(self, tool_name: str, call: ToolCall) -> ToolResult:
-        """A tool call past the gate (counted in flight until it returns)."""
-        episode = self._episode(call.episode.rollout_id)
+    async def _apply(self, episode: _Episode, tool_name: str, call: ToolCall) -> ToolResult:
+        """A tool call past the gate (counted in flight until it returns), with no other
+        call of the episode running."""
         key = (call.turn, call.call_index)
         fingerprint = call_fingerprint(tool_name, call.arguments)
         stored = episode.results.get(key)
@@ -379,21 +406,48 @@ class ResourcesService:
             self.tool_replays += 1
             return stored.model_copy(update={"replayed": True})
         self.tool_calls += 1
-        # Nothing awaits between here and storing the result, so no export sees the new
-        # state or result with the old record.
+        rollout_id = call.episode.rollout_id
+        on_loop = self.tools.runs_on_loop(tool_name)
+        busy = None
+        if not on_loop:
+            # The call will give up the loop while it changes the state: until its result
+            # is stored, the image keeps the entry from before it (never one exported from
+            # a state the call is changing in another thread).
+            episode.saved_while_busy = self._image_entry(rollout_id)
+            episode.busy = busy = asyncio.Event()
+        # For a tool on the loop nothing awaits between here and storing the result, so no
+        # export sees the new state or result with the old record.
         episode.changing()
-        self._image.changed(call.episode.rollout_id)  # even if the tool raises half-way
-        result = self._run(episode, tool_name, call.arguments)
-        episode.results[key] = result
-        episode.fingerprints[key] = fingerprint
+        self._image.changed(rollout_id)  # even if the tool raises half-way
+        try:
+            result = await self._run(episode, tool_name, call)
+            episode.results[key] = result
+            episode.fingerprints[key] = fingerprint
+        finally:
+            if busy is not None:
+                episode.saved_while_busy = episode.busy = None
+                busy.set()
+                self._image.changed(rollout_id)  # remade from the state after the call
+                if episode.dropped:
+                    self.environment.close(episode.state)
         return result
 
-    def _run(self, episode: _Episode, tool_name: str, raw_arguments: str) -> ToolResult:
-        arguments = _parse_arguments(raw_arguments)
+    async def _run(self, episode: _Episode, tool_name: str, call: ToolCall) -> ToolResult:
+        arguments = _parse_arguments(call.arguments)
         if isinstance(arguments, ToolResult):
             return arguments
+        context = partial(
+            tool_context,
+            self.environment.name,
+            tool_name,
+            rollout_id=call.episode.rollout_id,
+            attempt=call.episode.attempt,
+            task_id=episode.task.task_id,
+            turn=call.turn,
+            call_index=call.call_index,
+        )
         try:
-            content = self.environment.call(episode.state, tool_name, arguments)
+            content = await self.tools.call(episode.state, tool_name, arguments, context)
         except ToolArgumentError as exc:
             return ToolResult(content=exc.message, is_error=True)
         return ToolResult(content=content)
@@ -422,13 +476,23 @@ class ResourcesService:
         for rollout_id in rollout_ids:
             episode = self._episodes.pop(rollout_id, None)
             if episode is not None:
-                self.environment.close(episode.state)
+                self._close(episode)
                 self._image.changed(rollout_id)
                 released += 1
         return released
 
+    def _close(self, episode: _Episode) -> None:
+        """Close an episode's state now, or when the call running on it ends."""
+        if episode.busy is not None:
+            episode.dropped = True
+        else:
+            self.environment.close(episode.state)
+
     def export(self, rollout_ids: Iterable[str]) -> list[dict[str, Any]]:
-        """One :class:`EpisodeRecord` (as JSON data) per rollout; NotFoundError if one is missing."""
+        """One :class:`EpisodeRecord` (as JSON data) per rollout; NotFoundError if one is missing.
+
+        Exports the live state: for callers that know no call is running on these
+        rollouts (tests, tools); a checkpoint goes through :meth:`capture`."""
         ids = list(dict.fromkeys(rollout_ids))
         missing = [r for r in ids if r not in self._episodes]
         if missing:
@@ -468,6 +532,8 @@ class ResourcesService:
         episode = self._episodes.get(rollout_id)
         if episode is None:
             return None
+        if episode.saved_while_busy is not None:
+            return episode.saved_while_busy
         if episode.task_json is None:
             episode.task_json = episode.task.model_dump(mode="json")
         fresh = not episode.touched and self.environment.reproducible_start
@@ -551,7 +617,7 @@ class ResourcesService:
         for rollout_id, episode in built.items():
             old = self._episodes.get(rollout_id)
             if old is not None:
-                self.environment.close(old.state)
+                self._close(old)
             self._episodes[rollout_id] = episode
             self._image.changed(rollout_id)
         log.info("%s/%s: installed %d episodes", self.name, self.replica, len(built))
@@ -652,6 +718,7 @@ def create_resources_app(
             yield
         finally:
             await close_control_plane(app)
+            service.tools.close()
             if final_states is not None:
                 final_states.close()
 

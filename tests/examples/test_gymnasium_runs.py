@@ -76,6 +76,22 @@ def steps_called(messages: list[dict[str, Any]]) -> list[tuple[Any, list[Any], s
     return steps
 
 
+def replay(env_id: str, seed: int, actions: list[Any]) -> list[list[Any]]:
+    """What Gymnasium itself answers to ``actions`` from ``seed``, step by step."""
+    import gymnasium as gym
+
+    env = gym.make(env_id)
+    try:
+        env.reset(seed=seed)
+        out = []
+        for action in actions:
+            observation, reward, terminated, truncated, _ = env.step(action)
+            out.append([int(observation), reward, terminated, truncated])
+        return out
+    finally:
+        env.close()
+
+
 def _rerun_until_ok(config: Path, started: list[RunProcess]) -> list[Finished]:
     runs: list[Finished] = []
     while len(runs) < MAX_RERUNS:
@@ -141,12 +157,16 @@ def test_sigkill_mid_episode_then_rerun_replays_every_episode_to_its_turn_and_st
             f" {[a for a, _, _ in kept]}"
         )
         assert state["trace"] == [e for _, e, _ in kept], f"{r.subject}: a step answered otherwise"
+        # And the episode is the one its seed and actions make: a restore that lost the
+        # env's progress (or stepped an action twice) answers otherwise from there on.
+        env_id = environment.removeprefix("gymnasium:")
+        assert state["trace"] == replay(env_id, state["seed"], state["actions"]), (
+            f"{r.subject}: the steps are not what {env_id} answers to its actions from its seed"
+        )
         replayed += state["replayed"]
         divergences += state["restarts"]
         steps += len(state["actions"])
-        before_cut = r.model_calls is not None and any(
-            c.attempt < r.attempt for c in r.model_calls
-        )
+        before_cut = r.model_calls is not None and any(c.attempt < r.attempt for c in r.model_calls)
         if r.attempt >= 1 and before_cut and len(state["actions"]) > 0:
             continued += 1
             assert state["replayed"] > 0 or state["restarts"] > 0, (
@@ -154,8 +174,10 @@ def test_sigkill_mid_episode_then_rerun_replays_every_episode_to_its_turn_and_st
             )
     record_property("replayed_actions", replayed)
     record_property("divergences", divergences)
-    print(f"{environment}: {steps} steps, {continued} continued episodes,"
-          f" {replayed} actions replayed, {divergences} divergences")
+    print(
+        f"{environment}: {steps} steps, {continued} continued episodes,"
+        f" {replayed} actions replayed, {divergences} divergences"
+    )
     assert continued > 0, "no episode continued with actions from before the kill"
     assert replayed > 0
     assert divergences == 0, "a deterministic environment's replay diverged"

@@ -95,7 +95,7 @@ def _resolve(ref: str) -> type[Environment[Any]]:
         return _load_import_path(ep.value, via=f"{ref!r} ({_provider(ep)}: {ep.value})")
     raise ConfigError(
         f"unknown environment {ref!r} (valid: {', '.join(environment_names())};"
-        f" or an import path package.module:ClassName; or gymnasium:<env id>)"
+        f" or an import path package.module:ClassName, or gymnasium:<env id>)"
     )
 
 

@@ -32,7 +32,7 @@ from rollpoint.testing import invariants
 from tests.support.run_dir import has_checkpoint, newest_holds_depth, published
 from tests.support.run_process import Finished, RunProcess
 
-pytestmark = pytest.mark.chaos
+pytestmark = [pytest.mark.chaos, pytest.mark.timeout(600)]  # two runs, each ~20 s alone
 
 EXAMPLE = Path(__file__).parents[2] / "examples" / "gymnasium.yaml"
 TASKS, GROUP_SIZE, MAX_RERUNS = 12, 2, 3

@@ -44,7 +44,7 @@ import importlib
 import re
 import signal
 import threading
-from collections.abc import Coroutine, Mapping
+from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
@@ -388,6 +388,20 @@ class VerifiersEnvironment(Environment[VfEpisode]):
             "state": saved,
             "finished": state.finished,
         }
+
+    def capture_state(self, state: VfEpisode) -> Callable[[], dict[str, JsonValue]]:
+        """The export made now; a state that cannot be saved fails when the snapshot's writer
+        packs it (which names the rollout), never in the pause or in the image's sweep."""
+        try:
+            exported = self.export_state(state)
+        except EpisodeError as exc:
+            refusal = exc
+
+            def refuse() -> dict[str, JsonValue]:
+                raise refusal
+
+            return refuse
+        return lambda: exported
 
     def restore_state(self, task: TaskRow, exported: Mapping[str, Any]) -> VfEpisode:
         return self._run(self._restore(task, exported))

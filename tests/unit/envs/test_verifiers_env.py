@@ -8,6 +8,7 @@ refusal to verifiers' own GymEnv, which keeps a live Gymnasium env in its state.
 from __future__ import annotations
 
 import signal
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -194,8 +195,9 @@ def test_a_state_key_that_is_not_json_refuses_the_save_naming_it() -> None:
     task = env.make_tasks(1, 0)[0]
     episode = env.start(task)
     env.call(episode, "vf_respond", {"content": "1"})  # GymEnv makes its env at its first turn
+    made = env.capture_state(episode)  # in a checkpoint's pause: no error there
     with pytest.raises(EpisodeError) as err:
-        env.export_state(episode)
+        made()  # the snapshot's writer packing it: the server names the rollout
     assert err.value.message == (
         f"environment {env.name!r}: state key 'gym_env' holds a TimeLimit, which is not"
         " JSON-able: this episode cannot be saved (keep JSON values in the state)"
@@ -211,3 +213,32 @@ def test_a_malformed_save_is_refused() -> None:
     saved["trajectory"] = [{"prompt_len": 1}]
     with pytest.raises(InvalidCheckpointStateError, match="bad trajectory or messages"):
         env.restore_state(task, saved)
+
+
+async def test_the_refusal_fails_that_snapshot_naming_the_rollout(tmp_path: Path) -> None:
+    from rollpoint.protocol.episode import EpisodeStart, ToolCall
+    from rollpoint.protocol.ids import EpisodeId
+    from rollpoint.servers.resources.resources_participant import ResourcesParticipant
+    from rollpoint.servers.resources.resources_server import ResourcesService
+    from rollpoint.store.participant_state import write_participant_state
+
+    env = make("verifiers:tests.unit.envs.test_verifiers_env:frozen_lake_gym_env")
+    service = ResourcesService(env)
+    episode = EpisodeId(rollout_id="r7", attempt=0)
+    await service.start(EpisodeStart(episode=episode, task=env.make_tasks(1, 0)[0]))
+    call = ToolCall(episode=episode, turn=0, call_index=0, arguments='{"content": "1"}')
+    assert not (await service.call_tool("vf_respond", call)).is_error
+    records = await ResourcesParticipant(service).export([episode])
+    with pytest.raises(InvalidCheckpointStateError) as err:
+        write_participant_state(
+            str(tmp_path / "c1"),
+            kind="resources",
+            instance="resources-replica-0",
+            checkpoint_id="c1",
+            records=records,
+        )
+    assert err.value.message == (
+        "record 0 cannot be encoded: packed state of rollout r7 could not be made:"
+        f" environment {env.name!r}: state key 'gym_env' holds a TimeLimit, which is not"
+        " JSON-able: this episode cannot be saved (keep JSON values in the state)"
+    )

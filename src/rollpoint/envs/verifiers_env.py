@@ -31,8 +31,8 @@ environment the user already has, unchanged:
   game object) cannot be saved: the snapshot fails with one line naming the key, and the run
   goes on. A restore does not call ``setup_state`` again: the saved state is the state.
 
-verifiers is async; the interface is not: each instance runs the environment's coroutines
-on an event loop of its own, in a daemon thread. verifiers comes with the ``verifiers``
+verifiers is async; the interface is not: the environment's coroutines run on one event
+loop per process, in a daemon thread, and each method waits for its own. verifiers comes with the ``verifiers``
 extra: resolving a ``verifiers:`` reference without it is a one-line ConfigError.
 """
 
@@ -86,6 +86,23 @@ T = TypeVar("T")
 
 def is_verifiers_reference(ref: str) -> bool:
     return ref.startswith(PREFIX)
+
+
+_LOOP: asyncio.AbstractEventLoop | None = None
+_LOOP_LOCK = threading.Lock()
+
+
+def _loop() -> asyncio.AbstractEventLoop:
+    """The event loop every verifiers coroutine of this process runs on, in a daemon thread
+    of its own (started at the first use): the interface's methods are synchronous, and the
+    resources server calls them from its own running loop."""
+    global _LOOP
+    with _LOOP_LOCK:
+        if _LOOP is None:
+            loop = asyncio.new_event_loop()
+            threading.Thread(target=loop.run_forever, name="verifiers loop", daemon=True).start()
+            _LOOP = loop
+        return _LOOP
 
 
 class NotJson(Exception):
@@ -176,11 +193,6 @@ class VerifiersEnvironment(Environment[VfEpisode]):
         need("verifiers", f"environment {self.name!r}")
         super().__init__()
         self.vf_env = self._load()
-        self._loop = asyncio.new_event_loop()
-        thread = threading.Thread(
-            target=self._loop.run_forever, name=f"{self.name} loop", daemon=True
-        )
-        thread.start()
         self._rows: list[dict[str, JsonValue]] | None = None
         self._tools: dict[str, Tool[VfEpisode, Any]] = {
             RESPOND_TOOL: Tool(
@@ -230,7 +242,7 @@ class VerifiersEnvironment(Environment[VfEpisode]):
         return value
 
     def _run(self, coroutine: Coroutine[Any, Any, T]) -> T:
-        return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(_TIMEOUT_S)
+        return asyncio.run_coroutine_threadsafe(coroutine, _loop()).result(_TIMEOUT_S)
 
     # ---- tasks --------------------------------------------------------------------------
     def rows(self) -> list[dict[str, JsonValue]]:

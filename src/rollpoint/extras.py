@@ -26,6 +26,7 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "cli": ("typer", "rich"),
     "report": ("matplotlib",),
     "s3": ("s3fs",),
+    "verifiers": ("verifiers", "datasets"),
 }
 """Each extra of pyproject.toml's ``[project.optional-dependencies]`` and what it brings
 (``all`` is every one of them; ``cli`` brings ``metrics`` too)."""

@@ -121,6 +121,14 @@ def test_each_extra_is_named_when_its_feature_is_used(venv: Path) -> None:
         "from rollpoint.envs import get_environment; get_environment('blackjack')": (
             "the blackjack environment needs the 'gym' extra: pip install 'rollpoint[gym]'"
         ),
+        "from rollpoint.envs import get_environment; get_environment('gymnasium:Taxi-v4')": (
+            "environment 'gymnasium:Taxi-v4' needs the 'gym' extra: pip install 'rollpoint[gym]'"
+        ),
+        "from rollpoint.envs import get_environment;"
+        " get_environment('verifiers:stardata.envs.constraint_gym')": (
+            "environment 'verifiers:stardata.envs.constraint_gym' needs the 'verifiers' extra:"
+            " pip install 'rollpoint[verifiers]'"
+        ),
         "from rollpoint.config import RunConfig; from rollpoint.runtime.contract import"
         " runtime_for; runtime_for(RunConfig(runtime='ray'))": (
             "the Ray runtime (runtime: ray) needs the 'ray' extra: pip install 'rollpoint[ray]'"

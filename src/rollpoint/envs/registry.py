@@ -5,7 +5,9 @@ Owns resolving an environment *reference*, which is one of:
 - a built-in name (``workplace``, ``blackjack``, ``math``);
 - a name an installed package registers in the entry-point group ``rollpoint.environments``
   (``[project.entry-points."rollpoint.environments"] sandbox = "sandbox_env:SandboxEnvironment"``);
-- an import path ``package.module:ClassName``.
+- an import path ``package.module:ClassName``;
+- ``gymnasium:<env id>``: a registered Gymnasium environment (``rollpoint.envs.gymnasium_env``);
+- ``verifiers:<module>[:<attr>]``: a verifiers ``MultiTurnEnv`` (``rollpoint.envs.verifiers_env``).
 
 Every failure is one :class:`ConfigError` line naming the reference and what was tried: a
 name nothing provides, a module that fails to import, a missing attribute, something that is
@@ -24,8 +26,10 @@ from typing import Any
 
 from rollpoint.envs.base import Environment
 from rollpoint.envs.blackjack import BlackjackEnvironment
+from rollpoint.envs.gymnasium_env import gymnasium_environment, is_gymnasium_reference
 from rollpoint.envs.math import MathEnvironment
 from rollpoint.envs.tool_call import check_tools
+from rollpoint.envs.verifiers_env import is_verifiers_reference, verifiers_environment
 from rollpoint.envs.workplace import WorkplaceEnvironment
 from rollpoint.import_path import is_import_path, load_class
 from rollpoint.protocol.errors import ConfigError
@@ -74,6 +78,10 @@ def resolve_environment(ref: str) -> type[Environment[Any]]:
 
 
 def _resolve(ref: str) -> type[Environment[Any]]:
+    if is_gymnasium_reference(ref):
+        return gymnasium_environment(ref)
+    if is_verifiers_reference(ref):
+        return verifiers_environment(ref)
     if is_import_path(ref):
         return _load_import_path(ref, via=repr(ref))
     claims = [ep for ep in _entry_points() if ep.name == ref]
@@ -92,7 +100,8 @@ def _resolve(ref: str) -> type[Environment[Any]]:
         return _load_import_path(ep.value, via=f"{ref!r} ({_provider(ep)}: {ep.value})")
     raise ConfigError(
         f"unknown environment {ref!r} (valid: {', '.join(environment_names())};"
-        f" or an import path package.module:ClassName)"
+        f" or an import path package.module:ClassName, gymnasium:<env id>"
+        f" or verifiers:<module>)"
     )
 
 

@@ -1,7 +1,8 @@
 """The scripted policy's decisions: which tool to call next, or what to answer, and when to blunder.
 
 Owns: recognising the environment from the tools offered (``calendar_*`` → workplace,
-``blackjack_*`` → blackjack, no tools and a ``What is`` prompt → math, anything else →
+``blackjack_*`` → blackjack, ``gym_step`` → a Gymnasium environment
+(:mod:`.gym_playbook`), no tools and a ``What is`` prompt → math, anything else →
 unknown), reading the state of the episode from the conversation (the task prompt, every
 assistant tool call and the tool result answering it, matched by ``tool_call_id``), and one
 playbook per environment, and the generic playbook for every other environment: from the
@@ -41,6 +42,7 @@ from typing import Any, TypeVar
 
 import orjson
 
+from rollpoint.policy import gym_playbook
 from rollpoint.policy.openai_wire import ChatCompletionRequest, ChatMessage
 from rollpoint.policy.schema_arguments import sample_arguments
 
@@ -51,6 +53,8 @@ class Environment(StrEnum):
     WORKPLACE = "workplace"
     BLACKJACK = "blackjack"
     MATH = "math"
+    GYMNASIUM = "gymnasium"
+    """A ``gymnasium:<env id>`` environment: its ``gym_step`` tool (:mod:`.gym_playbook`)."""
     UNKNOWN = "unknown"
     """Nothing we know: play it from the tool specs (:func:`play_generic`)."""
 
@@ -150,6 +154,7 @@ def read_transcript(messages: Sequence[ChatMessage], tools: Sequence[str]) -> Tr
 _TOOL_PREFIX_ENVIRONMENT = (
     ("calendar_", Environment.WORKPLACE),
     ("blackjack_", Environment.BLACKJACK),
+    (gym_playbook.STEP_TOOL, Environment.GYMNASIUM),
 )
 
 
@@ -315,6 +320,11 @@ def play_math(turn: Turn) -> Intent | str:
         return "That has no finite answer I can give."
 
 
+def play_gymnasium(turn: Turn) -> Intent | str:
+    step = gym_playbook.next_step(turn)
+    return step if isinstance(step, str) else Intent(gym_playbook.STEP_TOOL, step)
+
+
 def play_unknown(turn: Turn) -> Intent | str:
     if turn.specs and turn.tool_turns > 0:
         return play_generic(turn)
@@ -342,6 +352,7 @@ _PLAYS: dict[Environment, Callable[[Turn], Intent | str]] = {
     Environment.WORKPLACE: play_workplace,
     Environment.BLACKJACK: play_blackjack,
     Environment.MATH: play_math,
+    Environment.GYMNASIUM: play_gymnasium,
     Environment.UNKNOWN: play_unknown,
 }
 
@@ -457,7 +468,8 @@ class Playbook:
         transcript = read_transcript(request.messages, tools)
         blunder = turn_rng.random() < self.error_rate
         environment = recognise(transcript)
-        specs = _specs(request, tools) if environment is Environment.UNKNOWN else {}
+        with_specs = environment in (Environment.UNKNOWN, Environment.GYMNASIUM)
+        specs = _specs(request, tools) if with_specs else {}
         turn = Turn(transcript, episode_rng, blunder, turn_rng, specs, self.tool_turns)
         outcome = _PLAYS[environment](turn)
         if isinstance(outcome, str):

@@ -26,7 +26,7 @@ EnvironmentName = Annotated[
     Field(
         min_length=1,
         max_length=256,
-        pattern=r"^[A-Za-z_][\w.-]*(:[A-Za-z_][\w.]*)?$",
+        pattern=r"^[A-Za-z_][\w.-]*(:[A-Za-z_][\w./@:-]*)?$",
     ),
 ]
 """An environment reference: a built-in or registered name (``workplace``, ``sandbox``) or an

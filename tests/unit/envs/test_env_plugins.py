@@ -136,7 +136,8 @@ def test_an_unknown_name_says_what_was_tried() -> None:
         parse_config({"environment": "chess"})
     assert str(err.value) == (
         "config: key 'environment': unknown environment 'chess' (valid: blackjack, math,"
-        " workplace; or an import path package.module:ClassName)"
+        " workplace; or an import path package.module:ClassName, gymnasium:<env id>"
+        " or verifiers:<module>)"
     )
 
 

@@ -31,7 +31,14 @@ from rollpoint.config import load_config
 from rollpoint.job import load_tasks_for
 from rollpoint.protocol.token_data import as_float32
 from rollpoint.testing import invariants
-from tests.chaos.test_crash_recovery import Start, crash, rerun_until_ok, start, write_config
+from tests.chaos.test_crash_recovery import (
+    Start,
+    continued,
+    crash,
+    rerun_until_ok,
+    start,
+    write_config,
+)
 from tests.support.effect_log_env import LOG_ENV, EffectLogEnvironment
 
 pytestmark = pytest.mark.chaos
@@ -48,7 +55,20 @@ def lines(path: Path, upto: int | None = None) -> list[Any]:
     return [orjson.loads(raw) for raw in data[:upto].splitlines()]
 
 
-def job(tmp_path: Path, *, journal: bool) -> tuple[Path, Path]:
+NO_SNAPSHOTS: dict[str, Any] = {
+    "snapshot": {"every_seconds": 600},
+    "train": {"batch_size": 4, "checkpoint_every_steps": 1000},
+}
+FREQUENT_SNAPSHOTS: dict[str, Any] = {
+    "snapshot": {"every_seconds": 0.5},
+    "train": {"batch_size": 4},
+}
+"""Sessions saved mid-episode: the rerun continues them under the next attempt."""
+
+
+def job(
+    tmp_path: Path, *, journal: bool, snapshots: dict[str, Any] = NO_SNAPSHOTS
+) -> tuple[Path, Path]:
     log = tmp_path / "engine.jsonl"
     config = write_config(
         tmp_path,
@@ -63,9 +83,8 @@ def job(tmp_path: Path, *, journal: bool) -> tuple[Path, Path]:
             "call_log": str(log),
             "sampling": {"logprobs": True, "temperature": 1.0, "seed": "turn"},
         },
-        snapshot={"every_seconds": 600},
-        train={"batch_size": 4, "checkpoint_every_steps": 1000},
         journal={"enabled": journal},
+        **snapshots,
     )
     return config, log
 
@@ -103,12 +122,17 @@ def effects(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return path
 
 
+@pytest.mark.parametrize(
+    "snapshots", [NO_SNAPSHOTS, FREQUENT_SNAPSHOTS], ids=["none", "every_0.5s"]
+)
 def test_a_killed_job_redoes_only_the_calls_in_flight_and_each_effect_happens_once(
-    tmp_path: Path, start: Start, effects: Path
+    tmp_path: Path, start: Start, effects: Path, snapshots: dict[str, Any]
 ) -> None:
-    config, log = job(tmp_path, journal=True)
+    config, log = job(tmp_path, journal=True, snapshots=snapshots)
     at_kill = kill_mid_run(start, config, log)
     reruns = rerun_until_ok(start, config)
+    if snapshots is FREQUENT_SNAPSHOTS:
+        assert continued(reruns[0]) > 0, reruns[0].stderr[-2000:]
 
     twice, before = redone(log, at_kill)
     assert len(twice) <= CONCURRENCY, f"{len(twice)} policy calls done again: {twice}"

@@ -147,6 +147,7 @@ class ToolJournal:
             if answered is not None:
                 return answered
         result = await service.call_tool(tool_name, call)
+        self._base.pop(rollout_id, None)  # past its journaled calls: no replay to undo
         if not result.replayed:  # applied now, not answered from the idempotency table
             key = journal_key("tool", rollout_id, call.episode.attempt, call.turn, call.call_index)
             value = {

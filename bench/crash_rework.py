@@ -10,7 +10,9 @@ the same moment (a seeded random share of the baseline's run time) and resumed:
 - ``sigkill``: every server process SIGKILLed at that moment and the trainer stopped where it
   is (``recovery: turn``: the rerun continues each saved episode from its last turn);
 - ``restart``: the same SIGKILL with ``recovery: restart`` (every unfinished episode starts
-  over from its prompt: the baseline that turn-level recovery is measured against).
+  over from its prompt: the baseline that turn-level recovery is measured against);
+- ``sigkill_journal``: the ``sigkill`` case with the durable-turns journal on (the model
+  and resources servers journal every finished call; a call made again is answered from it).
 
 Policy calls are counted by the model servers (``calls_total``) of each run: read just
 before the servers stop (SIGTERM, and the end of every full run) or just before the kill.
@@ -58,7 +60,9 @@ EVENTS = (8, 15)
 not) and the final answer: 17-32 turns."""
 STOP_AT_SHARE = (0.3, 0.7)
 """The stop comes at a seeded random share of the baseline's run time in this range."""
-CASES = ("sigterm", "sigkill", "restart")
+CASES = ("sigterm", "sigkill", "restart", "sigkill_journal")
+"""``sigkill_journal``: the ``sigkill`` case with ``journal.enabled`` (issue 35): the rerun's
+calls that were finished before the kill are answered from the model servers' journals."""
 
 
 class Killed(Exception):
@@ -122,7 +126,7 @@ def write_dataset(path: Path, tasks: int, seed: int) -> None:
     path.write_bytes(b"\n".join(lines) + b"\n")
 
 
-def _config(workdir: Path, dataset: Path, recovery: str) -> RunConfig:
+def _config(workdir: Path, dataset: Path, recovery: str, *, journal: bool = False) -> RunConfig:
     config = parse_config(
         {
             "workdir": str(workdir),
@@ -138,6 +142,7 @@ def _config(workdir: Path, dataset: Path, recovery: str) -> RunConfig:
             "snapshot": {"every_seconds": SNAPSHOT_EVERY_S},
             "recovery": recovery,
             "preemption": {"grace_seconds": 25},
+            "journal": {"enabled": journal},
         }
     )
     config.workdir.mkdir(parents=True, exist_ok=True)
@@ -232,7 +237,12 @@ async def run(tasks: int = 16, seed: int = 0) -> BenchResult:
         legs: dict[str, Leg] = {}
         for case in CASES:
             leg = legs[case] = Leg()
-            config = _config(Path(tmp) / case, dataset, "restart" if case == "restart" else "turn")
+            config = _config(
+                Path(tmp) / case,
+                dataset,
+                "restart" if case == "restart" else "turn",
+                journal=case == "sigkill_journal",
+            )
             if case == "sigterm":
                 figures["sigterm_line"] = await _preempted_run(config, leg, stop_after_s)
             else:
@@ -259,6 +269,10 @@ async def run(tasks: int = 16, seed: int = 0) -> BenchResult:
         ratio = figures["sigkill_calls_ratio_to_restart"]
         assert isinstance(ratio, float)
         figures["goal_sigkill_le_0.15_of_restart"] = str(ratio <= 0.15)
+        journaled = legs["sigkill_journal"]
+        figures["goal_sigkill_journal_redone_le_in_flight"] = str(
+            journaled.calls - base.calls <= journaled.in_flight_at_stop
+        )
     return BenchResult(
         key="crash_rework",
         title="work re-done after a stop: SIGTERM with grace, SIGKILL, recovery: restart",

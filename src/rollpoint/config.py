@@ -205,6 +205,20 @@ class RayConfig(_Section):
     embedded runtime. Tokens are not forwarded this way (they travel as actor arguments)."""
 
 
+class JournalConfig(_Section):
+    """The durable-turns journal (issue 35, ``docs/journal.md``): each model server journals
+    every finished plain policy call, and each resources server every applied tool call, in
+    the snapshot store before the reply leaves; a restored episode's calls are answered from
+    it instead of being sampled or run again."""
+
+    enabled: bool = False
+    """Off by default while the rest of issue 35 lands: the trainer's dispatches and the
+    agents' turns are not journaled yet, so a crash with no snapshot still starts its
+    rollouts over under new ids (see ``docs/journal.md``, "What is wired")."""
+    window_ms: Annotated[float, Field(ge=0, le=1000)] = 2.0
+    """The group-commit window: records ready within it share one fsync."""
+
+
 class MetricsConfig(_Section):
     """Where the trainer serves Prometheus ``/metrics`` (each server also serves its own)."""
 
@@ -244,6 +258,7 @@ class RunConfig(_Section):
     """``embedded``: every server a local process; ``ray``: each replica a Ray actor."""
     ray: RayConfig = Field(default_factory=RayConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    journal: JournalConfig = Field(default_factory=JournalConfig)
     seed: int = 0
     host: str = "127.0.0.1"
     base_port: Annotated[int, Field(ge=1, le=65000)] | None = None

@@ -80,6 +80,9 @@ class ReplicaPlan(StrictModel):
     final_states_dir: str | None = None
     """Set: each resources server logs every verified episode's state there
     (``final_states_log``)."""
+    journal_window_s: float | None = None
+    """Set: the model and resources servers journal their calls in the snapshot store
+    (``journal.enabled``), with this group-commit window."""
 
     @classmethod
     def of(cls, config: RunConfig, *, policy_url: str, snapshot_root: str | None) -> ReplicaPlan:
@@ -102,6 +105,7 @@ class ReplicaPlan(StrictModel):
             final_states_dir=None
             if config.final_states_log is None
             else str(config.final_states_log.resolve()),
+            journal_window_s=config.journal.window_ms / 1000 if config.journal.enabled else None,
         )
 
     def _port(self, offset: int, restarted: bool) -> int:
@@ -111,6 +115,11 @@ class ReplicaPlan(StrictModel):
     def _settings(self, index: int, name: str, **more: JsonValue) -> dict[str, JsonValue]:
         control = {} if self.snapshot_root is None else {"snapshot_root": self.snapshot_root}
         return {"name": name, "replica": replica_name(index), **more, **control}
+
+    def _journal(self) -> dict[str, JsonValue]:
+        if self.journal_window_s is None or self.snapshot_root is None:
+            return {}
+        return {"journal": True, "journal_window_s": self.journal_window_s}
 
     def peer_specs(self, index: int, *, restarted: bool) -> list[ServerSpec]:
         """The resources and model servers of replica ``index``: they need nothing else."""
@@ -129,6 +138,7 @@ class ReplicaPlan(StrictModel):
                     if self.final_states_dir is None
                     else {"final_states_dir": self.final_states_dir}
                 ),
+                **self._journal(),
             ),
         )
         model = ServerSpec(
@@ -146,6 +156,7 @@ class ReplicaPlan(StrictModel):
                 upstream_data_token=self.builtin_policy,
                 # The generation cut needs token ids for a prefix: on with token capture.
                 cut_generations=self.capture_tokens and self.generation_cut,
+                **self._journal(),
             ),
         )
         return [resources, model]

@@ -72,6 +72,8 @@ def build_app(spec: ServerSpec) -> FastAPI:
         snapshot_root=None if root is None else str(root),
         final_states_dir=None if final_states is None else Path(str(final_states)),
         clock_skew_s=float(str(settings.get("clock_skew_s", 0.0))),
+        journal=settings.get("journal") is True,
+        journal_window_s=float(str(settings.get("journal_window_s", 0.002))),
     )
 
 

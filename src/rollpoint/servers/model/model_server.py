@@ -82,6 +82,7 @@ from rollpoint.protocol.ids import (
 )
 from rollpoint.protocol.model_base import StrictModel
 from rollpoint.protocol.token_data import TokenSegment, TokenTrace
+from rollpoint.servers.model.call_journal import CallJournal, open_call_journal
 from rollpoint.servers.model.call_ledger import CallLedger, CallRecord
 from rollpoint.servers.model.generation_cut import (
     HEADER_TOKEN_SEGMENTS,
@@ -134,6 +135,12 @@ class ModelServerSettings(BaseModel):
     On with ``policy.capture_tokens`` (a prefix needs token ids)."""
     continue_prefixes: bool = True
     """False: the engine cannot take a prefix; saved prefixes are regenerated (counted)."""
+    journal: bool = False
+    """Journal every finished plain policy call in the snapshot store before its reply is
+    returned, and answer a restored episode's call again from it
+    (:mod:`rollpoint.servers.model.call_journal`); needs a local ``snapshot_root``."""
+    journal_window_s: Annotated[float, Field(ge=0, le=1)] = 0.002
+    """The journal's group-commit window."""
 
 
 class PolicyVersionRequest(StrictModel):
@@ -379,6 +386,7 @@ class ModelServer:
         self.settings = settings
         self.gate = AdmissionGate()
         self.ledger = CallLedger()
+        self.journal: CallJournal | None = None
         self.running = RunningCalls()
         self.attempt_guard: Callable[[EpisodeId], None] | None = None
         """Raises :class:`StaleAttemptError` for a retired attempt (the fence's check)."""
@@ -918,11 +926,14 @@ def create_model_app(settings: ModelServerSettings) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await server.start()
+        server.journal = await open_call_journal(server)
         try:
             yield
         finally:
             await close_control_plane(app)
             await server.stop()
+            if server.journal is not None:
+                await server.journal.close()
 
     app = create_app(
         f"rollpoint model server {settings.name}/{settings.replica}",
@@ -945,6 +956,8 @@ def create_model_app(settings: ModelServerSettings) -> FastAPI:
         server.attempt_guard = fence.check_attempt
 
     async def chat_completions(request: Request) -> Response:
+        if server.journal is not None:
+            return await server.journal.serve(request, server.chat_completions)
         return await server.chat_completions(request)
 
     # A Starlette route, not a FastAPI one: it reads the raw body and answers raw bytes,

@@ -105,6 +105,7 @@ from rollpoint.servers.resources.episode_record import (
 )
 from rollpoint.servers.resources.final_state_log import FinalStateLog
 from rollpoint.servers.resources.resources_participant import ResourcesParticipant
+from rollpoint.servers.resources.tool_journal import ToolJournal, open_tool_journal
 from rollpoint.tuning.deferred_value import DeferredValue
 
 log = logging.getLogger(__name__)
@@ -699,6 +700,8 @@ def create_resources_app(
     lease_grace_s: float = 2.0,
     final_states_dir: Path | None = None,
     clock_skew_s: float = 0.0,
+    journal: bool = False,
+    journal_window_s: float = 0.002,
 ) -> FastAPI:
     """The resources server of one replica; its service is ``app.state.resources_service``.
 
@@ -706,7 +709,10 @@ def create_resources_app(
     too: the control routes are mounted, guarded by ``ROLLPOINT_CONTROL_TOKEN``. With
     ``final_states_dir`` every verified episode's state is logged there
     (:mod:`~rollpoint.servers.resources.final_state_log`). ``clock_skew_s``: fault
-    injection, as :func:`~rollpoint.participant.mount_participant` says.
+    injection, as :func:`~rollpoint.participant.mount_participant` says. With ``journal``,
+    every applied tool call is journaled in the snapshot store (a local ``snapshot_root``)
+    and a restored episode's calls are answered from it
+    (:mod:`~rollpoint.servers.resources.tool_journal`).
     """
     env = get_environment(environment) if isinstance(environment, str) else environment
     final_states = None if final_states_dir is None else FinalStateLog(final_states_dir, replica)
@@ -714,6 +720,10 @@ def create_resources_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if journal:
+            app.state.tool_journal = await open_tool_journal(
+                service, snapshot_root, window_s=journal_window_s
+            )
         try:
             yield
         finally:
@@ -721,6 +731,8 @@ def create_resources_app(
             service.tools.close()
             if final_states is not None:
                 final_states.close()
+            if journal:
+                await app.state.tool_journal.close()
 
     app = create_app(
         f"rollpoint {name} ({replica}, {env.name})", lifespan=lifespan, data_token=data_token()
@@ -755,6 +767,9 @@ def create_resources_app(
     @app.post("/tools/{name}")
     async def call_tool(name: str, body: ToolCall) -> ToolResult:
         with service.counting_conflicts():
+            if journal:
+                tool_journal: ToolJournal = app.state.tool_journal
+                return await tool_journal.call_tool(name, body)
             return await service.call_tool(name, body)
 
     @app.post("/episodes/verify")

@@ -1,0 +1,214 @@
+"""The model server's call journal: every finished policy call, durable before its reply leaves.
+
+Owns: the model server's :class:`~rollpoint.store.journal.Journal` (a folder in the
+snapshot store, ``<store>/journal/model/<name>-<replica>/``), what one ``policy_call``
+record holds (the reply's bytes and headers as the caller got them, the canonical digest of
+the request, and the call ledger's record of the call, token trace included), and answering
+a call again from it.
+
+One call, under the journal::
+
+    tagged, not streamed ─▶ journaled call of (rollout, turn) with the same request? ─ yes ─▶ its reply
+            │                                                 │ no
+            └─────────────────────────────────────────────────┴─▶ the engine ─▶ ledger ─▶ append (durable) ─▶ reply
+
+Keys across a restore. A restored session resumes under the *next* attempt
+(``Session.from_record``: ``episode.next_attempt()``), so the call it makes again for turn
+``t`` carries attempt ``a + 1`` where the journaled one carries ``a``: the journal key
+``model|r|a<a>|t<t>|c0`` differs. A call is therefore answered from the journaled call of
+the same rollout and turn with the highest attempt at or below the caller's, *when the
+request is the same* (the digest of its JSON body with sorted keys: messages, tools, seed,
+sampling): a continued attempt asks exactly what the saved session asked, so it gets the
+recorded reply; a call whose conversation differs (a fresh attempt whose earlier turns went
+another way) is a different call and goes to the engine. Nothing changes in the agent.
+
+Streamed callers (``"stream": true``) are relayed as the engine sends them, so their reply
+is handed on before it is whole: they are neither journaled nor answered from the journal.
+
+Does not own: the segment format, group commit or retention (:mod:`rollpoint.store.journal`),
+proxying or token reading (the model server).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+
+from rollpoint.protocol.errors import ConfigError
+from rollpoint.protocol.ids import HEADER_POLICY_VERSION
+from rollpoint.servers.model.call_ledger import CallRecord, json_form
+from rollpoint.servers.model.generation_cut import HEADER_TOKEN_SEGMENTS
+from rollpoint.store.journal import Journal, Position
+from rollpoint.store.journal_format import journal_key
+
+if TYPE_CHECKING:
+    from rollpoint.servers.model.model_server import EpisodeTag, ModelServer
+
+log = logging.getLogger(__name__)
+
+KIND = "policy_call"
+_KEPT_HEADERS = (HEADER_POLICY_VERSION, HEADER_TOKEN_SEGMENTS)
+
+
+def journal_folder(store_root: str, name: str, replica: str) -> str:
+    """Where a model server keeps its journal: next to the participants' state in the store."""
+    return f"{store_root.rstrip('/')}/journal/model/{name}-{replica}"
+
+
+def request_key(payload: dict[str, Any]) -> str:
+    """The digest a re-issued call must match: its JSON body with sorted keys, so a session
+    restored from a snapshot (same values, maybe another key order) asks the same call."""
+    canonical = orjson.dumps(payload, option=orjson.OPT_SORT_KEYS)
+    return hashlib.blake2b(canonical, digest_size=16).hexdigest()
+
+
+@dataclass(slots=True)
+class CallJournalCounts:
+    journaled: int = 0
+    """Calls appended since this server started."""
+    answered: int = 0
+    """Calls answered from the journal (never sent to the engine)."""
+    recovered: int = 0
+    """Calls found in the journal when it was opened (earlier processes' calls)."""
+
+
+class CallJournal:
+    """The journal of one model server; open with :meth:`open`, serve calls with :meth:`serve`."""
+
+    def __init__(self, journal: Journal, server: ModelServer) -> None:
+        self.journal = journal
+        self._server = server
+        self.counts = CallJournalCounts()
+        self._by_turn: dict[tuple[str, int], dict[int, str]] = {}
+        """(rollout, turn) -> {attempt: journal key} of every journaled call."""
+        for rec in journal.records_after():
+            if rec.kind == KIND:
+                self._index(rec.key)
+                self.counts.recovered += 1
+
+    @classmethod
+    async def open(cls, folder: str, server: ModelServer, *, window_s: float) -> CallJournal:
+        journal = await asyncio.to_thread(Journal.open, folder, window_s=window_s)
+        return await asyncio.to_thread(cls, journal, server)
+
+    @property
+    def position(self) -> Position:
+        return self.journal.position
+
+    def _index(self, key: str) -> None:
+        # model|<rollout>|a<attempt>|t<turn>|c<call>: journal_key refuses parts with '|'.
+        _, rollout_id, attempt, turn, _ = key.split("|")
+        self._by_turn.setdefault((rollout_id, int(turn[1:])), {})[int(attempt[1:])] = key
+
+    def _journaled(self, tag: EpisodeTag, asked: str) -> dict[str, Any] | None:
+        """The journaled call a call of ``tag`` asking ``asked`` is answered with, or None."""
+        attempts = self._by_turn.get((tag.rollout_id, tag.turn))
+        if not attempts:
+            return None
+        for attempt in sorted((a for a in attempts if a <= tag.attempt), reverse=True):
+            rec = self.journal.lookup(attempts[attempt])
+            if rec is None:  # dropped by retention
+                continue
+            value: dict[str, Any] = rec.value()
+            if value.get("request") == asked:
+                return value
+        return None
+
+    async def serve(
+        self, request: Request, inner: Callable[[Request], Awaitable[Response]]
+    ) -> Response:
+        """One ``/v1/chat/completions`` call: from the journal when it holds it, else from
+        ``inner`` (the model server), journaled before the reply is returned."""
+        from rollpoint.servers.model.model_server import EpisodeTag
+
+        tag = EpisodeTag.from_headers(request.headers)
+        if tag is None:
+            return await inner(request)
+        try:
+            payload = orjson.loads(await request.body())
+        except orjson.JSONDecodeError:
+            return await inner(request)  # refused there, with the model server's message
+        if not isinstance(payload, dict) or payload.get("stream") is True:
+            return await inner(request)
+        asked = request_key(payload)
+        found = self._journaled(tag, asked)
+        if found is not None:
+            # Through the gate as an engine call is: a cut in progress holds it, so the
+            # ledger does not change under a checkpoint's capture.
+            async with self._server.gate.admit():
+                return self._answer(tag, found)
+        response = await inner(request)
+        if response.status_code != 200:
+            return response
+        calls = self._server.ledger.calls(tag.rollout_id)
+        last = calls[-1] if calls else None
+        if last is None or last.attempt != tag.attempt or last.turn != tag.turn:
+            return response  # not filed (retired while it ran): nothing to journal
+        key = journal_key("model", tag.rollout_id, tag.attempt, tag.turn, 0)
+        body = bytes(response.body)
+        value = {
+            "request": asked,
+            "content_type": response.media_type,
+            "headers": {h: response.headers[h] for h in _KEPT_HEADERS if h in response.headers},
+            "body": body.decode(),
+            "record": json_form(last),
+        }
+        await self.journal.append_json(key, KIND, value)
+        self._index(key)
+        self.counts.journaled += 1
+        return response
+
+    def _answer(self, tag: EpisodeTag, found: dict[str, Any]) -> Response:
+        """The recorded reply, filed in the ledger again under the caller's attempt."""
+        self._server._guard(tag)
+        started = time.perf_counter()
+        record = CallRecord.model_validate(
+            {**found["record"], "attempt": tag.attempt, "turn": tag.turn, "latency_s": 0.0}
+        )
+        self._server.ledger.record(record)
+        self.counts.answered += 1
+        log.debug(
+            "call %s#%d turn %d answered from the journal in %.1f ms",
+            tag.rollout_id,
+            tag.attempt,
+            tag.turn,
+            (time.perf_counter() - started) * 1000,
+        )
+        return Response(
+            found["body"].encode(), media_type=found["content_type"], headers=found["headers"]
+        )
+
+    async def close(self) -> None:
+        await self.journal.close()
+
+
+async def open_call_journal(server: ModelServer) -> CallJournal | None:
+    """The server's call journal when its settings ask for one (None otherwise)."""
+    settings = server.settings
+    if not settings.journal:
+        return None
+    root = settings.snapshot_root
+    if root is None or "://" in root:
+        raise ConfigError(
+            f"model server {settings.name}/{settings.replica}: journal needs a local "
+            f"snapshot store path, got {root!r} (fsspec stores are not journaled yet)"
+        )
+    folder = journal_folder(root, settings.name, settings.replica)
+    opened = await CallJournal.open(folder, server, window_s=settings.journal_window_s)
+    log.info(
+        "model server %s/%s: call journal %s holds %d calls",
+        settings.name,
+        settings.replica,
+        folder,
+        opened.counts.recovered,
+    )
+    return opened

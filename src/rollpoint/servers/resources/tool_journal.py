@@ -1,0 +1,236 @@
+"""The resources server's tool journal: every applied tool call, durable before its result leaves.
+
+Owns: the resources server's :class:`~rollpoint.store.journal.Journal` (a folder in the
+snapshot store, ``<store>/journal/resources/<name>-<replica>/``), what one ``tool_call``
+record holds (the tool, its raw arguments, their fingerprint, the result), answering a
+re-issued call from it, and bringing the episode's in-memory state to after that call by
+replaying it; and :func:`replaying`, which a tool with effects outside its state checks.
+
+One tool call, under the journal::
+
+    known to the idempotency table? ─ yes ─▶ the table's result (as without a journal)
+            │ no
+    journaled under (rollout, turn, call index) with the same fingerprint, episode not diverged?
+            │ yes                                               │ no
+    replay the tool on the episode's state (replaying() True)   run it (the service), then
+    same result as recorded? ─ yes ─▶ the recorded result       append it (durable) ─▶ result
+            │ no
+    warn (environment, tool, episode); the episode continues from the snapshot
+
+Keys: the resources server's idempotency key has no attempt (``(rollout, turn, call
+index)``), and a restored episode re-issues its tool calls under the same key (the agent
+applies a saved pending response "under the same idempotency keys"), so the journal is
+looked up by that key whatever the attempt; the record's journal key names the attempt that
+applied it (``tool|r|a<a>|t<t>|c<i>``).
+
+Replay runs the tool again on the state the snapshot (or the episode's start) gave it, so
+the state is what it was after the call. A tool whose call also changes something outside
+the episode's state (an external log, a payment, an e-mail) must skip that part when
+:func:`replaying` is True: the effect happened when the call was journaled. An environment
+that ignores it repeats the effect on every replay.
+
+"Continues from the snapshot": when a replay's result differs from the recorded one (the
+environment is not deterministic), the episode's state is put back to what it was before
+its first replay (the snapshot's state, or the start state when no snapshot held the
+episode), that call and every later one of the episode run live on it (and are journaled
+again under the new attempt), and no other journaled call of the episode is used. Results
+already answered from the journal stay as they were answered: the agent has them; the state
+no longer reflects them, exactly as a restore without a journal would leave it.
+
+Does not own: the segment format, group commit or retention (:mod:`rollpoint.store.journal`),
+the idempotency table, the gate or the environment (the service).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from rollpoint.protocol.episode import ToolCall, ToolResult
+from rollpoint.protocol.errors import ConfigError
+from rollpoint.servers.resources.episode_record import call_fingerprint
+from rollpoint.store.journal import Journal, Position
+from rollpoint.store.journal_format import journal_key
+
+if TYPE_CHECKING:
+    from rollpoint.servers.resources.resources_server import ResourcesService
+
+log = logging.getLogger(__name__)
+
+KIND = "tool_call"
+_REPLAYING: ContextVar[bool] = ContextVar("rollpoint_tool_replaying", default=False)
+
+
+def replaying() -> bool:
+    """True while a tool runs again to rebuild an episode's state from the journal: skip
+    effects outside the state (they happened when the call was first applied)."""
+    return _REPLAYING.get()
+
+
+@contextmanager
+def _replay_mode() -> Iterator[None]:
+    token = _REPLAYING.set(True)
+    try:
+        yield
+    finally:
+        _REPLAYING.reset(token)
+
+
+def journal_folder(store_root: str, name: str, replica: str) -> str:
+    """Where a resources server keeps its journal: next to the participants' state in the store."""
+    return f"{store_root.rstrip('/')}/journal/resources/{name}-{replica}"
+
+
+@dataclass(slots=True)
+class ToolJournalCounts:
+    journaled: int = 0
+    """Tool calls appended since this server started."""
+    replayed: int = 0
+    """Journaled calls answered with their recorded result, the state rebuilt by replay."""
+    diverged: int = 0
+    """Episodes whose replay gave another result: continued from the snapshot."""
+    recovered: int = 0
+    """Tool calls found in the journal when it was opened."""
+
+
+class ToolJournal:
+    """The journal of one resources server; open with :meth:`open`."""
+
+    def __init__(self, journal: Journal, service: ResourcesService) -> None:
+        self.journal = journal
+        self._service = service
+        self.counts = ToolJournalCounts()
+        self._keys: dict[tuple[str, int, int], str] = {}
+        """(rollout, turn, call index) -> journal key of the last record of that call."""
+        self._base: dict[str, dict[str, Any]] = {}
+        """An episode's exported state before its first replay (what a divergence returns to)."""
+        self._diverged: set[str] = set()
+        for rec in journal.records_after():
+            if rec.kind == KIND:
+                self._index(rec.key)
+                self.counts.recovered += 1
+
+    @classmethod
+    async def open(cls, folder: str, service: ResourcesService, *, window_s: float) -> ToolJournal:
+        journal = await asyncio.to_thread(Journal.open, folder, window_s=window_s)
+        return await asyncio.to_thread(cls, journal, service)
+
+    @property
+    def position(self) -> Position:
+        return self.journal.position
+
+    def _index(self, key: str) -> None:
+        # tool|<rollout>|a<attempt>|t<turn>|c<call>: journal_key refuses parts with '|'.
+        _, rollout_id, _, turn, call = key.split("|")
+        self._keys[(rollout_id, int(turn[1:]), int(call[1:]))] = key
+
+    def _journaled(self, call: ToolCall) -> dict[str, Any] | None:
+        key = self._keys.get((call.episode.rollout_id, call.turn, call.call_index))
+        rec = None if key is None else self.journal.lookup(key)
+        return None if rec is None else dict(rec.value())
+
+    async def call_tool(self, tool_name: str, call: ToolCall) -> ToolResult:
+        """One ``POST /tools/{name}``: answered from the journal when it holds the call,
+        else applied by the service and journaled before the result is returned."""
+        service = self._service
+        rollout_id = call.episode.rollout_id
+        found = None if rollout_id in self._diverged else self._journaled(call)
+        if found is not None and found["fingerprint"] == call_fingerprint(
+            tool_name, call.arguments
+        ):
+            answered = await self._replay(tool_name, call, found)
+            if answered is not None:
+                return answered
+        result = await service.call_tool(tool_name, call)
+        self._base.pop(rollout_id, None)  # past its journaled calls: no replay to undo
+        if not result.replayed:  # applied now, not answered from the idempotency table
+            key = journal_key("tool", rollout_id, call.episode.attempt, call.turn, call.call_index)
+            value = {
+                "tool": tool_name,
+                "arguments": call.arguments,
+                "fingerprint": call_fingerprint(tool_name, call.arguments),
+                "result": result.model_dump(mode="json"),
+            }
+            await self.journal.append_json(key, KIND, value)
+            self._index(key)
+            self.counts.journaled += 1
+        return result
+
+    async def _replay(
+        self, tool_name: str, call: ToolCall, found: dict[str, Any]
+    ) -> ToolResult | None:
+        """The recorded result, the episode's state brought to after the call by replaying
+        it; None when the call is to run live (already in the table, or the replay diverged)."""
+        service = self._service
+        env = service.environment
+        rollout_id = call.episode.rollout_id
+        service._guard(call.episode)
+        async with service.gate.admit():
+            # Again: the attempt may have been retired while the call waited at the gate.
+            service._guard(call.episode)
+            episode = service._episode(rollout_id)
+            key = (call.turn, call.call_index)
+            if key in episode.results:
+                return None  # the idempotency table answers it
+            if rollout_id not in self._base:
+                self._base[rollout_id] = env.export_state(episode.state)
+            episode.changing()
+            service._image.changed(rollout_id)
+            with _replay_mode():
+                replayed = service._run(episode, tool_name, call.arguments)
+            recorded = ToolResult.model_validate(found["result"])
+            if (replayed.content, replayed.is_error) != (recorded.content, recorded.is_error):
+                self._diverge(tool_name, call)
+                return None
+            episode.results[key] = recorded
+            episode.fingerprints[key] = found["fingerprint"]
+            self.counts.replayed += 1
+            return recorded.model_copy(update={"replayed": True})
+
+    def _diverge(self, tool_name: str, call: ToolCall) -> None:
+        service = self._service
+        env = service.environment
+        rollout_id = call.episode.rollout_id
+        episode = service._episode(rollout_id)
+        log.warning(
+            "environment %s: replaying tool %s of episode %s (turn %d, call %d) gave another "
+            "result than journaled; the episode continues from the snapshot",
+            env.name,
+            tool_name,
+            call.episode.key,
+            call.turn,
+            call.call_index,
+        )
+        env.close(episode.state)
+        episode.state = env.restore_state(episode.task, self._base.pop(rollout_id))
+        self._diverged.add(rollout_id)
+        self.counts.diverged += 1
+
+    async def close(self) -> None:
+        await self.journal.close()
+
+
+async def open_tool_journal(
+    service: ResourcesService, snapshot_root: str | None, *, window_s: float
+) -> ToolJournal:
+    root = snapshot_root
+    if root is None or "://" in root:
+        raise ConfigError(
+            f"resources server {service.name}/{service.replica}: journal needs a local "
+            f"snapshot store path, got {root!r} (fsspec stores are not journaled yet)"
+        )
+    folder = journal_folder(root, service.name, service.replica)
+    opened = await ToolJournal.open(folder, service, window_s=window_s)
+    log.info(
+        "resources server %s/%s: tool journal %s holds %d calls",
+        service.name,
+        service.replica,
+        folder,
+        opened.counts.recovered,
+    )
+    return opened

@@ -11,11 +11,13 @@ effect happened when the call was first applied.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
-from typing import Any, ClassVar
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from typing import Any, ClassVar, cast
 
 import orjson
 
+from rollpoint.envs.base import Tool
 from rollpoint.envs.workplace import WorkplaceEnvironment, WorkplaceState
 from rollpoint.protocol.episode import TaskRow
 from rollpoint.servers.resources.tool_journal import replaying
@@ -38,13 +40,26 @@ class EffectLogEnvironment(WorkplaceEnvironment):
         state.task_id = task.task_id  # type: ignore[attr-defined]
         return state
 
-    def call(self, state: WorkplaceState, tool_name: str, arguments: Mapping[str, Any]) -> str:
-        before = self.side_effects(state)
-        out = super().call(state, tool_name, arguments)
-        new = self.side_effects(state) - before
-        if new and not replaying():
-            task_id = state.task_id  # type: ignore[attr-defined]
-            with open(os.environ[LOG_ENV], "ab") as log:
-                for effect in sorted(new.elements()):
-                    log.write(orjson.dumps({"task": task_id, "effect": effect}) + b"\n")
-        return out
+    def tool_table(self) -> Mapping[str, Tool[WorkplaceState, Any]]:
+        # Each tool wrapped where the server runs it (the resources server calls the
+        # tools themselves, not Environment.call).
+        return {
+            name: replace(tool, run=self._logged(tool))
+            for name, tool in super().tool_table().items()
+        }
+
+    def _logged(self, tool: Tool[WorkplaceState, Any]) -> Callable[[WorkplaceState, Any], str]:
+        run = cast(Callable[[WorkplaceState, Any], str], tool.run)
+
+        def logged(state: WorkplaceState, args: Any) -> str:
+            before = self.side_effects(state)
+            out = run(state, args)
+            new = self.side_effects(state) - before
+            if new and not replaying():
+                task_id = state.task_id  # type: ignore[attr-defined]
+                with open(os.environ[LOG_ENV], "ab") as log:
+                    for effect in sorted(new.elements()):
+                        log.write(orjson.dumps({"task": task_id, "effect": effect}) + b"\n")
+            return out
+
+        return logged

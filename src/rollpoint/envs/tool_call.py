@@ -30,6 +30,7 @@ checkpoint sees while a call is away from the loop; this module only runs the ca
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import inspect
 import logging
 import time
@@ -232,7 +233,12 @@ class ToolRunner:
             return await cast(Awaitable[str], tool.run(*call))
         if convention.where is _Where.THREAD:
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._executor(), lambda: cast(str, tool.run(*call)))
+            # The call's context variables go with it to the thread (a replay from the
+            # journal is marked by one: tool_journal.replaying()), as asyncio.to_thread does.
+            ctx = contextvars.copy_context()
+            return await loop.run_in_executor(
+                self._executor(), lambda: cast(str, ctx.run(tool.run, *call))
+            )
         started = time.perf_counter()
         try:
             return cast(str, tool.run(*call))

@@ -182,7 +182,7 @@ class ToolJournal:
             episode.changing()
             service._image.changed(rollout_id)
             with _replay_mode():
-                replayed = service._run(episode, tool_name, call.arguments)
+                replayed = await service._run(episode, tool_name, call)
             recorded = ToolResult.model_validate(found["result"])
             if (replayed.content, replayed.is_error) != (recorded.content, recorded.is_error):
                 self._diverge(tool_name, call)

@@ -23,8 +23,8 @@ from typing import Any
 
 from bench.latency import percentile
 from bench.report import BenchResult
-from rollpoint.config import parse_config
-from rollpoint.job import drive_quietly, run_job
+from rollpoint.app.config import parse_config
+from rollpoint.app.job import drive_quietly, run_job
 from rollpoint.runtime.contract import Runtime
 from rollpoint.trainer.metrics import TrainerMetrics
 from rollpoint.trainer.trainer_loop import RunSummary, Trainer

@@ -37,10 +37,10 @@ from typing import Any
 import orjson
 
 from bench.report import BenchResult
-from rollpoint.config import RunConfig, parse_config
+from rollpoint.app.config import RunConfig, parse_config
+from rollpoint.app.job import drive_quietly, run_job
 from rollpoint.envs.workplace import ExpectedEmail, ExpectedEvent, WorkplaceParams, workplace_prompt
 from rollpoint.http.client import HttpClient
-from rollpoint.job import drive_quietly, run_job
 from rollpoint.preemption import StopRequest
 from rollpoint.protocol.episode import TaskRow
 from rollpoint.protocol.errors import RunPreemptedError

@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from bench.report import BenchResult
-from rollpoint.config import parse_config
+from rollpoint.app.config import parse_config
 from rollpoint.envs import get_environment
 from rollpoint.loop import SimulatedTrainer
 from rollpoint.runtime.embedded import EmbeddedRuntime

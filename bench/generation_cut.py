@@ -36,8 +36,8 @@ import orjson
 from bench.crash_rework import DATA_TOKEN, Killed, _say
 from bench.latency import percentile
 from bench.report import BenchResult
-from rollpoint.config import RunConfig, parse_config
-from rollpoint.job import drive_quietly, run_job
+from rollpoint.app.config import RunConfig, parse_config
+from rollpoint.app.job import drive_quietly, run_job
 from rollpoint.runtime.contract import Runtime
 from rollpoint.runtime.embedded import EmbeddedRuntime
 from rollpoint.runtime.process_group import ProcessGroup

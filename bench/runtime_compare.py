@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from bench.report import BenchResult
-from rollpoint.config import RunConfig, parse_config
-from rollpoint.job import drive_quietly, run_job
+from rollpoint.app.config import RunConfig, parse_config
+from rollpoint.app.job import drive_quietly, run_job
 from rollpoint.runtime.contract import Runtime
 from rollpoint.trainer.metrics import TrainerMetrics
 from rollpoint.trainer.trainer_loop import RunSummary, Trainer

@@ -62,7 +62,7 @@ import orjson
 
 from bench.latency import percentile
 from bench.report import BenchResult
-from rollpoint.config import RunConfig, parse_config
+from rollpoint.app.config import RunConfig, parse_config
 from rollpoint.envs.workplace import ExpectedEmail, ExpectedEvent, WorkplaceParams, workplace_prompt
 from rollpoint.http.client import HttpClient
 from rollpoint.loop import SimulatedTrainer

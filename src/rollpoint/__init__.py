@@ -26,7 +26,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from rollpoint.config import RunConfig, load_config, parse_config
+    from rollpoint.app.config import RunConfig, load_config, parse_config
     from rollpoint.preemption import StopRequest
     from rollpoint.protocol.deployment import ReplicaEndpoints, ServedDeployment
     from rollpoint.protocol.episode import TaskRow
@@ -68,9 +68,9 @@ _HOMES = {
     "RollpointError": "rollpoint.protocol.errors",
     "RunPreemptedError": "rollpoint.protocol.errors",
     "TaskRow": "rollpoint.protocol.episode",
-    "RunConfig": "rollpoint.config",
-    "load_config": "rollpoint.config",
-    "parse_config": "rollpoint.config",
+    "RunConfig": "rollpoint.app.config",
+    "load_config": "rollpoint.app.config",
+    "parse_config": "rollpoint.app.config",
     "TrainSample": "rollpoint.trainer.train_hooks",
     "TrainTurn": "rollpoint.trainer.train_hooks",
     "token_segments": "rollpoint.trainer.train_hooks",

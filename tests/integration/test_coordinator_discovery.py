@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from rollpoint.config import RunConfig, SnapshotConfig, TrainConfig
+from rollpoint.app.config import RunConfig, SnapshotConfig, TrainConfig
 from rollpoint.http.auth import CONTROL_TOKEN_ENV
 from rollpoint.http.client import HttpClient
 from rollpoint.loop import SimulatedTrainer

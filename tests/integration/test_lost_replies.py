@@ -23,7 +23,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from rollpoint.config import RunConfig, SnapshotConfig, TrainConfig
+from rollpoint.app.config import RunConfig, SnapshotConfig, TrainConfig
 from rollpoint.http.app import create_app
 from rollpoint.http.auth import CONTROL_TOKEN_ENV
 from rollpoint.http.client import HttpClient

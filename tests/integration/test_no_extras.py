@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from rollpoint.extras import EXTRAS
+from rollpoint.common.extras import EXTRAS
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -92,7 +92,7 @@ def test_the_library_imports_without_extras(venv: Path) -> None:
     code = (
         "import sys\n"
         "import rollpoint, rollpoint.trainer, rollpoint.participant, rollpoint.envs\n"
-        "import rollpoint.protocol, rollpoint.job, rollpoint.testing.conformance\n"
+        "import rollpoint.protocol, rollpoint.app.job, rollpoint.testing.conformance\n"
         "import rollpoint.servers.model.model_server, rollpoint.servers.agent.agent_server\n"
         "import rollpoint.servers.resources.resources_server\n"
         "from rollpoint.trainer import Trainer, RecoveryLedger\n"
@@ -121,7 +121,7 @@ def test_each_extra_is_named_when_its_feature_is_used(venv: Path) -> None:
         "from rollpoint.envs import get_environment; get_environment('blackjack')": (
             "the blackjack environment needs the 'gym' extra: pip install 'rollpoint[gym]'"
         ),
-        "from rollpoint.config import RunConfig; from rollpoint.runtime.contract import"
+        "from rollpoint.app.config import RunConfig; from rollpoint.runtime.contract import"
         " runtime_for; runtime_for(RunConfig(runtime='ray'))": (
             "the Ray runtime (runtime: ray) needs the 'ray' extra: pip install 'rollpoint[ray]'"
         ),

@@ -15,7 +15,7 @@ from typing import Any
 import orjson
 import pytest
 
-from rollpoint.config import RunConfig, parse_config
+from rollpoint.app.config import RunConfig, parse_config
 from rollpoint.envs import get_environment
 from rollpoint.protocol.episode import TaskRow
 from rollpoint.protocol.errors import ConfigError

@@ -18,7 +18,7 @@ import orjson
 import pytest
 
 from rollpoint import SyncRollouts
-from rollpoint.config import RunConfig
+from rollpoint.app.config import RunConfig
 from rollpoint.protocol.errors import RestoreError
 from rollpoint.trainer import (
     Coverage,

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import sandbox_env  # installed by make (pip install -e examples/sandbox_env)
 
-from rollpoint.config import parse_config
+from rollpoint.app.config import parse_config
+from rollpoint.app.job import load_tasks_for, run_job
 from rollpoint.http.client import HttpClient
-from rollpoint.job import load_tasks_for, run_job
 from rollpoint.runtime.ray_runtime import RayRuntime
 from rollpoint.testing import invariants
 from tests.ray.conftest import RayCluster

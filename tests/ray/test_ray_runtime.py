@@ -22,9 +22,9 @@ from typing import Any
 import pytest
 import ray
 
-from rollpoint.config import RunConfig, parse_config
+from rollpoint.app.config import RunConfig, parse_config
+from rollpoint.app.job import drive_quietly, load_tasks_for, run_job
 from rollpoint.http.client import HttpClient
-from rollpoint.job import drive_quietly, load_tasks_for, run_job
 from rollpoint.protocol.deployment import ReplicaEndpoints
 from rollpoint.runtime.contract import Runtime
 from rollpoint.runtime.ray_runtime import RayRuntime

@@ -39,7 +39,7 @@ import orjson
 from aiohttp import web
 from pydantic import BaseModel
 
-from rollpoint.config import RunConfig, parse_config
+from rollpoint.app.config import RunConfig, parse_config
 from rollpoint.envs import get_environment
 from rollpoint.http.client import HttpClient
 from rollpoint.loop import SimulatedTrainer

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from rollpoint.config import RunConfig
+from rollpoint.app.config import RunConfig
 from rollpoint.http.client import HttpClient
 from rollpoint.protocol.control import Phase, StatusReply
 from rollpoint.protocol.errors import InvalidCheckpointStateError, RestoreError

@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 import rollpoint.loops
-from rollpoint.config import parse_config
+from rollpoint.app.config import parse_config
 from rollpoint.loops import AgentLoop, resolve_agent_loop
 from rollpoint.protocol.episode import RunRow, TaskRow
 from rollpoint.protocol.errors import ConfigError

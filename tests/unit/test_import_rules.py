@@ -2,7 +2,7 @@
 
 - ``rollpoint.participant`` (the SDK) and ``rollpoint.servers`` (the built-in servers) never
   import the trainer side (``rollpoint.trainer``, ``rollpoint.loop``) nor the
-  app (``rollpoint.cli``, ``rollpoint.job``, ``rollpoint.config``);
+  app (``rollpoint.app.cli``, ``rollpoint.app.job``, ``rollpoint.app.config``);
 - the SDK never imports the built-in servers: they are built on it, not it on them;
 - a server imports the SDK only through ``rollpoint.participant``, never one of its modules;
 - ``rollpoint.protocol`` imports neither side (nor the app, nor the built-in loop);
@@ -38,7 +38,7 @@ import rollpoint.participant
 import rollpoint.trainer
 
 SRC = Path(rollpoint.__file__).parent
-APP = ("rollpoint.cli", "rollpoint.job", "rollpoint.config")
+APP = ("rollpoint.app.cli", "rollpoint.app.job", "rollpoint.app.config")
 LOOP = ("rollpoint.loop",)
 """The built-in loop ``rollpoint run`` trains with, built on the façade."""
 FACADE_OVER_THE_JOB = ("rollpoint.rollouts", "rollpoint.preemption")
@@ -50,7 +50,7 @@ SEAM_SIDE = ("rollpoint.tuning.seam", "rollpoint.tuning.collector_pause")
 """What of ``rollpoint.tuning`` the SDK and the trainer may import."""
 INSTALLERS = {
     "rollpoint.runtime.server_process",
-    "rollpoint.job",
+    "rollpoint.app.job",
     "rollpoint.testing.local_cluster",
 }
 """The entry points that install the tricks (the façade and chaos trials go through run_job)."""

@@ -31,7 +31,7 @@ from typing import Any
 
 from pydantic import JsonValue
 
-from rollpoint.import_path import load_class
+from rollpoint.common.import_path import load_class
 from rollpoint.protocol.errors import ConfigError
 
 Prompt = tuple[list[dict[str, Any]], JsonValue]

@@ -24,8 +24,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from rollpoint.config import RunConfig
-from rollpoint.extras import need
+from rollpoint.app.config import RunConfig
+from rollpoint.common.extras import need
 from rollpoint.protocol.deployment import Deployment, ReplicaEndpoints
 from rollpoint.protocol.errors import LaunchError, RollpointError
 from rollpoint.runtime.contract import OnDown, OnUp

@@ -55,7 +55,7 @@ from typing import Any
 import orjson
 from pydantic import JsonValue
 
-from rollpoint.background import stop_task
+from rollpoint.common.background import stop_task
 from rollpoint.protocol.control import (
     DETACHED_WRITE,
     SCOPE_KEYS,

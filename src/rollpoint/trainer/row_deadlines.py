@@ -13,7 +13,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-from rollpoint.background import stop_task
+from rollpoint.common.background import stop_task
 from rollpoint.protocol.errors import BadRequestError
 from rollpoint.trainer.dispatch_barrier import DispatchBarrier
 

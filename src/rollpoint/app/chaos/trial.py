@@ -1,15 +1,15 @@
-"""One run of one chaos trial: ``python -m rollpoint.testing.chaos_trial PLAN_JSON``.
+"""One run of one chaos trial: ``python -m rollpoint.app.chaos.trial PLAN_JSON``.
 
-Owns a single process of a trial (see :mod:`rollpoint.testing.chaos_plan`): it points the
+Owns a single process of a trial (see :mod:`rollpoint.app.chaos.plan`): it points the
 job's config at the trial's workdir, runs the job (fresh on run 0, resuming on a rerun)
 with a fault proxy in front of every participant its plan targets, applies the plan's
 faults of this run at their moments, and prints what happened as
-:class:`~rollpoint.testing.chaos_plan.TrialEvent` JSON lines on stdout, flushed one by
+:class:`~rollpoint.app.chaos.plan.TrialEvent` JSON lines on stdout, flushed one by
 one so a runner that SIGKILLs it keeps every line printed before the kill. Messages go to
 stderr and logs to ``<workdir>/rollpoint.log``.
 
 It does not kill itself, rerun, or judge the outcome (the runner in
-:mod:`rollpoint.testing.chaos` does). Exit code 0: the job finished; 1: it failed; 2: bad
+:mod:`rollpoint.app.chaos.command` does). Exit code 0: the job finished; 1: it failed; 2: bad
 plan or config.
 """
 
@@ -27,18 +27,7 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
-from rollpoint.config import RunConfig, load_config
-from rollpoint.job import drive_quietly, run_job
-from rollpoint.protocol.control import CONTROL_PREFIX, Verb
-from rollpoint.protocol.deployment import Deployment, ServedDeployment
-from rollpoint.protocol.errors import ConfigError, RollpointError
-from rollpoint.protocol.participant import ParticipantKind
-from rollpoint.runtime.contract import Runtime
-from rollpoint.runtime.embedded import EmbeddedRuntime, replica_name, replica_of
-from rollpoint.runtime.process_group import ChildServer
-from rollpoint.runtime.server_spec import ServerSpec
-from rollpoint.store.workdir_lock import lock_workdir
-from rollpoint.testing.chaos_plan import (
+from rollpoint.app.chaos.plan import (
     OWN_SERVERS,
     PEER_PATHS,
     PROXIED,
@@ -51,6 +40,17 @@ from rollpoint.testing.chaos_plan import (
     trial_store,
     trial_store_folder,
 )
+from rollpoint.app.config import RunConfig, load_config
+from rollpoint.app.job import drive_quietly, run_job
+from rollpoint.protocol.control import CONTROL_PREFIX, Verb
+from rollpoint.protocol.deployment import Deployment, ServedDeployment
+from rollpoint.protocol.errors import ConfigError, RollpointError
+from rollpoint.protocol.participant import ParticipantKind
+from rollpoint.runtime.contract import Runtime
+from rollpoint.runtime.embedded import EmbeddedRuntime, replica_name, replica_of
+from rollpoint.runtime.process_group import ChildServer
+from rollpoint.runtime.server_spec import ServerSpec
+from rollpoint.store.workdir_lock import lock_workdir
 from rollpoint.testing.fault import Fault
 from rollpoint.testing.fault_proxy import FaultProxy
 from rollpoint.testing.faulty_store import fail_writes, heal
@@ -59,7 +59,7 @@ from rollpoint.trainer.trainer_loop import RunSummary, Trainer
 
 log = logging.getLogger(__name__)
 
-# What rollpoint.job says after a restore; the numbers are the trial's episode tally.
+# What rollpoint.app.job says after a restore; the numbers are the trial's episode tally.
 _RESUMED = re.compile(
     r"resumed from snapshot (?P<snapshot>\S+) at train step \d+: "
     r"(?P<continued>\d+) episodes continued, (?P<restarted>\d+) restarted"
@@ -453,7 +453,7 @@ def _setup_logging(config: RunConfig) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
-        print("usage: python -m rollpoint.testing.chaos_trial PLAN_JSON", file=sys.stderr)
+        print("usage: python -m rollpoint.app.chaos.trial PLAN_JSON", file=sys.stderr)
         return 2
     try:
         plan = TrialPlan.model_validate_json(args[0])

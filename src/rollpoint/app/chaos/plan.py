@@ -203,7 +203,7 @@ class PlannedFault(StrictModel):
 
 
 class TrialPlan(StrictModel):
-    """One run of one trial: what ``python -m rollpoint.testing.chaos_trial`` is given."""
+    """One run of one trial: what ``python -m rollpoint.app.chaos.trial`` is given."""
 
     trial: Annotated[int, Field(ge=0)]
     config: Path

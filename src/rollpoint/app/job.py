@@ -25,7 +25,8 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from rollpoint.config import RunConfig
+from rollpoint.app.config import RunConfig
+from rollpoint.app.start_checks import check_store_writable, check_workdir_writable, unreadable
 from rollpoint.http.client import HttpClient
 from rollpoint.loop.simulated_trainer import SimulatedTrainer
 from rollpoint.preemption import StopRequest, drive_until_stopped
@@ -35,7 +36,6 @@ from rollpoint.protocol.errors import ConfigError, RestoreError, RollpointError
 from rollpoint.runtime.attached import AttachedRuntime
 from rollpoint.runtime.contract import Runtime, runtime_for
 from rollpoint.runtime.replica_plan import SpecHook
-from rollpoint.start_checks import check_store_writable, check_workdir_writable, unreadable
 from rollpoint.store.snapshot_store import SnapshotStore
 from rollpoint.store.workdir_lock import lock_workdir
 from rollpoint.trainer.control_plane import ControlPlane, participant_clients

@@ -78,7 +78,7 @@ def build_report(root: str, *, workdir: Path | None = None) -> dict[str, Any]:
 def render_report(report: dict[str, Any], console: Console) -> None:
     from rich.table import Table
 
-    from rollpoint.full_table import print_full
+    from rollpoint.app.full_table import print_full
 
     table = Table(title="snapshots (newest first)")
     for col in ("id", "published", "train step", "pause", "saved", "restarts"):

@@ -1,7 +1,7 @@
 """The report page: one self-contained HTML file for a :class:`RunRecord`.
 
 Owns the page's layout and tables: a summary of the run, the figures of
-:mod:`rollpoint.report.figures` inlined as SVG, the snapshot attempts (a failed one with
+:mod:`rollpoint.app.report.figures` inlined as SVG, the snapshot attempts (a failed one with
 its reason), the restores (continued, restarted, adopted, requeued, policy calls kept and
 re-done), what happened to replicas, the latest snapshot's contents as ``rollpoint
 inspect`` shows them, and the config the run used. Nothing on the page loads from anywhere:
@@ -19,8 +19,8 @@ from typing import Any
 import yaml
 
 from rollpoint import __version__
-from rollpoint.report import figures
-from rollpoint.report.run_record import RunRecord
+from rollpoint.app.report import figures
+from rollpoint.app.report.run_record import RunRecord
 from rollpoint.trainer.run_events import ReplicaDown
 
 MAX_TABLE_ROWS = 300

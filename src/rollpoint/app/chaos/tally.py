@@ -5,7 +5,7 @@ Owns the records of ``rollpoint chaos`` (:class:`RunRecord` for one trial proces
 rich tables the command prints and the JSON object ``--json`` writes. Every fault kind and
 every invariant appears in both, zeros included, so a script can read any count without
 asking whether it exists. It runs nothing and checks nothing: the runner in
-:mod:`rollpoint.testing.chaos` fills it.
+:mod:`rollpoint.app.chaos.command` fills it.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any
 
 from rich.table import Table
 
-from rollpoint.testing.chaos_plan import KILLS, ChaosFault, PlannedFault, TrialEvent, TrialPlan
+from rollpoint.app.chaos.plan import KILLS, ChaosFault, PlannedFault, TrialEvent, TrialPlan
 from rollpoint.testing.invariants import Invariant, Violation
 
 PUBLISHED = "published"

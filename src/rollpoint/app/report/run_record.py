@@ -19,8 +19,8 @@ from typing import Any
 import orjson
 from pydantic import JsonValue
 
+from rollpoint.app.snapshot_report import build_report
 from rollpoint.protocol.errors import ConfigError, RollpointError
-from rollpoint.snapshot_report import build_report
 from rollpoint.trainer.run_events import (
     EVENTS_FILE,
     InFlight,
@@ -37,7 +37,7 @@ from rollpoint.trainer.run_events import (
 
 METRICS_FILE = "metrics.jsonl"
 CHAOS_EVENTS_FILE = "events.jsonl"
-"""What ``rollpoint chaos`` keeps beside a trial's workdir (:mod:`rollpoint.testing.chaos`):
+"""What ``rollpoint chaos`` keeps beside a trial's workdir (:mod:`rollpoint.app.chaos.command`):
 its ``fault`` lines are drawn on the timeline."""
 
 

@@ -5,9 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-from rollpoint.protocol.control import Verb
-from rollpoint.protocol.participant import ParticipantKind
-from rollpoint.testing.chaos_plan import (
+from rollpoint.app.chaos.plan import (
     KILLS,
     LOST_REPLY_VERBS,
     OWN_SERVERS,
@@ -17,6 +15,8 @@ from rollpoint.testing.chaos_plan import (
     TrialPlan,
     draw_plans,
 )
+from rollpoint.protocol.control import Verb
+from rollpoint.protocol.participant import ParticipantKind
 from rollpoint.testing.snapshot_damage import Damage
 
 

@@ -28,7 +28,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 from matplotlib.typing import RcKeyType
 
-from rollpoint.report.run_record import RunRecord, SnapshotAttempt
+from rollpoint.app.report.run_record import RunRecord, SnapshotAttempt
 from rollpoint.trainer.run_events import ReplicaDown
 
 OUTCOME_COLOURS = {"published": "#2a9d55", "failed": "#d62728"}

@@ -214,9 +214,9 @@ def run(
     """
     from rich.table import Table
 
-    from rollpoint.config import load_config
-    from rollpoint.full_table import print_full
-    from rollpoint.job import prepare_workdir
+    from rollpoint.app.config import load_config
+    from rollpoint.app.full_table import print_full
+    from rollpoint.app.job import prepare_workdir
     from rollpoint.loop import run_builtin
     from rollpoint.rollouts import attached_config, load_served
 
@@ -276,8 +276,8 @@ def serve(
 
     from rich.table import Table
 
-    from rollpoint.config import load_config
-    from rollpoint.full_table import print_full
+    from rollpoint.app.config import load_config
+    from rollpoint.app.full_table import print_full
     from rollpoint.preemption import signal_name
     from rollpoint.protocol.deployment import ServedDeployment
     from rollpoint.runtime.embedded import EmbeddedRuntime
@@ -360,7 +360,7 @@ def inspect(
     """
     import orjson
 
-    from rollpoint.snapshot_report import build_report, render_report
+    from rollpoint.app.snapshot_report import build_report, render_report
 
     try:
         report = build_report(store or str(workdir / "snapshots"), workdir=workdir)
@@ -399,14 +399,14 @@ def report(
     crashed, resumed or finished run)."""
     import orjson
 
-    from rollpoint.extras import extra_message, missing
+    from rollpoint.common.extras import extra_message, missing
 
     if missing("report"):
         console.print(
             f"[bold red]error:[/] {extra_message('report', 'rollpoint report')}", highlight=False
         )
         raise typer.Exit(code=1)
-    from rollpoint.report import read_run, write_report
+    from rollpoint.app.report import read_run, write_report
 
     try:
         record = read_run(workdir, store)
@@ -480,7 +480,7 @@ def chaos(
     leave nothing changed. Trials work in WORKDIR/chaos/trial-<k>. Exit code 1 when any
     check failed.
     """
-    from rollpoint.testing.chaos import chaos_command
+    from rollpoint.app.chaos.command import chaos_command
 
     code = chaos_command(
         config_path,

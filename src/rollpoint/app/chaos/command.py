@@ -1,7 +1,7 @@
 """``rollpoint chaos``: run one job many times under random faults and hold each to DESIGN §8.
 
-Owns the trials: for each plan of :func:`~rollpoint.testing.chaos_plan.draw_plans` it
-starts ``python -m rollpoint.testing.chaos_trial`` in its own session (its servers share
+Owns the trials: for each plan of :func:`~rollpoint.app.chaos.plan.draw_plans` it
+starts ``python -m rollpoint.app.chaos.trial`` in its own session (its servers share
 its process group), SIGKILLs that whole group at the plan's moment when the plan says so,
 reruns the trial until a run exits 0 (at most :data:`MAX_RERUNS` times), then checks the
 trial's workdir with :func:`rollpoint.testing.invariants.check_workdir` and counts what the
@@ -36,12 +36,7 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from rollpoint.config import RunConfig, load_config
-from rollpoint.job import load_tasks_for
-from rollpoint.protocol.episode import TaskRow
-from rollpoint.protocol.errors import ConfigError, LaunchError, RollpointError
-from rollpoint.testing import invariants
-from rollpoint.testing.chaos_plan import (
+from rollpoint.app.chaos.plan import (
     MAX_RERUNS,
     PlannedFault,
     TrialEvent,
@@ -51,7 +46,12 @@ from rollpoint.testing.chaos_plan import (
     trial_store,
     trial_store_folder,
 )
-from rollpoint.testing.chaos_tally import ChaosTally, RunRecord, TrialOutcome
+from rollpoint.app.chaos.tally import ChaosTally, RunRecord, TrialOutcome
+from rollpoint.app.config import RunConfig, load_config
+from rollpoint.app.job import load_tasks_for
+from rollpoint.protocol.episode import TaskRow
+from rollpoint.protocol.errors import ConfigError, LaunchError, RollpointError
+from rollpoint.testing import invariants
 from rollpoint.testing.faulty_store import heal
 from rollpoint.testing.invariants import Invariant, RewardScope, Violation
 from rollpoint.testing.snapshot_damage import Damage, NothingToDamage, damage_newest
@@ -313,7 +313,7 @@ async def _start_trial(
     return await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "rollpoint.testing.chaos_trial",
+        "rollpoint.app.chaos.trial",
         plan.model_dump_json(),
         stdin=asyncio.subprocess.DEVNULL,
         stdout=stdout,

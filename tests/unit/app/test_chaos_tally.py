@@ -6,9 +6,9 @@ import signal
 from collections import Counter
 from pathlib import Path
 
+from rollpoint.app.chaos.plan import ChaosFault, PlannedFault, TrialEvent, TrialPlan
+from rollpoint.app.chaos.tally import ChaosTally, RunRecord, TrialOutcome
 from rollpoint.protocol.participant import ParticipantKind
-from rollpoint.testing.chaos_plan import ChaosFault, PlannedFault, TrialEvent, TrialPlan
-from rollpoint.testing.chaos_tally import ChaosTally, RunRecord, TrialOutcome
 
 KILL = PlannedFault(kind=ChaosFault.PROCESS_KILL, run=0, at_s=2.0)
 STOP = PlannedFault(

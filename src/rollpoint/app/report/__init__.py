@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rollpoint.report.page import render_page
-from rollpoint.report.run_record import RunRecord, read_run
+from rollpoint.app.report.page import render_page
+from rollpoint.app.report.run_record import RunRecord, read_run
 
 __all__ = ["RunRecord", "read_run", "render_page", "write_report"]
 

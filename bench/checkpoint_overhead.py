@@ -27,7 +27,7 @@ from rollpoint.app.config import parse_config
 from rollpoint.app.job import drive_quietly, run_job
 from rollpoint.runtime.contract import Runtime
 from rollpoint.trainer.metrics import TrainerMetrics
-from rollpoint.trainer.trainer_loop import RunSummary, Trainer
+from rollpoint.trainer.trainer import RunSummary, Trainer
 
 
 async def _one(

@@ -47,7 +47,7 @@ from rollpoint.protocol.errors import RunPreemptedError
 from rollpoint.runtime.contract import Runtime
 from rollpoint.runtime.embedded import EmbeddedRuntime
 from rollpoint.trainer.metrics import TrainerMetrics
-from rollpoint.trainer.trainer_loop import RunSummary, Trainer
+from rollpoint.trainer.trainer import RunSummary, Trainer
 
 LATENCY_MS = 300
 SNAPSHOT_EVERY_S = 5.0

@@ -44,7 +44,7 @@ from rollpoint.runtime.process_group import ProcessGroup
 from rollpoint.runtime.server_spec import ServerSpec
 from rollpoint.store.snapshot_store import SnapshotStore
 from rollpoint.trainer.metrics import TrainerMetrics
-from rollpoint.trainer.trainer_loop import Trainer
+from rollpoint.trainer.trainer import Trainer
 
 TOKENS = 2000
 TOKENS_PER_S = 500

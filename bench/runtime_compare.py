@@ -23,7 +23,7 @@ from rollpoint.app.config import RunConfig, parse_config
 from rollpoint.app.job import drive_quietly, run_job
 from rollpoint.runtime.contract import Runtime
 from rollpoint.trainer.metrics import TrainerMetrics
-from rollpoint.trainer.trainer_loop import RunSummary, Trainer
+from rollpoint.trainer.trainer import RunSummary, Trainer
 
 LOST = "replica-1"
 _POLL_S = 0.001

@@ -1,7 +1,7 @@
 """Snapshot pause against sessions in flight, and against finished rollouts in the ledger.
 
 Everything is real: the servers run as processes (embedded runtime, 2 replicas, control
-routes on), a :class:`~rollpoint.trainer.trainer_loop.Trainer` with ``concurrency = N``
+routes on), a :class:`~rollpoint.trainer.trainer.Trainer` with ``concurrency = N``
 keeps N rows dispatched, and its own snapshot coordinator takes the snapshots over the
 control protocol. The bench adds only timers and a metered transport:
 
@@ -85,7 +85,7 @@ from rollpoint.trainer.coordinator import SaveReport
 from rollpoint.trainer.ledger import RecoveryLedger
 from rollpoint.trainer.metrics import TrainerMetrics
 from rollpoint.trainer.participant_client import ParticipantAddress, ParticipantClient
-from rollpoint.trainer.trainer_loop import Trainer
+from rollpoint.trainer.trainer import Trainer
 from rollpoint.tuning import install as install_tuning
 
 T = TypeVar("T")

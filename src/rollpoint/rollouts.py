@@ -43,7 +43,7 @@ from rollpoint.trainer.cut import SaveReport
 from rollpoint.trainer.metrics import TrainerMetrics
 from rollpoint.trainer.step_record import StepRecord
 from rollpoint.trainer.train_hooks import StepResult, TrainSample
-from rollpoint.trainer.trainer_loop import RunSummary, Trainer
+from rollpoint.trainer.trainer import RunSummary, Trainer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

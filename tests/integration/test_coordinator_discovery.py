@@ -19,7 +19,7 @@ from rollpoint.http.client import HttpClient
 from rollpoint.loop import SimulatedTrainer
 from rollpoint.protocol.errors import SnapshotError
 from rollpoint.testing import LocalCluster
-from rollpoint.trainer.trainer_loop import Trainer
+from rollpoint.trainer.trainer import Trainer
 
 pytestmark = pytest.mark.integration
 

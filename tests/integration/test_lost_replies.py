@@ -40,7 +40,7 @@ from rollpoint.trainer.ledger import RecoveryLedger, RolloutState
 from rollpoint.trainer.release_batcher import ReleaseBatcher
 from rollpoint.trainer.replica_roster import ReplicaRoster
 from rollpoint.trainer.train_hooks import TrainSample
-from rollpoint.trainer.trainer_loop import Trainer
+from rollpoint.trainer.trainer import Trainer
 from tests.support.direct_play import play, play_directly
 from tests.support.polling import eventually
 

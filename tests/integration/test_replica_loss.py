@@ -33,7 +33,7 @@ from rollpoint.trainer.dispatcher import Dispatcher
 from rollpoint.trainer.ledger import RecoveryLedger, RolloutState
 from rollpoint.trainer.replica_roster import ReplicaRoster
 from rollpoint.trainer.restorer import Restorer, ResumePoint, read_trainer_document
-from rollpoint.trainer.trainer_loop import Trainer
+from rollpoint.trainer.trainer import Trainer
 from rollpoint.trainer.workdir_record import TRAIN_DATA_FILE, WorkdirRecord
 from tests.support.embedded_job import EmbeddedJob, embedded_job, embedded_servers
 from tests.support.polling import eventually

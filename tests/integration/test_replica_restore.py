@@ -36,7 +36,7 @@ from rollpoint.trainer.metrics import TrainerMetrics
 from rollpoint.trainer.replica_recovery import ReplicaRecovery
 from rollpoint.trainer.replica_roster import ReplicaRoster
 from rollpoint.trainer.settings import SaveSettings
-from rollpoint.trainer.trainer_loop import Trainer
+from rollpoint.trainer.trainer import Trainer
 from tests.integration.test_replica_loss import LOST, assert_every_row_trained_once, job, kill
 from tests.support.embedded_job import embedded_job
 from tests.support.polling import eventually

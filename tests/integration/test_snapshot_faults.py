@@ -44,7 +44,7 @@ from rollpoint.trainer.coordinator import SaveReport, SnapshotCoordinator
 from rollpoint.trainer.metrics import TrainerMetrics
 from rollpoint.trainer.participant_client import ParticipantClient
 from rollpoint.trainer.train_hooks import TrainHooks, TrainSample
-from rollpoint.trainer.trainer_loop import RunSummary, Trainer
+from rollpoint.trainer.trainer import RunSummary, Trainer
 from rollpoint.trainer.workdir_record import TRAIN_DATA_FILE
 from tests.support.polling import eventually
 from tests.support.records import records_paths

@@ -25,7 +25,7 @@ from rollpoint.store.participant_state import read_participant_state
 from rollpoint.trainer.coordinator import LEDGER_FILE
 from rollpoint.trainer.restorer import read_trainer_document
 from rollpoint.trainer.train_hooks import TrainSample
-from rollpoint.trainer.trainer_loop import Trainer
+from rollpoint.trainer.trainer import Trainer
 from rollpoint.tuning import collector_schedule as collector_schedule_module
 from rollpoint.tuning.collector_listener import installed
 from rollpoint.tuning.collector_schedule import collector_schedule

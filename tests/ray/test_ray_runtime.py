@@ -31,7 +31,7 @@ from rollpoint.runtime.ray_runtime import RayRuntime
 from rollpoint.store.snapshot_store import SnapshotStore
 from rollpoint.testing import invariants
 from rollpoint.trainer.metrics import TrainerMetrics
-from rollpoint.trainer.trainer_loop import RunSummary, Trainer
+from rollpoint.trainer.trainer import RunSummary, Trainer
 from tests.ray.conftest import RayCluster
 from tests.support.polling import eventually
 from tests.support.processes import wait_gone

@@ -12,7 +12,7 @@ defect's situation from these parts and states what it checks itself.
   wire to its resources server.
 - :func:`fronted`: fault proxies in front of chosen participants (their control routes and,
   for an agent, ``/run`` too).
-- :func:`job` / :class:`Job`: the real :class:`~rollpoint.trainer.trainer_loop.Trainer`.
+- :func:`job` / :class:`Job`: the real :class:`~rollpoint.trainer.trainer.Trainer`.
 - :class:`Rig`: ledger, barrier, TQ, dispatcher, release batcher and snapshot coordinator
   wired as the trainer wires them, without its feed and train loops: one group at a time.
 - :class:`SpyClient`: a participant client noting every control call it makes.
@@ -64,7 +64,7 @@ from rollpoint.trainer.replica_roster import ReplicaRoster
 from rollpoint.trainer.restorer import RestoredRun
 from rollpoint.trainer.settings import SaveSettings
 from rollpoint.trainer.train_hooks import TrainHooks, TrainSample
-from rollpoint.trainer.trainer_loop import RunSummary, Trainer
+from rollpoint.trainer.trainer import RunSummary, Trainer
 from rollpoint.trainer.workdir_record import TRAIN_DATA_FILE
 from tests.support.polling import eventually
 

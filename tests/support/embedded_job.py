@@ -31,7 +31,7 @@ from rollpoint.trainer.control_plane import ControlPlane, participant_clients
 from rollpoint.trainer.metrics import TrainerMetrics
 from rollpoint.trainer.participant_client import ParticipantClient
 from rollpoint.trainer.train_hooks import TrainHooks
-from rollpoint.trainer.trainer_loop import Trainer
+from rollpoint.trainer.trainer import Trainer
 from rollpoint.trainer.workdir_record import TRAIN_DATA_FILE
 
 

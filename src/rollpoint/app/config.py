@@ -220,7 +220,7 @@ class RunConfig(_Section):
     """A built-in name, a name an installed package registers (entry-point group
     ``rollpoint.environments``) or an import path ``package.module:ClassName``."""
     agent_loop: str | None = None
-    """A custom agent loop by import path ``package.module:ClassName`` (``rollpoint.loops``);
+    """A custom agent loop by import path ``package.module:ClassName`` (``rollpoint.agent_loops``);
     None sends the policy the transcript as it is."""
     tasks: Annotated[int, Field(ge=0)] | None = 32
     """Number of synthetic tasks; ignored when ``dataset`` is given. 0 only for a run that
@@ -343,7 +343,7 @@ def parse_config(data: object, *, source: str = "config") -> RunConfig:
     except ConfigError as exc:
         raise ConfigError(f"{source}: key 'environment': {exc}") from None
     if config.agent_loop is not None:
-        from rollpoint.loops import resolve_agent_loop
+        from rollpoint.agent_loops import resolve_agent_loop
 
         try:
             resolve_agent_loop(config.agent_loop)

@@ -50,7 +50,7 @@ from rollpoint.trainer.run_events import (
 )
 from rollpoint.trainer.step_record import StepRecord
 from rollpoint.trainer.train_hooks import TrainHooks
-from rollpoint.trainer.trainer_loop import RunSummary, Trainer
+from rollpoint.trainer.trainer import RunSummary, Trainer
 from rollpoint.trainer.workdir_record import WorkdirRecord
 from rollpoint.tuning import install as install_tuning
 

@@ -28,7 +28,7 @@ from rollpoint.trainer.step_record import StepRecord
 from rollpoint.trainer.train_checkpoint import TrainCheckpoint
 from rollpoint.trainer.train_data import Coverage
 from rollpoint.trainer.train_hooks import StepResult, TrainHooks, TrainSample
-from rollpoint.trainer.trainer_loop import RunSummary, Trainer, TrainerStats
+from rollpoint.trainer.trainer import RunSummary, Trainer, TrainerStats
 from rollpoint.trainer.workdir_record import WorkdirRecord
 
 __all__ = [

@@ -7,7 +7,7 @@ it comes back). The dispatcher sends only to up replicas; the snapshot coordinat
 release batcher talk only to the participants of up replicas.
 
 It does not notice a replica dying (the runtime does, and tells the
-:class:`~rollpoint.trainer.trainer_loop.Trainer`, which marks it here) nor decide what
+:class:`~rollpoint.trainer.trainer.Trainer`, which marks it here) nor decide what
 becomes of the work a lost replica held (the dispatcher does).
 """
 

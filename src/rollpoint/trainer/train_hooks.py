@@ -5,7 +5,7 @@ batch of whole prompt groups), the :class:`TrainSample` it receives, the
 :class:`StepResult` it may answer with (metrics and its own state), It holds no update of its own:
 the built-in loop's simulated one lives in :mod:`rollpoint.loop`, and a trainer of your own
 brings its own (through the façade, :class:`rollpoint.Rollouts`). It does not pick batches
-(:mod:`.trainer_loop`) or compute advantages (:mod:`.grpo`).
+(:mod:`.trainer`) or compute advantages (:mod:`.grpo`).
 """
 
 from __future__ import annotations

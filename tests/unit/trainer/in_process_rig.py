@@ -35,7 +35,7 @@ from rollpoint.trainer.participant_client import ParticipantClient
 from rollpoint.trainer.restorer import ResumePoint, read_trainer_document
 from rollpoint.trainer.settings import SaveSettings
 from rollpoint.trainer.train_checkpoint import TrainCheckpoint
-from tests.unit.gym.fake_participant import FakeParticipant
+from tests.unit.participant.fake_participant import FakeParticipant
 
 KINDS = (ParticipantKind.MODEL, ParticipantKind.AGENT, ParticipantKind.RESOURCES)
 TASK = TaskRow(task_id="t1", environment="workplace", prompt="book a meeting")

@@ -55,7 +55,7 @@ from rollpoint.testing.fault import Fault
 from rollpoint.testing.fault_proxy import FaultProxy
 from rollpoint.testing.faulty_store import fail_writes, heal
 from rollpoint.trainer.metrics import TrainerMetrics
-from rollpoint.trainer.trainer_loop import RunSummary, Trainer
+from rollpoint.trainer.trainer import RunSummary, Trainer
 
 log = logging.getLogger(__name__)
 

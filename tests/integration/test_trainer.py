@@ -19,7 +19,7 @@ from rollpoint.protocol.errors import RunStalledError
 from rollpoint.testing import LocalCluster
 from rollpoint.trainer.ledger import RolloutState
 from rollpoint.trainer.settings import TrainerSettings
-from rollpoint.trainer.trainer_loop import Trainer
+from rollpoint.trainer.trainer import Trainer
 
 pytestmark = pytest.mark.integration
 

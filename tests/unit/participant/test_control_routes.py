@@ -17,7 +17,7 @@ from rollpoint.participant.control_routes import mount_control_routes
 from rollpoint.participant.fence import ControlSettings, Fence
 from rollpoint.protocol.control import CONTROL_PREFIX, Phase, Verb
 from rollpoint.protocol.errors import error_class_for
-from tests.unit.gym.fake_participant import FakeParticipant
+from tests.unit.participant.fake_participant import FakeParticipant
 
 TOKEN = "s3cret-token"
 AUTH = {"authorization": f"Bearer {TOKEN}"}

@@ -17,13 +17,13 @@ from rollpoint.http.auth import CONTROL_TOKEN_ENV
 from rollpoint.participant import Participant, close_control_plane, control_fence, mount_participant
 from rollpoint.protocol.control import CONTROL_PREFIX
 from rollpoint.protocol.errors import ConfigError
-from tests.unit.gym.fake_participant import FakeParticipant
+from tests.unit.participant.fake_participant import FakeParticipant
 
 SDK = Path(rollpoint.participant.__file__).parent
 SDK_MODULES = {
     "admission_gate",
     "checkpoint_write",
-    "control_plane",
+    "control_mount",
     "control_routes",
     "episode_scope",
     "fence",

@@ -52,6 +52,6 @@ def resolve_agent_loop(ref: str) -> type[AgentLoop]:
     if ":" not in ref:
         raise ConfigError(f"agent loop {ref!r}: not an import path (want package.module:ClassName)")
     cls: type[AgentLoop] = load_class(
-        ref, AgentLoop, what="agent loop", base_name="rollpoint.loops.AgentLoop"
+        ref, AgentLoop, what="agent loop", base_name="rollpoint.agent_loops.AgentLoop"
     )
     return cls

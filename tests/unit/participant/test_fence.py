@@ -57,7 +57,7 @@ from rollpoint.tuning.collector_schedule import (
     CollectorSchedule,
 )
 from tests.support.records import records_paths
-from tests.unit.gym.fake_participant import FakeClock, FakeParticipant
+from tests.unit.participant.fake_participant import FakeClock, FakeParticipant
 
 E = EpisodeId.from_key
 

@@ -32,7 +32,7 @@ from rollpoint.protocol.control import (
 )
 from rollpoint.protocol.errors import ProtocolError, RollpointError, StaleCheckpointError
 from rollpoint.protocol.ids import EpisodeId
-from tests.unit.gym.fake_participant import FakeClock, FakeParticipant
+from tests.unit.participant.fake_participant import FakeClock, FakeParticipant
 
 IDS = st.sampled_from([f"c{i}" for i in range(16)])
 DIRS = st.sampled_from(["own", "own", "d0"])

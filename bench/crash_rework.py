@@ -41,6 +41,7 @@ from rollpoint.app.config import RunConfig, parse_config
 from rollpoint.app.job import drive_quietly, run_job
 from rollpoint.envs.workplace import ExpectedEmail, ExpectedEvent, WorkplaceParams, workplace_prompt
 from rollpoint.http.client import HttpClient
+from rollpoint.loop import SimulatedTrainer
 from rollpoint.preemption import StopRequest
 from rollpoint.protocol.episode import TaskRow
 from rollpoint.protocol.errors import RunPreemptedError
@@ -156,7 +157,14 @@ async def _full_run(config: RunConfig, leg: Leg) -> RunSummary:
         leg.calls += await _calls(runtime)
         return summary
 
-    return await run_job(config, fresh=False, say=_say, drive=drive, data_token=DATA_TOKEN)
+    return await run_job(
+        config,
+        fresh=False,
+        hooks=SimulatedTrainer(config.train.step_seconds),
+        say=_say,
+        drive=drive,
+        data_token=DATA_TOKEN,
+    )
 
 
 async def _killed_run(config: RunConfig, leg: Leg, stop_after_s: float) -> None:
@@ -179,7 +187,14 @@ async def _killed_run(config: RunConfig, leg: Leg, stop_after_s: float) -> None:
         raise Killed
 
     with contextlib.suppress(Killed):
-        await run_job(config, fresh=False, say=_say, drive=drive, data_token=DATA_TOKEN)
+        await run_job(
+            config,
+            fresh=False,
+            hooks=SimulatedTrainer(config.train.step_seconds),
+            say=_say,
+            drive=drive,
+            data_token=DATA_TOKEN,
+        )
 
 
 async def _preempted_run(config: RunConfig, leg: Leg, stop_after_s: float) -> str:
@@ -209,7 +224,15 @@ async def _preempted_run(config: RunConfig, leg: Leg, stop_after_s: float) -> st
             raise
 
     try:
-        await run_job(config, fresh=False, say=_say, drive=drive, data_token=DATA_TOKEN, stop=stop)
+        await run_job(
+            config,
+            fresh=False,
+            hooks=SimulatedTrainer(config.train.step_seconds),
+            say=_say,
+            drive=drive,
+            data_token=DATA_TOKEN,
+            stop=stop,
+        )
     except RunPreemptedError as exc:
         return exc.message
     finally:

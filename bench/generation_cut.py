@@ -38,6 +38,7 @@ from bench.latency import percentile
 from bench.report import BenchResult
 from rollpoint.app.config import RunConfig, parse_config
 from rollpoint.app.job import drive_quietly, run_job
+from rollpoint.loop import SimulatedTrainer
 from rollpoint.runtime.contract import Runtime
 from rollpoint.runtime.embedded import EmbeddedRuntime
 from rollpoint.runtime.process_group import ProcessGroup
@@ -102,7 +103,14 @@ async def _killed_run(config: RunConfig, after_s: float, into_s: float) -> float
         raise Killed
 
     with contextlib.suppress(Killed):
-        await run_job(config, fresh=False, say=_say, drive=drive, data_token=DATA_TOKEN)
+        await run_job(
+            config,
+            fresh=False,
+            hooks=SimulatedTrainer(config.train.step_seconds),
+            say=_say,
+            drive=drive,
+            data_token=DATA_TOKEN,
+        )
     return killed_at
 
 
@@ -110,7 +118,14 @@ async def _finish(config: RunConfig) -> None:
     async def drive(trainer: Trainer, runtime: Runtime, metrics: TrainerMetrics) -> Any:
         return await drive_quietly(trainer, runtime, metrics)
 
-    await run_job(config, fresh=False, say=_say, drive=drive, data_token=DATA_TOKEN)
+    await run_job(
+        config,
+        fresh=False,
+        hooks=SimulatedTrainer(config.train.step_seconds),
+        say=_say,
+        drive=drive,
+        data_token=DATA_TOKEN,
+    )
 
 
 def _decoded(log: Path) -> int:

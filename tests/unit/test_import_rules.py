@@ -1,8 +1,16 @@
 """The import rules of the layout (DESIGN.md §9), read from each module's imports with ``ast``.
 
+- the app (``rollpoint.app``: the CLI, the job, the run config, the start checks, the
+  snapshot listing, the report, the chaos runner) stands on top: no layer imports it but the
+  package's faces (``rollpoint``, ``rollpoint.__main__``) and those that still take the
+  whole run config (:data:`STILL_TAKE_THE_RUN_CONFIG`: the façade and the runtimes);
+- ``rollpoint.common`` (what every layer may use) imports nothing of rollpoint but the
+  protocol;
+- the test kit (``rollpoint.testing``) is a kit, not the app: it imports neither the app
+  nor the built-in loop;
+- only the app's commands import the built-in loop: the job takes its hooks from its caller;
 - ``rollpoint.participant`` (the SDK) and ``rollpoint.servers`` (the built-in servers) never
-  import the trainer side (``rollpoint.trainer``, ``rollpoint.loop``) nor the
-  app (``rollpoint.app.cli``, ``rollpoint.app.job``, ``rollpoint.app.config``);
+  import the trainer side (``rollpoint.trainer``, ``rollpoint.loop``) nor the app;
 - the SDK never imports the built-in servers: they are built on it, not it on them;
 - a server imports the SDK only through ``rollpoint.participant``, never one of its modules;
 - ``rollpoint.protocol`` imports neither side (nor the app, nor the built-in loop);
@@ -38,7 +46,22 @@ import rollpoint.participant
 import rollpoint.trainer
 
 SRC = Path(rollpoint.__file__).parent
-APP = ("rollpoint.app.cli", "rollpoint.app.job", "rollpoint.app.config")
+APP = ("rollpoint.app",)
+"""The CLI, the job, the run config and what only the ``rollpoint`` command does."""
+STILL_TAKE_THE_RUN_CONFIG = {
+    "rollpoint.rollouts",
+    "rollpoint.runtime.attached",
+    "rollpoint.runtime.contract",
+    "rollpoint.runtime.embedded",
+    "rollpoint.runtime.ray_runtime",
+    "rollpoint.runtime.replica_plan",
+}
+"""Below the app, the modules that still import it: the façade (it runs the job on the
+``RunConfig`` a user hands it) and the runtimes (each takes the whole ``RunConfig``, not
+settings of its own yet). The list may only shrink."""
+FACES = {"rollpoint", "rollpoint.__main__"}
+"""The package's faces: ``rollpoint.RunConfig`` (lazily) and the ``rollpoint`` script."""
+COMMON = ("rollpoint.common",)
 LOOP = ("rollpoint.loop",)
 """The built-in loop ``rollpoint run`` trains with, built on the façade."""
 FACADE_OVER_THE_JOB = ("rollpoint.rollouts", "rollpoint.preemption")
@@ -103,6 +126,44 @@ def _violations(package: str, forbidden: tuple[str, ...]) -> list[str]:
         for line, module in _imports(path)
         if _under(module, forbidden)
     ]
+
+
+def _importers(targets: tuple[str, ...]) -> set[str]:
+    """Modules outside ``targets`` importing any of them (or a module under them)."""
+    return {
+        _name(path)
+        for path in _all_modules()
+        if not _under(_name(path), targets)
+        for _, module in _imports(path)
+        if _under(module, targets)
+    }
+
+
+def test_no_layer_imports_the_app() -> None:
+    assert _modules("app"), "no modules under rollpoint/app"
+    assert _importers(APP) - FACES == STILL_TAKE_THE_RUN_CONFIG
+
+
+def test_the_common_modules_import_nothing_of_rollpoint_but_the_protocol() -> None:
+    assert _modules("common"), "no modules under rollpoint/common"
+    found = [
+        f"{path.relative_to(SRC)}:{line} imports {module}"
+        for path in _modules("common")
+        for line, module in _imports(path)
+        if _under(module, ("rollpoint",)) and not _under(module, ("rollpoint.protocol", *COMMON))
+    ]
+    assert found == []
+
+
+def test_the_test_kit_is_a_kit_not_the_app() -> None:
+    assert _modules("testing"), "no modules under rollpoint/testing"
+    assert _violations("testing", APP + LOOP) == []
+
+
+def test_only_the_apps_commands_import_the_built_in_loop() -> None:
+    # The job (and the façade it serves) take the hooks they run from their caller: an
+    # arrow from either to the loop would run back up (the loop is built on the façade).
+    assert _importers(LOOP) == {"rollpoint.app.cli", "rollpoint.app.chaos.trial"}
 
 
 @pytest.mark.parametrize("package", ["participant", "servers"])

@@ -28,7 +28,6 @@ from pathlib import Path
 from rollpoint.app.config import RunConfig
 from rollpoint.app.start_checks import check_store_writable, check_workdir_writable, unreadable
 from rollpoint.http.client import HttpClient
-from rollpoint.loop.simulated_trainer import SimulatedTrainer
 from rollpoint.preemption import StopRequest, drive_until_stopped
 from rollpoint.protocol.deployment import Deployment, ServedDeployment
 from rollpoint.protocol.episode import TaskRow
@@ -164,13 +163,13 @@ async def run_job(
     config: RunConfig,
     *,
     fresh: bool,
+    hooks: TrainHooks,
     say: Callable[[str], None] = log.info,
     drive: Drive = drive_quietly,
     route: Route | None = None,
     spec_hook: SpecHook | None = None,
     data_token: str | None = None,
     stop: StopRequest | None = None,
-    hooks: TrainHooks | None = None,
     attach: ServedDeployment | None = None,
     more_groups: bool = False,
     step_record: StepRecord | None = None,
@@ -178,7 +177,8 @@ async def run_job(
     """``data_token`` guards the servers' data routes (one is made when None); a caller that
     talks to the servers itself (a benchmark reading their stats) passes its own. With
     ``stop`` a signal ends the run after one final snapshot (see :mod:`rollpoint.preemption`).
-    ``hooks`` update the policy (default: the built-in loop's simulated update). With ``attach`` the job
+    ``hooks`` update the policy (the caller's: the façade's, or the built-in loop's
+    simulated update a chaos trial or a benchmark passes; the job has no default). With ``attach`` the job
     starts no servers: it runs on those ``rollpoint serve`` printed, with their tokens, and
     leaves them running when it ends. ``more_groups``: the trainer takes groups added while
     it runs (:meth:`Trainer.add_groups`), and the config's tasks may be none. ``step_record``:
@@ -309,7 +309,7 @@ async def run_job(
             config.trainer_settings(),
             deployment,
             tasks,
-            hooks=hooks or SimulatedTrainer(config.train.step_seconds),
+            hooks=hooks,
             client=data_http,
             control=control,
             restored=restored,

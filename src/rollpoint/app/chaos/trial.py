@@ -42,6 +42,7 @@ from rollpoint.app.chaos.plan import (
 )
 from rollpoint.app.config import RunConfig, load_config
 from rollpoint.app.job import drive_quietly, run_job
+from rollpoint.loop import SimulatedTrainer
 from rollpoint.protocol.control import CONTROL_PREFIX, Verb
 from rollpoint.protocol.deployment import Deployment, ServedDeployment
 from rollpoint.protocol.errors import ConfigError, RollpointError
@@ -432,6 +433,7 @@ async def run_trial(plan: TrialPlan, config: RunConfig) -> RunSummary:
         return await run_job(
             config,
             fresh=plan.run == 0,
+            hooks=SimulatedTrainer(config.train.step_seconds),
             say=say,
             drive=faults.drive,
             route=faults.route,

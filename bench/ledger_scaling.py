@@ -46,9 +46,9 @@ from rollpoint.protocol.episode import RunReply, TaskRow
 from rollpoint.protocol.ids import EpisodeId
 from rollpoint.store.filesystem import LocalFilesystem
 from rollpoint.store.record_packs import PackIndex, pack_records
-from rollpoint.trainer.finished_queue import FinishedQueue, TQCapture
-from rollpoint.trainer.ledger import RecoveryLedger
-from rollpoint.trainer.ledger_document import LedgerCapture
+from rollpoint.trainer.state.finished_queue import FinishedQueue, TQCapture
+from rollpoint.trainer.state.ledger import RecoveryLedger
+from rollpoint.trainer.state.ledger_document import LedgerCapture
 
 GROUP_SIZE = 4
 IN_FLIGHT = 1000

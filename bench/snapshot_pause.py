@@ -80,11 +80,11 @@ from rollpoint.protocol.participant import ParticipantKind
 from rollpoint.runtime.embedded import EmbeddedRuntime
 from rollpoint.store.participant_state import MANIFEST_NAME
 from rollpoint.store.snapshot_store import PARTICIPANTS_DIR, SnapshotStore, Staging
-from rollpoint.trainer.control_plane import ControlPlane, participant_clients
-from rollpoint.trainer.coordinator import SaveReport
-from rollpoint.trainer.ledger import RecoveryLedger
+from rollpoint.trainer.control.control_plane import ControlPlane, participant_clients
+from rollpoint.trainer.control.participant_client import ParticipantAddress, ParticipantClient
 from rollpoint.trainer.metrics import TrainerMetrics
-from rollpoint.trainer.participant_client import ParticipantAddress, ParticipantClient
+from rollpoint.trainer.snapshot.coordinator import SaveReport
+from rollpoint.trainer.state.ledger import RecoveryLedger
 from rollpoint.trainer.trainer import Trainer
 from rollpoint.tuning import install as install_tuning
 

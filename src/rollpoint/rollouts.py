@@ -39,8 +39,8 @@ from rollpoint.protocol.deployment import ReplicaEndpoints, ServedDeployment
 from rollpoint.protocol.episode import TaskRow
 from rollpoint.protocol.errors import BadRequestError, ConfigError, InvalidPhaseError
 from rollpoint.runtime.contract import Runtime
-from rollpoint.trainer.cut import SaveReport
 from rollpoint.trainer.metrics import TrainerMetrics
+from rollpoint.trainer.snapshot.cut import SaveReport
 from rollpoint.trainer.step_record import StepRecord
 from rollpoint.trainer.train_hooks import StepResult, TrainSample
 from rollpoint.trainer.trainer import RunSummary, Trainer

@@ -27,14 +27,14 @@ from rollpoint.protocol.episode import RunReply
 from rollpoint.protocol.errors import RunStalledError
 from rollpoint.protocol.manifest import SnapshotManifest
 from rollpoint.testing import LocalCluster
-from rollpoint.trainer.coordinator import LEDGER_FILE, TQ_FILE, TRAINER_FILE
-from rollpoint.trainer.dispatch_barrier import DispatchBarrier
-from rollpoint.trainer.dispatcher import Dispatcher
-from rollpoint.trainer.ledger import RecoveryLedger, RolloutState
-from rollpoint.trainer.replica_roster import ReplicaRoster
-from rollpoint.trainer.restorer import Restorer, ResumePoint, read_trainer_document
+from rollpoint.trainer.control.replica_roster import ReplicaRoster
+from rollpoint.trainer.dispatch.dispatch_barrier import DispatchBarrier
+from rollpoint.trainer.dispatch.dispatcher import Dispatcher
+from rollpoint.trainer.record.workdir_record import TRAIN_DATA_FILE, WorkdirRecord
+from rollpoint.trainer.restore.restorer import Restorer, ResumePoint, read_trainer_document
+from rollpoint.trainer.snapshot.coordinator import LEDGER_FILE, TQ_FILE, TRAINER_FILE
+from rollpoint.trainer.state.ledger import RecoveryLedger, RolloutState
 from rollpoint.trainer.trainer import Trainer
-from rollpoint.trainer.workdir_record import TRAIN_DATA_FILE, WorkdirRecord
 from tests.support.embedded_job import EmbeddedJob, embedded_job, embedded_servers
 from tests.support.polling import eventually
 

@@ -39,13 +39,13 @@ from rollpoint.protocol.participant import ParticipantKind
 from rollpoint.store.participant_state import MANIFEST_NAME
 from rollpoint.store.snapshot_store import SnapshotStore
 from rollpoint.testing import Fault, FaultProxy, LocalCluster
-from rollpoint.trainer.control_plane import ControlPlane, participant_clients
-from rollpoint.trainer.coordinator import SaveReport, SnapshotCoordinator
+from rollpoint.trainer.control.control_plane import ControlPlane, participant_clients
+from rollpoint.trainer.control.participant_client import ParticipantClient
 from rollpoint.trainer.metrics import TrainerMetrics
-from rollpoint.trainer.participant_client import ParticipantClient
+from rollpoint.trainer.record.workdir_record import TRAIN_DATA_FILE
+from rollpoint.trainer.snapshot.coordinator import SaveReport, SnapshotCoordinator
 from rollpoint.trainer.train_hooks import TrainHooks, TrainSample
 from rollpoint.trainer.trainer import RunSummary, Trainer
-from rollpoint.trainer.workdir_record import TRAIN_DATA_FILE
 from tests.support.polling import eventually
 from tests.support.records import records_paths
 

@@ -22,8 +22,8 @@ from rollpoint.protocol.errors import ConfigError
 from rollpoint.servers.agent.session_parts import join_parts
 from rollpoint.servers.resources.episode_record import EpisodeRecord
 from rollpoint.store.participant_state import read_participant_state
-from rollpoint.trainer.coordinator import LEDGER_FILE
-from rollpoint.trainer.restorer import read_trainer_document
+from rollpoint.trainer.restore.restorer import read_trainer_document
+from rollpoint.trainer.snapshot.coordinator import LEDGER_FILE
 from rollpoint.trainer.train_hooks import TrainSample
 from rollpoint.trainer.trainer import Trainer
 from rollpoint.tuning import collector_schedule as collector_schedule_module

@@ -27,7 +27,7 @@ from rollpoint.trainer import (
     TrainSample,
     WorkdirRecord,
 )
-from rollpoint.trainer.train_checkpoint import INITIAL
+from rollpoint.trainer.record.train_checkpoint import INITIAL
 from tests.support.small_job import small_job
 
 pytestmark = pytest.mark.integration

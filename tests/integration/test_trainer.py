@@ -17,8 +17,8 @@ from rollpoint.envs.registry import get_environment
 from rollpoint.loop import SimulatedTrainer
 from rollpoint.protocol.errors import RunStalledError
 from rollpoint.testing import LocalCluster
-from rollpoint.trainer.ledger import RolloutState
 from rollpoint.trainer.settings import TrainerSettings
+from rollpoint.trainer.state.ledger import RolloutState
 from rollpoint.trainer.trainer import Trainer
 
 pytestmark = pytest.mark.integration

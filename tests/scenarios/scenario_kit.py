@@ -50,22 +50,22 @@ from rollpoint.protocol.episode import EnvironmentName, RunReply, RunRow, TaskRo
 from rollpoint.protocol.participant import ParticipantKind
 from rollpoint.store.snapshot_store import SnapshotStore
 from rollpoint.testing import FaultProxy, LocalCluster, LocalReplica, ProxiedRequest
-from rollpoint.trainer.control_plane import ControlPlane
-from rollpoint.trainer.control_transport import ControlTransport, HttpControlTransport
-from rollpoint.trainer.coordinator import SaveReport, SnapshotCoordinator
-from rollpoint.trainer.dispatch_barrier import DispatchBarrier
-from rollpoint.trainer.dispatcher import Dispatcher
-from rollpoint.trainer.finished_queue import FinishedQueue
-from rollpoint.trainer.ledger import LedgerRecord, RecoveryLedger
+from rollpoint.trainer.control.control_plane import ControlPlane
+from rollpoint.trainer.control.control_transport import ControlTransport, HttpControlTransport
+from rollpoint.trainer.control.participant_client import ParticipantAddress, ParticipantClient
+from rollpoint.trainer.control.replica_roster import ReplicaRoster
+from rollpoint.trainer.dispatch.dispatch_barrier import DispatchBarrier
+from rollpoint.trainer.dispatch.dispatcher import Dispatcher
+from rollpoint.trainer.dispatch.release_batcher import ReleaseBatcher
 from rollpoint.trainer.metrics import TrainerMetrics
-from rollpoint.trainer.participant_client import ParticipantAddress, ParticipantClient
-from rollpoint.trainer.release_batcher import ReleaseBatcher
-from rollpoint.trainer.replica_roster import ReplicaRoster
-from rollpoint.trainer.restorer import RestoredRun
+from rollpoint.trainer.record.workdir_record import TRAIN_DATA_FILE
+from rollpoint.trainer.restore.restorer import RestoredRun
 from rollpoint.trainer.settings import SaveSettings
+from rollpoint.trainer.snapshot.coordinator import SaveReport, SnapshotCoordinator
+from rollpoint.trainer.state.finished_queue import FinishedQueue
+from rollpoint.trainer.state.ledger import LedgerRecord, RecoveryLedger
 from rollpoint.trainer.train_hooks import TrainHooks, TrainSample
 from rollpoint.trainer.trainer import RunSummary, Trainer
-from rollpoint.trainer.workdir_record import TRAIN_DATA_FILE
 from tests.support.polling import eventually
 
 T = TypeVar("T")

@@ -27,11 +27,11 @@ from rollpoint.protocol.participant import ParticipantKind
 from rollpoint.store.digest import digest_bytes
 from rollpoint.store.snapshot_store import SnapshotStore
 from rollpoint.testing import Fault, invariants
-from rollpoint.trainer.coordinator import LEDGER_FILE
-from rollpoint.trainer.ledger import RecoveryLedger, RolloutState
-from rollpoint.trainer.restorer import Restorer, choose_resume_point, read_trainer_document
+from rollpoint.trainer.record.workdir_record import TRAIN_DATA_FILE, WorkdirRecord
+from rollpoint.trainer.restore.restorer import Restorer, choose_resume_point, read_trainer_document
+from rollpoint.trainer.snapshot.coordinator import LEDGER_FILE
+from rollpoint.trainer.state.ledger import RecoveryLedger, RolloutState
 from rollpoint.trainer.train_hooks import TrainSample
-from rollpoint.trainer.workdir_record import TRAIN_DATA_FILE, WorkdirRecord
 from rollpoint.tuning import seam
 from rollpoint.tuning.collector_listener import CollectorListener
 from tests.scenarios.scenario_kit import (

@@ -27,12 +27,12 @@ from rollpoint.protocol.deployment import Deployment
 from rollpoint.protocol.manifest import SnapshotManifest
 from rollpoint.runtime.embedded import EmbeddedRuntime
 from rollpoint.store.snapshot_store import SnapshotStore
-from rollpoint.trainer.control_plane import ControlPlane, participant_clients
+from rollpoint.trainer.control.control_plane import ControlPlane, participant_clients
+from rollpoint.trainer.control.participant_client import ParticipantClient
 from rollpoint.trainer.metrics import TrainerMetrics
-from rollpoint.trainer.participant_client import ParticipantClient
+from rollpoint.trainer.record.workdir_record import TRAIN_DATA_FILE
 from rollpoint.trainer.train_hooks import TrainHooks
 from rollpoint.trainer.trainer import Trainer
-from rollpoint.trainer.workdir_record import TRAIN_DATA_FILE
 
 
 @dataclass

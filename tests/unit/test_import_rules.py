@@ -274,13 +274,13 @@ def test_the_reader_sees_every_kind_of_import() -> None:
         "if TYPE_CHECKING:\n"
         "    from ..model import model_server\n"
         "def f():\n"
-        "    import rollpoint.trainer.ledger\n"
+        "    import rollpoint.trainer.state.ledger\n"
         "    from . import session\n"
     )
     found = {m for _, m in _imports_of(source, "rollpoint.servers.agent.x", is_package=False)}
     assert {
         "rollpoint.servers.model",
         "rollpoint.servers.model.model_server",
-        "rollpoint.trainer.ledger",
+        "rollpoint.trainer.state.ledger",
         "rollpoint.servers.agent.session",
     } <= found

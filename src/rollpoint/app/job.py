@@ -37,9 +37,10 @@ from rollpoint.runtime.contract import Runtime, runtime_for
 from rollpoint.runtime.replica_plan import SpecHook
 from rollpoint.store.snapshot_store import SnapshotStore
 from rollpoint.store.workdir_lock import lock_workdir
-from rollpoint.trainer.control_plane import ControlPlane, participant_clients
+from rollpoint.trainer.control.control_plane import ControlPlane, participant_clients
 from rollpoint.trainer.metrics import TrainerMetrics
-from rollpoint.trainer.restorer import Restorer, Skipped, check_config, find_resume_point
+from rollpoint.trainer.record.workdir_record import WorkdirRecord
+from rollpoint.trainer.restore.restorer import Restorer, Skipped, check_config, find_resume_point
 from rollpoint.trainer.run_events import (
     EVENTS_FILE,
     Restore,
@@ -50,7 +51,6 @@ from rollpoint.trainer.run_events import (
 from rollpoint.trainer.step_record import StepRecord
 from rollpoint.trainer.train_hooks import TrainHooks
 from rollpoint.trainer.trainer import RunSummary, Trainer
-from rollpoint.trainer.workdir_record import WorkdirRecord
 from rollpoint.tuning import install as install_tuning
 
 log = logging.getLogger(__name__)

@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 from rollpoint.protocol.errors import ConfigError
 from rollpoint.store.snapshot_store import SnapshotStore
-from rollpoint.trainer.coordinator import TQ_FILE
-from rollpoint.trainer.restorer import read_trainer_document
+from rollpoint.trainer.restore.restorer import read_trainer_document
+from rollpoint.trainer.snapshot.coordinator import TQ_FILE
 
 if TYPE_CHECKING:
     from rich.console import Console

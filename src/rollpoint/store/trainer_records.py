@@ -14,8 +14,8 @@ Reading checks the manifest's name and checkpoint id, then every part (size, dig
 count) before returning a record; retention finds the shared files a trainer file names
 through :func:`trainer_shared_files`.
 
-It does not know what a record means (:mod:`rollpoint.trainer.ledger_document` and
-:mod:`rollpoint.trainer.finished_queue` make and join them) nor where in the snapshot
+It does not know what a record means (:mod:`rollpoint.trainer.state.ledger_document` and
+:mod:`rollpoint.trainer.state.finished_queue` make and join them) nor where in the snapshot
 folder the file sits (:mod:`rollpoint.store.snapshot_store`).
 """
 

@@ -18,7 +18,7 @@ from pydantic import JsonValue
 
 from rollpoint.protocol.episode import ModelCall, RunReply
 from rollpoint.protocol.errors import BadRequestError
-from rollpoint.trainer.train_checkpoint import TRAINER_STATE_MAX_BYTES
+from rollpoint.trainer.record.train_checkpoint import TRAINER_STATE_MAX_BYTES
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,7 +143,7 @@ class StepResult:
     metrics: dict[str, float]
     state: JsonValue = None
     """The trainer's own state after this step (JSON, at most
-    :data:`~rollpoint.trainer.train_checkpoint.TRAINER_STATE_MAX_BYTES` encoded: where the
+    :data:`~rollpoint.trainer.record.train_checkpoint.TRAINER_STATE_MAX_BYTES` encoded: where the
     weights and optimizer state are, a data cursor, a learning-rate schedule's position;
     not the weights). The step's train checkpoint keeps it, and a run restored at that
     step hands it back (:attr:`rollpoint.Rollouts.resumed_state`). None keeps the last

@@ -51,18 +51,17 @@ from rollpoint.protocol.errors import (
 from rollpoint.protocol.model_base import StrictModel
 from rollpoint.protocol.participant import ParticipantKind
 from rollpoint.store import retention
-from rollpoint.trainer.control_plane import ControlPlane
-from rollpoint.trainer.coordinator import SnapshotCoordinator
-from rollpoint.trainer.dispatch_barrier import DispatchBarrier
-from rollpoint.trainer.dispatcher import Dispatcher, GroupOutcome
-from rollpoint.trainer.finished_queue import FinishedQueue, GroupBatch
+from rollpoint.trainer.control.control_plane import ControlPlane
+from rollpoint.trainer.control.replica_roster import ReplicaRoster
+from rollpoint.trainer.dispatch.dispatch_barrier import DispatchBarrier
+from rollpoint.trainer.dispatch.dispatcher import Dispatcher, GroupOutcome
+from rollpoint.trainer.dispatch.release_batcher import ReleaseBatcher
 from rollpoint.trainer.grpo import advantages_by_episode
-from rollpoint.trainer.ledger import RecoveryLedger, RolloutState
 from rollpoint.trainer.metrics import RunCounts
-from rollpoint.trainer.release_batcher import ReleaseBatcher
-from rollpoint.trainer.replica_recovery import ReplicaRecovery
-from rollpoint.trainer.replica_roster import ReplicaRoster
-from rollpoint.trainer.restorer import RestoredRun
+from rollpoint.trainer.record.train_checkpoint import TrainCheckpoint, stamp
+from rollpoint.trainer.record.workdir_record import WorkdirRecord
+from rollpoint.trainer.restore.replica_recovery import ReplicaRecovery
+from rollpoint.trainer.restore.restorer import RestoredRun
 from rollpoint.trainer.run_events import (
     SAMPLE_EVERY_S,
     InFlight,
@@ -72,10 +71,11 @@ from rollpoint.trainer.run_events import (
     TrainStep,
 )
 from rollpoint.trainer.settings import TrainerSettings
+from rollpoint.trainer.snapshot.coordinator import SnapshotCoordinator
+from rollpoint.trainer.state.finished_queue import FinishedQueue, GroupBatch
+from rollpoint.trainer.state.ledger import RecoveryLedger, RolloutState
 from rollpoint.trainer.step_record import StepRecord
-from rollpoint.trainer.train_checkpoint import TrainCheckpoint, stamp
 from rollpoint.trainer.train_hooks import StepResult, TrainHooks, TrainSample
-from rollpoint.trainer.workdir_record import WorkdirRecord
 from rollpoint.tuning import seam
 
 log = logging.getLogger(__name__)
@@ -143,7 +143,7 @@ class Trainer:
     ) -> None:
         """``hooks`` update the policy on each batch (the façade's hand batches to your
         loop; ``rollpoint run``'s are :class:`rollpoint.loop.SimulatedTrainer`).
-        ``restored`` continues a run from a snapshot (see :mod:`rollpoint.trainer.restorer`);
+        ``restored`` continues a run from a snapshot (see :mod:`rollpoint.trainer.restore.restorer`);
         its ledger and TQ replace the fresh ones built from ``tasks``.
         ``step_record``: where each step's rows are written and its checkpoints kept (the one
         the restore checked and cut back; default: :class:`WorkdirRecord` in ``workdir``).
@@ -370,7 +370,7 @@ class Trainer:
 
     async def replica_down(self, name: str) -> None:
         """The runtime saw ``name``'s processes die: stop using it. The tries the latest
-        snapshot saved there wait for its restart (see :mod:`.replica_recovery`); the rest
+        snapshot saved there wait for its restart (see :mod:`.restore.replica_recovery`); the rest
         of what it held (its in-flight and pinned tries) goes fresh to the replicas still
         up. Snapshots go on without it. Idempotent."""
         if not self.roster.mark_down(name):

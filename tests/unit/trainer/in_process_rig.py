@@ -26,15 +26,20 @@ from rollpoint.protocol.ids import EpisodeId
 from rollpoint.protocol.participant import ParticipantKind
 from rollpoint.store.snapshot_store import SnapshotStore
 from rollpoint.testing import FaultTransport, in_process_client
-from rollpoint.trainer.coordinator import LEDGER_FILE, TQ_FILE, TRAINER_FILE, SnapshotCoordinator
-from rollpoint.trainer.dispatch_barrier import DispatchBarrier
-from rollpoint.trainer.finished_queue import FinishedQueue
-from rollpoint.trainer.ledger import RecoveryLedger
+from rollpoint.trainer.control.participant_client import ParticipantClient
+from rollpoint.trainer.dispatch.dispatch_barrier import DispatchBarrier
 from rollpoint.trainer.metrics import TrainerMetrics
-from rollpoint.trainer.participant_client import ParticipantClient
-from rollpoint.trainer.restorer import ResumePoint, read_trainer_document
+from rollpoint.trainer.record.train_checkpoint import TrainCheckpoint
+from rollpoint.trainer.restore.restorer import ResumePoint, read_trainer_document
 from rollpoint.trainer.settings import SaveSettings
-from rollpoint.trainer.train_checkpoint import TrainCheckpoint
+from rollpoint.trainer.snapshot.coordinator import (
+    LEDGER_FILE,
+    TQ_FILE,
+    TRAINER_FILE,
+    SnapshotCoordinator,
+)
+from rollpoint.trainer.state.finished_queue import FinishedQueue
+from rollpoint.trainer.state.ledger import RecoveryLedger
 from tests.unit.participant.fake_participant import FakeParticipant
 
 KINDS = (ParticipantKind.MODEL, ParticipantKind.AGENT, ParticipantKind.RESOURCES)

@@ -11,7 +11,7 @@ import pytest
 from rollpoint.protocol.episode import RunReply
 from rollpoint.protocol.errors import InvalidCheckpointStateError, InvalidPhaseError, NotFoundError
 from rollpoint.protocol.ids import EpisodeId
-from rollpoint.trainer.finished_queue import (
+from rollpoint.trainer.state.finished_queue import (
     TQ_SCHEMA_VERSION,
     FinishedQueue,
     tq_document_from_records,

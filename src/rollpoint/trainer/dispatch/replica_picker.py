@@ -4,7 +4,7 @@ Owns the *suspect* marks: a replica whose stream broke (or that reported a trans
 failure) is suspect for :data:`SUSPECT_REPLICA_S` unless it answers a row meanwhile, and
 new sends prefer the others, so re-sends do not keep hitting a dead agent. Among the
 rest it picks the up replica with the fewest rows in flight (by the ledger), ties by name.
-It does not mark replicas up or down (the :class:`~rollpoint.trainer.replica_roster.ReplicaRoster`
+It does not mark replicas up or down (the :class:`~rollpoint.trainer.control.replica_roster.ReplicaRoster`
 does) and does not send anything.
 """
 
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import time
 
-from rollpoint.trainer.ledger import RecoveryLedger
-from rollpoint.trainer.replica_roster import ReplicaRoster
+from rollpoint.trainer.control.replica_roster import ReplicaRoster
+from rollpoint.trainer.state.ledger import RecoveryLedger
 
 SUSPECT_REPLICA_S = 5.0
 """After a transport failure, a replica gets no new rows for this long unless every

@@ -7,7 +7,7 @@ its agent once the pause is over, so no reply stays stuck.
 
 Owns telling the two apart against the ledger (:func:`is_wanted`) and releasing the strays
 (:func:`ack_strays`). It does not decide when they are released (after every save, published
-or not: :class:`~rollpoint.trainer.coordinator.SnapshotCoordinator`) nor seal or adopt the
+or not: :class:`~rollpoint.trainer.snapshot.coordinator.SnapshotCoordinator`) nor seal or adopt the
 wanted ones (the dispatcher does).
 """
 
@@ -17,8 +17,8 @@ import logging
 
 from rollpoint.protocol.errors import RollpointError
 from rollpoint.protocol.ids import EpisodeId
-from rollpoint.trainer.ledger import RecoveryLedger, RolloutState
-from rollpoint.trainer.participant_client import ParticipantClient
+from rollpoint.trainer.control.participant_client import ParticipantClient
+from rollpoint.trainer.state.ledger import RecoveryLedger, RolloutState
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ after the one that took it, so a snapshot taken between a take and its commit st
 holds it (:meth:`FinishedQueue.uncommitted_consumed`), and a restore that composes the
 snapshot with an older train checkpoint puts it back (:meth:`FinishedQueue.rewind`).
 It does not seal (the trainer seals in the ledger, then puts here) and does not compute
-advantages (:mod:`.grpo`).
+advantages (:mod:`..grpo`).
 
 A snapshot takes :meth:`FinishedQueue.capture` while rollouts are paused (references
 only: replies are immutable) and encodes it after they resume, as records

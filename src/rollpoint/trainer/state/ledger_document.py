@@ -1,7 +1,7 @@
 """The on-disk shape of the recovery ledger, its schema versions and their migrations.
 
 Owns the pydantic models a saved ledger is validated against and the step from each older
-schema to the next; :meth:`rollpoint.trainer.ledger.RecoveryLedger.from_document` loads
+schema to the next; :meth:`rollpoint.trainer.state.ledger.RecoveryLedger.from_document` loads
 through :func:`rollpoint.protocol.manifest.load_versioned` with them and then checks what
 a schema cannot (every row has a try, no rollout id twice). Building the ledger is not
 here.
@@ -50,10 +50,10 @@ from rollpoint.protocol.errors import InvalidCheckpointStateError
 from rollpoint.protocol.ids import Identifier
 from rollpoint.protocol.manifest import Migration
 from rollpoint.protocol.model_base import StrictModel
-from rollpoint.trainer.append_log import LogChunk
+from rollpoint.trainer.state.append_log import LogChunk
 
 if TYPE_CHECKING:
-    from rollpoint.trainer.ledger import LedgerRecord
+    from rollpoint.trainer.state.ledger import LedgerRecord
 
 LEDGER_SCHEMA_VERSION = 3
 _ARCHIVED = frozenset({"sealed", "retired"})

@@ -20,7 +20,7 @@ it is not held; a held try is no longer dispatched, so a give-up still running f
 backs off; every step here only acts on a try that is still queued at the held attempt.
 A snapshot published while tries are held records them as queued, not in flight: their
 state is in the older snapshot only, and a crash-restore from the newer one starts them
-over (:class:`~rollpoint.trainer.restorer.Restorer` never continues a queued try).
+over (:class:`~rollpoint.trainer.restore.restorer.Restorer` never continues a queued try).
 
 It does not watch processes (the runtime does) nor send anything (the dispatcher does).
 """
@@ -34,11 +34,11 @@ from dataclasses import dataclass
 from rollpoint.protocol.errors import RollpointError
 from rollpoint.protocol.ids import EpisodeId
 from rollpoint.protocol.manifest import SnapshotManifest
-from rollpoint.trainer.coordinator import SnapshotCoordinator
-from rollpoint.trainer.dispatcher import Dispatcher
-from rollpoint.trainer.ledger import RecoveryLedger, RolloutState
-from rollpoint.trainer.replica_roster import ReplicaRoster
-from rollpoint.trainer.restorer import Restorer
+from rollpoint.trainer.control.replica_roster import ReplicaRoster
+from rollpoint.trainer.dispatch.dispatcher import Dispatcher
+from rollpoint.trainer.restore.restorer import Restorer
+from rollpoint.trainer.snapshot.coordinator import SnapshotCoordinator
+from rollpoint.trainer.state.ledger import RecoveryLedger, RolloutState
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ It also serves the dispatcher's **retire now** (:meth:`ReleaseBatcher.retire_now
 tries on their replica at once and return the agent's answer, so the dispatcher can adopt a
 finished reply instead of running its row again.
 
-A replica that is down (see :class:`~rollpoint.trainer.replica_roster.ReplicaRoster`) gets
+A replica that is down (see :class:`~rollpoint.trainer.control.replica_roster.ReplicaRoster`) gets
 nothing: its queued acks and forgets are dropped and its abandoned tries are retired in the
 ledger directly, since the processes that ran them are gone. Nothing is flushed while the
 dispatch barrier is closed (a snapshot's cut must not lose a reply its agent is about to
@@ -37,10 +37,10 @@ from dataclasses import dataclass
 from rollpoint.protocol.control import RetireOutcomeKind, RetireReply
 from rollpoint.protocol.errors import RollpointError
 from rollpoint.protocol.ids import EpisodeId
-from rollpoint.trainer.dispatch_barrier import DispatchBarrier
-from rollpoint.trainer.ledger import RecoveryLedger
-from rollpoint.trainer.participant_client import ParticipantClient
-from rollpoint.trainer.replica_roster import ReplicaRoster
+from rollpoint.trainer.control.participant_client import ParticipantClient
+from rollpoint.trainer.control.replica_roster import ReplicaRoster
+from rollpoint.trainer.dispatch.dispatch_barrier import DispatchBarrier
+from rollpoint.trainer.state.ledger import RecoveryLedger
 
 log = logging.getLogger(__name__)
 

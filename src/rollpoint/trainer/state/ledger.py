@@ -4,7 +4,7 @@ Owns one record per *try* of a row (task, group, row, rollout id, attempt, state
 replica that holds it, and how many fresh rollout ids the row has used), the legal moves
 between states (one transition table), the indices that make every lookup the hot paths
 need O(1), and the versioned document a snapshot saves. It does not send anything (that
-is :mod:`.dispatcher`), hold replies (that is :mod:`.finished_queue`) or talk to
+is :mod:`..dispatch.dispatcher`), hold replies (that is :mod:`.finished_queue`) or talk to
 participants (the snapshot coordinator does, and drives :meth:`RecoveryLedger.retire`).
 
 Scale: a snapshot's scope is :meth:`RecoveryLedger.in_flight`, kept as a per-replica
@@ -36,8 +36,8 @@ from rollpoint.protocol.errors import (
 )
 from rollpoint.protocol.ids import EpisodeId, new_rollout_id
 from rollpoint.protocol.manifest import load_versioned
-from rollpoint.trainer.append_log import AppendLog
-from rollpoint.trainer.ledger_document import (
+from rollpoint.trainer.state.append_log import AppendLog
+from rollpoint.trainer.state.ledger_document import (
     LEDGER_MIGRATIONS,
     LEDGER_SCHEMA_VERSION,
     ArchivedEntry,

@@ -12,8 +12,8 @@ from rollpoint.http.client import HttpClient
 from rollpoint.protocol.deployment import Deployment
 from rollpoint.protocol.participant import ParticipantKind
 from rollpoint.store.snapshot_store import SnapshotStore
+from rollpoint.trainer.control.participant_client import ParticipantAddress, ParticipantClient
 from rollpoint.trainer.metrics import TrainerMetrics
-from rollpoint.trainer.participant_client import ParticipantAddress, ParticipantClient
 
 
 @dataclass

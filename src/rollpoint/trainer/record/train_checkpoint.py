@@ -40,7 +40,7 @@ from pydantic import Field, JsonValue
 from rollpoint.protocol.errors import InvalidCheckpointStateError, StorageError
 from rollpoint.protocol.manifest import Sha256Hex, decode_document, load_versioned
 from rollpoint.protocol.model_base import StrictModel
-from rollpoint.trainer.train_data import EMPTY_SHA256, Coverage
+from rollpoint.trainer.record.train_data import EMPTY_SHA256, Coverage
 
 log = logging.getLogger(__name__)
 

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import orjson
 
-from rollpoint.trainer.train_checkpoint import TrainCheckpoint, TrainCheckpointStore
-from rollpoint.trainer.train_data import Coverage, TrainData
+from rollpoint.trainer.record.train_checkpoint import TrainCheckpoint, TrainCheckpointStore
+from rollpoint.trainer.record.train_data import Coverage, TrainData
 from rollpoint.trainer.train_hooks import TrainSample
 
 TRAIN_DATA_FILE = "train_data.jsonl"

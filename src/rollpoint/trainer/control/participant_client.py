@@ -2,8 +2,8 @@
 
 Owns the calls only (bodies, per-call timeouts tied to the shared deadline, the
 participant's label on a failure). Each goes through a
-:class:`~rollpoint.trainer.control_transport.ControlTransport`: over HTTP by default
-(:class:`~rollpoint.trainer.control_transport.HttpControlTransport`), or any other given
+:class:`~rollpoint.trainer.control.control_transport.ControlTransport`: over HTTP by default
+(:class:`~rollpoint.trainer.control.control_transport.HttpControlTransport`), or any other given
 (in-process, fault-injecting). A peer's refusal comes back as its typed error; a peer that
 is down, too slow, or answers something that is not the protocol is a
 :class:`TransportError` naming it. The ordering of calls across participants is the
@@ -56,7 +56,7 @@ from rollpoint.protocol.control_verbs import (
 from rollpoint.protocol.errors import ConfigError, TransportError
 from rollpoint.protocol.ids import EpisodeId
 from rollpoint.protocol.participant import ParticipantKind
-from rollpoint.trainer.control_transport import ControlTransport, HttpControlTransport
+from rollpoint.trainer.control.control_transport import ControlTransport, HttpControlTransport
 
 R = TypeVar("R", bound=BaseModel)
 

@@ -23,19 +23,19 @@ Owns the save order of DESIGN §5 and the failure budget. A save:
    lost on the wire is sent once more: it is idempotent), and publishes the manifest last.
    A write that fails fails the save: nothing is published.
 
-**Finished replies nobody will seal** (strays, see :mod:`rollpoint.trainer.stray_replies`)
+**Finished replies nobody will seal** (strays, see :mod:`rollpoint.trainer.dispatch.stray_replies`)
 are acked away on their agents once the pause is over, whatever became of the save.
 
-**Replicas that are down** (see :class:`~rollpoint.trainer.replica_roster.ReplicaRoster`)
+**Replicas that are down** (see :class:`~rollpoint.trainer.control.replica_roster.ReplicaRoster`)
 take no part: snapshots keep committing with the replicas that are up, and a manifest names
 only the participants that committed. A replica that comes back is asked who it is at the
 next save and takes part from then on.
 
 It does not own when snapshots happen (the trainer loop decides) nor the files' layout
 (:mod:`rollpoint.store`). Its parts: the stage order and the shared deadline of the calls
-(:mod:`rollpoint.trainer.control_calls`), what a save captured and the sorting of its tries
-(:mod:`rollpoint.trainer.cut`), the resume (:mod:`rollpoint.trainer.resumer`) and the strays
-(:mod:`rollpoint.trainer.stray_replies`). Nor any performance trick: it tells the
+(:mod:`rollpoint.trainer.snapshot.control_calls`), what a save captured and the sorting of its tries
+(:mod:`rollpoint.trainer.snapshot.cut`), the resume (:mod:`rollpoint.trainer.snapshot.resumer`) and the strays
+(:mod:`rollpoint.trainer.dispatch.stray_replies`). Nor any performance trick: it tells the
 checkpoint seam (:mod:`rollpoint.tuning.seam`) when a pause holds the trainer and when it
 ends, and the listeners the entry point installed act on that.
 """
@@ -81,17 +81,24 @@ from rollpoint.protocol.participant import CheckpointMode, ParticipantKind
 from rollpoint.store.record_packs import PackIndex
 from rollpoint.store.snapshot_store import SnapshotStore
 from rollpoint.store.staging import Staging
-from rollpoint.trainer.control_calls import PREPARE_STAGES, blocker, by_deadline
-from rollpoint.trainer.cut import Blocker, Cut, Prepared, SaveBlocked, SavePhase, SaveReport
-from rollpoint.trainer.dispatch_barrier import DispatchBarrier
-from rollpoint.trainer.finished_queue import FinishedQueue
-from rollpoint.trainer.ledger import RecoveryLedger
+from rollpoint.trainer.control.participant_client import ParticipantClient
+from rollpoint.trainer.control.replica_roster import ReplicaRoster
+from rollpoint.trainer.dispatch.dispatch_barrier import DispatchBarrier
+from rollpoint.trainer.dispatch.stray_replies import REPLY_HOLDING_STATES, ack_strays, is_wanted
 from rollpoint.trainer.metrics import TrainerMetrics
-from rollpoint.trainer.participant_client import ParticipantClient
-from rollpoint.trainer.replica_roster import ReplicaRoster
-from rollpoint.trainer.resumer import Resumer
 from rollpoint.trainer.settings import SaveSettings
-from rollpoint.trainer.stray_replies import REPLY_HOLDING_STATES, ack_strays, is_wanted
+from rollpoint.trainer.snapshot.control_calls import PREPARE_STAGES, blocker, by_deadline
+from rollpoint.trainer.snapshot.cut import (
+    Blocker,
+    Cut,
+    Prepared,
+    SaveBlocked,
+    SavePhase,
+    SaveReport,
+)
+from rollpoint.trainer.snapshot.resumer import Resumer
+from rollpoint.trainer.state.finished_queue import FinishedQueue
+from rollpoint.trainer.state.ledger import RecoveryLedger
 from rollpoint.tuning import seam
 
 __all__ = [

@@ -10,8 +10,8 @@ goes through them, and, for a failed one, its :class:`Blocker` s (who, in which 
 which error code, and whether trying again can help).
 
 It does not call participants, write files or publish (the
-:class:`~rollpoint.trainer.coordinator.SnapshotCoordinator` does), nor encode the captures
-(:mod:`rollpoint.trainer.ledger_document`, :mod:`rollpoint.trainer.finished_queue`).
+:class:`~rollpoint.trainer.snapshot.coordinator.SnapshotCoordinator` does), nor encode the captures
+(:mod:`rollpoint.trainer.state.ledger_document`, :mod:`rollpoint.trainer.state.finished_queue`).
 """
 
 from __future__ import annotations
@@ -24,10 +24,10 @@ from typing import Any
 from rollpoint.protocol.ids import EpisodeId
 from rollpoint.protocol.manifest import RestartEpisode, SavedEpisode, SnapshotManifest
 from rollpoint.store.staging import Staging
-from rollpoint.trainer.finished_queue import TQCapture
-from rollpoint.trainer.ledger import LedgerRecord
-from rollpoint.trainer.ledger_document import LedgerCapture
-from rollpoint.trainer.participant_client import ParticipantClient
+from rollpoint.trainer.control.participant_client import ParticipantClient
+from rollpoint.trainer.state.finished_queue import TQCapture
+from rollpoint.trainer.state.ledger import LedgerRecord
+from rollpoint.trainer.state.ledger_document import LedgerCapture
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ class Cut:
     finished: list[RestartEpisode] = field(default_factory=list)
     ledger: LedgerCapture | None = None
     """Frozen references, O(live tries): encoded by
-    :meth:`~rollpoint.trainer.coordinator.SnapshotCoordinator._write_trainer_files`."""
+    :meth:`~rollpoint.trainer.snapshot.coordinator.SnapshotCoordinator._write_trainer_files`."""
     tq: TQCapture | None = None
     trainer_doc: dict[str, Any] = field(default_factory=dict)
     in_flight: dict[str, list[LedgerRecord]] = field(default_factory=dict)

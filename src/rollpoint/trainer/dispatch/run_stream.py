@@ -4,7 +4,7 @@ Owns what one stream is (the group it serves, the replica it went to, its task, 
 it still owes a result for), the request it sends, and turning each line of the reply into
 a :data:`~rollpoint.protocol.episode.RowResult`. It does not open the connection, admit
 rows, or decide what becomes of a result or of a row the stream never answers: the
-:class:`~rollpoint.trainer.dispatcher.Dispatcher` does.
+:class:`~rollpoint.trainer.dispatch.dispatcher.Dispatcher` does.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from pydantic import TypeAdapter, ValidationError
 
 from rollpoint.protocol.episode import RowResult, RunRequest, RunRow
 from rollpoint.protocol.errors import TransportError
-from rollpoint.trainer.group_run import GroupRun
-from rollpoint.trainer.ledger import LedgerRecord, RecoveryLedger
+from rollpoint.trainer.dispatch.group_run import GroupRun
+from rollpoint.trainer.state.ledger import LedgerRecord, RecoveryLedger
 
 _ROW_RESULT: TypeAdapter[RowResult] = TypeAdapter(RowResult)
 

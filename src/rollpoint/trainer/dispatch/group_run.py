@@ -3,7 +3,7 @@
 Owns a running group's bookkeeping: the rows it still waits for, why it failed (if it did),
 the refusals per try, when each row was first lost, and the tasks working on it (spawned, watched for a bug, cancelled
 together when the group ends). It does not decide anything about a row, send anything or
-touch the ledger: the :class:`~rollpoint.trainer.dispatcher.Dispatcher` does.
+touch the ledger: the :class:`~rollpoint.trainer.dispatch.dispatcher.Dispatcher` does.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ Owns choosing what to resume from and putting every piece back:
    the trainer's record of its steps (:class:`~.step_record.StepRecord`) is checked against
    the checkpoint before anything is installed and cut back to it after (rollpoint's own,
    ``train_data.jsonl``, only to a boundary that verifies: its digest, line count and a
-   line end, :mod:`.train_data`), else refused unchanged.
+   line end, :mod:`..record.train_data`), else refused unchanged.
 
 :meth:`Restorer.restore_replica` does step 5 alone for one replica restarted mid-run
 (:mod:`.replica_recovery` decides what to restore and moves the ledger).
@@ -64,18 +64,18 @@ from rollpoint.protocol.ids import MAX_ATTEMPT, EpisodeId
 from rollpoint.protocol.manifest import SavedEpisode, SnapshotManifest
 from rollpoint.protocol.participant import ParticipantKind
 from rollpoint.store.snapshot_store import SNAPSHOTS_DIR, SnapshotStore
-from rollpoint.trainer.coordinator import (
+from rollpoint.trainer.control.participant_client import ParticipantClient
+from rollpoint.trainer.record.train_checkpoint import TrainCheckpoint
+from rollpoint.trainer.snapshot.coordinator import (
     LEDGER_FILE,
     TQ_FILE,
     TRAINER_FILE,
 )
-from rollpoint.trainer.finished_queue import FinishedQueue, tq_document_from_records
-from rollpoint.trainer.ledger import RecoveryLedger, RolloutState
-from rollpoint.trainer.ledger_document import document_from_records
-from rollpoint.trainer.participant_client import ParticipantClient
-from rollpoint.trainer.resumer import Resumer
+from rollpoint.trainer.snapshot.resumer import Resumer
+from rollpoint.trainer.state.finished_queue import FinishedQueue, tq_document_from_records
+from rollpoint.trainer.state.ledger import RecoveryLedger, RolloutState
+from rollpoint.trainer.state.ledger_document import document_from_records
 from rollpoint.trainer.step_record import StepRecord
-from rollpoint.trainer.train_checkpoint import TrainCheckpoint
 from rollpoint.tuning.collector_pause import collector_paused
 
 log = logging.getLogger(__name__)

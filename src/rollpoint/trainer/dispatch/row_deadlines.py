@@ -15,7 +15,7 @@ from typing import Generic, TypeVar
 
 from rollpoint.common.background import stop_task
 from rollpoint.protocol.errors import BadRequestError
-from rollpoint.trainer.dispatch_barrier import DispatchBarrier
+from rollpoint.trainer.dispatch.dispatch_barrier import DispatchBarrier
 
 S = TypeVar("S")
 

@@ -19,7 +19,7 @@ from collections.abc import Iterable
 from rollpoint.protocol.deployment import Deployment, ReplicaEndpoints
 from rollpoint.protocol.errors import BadRequestError, ConfigError
 from rollpoint.protocol.participant import ParticipantKind
-from rollpoint.trainer.participant_client import ParticipantClient
+from rollpoint.trainer.control.participant_client import ParticipantClient
 
 _URL_OF_KIND = {
     ParticipantKind.MODEL: "model_url",

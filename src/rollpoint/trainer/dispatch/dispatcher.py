@@ -3,13 +3,13 @@
 Owns the data-plane side of a run: which replica a group goes to (the least loaded up
 replica by rows in flight, ties by name), the row-concurrency limit, one ``POST /run``
 stream per send, what happens to each row as its result arrives, and what happens to a try
-it gives up on. The parts live beside it: :mod:`~rollpoint.trainer.replica_picker`,
-:mod:`~rollpoint.trainer.group_run`, :mod:`~rollpoint.trainer.run_stream`,
-:mod:`~rollpoint.trainer.given_up_tries`; this module composes them and holds the per-row
+it gives up on. The parts live beside it: :mod:`~rollpoint.trainer.dispatch.replica_picker`,
+:mod:`~rollpoint.trainer.dispatch.group_run`, :mod:`~rollpoint.trainer.dispatch.run_stream`,
+:mod:`~rollpoint.trainer.dispatch.given_up_tries`; this module composes them and holds the per-row
 rules. It writes every move into the
-:class:`~rollpoint.trainer.ledger.RecoveryLedger` and hands finished replies to
+:class:`~rollpoint.trainer.state.ledger.RecoveryLedger` and hands finished replies to
 ``on_reply``; it does not seal or train, and it reaches participants' control routes only
-through the :class:`~rollpoint.trainer.release_batcher.ReleaseBatcher` it may be given.
+through the :class:`~rollpoint.trainer.dispatch.release_batcher.ReleaseBatcher` it may be given.
 
 Per-row rules (a row's result never ends its siblings' stream):
 
@@ -26,7 +26,7 @@ Per-row rules (a row's result never ends its siblings' stream):
 
 **Giving up on a try** (DESIGN §5, last paragraph): retire it on its replica first, then
 adopt its stored reply or re-send the row fresh under a new rollout id; see
-:mod:`rollpoint.trainer.given_up_tries`.
+:mod:`rollpoint.trainer.dispatch.given_up_tries`.
 
 **A replica that goes down** (:meth:`Dispatcher.replica_lost`): its streams are dropped and
 every try it held (in flight, or queued and pinned to it) is abandoned with no retire
@@ -36,7 +36,7 @@ itself (:meth:`Dispatcher.resend`) or gives them up (:meth:`Dispatcher.give_up`)
 wait (queued, not in flight) until the roster marks one up again.
 
 A replica whose stream broke (or that reported a transport failure) is *suspect* for a
-few seconds (:mod:`rollpoint.trainer.replica_picker`).
+few seconds (:mod:`rollpoint.trainer.dispatch.replica_picker`).
 
 Rows waiting for the barrier, a replica or a concurrency slot stay ``queued``: not in flight.
 """
@@ -72,16 +72,16 @@ from rollpoint.protocol.errors import (
     TransportError,
 )
 from rollpoint.protocol.ids import EpisodeId
-from rollpoint.trainer.dispatch_barrier import DispatchBarrier
-from rollpoint.trainer.given_up_tries import RETRY_WINDOW_S, GivenUpTries
-from rollpoint.trainer.group_run import GroupOutcome, GroupRun
-from rollpoint.trainer.ledger import LedgerRecord, RecoveryLedger, RolloutState
-from rollpoint.trainer.release_batcher import ReleaseBatcher
-from rollpoint.trainer.replica_picker import ReplicaPicker
-from rollpoint.trainer.replica_roster import ReplicaRoster
-from rollpoint.trainer.row_deadlines import RowDeadlines
-from rollpoint.trainer.row_slots import RowSlots
-from rollpoint.trainer.run_stream import RunStream, parse_row_result
+from rollpoint.trainer.control.replica_roster import ReplicaRoster
+from rollpoint.trainer.dispatch.dispatch_barrier import DispatchBarrier
+from rollpoint.trainer.dispatch.given_up_tries import RETRY_WINDOW_S, GivenUpTries
+from rollpoint.trainer.dispatch.group_run import GroupOutcome, GroupRun
+from rollpoint.trainer.dispatch.release_batcher import ReleaseBatcher
+from rollpoint.trainer.dispatch.replica_picker import ReplicaPicker
+from rollpoint.trainer.dispatch.row_deadlines import RowDeadlines
+from rollpoint.trainer.dispatch.row_slots import RowSlots
+from rollpoint.trainer.dispatch.run_stream import RunStream, parse_row_result
+from rollpoint.trainer.state.ledger import LedgerRecord, RecoveryLedger, RolloutState
 
 __all__ = ["Dispatcher", "GroupOutcome"]
 

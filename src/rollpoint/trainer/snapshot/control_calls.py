@@ -3,11 +3,11 @@
 Owns the stage order of prepare and resume (:data:`PREPARE_STAGES`), running one verb on
 many participants against a shared deadline so none holds the pause
 (:func:`by_deadline`), and what names a participant whose call failed: the typed
-:class:`~rollpoint.trainer.cut.Blocker` (:func:`blocker`) and its one line
+:class:`~rollpoint.trainer.snapshot.cut.Blocker` (:func:`blocker`) and its one line
 (:func:`failure_line`).
 
-It does not own the calls themselves (:class:`~rollpoint.trainer.participant_client.ParticipantClient`)
-nor what a failed call does to a save (:mod:`rollpoint.trainer.coordinator`).
+It does not own the calls themselves (:class:`~rollpoint.trainer.control.participant_client.ParticipantClient`)
+nor what a failed call does to a save (:mod:`rollpoint.trainer.snapshot.coordinator`).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ from typing import Any, TypeVar
 
 from rollpoint.protocol.errors import DeadlineExceededError, RollpointError, StorageError
 from rollpoint.protocol.participant import ParticipantKind
-from rollpoint.trainer.cut import Blocker
-from rollpoint.trainer.participant_client import ParticipantClient
+from rollpoint.trainer.control.participant_client import ParticipantClient
+from rollpoint.trainer.snapshot.cut import Blocker
 
 R = TypeVar("R")
 

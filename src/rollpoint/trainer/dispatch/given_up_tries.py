@@ -7,7 +7,7 @@ fresh under a **new** rollout id, never under an id the agent may still run.
 the **same** identity, the agent returns the stored reply without running anything, and it
 is sealed like any reply: no rerun. With no release batcher, or when the replica cannot be
 reached, the try is abandoned and re-sent fresh at once; it stays in the ledger's abandoned
-tries (:attr:`Dispatcher.retire_queue <rollpoint.trainer.dispatcher.Dispatcher.retire_queue>`)
+tries (:attr:`Dispatcher.retire_queue <rollpoint.trainer.dispatch.dispatcher.Dispatcher.retire_queue>`)
 and the batcher retires it later. A row fails its group instead once it has used
 ``max_tries`` fresh rollout ids **and** :data:`RETRY_WINDOW_S` has passed since it was first
 lost: a server restarting, or a network cut, costs seconds, and a handful of quick tries
@@ -15,7 +15,7 @@ must not fail a group over it. Past ``max_tries`` every re-send backs off (up to
 :data:`FRESH_BACKOFF_MAX_S`), so a row that fails everywhere is not sent in a loop.
 
 Owns that sequence: asking for the retire (through the
-:class:`~rollpoint.trainer.release_batcher.ReleaseBatcher`, after the barrier opens, within
+:class:`~rollpoint.trainer.dispatch.release_batcher.ReleaseBatcher`, after the barrier opens, within
 :data:`RETIRE_TIMEOUT_S`), waiting a grace for a down report when the replica did not
 answer, adopting finished tries, the ledger moves of abandoning, and the backoff of a fresh
 re-send; plus the counts of fresh re-sends and adoptions. It does not open streams, pick
@@ -32,12 +32,12 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from rollpoint.protocol.control import RetireOutcomeKind
-from rollpoint.trainer.dispatch_barrier import DispatchBarrier
-from rollpoint.trainer.group_run import GroupRun
-from rollpoint.trainer.ledger import LedgerRecord, RecoveryLedger, RolloutState
-from rollpoint.trainer.release_batcher import ReleaseBatcher, RetireAnswer
-from rollpoint.trainer.replica_picker import ReplicaPicker
-from rollpoint.trainer.replica_roster import ReplicaRoster
+from rollpoint.trainer.control.replica_roster import ReplicaRoster
+from rollpoint.trainer.dispatch.dispatch_barrier import DispatchBarrier
+from rollpoint.trainer.dispatch.group_run import GroupRun
+from rollpoint.trainer.dispatch.release_batcher import ReleaseBatcher, RetireAnswer
+from rollpoint.trainer.dispatch.replica_picker import ReplicaPicker
+from rollpoint.trainer.state.ledger import LedgerRecord, RecoveryLedger, RolloutState
 
 log = logging.getLogger(__name__)
 

@@ -2,12 +2,12 @@
 
 Owns the resume that ends every save (the abort before a publish and the reopen after a
 good cut are one path) and every restore (installed, or cleaned up after a failure: the
-:class:`~rollpoint.trainer.restorer.Restorer` resumes through it), in reverse prepare stages so callees reopen last, with one retry per
+:class:`~rollpoint.trainer.restore.restorer.Restorer` resumes through it), in reverse prepare stages so callees reopen last, with one retry per
 participant; and the participants whose resume was lost (:attr:`Resumer.unresumed`), resumed
 again before the next save so its prepare does not find them still closed.
 
 It does not decide when a save resumes, nor refuse a save while a participant stays closed
-and unreachable (:class:`~rollpoint.trainer.coordinator.SnapshotCoordinator` does both). A
+and unreachable (:class:`~rollpoint.trainer.snapshot.coordinator.SnapshotCoordinator` does both). A
 participant it cannot reach reopens by itself when its lease lapses.
 """
 
@@ -19,8 +19,8 @@ from collections.abc import Iterable
 
 from rollpoint.protocol.control import Phase
 from rollpoint.protocol.errors import RollpointError, TransportError
-from rollpoint.trainer.control_calls import PREPARE_STAGES, failure_line
-from rollpoint.trainer.participant_client import ParticipantClient
+from rollpoint.trainer.control.participant_client import ParticipantClient
+from rollpoint.trainer.snapshot.control_calls import PREPARE_STAGES, failure_line
 
 log = logging.getLogger(__name__)
 

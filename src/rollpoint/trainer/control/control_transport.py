@@ -1,6 +1,6 @@
 """The control transport seam: how one control call reaches one participant.
 
-Owns :class:`ControlTransport`, what :class:`~rollpoint.trainer.participant_client.ParticipantClient`
+Owns :class:`ControlTransport`, what :class:`~rollpoint.trainer.control.participant_client.ParticipantClient`
 sends its calls through (one verb of :data:`rollpoint.protocol.control_verbs.VERBS`, its
 request model, a timeout; back comes the verb's reply model or a typed error), and
 :class:`HttpControlTransport`, the one a run uses: the control routes of a server over

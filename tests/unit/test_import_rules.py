@@ -20,6 +20,10 @@
   participant SDK nor the app (the CLI, the job, the run config, the façade over the job)
   nor the built-in loop:
   what it needs of a run it is told (``TrainerSettings``, ``SaveSettings``);
+- the trainer's machinery is layered by role: ``state`` (ledger, finished queue) <
+  ``control`` (participant clients, roster) < ``dispatch`` < ``snapshot`` < ``restore``; a
+  sub-package imports none above it, ``record`` (rollpoint's own step record) none of them,
+  and in the library nothing but the trainer loop imports ``restore``;
 - ``rollpoint.store`` knows files: it imports no performance trick (``rollpoint.tuning``),
   neither side, nor the app;
 - the SDK and the trainer reach the tricks only through the checkpoint seam
@@ -196,6 +200,36 @@ def test_the_protocol_imports_neither_side_nor_the_app() -> None:
 def test_the_trainer_library_imports_no_server_nor_sdk_nor_app() -> None:
     assert _modules("trainer"), "no modules under rollpoint/trainer"
     assert _violations("trainer", ENVIRONMENT_SIDE + APP + FACADE_OVER_THE_JOB + LOOP) == []
+
+
+TRAINER_LAYERS = ("state", "control", "dispatch", "snapshot", "restore")
+"""The trainer's sub-packages by role, from the bottom up."""
+
+
+def _trainer_package(layer: str) -> tuple[str, ...]:
+    return (f"rollpoint.trainer.{layer}",)
+
+
+@pytest.mark.parametrize("layer", TRAINER_LAYERS)
+def test_each_trainer_sub_package_imports_none_above_it(layer: str) -> None:
+    assert _modules(f"trainer/{layer}"), f"no modules under rollpoint/trainer/{layer}"
+    above = TRAINER_LAYERS[TRAINER_LAYERS.index(layer) + 1 :]
+    forbidden = tuple(p for upper in above for p in _trainer_package(upper))
+    assert _violations(f"trainer/{layer}", forbidden) == []
+
+
+def test_the_trainers_own_record_imports_none_of_its_machinery() -> None:
+    # rollpoint's step record is a file format a trainer of its own may replace: it knows
+    # the train hooks' samples, not the ledger, the dispatcher nor a snapshot.
+    assert _modules("trainer/record"), "no modules under rollpoint/trainer/record"
+    forbidden = tuple(p for layer in TRAINER_LAYERS for p in _trainer_package(layer))
+    assert _violations("trainer/record", forbidden) == []
+
+
+def test_in_the_trainer_library_only_the_trainer_loop_imports_the_restore_order() -> None:
+    # (The job picks the snapshot to resume from with it: the app stands above the library.)
+    inside = {m for m in _importers(_trainer_package("restore")) if _under(m, TRAINER)}
+    assert inside == {"rollpoint.trainer.trainer"}
 
 
 PUBLIC = {

@@ -23,11 +23,11 @@ The parts of a pause:
   waited for every admitted call, up to one policy latency (``N / rate``);
 - ``park``: the agent and resources stages of prepare (sessions reach a boundary);
 - ``commit``: every participant captures its records (a detached write: encoding and
-  writing wait for ``confirm``); the trainer captures its ledger and TQ;
+  writing wait for ``confirm``); the trainer captures its ledger and the finished queue;
 - ``resume``: the reverse stages reopen;
 - ``mechanism`` = pause - drain: what the cut costs beyond the model stage;
 - ``write`` (after the barrier reopened, not in the pause): every participant writes what
-  it captured and confirms it, while the trainer writes its ledger, TQ and counters;
+  it captured and confirms it, while the trainer writes its ledger, the finished queue and counters;
 - ``publish`` (not in the pause): the trainer's file writes (inside ``write``), the
   manifest, ``latest`` and retention.
 
@@ -256,7 +256,7 @@ class Cut:
     turns: float
     """Mean turns completed by the saved sessions."""
     sizes: dict[str, int]
-    """Bytes by participant kind, and ``trainer`` for the ledger, TQ and manifest."""
+    """Bytes by participant kind, and ``trainer`` for the ledger, the finished queue and manifest."""
 
 
 def _cut(report: SaveReport, clock: StageClock, sizes: dict[str, int]) -> Cut:
@@ -317,8 +317,8 @@ def long_task(index: int, prefix: str = "long") -> TaskRow:
 def prefill_finished(ledger: RecoveryLedger, rollouts: int, replicas: Sequence[str]) -> None:
     """Add ``rollouts`` sealed rollouts through the ledger's own moves (dispatch, finish, seal).
 
-    TQ needs nothing: a rollout consumed by a committed train step has left TQ for good
-    (``ledger_scaling`` runs them through TQ to show it).
+    the finished queue needs nothing: a rollout consumed by a committed train step has left the finished queue for good
+    (``ledger_scaling`` runs them through the finished queue to show it).
     """
     template = long_task(0)
     for g in range(math.ceil(rollouts / GROUP_SIZE)):

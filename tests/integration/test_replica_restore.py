@@ -152,7 +152,7 @@ async def parts(tmp_path: Path, wait_s: float) -> AsyncIterator[Parts]:
         roster,
         store=SnapshotStore(str(tmp_path / "snapshots")),
         ledger=ledger,
-        tq=FinishedQueue(),
+        finished_queue=FinishedQueue(),
         barrier=barrier,
         config=SaveSettings(),
         metrics=TrainerMetrics(),

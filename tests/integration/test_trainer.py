@@ -77,7 +77,7 @@ async def test_every_row_of_every_group_is_trained_exactly_once(
     assert {r.state for r in sealed} == {RolloutState.SEALED}
     assert {r.replica for r in sealed} == {"replica-0", "replica-1"}
     assert [replica.policy_version() for replica in cluster.replicas] == [4, 4]
-    assert trainer.tq.counts()["consumed_groups"] == 0  # every step was committed
+    assert trainer.finished_queue.counts()["consumed_groups"] == 0  # every step was committed
     assert trainer.stats.groups_trained == 8
 
 

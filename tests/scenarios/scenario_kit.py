@@ -13,7 +13,7 @@ defect's situation from these parts and states what it checks itself.
 - :func:`fronted`: fault proxies in front of chosen participants (their control routes and,
   for an agent, ``/run`` too).
 - :func:`job` / :class:`Job`: the real :class:`~rollpoint.trainer.trainer.Trainer`.
-- :class:`Rig`: ledger, barrier, TQ, dispatcher, release batcher and snapshot coordinator
+- :class:`Rig`: ledger, barrier, the finished queue, dispatcher, release batcher and snapshot coordinator
   wired as the trainer wires them, without its feed and train loops: one group at a time.
 - :class:`SpyClient`: a participant client noting every control call it makes.
 - :class:`ReplyRelay`: a ``/run`` relay that holds chosen result lines (a reply on the
@@ -472,7 +472,7 @@ def train_rows(workdir: Path) -> list[dict[str, Any]]:
 
 
 class Rig:
-    """Ledger, barrier, TQ, dispatcher, release batcher and coordinator, wired as the
+    """Ledger, barrier, the finished queue, dispatcher, release batcher and coordinator, wired as the
     trainer wires them; groups are added and run one at a time by the scenario. The
     release batcher flushes only before a save (the trainer also flushes it on a timer)."""
 
@@ -493,7 +493,7 @@ class Rig:
         self.cluster = cluster
         self.ledger = RecoveryLedger()
         self.barrier = DispatchBarrier()
-        self.tq = FinishedQueue()
+        self.finished_queue = FinishedQueue()
         self.replies: list[RunReply] = []
         urls = {name: proxy.url for name, proxy in (fronts or {}).items()}
         self.roster = ReplicaRoster.of_deployment(
@@ -520,7 +520,7 @@ class Rig:
             self.roster,
             store=self.store,
             ledger=self.ledger,
-            tq=self.tq,
+            finished_queue=self.finished_queue,
             barrier=self.barrier,
             config=SaveSettings(deadline_seconds=deadline_s),
             metrics=self.metrics,
@@ -535,7 +535,7 @@ class Rig:
         records = self.ledger.add_group(
             task.model_copy(update={"task_id": group_id}), group_id, size
         )
-        self.tq.expect_group(group_id, size)
+        self.finished_queue.expect_group(group_id, size)
         return records
 
     def sealed(self, rollout_id: str) -> bool:
@@ -545,7 +545,7 @@ class Rig:
         record = self.ledger.seal(reply.episode.rollout_id)
         if self.releases is not None and record.replica is not None:
             self.releases.sealed(reply.episode, record.replica)
-        self.tq.put(reply)
+        self.finished_queue.put(reply)
         self.replies.append(reply)
 
     async def aclose(self) -> None:

@@ -367,7 +367,7 @@ async def cut_of(
         cluster.clients(http, spy=log),
         store=store,
         ledger=ledger,
-        tq=FinishedQueue(),
+        finished_queue=FinishedQueue(),
         barrier=DispatchBarrier(),
         # A long deadline: no lease renewal lands inside either save.
         config=SaveSettings(deadline_seconds=60),

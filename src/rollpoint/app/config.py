@@ -131,7 +131,7 @@ class TrainConfig(_Section):
     batch_size: Annotated[int, Field(ge=1)] = 16
     """Rollouts per train step; rounded up to whole prompt groups."""
     checkpoint_every_steps: Annotated[int, Field(ge=1)] | None = 1
-    """Write a train checkpoint (and take a snapshot) every this many steps. TQ keeps the
+    """Write a train checkpoint (and take a snapshot) every this many steps. The finished queue keeps the
     rollouts it consumed until their checkpoint is durable; None never checkpoints."""
     step_seconds: Annotated[float, Field(ge=0)] = 0.0
     """Built-in loop only (``rollpoint run``'s :class:`~rollpoint.loop.SimulatedTrainer`):

@@ -283,7 +283,7 @@ async def run_job(
             say(
                 f"resumed from snapshot {restored.snapshot_id} at train step {restored.checkpoint.step}: "
                 f"{len(restored.continued)} episodes continued, {restored.restarted} restarted, "
-                f"{restored.adopted} finished replies adopted, {restored.tq_requeued} TQ items requeued"
+                f"{restored.adopted} finished replies adopted, {restored.tq_requeued} finished-queue items requeued"
             )
             continued = {(e.rollout_id, e.attempt) for e in restored.continued}
             events.append(

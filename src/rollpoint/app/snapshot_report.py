@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from rollpoint.protocol.errors import ConfigError
 from rollpoint.store.snapshot_store import SnapshotStore
 from rollpoint.trainer.restore.restorer import read_trainer_document
-from rollpoint.trainer.snapshot.coordinator import TQ_FILE
+from rollpoint.trainer.snapshot.coordinator import FINISHED_QUEUE_FILE
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -46,11 +46,13 @@ def build_report(root: str, *, workdir: Path | None = None) -> dict[str, Any]:
     latest_manifest = store.latest()
     latest: dict[str, Any] | None = None
     if latest_manifest is not None:
-        tq_doc = read_trainer_document(store, latest_manifest.snapshot_id, TQ_FILE)
-        tq_size = sum(len(b["replies"]) for b in tq_doc.get("ready", [])) + len(
-            tq_doc.get("partial", [])
+        finished_queue_doc = read_trainer_document(
+            store, latest_manifest.snapshot_id, FINISHED_QUEUE_FILE
         )
-        tq_size += sum(len(b["replies"]) for b in tq_doc.get("consumed", []))
+        tq_size = sum(len(b["replies"]) for b in finished_queue_doc.get("ready", [])) + len(
+            finished_queue_doc.get("partial", [])
+        )
+        tq_size += sum(len(b["replies"]) for b in finished_queue_doc.get("consumed", []))
         latest = {
             "id": latest_manifest.snapshot_id,
             "train_step": latest_manifest.train_step,
@@ -104,7 +106,7 @@ def render_report(report: dict[str, Any], console: Console) -> None:
         return
     console.print(
         f"latest: [bold]{latest['id']}[/] at train step {latest['train_step']}, "
-        f"pause {latest['pause_seconds'] * 1000:.1f} ms, TQ holds {latest['tq_size']} rollouts",
+        f"pause {latest['pause_seconds'] * 1000:.1f} ms, the finished queue holds {latest['tq_size']} rollouts",
         soft_wrap=True,
     )
     episodes = Table(title=f"saved episodes ({len(latest['episodes'])})")

@@ -5,7 +5,7 @@
 - :mod:`~rollpoint.store.filesystem`: local folder or fsspec URL, and path containment
 - :mod:`~rollpoint.store.digest`: streaming sha256 of snapshot files
 - :mod:`~rollpoint.store.record_packs`: records files shared by snapshots, written once
-- :mod:`~rollpoint.store.trainer_records`: the ledger and TQ kept as records
+- :mod:`~rollpoint.store.trainer_records`: the ledger and the finished queue kept as records
 """
 
 from rollpoint.store.filesystem import resolve_inside

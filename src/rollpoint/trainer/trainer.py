@@ -1,13 +1,13 @@
 """The trainer loop: one run of async GRPO over the environment deployment.
 
-Owns the run's parts and how they meet: the ledger, the dispatch barrier, TQ and the
+Owns the run's parts and how they meet: the ledger, the dispatch barrier, the finished queue and the
 dispatcher are built here (and exposed, so a snapshot coordinator can drive them); one
-task keeps the dispatcher fed with prompt groups, one trains on whole groups as TQ fills,
+task keeps the dispatcher fed with prompt groups, one trains on whole groups as the finished queue fills,
 and a stall watchdog fails the run when no row result arrives for too long (time paused
 by a snapshot not counted). Every train step calls the :class:`TrainHooks`, bumps the
 policy version on every model server, writes the consumed rollouts to the trainer's
 :class:`StepRecord` (by default :class:`WorkdirRecord`: ``<workdir>/train_data.jsonl``,
-fsync'd per step) and, once the step is durable there, commits TQ.
+fsync'd per step) and, once the step is durable there, commits the finished queue.
 
 Given a :class:`ControlPlane`, it also takes snapshots (every ``snapshot.every_seconds``
 and at every train checkpoint) through a :class:`SnapshotCoordinator`, and releases what it
@@ -144,7 +144,7 @@ class Trainer:
         """``hooks`` update the policy on each batch (the façade's hand batches to your
         loop; ``rollpoint run``'s are :class:`rollpoint.loop.SimulatedTrainer`).
         ``restored`` continues a run from a snapshot (see :mod:`rollpoint.trainer.restore.restorer`);
-        its ledger and TQ replace the fresh ones built from ``tasks``.
+        its ledger and the finished queue replace the fresh ones built from ``tasks``.
         ``step_record``: where each step's rows are written and its checkpoints kept (the one
         the restore checked and cut back; default: :class:`WorkdirRecord` in ``workdir``).
         ``replica_restart_wait_s``: how long a lost replica's snapshot tries wait for it to
@@ -156,7 +156,7 @@ class Trainer:
         self.deployment = deployment
         self.hooks = hooks
         self.ledger = restored.ledger if restored is not None else RecoveryLedger()
-        self.tq = restored.tq if restored is not None else FinishedQueue()
+        self.finished_queue = restored.finished_queue if restored is not None else FinishedQueue()
         self.barrier = DispatchBarrier()
         self.roster = ReplicaRoster.of_deployment(
             deployment, control.participants if control else ()
@@ -171,7 +171,7 @@ class Trainer:
             for task in tasks:
                 gid = group_id_for(task.task_id)
                 self.ledger.add_group(task, gid, config.group_size)
-                self.tq.expect_group(gid, config.group_size)
+                self.finished_queue.expect_group(gid, config.group_size)
         self._feed_order = self.ledger.group_ids()
         """The groups to send, in order: the ledger's, then those added while running."""
         self._more_groups = more_groups
@@ -235,7 +235,7 @@ class Trainer:
                 self.roster,
                 store=control.store,
                 ledger=self.ledger,
-                tq=self.tq,
+                finished_queue=self.finished_queue,
                 barrier=self.barrier,
                 config=config.save,
                 metrics=control.metrics,
@@ -419,7 +419,7 @@ class Trainer:
         record = self.ledger.seal(reply.episode.rollout_id)
         if self.releases is not None and record.replica is not None:
             self.releases.sealed(reply.episode, record.replica)
-        self.tq.put(reply)
+        self.finished_queue.put(reply)
         self._episodes += 1
         self._turns += reply.turns
         self._reward_sum += reply.reward
@@ -493,7 +493,7 @@ class Trainer:
         for task in new:
             gid = group_id_for(task.task_id)
             self.ledger.add_group(task, gid, self.config.group_size)
-            self.tq.expect_group(gid, self.config.group_size)
+            self.finished_queue.expect_group(gid, self.config.group_size)
             self._feed_order.append(gid)
             added.append(gid)
         if added:
@@ -508,7 +508,7 @@ class Trainer:
     def _group_done(self, outcome: GroupOutcome) -> None:
         if outcome.failed is not None:
             self._failed[outcome.group_id] = outcome.failed
-            self.tq.drop_group(outcome.group_id)
+            self.finished_queue.drop_group(outcome.group_id)
             self._tq_changed.set()
 
     # --- training --------------------------------------------------------------------
@@ -524,10 +524,10 @@ class Trainer:
         """Whole groups for ``step`` once a batch is ready (or the last, partial one)."""
         batch_size = self.config.batch_size
         while True:
-            if self.tq.ready_rollouts >= batch_size or (
-                self._dispatch_done and self.tq.ready_groups
+            if self.finished_queue.ready_rollouts >= batch_size or (
+                self._dispatch_done and self.finished_queue.ready_groups
             ):
-                return self.tq.take_groups(batch_size, train_step=step)
+                return self.finished_queue.take_groups(batch_size, train_step=step)
             if self._dispatch_done:
                 return []
             self._tq_changed.clear()
@@ -626,13 +626,13 @@ class Trainer:
     async def mark_durable(self, step: int) -> None:
         """The trainer's own checkpoint of ``step`` (a step it trained without saying it
         was durable) is durable now: rollpoint writes its train checkpoint of that step as
-        it stood then, TQ lets go of what it consumed, and a snapshot follows. Steps before
+        it stood then, the finished queue lets go of what it consumed, and a snapshot follows. Steps before
         it that were never marked are passed over; a step already durable is a no-op."""
         if step == self._step_in_hand:
             # Marked as soon as it was done, before the loop recorded it: wait for that.
             async with self._step_recorded:
                 await self._step_recorded.wait_for(lambda: self._step_in_hand != step)
-        if step <= self.tq.committed_step:
+        if step <= self.finished_queue.committed_step:
             return
         checkpoint = self._not_durable.get(step)
         if checkpoint is None:
@@ -644,15 +644,15 @@ class Trainer:
         await self._checkpoint(checkpoint)
 
     async def _checkpoint(self, checkpoint: TrainCheckpoint) -> None:
-        """A durable train checkpoint, then TQ lets go of what it consumed, then a snapshot
+        """A durable train checkpoint, then the finished queue lets go of what it consumed, then a snapshot
         that composes with it (taken at a step >= the checkpoint's)."""
         step = checkpoint.step
         async with self._checkpointing:  # the train loop and mark_durable, one at a time
-            if step <= self.tq.committed_step:
+            if step <= self.finished_queue.committed_step:
                 return  # a later step was made durable meanwhile
             protect = await asyncio.to_thread(self._steps_to_keep, step)
             await asyncio.to_thread(self.step_record.save, checkpoint, protect=protect)
-            self.tq.commit(step)
+            self.finished_queue.commit(step)
             for older in [s for s in self._not_durable if s <= step]:
                 del self._not_durable[older]
         if self.coordinator is not None:

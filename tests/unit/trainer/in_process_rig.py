@@ -33,8 +33,8 @@ from rollpoint.trainer.record.train_checkpoint import TrainCheckpoint
 from rollpoint.trainer.restore.restorer import ResumePoint, read_trainer_document
 from rollpoint.trainer.settings import SaveSettings
 from rollpoint.trainer.snapshot.coordinator import (
+    FINISHED_QUEUE_FILE,
     LEDGER_FILE,
-    TQ_FILE,
     TRAINER_FILE,
     SnapshotCoordinator,
 )
@@ -84,7 +84,7 @@ class Rig:
     fences: dict[str, Fence] = field(default_factory=dict)
     clients: list[ParticipantClient] = field(default_factory=list)
     ledger: RecoveryLedger = field(default_factory=RecoveryLedger)
-    tq: FinishedQueue = field(default_factory=FinishedQueue)
+    finished_queue: FinishedQueue = field(default_factory=FinishedQueue)
     barrier: DispatchBarrier = field(default_factory=DispatchBarrier)
 
     @property
@@ -123,7 +123,7 @@ class Rig:
             self.clients,
             store=self.store,
             ledger=self.ledger,
-            tq=self.tq,
+            finished_queue=self.finished_queue,
             barrier=self.barrier,
             config=SaveSettings(deadline_seconds=deadline_s),
             metrics=TrainerMetrics(self.root.parent / "metrics.jsonl"),
@@ -146,7 +146,7 @@ class Rig:
             manifest=store.verify(snapshot_id),
             checkpoint=checkpoint,
             ledger_doc=read_trainer_document(store, snapshot_id, LEDGER_FILE),
-            tq_doc=read_trainer_document(store, snapshot_id, TQ_FILE),
+            finished_queue_doc=read_trainer_document(store, snapshot_id, FINISHED_QUEUE_FILE),
             trainer_doc=orjson.loads(store.read_file(snapshot_id, TRAINER_FILE)),
         )
 

@@ -260,7 +260,7 @@ def _latest(record: RunRecord) -> str:
     head = (
         f"<p><b>{_e(latest['id'])}</b> at train step {_e(latest['train_step'])}, policy "
         f"version {_e(latest['policy_version'])}, pause {latest['pause_seconds'] * 1000:.1f} ms, "
-        f"TQ holds {_e(latest['tq_size'])} rollouts; {len(report['snapshots'])} snapshots kept.</p>"
+        f"the finished queue holds {_e(latest['tq_size'])} rollouts; {len(report['snapshots'])} snapshots kept.</p>"
     )
     episodes, more = _capped(latest["episodes"], "saved episodes")
     saved = _table(

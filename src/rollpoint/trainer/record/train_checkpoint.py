@@ -4,7 +4,7 @@ A train checkpoint at step S is durable once its file is fsync'd and renamed int
 ``<workdir>/checkpoints/step-<S>.json``. It records the policy version, what it covers of
 ``train_data.jsonl`` after step S (the built-in trainer's "weights": what it trained on;
 its length, line count and the sha256 of that prefix, see :mod:`.train_data`), and the
-run's counters. TQ releases the rollouts consumed up to S only after that (see
+run's counters. The finished queue releases the rollouts consumed up to S only after that (see
 :meth:`FinishedQueue.commit`), so any snapshot taken at a step ≥ S composes with it.
 
 A real trainer keeps its own weights; it calls :meth:`TrainCheckpointStore.save` with

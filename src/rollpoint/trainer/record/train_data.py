@@ -6,7 +6,7 @@ sha256, line count and byte length in memory, so a train checkpoint records its
 :meth:`TrainData.verify` reads the file's first ``coverage.bytes`` bytes once and accepts
 them only if they hash to ``coverage.sha256``, hold exactly ``coverage.lines`` lines and end
 at a line boundary; :meth:`TrainData.cut_back` then truncates the rows trained after the
-checkpoint (they are back in TQ). Anything else — a file shorter than the checkpoint says
+checkpoint (they are back in the finished queue). Anything else — a file shorter than the checkpoint says
 (truncated), a prefix with another digest (an edited line, even of the same size), a
 boundary inside a line (torn) — is a :class:`~rollpoint.protocol.errors.RestoreError`
 naming the file, and nothing is changed. A checkpoint written before the digest existed

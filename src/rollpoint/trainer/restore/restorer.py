@@ -3,7 +3,7 @@
 Owns choosing what to resume from and putting every piece back:
 
 1. the newest published snapshot that composes with a durable step of the trainer's
-   record (TQ's committed step ≤ checkpoint step ≤ the snapshot's train step); a corrupt, partial or
+   record (the finished queue's committed step ≤ checkpoint step ≤ the snapshot's train step); a corrupt, partial or
    tampered snapshot (a file or a sealed field that does not match, or a train step,
    policy version or committed step that disagrees with its ``trainer.json`` / ``tq.json``)
    is skipped, the reason returned for the console, for the previous one
@@ -27,7 +27,7 @@ Owns choosing what to resume from and putting every piece back:
    their restored state (pinned there), restarts start over under new rollout ids (and so
    do tries the saved ledger holds queued for a replica: their state died with its
    servers), finished replies held by an agent are fetched again under their own
-   identity (adopted, not rerun); TQ puts back what no durable train checkpoint consumed;
+   identity (adopted, not rerun); the finished queue puts back what no durable train checkpoint consumed;
    the trainer's record of its steps (:class:`~.step_record.StepRecord`) is checked against
    the checkpoint before anything is installed and cut back to it after (rollpoint's own,
    ``train_data.jsonl``, only to a boundary that verifies: its digest, line count and a
@@ -67,12 +67,15 @@ from rollpoint.store.snapshot_store import SNAPSHOTS_DIR, SnapshotStore
 from rollpoint.trainer.control.participant_client import ParticipantClient
 from rollpoint.trainer.record.train_checkpoint import TrainCheckpoint
 from rollpoint.trainer.snapshot.coordinator import (
+    FINISHED_QUEUE_FILE,
     LEDGER_FILE,
-    TQ_FILE,
     TRAINER_FILE,
 )
 from rollpoint.trainer.snapshot.resumer import Resumer
-from rollpoint.trainer.state.finished_queue import FinishedQueue, tq_document_from_records
+from rollpoint.trainer.state.finished_queue import (
+    FinishedQueue,
+    finished_queue_document_from_records,
+)
 from rollpoint.trainer.state.ledger import RecoveryLedger, RolloutState
 from rollpoint.trainer.state.ledger_document import document_from_records
 from rollpoint.trainer.step_record import StepRecord
@@ -103,7 +106,7 @@ class ResumePoint:
     manifest: SnapshotManifest
     checkpoint: TrainCheckpoint
     ledger_doc: dict[str, Any]
-    tq_doc: dict[str, Any]
+    finished_queue_doc: dict[str, Any]
     trainer_doc: dict[str, Any]
 
 
@@ -114,7 +117,7 @@ class RestoredRun:
     snapshot_id: str
     checkpoint: TrainCheckpoint
     ledger: RecoveryLedger
-    tq: FinishedQueue
+    finished_queue: FinishedQueue
     trainer_doc: dict[str, Any] = field(default_factory=dict)
     """The trainer's counters at the cut (for display; training state is the checkpoint's)."""
     continued: list[EpisodeId] = field(default_factory=list)
@@ -158,9 +161,9 @@ def find_resume_point(
         try:
             manifest = store.verify(sid)
             ledger_doc = read_trainer_document(store, sid, LEDGER_FILE)
-            tq_doc = read_trainer_document(store, sid, TQ_FILE)
+            finished_queue_doc = read_trainer_document(store, sid, FINISHED_QUEUE_FILE)
             trainer_doc = orjson.loads(store.read_file(sid, TRAINER_FILE))
-            committed = int(tq_doc.get("committed_step", 0))
+            committed = int(finished_queue_doc.get("committed_step", 0))
             _cross_check(manifest, trainer_doc, committed)
         except (RollpointError, orjson.JSONDecodeError, TypeError, ValueError) as exc:
             detail = exc.message if isinstance(exc, RollpointError) else str(exc)
@@ -168,7 +171,9 @@ def find_resume_point(
             continue
         for checkpoint in available:
             if committed <= checkpoint.step <= manifest.train_step:
-                return ResumePoint(manifest, checkpoint, ledger_doc, tq_doc, trainer_doc), skipped
+                return ResumePoint(
+                    manifest, checkpoint, ledger_doc, finished_queue_doc, trainer_doc
+                ), skipped
         steps = ", ".join(str(c.step) for c in available)
         skipped.append(
             Skipped(
@@ -181,10 +186,12 @@ def find_resume_point(
 
 
 def read_trainer_document(store: SnapshotStore, snapshot_id: str, name: str) -> dict[str, Any]:
-    """The ledger's or TQ's document in a snapshot, kept as a document or as records."""
+    """The ledger's or the finished queue's document in a snapshot, kept as a document or as records."""
     what = f"{name} of snapshot {snapshot_id}"
     if store.file_format(snapshot_id, name) == "records":
-        join = document_from_records if name == LEDGER_FILE else tq_document_from_records
+        join = (
+            document_from_records if name == LEDGER_FILE else finished_queue_document_from_records
+        )
         with collector_paused():  # as for a document: millions of cycle-free records
             records = store.read_records(snapshot_id, name)
         return join(records, what)
@@ -222,7 +229,7 @@ def _cross_check(manifest: SnapshotManifest, trainer_doc: Any, committed: int) -
         ),
     ]
     if manifest.committed_step is not None:
-        pairs.append(("committed_step", manifest.committed_step, committed, TQ_FILE))
+        pairs.append(("committed_step", manifest.committed_step, committed, FINISHED_QUEUE_FILE))
     for name, in_manifest, in_file, file_name in pairs:
         if in_manifest != in_file:
             raise InvalidCheckpointStateError(
@@ -363,8 +370,8 @@ class Restorer:
             point.ledger_doc, what=f"ledger of snapshot {manifest.snapshot_id}"
         )
         _check_cut(manifest, ledger)
-        tq = FinishedQueue.from_document(
-            point.tq_doc, what=f"TQ of snapshot {manifest.snapshot_id}"
+        finished_queue = FinishedQueue.from_document(
+            point.finished_queue_doc, what=f"the finished queue of snapshot {manifest.snapshot_id}"
         )
         saved = manifest.episodes if continue_episodes else []
         await self._install(manifest, self._plan(manifest, placement, saved), deadline_s)
@@ -372,7 +379,7 @@ class Restorer:
             snapshot_id=manifest.snapshot_id,
             checkpoint=point.checkpoint,
             ledger=ledger,
-            tq=tq,
+            finished_queue=finished_queue,
             trainer_doc=point.trainer_doc,
             placement=placement.target_of,
         )
@@ -397,7 +404,7 @@ class Restorer:
             holder = placement.target_of.get(finished.replica, finished.replica)
             ledger.requeue(finished.rollout_id, keep_replica=True, pin=holder)
             run.adopted += 1
-        run.tq_requeued = tq.rewind(point.checkpoint.step)
+        run.tq_requeued = finished_queue.rewind(point.checkpoint.step)
         await asyncio.to_thread(step_record.cut_back, point.checkpoint)
         return run
 

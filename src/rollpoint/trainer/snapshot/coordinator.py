@@ -9,7 +9,7 @@ Owns the save order of DESIGN §5 and the failure budget. A save:
    while a background task renews every lease;
 3. on any failure or a missed deadline resumes everyone exactly once (the abort) and
    counts one failed snapshot; three in a row stop the run, naming what blocked each;
-4. captures the ledger, TQ and the trainer's counters in one instant, then commits every
+4. captures the ledger, the finished queue and the trainer's counters in one instant, then commits every
    participant in parallel, each replica's scope being the ledger's in-flight episodes on
    it minus the restarts its participants reported;
 5. does not drain: finished replies still on the wire are held by their agent and
@@ -102,11 +102,11 @@ from rollpoint.trainer.state.ledger import RecoveryLedger
 from rollpoint.tuning import seam
 
 __all__ = [
+    "FINISHED_QUEUE_FILE",
     "LEDGER_FILE",
     "MAX_FAILED_IN_A_ROW",
     "PREPARE_STAGES",
     "REPLY_HOLDING_STATES",
-    "TQ_FILE",
     "TRAINER_FILE",
     "SaveReport",
     "SnapshotCoordinator",
@@ -116,7 +116,7 @@ log = logging.getLogger(__name__)
 
 MAX_FAILED_IN_A_ROW = 3
 LEDGER_FILE = "ledger.json"
-TQ_FILE = "tq.json"
+FINISHED_QUEUE_FILE = "tq.json"
 TRAINER_FILE = "trainer.json"
 
 
@@ -127,7 +127,7 @@ class SnapshotCoordinator:
         *,
         store: SnapshotStore,
         ledger: RecoveryLedger,
-        tq: FinishedQueue,
+        finished_queue: FinishedQueue,
         barrier: DispatchBarrier,
         config: SaveSettings,
         metrics: TrainerMetrics,
@@ -141,13 +141,13 @@ class SnapshotCoordinator:
         )
         self.store = store
         self.ledger = ledger
-        self.tq = tq
+        self.finished_queue = finished_queue
         self.barrier = barrier
         self.config = config
         self.metrics = metrics
         self._trainer_state = trainer_state
         self._config_fingerprint = config_fingerprint
-        self._indexes = {LEDGER_FILE: PackIndex(), TQ_FILE: PackIndex()}
+        self._indexes = {LEDGER_FILE: PackIndex(), FINISHED_QUEUE_FILE: PackIndex()}
         """Where each trainer file's last write put its records (snapshot_growth)."""
         # Keyed by client: a replica that comes back gets new clients, asked afresh.
         self._statuses: dict[ParticipantClient, StatusReply] = {}
@@ -499,7 +499,7 @@ class SnapshotCoordinator:
             participants=clients,
         )
         replicas = list(dict.fromkeys(c.address.replica for c in clients))
-        # The cut is this instant: the in-flight set, ledger, TQ and counters together. A
+        # The cut is this instant: the in-flight set, ledger, the finished queue and counters together. A
         # reply that reaches the trainer during the commit is sealed after the cut; its
         # agent still holds it (acks wait for the barrier), so it is exported as finished.
         in_flight = {replica: self.ledger.in_flight(replica) for replica in replicas}
@@ -511,7 +511,7 @@ class SnapshotCoordinator:
             )
             raise SaveBlocked([Blocker(None, Verb.COMMIT, SnapshotError.code, True, message)])
         cut.ledger = self.ledger.capture()
-        cut.tq = self.tq.capture()
+        cut.finished_queue = self.finished_queue.capture()
         cut.trainer_doc = self._trainer_state()
         scopes = {
             replica: [r.episode for r in records if r.key not in prepared.restarts]
@@ -591,14 +591,16 @@ class SnapshotCoordinator:
         return failed
 
     def _write_trainer_files(self, cut: Cut) -> dict[str, FileEntry]:
-        assert cut.ledger is not None and cut.tq is not None, "a cut captures both"
+        assert cut.ledger is not None and cut.finished_queue is not None, "a cut captures both"
         # Kept as records: each write adds only what changed since the previous one.
-        ledger, tq = cut.ledger.as_records(), cut.tq.as_records()
+        ledger, finished_queue = cut.ledger.as_records(), cut.finished_queue.as_records()
         return {
             LEDGER_FILE: self.store.write_records(
                 cut.staging, LEDGER_FILE, ledger, self._indexes[LEDGER_FILE]
             ),
-            TQ_FILE: self.store.write_records(cut.staging, TQ_FILE, tq, self._indexes[TQ_FILE]),
+            FINISHED_QUEUE_FILE: self.store.write_records(
+                cut.staging, FINISHED_QUEUE_FILE, finished_queue, self._indexes[FINISHED_QUEUE_FILE]
+            ),
             TRAINER_FILE: self.store.write_file(
                 cut.staging, TRAINER_FILE, orjson.dumps(cut.trainer_doc)
             ),
@@ -611,7 +613,9 @@ class SnapshotCoordinator:
             created_at=cut.created_at,
             train_step=int(cut.trainer_doc.get("train_step", 0)),
             policy_version=int(cut.trainer_doc.get("policy_version", 0)),
-            committed_step=cut.tq.committed_step if cut.tq is not None else 0,
+            committed_step=cut.finished_queue.committed_step
+            if cut.finished_queue is not None
+            else 0,
             pause_seconds=pause_s,
             topology_fingerprint=self.fingerprint(cut.participants),
             participants=self.participant_entries(cut.participants),

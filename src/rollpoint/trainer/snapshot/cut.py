@@ -3,7 +3,7 @@
 Owns the data a save carries from the pause to the publish: what prepare found
 (:class:`Prepared`: the participants that may have closed, the restarts and held replies
 they reported, stray replies), what the commit captured (:class:`Cut`: the in-flight tries,
-the ledger, TQ and trainer captures, each agent's commit reply), the sorting of each
+the ledger, the finished queue and trainer captures, each agent's commit reply), the sorting of each
 in-flight try into saved, finished or restart (:meth:`Cut.classify`), and the
 :class:`SaveReport` of one attempt: the :class:`SavePhase` it reached, in the order a save
 goes through them, and, for a failed one, its :class:`Blocker` s (who, in which verb, with
@@ -25,7 +25,7 @@ from rollpoint.protocol.ids import EpisodeId
 from rollpoint.protocol.manifest import RestartEpisode, SavedEpisode, SnapshotManifest
 from rollpoint.store.staging import Staging
 from rollpoint.trainer.control.participant_client import ParticipantClient
-from rollpoint.trainer.state.finished_queue import TQCapture
+from rollpoint.trainer.state.finished_queue import FinishedQueueCapture
 from rollpoint.trainer.state.ledger import LedgerRecord
 from rollpoint.trainer.state.ledger_document import LedgerCapture
 
@@ -133,7 +133,7 @@ class Cut:
     ledger: LedgerCapture | None = None
     """Frozen references, O(live tries): encoded by
     :meth:`~rollpoint.trainer.snapshot.coordinator.SnapshotCoordinator._write_trainer_files`."""
-    tq: TQCapture | None = None
+    finished_queue: FinishedQueueCapture | None = None
     trainer_doc: dict[str, Any] = field(default_factory=dict)
     in_flight: dict[str, list[LedgerRecord]] = field(default_factory=dict)
     """Per replica, the tries in flight at the cut (immutable records)."""

@@ -1,4 +1,5 @@
-"""TQ, the finished-rollout queue: sealed rollouts waiting for training, by whole group.
+"""The finished queue: sealed rollouts waiting for training, by whole group (``tq.json`` in a
+snapshot, its on-disk name, kept).
 
 Owns every sealed reply from the moment it is sealed until the train checkpoint that
 consumed it is durable, like a consumer offset commit:
@@ -14,7 +15,7 @@ advantages (:mod:`..grpo`).
 
 A snapshot takes :meth:`FinishedQueue.capture` while rollouts are paused (references
 only: replies are immutable) and encodes it after they resume, as records
-(:meth:`TQCapture.as_records`, joined back by :func:`tq_document_from_records`): a header, one
+(:meth:`FinishedQueueCapture.as_records`, joined back by :func:`finished_queue_document_from_records`): a header, one
 record per partial reply, one per ready or consumed group. A group's record is made once
 per state and is the same object in every snapshot while the group waits, so the store
 references where it was first written (:mod:`rollpoint.store.trainer_records`).
@@ -47,7 +48,7 @@ TQ_SCHEMA_VERSION = 1
 
 @dataclass(frozen=True, slots=True)
 class GroupBatch:
-    """Every row of one prompt group, in row order: the unit TQ hands to training."""
+    """Every row of one prompt group, in row order: the unit the finished queue hands to training."""
 
     group_id: str
     replies: tuple[RunReply, ...]
@@ -76,7 +77,7 @@ class GroupBatch:
 class FinishedQueue:
     def __init__(self) -> None:
         self._sizes: dict[str, int] = {}
-        """Every group TQ still has to do with (expected, partial, ready or consumed)."""
+        """Every group the finished queue still has to do with (expected, partial, ready or consumed)."""
         self._partial: dict[str, dict[int, RunReply]] = {}
         self._ready: deque[GroupBatch] = deque()
         self._ready_ids: set[str] = set()
@@ -88,29 +89,35 @@ class FinishedQueue:
     # --- filling ---------------------------------------------------------------------
 
     def expect_group(self, group_id: str, group_size: int) -> None:
-        """Declare a group TQ will receive ``group_size`` sealed rows of."""
+        """Declare a group the finished queue will receive ``group_size`` sealed rows of."""
         if group_size < 1:
-            raise BadRequestError(f"TQ: group {group_id}: group_size must be >= 1")
+            raise BadRequestError(f"finished queue: group {group_id}: group_size must be >= 1")
         known = self._sizes.setdefault(group_id, group_size)
         if known != group_size:
-            raise BadRequestError(f"TQ: group {group_id} has {known} rows, not {group_size}")
+            raise BadRequestError(
+                f"finished queue: group {group_id} has {known} rows, not {group_size}"
+            )
 
     def put(self, reply: RunReply) -> bool:
         """Hold one sealed reply; True when its group just became trainable."""
         gid = reply.group_id
         size = self._sizes.get(gid)
         if size is None:
-            raise NotFoundError(f"TQ: group {gid} was never expected (or is already trained)")
+            raise NotFoundError(
+                f"finished queue: group {gid} was never expected (or is already trained)"
+            )
         if not 0 <= reply.row < size:
-            raise BadRequestError(f"TQ: row {reply.row} of {gid} is outside 0..{size - 1}")
+            raise BadRequestError(
+                f"finished queue: row {reply.row} of {gid} is outside 0..{size - 1}"
+            )
         if gid in self._ready_ids or gid in self._consumed:
             raise InvalidPhaseError(
-                f"TQ: group {gid} is complete; {reply.episode} would train twice"
+                f"finished queue: group {gid} is complete; {reply.episode} would train twice"
             )
         rows = self._partial.setdefault(gid, {})
         if reply.row in rows:
             raise InvalidPhaseError(
-                f"TQ: row {reply.row} of {gid} is already held ({rows[reply.row].episode}); "
+                f"finished queue: row {reply.row} of {gid} is already held ({rows[reply.row].episode}); "
                 f"{reply.episode} would train twice"
             )
         rows[reply.row] = reply
@@ -123,7 +130,9 @@ class FinishedQueue:
     def drop_group(self, group_id: str) -> int:
         """Forget a group that failed: it will never be trained. Returns rollouts dropped."""
         if group_id in self._consumed:
-            raise InvalidPhaseError(f"TQ: group {group_id} was already taken for training")
+            raise InvalidPhaseError(
+                f"finished queue: group {group_id} was already taken for training"
+            )
         dropped = len(self._partial.pop(group_id, {}))
         if group_id in self._ready_ids:
             batch = next(b for b in self._ready if b.group_id == group_id)
@@ -143,10 +152,10 @@ class FinishedQueue:
         none otherwise. The groups stay held (consumed) until ``commit(train_step)``.
         """
         if max_rollouts < 1:
-            raise BadRequestError(f"TQ: max_rollouts must be >= 1, got {max_rollouts}")
+            raise BadRequestError(f"finished queue: max_rollouts must be >= 1, got {max_rollouts}")
         if train_step <= self._committed_step or train_step < self._last_take_step:
             raise InvalidPhaseError(
-                f"TQ: train step {train_step} is behind (committed {self._committed_step}, "
+                f"finished queue: train step {train_step} is behind (committed {self._committed_step}, "
                 f"last taken {self._last_take_step})"
             )
         taken: list[GroupBatch] = []
@@ -164,10 +173,10 @@ class FinishedQueue:
 
     def commit(self, train_step: int) -> int:
         """The train checkpoint of ``train_step`` is durable: what it (and earlier steps)
-        consumed leaves TQ for good. Returns how many rollouts left."""
+        consumed leaves the finished queue for good. Returns how many rollouts left."""
         if train_step < self._committed_step:
             raise InvalidPhaseError(
-                f"TQ: commit of step {train_step} is behind the committed step "
+                f"finished queue: commit of step {train_step} is behind the committed step "
                 f"{self._committed_step}"
             )
         self._committed_step = train_step
@@ -191,8 +200,8 @@ class FinishedQueue:
         """
         if committed_step < self._committed_step:
             raise InvalidCheckpointStateError(
-                f"TQ: train step {committed_step} is older than the step {self._committed_step} "
-                "this TQ already committed: the rollouts in between are gone"
+                f"finished queue: train step {committed_step} is older than the step {self._committed_step} "
+                "this finished queue already committed: the rollouts in between are gone"
             )
         self.commit(committed_step)
         back = [batch for _, batch in self._consumed.values()]
@@ -237,9 +246,9 @@ class FinishedQueue:
 
     # --- document --------------------------------------------------------------------
 
-    def capture(self) -> TQCapture:
-        """TQ frozen at this instant: references to its (immutable) replies, nothing encoded."""
-        return TQCapture(
+    def capture(self) -> FinishedQueueCapture:
+        """The finished queue frozen at this instant: references to its (immutable) replies, nothing encoded."""
+        return FinishedQueueCapture(
             committed_step=self._committed_step,
             last_take_step=self._last_take_step,
             groups=dict(self._sizes),
@@ -252,29 +261,31 @@ class FinishedQueue:
         return self.capture().to_document()
 
     @classmethod
-    def from_document(cls, doc: dict[str, Any], *, what: str = "TQ") -> FinishedQueue:
+    def from_document(
+        cls, doc: dict[str, Any], *, what: str = "the finished queue"
+    ) -> FinishedQueue:
         parsed = load_versioned(doc, TQDocument, TQ_MIGRATIONS, TQ_SCHEMA_VERSION, what)
-        tq = cls()
-        tq._committed_step = parsed.committed_step
-        tq._last_take_step = parsed.last_take_step
+        finished_queue = cls()
+        finished_queue._committed_step = parsed.committed_step
+        finished_queue._last_take_step = parsed.last_take_step
         for gid, size in parsed.groups.items():
-            tq.expect_group(gid, size)
+            finished_queue.expect_group(gid, size)
         try:
             for reply in parsed.partial:
-                if tq.put(reply):
+                if finished_queue.put(reply):
                     raise InvalidCheckpointStateError(
                         f"{what}: partial group {reply.group_id} is complete"
                     )
             for ready in parsed.ready:
-                tq._push_ready(tq._check_batch(ready, what), left=False)
+                finished_queue._push_ready(finished_queue._check_batch(ready, what), left=False)
             for consumed in parsed.consumed:
-                tq._consumed[consumed.group_id] = (
+                finished_queue._consumed[consumed.group_id] = (
                     consumed.train_step,
-                    tq._check_batch(consumed, what),
+                    finished_queue._check_batch(consumed, what),
                 )
         except (BadRequestError, NotFoundError, InvalidPhaseError) as exc:
             raise InvalidCheckpointStateError(f"{what}: {exc.message}") from None
-        return tq
+        return finished_queue
 
     def _check_batch(self, doc: BatchDoc, what: str) -> GroupBatch:
         size = self._sizes.get(doc.group_id)
@@ -297,7 +308,7 @@ class FinishedQueue:
 
 
 @dataclass(frozen=True, slots=True)
-class TQCapture:
+class FinishedQueueCapture:
     """What :meth:`FinishedQueue.capture` took; encoding it may happen in another thread."""
 
     committed_step: int
@@ -322,7 +333,7 @@ class TQCapture:
         return orjson.dumps(self.to_document())
 
     def as_records(self) -> list[dict[str, Any]]:
-        """The document as snapshot records (:func:`tq_document_from_records` joins them)."""
+        """The document as snapshot records (:func:`finished_queue_document_from_records` joins them)."""
         header = {
             "schema_version": TQ_SCHEMA_VERSION,
             "committed_step": self.committed_step,
@@ -339,16 +350,22 @@ class TQCapture:
 _LISTS = frozenset({"partial", "ready", "consumed"})
 
 
-def tq_document_from_records(records: list[dict[str, Any]], what: str) -> dict[str, Any]:
-    """The TQ document :meth:`TQCapture.as_records` were made of, to load as any saved
+def finished_queue_document_from_records(
+    records: list[dict[str, Any]], what: str
+) -> dict[str, Any]:
+    """The finished queue document :meth:`FinishedQueueCapture.as_records` were made of, to load as any saved
     document; a record of another shape is an :class:`InvalidCheckpointStateError`."""
     if not records or "schema_version" not in records[0]:
-        raise InvalidCheckpointStateError(f"{what}: its first record is not TQ's header")
+        raise InvalidCheckpointStateError(
+            f"{what}: its first record is not the finished queue's header"
+        )
     doc: dict[str, Any] = {**records[0], "partial": [], "ready": [], "consumed": []}
     for number, record in enumerate(records[1:], start=2):
         key = next(iter(record), None) if len(record) == 1 else None
         if key not in _LISTS or not isinstance(record[key], dict):
-            raise InvalidCheckpointStateError(f"{what}: record {number} is not a TQ record")
+            raise InvalidCheckpointStateError(
+                f"{what}: record {number} is not a finished queue record"
+            )
         doc[key].append(record[key])
     return doc
 
@@ -373,7 +390,7 @@ class ConsumedDoc(BatchDoc):
 
 
 class TQDocument(StrictModel):
-    """Schema 1 of the TQ document."""
+    """Schema 1 of the finished queue document."""
 
     schema_version: Literal[1]
     committed_step: NonNegativeInt

@@ -62,7 +62,7 @@ class RolloutState(StrEnum):
     FINISHED = "finished"
     """Its reply arrived and is being sealed."""
     SEALED = "sealed"
-    """Its reply is in TQ: final for training. Archived."""
+    """Its reply is in the finished queue: final for training. Archived."""
     ABANDONED = "abandoned"
     """The trainer gave up on this try (transport failure, deadline, broken stream, failed
     group). The environment may still run it: it waits to be retired there."""

@@ -23,11 +23,12 @@ from typing import Any
 
 from bench.latency import percentile
 from bench.report import BenchResult
-from rollpoint.config import parse_config
-from rollpoint.job import drive_quietly, run_job
+from rollpoint.app.config import parse_config
+from rollpoint.app.job import drive_quietly, run_job
+from rollpoint.loop import SimulatedTrainer
 from rollpoint.runtime.contract import Runtime
 from rollpoint.trainer.metrics import TrainerMetrics
-from rollpoint.trainer.trainer_loop import RunSummary, Trainer
+from rollpoint.trainer.trainer import RunSummary, Trainer
 
 
 async def _one(
@@ -57,7 +58,13 @@ async def _one(
         timing["pauses"] = [r.pause_s for r in history if r.published]
         return summary
 
-    summary = await run_job(config, fresh=False, say=lambda _: None, drive=drive)
+    summary = await run_job(
+        config,
+        fresh=False,
+        hooks=SimulatedTrainer(config.train.step_seconds),
+        say=lambda _: None,
+        drive=drive,
+    )
     return summary, float(timing["s"]), list(timing["pauses"])
 
 

@@ -39,17 +39,18 @@ from typing import Any
 import orjson
 
 from bench.report import BenchResult
-from rollpoint.config import RunConfig, parse_config
+from rollpoint.app.config import RunConfig, parse_config
+from rollpoint.app.job import drive_quietly, run_job
 from rollpoint.envs.workplace import ExpectedEmail, ExpectedEvent, WorkplaceParams, workplace_prompt
 from rollpoint.http.client import HttpClient
-from rollpoint.job import drive_quietly, run_job
+from rollpoint.loop import SimulatedTrainer
 from rollpoint.preemption import StopRequest
 from rollpoint.protocol.episode import TaskRow
 from rollpoint.protocol.errors import RunPreemptedError
 from rollpoint.runtime.contract import Runtime
 from rollpoint.runtime.embedded import EmbeddedRuntime
 from rollpoint.trainer.metrics import TrainerMetrics
-from rollpoint.trainer.trainer_loop import RunSummary, Trainer
+from rollpoint.trainer.trainer import RunSummary, Trainer
 
 LATENCY_MS = 300
 SNAPSHOT_EVERY_S = 5.0
@@ -161,7 +162,14 @@ async def _full_run(config: RunConfig, leg: Leg) -> RunSummary:
         leg.calls += await _calls(runtime)
         return summary
 
-    return await run_job(config, fresh=False, say=_say, drive=drive, data_token=DATA_TOKEN)
+    return await run_job(
+        config,
+        fresh=False,
+        hooks=SimulatedTrainer(config.train.step_seconds),
+        say=_say,
+        drive=drive,
+        data_token=DATA_TOKEN,
+    )
 
 
 async def _killed_run(config: RunConfig, leg: Leg, stop_after_s: float) -> None:
@@ -184,7 +192,14 @@ async def _killed_run(config: RunConfig, leg: Leg, stop_after_s: float) -> None:
         raise Killed
 
     with contextlib.suppress(Killed):
-        await run_job(config, fresh=False, say=_say, drive=drive, data_token=DATA_TOKEN)
+        await run_job(
+            config,
+            fresh=False,
+            hooks=SimulatedTrainer(config.train.step_seconds),
+            say=_say,
+            drive=drive,
+            data_token=DATA_TOKEN,
+        )
 
 
 async def _preempted_run(config: RunConfig, leg: Leg, stop_after_s: float) -> str:
@@ -214,7 +229,15 @@ async def _preempted_run(config: RunConfig, leg: Leg, stop_after_s: float) -> st
             raise
 
     try:
-        await run_job(config, fresh=False, say=_say, drive=drive, data_token=DATA_TOKEN, stop=stop)
+        await run_job(
+            config,
+            fresh=False,
+            hooks=SimulatedTrainer(config.train.step_seconds),
+            say=_say,
+            drive=drive,
+            data_token=DATA_TOKEN,
+            stop=stop,
+        )
     except RunPreemptedError as exc:
         return exc.message
     finally:

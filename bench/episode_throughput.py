@@ -11,11 +11,11 @@ import time
 from pathlib import Path
 
 from bench.report import BenchResult
-from rollpoint.config import parse_config
+from rollpoint.app.config import parse_config
 from rollpoint.envs import get_environment
 from rollpoint.loop import SimulatedTrainer
 from rollpoint.runtime.embedded import EmbeddedRuntime
-from rollpoint.trainer.trainer_loop import Trainer
+from rollpoint.trainer.trainer import Trainer
 from rollpoint.tuning import install as install_tuning
 
 

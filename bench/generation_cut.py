@@ -36,15 +36,16 @@ import orjson
 from bench.crash_rework import DATA_TOKEN, Killed, _say
 from bench.latency import percentile
 from bench.report import BenchResult
-from rollpoint.config import RunConfig, parse_config
-from rollpoint.job import drive_quietly, run_job
+from rollpoint.app.config import RunConfig, parse_config
+from rollpoint.app.job import drive_quietly, run_job
+from rollpoint.loop import SimulatedTrainer
 from rollpoint.runtime.contract import Runtime
 from rollpoint.runtime.embedded import EmbeddedRuntime
 from rollpoint.runtime.process_group import ProcessGroup
 from rollpoint.runtime.server_spec import ServerSpec
 from rollpoint.store.snapshot_store import SnapshotStore
 from rollpoint.trainer.metrics import TrainerMetrics
-from rollpoint.trainer.trainer_loop import Trainer
+from rollpoint.trainer.trainer import Trainer
 
 TOKENS = 2000
 TOKENS_PER_S = 500
@@ -102,7 +103,14 @@ async def _killed_run(config: RunConfig, after_s: float, into_s: float) -> float
         raise Killed
 
     with contextlib.suppress(Killed):
-        await run_job(config, fresh=False, say=_say, drive=drive, data_token=DATA_TOKEN)
+        await run_job(
+            config,
+            fresh=False,
+            hooks=SimulatedTrainer(config.train.step_seconds),
+            say=_say,
+            drive=drive,
+            data_token=DATA_TOKEN,
+        )
     return killed_at
 
 
@@ -110,7 +118,14 @@ async def _finish(config: RunConfig) -> None:
     async def drive(trainer: Trainer, runtime: Runtime, metrics: TrainerMetrics) -> Any:
         return await drive_quietly(trainer, runtime, metrics)
 
-    await run_job(config, fresh=False, say=_say, drive=drive, data_token=DATA_TOKEN)
+    await run_job(
+        config,
+        fresh=False,
+        hooks=SimulatedTrainer(config.train.step_seconds),
+        say=_say,
+        drive=drive,
+        data_token=DATA_TOKEN,
+    )
 
 
 def _decoded(log: Path) -> int:

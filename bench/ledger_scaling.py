@@ -2,8 +2,8 @@
 
 The in-flight count is fixed (1,000 rows over 2 replicas); only the number of finished
 rollouts grows (10k, 100k, 1M). Every finished rollout goes the way a real one does,
-through the public API: its group is added to the ledger and TQ, each row is dispatched,
-finished and sealed in the ledger, put in TQ, taken for a train step and committed. One
+through the public API: its group is added to the ledger and the finished queue, each row is dispatched,
+finished and sealed in the ledger, put in the finished queue, taken for a train step and committed. One
 prompt group per task, as the trainer builds them.
 
 Measured in CPU time of the measuring thread, each as the best of a few repeats:
@@ -11,7 +11,7 @@ Measured in CPU time of the measuring thread, each as the best of a few repeats:
 - look-ups: ``get`` (a finished rollout, an in-flight one), ``current(group, row)``;
 - what :meth:`SnapshotCoordinator._commit_all` does on the trainer while the barrier is
   closed (``capture``): ``in_flight`` of every replica, ``ledger.capture()``,
-  ``tq.capture()`` — references to immutable chunks and the live tries that moved;
+  ``finished_queue.capture()`` — references to immutable chunks and the live tries that moved;
 - what the publish does after it reopens, from a worker thread (it holds the GIL, so the
   trainer's event loop runs slower meanwhile): writing both captures as records into
   shared records files with the index of the previous write, as a snapshot does, the first
@@ -46,9 +46,9 @@ from rollpoint.protocol.episode import RunReply, TaskRow
 from rollpoint.protocol.ids import EpisodeId
 from rollpoint.store.filesystem import LocalFilesystem
 from rollpoint.store.record_packs import PackIndex, pack_records
-from rollpoint.trainer.finished_queue import FinishedQueue, TQCapture
-from rollpoint.trainer.ledger import RecoveryLedger
-from rollpoint.trainer.ledger_document import LedgerCapture
+from rollpoint.trainer.state.finished_queue import FinishedQueue, FinishedQueueCapture
+from rollpoint.trainer.state.ledger import RecoveryLedger
+from rollpoint.trainer.state.ledger_document import LedgerCapture
 
 GROUP_SIZE = 4
 IN_FLIGHT = 1000
@@ -64,11 +64,11 @@ def _template() -> TaskRow:
 
 
 class Run:
-    """A ledger and TQ with ``IN_FLIGHT`` dispatched rollouts; :meth:`finish` adds finished ones."""
+    """A ledger and the finished queue with ``IN_FLIGHT`` dispatched rollouts; :meth:`finish` adds finished ones."""
 
     def __init__(self) -> None:
         self.ledger = RecoveryLedger()
-        self.tq = FinishedQueue()
+        self.finished_queue = FinishedQueue()
         self.finished_ids: list[str] = []
         self.in_flight_ids: list[str] = []
         self.groups: list[str] = []
@@ -92,10 +92,10 @@ class Run:
                 self.ledger.dispatch(rid, replica)
                 self.ledger.finish(rid)
                 record = self.ledger.seal(rid)
-                self.tq.put(_reply(record.rollout_id, record.task_id, gid, row))
+                self.finished_queue.put(_reply(record.rollout_id, record.task_id, gid, row))
             self._step += 1
-            self.tq.take_groups(GROUP_SIZE, train_step=self._step)
-            self.tq.commit(self._step)
+            self.finished_queue.take_groups(GROUP_SIZE, train_step=self._step)
+            self.finished_queue.commit(self._step)
             self.finished_ids += rollout_ids
 
     def queue(self, rows: int) -> None:
@@ -107,15 +107,15 @@ class Run:
         task = self._template.model_copy(update={"task_id": f"task-{len(self.groups):07d}"})
         gid = f"{task.task_id}-g0"
         records = self.ledger.add_group(task, gid, GROUP_SIZE)
-        self.tq.expect_group(gid, GROUP_SIZE)
+        self.finished_queue.expect_group(gid, GROUP_SIZE)
         self.groups.append(gid)
         return gid, [r.rollout_id for r in records]
 
-    def capture(self) -> tuple[LedgerCapture, TQCapture]:
+    def capture(self) -> tuple[LedgerCapture, FinishedQueueCapture]:
         """What the coordinator takes on the trainer while the barrier is closed."""
         for replica in REPLICAS:
             self.ledger.in_flight(replica)
-        return self.ledger.capture(), self.tq.capture()
+        return self.ledger.capture(), self.finished_queue.capture()
 
 
 def _reply(rollout_id: str, task_id: str, group_id: str, row: int) -> RunReply:
@@ -134,7 +134,7 @@ def _reply(rollout_id: str, task_id: str, group_id: str, row: int) -> RunReply:
     )
 
 
-def _write(capture: LedgerCapture | TQCapture, index: PackIndex, folder: str) -> int:
+def _write(capture: LedgerCapture | FinishedQueueCapture, index: PackIndex, folder: str) -> int:
     """Write ``capture`` as a snapshot does (its records, packed against ``index``);
     return the bytes written."""
     packed = pack_records(LocalFilesystem(), folder, capture.as_records(), index, shared=True)
@@ -173,7 +173,7 @@ def measure(run: Run, folder: str) -> dict[str, float | int]:
     ledger_capture, tq_capture = run.capture()
     written: dict[str, int] = {}
 
-    def write(name: str, capture: LedgerCapture | TQCapture) -> None:
+    def write(name: str, capture: LedgerCapture | FinishedQueueCapture) -> None:
         written[name] = _write(capture, run.indexes[name], folder)
 
     write_first = _best(lambda: write("ledger", ledger_capture), repeats=1)
@@ -188,7 +188,7 @@ def measure(run: Run, folder: str) -> dict[str, float | int]:
         "current_us": _per_op_us(lambda gr: ledger.current(*gr), rows),
         "in_flight_replica_ms": _best(lambda: ledger.in_flight(REPLICAS[0])) * 1e3,
         "ledger_capture_ms": _best(ledger.capture) * 1e3,
-        "tq_capture_ms": _best(run.tq.capture) * 1e3,
+        "tq_capture_ms": _best(run.finished_queue.capture) * 1e3,
         "capture_ms": _best(run.capture) * 1e3,
         "ledger_write_first_ms": write_first * 1e3,
         "ledger_write_ms": write_again * 1e3,

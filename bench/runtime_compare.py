@@ -19,11 +19,12 @@ from pathlib import Path
 from typing import Any
 
 from bench.report import BenchResult
-from rollpoint.config import RunConfig, parse_config
-from rollpoint.job import drive_quietly, run_job
+from rollpoint.app.config import RunConfig, parse_config
+from rollpoint.app.job import drive_quietly, run_job
+from rollpoint.loop import SimulatedTrainer
 from rollpoint.runtime.contract import Runtime
 from rollpoint.trainer.metrics import TrainerMetrics
-from rollpoint.trainer.trainer_loop import RunSummary, Trainer
+from rollpoint.trainer.trainer import RunSummary, Trainer
 
 LOST = "replica-1"
 _POLL_S = 0.001
@@ -67,7 +68,13 @@ async def _throughput(config: RunConfig) -> dict[str, float]:
         timing["end"] = time.monotonic()
         return summary
 
-    summary = await run_job(config, fresh=True, say=lambda _: None, drive=drive)
+    summary = await run_job(
+        config,
+        fresh=True,
+        hooks=SimulatedTrainer(config.train.step_seconds),
+        say=lambda _: None,
+        drive=drive,
+    )
     seconds = timing["end"] - timing["up"]
     return {
         "start_s": timing["up"] - timing["t0"],
@@ -101,7 +108,13 @@ async def _kill_one(config: RunConfig) -> dict[str, float]:
         marks["row"] = await _until(lambda: trainer.ledger.in_flight_count(LOST) > 0)
         return await job
 
-    await run_job(config, fresh=True, say=lambda _: None, drive=drive)
+    await run_job(
+        config,
+        fresh=True,
+        hooks=SimulatedTrainer(config.train.step_seconds),
+        say=lambda _: None,
+        drive=drive,
+    )
     return {
         "detect_s": marks["down"] - marks["kill"],
         "actor_up_s": marks["up"] - marks["kill"],

@@ -11,14 +11,14 @@ For every published snapshot, before it is published (not timed), the store meas
 files themselves, not from what the writers report:
 
 - ``held``: the bytes of records the participants' states and the trainer's files kept as
-  records (ledger, TQ) hold (every part they name);
+  records (ledger, the finished queue) hold (every part they name);
 - ``written``: bytes of records files that did not exist before this snapshot, plus every
   manifest and trainer file in the snapshot's own folder;
 - ``changed``: bytes of record lines that are not byte-for-byte a line of the same
   participant's state (or the same trainer file) in the previous snapshot (each line is
   hashed). The unit of change is a record: an agent session's header or transcript part, a
   model call, a resources episode, a chunk of the ledger's tasks, groups or final tries, a
-  live try, a TQ group.
+  live try, a finished queue group.
 
 ``written_vs_changed`` divides the records files written by the bytes changed (goal at most
 2); ``total_written_vs_changed`` adds what the snapshot's own folder holds (the manifests,

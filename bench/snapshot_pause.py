@@ -1,7 +1,7 @@
 """Snapshot pause against sessions in flight, and against finished rollouts in the ledger.
 
 Everything is real: the servers run as processes (embedded runtime, 2 replicas, control
-routes on), a :class:`~rollpoint.trainer.trainer_loop.Trainer` with ``concurrency = N``
+routes on), a :class:`~rollpoint.trainer.trainer.Trainer` with ``concurrency = N``
 keeps N rows dispatched, and its own snapshot coordinator takes the snapshots over the
 control protocol. The bench adds only timers and a metered transport:
 
@@ -23,11 +23,11 @@ The parts of a pause:
   waited for every admitted call, up to one policy latency (``N / rate``);
 - ``park``: the agent and resources stages of prepare (sessions reach a boundary);
 - ``commit``: every participant captures its records (a detached write: encoding and
-  writing wait for ``confirm``); the trainer captures its ledger and TQ;
+  writing wait for ``confirm``); the trainer captures its ledger and the finished queue;
 - ``resume``: the reverse stages reopen;
 - ``mechanism`` = pause - drain: what the cut costs beyond the model stage;
 - ``write`` (after the barrier reopened, not in the pause): every participant writes what
-  it captured and confirms it, while the trainer writes its ledger, TQ and counters;
+  it captured and confirms it, while the trainer writes its ledger, the finished queue and counters;
 - ``publish`` (not in the pause): the trainer's file writes (inside ``write``), the
   manifest, ``latest`` and retention.
 
@@ -62,7 +62,7 @@ import orjson
 
 from bench.latency import percentile
 from bench.report import BenchResult
-from rollpoint.config import RunConfig, parse_config
+from rollpoint.app.config import RunConfig, parse_config
 from rollpoint.envs.workplace import ExpectedEmail, ExpectedEvent, WorkplaceParams, workplace_prompt
 from rollpoint.http.client import HttpClient
 from rollpoint.loop import SimulatedTrainer
@@ -80,12 +80,12 @@ from rollpoint.protocol.participant import ParticipantKind
 from rollpoint.runtime.embedded import EmbeddedRuntime
 from rollpoint.store.participant_state import MANIFEST_NAME
 from rollpoint.store.snapshot_store import PARTICIPANTS_DIR, SnapshotStore, Staging
-from rollpoint.trainer.control_plane import ControlPlane, participant_clients
-from rollpoint.trainer.coordinator import SaveReport
-from rollpoint.trainer.ledger import RecoveryLedger
+from rollpoint.trainer.control.control_plane import ControlPlane, participant_clients
+from rollpoint.trainer.control.participant_client import ParticipantAddress, ParticipantClient
 from rollpoint.trainer.metrics import TrainerMetrics
-from rollpoint.trainer.participant_client import ParticipantAddress, ParticipantClient
-from rollpoint.trainer.trainer_loop import Trainer
+from rollpoint.trainer.snapshot.coordinator import SaveReport
+from rollpoint.trainer.state.ledger import RecoveryLedger
+from rollpoint.trainer.trainer import Trainer
 from rollpoint.tuning import install as install_tuning
 
 T = TypeVar("T")
@@ -256,7 +256,7 @@ class Cut:
     turns: float
     """Mean turns completed by the saved sessions."""
     sizes: dict[str, int]
-    """Bytes by participant kind, and ``trainer`` for the ledger, TQ and manifest."""
+    """Bytes by participant kind, and ``trainer`` for the ledger, the finished queue and manifest."""
 
 
 def _cut(report: SaveReport, clock: StageClock, sizes: dict[str, int]) -> Cut:
@@ -317,8 +317,8 @@ def long_task(index: int, prefix: str = "long") -> TaskRow:
 def prefill_finished(ledger: RecoveryLedger, rollouts: int, replicas: Sequence[str]) -> None:
     """Add ``rollouts`` sealed rollouts through the ledger's own moves (dispatch, finish, seal).
 
-    TQ needs nothing: a rollout consumed by a committed train step has left TQ for good
-    (``ledger_scaling`` runs them through TQ to show it).
+    the finished queue needs nothing: a rollout consumed by a committed train step has left the finished queue for good
+    (``ledger_scaling`` runs them through the finished queue to show it).
     """
     template = long_task(0)
     for g in range(math.ceil(rollouts / GROUP_SIZE)):

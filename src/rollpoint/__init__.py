@@ -4,31 +4,29 @@ The package is split by which side of the wire a module lives on (docs/design.md
 says why, with the rules between the parts):
 
 - ``protocol/``  wire models, ids and the error tree shared by both sides
+- ``common/``    what every layer may use: stopping a task, the optional extras, import paths
 - ``http/``      the one HTTP seam: app factory, client transport, auth
 - ``participant/`` environment side: the participant SDK (public): hooks, fence, retire
   marks, gate, control routes, checkpoint writes, state images
 - ``servers/``   environment side: the built-in model, agent and resources servers, each
   its own package, built only on ``participant/``
-- ``envs/``      environment side: the environment interface and the built-in
-  environments (workplace, blackjack, math)
-- ``loops/``     environment side: custom agent loops, the plug-in an agent server uses to
-  decide what each policy call sends
+- ``agent_loops/`` environment side: custom agent loops, the agent server's plug-in
+- ``envs/``      the environment interface, the built-in environments (workplace, blackjack,
+  math) and the gymnasium: and verifiers: adapters
 - ``policy/``    the scripted OpenAI-compatible policy
-- ``trainer/``   RL side: ledger, dispatcher, finished-rollout queue, step record, snapshot
-  coordinator, restorer, trainer loop
+- ``tuning/``    performance tricks, reached through the checkpoint seam
+- ``trainer/``   RL side: the trainer library (the trainer, train hooks, step record) with
+  its machinery in sub-packages by role (state, control, dispatch, snapshot, restore, record)
+- ``rollouts.py`` the trainer's façade (with ``preemption.py``, its signals)
 - ``loop/``      the built-in training loop ``rollpoint run`` trains with, on the façade only
 - ``store/``     snapshot store (the only place that knows about files)
 - ``runtime/``   process launchers (the only place that knows about processes)
-- ``tuning/``    performance tricks, reached through the checkpoint seam and installed by
-  the entry points only
-- ``testing/``   the shipped test kit: fault proxy, local cluster, conformance, the
-  invariant checker, ``rollpoint chaos``
-- ``report/``    ``rollpoint report``: one HTML page of a run
-- the modules at the top level: the app (the CLI, the job it runs, the run config) and the
-  trainer's façade over the job (:mod:`rollpoint.rollouts`, :mod:`rollpoint.preemption`)
+- ``testing/``   the test kit: fault proxy and transport, conformance kit, local cluster
+- ``app/``       the ``rollpoint`` command: CLI, job, run config, report, chaos runner
 
 The top level exports the trainer's façade (:class:`~rollpoint.rollouts.Rollouts`, see
-docs/trainers.md) and the config it takes, imported on first use (PEP 562), so that
+docs/trainers.md), the config it takes and every type its signatures take or return (the
+run's summary, a save's report, the train hooks and the step record with theirs), imported on first use (PEP 562), so that
 ``import rollpoint.protocol`` or the participant SDK does not load the trainer side.
 """
 
@@ -38,28 +36,48 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from rollpoint.config import RunConfig, load_config, parse_config
+    from rollpoint.app.config import RunConfig, load_config, parse_config
     from rollpoint.preemption import StopRequest
     from rollpoint.protocol.deployment import ReplicaEndpoints, ServedDeployment
     from rollpoint.protocol.episode import TaskRow
     from rollpoint.protocol.errors import RollpointError, RunPreemptedError
     from rollpoint.rollouts import Rollouts, RunProgress, SyncRollouts, TrainBatch, load_served
-    from rollpoint.trainer.train_hooks import TrainSample, TrainTurn, token_segments
+    from rollpoint.trainer.record.train_checkpoint import TrainCheckpoint
+    from rollpoint.trainer.record.train_data import Coverage
+    from rollpoint.trainer.snapshot.cut import Blocker, SavePhase, SaveReport
+    from rollpoint.trainer.step_record import StepRecord
+    from rollpoint.trainer.train_hooks import (
+        StepResult,
+        TrainHooks,
+        TrainSample,
+        TrainTurn,
+        token_segments,
+    )
+    from rollpoint.trainer.trainer import RunSummary
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Blocker",
+    "Coverage",
     "ReplicaEndpoints",
     "Rollouts",
     "RollpointError",
     "RunConfig",
     "RunPreemptedError",
     "RunProgress",
+    "RunSummary",
+    "SavePhase",
+    "SaveReport",
     "ServedDeployment",
+    "StepRecord",
+    "StepResult",
     "StopRequest",
     "SyncRollouts",
     "TaskRow",
     "TrainBatch",
+    "TrainCheckpoint",
+    "TrainHooks",
     "TrainSample",
     "TrainTurn",
     "load_config",
@@ -80,12 +98,21 @@ _HOMES = {
     "RollpointError": "rollpoint.protocol.errors",
     "RunPreemptedError": "rollpoint.protocol.errors",
     "TaskRow": "rollpoint.protocol.episode",
-    "RunConfig": "rollpoint.config",
-    "load_config": "rollpoint.config",
-    "parse_config": "rollpoint.config",
+    "RunConfig": "rollpoint.app.config",
+    "load_config": "rollpoint.app.config",
+    "parse_config": "rollpoint.app.config",
     "TrainSample": "rollpoint.trainer.train_hooks",
     "TrainTurn": "rollpoint.trainer.train_hooks",
     "token_segments": "rollpoint.trainer.train_hooks",
+    "Blocker": "rollpoint.trainer.snapshot.cut",
+    "SavePhase": "rollpoint.trainer.snapshot.cut",
+    "SaveReport": "rollpoint.trainer.snapshot.cut",
+    "Coverage": "rollpoint.trainer.record.train_data",
+    "TrainCheckpoint": "rollpoint.trainer.record.train_checkpoint",
+    "RunSummary": "rollpoint.trainer.trainer",
+    "StepRecord": "rollpoint.trainer.step_record",
+    "StepResult": "rollpoint.trainer.train_hooks",
+    "TrainHooks": "rollpoint.trainer.train_hooks",
 }
 
 

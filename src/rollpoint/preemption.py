@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 from rollpoint.protocol.errors import RollpointError, RunPreemptedError
 
 if TYPE_CHECKING:  # the CLI imports this module for StopRequest: keep it light
-    from rollpoint.trainer.trainer_loop import RunSummary, Trainer
+    from rollpoint.trainer.trainer import RunSummary, Trainer
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ done, take a snapshot, report a replica's servers gone and back — and
 :class:`TrainBatch`, one batch handed out. Everything else (the recovery ledger, the
 dispatcher, the finished-rollout queue, snapshots, ``train_data.jsonl`` and its
 checkpoints, the restore) runs underneath as it does for ``rollpoint run``: the façade
-drives :func:`rollpoint.job.run_job` with train hooks that hand each batch to the caller
+drives :func:`rollpoint.app.job.run_job` with train hooks that hand each batch to the caller
 and wait for it to come back. So an RL loop keeps its own structure, and a run killed
 anywhere resumes at its last snapshot with nothing trained twice.
 
@@ -32,18 +32,18 @@ from typing import Any, Self, TypeVar
 
 from pydantic import JsonValue, ValidationError
 
-from rollpoint.config import RunConfig
-from rollpoint.job import Drive, check_environment, drive_quietly, run_job
+from rollpoint.app.config import RunConfig
+from rollpoint.app.job import Drive, check_environment, drive_quietly, run_job
 from rollpoint.preemption import StopRequest
 from rollpoint.protocol.deployment import ReplicaEndpoints, ServedDeployment
 from rollpoint.protocol.episode import TaskRow
 from rollpoint.protocol.errors import BadRequestError, ConfigError, InvalidPhaseError
 from rollpoint.runtime.contract import Runtime
-from rollpoint.trainer.cut import SaveReport
 from rollpoint.trainer.metrics import TrainerMetrics
+from rollpoint.trainer.snapshot.cut import SaveReport
 from rollpoint.trainer.step_record import StepRecord
 from rollpoint.trainer.train_hooks import StepResult, TrainSample
-from rollpoint.trainer.trainer_loop import RunSummary, Trainer
+from rollpoint.trainer.trainer import RunSummary, Trainer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -229,7 +229,7 @@ class Rollouts:
         if not job.done():
             job.cancel()
         # asyncio.wait, not ``await job`` under suppress(CancelledError): a cancel of the
-        # caller while the run stops must reach the caller (rollpoint.background says why).
+        # caller while the run stops must reach the caller (rollpoint.common.background says why).
         await asyncio.wait({job})
         error = None if job.cancelled() else job.exception()
         if exc is None and error is not None:

@@ -23,8 +23,8 @@ import orjson
 import pytest
 import yaml
 
-from rollpoint.config import load_config
-from rollpoint.job import load_tasks_for
+from rollpoint.app.config import load_config
+from rollpoint.app.job import load_tasks_for
 from rollpoint.protocol.episode import TaskRow
 from rollpoint.testing import invariants
 from tests.support.run_process import FAST_POLL_S, Finished, RunProcess
@@ -97,7 +97,7 @@ def has_checkpoint(workdir: Path) -> bool:
 # ---- driving runs --------------------------------------------------------------------------
 def wait_for_resumable_snapshot(run: RunProcess, workdir: Path) -> None:
     """Until a snapshot is published after the first train checkpoint: the rerun then has
-    trained rows to keep, TQ items to rewind and in-flight episodes to continue."""
+    trained rows to keep, finished-queue items to rewind and in-flight episodes to continue."""
     run.wait_until(lambda: has_checkpoint(workdir), "a train checkpoint")
     before = published(workdir)
     run.wait_until(lambda: bool(published(workdir) - before), "a snapshot after the checkpoint")

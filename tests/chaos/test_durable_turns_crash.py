@@ -27,8 +27,8 @@ from typing import Any
 import orjson
 import pytest
 
-from rollpoint.config import load_config
-from rollpoint.job import load_tasks_for
+from rollpoint.app.config import load_config
+from rollpoint.app.job import load_tasks_for
 from rollpoint.protocol.token_data import as_float32
 from rollpoint.testing import invariants
 from tests.chaos.test_crash_recovery import (

@@ -20,8 +20,8 @@ import orjson
 import pytest
 import yaml
 
-from rollpoint.config import load_config
-from rollpoint.job import load_tasks_for
+from rollpoint.app.config import load_config
+from rollpoint.app.job import load_tasks_for
 from rollpoint.testing import invariants
 from tests.support.run_process import Finished, RunProcess
 

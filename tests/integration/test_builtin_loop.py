@@ -14,7 +14,7 @@ import orjson
 import pytest
 
 from rollpoint import Rollouts, RunProgress
-from rollpoint.config import RunConfig
+from rollpoint.app.config import RunConfig
 from rollpoint.loop import run_builtin
 from tests.support.small_job import small_job
 

@@ -22,13 +22,13 @@ import orjson
 import pytest
 import yaml
 
-from rollpoint.config import load_config
+from rollpoint.app.chaos.command import ChaosRunner
+from rollpoint.app.chaos.plan import ChaosFault, PlannedFault, TrialEvent, TrialPlan
+from rollpoint.app.chaos.tally import ChaosTally, RunRecord, TrialOutcome
+from rollpoint.app.config import load_config
 from rollpoint.protocol.control import Verb
 from rollpoint.protocol.participant import ParticipantKind
 from rollpoint.testing import invariants
-from rollpoint.testing.chaos import ChaosRunner
-from rollpoint.testing.chaos_plan import ChaosFault, PlannedFault, TrialEvent, TrialPlan
-from rollpoint.testing.chaos_tally import ChaosTally, RunRecord, TrialOutcome
 from rollpoint.testing.invariants import Invariant, snapshot_outcomes
 from rollpoint.testing.snapshot_damage import Damage
 

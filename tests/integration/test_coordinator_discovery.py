@@ -13,13 +13,13 @@ from pathlib import Path
 
 import pytest
 
-from rollpoint.config import RunConfig, SnapshotConfig, TrainConfig
+from rollpoint.app.config import RunConfig, SnapshotConfig, TrainConfig
 from rollpoint.http.auth import CONTROL_TOKEN_ENV
 from rollpoint.http.client import HttpClient
 from rollpoint.loop import SimulatedTrainer
 from rollpoint.protocol.errors import SnapshotError
 from rollpoint.testing import LocalCluster
-from rollpoint.trainer.trainer_loop import Trainer
+from rollpoint.trainer.trainer import Trainer
 
 pytestmark = pytest.mark.integration
 

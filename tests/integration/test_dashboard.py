@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from rollpoint.config import parse_config
+from rollpoint.app.config import parse_config
 from tests.support.embedded_job import embedded_job
 
 pytestmark = pytest.mark.integration

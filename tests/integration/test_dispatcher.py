@@ -18,9 +18,9 @@ from rollpoint.runtime.process_group import ProcessGroup
 from rollpoint.runtime.server_spec import ServerSpec
 from rollpoint.testing import LocalCluster
 from rollpoint.testing.fault_proxy import FaultProxy
-from rollpoint.trainer.dispatch_barrier import DispatchBarrier
-from rollpoint.trainer.dispatcher import Dispatcher
-from rollpoint.trainer.ledger import RecoveryLedger, RolloutState
+from rollpoint.trainer.dispatch.dispatch_barrier import DispatchBarrier
+from rollpoint.trainer.dispatch.dispatcher import Dispatcher
+from rollpoint.trainer.state.ledger import RecoveryLedger, RolloutState
 from tests.support.direct_play import play_directly
 from tests.support.polling import eventually
 

@@ -24,7 +24,7 @@ import httpx
 import orjson
 import pytest
 
-from rollpoint.config import SamplingConfig
+from rollpoint.app.config import SamplingConfig
 from rollpoint.envs.base import NoArguments, Tool
 from rollpoint.envs.registry import get_environment
 from rollpoint.envs.workplace import WorkplaceEnvironment, WorkplaceState

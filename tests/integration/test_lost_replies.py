@@ -23,7 +23,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from rollpoint.config import RunConfig, SnapshotConfig, TrainConfig
+from rollpoint.app.config import RunConfig, SnapshotConfig, TrainConfig
 from rollpoint.http.app import create_app
 from rollpoint.http.auth import CONTROL_TOKEN_ENV
 from rollpoint.http.client import HttpClient
@@ -34,13 +34,13 @@ from rollpoint.runtime.process_group import ProcessGroup
 from rollpoint.runtime.server_spec import ServerSpec
 from rollpoint.servers.model.model_server import model_server_of
 from rollpoint.testing.local_cluster import LocalCluster, LocalReplica, ThreadServer
-from rollpoint.trainer.dispatch_barrier import DispatchBarrier
-from rollpoint.trainer.dispatcher import Dispatcher
-from rollpoint.trainer.ledger import RecoveryLedger, RolloutState
-from rollpoint.trainer.release_batcher import ReleaseBatcher
-from rollpoint.trainer.replica_roster import ReplicaRoster
+from rollpoint.trainer.control.replica_roster import ReplicaRoster
+from rollpoint.trainer.dispatch.dispatch_barrier import DispatchBarrier
+from rollpoint.trainer.dispatch.dispatcher import Dispatcher
+from rollpoint.trainer.dispatch.release_batcher import ReleaseBatcher
+from rollpoint.trainer.state.ledger import RecoveryLedger, RolloutState
 from rollpoint.trainer.train_hooks import TrainSample
-from rollpoint.trainer.trainer_loop import Trainer
+from rollpoint.trainer.trainer import Trainer
 from tests.support.direct_play import play, play_directly
 from tests.support.polling import eventually
 

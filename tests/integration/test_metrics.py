@@ -17,7 +17,7 @@ import orjson
 import pytest
 from fastapi import FastAPI
 
-from rollpoint.config import RunConfig, parse_config
+from rollpoint.app.config import RunConfig, parse_config
 from rollpoint.envs.workplace import WorkplaceEnvironment
 from rollpoint.protocol.errors import ConfigError, StaleAttemptError
 from rollpoint.protocol.ids import EpisodeId

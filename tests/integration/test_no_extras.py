@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from rollpoint.extras import EXTRAS
+from rollpoint.common.extras import EXTRAS
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -92,10 +92,11 @@ def test_the_library_imports_without_extras(venv: Path) -> None:
     code = (
         "import sys\n"
         "import rollpoint, rollpoint.trainer, rollpoint.participant, rollpoint.envs\n"
-        "import rollpoint.protocol, rollpoint.job, rollpoint.testing.conformance\n"
+        "import rollpoint.protocol, rollpoint.app.job, rollpoint.testing.conformance\n"
         "import rollpoint.servers.model.model_server, rollpoint.servers.agent.agent_server\n"
         "import rollpoint.servers.resources.resources_server\n"
-        "from rollpoint.trainer import Trainer, RecoveryLedger\n"
+        "from rollpoint.trainer import Trainer\n"
+        "from rollpoint.trainer.state.ledger import RecoveryLedger\n"
         "from rollpoint.participant import Fence, mount_participant\n"
         "from rollpoint import Rollouts, ServedDeployment, TrainBatch, parse_config\n"
         "from rollpoint.envs import get_environment\n"
@@ -129,7 +130,7 @@ def test_each_extra_is_named_when_its_feature_is_used(venv: Path) -> None:
             "environment 'verifiers:stardata.envs.constraint_gym' needs the 'verifiers' extra:"
             " pip install 'rollpoint[verifiers]'"
         ),
-        "from rollpoint.config import RunConfig; from rollpoint.runtime.contract import"
+        "from rollpoint.app.config import RunConfig; from rollpoint.runtime.contract import"
         " runtime_for; runtime_for(RunConfig(runtime='ray'))": (
             "the Ray runtime (runtime: ray) needs the 'ray' extra: pip install 'rollpoint[ray]'"
         ),

@@ -29,7 +29,7 @@ from rollpoint.protocol.participant import ParticipantKind
 from rollpoint.servers.agent.agent_server import AgentSettings, create_agent_app
 from rollpoint.servers.model.model_server import ModelServerSettings, create_model_app
 from rollpoint.servers.resources.resources_server import create_resources_app
-from rollpoint.trainer.participant_client import ParticipantAddress, ParticipantClient
+from rollpoint.trainer.control.participant_client import ParticipantAddress, ParticipantClient
 from tests.support.blackhole import blackhole
 from tests.support.live_server import serve_app
 

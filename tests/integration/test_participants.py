@@ -27,7 +27,7 @@ from fastapi import FastAPI
 
 from rollpoint.envs.registry import get_environment
 from rollpoint.http.auth import CONTROL_TOKEN_ENV
-from rollpoint.participant.control_plane import control_fence
+from rollpoint.participant.control_mount import control_fence
 from rollpoint.policy.scripted_policy import PolicySettings, create_policy_app
 from rollpoint.protocol.control import CONTROL_PREFIX
 from rollpoint.protocol.episode import RunRow, TaskRow

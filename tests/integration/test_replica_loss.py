@@ -20,21 +20,21 @@ from typing import Any
 import orjson
 import pytest
 
-from rollpoint.config import RunConfig, parse_config
+from rollpoint.app.config import RunConfig, parse_config
 from rollpoint.http.client import HttpClient
 from rollpoint.loop import SimulatedTrainer
 from rollpoint.protocol.episode import RunReply
 from rollpoint.protocol.errors import RunStalledError
 from rollpoint.protocol.manifest import SnapshotManifest
 from rollpoint.testing import LocalCluster
-from rollpoint.trainer.coordinator import LEDGER_FILE, TQ_FILE, TRAINER_FILE
-from rollpoint.trainer.dispatch_barrier import DispatchBarrier
-from rollpoint.trainer.dispatcher import Dispatcher
-from rollpoint.trainer.ledger import RecoveryLedger, RolloutState
-from rollpoint.trainer.replica_roster import ReplicaRoster
-from rollpoint.trainer.restorer import Restorer, ResumePoint, read_trainer_document
-from rollpoint.trainer.trainer_loop import Trainer
-from rollpoint.trainer.workdir_record import TRAIN_DATA_FILE, WorkdirRecord
+from rollpoint.trainer.control.replica_roster import ReplicaRoster
+from rollpoint.trainer.dispatch.dispatch_barrier import DispatchBarrier
+from rollpoint.trainer.dispatch.dispatcher import Dispatcher
+from rollpoint.trainer.record.workdir_record import TRAIN_DATA_FILE, WorkdirRecord
+from rollpoint.trainer.restore.restorer import Restorer, ResumePoint, read_trainer_document
+from rollpoint.trainer.snapshot.coordinator import FINISHED_QUEUE_FILE, LEDGER_FILE, TRAINER_FILE
+from rollpoint.trainer.state.ledger import RecoveryLedger, RolloutState
+from rollpoint.trainer.trainer import Trainer
 from tests.support.embedded_job import EmbeddedJob, embedded_job, embedded_servers
 from tests.support.polling import eventually
 
@@ -197,8 +197,8 @@ async def test_a_replica_back_on_new_ports_is_used_again_and_a_cut_without_it_re
 
 def resume_point(h: EmbeddedJob, manifest: SnapshotManifest) -> ResumePoint:
     sid = manifest.snapshot_id
-    tq_doc = read_trainer_document(h.store, sid, TQ_FILE)
-    committed = int(tq_doc.get("committed_step", 0))
+    finished_queue_doc = read_trainer_document(h.store, sid, FINISHED_QUEUE_FILE)
+    committed = int(finished_queue_doc.get("committed_step", 0))
     checkpoints = [
         c for c in h.trainer.step_record.available() if committed <= c.step <= manifest.train_step
     ]
@@ -207,7 +207,7 @@ def resume_point(h: EmbeddedJob, manifest: SnapshotManifest) -> ResumePoint:
         manifest=h.store.verify(sid),
         checkpoint=checkpoints[0],
         ledger_doc=read_trainer_document(h.store, sid, LEDGER_FILE),
-        tq_doc=tq_doc,
+        finished_queue_doc=finished_queue_doc,
         trainer_doc=orjson.loads(h.store.read_file(sid, TRAINER_FILE)),
     )
 

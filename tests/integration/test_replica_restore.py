@@ -27,16 +27,16 @@ from rollpoint.protocol.episode import RunReply
 from rollpoint.protocol.manifest import SavedEpisode, SnapshotManifest
 from rollpoint.store.snapshot_store import SnapshotStore
 from rollpoint.testing import invariants
-from rollpoint.trainer.coordinator import SaveReport, SnapshotCoordinator
-from rollpoint.trainer.dispatch_barrier import DispatchBarrier
-from rollpoint.trainer.dispatcher import Dispatcher
-from rollpoint.trainer.finished_queue import FinishedQueue
-from rollpoint.trainer.ledger import LedgerRecord, RecoveryLedger, RolloutState
+from rollpoint.trainer.control.replica_roster import ReplicaRoster
+from rollpoint.trainer.dispatch.dispatch_barrier import DispatchBarrier
+from rollpoint.trainer.dispatch.dispatcher import Dispatcher
 from rollpoint.trainer.metrics import TrainerMetrics
-from rollpoint.trainer.replica_recovery import ReplicaRecovery
-from rollpoint.trainer.replica_roster import ReplicaRoster
+from rollpoint.trainer.restore.replica_recovery import ReplicaRecovery
 from rollpoint.trainer.settings import SaveSettings
-from rollpoint.trainer.trainer_loop import Trainer
+from rollpoint.trainer.snapshot.coordinator import SaveReport, SnapshotCoordinator
+from rollpoint.trainer.state.finished_queue import FinishedQueue
+from rollpoint.trainer.state.ledger import LedgerRecord, RecoveryLedger, RolloutState
+from rollpoint.trainer.trainer import Trainer
 from tests.integration.test_replica_loss import LOST, assert_every_row_trained_once, job, kill
 from tests.support.embedded_job import embedded_job
 from tests.support.polling import eventually
@@ -152,7 +152,7 @@ async def parts(tmp_path: Path, wait_s: float) -> AsyncIterator[Parts]:
         roster,
         store=SnapshotStore(str(tmp_path / "snapshots")),
         ledger=ledger,
-        tq=FinishedQueue(),
+        finished_queue=FinishedQueue(),
         barrier=barrier,
         config=SaveSettings(),
         metrics=TrainerMetrics(),

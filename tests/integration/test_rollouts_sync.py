@@ -13,7 +13,7 @@ import orjson
 import pytest
 
 from rollpoint import SyncRollouts
-from rollpoint.config import RunConfig
+from rollpoint.app.config import RunConfig
 from rollpoint.protocol.errors import BadRequestError
 from tests.support.small_job import small_job
 

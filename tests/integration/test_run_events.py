@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from rollpoint.config import RunConfig, parse_config
+from rollpoint.app.config import RunConfig, parse_config
 from rollpoint.trainer.run_events import (
     EVENTS_FILE,
     InFlight,

@@ -28,7 +28,7 @@ from typing import Any
 import orjson
 import pytest
 
-from rollpoint.config import RunConfig, parse_config
+from rollpoint.app.config import RunConfig, parse_config
 from rollpoint.envs import get_environment
 from rollpoint.http.client import HttpClient
 from rollpoint.loop import SimulatedTrainer
@@ -39,13 +39,13 @@ from rollpoint.protocol.participant import ParticipantKind
 from rollpoint.store.participant_state import MANIFEST_NAME
 from rollpoint.store.snapshot_store import SnapshotStore
 from rollpoint.testing import Fault, FaultProxy, LocalCluster
-from rollpoint.trainer.control_plane import ControlPlane, participant_clients
-from rollpoint.trainer.coordinator import SaveReport, SnapshotCoordinator
+from rollpoint.trainer.control.control_plane import ControlPlane, participant_clients
+from rollpoint.trainer.control.participant_client import ParticipantClient
 from rollpoint.trainer.metrics import TrainerMetrics
-from rollpoint.trainer.participant_client import ParticipantClient
+from rollpoint.trainer.record.workdir_record import TRAIN_DATA_FILE
+from rollpoint.trainer.snapshot.coordinator import SaveReport, SnapshotCoordinator
 from rollpoint.trainer.train_hooks import TrainHooks, TrainSample
-from rollpoint.trainer.trainer_loop import RunSummary, Trainer
-from rollpoint.trainer.workdir_record import TRAIN_DATA_FILE
+from rollpoint.trainer.trainer import RunSummary, Trainer
 from tests.support.polling import eventually
 from tests.support.records import records_paths
 

@@ -15,17 +15,17 @@ from typing import Any
 import orjson
 import pytest
 
-from rollpoint.config import RunConfig, parse_config
+from rollpoint.app.config import RunConfig, parse_config
 from rollpoint.envs import get_environment
 from rollpoint.protocol.episode import TaskRow
 from rollpoint.protocol.errors import ConfigError
 from rollpoint.servers.agent.session_parts import join_parts
 from rollpoint.servers.resources.episode_record import EpisodeRecord
 from rollpoint.store.participant_state import read_participant_state
-from rollpoint.trainer.coordinator import LEDGER_FILE
-from rollpoint.trainer.restorer import read_trainer_document
+from rollpoint.trainer.restore.restorer import read_trainer_document
+from rollpoint.trainer.snapshot.coordinator import LEDGER_FILE
 from rollpoint.trainer.train_hooks import TrainSample
-from rollpoint.trainer.trainer_loop import Trainer
+from rollpoint.trainer.trainer import Trainer
 from rollpoint.tuning import collector_schedule as collector_schedule_module
 from rollpoint.tuning.collector_listener import installed
 from rollpoint.tuning.collector_schedule import collector_schedule

@@ -18,7 +18,7 @@ import orjson
 import pytest
 
 from rollpoint import SyncRollouts
-from rollpoint.config import RunConfig
+from rollpoint.app.config import RunConfig
 from rollpoint.protocol.errors import RestoreError
 from rollpoint.trainer import (
     Coverage,
@@ -27,7 +27,7 @@ from rollpoint.trainer import (
     TrainSample,
     WorkdirRecord,
 )
-from rollpoint.trainer.train_checkpoint import INITIAL
+from rollpoint.trainer.record.train_checkpoint import INITIAL
 from tests.support.small_job import small_job
 
 pytestmark = pytest.mark.integration

@@ -22,7 +22,7 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import Response
 
-from rollpoint.config import SamplingConfig
+from rollpoint.app.config import SamplingConfig
 from rollpoint.envs.registry import get_environment
 from rollpoint.policy.scripted_policy import PolicySettings, create_policy_app
 from rollpoint.protocol.episode import RunRow

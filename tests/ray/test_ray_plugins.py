@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 import sandbox_env  # installed by make (pip install -e examples/sandbox_env)
 
-from rollpoint.config import parse_config
+from rollpoint.app.config import parse_config
+from rollpoint.app.job import load_tasks_for, run_job
 from rollpoint.http.client import HttpClient
-from rollpoint.job import load_tasks_for, run_job
+from rollpoint.loop import SimulatedTrainer
 from rollpoint.runtime.ray_runtime import RayRuntime
 from rollpoint.testing import invariants
 from tests.ray.conftest import RayCluster
@@ -56,7 +57,9 @@ async def test_an_environment_by_import_path_runs_on_every_replica_actor(
             assert tools["environment"] == "sandbox"
             assert "fs_append" in {t["function"]["name"] for t in tools["tools"]}
 
-    summary = await run_job(config, fresh=True, say=lambda _: None)
+    summary = await run_job(
+        config, fresh=True, hooks=SimulatedTrainer(config.train.step_seconds), say=lambda _: None
+    )
 
     assert not summary.failed_groups
     rollouts, unreadable = invariants.read_train_data(config.workdir)

@@ -22,16 +22,17 @@ from typing import Any
 import pytest
 import ray
 
-from rollpoint.config import RunConfig, parse_config
+from rollpoint.app.config import RunConfig, parse_config
+from rollpoint.app.job import drive_quietly, load_tasks_for, run_job
 from rollpoint.http.client import HttpClient
-from rollpoint.job import drive_quietly, load_tasks_for, run_job
+from rollpoint.loop import SimulatedTrainer
 from rollpoint.protocol.deployment import ReplicaEndpoints
 from rollpoint.runtime.contract import Runtime
 from rollpoint.runtime.ray_runtime import RayRuntime
 from rollpoint.store.snapshot_store import SnapshotStore
 from rollpoint.testing import invariants
 from rollpoint.trainer.metrics import TrainerMetrics
-from rollpoint.trainer.trainer_loop import RunSummary, Trainer
+from rollpoint.trainer.trainer import RunSummary, Trainer
 from tests.ray.conftest import RayCluster
 from tests.support.polling import eventually
 from tests.support.processes import wait_gone
@@ -170,7 +171,13 @@ async def test_a_killed_replica_actor_is_replaced_alone_and_the_job_keeps_the_in
         seen["kept_untouched"] = kept == (runtime.actor(KEPT), trainer.roster.endpoints(KEPT))
         return await job
 
-    summary = await run_job(config, fresh=True, say=lambda _: None, drive=drive)
+    summary = await run_job(
+        config,
+        fresh=True,
+        hooks=SimulatedTrainer(config.train.step_seconds),
+        say=lambda _: None,
+        drive=drive,
+    )
 
     assert not summary.failed_groups
     assert seen["down_s"] < 5, f"the death took {seen['down_s']:.1f}s to notice"
@@ -219,12 +226,20 @@ async def test_a_two_replica_snapshot_restores_onto_one_replica_actor(
         raise Crash
 
     with pytest.raises(Crash):
-        await run_job(two, fresh=True, say=lambda _: None, drive=crash_after_the_cut)
+        await run_job(
+            two,
+            fresh=True,
+            hooks=SimulatedTrainer(two.train.step_seconds),
+            say=lambda _: None,
+            drive=crash_after_the_cut,
+        )
 
     one = ray_job(tmp_path, ray_cluster, tasks=24, replicas=1, snapshot=snapshot)
     said: list[str] = []
     since = time.time()
-    summary = await run_job(one, fresh=False, say=said.append)
+    summary = await run_job(
+        one, fresh=False, hooks=SimulatedTrainer(one.train.step_seconds), say=said.append
+    )
 
     assert not summary.failed_groups
     (restoring,) = [line for line in said if line.startswith("restoring snapshot ")]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from rollpoint.config import parse_config
+from rollpoint.app.config import parse_config
 from rollpoint.protocol.errors import ConfigError
 from rollpoint.runtime.contract import runtime_for
 from rollpoint.runtime.embedded import EmbeddedRuntime
@@ -56,8 +56,8 @@ def test_the_config_picks_the_runtime(tmp_path: Path) -> None:
 
 def test_the_embedded_path_never_imports_ray() -> None:
     code = (
-        "import sys, rollpoint.cli, rollpoint.job, rollpoint.runtime.contract; "
-        "from rollpoint.config import parse_config; "
+        "import sys, rollpoint.app.cli, rollpoint.app.job, rollpoint.runtime.contract; "
+        "from rollpoint.app.config import parse_config; "
         "rollpoint.runtime.contract.runtime_for(parse_config({})); "
         "print('ray' in sys.modules)"
     )

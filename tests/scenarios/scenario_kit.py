@@ -12,8 +12,8 @@ defect's situation from these parts and states what it checks itself.
   wire to its resources server.
 - :func:`fronted`: fault proxies in front of chosen participants (their control routes and,
   for an agent, ``/run`` too).
-- :func:`job` / :class:`Job`: the real :class:`~rollpoint.trainer.trainer_loop.Trainer`.
-- :class:`Rig`: ledger, barrier, TQ, dispatcher, release batcher and snapshot coordinator
+- :func:`job` / :class:`Job`: the real :class:`~rollpoint.trainer.trainer.Trainer`.
+- :class:`Rig`: ledger, barrier, the finished queue, dispatcher, release batcher and snapshot coordinator
   wired as the trainer wires them, without its feed and train loops: one group at a time.
 - :class:`SpyClient`: a participant client noting every control call it makes.
 - :class:`ReplyRelay`: a ``/run`` relay that holds chosen result lines (a reply on the
@@ -39,7 +39,7 @@ import orjson
 from aiohttp import web
 from pydantic import BaseModel
 
-from rollpoint.config import RunConfig, parse_config
+from rollpoint.app.config import RunConfig, parse_config
 from rollpoint.envs import get_environment
 from rollpoint.http.client import HttpClient
 from rollpoint.loop import SimulatedTrainer
@@ -50,22 +50,22 @@ from rollpoint.protocol.episode import EnvironmentName, RunReply, RunRow, TaskRo
 from rollpoint.protocol.participant import ParticipantKind
 from rollpoint.store.snapshot_store import SnapshotStore
 from rollpoint.testing import FaultProxy, LocalCluster, LocalReplica, ProxiedRequest
-from rollpoint.trainer.control_plane import ControlPlane
-from rollpoint.trainer.control_transport import ControlTransport, HttpControlTransport
-from rollpoint.trainer.coordinator import SaveReport, SnapshotCoordinator
-from rollpoint.trainer.dispatch_barrier import DispatchBarrier
-from rollpoint.trainer.dispatcher import Dispatcher
-from rollpoint.trainer.finished_queue import FinishedQueue
-from rollpoint.trainer.ledger import LedgerRecord, RecoveryLedger
+from rollpoint.trainer.control.control_plane import ControlPlane
+from rollpoint.trainer.control.control_transport import ControlTransport, HttpControlTransport
+from rollpoint.trainer.control.participant_client import ParticipantAddress, ParticipantClient
+from rollpoint.trainer.control.replica_roster import ReplicaRoster
+from rollpoint.trainer.dispatch.dispatch_barrier import DispatchBarrier
+from rollpoint.trainer.dispatch.dispatcher import Dispatcher
+from rollpoint.trainer.dispatch.release_batcher import ReleaseBatcher
 from rollpoint.trainer.metrics import TrainerMetrics
-from rollpoint.trainer.participant_client import ParticipantAddress, ParticipantClient
-from rollpoint.trainer.release_batcher import ReleaseBatcher
-from rollpoint.trainer.replica_roster import ReplicaRoster
-from rollpoint.trainer.restorer import RestoredRun
+from rollpoint.trainer.record.workdir_record import TRAIN_DATA_FILE
+from rollpoint.trainer.restore.restorer import RestoredRun
 from rollpoint.trainer.settings import SaveSettings
+from rollpoint.trainer.snapshot.coordinator import SaveReport, SnapshotCoordinator
+from rollpoint.trainer.state.finished_queue import FinishedQueue
+from rollpoint.trainer.state.ledger import LedgerRecord, RecoveryLedger
 from rollpoint.trainer.train_hooks import TrainHooks, TrainSample
-from rollpoint.trainer.trainer_loop import RunSummary, Trainer
-from rollpoint.trainer.workdir_record import TRAIN_DATA_FILE
+from rollpoint.trainer.trainer import RunSummary, Trainer
 from tests.support.polling import eventually
 
 T = TypeVar("T")
@@ -472,7 +472,7 @@ def train_rows(workdir: Path) -> list[dict[str, Any]]:
 
 
 class Rig:
-    """Ledger, barrier, TQ, dispatcher, release batcher and coordinator, wired as the
+    """Ledger, barrier, the finished queue, dispatcher, release batcher and coordinator, wired as the
     trainer wires them; groups are added and run one at a time by the scenario. The
     release batcher flushes only before a save (the trainer also flushes it on a timer)."""
 
@@ -493,7 +493,7 @@ class Rig:
         self.cluster = cluster
         self.ledger = RecoveryLedger()
         self.barrier = DispatchBarrier()
-        self.tq = FinishedQueue()
+        self.finished_queue = FinishedQueue()
         self.replies: list[RunReply] = []
         urls = {name: proxy.url for name, proxy in (fronts or {}).items()}
         self.roster = ReplicaRoster.of_deployment(
@@ -520,7 +520,7 @@ class Rig:
             self.roster,
             store=self.store,
             ledger=self.ledger,
-            tq=self.tq,
+            finished_queue=self.finished_queue,
             barrier=self.barrier,
             config=SaveSettings(deadline_seconds=deadline_s),
             metrics=self.metrics,
@@ -535,7 +535,7 @@ class Rig:
         records = self.ledger.add_group(
             task.model_copy(update={"task_id": group_id}), group_id, size
         )
-        self.tq.expect_group(group_id, size)
+        self.finished_queue.expect_group(group_id, size)
         return records
 
     def sealed(self, rollout_id: str) -> bool:
@@ -545,7 +545,7 @@ class Rig:
         record = self.ledger.seal(reply.episode.rollout_id)
         if self.releases is not None and record.replica is not None:
             self.releases.sealed(reply.episode, record.replica)
-        self.tq.put(reply)
+        self.finished_queue.put(reply)
         self.replies.append(reply)
 
     async def aclose(self) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from rollpoint.config import RunConfig
+from rollpoint.app.config import RunConfig
 from rollpoint.http.client import HttpClient
 from rollpoint.protocol.control import Phase, StatusReply
 from rollpoint.protocol.errors import InvalidCheckpointStateError, RestoreError
@@ -22,8 +22,8 @@ from rollpoint.protocol.manifest import ParticipantEntry, SnapshotManifest
 from rollpoint.protocol.participant import CheckpointMode, ParticipantKind
 from rollpoint.store.snapshot_store import SNAPSHOTS_DIR, SnapshotStore
 from rollpoint.testing import invariants
-from rollpoint.trainer.ledger import RolloutState
-from rollpoint.trainer.restorer import (
+from rollpoint.trainer.record.workdir_record import WorkdirRecord
+from rollpoint.trainer.restore.restorer import (
     PARTICIPANTS_SUBDIR,
     Restorer,
     ResumePoint,
@@ -31,7 +31,7 @@ from rollpoint.trainer.restorer import (
     choose_resume_point,
     place,
 )
-from rollpoint.trainer.workdir_record import WorkdirRecord
+from rollpoint.trainer.state.ledger import RolloutState
 from tests.scenarios.scenario_kit import (
     ControlCall,
     ScenarioCluster,

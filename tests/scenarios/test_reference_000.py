@@ -27,11 +27,11 @@ from rollpoint.protocol.participant import ParticipantKind
 from rollpoint.store.digest import digest_bytes
 from rollpoint.store.snapshot_store import SnapshotStore
 from rollpoint.testing import Fault, invariants
-from rollpoint.trainer.coordinator import LEDGER_FILE
-from rollpoint.trainer.ledger import RecoveryLedger, RolloutState
-from rollpoint.trainer.restorer import Restorer, choose_resume_point, read_trainer_document
+from rollpoint.trainer.record.workdir_record import TRAIN_DATA_FILE, WorkdirRecord
+from rollpoint.trainer.restore.restorer import Restorer, choose_resume_point, read_trainer_document
+from rollpoint.trainer.snapshot.coordinator import LEDGER_FILE
+from rollpoint.trainer.state.ledger import RecoveryLedger, RolloutState
 from rollpoint.trainer.train_hooks import TrainSample
-from rollpoint.trainer.workdir_record import TRAIN_DATA_FILE, WorkdirRecord
 from rollpoint.tuning import seam
 from rollpoint.tuning.collector_listener import CollectorListener
 from tests.scenarios.scenario_kit import (
@@ -440,7 +440,7 @@ async def test_train_step_ending_during_save_does_not_discard_it(tmp_path: Path)
     manifest = j.store.load(report.snapshot_id)
     assert manifest.created_at <= hooks.ended_at[1] <= manifest.published_at
     # The rerun after the crash resumes from it: it composes with a durable train
-    # checkpoint (TQ kept what step 1 consumed until that checkpoint). The save step 1's
+    # checkpoint (the finished queue kept what step 1 consumed until that checkpoint). The save step 1's
     # checkpoint queued behind it may have published too before the crash landed.
     for later in j.store.list_snapshots():
         if later.published_at is not None and later.published_at > manifest.published_at:

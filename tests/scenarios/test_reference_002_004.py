@@ -25,19 +25,19 @@ from rollpoint.servers.agent.session_book import SessionBook
 from rollpoint.store.participant_state import read_participant_state
 from rollpoint.store.snapshot_store import SnapshotStore
 from rollpoint.testing import Fault, FaultProxy
-from rollpoint.trainer.coordinator import LEDGER_FILE, SnapshotCoordinator
-from rollpoint.trainer.dispatch_barrier import DispatchBarrier
-from rollpoint.trainer.finished_queue import FinishedQueue
-from rollpoint.trainer.ledger import RecoveryLedger, RolloutState
+from rollpoint.trainer.dispatch.dispatch_barrier import DispatchBarrier
 from rollpoint.trainer.metrics import TrainerMetrics
-from rollpoint.trainer.restorer import (
+from rollpoint.trainer.record.workdir_record import WorkdirRecord
+from rollpoint.trainer.restore.restorer import (
     Restorer,
     ResumePoint,
     choose_resume_point,
     read_trainer_document,
 )
 from rollpoint.trainer.settings import SaveSettings
-from rollpoint.trainer.workdir_record import WorkdirRecord
+from rollpoint.trainer.snapshot.coordinator import LEDGER_FILE, SnapshotCoordinator
+from rollpoint.trainer.state.finished_queue import FinishedQueue
+from rollpoint.trainer.state.ledger import RecoveryLedger, RolloutState
 from tests.scenarios.scenario_kit import (
     KINDS,
     PREPARE,
@@ -367,7 +367,7 @@ async def cut_of(
         cluster.clients(http, spy=log),
         store=store,
         ledger=ledger,
-        tq=FinishedQueue(),
+        finished_queue=FinishedQueue(),
         barrier=DispatchBarrier(),
         # A long deadline: no lease renewal lands inside either save.
         config=SaveSettings(deadline_seconds=60),

@@ -11,7 +11,7 @@ from __future__ import annotations
 from rollpoint.http.client import HttpClient
 from rollpoint.protocol.episode import RunRequest, RunRow, TaskRow
 from rollpoint.protocol.ids import EpisodeId
-from rollpoint.trainer.ledger import RecoveryLedger
+from rollpoint.trainer.state.ledger import RecoveryLedger
 
 MAX_TURNS = 12
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import orjson
 
-from rollpoint.config import RunConfig
+from rollpoint.app.config import RunConfig
 from rollpoint.envs import get_environment
 from rollpoint.http.client import HttpClient
 from rollpoint.loop import SimulatedTrainer
@@ -27,12 +27,12 @@ from rollpoint.protocol.deployment import Deployment
 from rollpoint.protocol.manifest import SnapshotManifest
 from rollpoint.runtime.embedded import EmbeddedRuntime
 from rollpoint.store.snapshot_store import SnapshotStore
-from rollpoint.trainer.control_plane import ControlPlane, participant_clients
+from rollpoint.trainer.control.control_plane import ControlPlane, participant_clients
+from rollpoint.trainer.control.participant_client import ParticipantClient
 from rollpoint.trainer.metrics import TrainerMetrics
-from rollpoint.trainer.participant_client import ParticipantClient
+from rollpoint.trainer.record.workdir_record import TRAIN_DATA_FILE
 from rollpoint.trainer.train_hooks import TrainHooks
-from rollpoint.trainer.trainer_loop import Trainer
-from rollpoint.trainer.workdir_record import TRAIN_DATA_FILE
+from rollpoint.trainer.trainer import Trainer
 
 
 @dataclass

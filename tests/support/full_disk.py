@@ -122,7 +122,7 @@ def main(argv: list[str]) -> None:
 
     for name in ("makedirs", "open_write", "write_bytes", "publish_bytes", "rename"):
         setattr(LocalFilesystem, name, _failing(flag, getattr(LocalFilesystem, name)))
-    from rollpoint.cli import main as cli
+    from rollpoint.app.cli import main as cli
 
     sys.argv = ["rollpoint", *argv[1:]]
     cli()

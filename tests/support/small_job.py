@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rollpoint import parse_config
-from rollpoint.config import RunConfig
+from rollpoint.app.config import RunConfig
 
 
 def small_job(tmp_path: Path, *, latency_ms: int = 20, step_seconds: float = 0.0) -> RunConfig:

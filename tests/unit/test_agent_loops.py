@@ -10,16 +10,16 @@ from pathlib import Path
 import orjson
 import pytest
 
-import rollpoint.loops
-from rollpoint.config import parse_config
-from rollpoint.loops import AgentLoop, resolve_agent_loop
+import rollpoint.agent_loops
+from rollpoint.agent_loops import AgentLoop, resolve_agent_loop
+from rollpoint.app.config import parse_config
 from rollpoint.protocol.episode import RunRow, TaskRow
 from rollpoint.protocol.errors import ConfigError
 from rollpoint.protocol.ids import EpisodeId
 from rollpoint.servers.agent.session import Session, SessionRecord
 
 LOOPS = """
-from rollpoint.loops import AgentLoop
+from rollpoint.agent_loops import AgentLoop
 
 class Echo(AgentLoop):
     def prompt(self, state, messages, turn):
@@ -42,7 +42,7 @@ def loop_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Non
 
 
 def test_the_public_surface_is_pinned() -> None:
-    assert rollpoint.loops.__all__ == ["AgentLoop", "Prompt", "resolve_agent_loop"]
+    assert rollpoint.agent_loops.__all__ == ["AgentLoop", "Prompt", "resolve_agent_loop"]
 
 
 def test_a_loop_by_import_path_resolves_and_the_config_accepts_it() -> None:
@@ -58,7 +58,10 @@ def test_a_loop_by_import_path_resolves_and_the_config_accepts_it() -> None:
         ("echo", r"'echo': not an import path \(want package.module:ClassName\)"),
         ("loop_absent:Echo", r"cannot import module 'loop_absent' \(ModuleNotFoundError"),
         ("loop_plug:Nope", r"module 'loop_plug' has no attribute 'Nope'"),
-        ("loop_plug:not_a_class", r"is a function, not a subclass of rollpoint.loops.AgentLoop"),
+        (
+            "loop_plug:not_a_class",
+            r"is a function, not a subclass of rollpoint.agent_loops.AgentLoop",
+        ),
         ("loop_plug:Half", r"loop_plug:Half is abstract \(does not define prompt\)"),
     ],
 )

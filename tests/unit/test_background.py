@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from rollpoint.background import stop_task
+from rollpoint.common.background import stop_task
 
 
 async def test_a_stopped_task_is_cancelled_and_the_stop_returns() -> None:

@@ -12,7 +12,7 @@ import sys
 # What a run needs and ``--help`` does not: the trainer, the HTTP stacks, Ray, the servers.
 HEAVY = (
     "rollpoint.trainer",
-    "rollpoint.job",
+    "rollpoint.app.job",
     "rollpoint.participant",
     "rollpoint.servers",
     "aiohttp",
@@ -39,13 +39,13 @@ def _heavy(modules: list[str]) -> list[str]:
 
 
 def test_importing_the_cli_loads_no_trainer_http_stack_or_ray() -> None:
-    assert _heavy(_loaded_after("import rollpoint.cli")) == []
+    assert _heavy(_loaded_after("import rollpoint.app.cli")) == []
 
 
 def test_help_and_version_load_no_trainer_http_stack_or_ray() -> None:
     for argv in (["--help"], ["version"], ["--version"], ["run", "--help"]):
         code = (
-            "import sys\nfrom rollpoint.cli import app\n"
+            "import sys\nfrom rollpoint.app.cli import app\n"
             f"sys.argv = ['rollpoint', *{argv!r}]\n"
             "try:\n    app()\nexcept SystemExit:\n    pass"
         )

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from rollpoint.config import load_config, parse_config
+from rollpoint.app.config import load_config, parse_config
 from rollpoint.protocol.errors import ConfigError
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

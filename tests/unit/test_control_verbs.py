@@ -10,7 +10,7 @@ from rollpoint.participant.fence import ControlSettings
 from rollpoint.participant.fence_verbs import fence_handlers
 from rollpoint.protocol.control import CONTROL_PREFIX, Verb
 from rollpoint.protocol.control_verbs import VERBS
-from tests.unit.gym.fake_participant import FakeParticipant
+from tests.unit.participant.fake_participant import FakeParticipant
 
 
 def test_every_verb_has_one_row_in_protocol_order() -> None:

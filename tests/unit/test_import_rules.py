@@ -1,9 +1,17 @@
 """The import rules of the layout (docs/design.md#layout), read from each module's imports
 with ``ast``.
 
+- the app (``rollpoint.app``: the CLI, the job, the run config, the start checks, the
+  snapshot listing, the report, the chaos runner) stands on top: no layer imports it but the
+  package's faces (``rollpoint``, ``rollpoint.__main__``) and those that still take the
+  whole run config (:data:`STILL_TAKE_THE_RUN_CONFIG`: the façade and the runtimes);
+- ``rollpoint.common`` (what every layer may use) imports nothing of rollpoint but the
+  protocol;
+- the test kit (``rollpoint.testing``) is a kit, not the app: it imports neither the app
+  nor the built-in loop;
+- only the app's commands import the built-in loop: the job takes its hooks from its caller;
 - ``rollpoint.participant`` (the SDK) and ``rollpoint.servers`` (the built-in servers) never
-  import the trainer side (``rollpoint.trainer``, ``rollpoint.loop``) nor the
-  app (``rollpoint.cli``, ``rollpoint.job``, ``rollpoint.config``);
+  import the trainer side (``rollpoint.trainer``, ``rollpoint.loop``) nor the app;
 - the SDK never imports the built-in servers: they are built on it, not it on them;
 - a server imports the SDK only through ``rollpoint.participant``, never one of its modules;
 - ``rollpoint.protocol`` imports neither side (nor the app, nor the built-in loop);
@@ -13,6 +21,10 @@ with ``ast``.
   participant SDK nor the app (the CLI, the job, the run config, the façade over the job)
   nor the built-in loop:
   what it needs of a run it is told (``TrainerSettings``, ``SaveSettings``);
+- the trainer's machinery is layered by role: ``state`` (ledger, finished queue) <
+  ``control`` (participant clients, roster) < ``dispatch`` < ``snapshot`` < ``restore``; a
+  sub-package imports none above it, ``record`` (rollpoint's own step record) none of them,
+  and in the library nothing but the trainer loop imports ``restore``;
 - ``rollpoint.store`` knows files: it imports no performance trick (``rollpoint.tuning``),
   neither side, nor the app;
 - the SDK and the trainer reach the tricks only through the checkpoint seam
@@ -39,7 +51,22 @@ import rollpoint.participant
 import rollpoint.trainer
 
 SRC = Path(rollpoint.__file__).parent
-APP = ("rollpoint.cli", "rollpoint.job", "rollpoint.config")
+APP = ("rollpoint.app",)
+"""The CLI, the job, the run config and what only the ``rollpoint`` command does."""
+STILL_TAKE_THE_RUN_CONFIG = {
+    "rollpoint.rollouts",
+    "rollpoint.runtime.attached",
+    "rollpoint.runtime.contract",
+    "rollpoint.runtime.embedded",
+    "rollpoint.runtime.ray_runtime",
+    "rollpoint.runtime.replica_plan",
+}
+"""Below the app, the modules that still import it: the façade (it runs the job on the
+``RunConfig`` a user hands it) and the runtimes (each takes the whole ``RunConfig``, not
+settings of its own yet). The list may only shrink."""
+FACES = {"rollpoint", "rollpoint.__main__"}
+"""The package's faces: ``rollpoint.RunConfig`` (lazily) and the ``rollpoint`` script."""
+COMMON = ("rollpoint.common",)
 LOOP = ("rollpoint.loop",)
 """The built-in loop ``rollpoint run`` trains with, built on the façade."""
 FACADE_OVER_THE_JOB = ("rollpoint.rollouts", "rollpoint.preemption")
@@ -51,7 +78,7 @@ SEAM_SIDE = ("rollpoint.tuning.seam", "rollpoint.tuning.collector_pause")
 """What of ``rollpoint.tuning`` the SDK and the trainer may import."""
 INSTALLERS = {
     "rollpoint.runtime.server_process",
-    "rollpoint.job",
+    "rollpoint.app.job",
     "rollpoint.testing.local_cluster",
 }
 """The entry points that install the tricks (the façade and chaos trials go through run_job)."""
@@ -106,6 +133,44 @@ def _violations(package: str, forbidden: tuple[str, ...]) -> list[str]:
     ]
 
 
+def _importers(targets: tuple[str, ...]) -> set[str]:
+    """Modules outside ``targets`` importing any of them (or a module under them)."""
+    return {
+        _name(path)
+        for path in _all_modules()
+        if not _under(_name(path), targets)
+        for _, module in _imports(path)
+        if _under(module, targets)
+    }
+
+
+def test_no_layer_imports_the_app() -> None:
+    assert _modules("app"), "no modules under rollpoint/app"
+    assert _importers(APP) - FACES == STILL_TAKE_THE_RUN_CONFIG
+
+
+def test_the_common_modules_import_nothing_of_rollpoint_but_the_protocol() -> None:
+    assert _modules("common"), "no modules under rollpoint/common"
+    found = [
+        f"{path.relative_to(SRC)}:{line} imports {module}"
+        for path in _modules("common")
+        for line, module in _imports(path)
+        if _under(module, ("rollpoint",)) and not _under(module, ("rollpoint.protocol", *COMMON))
+    ]
+    assert found == []
+
+
+def test_the_test_kit_is_a_kit_not_the_app() -> None:
+    assert _modules("testing"), "no modules under rollpoint/testing"
+    assert _violations("testing", APP + LOOP) == []
+
+
+def test_only_the_apps_commands_import_the_built_in_loop() -> None:
+    # The job (and the façade it serves) take the hooks they run from their caller: an
+    # arrow from either to the loop would run back up (the loop is built on the façade).
+    assert _importers(LOOP) == {"rollpoint.app.cli", "rollpoint.app.chaos.trial"}
+
+
 @pytest.mark.parametrize("package", ["participant", "servers"])
 def test_the_environment_side_imports_no_trainer_nor_app(package: str) -> None:
     assert _modules(package), f"no modules under rollpoint/{package}"
@@ -136,6 +201,36 @@ def test_the_protocol_imports_neither_side_nor_the_app() -> None:
 def test_the_trainer_library_imports_no_server_nor_sdk_nor_app() -> None:
     assert _modules("trainer"), "no modules under rollpoint/trainer"
     assert _violations("trainer", ENVIRONMENT_SIDE + APP + FACADE_OVER_THE_JOB + LOOP) == []
+
+
+TRAINER_LAYERS = ("state", "control", "dispatch", "snapshot", "restore")
+"""The trainer's sub-packages by role, from the bottom up."""
+
+
+def _trainer_package(layer: str) -> tuple[str, ...]:
+    return (f"rollpoint.trainer.{layer}",)
+
+
+@pytest.mark.parametrize("layer", TRAINER_LAYERS)
+def test_each_trainer_sub_package_imports_none_above_it(layer: str) -> None:
+    assert _modules(f"trainer/{layer}"), f"no modules under rollpoint/trainer/{layer}"
+    above = TRAINER_LAYERS[TRAINER_LAYERS.index(layer) + 1 :]
+    forbidden = tuple(p for upper in above for p in _trainer_package(upper))
+    assert _violations(f"trainer/{layer}", forbidden) == []
+
+
+def test_the_trainers_own_record_imports_none_of_its_machinery() -> None:
+    # rollpoint's step record is a file format a trainer of its own may replace: it knows
+    # the train hooks' samples, not the ledger, the dispatcher nor a snapshot.
+    assert _modules("trainer/record"), "no modules under rollpoint/trainer/record"
+    forbidden = tuple(p for layer in TRAINER_LAYERS for p in _trainer_package(layer))
+    assert _violations("trainer/record", forbidden) == []
+
+
+def test_in_the_trainer_library_only_the_trainer_loop_imports_the_restore_order() -> None:
+    # (The job picks the snapshot to resume from with it: the app stands above the library.)
+    inside = {m for m in _importers(_trainer_package("restore")) if _under(m, TRAINER)}
+    assert inside == {"rollpoint.trainer.trainer"}
 
 
 PUBLIC = {
@@ -214,13 +309,13 @@ def test_the_reader_sees_every_kind_of_import() -> None:
         "if TYPE_CHECKING:\n"
         "    from ..model import model_server\n"
         "def f():\n"
-        "    import rollpoint.trainer.ledger\n"
+        "    import rollpoint.trainer.state.ledger\n"
         "    from . import session\n"
     )
     found = {m for _, m in _imports_of(source, "rollpoint.servers.agent.x", is_package=False)}
     assert {
         "rollpoint.servers.model",
         "rollpoint.servers.model.model_server",
-        "rollpoint.trainer.ledger",
+        "rollpoint.trainer.state.ledger",
         "rollpoint.servers.agent.session",
     } <= found

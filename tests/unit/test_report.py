@@ -9,7 +9,7 @@ from typing import Any
 import orjson
 import pytest
 
-from rollpoint.report import read_run, render_page, run_record, write_report
+from rollpoint.app.report import read_run, render_page, run_record, write_report
 from rollpoint.trainer.run_events import (
     EVENTS_FILE,
     InFlight,
@@ -156,7 +156,7 @@ def test_a_chaos_trials_faults_are_marked_on_the_timeline(tmp_path: Path) -> Non
 def test_the_command_writes_the_page_and_a_missing_workdir_is_one_line(tmp_path: Path) -> None:
     from typer.testing import CliRunner
 
-    from rollpoint.cli import app
+    from rollpoint.app.cli import app
 
     (tmp_path / "metrics.jsonl").write_bytes(_snapshot_line("snap-1-0001", 101.0))
     out = tmp_path / "page.html"

@@ -3,14 +3,17 @@ the façade that need no servers (the served deployment line, the attached runti
 
 from __future__ import annotations
 
+import inspect
 import subprocess
 import sys
+import typing
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 import rollpoint
-from rollpoint.config import parse_config
+from rollpoint.app.config import parse_config
 from rollpoint.protocol.deployment import ServedDeployment
 from rollpoint.protocol.errors import ConfigError, LaunchError
 from rollpoint.runtime.attached import AttachedRuntime
@@ -25,17 +28,26 @@ SERVED = (
 
 def test_the_top_level_exports_are_pinned_and_each_resolves() -> None:
     assert rollpoint.__all__ == [
+        "Blocker",
+        "Coverage",
         "ReplicaEndpoints",
         "Rollouts",
         "RollpointError",
         "RunConfig",
         "RunPreemptedError",
         "RunProgress",
+        "RunSummary",
+        "SavePhase",
+        "SaveReport",
         "ServedDeployment",
+        "StepRecord",
+        "StepResult",
         "StopRequest",
         "SyncRollouts",
         "TaskRow",
         "TrainBatch",
+        "TrainCheckpoint",
+        "TrainHooks",
         "TrainSample",
         "TrainTurn",
         "load_config",
@@ -52,7 +64,7 @@ def test_the_top_level_exports_are_pinned_and_each_resolves() -> None:
 def test_importing_the_protocol_does_not_load_the_trainer_side() -> None:
     code = (
         "import sys, rollpoint.protocol.deployment; "
-        "print(sorted(m for m in sys.modules if m.startswith(('rollpoint.trainer', 'rollpoint.job'))))"
+        "print(sorted(m for m in sys.modules if m.startswith(('rollpoint.trainer', 'rollpoint.app.job'))))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
@@ -96,6 +108,40 @@ def test_the_attached_runtime_refuses_another_replica_count() -> None:
         AttachedRuntime(config, served.deployment())
 
 
+def _rollpoint_types(hint: object) -> Iterator[type]:
+    """The rollpoint classes named in a type hint, through unions and generics."""
+    if isinstance(hint, type) and hint.__module__.startswith("rollpoint."):
+        yield hint
+    for arg in typing.get_args(hint):
+        yield from _rollpoint_types(arg)
+
+
+def test_every_type_the_facades_signatures_take_or_return_is_exported_at_the_top() -> None:
+    # A façade user imports what the façade takes and hands back from ``rollpoint``, never
+    # from the trainer library's modules; so does the author of a custom step record (what
+    # the façade's ``step_record`` takes) for the types of its methods.
+    used: set[type] = set()
+    for owner in (
+        rollpoint.Rollouts,
+        rollpoint.SyncRollouts,
+        rollpoint.TrainBatch,
+        rollpoint.StepRecord,
+    ):
+        for name, member in inspect.getmembers(owner):
+            if name.startswith("_") and name != "__init__":
+                continue
+            function = member.fget if isinstance(member, property) else member
+            if not callable(function) or isinstance(function, type):
+                continue
+            for hint in typing.get_type_hints(function).values():
+                used.update(_rollpoint_types(hint))
+    for hint in typing.get_type_hints(rollpoint.TrainBatch).values():  # its fields
+        used.update(_rollpoint_types(hint))
+    names = {cls.__name__ for cls in used}
+    assert names - set(rollpoint.__all__) == set()
+    assert {"RunSummary", "SaveReport", "StepRecord", "StepResult", "TrainCheckpoint"} <= names
+
+
 def test_the_trainer_library_and_the_loop_export_pinned_names_that_each_resolve() -> None:
     import rollpoint.loop
     import rollpoint.trainer
@@ -103,15 +149,6 @@ def test_the_trainer_library_and_the_loop_export_pinned_names_that_each_resolve(
     assert rollpoint.trainer.__all__ == [
         "Blocker",
         "Coverage",
-        "DispatchBarrier",
-        "Dispatcher",
-        "FinishedQueue",
-        "GroupBatch",
-        "GroupOutcome",
-        "LedgerMove",
-        "LedgerRecord",
-        "RecoveryLedger",
-        "RolloutState",
         "RunSummary",
         "SavePhase",
         "SaveReport",
@@ -121,6 +158,7 @@ def test_the_trainer_library_and_the_loop_export_pinned_names_that_each_resolve(
         "TrainCheckpoint",
         "TrainHooks",
         "TrainSample",
+        "TrainTurn",
         "Trainer",
         "TrainerSettings",
         "TrainerStats",

@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Annotated, Any, ClassVar
 
 from pydantic import Field, JsonValue, ValidationError
 
+from rollpoint.common.extras import need
 from rollpoint.envs.base import Environment, NoArguments, Tool, ToolArgumentError
-from rollpoint.extras import need
 from rollpoint.protocol.episode import TaskRow, VerifyReply
 from rollpoint.protocol.errors import EpisodeError, InvalidCheckpointStateError
 from rollpoint.protocol.model_base import StrictModel

@@ -39,8 +39,8 @@ from typing import Annotated, Any, ClassVar
 
 from pydantic import Field, JsonValue, ValidationError, create_model
 
+from rollpoint.common.extras import need
 from rollpoint.envs.base import Environment, Tool, ToolArgumentError, ToolArguments
-from rollpoint.extras import need
 from rollpoint.protocol.episode import TaskRow, VerifyReply
 from rollpoint.protocol.errors import ConfigError, EpisodeError, InvalidCheckpointStateError
 from rollpoint.protocol.model_base import StrictModel

@@ -24,6 +24,7 @@ from __future__ import annotations
 from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
+from rollpoint.common.import_path import is_import_path, load_class
 from rollpoint.envs.base import Environment
 from rollpoint.envs.blackjack import BlackjackEnvironment
 from rollpoint.envs.gymnasium_env import gymnasium_environment, is_gymnasium_reference
@@ -31,7 +32,6 @@ from rollpoint.envs.math import MathEnvironment
 from rollpoint.envs.tool_call import check_tools
 from rollpoint.envs.verifiers_env import is_verifiers_reference, verifiers_environment
 from rollpoint.envs.workplace import WorkplaceEnvironment
-from rollpoint.import_path import is_import_path, load_class
 from rollpoint.protocol.errors import ConfigError
 
 ENTRY_POINT_GROUP = "rollpoint.environments"
@@ -112,7 +112,7 @@ def get_environment(ref: str) -> Environment[Any]:
     try:
         environment = cls()
     except ConfigError:
-        raise  # already says what is wrong (a missing extra: rollpoint.extras)
+        raise  # already says what is wrong (a missing extra: rollpoint.common.extras)
     except Exception as exc:
         raise ConfigError(
             f"environment {ref!r}: {cls.__qualname__}() failed ({type(exc).__name__}: {exc})"

@@ -51,8 +51,8 @@ from typing import Any, ClassVar, TypeVar
 import orjson
 from pydantic import Field, JsonValue
 
+from rollpoint.common.extras import need
 from rollpoint.envs.base import Environment, Tool, ToolArgumentError, ToolArguments
-from rollpoint.extras import need
 from rollpoint.protocol.episode import TaskRow, VerifyReply
 from rollpoint.protocol.errors import ConfigError, EpisodeError, InvalidCheckpointStateError
 from rollpoint.protocol.participant import CheckpointMode

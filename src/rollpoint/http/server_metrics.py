@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Literal
 from fastapi import FastAPI
 from fastapi.responses import Response
 
-from rollpoint.extras import need
+from rollpoint.common.extras import need
 
 if TYPE_CHECKING:
     from prometheus_client import Histogram

@@ -15,9 +15,8 @@ import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from rollpoint import Rollouts, RunConfig, ServedDeployment, StopRequest
+from rollpoint import Rollouts, RunConfig, RunSummary, ServedDeployment, StopRequest
 from rollpoint.loop.simulated_trainer import SimulatedTrainer
-from rollpoint.trainer import RunSummary
 
 log = logging.getLogger(__name__)
 

@@ -30,7 +30,7 @@ docs/environments.md ("Wrapping an existing server with the SDK").
 """
 
 from rollpoint.participant.admission_gate import AdmissionGate
-from rollpoint.participant.control_plane import (
+from rollpoint.participant.control_mount import (
     close_control_plane,
     control_fence,
     mount_participant,

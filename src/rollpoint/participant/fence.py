@@ -55,7 +55,7 @@ from typing import Any
 
 from pydantic import JsonValue
 
-from rollpoint.background import stop_task
+from rollpoint.common.background import stop_task
 from rollpoint.participant.checkpoint_write import (
     REMEMBERED_WRITES,
     CheckpointWrite,

@@ -1,7 +1,7 @@
 """The in-process face of a fence: control calls made on it directly, no sockets.
 
 Owns :class:`InProcessControlTransport`, a control transport (it satisfies
-:class:`rollpoint.trainer.control_transport.ControlTransport` by shape: the SDK imports no
+:class:`rollpoint.trainer.control.control_transport.ControlTransport` by shape: the SDK imports no
 trainer module) that calls the same handlers the HTTP routes call
 (:func:`rollpoint.participant.fence_verbs.fence_handlers`) and keeps what the wire
 guarantees, so a coordinator tested over it meets the participant it meets over HTTP:

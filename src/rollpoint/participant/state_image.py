@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Generic, TypeVar
 
-from rollpoint.background import stop_task
+from rollpoint.common.background import stop_task
 
 log = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 Owns :data:`VERBS` (and one typed :class:`ControlVerb` constant per verb), the single list
 that the participant's routes (:mod:`rollpoint.participant.control_routes`), the trainer's
-client (:mod:`rollpoint.trainer.participant_client`), its transports, the conformance kit and
+client (:mod:`rollpoint.trainer.control.participant_client`), its transports, the conformance kit and
 the fuzzer all iterate, so a verb added to the protocol is added in one place. It does not
 own the models themselves nor what each verb does (:mod:`rollpoint.protocol.control` says
 that, the fence does it).

@@ -11,9 +11,9 @@ back after a crash, possibly with a newer rollpoint:
   an earlier one wrote instead of writing them again (the records files shared by
   snapshots sit in the store's ``objects/`` folder: :mod:`rollpoint.store.record_packs`).
   Migration 1 → 2 makes the one file one part of its whole bytes, digested as bytes: exact.
-- :class:`TrainerFileManifest` (schema 1): a trainer file (the ledger, TQ) kept as
+- :class:`TrainerFileManifest` (schema 1): a trainer file (the ledger, the finished queue) kept as
   records, as a participant's state is: the parts of shared records files that hold them,
-  so a snapshot writes the ledger's and TQ's records that changed since the previous one.
+  so a snapshot writes the ledger's and the finished queue's records that changed since the previous one.
 - :class:`SnapshotManifest` (schema 5): one published snapshot, written last into the
   snapshot folder; its presence is what makes the snapshot exist. It is sealed
   (:func:`seal_manifest`): ``seal`` holds the sha256 of every other top-level field, so a
@@ -39,7 +39,7 @@ Schema history of :class:`SnapshotManifest`:
 - **3**: adds ``finished``: the in-flight episodes whose finished reply an agent held at
   the cut (the no-drain save). Migration 2 → 3 adds an empty list, which is exact: a
   version-2 writer drained on-wire replies before the cut, so it never saved one.
-- **4**: adds ``seal`` (the sha256 of every other field), ``committed_step`` (TQ's
+- **4**: adds ``seal`` (the sha256 of every other field), ``committed_step`` (the finished queue's
   committed train step at the cut: what retention and the restore compose with) and each
   participant entry's ``sha256`` and ``bytes`` (of its participant manifest file). A
   version-4 document must carry all of them and its seal must match, or it is refused.
@@ -180,7 +180,7 @@ class SavedEpisode(RestartEpisode):
 
 
 class FileEntry(StrictModel):
-    """A file the trainer wrote into the snapshot (ledger, TQ), with its digest."""
+    """A file the trainer wrote into the snapshot (ledger, the finished queue), with its digest."""
 
     path: str
     """Relative to the snapshot folder."""
@@ -204,7 +204,7 @@ class SnapshotManifest(StrictModel):
     train_step: NonNegativeInt
     policy_version: NonNegativeInt
     committed_step: NonNegativeInt | None = 0
-    """TQ's committed train step at the cut: the snapshot composes with a durable train
+    """The finished queue's committed train step at the cut: the snapshot composes with a durable train
     checkpoint at a step between this and ``train_step`` (None: older than schema 4)."""
     pause_seconds: Annotated[float, Field(ge=0)]
     """How long the data plane was paused for the cut."""
@@ -218,7 +218,7 @@ class SnapshotManifest(StrictModel):
     not acknowledged yet): the reply is in the agent's state; on restore it is adopted when
     the saved ledger has not sealed it, so it is neither lost nor run again."""
     files: dict[str, FileEntry]
-    """The trainer's files in the snapshot (ledger, TQ), keyed by name."""
+    """The trainer's files in the snapshot (ledger, the finished queue), keyed by name."""
     config_fingerprint: dict[str, JsonValue]
     """The config keys a restore must match (environment, group_size, replicas, ...)."""
     seal: dict[str, Sha256Hex] | None = None

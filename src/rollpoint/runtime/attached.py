@@ -14,7 +14,7 @@ import asyncio
 from types import TracebackType
 from typing import Self
 
-from rollpoint.config import RunConfig
+from rollpoint.app.config import RunConfig
 from rollpoint.protocol.deployment import Deployment, ReplicaEndpoints
 from rollpoint.protocol.errors import ConfigError, LaunchError
 from rollpoint.runtime.contract import OnDown, OnUp

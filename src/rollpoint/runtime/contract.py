@@ -13,7 +13,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Protocol, Self
 
-from rollpoint.config import RunConfig
+from rollpoint.app.config import RunConfig
 from rollpoint.protocol.deployment import Deployment, ReplicaEndpoints
 from rollpoint.protocol.errors import ConfigError
 from rollpoint.runtime.replica_plan import SpecHook

@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from types import TracebackType
 
-from rollpoint.config import RunConfig
+from rollpoint.app.config import RunConfig
 from rollpoint.http.auth import CONTROL_TOKEN_ENV, DATA_TOKEN_ENV, POLICY_API_KEY_ENV
 from rollpoint.http.client import HttpClient
 from rollpoint.policy.engine_adapters import check_token_capture

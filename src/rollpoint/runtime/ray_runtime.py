@@ -3,7 +3,7 @@
 Owns connecting to Ray (``ray.address``: none starts a local instance, so the same command
 runs on a laptop), placing one :class:`ReplicaActor` per replica with
 ``ray.num_cpus_per_replica`` CPUs, watching them, and replacing a dead one. The policy (when
-scripted), the trainer, ledger, coordinator and TQ stay in the driver. A replica is down
+scripted), the trainer, ledger, coordinator and the finished queue stay in the driver. A replica is down
 when Ray reports its actor dead — the long-running ``watch`` call on it raises
 ``RayActorError`` — or when ``watch`` returns because one of its servers exited; either
 way the other replicas keep running. Snapshots need a store every node can reach: each
@@ -24,8 +24,8 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from rollpoint.config import RunConfig
-from rollpoint.extras import need
+from rollpoint.app.config import RunConfig
+from rollpoint.common.extras import need
 from rollpoint.protocol.deployment import Deployment, ReplicaEndpoints
 from rollpoint.protocol.errors import LaunchError, RollpointError
 from rollpoint.runtime.contract import OnDown, OnUp

@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 
 from pydantic import JsonValue
 
-from rollpoint.config import RunConfig
+from rollpoint.app.config import RunConfig
 from rollpoint.protocol.deployment import ReplicaEndpoints
 from rollpoint.protocol.model_base import StrictModel
 from rollpoint.runtime.process_group import ProcessGroup

@@ -5,7 +5,7 @@
 - :mod:`~rollpoint.store.filesystem`: local folder or fsspec URL, and path containment
 - :mod:`~rollpoint.store.digest`: streaming sha256 of snapshot files
 - :mod:`~rollpoint.store.record_packs`: records files shared by snapshots, written once
-- :mod:`~rollpoint.store.trainer_records`: the ledger and TQ kept as records
+- :mod:`~rollpoint.store.trainer_records`: the ledger and the finished queue kept as records
 - :mod:`~rollpoint.store.journal`: a participant's journal: group commit, index by key, positions
 - :mod:`~rollpoint.store.journal_format`: the journal's segments and records, byte by byte
 - :mod:`~rollpoint.store.journal_scan`: what a journal folder holds and how far it is trusted

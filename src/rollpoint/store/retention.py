@@ -1,7 +1,7 @@
 """Retention of snapshots and train checkpoints: one decision, so neither strands the other.
 
 A snapshot is usable only with a durable train checkpoint at a step in its span
-``[committed_step, train_step]`` (TQ's committed step at the cut, the trainer's step at the
+``[committed_step, train_step]`` (the finished queue's committed step at the cut, the trainer's step at the
 cut), and a train checkpoint is worth keeping only with a snapshot that composes with it.
 Pruning each by its own count broke that: while snapshot writes failed (a full disk) the
 train checkpoints moved past every kept snapshot, and the rerun found nothing to resume.
@@ -30,7 +30,7 @@ class Span:
 
     snapshot_id: str
     committed_step: int
-    """TQ's committed step at the cut (0 for a manifest older than schema 4)."""
+    """The finished queue's committed step at the cut (0 for a manifest older than schema 4)."""
     train_step: int
 
     def composes_with(self, step: int) -> bool:

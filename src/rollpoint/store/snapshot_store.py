@@ -211,7 +211,7 @@ class SnapshotStore:
         return Staging(snapshot_id=snapshot_id, relative_dir=relative, path=path)
 
     def write_file(self, staging: Staging, name: str, data: bytes | Iterable[bytes]) -> FileEntry:
-        """Write one trainer file (ledger, TQ) into the staging folder; return its entry.
+        """Write one trainer file (ledger, the finished queue) into the staging folder; return its entry.
 
         ``data`` may come in parts (written and hashed one after the other, never joined),
         so a large file need not exist as one buffer.

@@ -4,7 +4,7 @@ Owns the trainer files whose entry has ``format`` ``records``: the file in the s
 folder is a :class:`~rollpoint.protocol.manifest.TrainerFileManifest` naming parts of the
 store's shared records files (:mod:`rollpoint.store.record_packs`), and a write adds one
 pack of the records its previous write (its :class:`~rollpoint.store.record_packs.PackIndex`)
-did not hold. The ledger and TQ are kept this way: between two snapshots a few of their
+did not hold. The ledger and the finished queue are kept this way: between two snapshots a few of their
 records change (the live tries, the groups that finished), and the rest (full chunks of
 final tries, ready groups) are referenced where an earlier snapshot wrote them. Measured by
 ``snapshot_growth``: rewritten whole, they were 20.7 MB of the 38.9 MB a 10k-session
@@ -14,8 +14,8 @@ Reading checks the manifest's name and checkpoint id, then every part (size, dig
 count) before returning a record; retention finds the shared files a trainer file names
 through :func:`trainer_shared_files`.
 
-It does not know what a record means (:mod:`rollpoint.trainer.ledger_document` and
-:mod:`rollpoint.trainer.finished_queue` make and join them) nor where in the snapshot
+It does not know what a record means (:mod:`rollpoint.trainer.state.ledger_document` and
+:mod:`rollpoint.trainer.state.finished_queue` make and join them) nor where in the snapshot
 folder the file sits (:mod:`rollpoint.store.snapshot_store`).
 """
 

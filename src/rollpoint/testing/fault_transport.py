@@ -38,7 +38,7 @@ from rollpoint.protocol.control_verbs import ControlVerb
 from rollpoint.protocol.errors import RollpointError, TransportError, error_from_wire
 from rollpoint.testing.fault import Fault, FaultKind, ProxiedRequest
 from rollpoint.testing.fault_proxy import Rule, Rules
-from rollpoint.trainer.control_transport import ControlTransport
+from rollpoint.trainer.control.control_transport import ControlTransport
 
 __all__ = ["FaultTransport"]
 

@@ -1,7 +1,7 @@
 """Trainer-side control clients of fences in this process: the coordinator's unit-test rig.
 
 Owns :func:`in_process_client`, which gives a
-:class:`~rollpoint.trainer.participant_client.ParticipantClient` over an
+:class:`~rollpoint.trainer.control.participant_client.ParticipantClient` over an
 :class:`~rollpoint.participant.in_process_control.InProcessControlTransport` (no sockets),
 named after the fence's own status, optionally behind a
 :class:`~rollpoint.testing.fault_transport.FaultTransport`. Builds no fence and no
@@ -14,8 +14,8 @@ from __future__ import annotations
 from rollpoint.participant.fence import Fence
 from rollpoint.participant.in_process_control import InProcessControlTransport
 from rollpoint.testing.fault_transport import FaultTransport
-from rollpoint.trainer.control_transport import ControlTransport
-from rollpoint.trainer.participant_client import ParticipantAddress, ParticipantClient
+from rollpoint.trainer.control.control_transport import ControlTransport
+from rollpoint.trainer.control.participant_client import ParticipantAddress, ParticipantClient
 
 __all__ = ["in_process_client"]
 

@@ -39,10 +39,10 @@ from rollpoint.protocol.episode import TaskRow
 from rollpoint.protocol.errors import NotFoundError, RestoreError, RollpointError
 from rollpoint.servers.resources.final_state_log import read_final_states
 from rollpoint.store.snapshot_store import SnapshotStore
-from rollpoint.trainer.train_checkpoint import TrainCheckpointStore
-from rollpoint.trainer.train_data import TrainData
-from rollpoint.trainer.trainer_loop import group_id_for
-from rollpoint.trainer.workdir_record import CHECKPOINTS_DIR, TRAIN_DATA_FILE
+from rollpoint.trainer.record.train_checkpoint import TrainCheckpointStore
+from rollpoint.trainer.record.train_data import TrainData
+from rollpoint.trainer.record.workdir_record import CHECKPOINTS_DIR, TRAIN_DATA_FILE
+from rollpoint.trainer.trainer import group_id_for
 
 METRICS_FILE = "metrics.jsonl"
 SNAPSHOT_STORE_DIR = "snapshots"

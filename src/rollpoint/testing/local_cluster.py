@@ -51,7 +51,7 @@ from rollpoint.servers.model.model_server import (
 )
 from rollpoint.servers.resources.resources_server import create_resources_app
 from rollpoint.store.snapshot_store import SnapshotStore
-from rollpoint.trainer.control_plane import ControlPlane, participant_clients
+from rollpoint.trainer.control.control_plane import ControlPlane, participant_clients
 from rollpoint.trainer.metrics import TrainerMetrics
 from rollpoint.tuning import install as install_tuning
 

@@ -22,7 +22,7 @@ from rollpoint.store.snapshot_store import SNAPSHOTS_DIR
 
 class Damage(StrEnum):
     FILE = "file"
-    """One byte of a trainer file the manifest names (ledger, TQ) flipped: its digest fails."""
+    """One byte of a trainer file the manifest names (ledger, the finished queue) flipped: its digest fails."""
     FIELD = "field"
     """The manifest's train step changed by one: its seal fails."""
     MANIFEST = "manifest"

@@ -1,48 +1,33 @@
-"""The trainer side: recovery ledger, dispatch barrier, dispatcher, TQ, GRPO, the train loop.
+"""The trainer library: the trainer loop and what a trainer author or a custom step record needs.
 
-Everything here runs in the trainer process and reaches the environment over HTTP
-(:class:`~rollpoint.http.client.HttpClient`); control calls go through a
-:class:`~rollpoint.trainer.control_transport.ControlTransport`, HTTP in a run. The snapshot coordinator composes these
-parts through a :class:`Trainer`'s ``ledger``, ``barrier``, ``tq`` and ``dispatcher``.
+A run's trainer (:class:`Trainer`, in :mod:`~rollpoint.trainer.trainer`) plays prompt groups
+on the environment over HTTP, trains on whole finished groups through :class:`TrainHooks`,
+and takes consistent snapshots with the environment. Its machinery lives in sub-packages by
+role, each importing only those below it: ``state/`` (the recovery ledger and the finished
+queue), ``control/`` (one client per participant, the replica roster), ``dispatch/`` (the
+dispatcher and its barrier), ``snapshot/`` (the coordinator's cut), ``restore/`` (the restore
+order, a lost replica's episodes). ``record/`` is rollpoint's own :class:`StepRecord`
+(:class:`WorkdirRecord`: ``train_data.jsonl`` and ``checkpoints/``).
 
-What the trainer trained and which steps are durable is kept by a :class:`StepRecord`
-(rollpoint's own: :class:`WorkdirRecord`, ``train_data.jsonl`` and ``checkpoints/``).
-
-The library reads no run config: it is told what it needs as :class:`TrainerSettings` and
-:class:`SaveSettings` (``rollpoint run`` builds them from its YAML).
+This package's names are what a trainer author or a custom :class:`StepRecord` needs; the
+machinery's classes are imported from their modules. The library reads no run config: it is
+told what it needs as :class:`TrainerSettings` and :class:`SaveSettings` (``rollpoint run``
+builds them from its YAML).
 """
 
-from rollpoint.trainer.cut import Blocker, SavePhase, SaveReport
-from rollpoint.trainer.dispatch_barrier import DispatchBarrier
-from rollpoint.trainer.dispatcher import Dispatcher, GroupOutcome
-from rollpoint.trainer.finished_queue import FinishedQueue, GroupBatch
 from rollpoint.trainer.grpo import advantages_by_episode, group_advantages
-from rollpoint.trainer.ledger import (
-    LedgerMove,
-    LedgerRecord,
-    RecoveryLedger,
-    RolloutState,
-)
+from rollpoint.trainer.record.train_checkpoint import TrainCheckpoint
+from rollpoint.trainer.record.train_data import Coverage
+from rollpoint.trainer.record.workdir_record import WorkdirRecord
 from rollpoint.trainer.settings import SaveSettings, TrainerSettings
+from rollpoint.trainer.snapshot.cut import Blocker, SavePhase, SaveReport
 from rollpoint.trainer.step_record import StepRecord
-from rollpoint.trainer.train_checkpoint import TrainCheckpoint
-from rollpoint.trainer.train_data import Coverage
-from rollpoint.trainer.train_hooks import StepResult, TrainHooks, TrainSample
-from rollpoint.trainer.trainer_loop import RunSummary, Trainer, TrainerStats
-from rollpoint.trainer.workdir_record import WorkdirRecord
+from rollpoint.trainer.train_hooks import StepResult, TrainHooks, TrainSample, TrainTurn
+from rollpoint.trainer.trainer import RunSummary, Trainer, TrainerStats
 
 __all__ = [
     "Blocker",
     "Coverage",
-    "DispatchBarrier",
-    "Dispatcher",
-    "FinishedQueue",
-    "GroupBatch",
-    "GroupOutcome",
-    "LedgerMove",
-    "LedgerRecord",
-    "RecoveryLedger",
-    "RolloutState",
     "RunSummary",
     "SavePhase",
     "SaveReport",
@@ -52,6 +37,7 @@ __all__ = [
     "TrainCheckpoint",
     "TrainHooks",
     "TrainSample",
+    "TrainTurn",
     "Trainer",
     "TrainerSettings",
     "TrainerStats",

@@ -3,7 +3,7 @@
 ``advantage = (reward - mean) / (std + 1e-6)`` with the population std of the group's
 rewards. A group whose rewards are all equal carries no signal: every advantage is
 exactly 0 (not a tiny float from rounding). This module only computes numbers; it does
-not know about TQ, the ledger or train steps.
+not know about the finished queue, the ledger or train steps.
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from rollpoint.extras import need
+from rollpoint.common.extras import need
 from rollpoint.protocol.errors import ConfigError
 from rollpoint.trainer.run_events import RunEvents
 

@@ -78,7 +78,7 @@ class Restore(_Event):
     adopted: NonNegativeInt
     """Finished replies the agents held at the cut, taken without a rerun."""
     requeued: NonNegativeInt
-    """TQ items no durable train checkpoint consumed, back for training."""
+    """finished-queue items no durable train checkpoint consumed, back for training."""
     turns_kept: NonNegativeInt
     """Policy calls the continued episodes had completed at the cut: not asked again."""
     snapshot_pause_ended_at: float | None = None

@@ -1,9 +1,9 @@
 """What the trainer library is told of a run, typed: :class:`SaveSettings` (the snapshot
 coordinator's) and :class:`TrainerSettings` (the trainer loop's).
 
-The trainer library reads no run config. ``rollpoint run``'s YAML (:mod:`rollpoint.config`,
-the app's) builds these (:meth:`~rollpoint.config.RunConfig.trainer_settings`,
-:meth:`~rollpoint.config.SnapshotConfig.save_settings`); an embedding or a test builds them
+The trainer library reads no run config. ``rollpoint run``'s YAML (:mod:`rollpoint.app.config`,
+the app's) builds these (:meth:`~rollpoint.app.config.RunConfig.trainer_settings`,
+:meth:`~rollpoint.app.config.SnapshotConfig.save_settings`); an embedding or a test builds them
 as it likes. The defaults are the config's, and a value the config would refuse is refused
 here too, as one :class:`~rollpoint.protocol.errors.ConfigError` naming the field.
 """

@@ -5,14 +5,14 @@ Owns the :class:`StepRecord` protocol. A train step is done in three moves: the 
 updates its policy, the record writes what the step trained (:meth:`StepRecord.write_step`),
 and once the trainer's weights of the step are saved for good the record makes the step
 durable (:meth:`StepRecord.save`, with the :class:`~.train_checkpoint.TrainCheckpoint`
-the loop stamped). TQ lets go of the rows a durable step consumed only after that, so any
-snapshot taken at a step at or after it composes with it (see :mod:`.restorer`).
+the loop stamped). The finished queue lets go of the rows a durable step consumed only after that, so any
+snapshot taken at a step at or after it composes with it (see :mod:`.restore.restorer`).
 
 On a rerun the restorer asks the record which steps are durable
 (:meth:`StepRecord.available`), checks the one it resumes at before installing anything
 (:meth:`StepRecord.check`: a record that does not hold what that step covered is refused,
 naming what differs, and nothing changes), and after the install forgets the steps trained
-past it (:meth:`StepRecord.cut_back`: their rows are back in TQ and are trained again).
+past it (:meth:`StepRecord.cut_back`: their rows are back in the finished queue and are trained again).
 Retention asks for the durable steps present (:meth:`StepRecord.steps`) so that it never
 prunes a snapshot a kept step needs, and a record prunes its own steps, never one in
 ``protect``.
@@ -27,8 +27,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Protocol
 
-from rollpoint.trainer.train_checkpoint import TrainCheckpoint
-from rollpoint.trainer.train_data import Coverage
+from rollpoint.trainer.record.train_checkpoint import TrainCheckpoint
+from rollpoint.trainer.record.train_data import Coverage
 from rollpoint.trainer.train_hooks import TrainSample
 
 

@@ -5,7 +5,7 @@ batch of whole prompt groups), the :class:`TrainSample` it receives, the
 :class:`StepResult` it may answer with (metrics and its own state), It holds no update of its own:
 the built-in loop's simulated one lives in :mod:`rollpoint.loop`, and a trainer of your own
 brings its own (through the façade, :class:`rollpoint.Rollouts`). It does not pick batches
-(:mod:`.trainer_loop`) or compute advantages (:mod:`.grpo`).
+(:mod:`.trainer`) or compute advantages (:mod:`.grpo`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pydantic import JsonValue
 
 from rollpoint.protocol.episode import ModelCall, RunReply
 from rollpoint.protocol.errors import BadRequestError
-from rollpoint.trainer.train_checkpoint import TRAINER_STATE_MAX_BYTES
+from rollpoint.trainer.record.train_checkpoint import TRAINER_STATE_MAX_BYTES
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,7 +143,7 @@ class StepResult:
     metrics: dict[str, float]
     state: JsonValue = None
     """The trainer's own state after this step (JSON, at most
-    :data:`~rollpoint.trainer.train_checkpoint.TRAINER_STATE_MAX_BYTES` encoded: where the
+    :data:`~rollpoint.trainer.record.train_checkpoint.TRAINER_STATE_MAX_BYTES` encoded: where the
     weights and optimizer state are, a data cursor, a learning-rate schedule's position;
     not the weights). The step's train checkpoint keeps it, and a run restored at that
     step hands it back (:attr:`rollpoint.Rollouts.resumed_state`). None keeps the last

@@ -47,7 +47,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from rollpoint.background import stop_task
+from rollpoint.common.background import stop_task
 from rollpoint.tuning.collector_pause import CollectorHold, freeze, frozen_lock, unfreeze
 
 log = logging.getLogger(__name__)

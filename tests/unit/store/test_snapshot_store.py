@@ -339,7 +339,8 @@ def test_a_missing_file_is_named(location: str) -> None:
     filesystem_for(location).remove_file(_snapshot_file(store, "s1", "tq/items.jsonl"))
 
     with pytest.raises(
-        InvalidCheckpointStateError, match=r"snapshot file 'tq' .*items.jsonl.* is missing"
+        InvalidCheckpointStateError,
+        match=r"snapshot file 'tq' .*items.jsonl.* is missing",
     ):
         store.verify("s1")
     assert store.list_snapshots() == []

@@ -1,4 +1,4 @@
-"""Trainer files kept as records: a snapshot writes the ledger's and TQ's records that
+"""Trainer files kept as records: a snapshot writes the ledger's and the finished queue's records that
 changed since the previous one, reads them back verified, and retention keeps every
 records file a kept snapshot's trainer file names."""
 

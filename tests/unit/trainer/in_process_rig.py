@@ -26,16 +26,21 @@ from rollpoint.protocol.ids import EpisodeId
 from rollpoint.protocol.participant import ParticipantKind
 from rollpoint.store.snapshot_store import SnapshotStore
 from rollpoint.testing import FaultTransport, in_process_client
-from rollpoint.trainer.coordinator import LEDGER_FILE, TQ_FILE, TRAINER_FILE, SnapshotCoordinator
-from rollpoint.trainer.dispatch_barrier import DispatchBarrier
-from rollpoint.trainer.finished_queue import FinishedQueue
-from rollpoint.trainer.ledger import RecoveryLedger
+from rollpoint.trainer.control.participant_client import ParticipantClient
+from rollpoint.trainer.dispatch.dispatch_barrier import DispatchBarrier
 from rollpoint.trainer.metrics import TrainerMetrics
-from rollpoint.trainer.participant_client import ParticipantClient
-from rollpoint.trainer.restorer import ResumePoint, read_trainer_document
+from rollpoint.trainer.record.train_checkpoint import TrainCheckpoint
+from rollpoint.trainer.restore.restorer import ResumePoint, read_trainer_document
 from rollpoint.trainer.settings import SaveSettings
-from rollpoint.trainer.train_checkpoint import TrainCheckpoint
-from tests.unit.gym.fake_participant import FakeParticipant
+from rollpoint.trainer.snapshot.coordinator import (
+    FINISHED_QUEUE_FILE,
+    LEDGER_FILE,
+    TRAINER_FILE,
+    SnapshotCoordinator,
+)
+from rollpoint.trainer.state.finished_queue import FinishedQueue
+from rollpoint.trainer.state.ledger import RecoveryLedger
+from tests.unit.participant.fake_participant import FakeParticipant
 
 KINDS = (ParticipantKind.MODEL, ParticipantKind.AGENT, ParticipantKind.RESOURCES)
 TASK = TaskRow(task_id="t1", environment="workplace", prompt="book a meeting")
@@ -79,7 +84,7 @@ class Rig:
     fences: dict[str, Fence] = field(default_factory=dict)
     clients: list[ParticipantClient] = field(default_factory=list)
     ledger: RecoveryLedger = field(default_factory=RecoveryLedger)
-    tq: FinishedQueue = field(default_factory=FinishedQueue)
+    finished_queue: FinishedQueue = field(default_factory=FinishedQueue)
     barrier: DispatchBarrier = field(default_factory=DispatchBarrier)
 
     @property
@@ -118,7 +123,7 @@ class Rig:
             self.clients,
             store=self.store,
             ledger=self.ledger,
-            tq=self.tq,
+            finished_queue=self.finished_queue,
             barrier=self.barrier,
             config=SaveSettings(deadline_seconds=deadline_s),
             metrics=TrainerMetrics(self.root.parent / "metrics.jsonl"),
@@ -141,7 +146,7 @@ class Rig:
             manifest=store.verify(snapshot_id),
             checkpoint=checkpoint,
             ledger_doc=read_trainer_document(store, snapshot_id, LEDGER_FILE),
-            tq_doc=read_trainer_document(store, snapshot_id, TQ_FILE),
+            finished_queue_doc=read_trainer_document(store, snapshot_id, FINISHED_QUEUE_FILE),
             trainer_doc=orjson.loads(store.read_file(snapshot_id, TRAINER_FILE)),
         )
 

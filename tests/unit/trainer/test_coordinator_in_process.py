@@ -12,8 +12,8 @@ from rollpoint.protocol.control import Phase
 from rollpoint.protocol.participant import ParticipantKind
 from rollpoint.store.snapshot_store import STAGING_DIR
 from rollpoint.testing import Fault
-from rollpoint.trainer.cut import SavePhase
-from rollpoint.trainer.resumer import Resumer
+from rollpoint.trainer.snapshot.cut import SavePhase
+from rollpoint.trainer.snapshot.resumer import Resumer
 from rollpoint.tuning import seam
 from tests.unit.trainer.in_process_rig import Rig, build_rig
 

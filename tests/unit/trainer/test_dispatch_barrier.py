@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from rollpoint.trainer.dispatch_barrier import DispatchBarrier
+from rollpoint.trainer.dispatch.dispatch_barrier import DispatchBarrier
 
 
 class FakeClock:

@@ -11,9 +11,9 @@ import pytest
 
 from rollpoint.protocol.episode import TaskRow
 from rollpoint.protocol.errors import InvalidCheckpointStateError
-from rollpoint.trainer.append_log import AppendLog
-from rollpoint.trainer.ledger import RecoveryLedger, RolloutState
-from rollpoint.trainer.ledger_document import LEDGER_SCHEMA_VERSION, document_from_records
+from rollpoint.trainer.state.append_log import AppendLog
+from rollpoint.trainer.state.ledger import RecoveryLedger, RolloutState
+from rollpoint.trainer.state.ledger_document import LEDGER_SCHEMA_VERSION, document_from_records
 
 GOLDEN = Path(__file__).parents[2] / "golden"
 S = RolloutState

@@ -11,8 +11,8 @@ from rollpoint.http.client import HttpClient
 from rollpoint.protocol.deployment import Deployment, ReplicaEndpoints
 from rollpoint.protocol.errors import BadRequestError, ConfigError
 from rollpoint.protocol.participant import ParticipantKind
-from rollpoint.trainer.control_plane import participant_clients
-from rollpoint.trainer.replica_roster import ReplicaRoster
+from rollpoint.trainer.control.control_plane import participant_clients
+from rollpoint.trainer.control.replica_roster import ReplicaRoster
 
 
 def endpoints(name: str, port: int) -> ReplicaEndpoints:

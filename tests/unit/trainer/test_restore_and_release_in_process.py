@@ -11,10 +11,10 @@ import pytest
 from rollpoint.protocol.control import Phase
 from rollpoint.protocol.errors import RestoreError
 from rollpoint.testing import Fault
-from rollpoint.trainer.ledger import RolloutState
-from rollpoint.trainer.release_batcher import ReleaseBatcher
-from rollpoint.trainer.restorer import Restorer, ResumePoint
-from rollpoint.trainer.workdir_record import WorkdirRecord
+from rollpoint.trainer.dispatch.release_batcher import ReleaseBatcher
+from rollpoint.trainer.record.workdir_record import WorkdirRecord
+from rollpoint.trainer.restore.restorer import Restorer, ResumePoint
+from rollpoint.trainer.state.ledger import RolloutState
 from tests.unit.trainer.in_process_rig import Rig, build_rig
 
 MODEL, AGENT, RESOURCES = "model@replica-0", "agent@replica-0", "resources@replica-0"

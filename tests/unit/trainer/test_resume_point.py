@@ -12,9 +12,9 @@ import pytest
 from rollpoint.protocol.errors import RestoreError
 from rollpoint.protocol.manifest import SnapshotManifest
 from rollpoint.store.snapshot_store import SnapshotStore
-from rollpoint.trainer.coordinator import LEDGER_FILE, TQ_FILE, TRAINER_FILE
-from rollpoint.trainer.restorer import find_resume_point, read_trainer_document
-from rollpoint.trainer.workdir_record import WorkdirRecord
+from rollpoint.trainer.record.workdir_record import WorkdirRecord
+from rollpoint.trainer.restore.restorer import find_resume_point, read_trainer_document
+from rollpoint.trainer.snapshot.coordinator import FINISHED_QUEUE_FILE, LEDGER_FILE, TRAINER_FILE
 
 
 def publish(store: SnapshotStore, sid: str, *, train_step: int, in_trainer_json: int) -> None:
@@ -23,7 +23,9 @@ def publish(store: SnapshotStore, sid: str, *, train_step: int, in_trainer_json:
     staging = store.begin(sid)
     files = {
         LEDGER_FILE: store.write_file(staging, LEDGER_FILE, b"{}"),
-        TQ_FILE: store.write_file(staging, TQ_FILE, orjson.dumps({"committed_step": 0})),
+        FINISHED_QUEUE_FILE: store.write_file(
+            staging, FINISHED_QUEUE_FILE, orjson.dumps({"committed_step": 0})
+        ),
         TRAINER_FILE: store.write_file(
             staging,
             TRAINER_FILE,

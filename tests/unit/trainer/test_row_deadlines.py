@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from rollpoint.protocol.errors import BadRequestError
-from rollpoint.trainer.dispatch_barrier import DispatchBarrier
-from rollpoint.trainer.row_deadlines import RowDeadlines
+from rollpoint.trainer.dispatch.dispatch_barrier import DispatchBarrier
+from rollpoint.trainer.dispatch.row_deadlines import RowDeadlines
 
 
 @dataclass(eq=False)

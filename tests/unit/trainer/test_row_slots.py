@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from rollpoint.protocol.errors import BadRequestError
-from rollpoint.trainer.row_slots import RowSlots
+from rollpoint.trainer.dispatch.row_slots import RowSlots
 
 
 async def test_a_send_takes_all_its_slots_at_once_or_none() -> None:

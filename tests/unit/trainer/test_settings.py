@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from rollpoint.config import parse_config
+from rollpoint.app.config import parse_config
 from rollpoint.protocol.errors import ConfigError
 from rollpoint.trainer import SaveSettings, TrainerSettings
 

@@ -10,13 +10,13 @@ import orjson
 import pytest
 
 from rollpoint.protocol.errors import BadRequestError, InvalidCheckpointStateError
-from rollpoint.trainer.train_checkpoint import (
+from rollpoint.trainer.record.train_checkpoint import (
     TRAIN_CHECKPOINT_VERSION,
     TRAINER_STATE_MAX_BYTES,
     TrainCheckpointStore,
     stamp,
 )
-from rollpoint.trainer.train_data import Coverage
+from rollpoint.trainer.record.train_data import Coverage
 from rollpoint.trainer.train_hooks import StepResult
 
 GOLDEN = Path(__file__).parents[2] / "golden" / "train_checkpoint"

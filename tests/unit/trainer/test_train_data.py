@@ -9,12 +9,12 @@ import orjson
 import pytest
 
 from rollpoint.protocol.errors import RestoreError
-from rollpoint.trainer.train_checkpoint import (
+from rollpoint.trainer.record.train_checkpoint import (
     INITIAL,
     TRAIN_CHECKPOINT_VERSION,
     TrainCheckpointStore,
 )
-from rollpoint.trainer.train_data import Coverage, TrainData
+from rollpoint.trainer.record.train_data import Coverage, TrainData
 
 
 def rows(*names: str) -> bytes:

@@ -16,7 +16,7 @@ from rollpoint.protocol.control import PrepareRequest, ResumeRequest
 from rollpoint.tuning import seam
 from rollpoint.tuning.collector_listener import CollectorListener, installed
 from rollpoint.tuning.collector_schedule import COLLECTOR_RELEASE_DELAY_S, CollectorSchedule
-from tests.unit.gym.fake_participant import FakeParticipant
+from tests.unit.participant.fake_participant import FakeParticipant
 
 
 class Recorder(seam.CheckpointListener):

@@ -7,7 +7,7 @@ each turn boundary and handed back after a restore, is ``{"summary": [lines], "f
 the summary so far and how many transcript messages (after the prompt) it covers.
 
 ``agent_loop: sandbox_env.summary_loop:SummarizingLoop`` in a config uses it. Uses only
-rollpoint's public API (``rollpoint.loops``).
+rollpoint's public API (``rollpoint.agent_loops``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any, ClassVar
 
 from pydantic import JsonValue
 
-from rollpoint.loops import AgentLoop, Prompt
+from rollpoint.agent_loops import AgentLoop, Prompt
 
 _RESULT_CHARS = 40
 

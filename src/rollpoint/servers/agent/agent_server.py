@@ -31,11 +31,11 @@ from fastapi import FastAPI
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
+from rollpoint.agent_loops import resolve_agent_loop
 from rollpoint.http.app import create_app
 from rollpoint.http.auth import data_token, load_token
 from rollpoint.http.client import HttpClient
 from rollpoint.http.server_metrics import Reading, ServerMetrics
-from rollpoint.loops import resolve_agent_loop
 from rollpoint.participant import close_control_plane, mount_participant
 from rollpoint.protocol.control import MAX_BATCH
 from rollpoint.protocol.episode import EnvironmentName, RowResult, RunReply, RunRequest
@@ -78,7 +78,7 @@ class AgentSettings(BaseModel):
     engine: str = "vllm"
     """The reply shape token data is read from (an engine adapter's name)."""
     agent_loop: str | None = None
-    """A custom agent loop by import path (``rollpoint.loops``); None: the built-in one."""
+    """A custom agent loop by import path (``rollpoint.agent_loops``); None: the built-in one."""
     snapshot_root: str | None = None
     """Snapshot store root (local path or fsspec URL); set, it mounts the control routes
     (token from ``ROLLPOINT_CONTROL_TOKEN``). None: a plain data server."""

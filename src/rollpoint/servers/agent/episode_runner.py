@@ -35,8 +35,8 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+from rollpoint.agent_loops import AgentLoop
 from rollpoint.http.client import HttpClient
-from rollpoint.loops import AgentLoop
 from rollpoint.policy.engine_adapters import EngineAdapter, adapter_for
 from rollpoint.protocol.episode import (
     EpisodeStart,

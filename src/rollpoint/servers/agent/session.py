@@ -100,7 +100,7 @@ class SessionRecord(StrictModel):
     pending_response: dict[str, JsonValue] | None = None
     """The last assistant message when its tool calls were not applied yet."""
     loop_state: JsonValue = None
-    """A custom agent loop's state after the last applied turn (``rollpoint.loops``)."""
+    """A custom agent loop's state after the last applied turn (``rollpoint.agent_loops``)."""
 
     @model_validator(mode="after")
     def _consistent(self) -> SessionRecord:

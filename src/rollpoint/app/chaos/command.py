@@ -1,0 +1,463 @@
+"""``rollpoint chaos``: run one job many times under random faults and hold each to the
+invariants (docs/design.md#invariants).
+
+Owns the trials: for each plan of :func:`~rollpoint.app.chaos.plan.draw_plans` it
+starts ``python -m rollpoint.app.chaos.trial`` in its own session (its servers share
+its process group), SIGKILLs that whole group at the plan's moment when the plan says so,
+reruns the trial until a run exits 0 (at most :data:`MAX_RERUNS` times), then checks the
+trial's workdir with :func:`rollpoint.testing.invariants.check_workdir` and counts what the
+trial's processes reported (faults that took effect, episodes continued and restarted)
+and what its workdir holds (snapshots published and failed). :class:`ChaosTally` sums the
+trials into one table and one JSON object.
+
+Between two runs it damages the trial's newest snapshot when the plan says so
+(:mod:`rollpoint.testing.snapshot_damage`). It does not apply the in-process faults (the
+trial process does) and draws no plan itself.
+Trials run one after another, or ``--jobs`` of them at once: each is a whole job with its
+servers, in its own folder, on free ports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO
+
+import orjson
+import yaml
+from pydantic import ValidationError
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from rollpoint.app.chaos.plan import (
+    MAX_RERUNS,
+    PlannedFault,
+    TrialEvent,
+    TrialPlan,
+    draw_plans,
+    final_states_dir,
+    trial_store,
+    trial_store_folder,
+)
+from rollpoint.app.chaos.tally import ChaosTally, RunRecord, TrialOutcome
+from rollpoint.app.config import RunConfig, load_config
+from rollpoint.app.job import load_tasks_for
+from rollpoint.protocol.episode import TaskRow
+from rollpoint.protocol.errors import ConfigError, LaunchError, RollpointError
+from rollpoint.testing import invariants
+from rollpoint.testing.faulty_store import heal
+from rollpoint.testing.invariants import Invariant, RewardScope, Violation
+from rollpoint.testing.snapshot_damage import Damage, NothingToDamage, damage_newest
+
+_GONE_WAIT_S = 5.0
+_SECOND_RUN_WAIT_S = 60.0
+"""A second run on a locked workdir is refused within seconds (its imports, its lock)."""
+_BUSY = "is in use by"
+"""What the refusal of a second run on a workdir says (rollpoint.store.workdir_lock)."""
+_SERVE_START_S = 120.0
+
+
+@dataclass
+class _Run:
+    """A trial process while it runs."""
+
+    process: asyncio.subprocess.Process
+    record: RunRecord
+    up: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class ChaosRunner:
+    """Runs the trials of one job config; each trial alone, in its own workdir."""
+
+    def __init__(self, config_path: Path, config: RunConfig, *, run_timeout_s: float) -> None:
+        """``run_timeout_s``: a run still going after this long is wedged: it is killed,
+        rerun, and counted as an I4 violation."""
+        self.config_path = config_path.resolve()
+        self.config = config
+        self.root = config.workdir.resolve() / "chaos"
+        self.run_timeout_s = run_timeout_s
+        self.tasks: list[TaskRow] = load_tasks_for(config)
+
+    async def trial(self, plan: TrialPlan) -> TrialOutcome:
+        started = time.monotonic()
+        shutil.rmtree(plan.workdir, ignore_errors=True)
+        plan.workdir.mkdir(parents=True)
+        runs: list[RunRecord] = []
+        with (plan.workdir / "stderr.log").open("ab") as stderr:
+            async with self._servers_apart(plan, stderr) as plan:
+                for run in range(MAX_RERUNS + 1):
+                    this = plan.model_copy(update={"run": run})
+                    runs.append(await self._run(this, stderr, before=self._between(this)))
+                    if runs[-1].returncode == 0:
+                        break
+        return TrialOutcome(
+            trial=plan.trial,
+            plan=plan,
+            runs=runs,
+            snapshots=invariants.snapshot_outcomes(plan.workdir),
+            violations=self.check(plan, runs),
+            seconds=time.monotonic() - started,
+        )
+
+    def check(self, plan: TrialPlan, runs: list[RunRecord]) -> list[Violation]:
+        """I1 to I4 on the trial's workdir, I4 from the end of the final run's last fault.
+        Every fault is one the job must survive, so a run that stopped by itself or had
+        to be killed for hanging did not go on after it: a wedge (I4) of its own."""
+        found = invariants.check_workdir(
+            plan.workdir,
+            self.tasks,
+            self.config.group_size,
+            resumed_since=runs[-1].settled_since(),
+            full_reward=self._reward_scope(),
+            final_states=final_states_dir(plan),
+            # The store the trial's runs were configured with (trial_config).
+            store=trial_store(plan),
+        )
+        for r in runs:
+            found += [Violation(Invariant.EXACTLY_ONCE, f"run {r.run}", p) for p in r.intruders]
+            if r.timed_out:
+                detail = f"wedged: no exit within {self.run_timeout_s:.0f}s"
+            elif r.failed:
+                detail = f"stopped by itself (exit {r.returncode}): {r.error or 'see stderr.log'}"
+            else:
+                continue
+            found.append(Violation(Invariant.SNAPSHOTS_COMMIT, f"run {r.run}", detail))
+        return found
+
+    def _reward_scope(self) -> RewardScope:
+        """Every rollout must reach full reward only where the policy never blunders and
+        full reward is what a finished task earns (workplace)."""
+        policy = self.config.policy
+        flawless = policy.base_url is None and policy.error_rate == 0
+        return "all" if flawless and self.config.environment == "workplace" else "none"
+
+    @contextlib.asynccontextmanager
+    async def _servers_apart(self, plan: TrialPlan, stderr: IO[bytes]) -> AsyncIterator[TrialPlan]:
+        """For a trial with a trainer kill: its servers under ``rollpoint serve``, in a
+        session of their own (the kill spares them), for all its runs; the plan then names
+        the deployment they printed. Stopped (SIGTERM, then SIGKILL) when the trial ends."""
+        if not plan.servers_apart:
+            yield plan
+            return
+        folder = plan.workdir / "servers"
+        folder.mkdir()
+        doc = self.config.model_dump(mode="json") | {
+            "workdir": str(folder),
+            "base_port": None,
+            "final_states_log": str(final_states_dir(plan)),
+        }
+        doc["snapshot"] = doc["snapshot"] | {"store": trial_store(plan)}
+        config = folder / "serve.yaml"
+        config.write_text(yaml.safe_dump(doc))
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "rollpoint",
+            "serve",
+            str(config),
+            "--json",
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=stderr,
+            start_new_session=True,
+            env={**os.environ, "NO_COLOR": "1"},
+        )
+        try:
+            assert process.stdout is not None
+            async with asyncio.timeout(_SERVE_START_S):
+                line = await process.stdout.readline()
+            if not line:
+                raise LaunchError(f"trial {plan.trial}: rollpoint serve exited; see stderr.log")
+            served = plan.workdir / "served.json"
+            served.write_bytes(line)
+            yield plan.model_copy(update={"served": served})
+        finally:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(process.pid, signal.SIGTERM)
+            try:
+                async with asyncio.timeout(_GONE_WAIT_S):
+                    await process.wait()
+            except TimeoutError:
+                _kill_group(process.pid)
+                await process.wait()
+            _kill_group(process.pid)  # a server that outlived serve itself
+            await asyncio.to_thread(_wait_group_gone, process.pid)
+
+    def _between(self, plan: TrialPlan) -> list[TrialEvent]:
+        """Apply the faults on the trial's folder planned before this run: what happened,
+        as the events the run's record starts with."""
+        # A trial process killed while the disk was full left it full: it has room again.
+        heal(trial_store_folder(plan))
+        events = []
+        for fault in plan.before_run():
+            now = time.time()
+            try:
+                done = damage_newest(trial_store_folder(plan), fault.damage or Damage.FILE)
+            except NothingToDamage as exc:
+                events.append(
+                    TrialEvent(event="missed", ts=now, detail=fault.describe(), reason=str(exc))
+                )
+                continue
+            for event in ("fault", "over"):
+                events.append(
+                    TrialEvent(
+                        event=event, ts=now, kind=fault.kind, detail=fault.describe(), reason=done
+                    )
+                )
+        return events
+
+    async def _run(
+        self, plan: TrialPlan, stderr: IO[bytes], *, before: list[TrialEvent]
+    ) -> RunRecord:
+        process = await _start_trial(plan, stdout=asyncio.subprocess.PIPE, stderr=stderr)
+        kills = plan.kills()
+        record = RunRecord(run=plan.run, started_at=time.time(), events=list(before))
+        if kills:
+            record.kill = kills[0].kind
+        live = _Run(process, record)
+        helpers = [asyncio.create_task(self._read(live, plan.workdir / "events.jsonl"))]
+        helpers += [asyncio.create_task(self._kill_at(live, f.at_s)) for f in kills]
+        helpers += [
+            asyncio.create_task(self._second_run_at(live, plan, f)) for f in plan.second_runs()
+        ]
+        try:
+            async with asyncio.timeout(self.run_timeout_s):
+                await process.wait()
+        except TimeoutError:
+            live.record.timed_out = True
+        finally:
+            # Whatever is left of the group goes: servers of a killed or hung run, or of
+            # this one when the chaos run itself is interrupted.
+            _kill_group(process.pid)
+            await process.wait()
+            for task in helpers[1:]:
+                task.cancel()
+            await asyncio.gather(*helpers, return_exceptions=True)
+            await asyncio.to_thread(_wait_group_gone, process.pid)
+        live.record.returncode = process.returncode
+        return live.record
+
+    async def _read(self, live: _Run, events_file: Path) -> None:
+        """Collect the trial's event lines (and keep them beside its workdir)."""
+        assert live.process.stdout is not None
+        with events_file.open("ab") as keep:
+            while raw := await live.process.stdout.readline():
+                try:
+                    event = TrialEvent.model_validate_json(raw)
+                except ValidationError:
+                    continue  # a line torn by the kill
+                line = {"run": live.record.run} | event.model_dump(
+                    mode="json", exclude_defaults=True
+                )
+                keep.write(orjson.dumps(line) + b"\n")
+                live.record.events.append(event)
+                if event.event == "up":
+                    live.up.set()
+
+    async def _second_run_at(self, live: _Run, plan: TrialPlan, fault: PlannedFault) -> None:
+        """Start the same run again on the trial's workdir while the first one runs; it
+        must be refused at once, naming the holder. Its events are not the trial's."""
+        await live.up.wait()
+        await asyncio.sleep(fault.at_s)
+        if live.process.returncode is not None:
+            return  # the run ended first: not injected
+        second = await _start_trial(
+            plan, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE
+        )
+        struck = time.time()
+        try:
+            async with asyncio.timeout(_SECOND_RUN_WAIT_S):
+                _, err = await second.communicate()
+        except TimeoutError:
+            err = b""
+        finally:
+            _kill_group(second.pid)
+            await second.wait()
+        said = err.decode(errors="replace").strip().splitlines()
+        refused = second.returncode not in (0, None, -signal.SIGKILL) and any(
+            _BUSY in line for line in said
+        )
+        event = TrialEvent(
+            event="fault",
+            ts=struck,
+            kind=fault.kind,
+            detail=fault.describe(),
+            reason=said[-1] if said else f"exit {second.returncode}",
+        )
+        live.record.events += [event, event.model_copy(update={"event": "over"})]
+        if not refused:
+            live.record.intruders.append(
+                f"a second run on the workdir was not refused at once (exit {second.returncode}"
+                f"{': ' + said[-1] if said else ''})"
+            )
+
+    async def _kill_at(self, live: _Run, at_s: float) -> None:
+        await live.up.wait()
+        await asyncio.sleep(at_s)
+        if live.process.returncode is None:
+            _kill_group(live.process.pid)
+            live.record.killed_at = time.time()
+
+
+async def _start_trial(
+    plan: TrialPlan, *, stdout: int, stderr: int | IO[bytes]
+) -> asyncio.subprocess.Process:
+    """One trial process for ``plan``, in a session of its own (its servers join its group)."""
+    return await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "rollpoint.app.chaos.trial",
+        plan.model_dump_json(),
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=stdout,
+        stderr=stderr,
+        start_new_session=True,
+        env={**os.environ, "NO_COLOR": "1"},
+    )
+
+
+def _kill_group(pgid: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, signal.SIGKILL)
+
+
+def _wait_group_gone(pgid: int) -> None:
+    """Until no process of group ``pgid`` is left (Linux: /proc), so the next run never
+    meets the last one's servers still writing."""
+    deadline = time.monotonic() + _GONE_WAIT_S
+    while _group_members(pgid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def _group_members(pgid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        # The command name may hold spaces or parentheses: fields start after the last ')'.
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            found.append(int(entry.name))
+    return found
+
+
+# --- the command ---------------------------------------------------------------------------
+
+
+async def run_chaos(
+    runner: ChaosRunner,
+    plans: list[TrialPlan],
+    tally: ChaosTally,
+    console: Console,
+    *,
+    jobs: int = 1,
+) -> None:
+    """Run every plan, ``jobs`` trials at once; the tally lists them in trial order.
+    Progress: a bar on a terminal, one plain line per finished trial in a pipe or a log."""
+    columns = (
+        TextColumn("[bold]trials"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("faults {task.fields[faults]} · violations {task.fields[violations]}"),
+        TimeElapsedColumn(),
+    )
+    started = time.monotonic()
+    with contextlib.ExitStack() as stack:
+        progress = None
+        if console.is_terminal:
+            progress = stack.enter_context(Progress(*columns, console=console, transient=False))
+            bar = progress.add_task("trials", total=len(plans), faults=0, violations=0)
+        gate = asyncio.Semaphore(jobs)
+
+        async def one(plan: TrialPlan) -> None:
+            async with gate:
+                outcome = await runner.trial(plan)
+            tally.add(outcome)
+            faults = sum(tally.faults_injected.values())
+            violations = sum(tally.violations_by_kind.values())
+            if progress is not None:
+                progress.update(bar, advance=1, faults=faults, violations=violations)
+                return
+            elapsed = int(time.monotonic() - started)
+            console.print(
+                f"trial {outcome.trial} done · trials {len(tally.outcomes)}/{len(plans)} · "
+                f"faults {faults} · violations {violations} · {elapsed // 60}:{elapsed % 60:02d}",
+                highlight=False,
+                soft_wrap=True,
+            )
+
+        try:
+            # A task group, not gather: cancelled (Ctrl-C), gather returns as soon as one
+            # trial ends cancelled, and the runner then cancels the others again while
+            # they reap their processes (a trial process left unreaped when the loop
+            # closed, and a traceback from its transport: a CI run). The group waits for
+            # every trial to finish its cleanup.
+            async with asyncio.TaskGroup() as group:
+                for plan in plans:
+                    group.create_task(one(plan))
+        finally:
+            tally.outcomes.sort(key=lambda o: o.trial)
+
+
+def chaos_command(
+    config_path: Path,
+    *,
+    trials: int,
+    seed: int,
+    json_path: Path | None,
+    verbose: bool,
+    within_s: float,
+    run_timeout_s: float,
+    jobs: int = 1,
+    console: Console,
+    out: Console,
+) -> int:
+    """The ``rollpoint chaos`` command; returns its exit code (0: no violation, 1: some,
+    2: bad input)."""
+    try:
+        if trials < 1:
+            raise ConfigError(f"--trials must be at least 1, got {trials}")
+        if within_s <= 0 or run_timeout_s <= 0:
+            raise ConfigError("--within and --run-timeout must be positive")
+        if jobs < 1:
+            raise ConfigError(f"--jobs must be at least 1, got {jobs}")
+        config = load_config(config_path)
+        runner = ChaosRunner(config_path, config, run_timeout_s=run_timeout_s)
+    except RollpointError as exc:
+        console.print(f"[bold red]error:[/] {exc.message}", highlight=False, soft_wrap=True)
+        return 2
+    plans = draw_plans(
+        trials,
+        seed,
+        config=runner.config_path,
+        root=runner.root,
+        replicas=config.replicas,
+        within_s=within_s,
+    )
+    tally = ChaosTally(seed=seed, config=str(config_path))
+    interrupted = False
+    try:
+        asyncio.run(run_chaos(runner, plans, tally, console, jobs=jobs))
+    except KeyboardInterrupt:
+        # What finished is still reported (and written): an hour of trials is not lost
+        # to a Ctrl-C; the exit code says the run was cut short.
+        interrupted = True
+        tally.outcomes.sort(key=lambda o: o.trial)
+        console.print(f"[yellow]interrupted[/] after {len(tally.outcomes)} trial(s)")
+    for table in tally.tables(verbose=verbose):
+        out.print(table)
+    if tally.violations:
+        out.print(invariants.report(tally.violations), highlight=False, soft_wrap=True)
+    if json_path is not None:
+        json_path.write_bytes(orjson.dumps(tally.to_json(), option=orjson.OPT_INDENT_2))
+    return 130 if interrupted else tally.exit_code

@@ -1,0 +1,381 @@
+"""The run configuration: one YAML file, validated by pydantic, every key named on error.
+
+``load_config(path)`` is the only way the CLI reads a config; it turns every problem
+(unreadable file, bad YAML, unknown key, bad value) into a one-line :class:`ConfigError`
+that names the file and the key.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    JsonValue,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
+
+from rollpoint.protocol.episode import EnvironmentName
+from rollpoint.protocol.errors import ConfigError
+
+if TYPE_CHECKING:  # imported when used: loading a config need not load the trainer
+    from rollpoint.trainer.settings import SaveSettings, TrainerSettings
+
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+SAMPLING_OWNED_KEYS = frozenset(
+    {"model", "messages", "tools", "tool_choice", "stream", "stream_options", "n", "seed"}
+    | {"temperature", "top_p", "max_tokens", "stop", "logprobs", "top_logprobs"}
+)
+"""Request keys the agent sets itself or from named sampling settings: not in ``extra``."""
+
+
+class SamplingConfig(_Section):
+    """What the agent sends with every policy call (None: the engine's own default)."""
+
+    temperature: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    """Most completion tokens per call."""
+    stop: list[Annotated[str, Field(min_length=1)]] | None = None
+    """Stop strings; a single string is taken as a list of one."""
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    """Alternatives per token (needs ``logprobs: true``)."""
+    seed: Literal["episode", "turn", "none"] = "episode"
+    """``episode``: one seed per episode, from its rollout id (stable across attempts and
+    machines); ``turn``: one per (rollout, turn); ``none``: send no seed."""
+    extra: dict[str, JsonValue] = Field(default_factory=dict)
+    """Engine-specific fields passed through as they are (``top_k``, ``min_p``,
+    ``repetition_penalty``, ``chat_template_kwargs``, ...)."""
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _one_stop(cls, value: object) -> object:
+        return [value] if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _check(self) -> SamplingConfig:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        owned = sorted(SAMPLING_OWNED_KEYS & set(self.extra))
+        if owned:
+            raise ValueError(
+                f"extra.{owned[0]} is set by rollpoint (or by its own sampling key), "
+                "not passed through"
+            )
+        return self
+
+    def request_fields(self) -> dict[str, JsonValue]:
+        """The fixed fields of every policy call (the seed is per call, not here)."""
+        fields: dict[str, JsonValue] = dict(self.extra)
+        for key in ("temperature", "top_p", "max_tokens"):
+            value = getattr(self, key)
+            if value is not None:
+                fields[key] = value
+        if self.stop is not None:
+            fields["stop"] = list(self.stop)
+        if self.logprobs:
+            fields["logprobs"] = True
+            if self.top_logprobs is not None:
+                fields["top_logprobs"] = self.top_logprobs
+        return fields
+
+
+class PolicyConfig(_Section):
+    base_url: str | None = None
+    """Any OpenAI-compatible URL (ending in /v1). None starts the built-in scripted policy."""
+    model: str = "scripted"
+    api_key: str | None = None
+    latency_ms: Annotated[float, Field(ge=0)] = 20.0
+    """Scripted policy only: time each call takes, in milliseconds."""
+    error_rate: Annotated[float, Field(ge=0, le=1)] = 0.05
+    """Scripted policy only: share of tool calls that are wrong or malformed."""
+    tokens_per_call: Annotated[int, Field(ge=1)] = 48
+    """Scripted policy only: completion tokens reported per call."""
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    engine: Literal["vllm", "sglang"] = "vllm"
+    """Which reply shape token data is read from (the scripted policy then speaks it)."""
+    capture_tokens: Literal[False, True, "required"] = False
+    """True: ask the engine for token ids and logprobs and keep them per turn; an engine
+    that returns none is reported once at start and the run goes on without them.
+    ``required``: such an engine stops the run at start instead."""
+    call_log: Path | None = None
+    """Scripted policy only: a JSONL file it appends every reply's token data to."""
+    tool_turns: Annotated[int, Field(ge=0, le=1024)] = 3
+    """Scripted policy only, environments it has no playbook for: tool-calling turns (each
+    one offered tool, seeded schema-valid arguments) before its final answer."""
+    generation_cut: bool = True
+    """With ``capture_tokens``: save the prefix of every call in flight at a snapshot and
+    continue it after a restore (the model server then streams every call from the engine).
+    False proxies calls as they come, and a crash decodes them again."""
+    token_latency_ms: Annotated[float, Field(ge=0)] = 0.0
+    """Scripted policy only: decode time per completion token (with token capture, each
+    token is streamed as it is decoded, so a snapshot can cut a generation mid-way)."""
+    reasoning_tokens: Annotated[int, Field(ge=0)] = 0
+    """Scripted policy only: stand-in reasoning tokens before every tool call."""
+
+
+class TrainConfig(_Section):
+    batch_size: Annotated[int, Field(ge=1)] = 16
+    """Rollouts per train step; rounded up to whole prompt groups."""
+    checkpoint_every_steps: Annotated[int, Field(ge=1)] | None = 1
+    """Write a train checkpoint (and take a snapshot) every this many steps. The finished queue keeps the
+    rollouts it consumed until their checkpoint is durable; None never checkpoints."""
+    step_seconds: Annotated[float, Field(ge=0)] = 0.0
+    """Built-in loop only (``rollpoint run``'s :class:`~rollpoint.loop.SimulatedTrainer`):
+    time a train step takes (simulated work)."""
+
+
+class SnapshotConfig(_Section):
+    every_seconds: Annotated[float, Field(gt=0)] | None = None
+    """Take a snapshot this often; None takes them only at train checkpoints."""
+    keep: Annotated[int, Field(ge=1)] = 3
+    deadline_seconds: Annotated[float, Field(gt=0, le=3000)] = 10.0
+    """At most 3,000 s: a participant refuses a deadline more than an hour ahead of its
+    clock (``ControlSettings.max_deadline_ahead_s``), and clocks may differ a little."""
+    retry_after_seconds: Annotated[float, Field(ge=0)] = 10.0
+    """Three failed snapshots in a row stop the run only once the failures also span this
+    long: back-to-back saves (train checkpoints) that fail within milliseconds while a
+    replica dies must not end the run, nor a server gone for a few seconds behind its
+    address (a container restarting: rollpoint chaos stopped runs on 1 s). Every save is
+    still attempted."""
+    allow_restart_only: bool = False
+    store: str | None = None
+    """A path or fsspec URL; None keeps snapshots under <workdir>/snapshots."""
+
+    def save_settings(self) -> SaveSettings:
+        """What the snapshot coordinator is told of these keys."""
+        from rollpoint.trainer.settings import SaveSettings
+
+        return SaveSettings(
+            deadline_seconds=self.deadline_seconds,
+            retry_after_seconds=self.retry_after_seconds,
+            allow_restart_only=self.allow_restart_only,
+        )
+
+
+class PreemptionConfig(_Section):
+    """What ``rollpoint run`` does on SIGTERM or SIGINT (a scheduler's notice, Ctrl-C)."""
+
+    grace_seconds: Annotated[float, Field(gt=0)] = 25.0
+    """From the signal to the exit: one last snapshot, then the servers stop. Inside
+    Kubernetes' default terminationGracePeriodSeconds (30); set it below your scheduler's
+    kill delay (Slurm: the time ``--signal`` gives, or KillWait). A snapshot that cannot
+    finish in time is abandoned and the previous one holds the run."""
+
+
+DEFAULT_FORWARD_ENV = (
+    "AWS_*",
+    "GOOGLE_APPLICATION_CREDENTIALS",
+    "GOOGLE_CLOUD_PROJECT",
+    "AZURE_STORAGE_*",
+    "FSSPEC_*",
+)
+"""What ``ray.forward_env`` copies by default: the credentials and endpoints s3fs
+(botocore), gcsfs and adlfs read, and fsspec's own configuration variables."""
+
+
+class RayConfig(_Section):
+    """Where the replicas run when ``runtime: ray``; ignored on the embedded runtime."""
+
+    address: str | None = None
+    """None starts a local Ray instance; ``auto`` joins the cluster this machine is part of;
+    ``ray://host:10001`` (or ``host:6379``) connects to that cluster."""
+    num_cpus_per_replica: Annotated[float, Field(gt=0)] = 1.0
+    """CPUs Ray reserves for each replica actor (its three server processes)."""
+    forward_env: list[Annotated[str, Field(min_length=1)]] = Field(
+        default_factory=lambda: list(DEFAULT_FORWARD_ENV)
+    )
+    """Environment variables (``fnmatch`` patterns) copied from the trainer's environment
+    to every replica's server processes: a cluster's workers were started elsewhere and
+    have none of it. The default covers the object stores fsspec reaches (S3 and
+    S3-compatible, GCS, Azure), so ``snapshot.store: s3://…`` works on Ray as on the
+    embedded runtime. Tokens are not forwarded this way (they travel as actor arguments)."""
+
+
+class JournalConfig(_Section):
+    """The durable-turns journal (issue 35, ``docs/journal.md``): each model server journals
+    every finished plain policy call, and each resources server every applied tool call, in
+    the snapshot store before the reply leaves; a restored episode's calls are answered from
+    it instead of being sampled or run again."""
+
+    enabled: bool = False
+    """Off by default while the rest of issue 35 lands: the trainer's dispatches and the
+    agents' turns are not journaled yet, so a crash with no snapshot still starts its
+    rollouts over under new ids (see ``docs/journal.md``, "What is wired")."""
+    window_ms: Annotated[float, Field(ge=0, le=1000)] = 2.0
+    """The group-commit window: records ready within it share one fsync."""
+
+
+class MetricsConfig(_Section):
+    """Where the trainer serves Prometheus ``/metrics`` (each server also serves its own)."""
+
+    host: str | None = None
+    """None: the run's ``host``. Anything but loopback needs ``allow_remote_bind``."""
+    port: Annotated[int, Field(ge=0, le=65535)] = 0
+    """0 picks a free port (printed at start); set one for a fixed scrape target."""
+
+
+class RunConfig(_Section):
+    workdir: Path = Path("runs/demo")
+    environment: EnvironmentName = "workplace"
+    """A built-in name, a name an installed package registers (entry-point group
+    ``rollpoint.environments``) or an import path ``package.module:ClassName``."""
+    agent_loop: str | None = None
+    """A custom agent loop by import path ``package.module:ClassName`` (``rollpoint.agent_loops``);
+    None sends the policy the transcript as it is."""
+    tasks: Annotated[int, Field(ge=0)] | None = 32
+    """Number of synthetic tasks; ignored when ``dataset`` is given. 0 only for a run that
+    takes its groups while it runs (``Rollouts(..., more_groups=True)``)."""
+    dataset: Path | None = None
+    """A JSONL file of task rows ({task_id, environment, prompt, params})."""
+    group_size: Annotated[int, Field(ge=1, le=1024)] = 4
+    max_turns: Annotated[int, Field(ge=1, le=1024)] = 8
+    replicas: Annotated[int, Field(ge=1, le=64)] = 2
+    concurrency: Annotated[int, Field(ge=1)] = 32
+    """Episodes in flight at once, across all replicas."""
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    snapshot: SnapshotConfig = Field(default_factory=SnapshotConfig)
+    preemption: PreemptionConfig = Field(default_factory=PreemptionConfig)
+    recovery: Literal["turn", "restart"] = "turn"
+    """After a crash, ``turn`` continues every saved episode from its last completed turn;
+    ``restart`` starts every unfinished episode over from its prompt (the baseline that
+    turn-level recovery is measured against)."""
+    runtime: Literal["embedded", "ray"] = "embedded"
+    """``embedded``: every server a local process; ``ray``: each replica a Ray actor."""
+    ray: RayConfig = Field(default_factory=RayConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    journal: JournalConfig = Field(default_factory=JournalConfig)
+    seed: int = 0
+    host: str = "127.0.0.1"
+    base_port: Annotated[int, Field(ge=1, le=65000)] | None = None
+    """Fixed ports from this one up (policy, then 3 per replica); None picks free ports."""
+    allow_remote_bind: bool = False
+    """Listening on anything but loopback needs this set on purpose."""
+    upstream_connections: Annotated[int, Field(ge=1)] | None = None
+    """Most connections each agent keeps open to its model server, and to its resources
+    server; calls beyond wait in the agent (their sessions are in flight and saved like
+    any other), and only the time a call spends on the wire counts against its timeout.
+    None: no cap, one socket per call. Set it when in-flight sessions near the open-file
+    limit (each in-flight call holds a socket on every hop)."""
+    row_timeout_seconds: Annotated[float, Field(gt=0)] = 300.0
+    """Give up on one row after this long (time paused by a snapshot not counted)."""
+    final_states_log: Path | None = None
+    """An audit folder: each resources server appends every verified episode's final
+    environment state there (``resources-<replica>.jsonl``), before the verify reply.
+    ``rollpoint chaos`` sets it and counts tool side effects (I2) from it. None: off."""
+
+    @model_validator(mode="after")
+    def _check(self) -> RunConfig:
+        if self.dataset is None and self.tasks is None:
+            raise ValueError("give either 'tasks' or 'dataset'")
+        if not self.allow_remote_bind and self.host not in _LOOPBACK:
+            raise ValueError(
+                f"host {self.host!r} is not loopback; set allow_remote_bind: true to listen on it"
+            )
+        if not self.allow_remote_bind and self.metrics.host not in (None, *_LOOPBACK):
+            raise ValueError(
+                f"metrics.host {self.metrics.host!r} is not loopback;"
+                " set allow_remote_bind: true to listen on it"
+            )
+        return self
+
+    @property
+    def metrics_host(self) -> str:
+        return self.metrics.host or self.host
+
+    def snapshot_root(self) -> str:
+        """Where snapshots go: ``snapshot.store``, or ``<workdir>/snapshots`` made absolute."""
+        return self.snapshot.store or str((self.workdir / "snapshots").resolve())
+
+    def fingerprint(self) -> dict[str, JsonValue]:
+        """The keys a snapshot's saved state depends on; a restore must match them."""
+        return {
+            "environment": self.environment,
+            "group_size": self.group_size,
+            "max_turns": self.max_turns,
+            "replicas": self.replicas,
+            "tasks": self.tasks if self.dataset is None else None,
+            "dataset": str(self.dataset) if self.dataset is not None else None,
+            "seed": self.seed,
+        }
+
+    def trainer_settings(self) -> TrainerSettings:
+        """What the trainer loop is told of this config (the library reads no config)."""
+        from rollpoint.trainer.settings import TrainerSettings
+
+        return TrainerSettings(
+            workdir=self.workdir,
+            group_size=self.group_size,
+            concurrency=self.concurrency,
+            max_turns=self.max_turns,
+            batch_size=self.train.batch_size,
+            checkpoint_every_steps=self.train.checkpoint_every_steps,
+            row_timeout_seconds=self.row_timeout_seconds,
+            snapshot_every_seconds=self.snapshot.every_seconds,
+            save=self.snapshot.save_settings(),
+            fingerprint=self.fingerprint(),
+        )
+
+
+def _format_validation_error(source: str, exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    loc = ".".join(str(p) for p in err["loc"]) or "<top level>"
+    if err["type"] == "extra_forbidden":
+        return f"{source}: unknown key '{loc}'"
+    more = f" (and {len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
+    return f"{source}: key '{loc}': {err['msg']}{more}"
+
+
+def parse_config(data: object, *, source: str = "config") -> RunConfig:
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: expected a mapping of keys at the top level")
+    try:
+        config = RunConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_format_validation_error(source, exc)) from None
+    # Resolved now, before any server starts: a plugin that does not load is one line here,
+    # not three dead server processes. (Each server process resolves it again.)
+    from rollpoint.envs.registry import resolve_environment
+
+    try:
+        resolve_environment(config.environment)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: key 'environment': {exc}") from None
+    if config.agent_loop is not None:
+        from rollpoint.agent_loops import resolve_agent_loop
+
+        try:
+            resolve_agent_loop(config.agent_loop)
+        except ConfigError as exc:
+            raise ConfigError(f"{source}: key 'agent_loop': {exc}") from None
+    return config
+
+
+def load_config(path: Path) -> RunConfig:
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read config: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{path}: not valid YAML{where}") from None
+    return parse_config(data, source=str(path))

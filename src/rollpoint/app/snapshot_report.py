@@ -1,0 +1,140 @@
+"""What ``rollpoint inspect`` shows: a run's snapshots and the contents of the latest.
+
+Read-only: it opens the store without cleaning leftovers (a live run may be writing a
+snapshot right now) and never changes a file. :func:`build_report` needs no extra (the
+``report`` page reads it too); :func:`render_report` draws with rich (the ``cli`` extra).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rollpoint.protocol.errors import ConfigError
+from rollpoint.store.snapshot_store import SnapshotStore
+from rollpoint.trainer.restore.restorer import read_trainer_document
+from rollpoint.trainer.snapshot.coordinator import FINISHED_QUEUE_FILE
+
+if TYPE_CHECKING:
+    from rich.console import Console
+
+
+def build_report(root: str, *, workdir: Path | None = None) -> dict[str, Any]:
+    if workdir is not None and not workdir.exists():
+        raise ConfigError(f"workdir {workdir} does not exist")
+    if "://" not in root and not Path(root).exists():
+        return {"snapshots": [], "invalid": [], "latest": None}
+    store = SnapshotStore(root, clean_leftovers=False)
+    summaries = store.list_snapshots(include_invalid=True)
+    snapshots = []
+    invalid = []
+    for summary in summaries:
+        if not summary.valid:
+            invalid.append({"id": summary.snapshot_id, "reason": summary.reason})
+            continue
+        manifest = store.load(summary.snapshot_id)
+        snapshots.append(
+            {
+                "id": manifest.snapshot_id,
+                "published_at": manifest.published_at,
+                "train_step": manifest.train_step,
+                "pause_seconds": manifest.pause_seconds,
+                "episodes": len(manifest.episodes),
+                "restarts": len(manifest.restarts),
+            }
+        )
+    latest_manifest = store.latest()
+    latest: dict[str, Any] | None = None
+    if latest_manifest is not None:
+        finished_queue_doc = read_trainer_document(
+            store, latest_manifest.snapshot_id, FINISHED_QUEUE_FILE
+        )
+        tq_size = sum(len(b["replies"]) for b in finished_queue_doc.get("ready", [])) + len(
+            finished_queue_doc.get("partial", [])
+        )
+        tq_size += sum(len(b["replies"]) for b in finished_queue_doc.get("consumed", []))
+        latest = {
+            "id": latest_manifest.snapshot_id,
+            "train_step": latest_manifest.train_step,
+            "policy_version": latest_manifest.policy_version,
+            "pause_seconds": latest_manifest.pause_seconds,
+            "episodes": [
+                {
+                    "rollout_id": e.rollout_id,
+                    "attempt": e.attempt,
+                    "replica": e.replica,
+                    "group_id": e.group_id,
+                    "row": e.row,
+                    "turns_completed": e.turns_completed,
+                }
+                for e in latest_manifest.episodes
+            ],
+            "restarts": [r.model_dump(mode="json") for r in latest_manifest.restarts],
+            "finished": [f.model_dump(mode="json") for f in latest_manifest.finished],
+            "participants": [p.model_dump(mode="json") for p in latest_manifest.participants],
+            "tq_size": tq_size,
+        }
+    return {"snapshots": snapshots, "invalid": invalid, "latest": latest}
+
+
+def render_report(report: dict[str, Any], console: Console) -> None:
+    from rich.table import Table
+
+    from rollpoint.app.full_table import print_full
+
+    table = Table(title="snapshots (newest first)")
+    for col in ("id", "published", "train step", "pause", "saved", "restarts"):
+        table.add_column(col)
+    import datetime as dt
+
+    for s in report["snapshots"]:
+        when = dt.datetime.fromtimestamp(s["published_at"], tz=dt.UTC).strftime("%Y-%m-%d %H:%M:%S")
+        table.add_row(
+            s["id"],
+            when,
+            str(s["train_step"]),
+            f"{s['pause_seconds'] * 1000:.1f} ms",
+            str(s["episodes"]),
+            str(s["restarts"]),
+        )
+    print_full(console, table)
+    for bad in report["invalid"]:
+        console.print(f"[yellow]not usable[/]: {bad['id']}: {bad['reason']}", soft_wrap=True)
+    latest = report["latest"]
+    if latest is None:
+        console.print("no usable snapshot")
+        return
+    console.print(
+        f"latest: [bold]{latest['id']}[/] at train step {latest['train_step']}, "
+        f"pause {latest['pause_seconds'] * 1000:.1f} ms, the finished queue holds {latest['tq_size']} rollouts",
+        soft_wrap=True,
+    )
+    episodes = Table(title=f"saved episodes ({len(latest['episodes'])})")
+    for col in ("episode", "replica", "group", "row", "turns completed"):
+        episodes.add_column(col)
+    for e in latest["episodes"]:
+        episodes.add_row(
+            f"{e['rollout_id']}#{e['attempt']}",
+            e["replica"],
+            e["group_id"],
+            str(e["row"]),
+            str(e["turns_completed"]),
+        )
+    print_full(console, episodes)
+    if latest["restarts"] or latest["finished"]:
+        other = Table(title="restarts and finished replies held at the cut")
+        for col in ("episode", "replica", "what"):
+            other.add_column(col)
+        for r in latest["restarts"]:
+            other.add_row(f"{r['rollout_id']}#{r['attempt']}", r["replica"], "starts over")
+        for f in latest["finished"]:
+            other.add_row(
+                f"{f['rollout_id']}#{f['attempt']}", f["replica"], "finished; adopted on restore"
+            )
+        print_full(console, other)
+    parts = Table(title="participants")
+    for col in ("kind", "name", "replica", "mode"):
+        parts.add_column(col)
+    for p in latest["participants"]:
+        parts.add_row(p["kind"], p["name"], p["replica"], p["mode"])
+    print_full(console, parts)

@@ -1,5 +1,0 @@
-"""Custom agent loops (see :mod:`rollpoint.loops.agent_loop` for the contract)."""
-
-from rollpoint.loops.agent_loop import AgentLoop, Prompt, resolve_agent_loop
-
-__all__ = ["AgentLoop", "Prompt", "resolve_agent_loop"]

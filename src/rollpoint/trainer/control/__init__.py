@@ -1,0 +1,5 @@
+"""The trainer's handle on the environment's control plane: the transport seam, one typed
+client per participant, the replica roster and the control plane built from a deployment.
+
+Above the state, below dispatch and snapshots: it imports nothing of either.
+"""

@@ -1,0 +1,821 @@
+"""The trainer loop: one run of async GRPO over the environment deployment.
+
+Owns the run's parts and how they meet: the ledger, the dispatch barrier, the finished queue and the
+dispatcher are built here (and exposed, so a snapshot coordinator can drive them); one
+task keeps the dispatcher fed with prompt groups, one trains on whole groups as the finished queue fills,
+and a stall watchdog fails the run when no row result arrives for too long (time paused
+by a snapshot not counted). Every train step calls the :class:`TrainHooks`, bumps the
+policy version on every model server, writes the consumed rollouts to the trainer's
+:class:`StepRecord` (by default :class:`WorkdirRecord`: ``<workdir>/train_data.jsonl``,
+fsync'd per step) and, once the step is durable there, commits the finished queue.
+
+Given a :class:`ControlPlane`, it also takes snapshots (every ``snapshot.every_seconds``
+and at every train checkpoint) through a :class:`SnapshotCoordinator`, and releases what it
+no longer needs on the environment side (acks, retires, forgets) through a
+:class:`ReleaseBatcher`, which also lets the dispatcher retire a try before it gives up on it.
+
+The runtime reports replicas that die and come back (:meth:`Trainer.replica_down`,
+:meth:`Trainer.replica_up`); the trainer keeps the one :class:`ReplicaRoster` the dispatcher,
+the coordinator and the release batcher read; a :class:`ReplicaRecovery` restores the lost
+replica's snapshot tries onto it when it is back, and the dispatcher sends the rest
+elsewhere. It does not watch processes (that is the runtime's job).
+
+For its run, it tells the checkpoint seam (:mod:`rollpoint.tuning.seam`) that checkpoints
+are in use on its coordinator (after discovery) and that the coordinator closed (when the
+run ends); the coordinator itself emits each pause's hold and release.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import JsonValue
+
+from rollpoint.http.client import HttpClient
+from rollpoint.protocol.deployment import Deployment, ReplicaEndpoints
+from rollpoint.protocol.episode import RunReply, TaskRow
+from rollpoint.protocol.errors import (
+    BadRequestError,
+    ConfigError,
+    InvalidPhaseError,
+    RollpointError,
+    RunStalledError,
+)
+from rollpoint.protocol.model_base import StrictModel
+from rollpoint.protocol.participant import ParticipantKind
+from rollpoint.store import retention
+from rollpoint.trainer.control.control_plane import ControlPlane
+from rollpoint.trainer.control.replica_roster import ReplicaRoster
+from rollpoint.trainer.dispatch.dispatch_barrier import DispatchBarrier
+from rollpoint.trainer.dispatch.dispatcher import Dispatcher, GroupOutcome
+from rollpoint.trainer.dispatch.release_batcher import ReleaseBatcher
+from rollpoint.trainer.grpo import advantages_by_episode
+from rollpoint.trainer.metrics import RunCounts
+from rollpoint.trainer.record.train_checkpoint import TrainCheckpoint, stamp
+from rollpoint.trainer.record.workdir_record import WorkdirRecord
+from rollpoint.trainer.restore.replica_recovery import ReplicaRecovery
+from rollpoint.trainer.restore.restorer import RestoredRun
+from rollpoint.trainer.run_events import (
+    SAMPLE_EVERY_S,
+    InFlight,
+    ReplicaDown,
+    ReplicaUp,
+    RunEvents,
+    TrainStep,
+)
+from rollpoint.trainer.settings import TrainerSettings
+from rollpoint.trainer.snapshot.coordinator import SnapshotCoordinator
+from rollpoint.trainer.state.finished_queue import FinishedQueue, GroupBatch
+from rollpoint.trainer.state.ledger import RecoveryLedger, RolloutState
+from rollpoint.trainer.step_record import StepRecord
+from rollpoint.trainer.train_hooks import StepResult, TrainHooks, TrainSample
+from rollpoint.tuning import seam
+
+log = logging.getLogger(__name__)
+
+REPLICA_DOWN_GRACE_S = 1.0
+"""A row whose replica stopped answering waits this long for the runtime to report that
+replica down before it is re-sent fresh: a dying replica's saved tries are then held for
+its restart (restored from the snapshot) instead of starting over. The runtimes notice a
+death within 0.25 s (embedded: process poll) or milliseconds (Ray: actor death)."""
+SNAPSHOT_RETRY_S = 0.2
+"""The wait between tries of the snapshot a run takes before its first row, and of the one
+it takes after its last step when the step's own snapshot failed."""
+
+STALL_REPORT_ROWS = 10
+
+
+@dataclass(frozen=True, slots=True)
+class TrainerStats:
+    """A point-in-time view of a run, for progress displays."""
+
+    episodes_finished: int
+    turns: int
+    reward_sum: float
+    train_steps: int
+    in_flight: int
+    failed_groups: int
+    groups_total: int
+    groups_trained: int
+    policy_version: int
+
+    @property
+    def reward_mean(self) -> float:
+        return self.reward_sum / self.episodes_finished if self.episodes_finished else 0.0
+
+
+class RunSummary(StrictModel):
+    episodes: int
+    turns: int
+    train_steps: int
+    failed_groups: dict[str, str]
+    """Group id → why it failed."""
+    mean_reward: float
+    elapsed_s: float
+
+
+def group_id_for(task_id: str) -> str:
+    return f"{task_id}-g0"
+
+
+class Trainer:
+    def __init__(
+        self,
+        config: TrainerSettings,
+        deployment: Deployment,
+        tasks: list[TaskRow],
+        *,
+        hooks: TrainHooks,
+        client: HttpClient | None = None,
+        stall_timeout_s: float = 600.0,
+        control: ControlPlane | None = None,
+        restored: RestoredRun | None = None,
+        step_record: StepRecord | None = None,
+        replica_restart_wait_s: float | None = None,
+        more_groups: bool = False,
+    ) -> None:
+        """``hooks`` update the policy on each batch (the façade's hand batches to your
+        loop; ``rollpoint run``'s are :class:`rollpoint.loop.SimulatedTrainer`).
+        ``restored`` continues a run from a snapshot (see :mod:`rollpoint.trainer.restore.restorer`);
+        its ledger and the finished queue replace the fresh ones built from ``tasks``.
+        ``step_record``: where each step's rows are written and its checkpoints kept (the one
+        the restore checked and cut back; default: :class:`WorkdirRecord` in ``workdir``).
+        ``replica_restart_wait_s``: how long a lost replica's snapshot tries wait for it to
+        come back before they start over elsewhere (default: the snapshot deadline).
+        ``more_groups``: the run takes groups added while it runs (:meth:`add_groups`) and
+        ends only after :meth:`end_groups`; ``tasks`` may then be empty."""
+        _check_inputs(config, tasks, stall_timeout_s, more_groups=more_groups)
+        self.config = config
+        self.deployment = deployment
+        self.hooks = hooks
+        self.ledger = restored.ledger if restored is not None else RecoveryLedger()
+        self.finished_queue = restored.finished_queue if restored is not None else FinishedQueue()
+        self.barrier = DispatchBarrier()
+        self.roster = ReplicaRoster.of_deployment(
+            deployment, control.participants if control else ()
+        )
+        """Which replicas are up and how to reach them; shared by every part below."""
+        self.dispatcher: Dispatcher | None = None
+        """Built by :meth:`run` (it needs the running loop's HTTP client)."""
+        self.step_record: StepRecord = step_record or WorkdirRecord(config.workdir)
+        """Writes each step's rows and keeps its checkpoints (what a restore resumes at)."""
+        self.last_metrics: dict[str, float] = {}
+        if restored is None:
+            for task in tasks:
+                gid = group_id_for(task.task_id)
+                self.ledger.add_group(task, gid, config.group_size)
+                self.finished_queue.expect_group(gid, config.group_size)
+        self._feed_order = self.ledger.group_ids()
+        """The groups to send, in order: the ledger's, then those added while running."""
+        self._more_groups = more_groups
+        self._groups_added = asyncio.Event()
+        self._client = client
+        self._http: HttpClient | None = None
+        """The data-plane client while :meth:`run` runs."""
+        self._restored = restored is not None
+        self.restored = restored
+        """The snapshot this run continues (None: it started fresh)."""
+        self._lost_before_run: set[str] = set()
+        self._stall_timeout_s = stall_timeout_s
+        self._started = False
+        self._tq_changed = asyncio.Event()
+        self._dispatch_done = False
+        self._failed: dict[str, str] = {}
+        self._episodes = 0
+        self._turns = 0
+        self._reward_sum = 0.0
+        self._train_steps = 0
+        self._groups_trained = 0
+        self._episodes_trained = 0
+        self._policy_version = 0
+        self._trainer_state: JsonValue = None
+        """The state the train hooks last handed over (kept in each train checkpoint)."""
+        self._not_durable: dict[int, TrainCheckpoint] = {}
+        """Steps trained but not durable yet: their checkpoints as they stood, by step."""
+        self._checkpointing = asyncio.Lock()
+        self._step_in_hand: int | None = None
+        """The step handed to the train hooks and not yet recorded."""
+        self._step_recorded = asyncio.Condition()
+        if restored is not None:
+            ckpt, doc = restored.checkpoint, restored.trainer_doc
+            self._train_steps = ckpt.step
+            self._policy_version = ckpt.policy_version
+            self._trainer_state = ckpt.trainer_state
+            self._groups_trained = ckpt.groups_trained
+            self._episodes_trained = ckpt.episodes_trained
+            self._episodes = self.ledger.counts()[RolloutState.SEALED]
+            self._turns = int(doc.get("turns", 0))
+            self._reward_sum = float(doc.get("reward_sum", 0.0))
+        self.events = control.metrics.run_events if control is not None else RunEvents(None)
+        """The run's event log (``run_events.jsonl``; records nothing without a control plane)."""
+        self._metrics = control.metrics if control is not None else None
+        if self._metrics is not None:
+            self._metrics.watch(self.run_counts)
+            if restored is not None:
+                self._metrics.record_restore(
+                    "start",
+                    continued=len(restored.continued),
+                    restarted=restored.restarted,
+                    adopted=restored.adopted,
+                    requeued=restored.tq_requeued,
+                )
+        self.coordinator: SnapshotCoordinator | None = None
+        self.releases: ReleaseBatcher | None = None
+        self.recovery: ReplicaRecovery | None = None
+        """Restores a replica lost mid-run from the latest snapshot (with a control plane)."""
+        if control is not None:
+            self.coordinator = SnapshotCoordinator(
+                self.roster,
+                store=control.store,
+                ledger=self.ledger,
+                finished_queue=self.finished_queue,
+                barrier=self.barrier,
+                config=config.save,
+                metrics=control.metrics,
+                trainer_state=self.state,
+                config_fingerprint=config.fingerprint,
+            )
+            # Snapshot retention never prunes the last snapshot a kept checkpoint needs.
+            control.store.checkpoint_steps = self.step_record.steps
+            self.releases = ReleaseBatcher(self.roster, self.ledger, barrier=self.barrier)
+            self.coordinator.before_save = self.releases.flush
+            deadline_s = config.save.deadline_seconds
+            self.recovery = ReplicaRecovery(
+                self.ledger,
+                self.roster,
+                self.coordinator,
+                wait_s=deadline_s if replica_restart_wait_s is None else replica_restart_wait_s,
+                restore_deadline_s=deadline_s,
+            )
+
+    def state(self) -> dict[str, Any]:
+        """The trainer's own state at a cut (saved with every snapshot)."""
+        return {
+            "train_step": self._train_steps,
+            "policy_version": self._policy_version,
+            "episodes": self._episodes,
+            "turns": self._turns,
+            "reward_sum": self._reward_sum,
+            "groups_trained": self._groups_trained,
+        }
+
+    @property
+    def stats(self) -> TrainerStats:
+        return TrainerStats(
+            episodes_finished=self._episodes,
+            turns=self._turns,
+            reward_sum=self._reward_sum,
+            train_steps=self._train_steps,
+            in_flight=self.ledger.in_flight_count(),
+            failed_groups=len(self._failed),
+            groups_total=len(self.ledger.group_ids()),
+            groups_trained=self._groups_trained,
+            policy_version=self._policy_version,
+        )
+
+    def run_counts(self) -> RunCounts:
+        """The counts ``/metrics`` shows (read at each scrape)."""
+        d = self.dispatcher
+        return RunCounts(
+            episodes_finished=self._episodes,
+            episodes_trained=self._episodes_trained,
+            train_steps=self._train_steps,
+            in_flight=self.ledger.in_flight_count(),
+            waiting=0 if d is None else d.waiting_rows,
+            failed_groups=len(self._failed),
+            replicas_up=len(self.roster.up),
+            resent={} if d is None else {"given_up": d.resent_fresh, "refused": d.resent_refused},
+            adopted_replies=0 if d is None else d.adopted,
+            failed_rows={} if d is None else dict(d.failed_rows),
+        )
+
+    async def run(self) -> RunSummary:
+        """Play and train every group; return when each is trained or failed."""
+        if self._started:
+            raise InvalidPhaseError("trainer: run() was already called on this trainer")
+        self._started = True
+        started = time.monotonic()
+        self.config.workdir.mkdir(parents=True, exist_ok=True)
+        client = self._client or HttpClient()
+        self._http = client
+        try:
+            self.dispatcher = Dispatcher(
+                self.ledger,
+                self.deployment,
+                client,
+                concurrency=self.config.concurrency,
+                max_turns=self.config.max_turns,
+                row_timeout_s=self.config.row_timeout_seconds,
+                barrier=self.barrier,
+                on_reply=self._on_reply,
+                roster=self.roster,
+                releases=self.releases,
+                down_grace_s=REPLICA_DOWN_GRACE_S if self.recovery is not None else 0.0,
+            )
+            for name in sorted(self._lost_before_run):
+                self.dispatcher.replica_lost(name)
+            if self.coordinator is not None:
+                await self.coordinator.discover()
+                # Checkpoints are in use for this run: with the collector's listener
+                # installed, the trainer's full collections follow its pauses, not into the
+                # next one (a 0.35-0.78 s trainer collection preceded 10k pause outliers).
+                seam.in_use(self.coordinator)
+            if self._policy_version:
+                await self._publish_policy_version(client, self._policy_version)
+            if self.coordinator is not None and not self._restored and self._snapshots_on:
+                # A snapshot before the first row is sent: whatever this run trains is then
+                # resumable (it composes with step 0), so a rerun never finds train data
+                # with no snapshot to go with it (it refuses that rather than delete it).
+                await self._first_snapshot(self.coordinator)
+            side: list[Any] = [self._watch_stall(self.dispatcher)]
+            if self.events.path is not None:
+                side.append(self._sample_in_flight())
+            if self.coordinator is not None and self.releases is not None:
+                side += [self._snapshot_loop(self.coordinator), self.releases.run()]
+            async with self.dispatcher:
+                await _supervise(main=[self._feed(self.dispatcher), self._train(client)], side=side)
+            if self.releases is not None:
+                await self.releases.flush()
+            if self.coordinator is not None and self._snapshots_on:
+                await self._last_snapshot(self.coordinator)
+            if self._not_durable:
+                log.warning(
+                    "the run ended with train steps %s never made durable (mark_durable): "
+                    "a rerun resumes before them and trains their rows again",
+                    ", ".join(map(str, sorted(self._not_durable))),
+                )
+        finally:
+            if self.coordinator is not None:
+                await seam.closed(self.coordinator)
+            self._http = None
+            if self._client is None:
+                await client.aclose()
+        return RunSummary(
+            episodes=self._episodes,
+            turns=self._turns,
+            train_steps=self._train_steps,
+            failed_groups=dict(self._failed),
+            mean_reward=self.stats.reward_mean,
+            elapsed_s=time.monotonic() - started,
+        )
+
+    # --- replicas --------------------------------------------------------------------
+
+    async def replica_down(self, name: str) -> None:
+        """The runtime saw ``name``'s processes die: stop using it. The tries the latest
+        snapshot saved there wait for its restart (see :mod:`.restore.replica_recovery`); the rest
+        of what it held (its in-flight and pinned tries) goes fresh to the replicas still
+        up. Snapshots go on without it. Idempotent."""
+        if not self.roster.mark_down(name):
+            return
+        log.warning("replica %s is down; %s carry on", name, ", ".join(self.roster.up) or "none")
+        if self.dispatcher is not None and self.recovery is not None:
+            self.recovery.hold(name, self.dispatcher)
+            held = self.recovery.held.get(name)
+            self.events.append(
+                ReplicaDown(
+                    ts=time.time(), replica=name, held=0 if held is None else len(held.attempts)
+                )
+            )
+        elif self.dispatcher is not None:
+            self.dispatcher.replica_lost(name)
+        else:
+            # Tries a restore pinned to it must not go to its empty successor either.
+            self._lost_before_run.add(name)
+
+    async def replica_up(self, endpoints: ReplicaEndpoints) -> None:
+        """The runtime restarted a replica, empty, at ``endpoints``: restore the tries held
+        for it from the snapshot that saved them, and use it again (its participants take
+        part from the next snapshot). A replica reported up at new URLs while it was still
+        up is taken as restarted: what the old servers held is gone."""
+        name = endpoints.name
+        if self.roster.is_up(name):
+            if self.roster.endpoints(name) == endpoints:
+                return
+            await self.replica_down(name)
+        self.roster.mark_up(endpoints)
+        self.deployment = self.roster.deployment()
+        if self.dispatcher is not None:
+            self.dispatcher.replica_back(name)
+        log.info("replica %s is up again at %s", name, endpoints.agent_url)
+        if self._policy_version and self._http is not None:
+            await self._publish_policy_version(self._http, self._policy_version, [endpoints])
+        if self.dispatcher is not None and self.recovery is not None:
+            restored = await self.recovery.restore(name, self.dispatcher)
+            self.events.append(ReplicaUp(ts=time.time(), replica=name, restored=restored))
+            if restored and self._metrics is not None:
+                self._metrics.record_restore("replica", continued=restored)
+
+    # --- rollouts --------------------------------------------------------------------
+
+    async def _on_reply(self, reply: RunReply) -> None:
+        record = self.ledger.seal(reply.episode.rollout_id)
+        if self.releases is not None and record.replica is not None:
+            self.releases.sealed(reply.episode, record.replica)
+        self.finished_queue.put(reply)
+        self._episodes += 1
+        self._turns += reply.turns
+        self._reward_sum += reply.reward
+        self._tq_changed.set()
+
+    async def _feed(self, dispatcher: Dispatcher) -> None:
+        """Keep just enough groups running to saturate the dispatcher's row slots."""
+        window = math.ceil(self.config.concurrency / self.config.group_size) + 1
+        tickets = asyncio.Semaphore(window)
+        running: set[asyncio.Task[GroupOutcome]] = set()
+        errors: list[BaseException] = []
+
+        def finished(task: asyncio.Task[GroupOutcome]) -> None:
+            running.discard(task)
+            tickets.release()
+            if task.cancelled():
+                return
+            error = task.exception()
+            if error is not None:
+                errors.append(error)
+            else:
+                self._group_done(task.result())
+
+        try:
+            sent = 0
+            while sent < len(self._feed_order) or self._more_groups:
+                if sent == len(self._feed_order):
+                    self._groups_added.clear()
+                    await self._groups_added.wait()  # add_groups or end_groups
+                    continue
+                gid = self._feed_order[sent]
+                sent += 1
+                await tickets.acquire()
+                if errors:
+                    raise errors[0]
+                task = asyncio.create_task(dispatcher.run_group(gid), name=f"group-{gid}")
+                running.add(task)
+                task.add_done_callback(finished)
+            while running and not errors:
+                await asyncio.wait(set(running), return_when=asyncio.FIRST_EXCEPTION)
+            if errors:
+                raise errors[0]
+        finally:
+            leftover = list(running)
+            for task in leftover:
+                task.cancel()
+            await asyncio.gather(*leftover, return_exceptions=True)
+        self._dispatch_done = True
+        self._tq_changed.set()
+
+    # --- groups added while running -------------------------------------------------
+
+    def add_groups(self, tasks: Iterable[TaskRow]) -> list[str]:
+        """Add one prompt group per task to a run opened with ``more_groups``; they are
+        sent after the groups before them, like the first ones. A task whose group the run
+        already has (added before, or restored from a snapshot) is skipped, so a trainer
+        resumed from a snapshot may add its stream again from a cursor of its own. Returns
+        the ids of the groups added. Bad input is refused whole, in one line."""
+        if not self._more_groups:
+            raise InvalidPhaseError(
+                "trainer: this run takes no more groups (open it with more_groups=True, "
+                "and add before end_groups)"
+            )
+        rows = list(tasks)
+        _check_task_ids(rows, BadRequestError)
+        new = [t for t in rows if not self.ledger.has_group(group_id_for(t.task_id))]
+        for task in rows:
+            if task not in new and self.ledger.task(task.task_id) != task:
+                raise BadRequestError(f"trainer: task {task.task_id} was added with other contents")
+        added = []
+        for task in new:
+            gid = group_id_for(task.task_id)
+            self.ledger.add_group(task, gid, self.config.group_size)
+            self.finished_queue.expect_group(gid, self.config.group_size)
+            self._feed_order.append(gid)
+            added.append(gid)
+        if added:
+            self._groups_added.set()
+        return added
+
+    def end_groups(self) -> None:
+        """No more groups will be added: the run ends once those it has are trained."""
+        self._more_groups = False
+        self._groups_added.set()
+
+    def _group_done(self, outcome: GroupOutcome) -> None:
+        if outcome.failed is not None:
+            self._failed[outcome.group_id] = outcome.failed
+            self.finished_queue.drop_group(outcome.group_id)
+            self._tq_changed.set()
+
+    # --- training --------------------------------------------------------------------
+
+    async def _train(self, client: HttpClient) -> None:
+        while True:
+            groups = await self._next_batch(self._train_steps + 1)
+            if not groups:
+                return
+            await self._train_step(client, self._train_steps + 1, groups)
+
+    async def _next_batch(self, step: int) -> list[GroupBatch]:
+        """Whole groups for ``step`` once a batch is ready (or the last, partial one)."""
+        batch_size = self.config.batch_size
+        while True:
+            if self.finished_queue.ready_rollouts >= batch_size or (
+                self._dispatch_done and self.finished_queue.ready_groups
+            ):
+                return self.finished_queue.take_groups(batch_size, train_step=step)
+            if self._dispatch_done:
+                return []
+            self._tq_changed.clear()
+            await self._tq_changed.wait()
+
+    async def _train_step(self, client: HttpClient, step: int, groups: list[GroupBatch]) -> None:
+        advantages = advantages_by_episode(batch.replies for batch in groups)
+        samples = [
+            TrainSample.from_reply(
+                reply, advantage=advantages[reply.episode.key], group_size=batch.size
+            )
+            for batch in groups
+            for reply in batch.replies
+        ]
+        generated_by = self._policy_version
+        self._step_in_hand = step
+        try:
+            await self._record_step(client, step, groups, samples, generated_by)
+        finally:
+            # Waiters in mark_durable go on whether the step was recorded or failed.
+            async with self._step_recorded:
+                self._step_in_hand = None
+                self._step_recorded.notify_all()
+        log.info(
+            "train step %d: %d rollouts from %d groups; %s",
+            step,
+            len(samples),
+            len(groups),
+            ", ".join(f"{k}={v:.4g}" for k, v in self.last_metrics.items()),
+        )
+
+    async def _record_step(
+        self,
+        client: HttpClient,
+        step: int,
+        groups: list[GroupBatch],
+        samples: list[TrainSample],
+        generated_by: int,
+    ) -> None:
+        """The hooks' update of ``step``, then its train data, event and checkpoint."""
+        result = await self.hooks.train_step(step, samples)
+        durable: bool | None = None
+        if isinstance(result, StepResult):
+            self.last_metrics, durable = result.metrics, result.durable
+            if result.state is not None:
+                self._trainer_state = result.state
+        else:
+            self.last_metrics = result
+        self._policy_version += 1
+        await self._publish_policy_version(client, self._policy_version)
+        coverage = await asyncio.to_thread(self.step_record.write_step, step, samples, generated_by)
+        self._train_steps = step
+        self._groups_trained += len(groups)
+        self._episodes_trained += len(samples)
+        # Before the checkpoint's snapshot: a kill during it must not hide the step.
+        self.events.append(
+            TrainStep(ts=time.time(), step=step, rollouts=len(samples), groups=len(groups))
+        )
+        # What the step's checkpoint records, as of now: a trainer that saves its weights
+        # in the background marks the step durable later (mark_durable).
+        checkpoint = stamp(
+            step,
+            self._policy_version,
+            coverage,
+            self._episodes_trained,
+            self._groups_trained,
+            self._trainer_state,
+        )
+        if durable is None:
+            every = self.config.checkpoint_every_steps
+            durable = every is not None and step % every == 0
+        if durable:
+            await self._checkpoint(checkpoint)
+        else:
+            self._not_durable[step] = checkpoint
+
+    async def _publish_policy_version(
+        self, client: HttpClient, version: int, replicas: list[ReplicaEndpoints] | None = None
+    ) -> None:
+        """Tell the model servers (of ``replicas``, default every up one) the policy version."""
+        if replicas is None:
+            replicas = [self.roster.endpoints(name) for name in self.roster.up]
+
+        async def publish(name: str, model_url: str) -> None:
+            try:
+                await client.post_json(
+                    f"{model_url}/rollpoint/v1/policy_version", {"version": version}
+                )
+            except RollpointError as exc:
+                # The version only labels recorded calls; a replica that missed it must
+                # not stop training (the dispatcher copes with a replica that is down).
+                log.warning("could not set policy version %d on %s: %s", version, name, exc)
+
+        await asyncio.gather(*(publish(r.name, r.model_url) for r in replicas))
+
+    async def mark_durable(self, step: int) -> None:
+        """The trainer's own checkpoint of ``step`` (a step it trained without saying it
+        was durable) is durable now: rollpoint writes its train checkpoint of that step as
+        it stood then, the finished queue lets go of what it consumed, and a snapshot follows. Steps before
+        it that were never marked are passed over; a step already durable is a no-op."""
+        if step == self._step_in_hand:
+            # Marked as soon as it was done, before the loop recorded it: wait for that.
+            async with self._step_recorded:
+                await self._step_recorded.wait_for(lambda: self._step_in_hand != step)
+        if step <= self.finished_queue.committed_step:
+            return
+        checkpoint = self._not_durable.get(step)
+        if checkpoint is None:
+            waiting = ", ".join(map(str, sorted(self._not_durable))) or "none"
+            raise BadRequestError(
+                f"trainer: step {step} is not a trained step waiting to be durable "
+                f"(trained up to {self._train_steps}; waiting: {waiting})"
+            )
+        await self._checkpoint(checkpoint)
+
+    async def _checkpoint(self, checkpoint: TrainCheckpoint) -> None:
+        """A durable train checkpoint, then the finished queue lets go of what it consumed, then a snapshot
+        that composes with it (taken at a step >= the checkpoint's)."""
+        step = checkpoint.step
+        async with self._checkpointing:  # the train loop and mark_durable, one at a time
+            if step <= self.finished_queue.committed_step:
+                return  # a later step was made durable meanwhile
+            protect = await asyncio.to_thread(self._steps_to_keep, step)
+            await asyncio.to_thread(self.step_record.save, checkpoint, protect=protect)
+            self.finished_queue.commit(step)
+            for older in [s for s in self._not_durable if s <= step]:
+                del self._not_durable[older]
+        if self.coordinator is not None:
+            await self.coordinator.save()
+
+    @property
+    def _snapshots_on(self) -> bool:
+        """Whether this run takes snapshots by itself (a caller may also call save)."""
+        return (
+            self.config.checkpoint_every_steps is not None
+            or self.config.snapshot_every_seconds is not None
+        )
+
+    def _steps_to_keep(self, step: int) -> frozenset[int]:
+        """The train checkpoints retention keeps once ``step``'s is written: never one a
+        kept snapshot composes with (one decision with the snapshots': :mod:`retention`)."""
+        if self.coordinator is None:
+            return frozenset()
+        store = self.coordinator.store
+        return retention.plan(
+            store.spans(),
+            [*self.step_record.steps(), step],
+            keep_snapshots=store.keep,
+            keep_checkpoints=self.step_record.keep,
+            protect=store.pinned,
+        ).checkpoints
+
+    # --- snapshots -------------------------------------------------------------------
+
+    async def _first_snapshot(self, coordinator: SnapshotCoordinator) -> None:
+        """Save until one snapshot is published, before anything is trained. A save that
+        failed (a store full for a moment) is tried again: training on without one left,
+        after a crash, train data no snapshot composes with, which the rerun refuses (chaos:
+        a snapshot disk full as the run began, then a kill, stranded every row). Failures
+        in a row past ``retry_after_seconds`` stop the run, as for any save."""
+        while True:
+            if (await coordinator.save()).published:
+                return
+            await asyncio.sleep(SNAPSHOT_RETRY_S)
+
+    async def _last_snapshot(self, coordinator: SnapshotCoordinator) -> None:
+        """Save until the run's last save is a published one, after its last step. The
+        snapshot that went with the last train checkpoint may have failed (a server
+        stopped for a moment as the run ended): the run would end with its newest
+        snapshot older than what it trained, and a rerun would go back to it and redo those
+        steps (chaos run, trials 85 and 473). Failures in a row past
+        ``retry_after_seconds`` stop the run, as for any save."""
+        while not (coordinator.history and coordinator.history[-1].published):
+            if (await coordinator.save()).published:
+                return
+            await asyncio.sleep(SNAPSHOT_RETRY_S)
+
+    async def _snapshot_loop(self, coordinator: SnapshotCoordinator) -> None:
+        every = self.config.snapshot_every_seconds
+        if every is None:
+            await asyncio.Event().wait()  # snapshots only at train checkpoints
+        assert every is not None
+        while True:
+            await asyncio.sleep(every)
+            await coordinator.save()
+
+    async def _sample_in_flight(self) -> None:
+        """Episodes in flight per replica (and each model server's call counter) every
+        :data:`SAMPLE_EVERY_S`, for ``rollpoint report``. A status that does not answer
+        within the period is left out of that sample; sampling never fails the run."""
+
+        async def calls(name: str) -> tuple[str, int | None]:
+            for client in self.roster.participants(name):
+                if client.address.kind is ParticipantKind.MODEL:
+                    try:
+                        status = await asyncio.wait_for(client.status(), SAMPLE_EVERY_S)
+                    except (RollpointError, TimeoutError):
+                        return name, None
+                    return name, status.counts.get("calls_total")
+            return name, None
+
+        while True:
+            up = list(self.roster.up)
+            episodes = {name: self.ledger.in_flight_count(name) for name in up}
+            answered = await asyncio.gather(*(calls(name) for name in up))
+            self.events.append(
+                InFlight(
+                    ts=time.time(),
+                    episodes=episodes,
+                    policy_calls={name: n for name, n in answered if n is not None},
+                )
+            )
+            await asyncio.sleep(SAMPLE_EVERY_S)
+
+    # --- stall watchdog --------------------------------------------------------------
+
+    async def _watch_stall(self, dispatcher: Dispatcher) -> None:
+        tick = min(1.0, self._stall_timeout_s / 10)
+        pulse = dispatcher.results_total
+        last_progress = self.barrier.pause_clock()
+        while True:
+            await asyncio.sleep(tick)
+            now = self.barrier.pause_clock()
+            # Rows waiting with none in flight are stuck (no replica up) unless the barrier
+            # holds them, and then the pause clock stands still.
+            if dispatcher.results_total != pulse or dispatcher.idle:
+                pulse = dispatcher.results_total
+                last_progress = now
+            elif now - last_progress >= self._stall_timeout_s:
+                raise RunStalledError(self._stall_message(now - last_progress))
+
+    def _stall_message(self, quiet_s: float) -> str:
+        rows = self.ledger.in_flight()
+        shown = ", ".join(r.describe() for r in rows[:STALL_REPORT_ROWS])
+        more = f" and {len(rows) - STALL_REPORT_ROWS} more" if len(rows) > STALL_REPORT_ROWS else ""
+        down = self.roster.down
+        replicas = (
+            f"; replicas down: {', '.join(down)}" + ("" if self.roster.any_up else " (none up)")
+            if down
+            else ""
+        )
+        return (
+            f"no row result for {quiet_s:.0f}s (snapshot pauses not counted); "
+            f"{len(rows)} rows in flight: {shown}{more}{replicas}"
+        )
+
+
+def _check_inputs(
+    config: TrainerSettings, tasks: list[TaskRow], stall_timeout_s: float, *, more_groups: bool
+) -> None:
+    if not tasks and not more_groups:
+        raise ConfigError("trainer: no tasks to run")
+    _check_task_ids(tasks)
+    if config.group_size > config.concurrency:
+        raise ConfigError(
+            f"trainer: group_size {config.group_size} is larger than concurrency "
+            f"{config.concurrency}: a group could never be sent"
+        )
+    if stall_timeout_s <= 0:
+        raise ConfigError(f"trainer: stall_timeout_s must be > 0, got {stall_timeout_s}")
+
+
+def _check_task_ids(tasks: list[TaskRow], error: type[RollpointError] = ConfigError) -> None:
+    """Config tasks are refused as a ConfigError, tasks handed to add_groups as a 400."""
+    ids = [t.task_id for t in tasks]
+    duplicates = sorted(tid for tid, n in Counter(ids).items() if n > 1)
+    if duplicates:
+        raise error(f"trainer: task ids appear more than once: {duplicates[:5]}")
+    too_long = [tid for tid in ids if len(group_id_for(tid)) > 128]
+    if too_long:
+        raise error(f"trainer: task id too long for a group id: {too_long[0][:40]}...")
+
+
+async def _supervise(main: list[Any], side: list[Any]) -> None:
+    """Run ``main`` to completion with ``side`` alongside; the first error stops all."""
+    main_tasks = {asyncio.create_task(c) for c in main}
+    side_tasks = {asyncio.create_task(c) for c in side}
+    try:
+        waiting = set(main_tasks)
+        while waiting:
+            done, _ = await asyncio.wait(waiting | side_tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                error = task.exception()
+                if error is not None:
+                    raise error
+                waiting.discard(task)
+    finally:
+        everything = main_tasks | side_tasks
+        for task in everything:
+            task.cancel()
+        await asyncio.gather(*everything, return_exceptions=True)

@@ -171,6 +171,10 @@ class Rollouts:
     your trainer keeps that record itself (a :class:`~rollpoint.trainer.StepRecord`; the
     default is rollpoint's, ``train_data.jsonl`` and ``checkpoints/`` in the workdir). A
     rerun resumes from the newest snapshot that composes with one of its durable steps.
+    ``retry_failed``: the groups that failed in the run this one resumes are sent again,
+    each under a new group id (``<task_id>-g1``, …), after the rest; what was trained stays
+    trained, and a failed group sent again is no longer counted in the summary's
+    ``failed_groups``. ``rollpoint inspect`` lists a run's failed groups with their reasons.
     """
 
     def __init__(
@@ -183,6 +187,7 @@ class Rollouts:
         stop: StopRequest | None = None,
         step_record: StepRecord | None = None,
         say: Callable[[str], None] = log.info,
+        retry_failed: bool = False,
     ) -> None:
         if deployment is not None:
             config = attached_config(config, deployment)
@@ -193,6 +198,7 @@ class Rollouts:
         self._stop = stop
         self._step_record = step_record
         self._say = say
+        self._retry_failed = retry_failed
         self._metrics: TrainerMetrics | None = None
         self._batches: asyncio.Queue[TrainBatch | object] = asyncio.Queue()
         self._trainer: asyncio.Future[Trainer] | None = None
@@ -365,6 +371,7 @@ class Rollouts:
                 more_groups=self._more_groups,
                 stop=self._stop,
                 step_record=self._step_record,
+                retry_failed=self._retry_failed,
             )
         finally:
             self._batches.put_nowait(_END)
@@ -412,6 +419,7 @@ class SyncRollouts:
         more_groups: bool = False,
         step_record: StepRecord | None = None,
         say: Callable[[str], None] = log.info,
+        retry_failed: bool = False,
     ) -> None:
         self._rollouts = Rollouts(
             config,
@@ -420,6 +428,7 @@ class SyncRollouts:
             more_groups=more_groups,
             step_record=step_record,
             say=say,
+            retry_failed=retry_failed,
         )
         self._items: queue.Queue[TrainBatch | BaseException | object] = queue.Queue()
         self._ready = threading.Event()

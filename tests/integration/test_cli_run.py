@@ -80,13 +80,17 @@ def test_run_trains_every_group_row_exactly_once(
         assert sum(float(line["reward"]) for line in lines) / len(lines) > 0.5  # type: ignore[arg-type]
 
 
-def test_rerun_of_a_finished_job_resumes_and_trains_nothing_twice(tmp_path: Path) -> None:
+def test_rerun_of_a_finished_job_says_so_without_starting_servers(tmp_path: Path) -> None:
     config = write_config(tmp_path, replicas=1)
     assert rollpoint("run", str(config)).returncode == 0
     first = train_lines(tmp_path / "run")
+    events = (tmp_path / "run" / "run_events.jsonl").read_bytes()
     again = rollpoint("run", str(config))
     assert again.returncode == 0, again.stderr
-    assert "resumed from snapshot" in again.stderr
+    assert "has finished already, at train step 2" in again.stderr
+    assert "servers up" not in again.stderr and "resumed from snapshot" not in again.stderr
+    # No server started: the event log has no new run_start (a job appends one once up).
+    assert (tmp_path / "run" / "run_events.jsonl").read_bytes() == events
     assert train_lines(tmp_path / "run") == first
 
 

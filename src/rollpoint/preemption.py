@@ -132,7 +132,9 @@ async def drive_until_stopped(
             if not t.done():
                 t.cancel()
         await asyncio.gather(task, asked, return_exceptions=True)
-    log.warning("%s", message)
+    # The stop's one line is the error's message (the CLI prints it): the log keeps it at
+    # info, so the console's warning handler does not say it a second time.
+    log.info("%s", message)
     # For `rollpoint report`'s timeline: the signal, and the snapshot taken on the way out.
     trainer.events.preemption(
         signal_name(stop.signum or signal.SIGTERM), snapshot_id=taken, detail=message

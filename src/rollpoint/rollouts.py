@@ -284,17 +284,37 @@ class Rollouts:
 
     async def batches(self) -> AsyncIterator[TrainBatch]:
         """Each train step's batch, until every prompt group is trained (or failed). A
-        batch not yet :meth:`~TrainBatch.done` when the next is asked for is done then."""
+        batch not yet :meth:`~TrainBatch.done` when the next is asked for is done then.
+        Once the run's ``stop`` is asked (a signal), no batch is handed out: the loop ends
+        and :meth:`summary` raises how the run stopped (a batch the final snapshot did not
+        see trained would be trained again by the rerun, so it is not trained now)."""
         while True:
             if self._pending is not None:
                 self._pending.done()
                 self._pending = None
-            item = await self._batches.get()
+            item = await self._next_or_stop()
             if item is _END:
                 return
             assert isinstance(item, TrainBatch)
             self._pending = item
             yield item
+
+    async def _next_or_stop(self) -> TrainBatch | object:
+        """The next batch, or :data:`_END` once the run ended or its stop was asked."""
+        if self._stop is None:
+            return await self._batches.get()
+        if self._stop.asked.is_set():
+            return _END
+        get = asyncio.ensure_future(self._batches.get())
+        asked = asyncio.ensure_future(self._stop.asked.wait())
+        try:
+            await asyncio.wait({get, asked}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in (get, asked):
+                waiter.cancel()
+        if self._stop.asked.is_set():
+            return _END  # a batch taken meanwhile stays in TQ, uncommitted: the rerun's
+        return get.result()
 
     async def add_groups(self, tasks: Iterable[TaskRow]) -> list[str]:
         """Add one prompt group (``group_size`` rows) per task, sent after those before it;

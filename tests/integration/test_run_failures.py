@@ -31,6 +31,7 @@ pytestmark = pytest.mark.integration
 FLAKY_ENV = textwrap.dedent(
     """
     import os
+    import time
     from pathlib import Path
 
     from rollpoint.envs.math import MathEnvironment
@@ -50,6 +51,8 @@ FLAKY_ENV = textwrap.dedent(
         def verify(self, state, task, final_message):
             with CALLS.open("a") as calls:
                 calls.write(task.task_id + "\\n")
+            if MARKER.exists() and MARKER.read_text().strip() == "hang":
+                time.sleep(60)  # a verifier that hangs holds the server's event loop
             if broken(task.task_id):
                 self._close_the_ledger()
             return super().verify(state, task, final_message)
@@ -270,5 +273,26 @@ def test_the_watchdog_warns_within_its_window_then_stops_with_a_snapshot(tmp_pat
     line = last_line(finished.stderr)
     assert line.startswith("error: the policy engine at "), line
     assert "stopped by the watchdog after 6s (watchdog.stop_seconds)" in line
+    assert "holds the run" in line
+    assert "Traceback" not in finished.stderr
+
+
+def test_the_watchdog_stops_a_run_whose_resources_server_stops_answering(
+    tmp_path: Path, flaky: Path
+) -> None:
+    break_env(tmp_path, "hang")
+    config = write_config(tmp_path, watchdog={"warn_seconds": 2, "stop_seconds": 5})
+    run = RunProcess(config)
+    warning = "warning: replica-0's resources server at http://127.0.0.1:"
+    run.wait_until(lambda: warning in run.stderr, "the watchdog's warning", timeout_s=60)
+    finished = run.finish(timeout_s=90)
+    assert finished.returncode == exit_codes.ERROR, finished.stderr
+    said = re.search(
+        r"has not answered for (\d+)s with (\d+) episodes in flight on replica-0", finished.stderr
+    )
+    assert said is not None and int(said.group(1)) >= 2 and int(said.group(2)) >= 1, finished.stderr
+    line = last_line(finished.stderr)
+    assert line.startswith("error: replica-0's resources server at "), line
+    assert "stopped by the watchdog after 5s (watchdog.stop_seconds)" in line
     assert "holds the run" in line
     assert "Traceback" not in finished.stderr

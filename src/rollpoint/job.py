@@ -27,6 +27,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from rollpoint.config import RunConfig
+from rollpoint.deployment_check import check_deployment
 from rollpoint.http.client import HttpClient
 from rollpoint.loop.simulated_trainer import SimulatedTrainer
 from rollpoint.preemption import StopRequest, drive_until_stopped
@@ -275,6 +276,7 @@ async def run_job(
         deployment = await runtime.start()
         if route is not None:
             deployment = await route(deployment)
+        await check_deployment(config, deployment, data_http, attached=attach is not None)
         port = metrics.serve(config.metrics_host, config.metrics.port)
         say(
             f"servers up: {config.replicas} replica(s) on the {config.runtime} runtime, "

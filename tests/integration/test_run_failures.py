@@ -25,6 +25,7 @@ import yaml
 from rollpoint import exit_codes
 from tests.support.hanging_engine import MODEL, hanging_engine
 from tests.support.run_process import RICH_ENV, RunProcess
+from tests.support.serve_process import served
 
 pytestmark = pytest.mark.integration
 
@@ -296,3 +297,29 @@ def test_the_watchdog_stops_a_run_whose_resources_server_stops_answering(
     assert "stopped by the watchdog after 5s (watchdog.stop_seconds)" in line
     assert "holds the run" in line
     assert "Traceback" not in finished.stderr
+
+
+def test_a_run_attached_to_servers_of_another_environment_is_refused_at_open(
+    tmp_path: Path,
+) -> None:
+    serve_config = write_config(tmp_path, environment="math", workdir=str(tmp_path / "servers"))
+    with served(serve_config) as deployment:
+        line = tmp_path / "served.json"
+        line.write_bytes(orjson.dumps(deployment))
+        job = tmp_path / "job-run.yaml"
+        raw = yaml.safe_load(serve_config.read_text()) | {
+            "workdir": str(tmp_path / "run"),
+            "environment": "workplace",
+            "max_turns": 8,
+        }
+        job.write_text(yaml.safe_dump(raw))
+        result = rollpoint("run", str(job), "--attach", str(line))
+    assert result.returncode == exit_codes.REFUSED, result.stderr
+    (replica,) = deployment["replicas"]
+    assert last_line(result.stderr) == (
+        f"error: environment: this config names 'workplace' but replica-0's resources server "
+        f"at {replica['resources_url']} serves 'math'; run on servers of 'workplace', or set "
+        "environment to the one they serve"
+    )
+    assert "failed" not in result.stderr and "Traceback" not in result.stderr
+    assert train_rows(tmp_path / "run") == []

@@ -16,6 +16,7 @@ import yaml
 
 from tests.support.processes import children_of, kill_all, wait_gone
 from tests.support.serve_process import served
+from tests.support.train_schema import check_train_rows
 
 pytestmark = pytest.mark.integration
 
@@ -72,6 +73,7 @@ def test_run_trains_every_group_row_exactly_once(
     assert len(lines) == 4 * 2
     seen = Counter((line["group_id"], line["row"]) for line in lines)
     assert set(seen.values()) == {1}
+    assert check_train_rows(lines) == 8  # the shipped schema, without token capture
     for line in lines:
         for key in ("task_id", "rollout_id", "attempt", "reward", "messages", "train_step"):
             assert key in line

@@ -26,6 +26,7 @@ from rollpoint import exit_codes
 from tests.support.hanging_engine import MODEL, hanging_engine
 from tests.support.run_process import RICH_ENV, RunProcess
 from tests.support.serve_process import served
+from tests.support.train_schema import check_train_rows
 
 pytestmark = pytest.mark.integration
 
@@ -218,6 +219,7 @@ def test_retry_failed_trains_the_fixed_groups_once_and_nothing_twice(
     assert (workdir / "train_data.jsonl").read_bytes().startswith(rows_before)
     seen = Counter((str(r["group_id"]), r["row"]) for r in rows)
     assert set(seen.values()) == {1}, "no row trained twice"
+    assert check_train_rows(rows) == 12  # retried groups' rows too (group ids -g1)
     by_task = Counter(str(r["task_id"]) for r in rows)
     assert by_task == {f"math-{i:04d}": 2 for i in range(6)}, "every task trained, once"
     assert {str(r["group_id"]) for r in rows if r["task_id"] == "math-0002"} == {"math-0002-g1"}

@@ -17,7 +17,9 @@ Routes (see ``docs/architecture.md``):
   error for the model, never a 5xx; a known key with the same call (tool and arguments,
   :func:`~rollpoint.servers.resources.episode_record.call_fingerprint`) replays the first result, with
   another call it is 409 ``idempotency_conflict`` naming the key and runs nothing; unknown
-  episode → 404 ``not_found``
+  episode → 404 ``not_found``; an exception in the environment's own code (a tool, ``start``,
+  ``verify``, ``export_state``) → 500 ``environment_error`` naming it, its traceback in this
+  server's log (:mod:`~rollpoint.servers.resources.environment_calls`)
 - ``POST /episodes/verify`` :class:`VerifyRequest` → :class:`VerifyReply`
 - ``POST /episodes/release`` :class:`ReleaseRequest` → :class:`ReleaseReply`
 - ``GET /metrics``: tool calls applied, idempotent replays, 409 refusals of starts and tool

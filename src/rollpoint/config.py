@@ -192,9 +192,10 @@ class WatchdogConfig(_Section):
     warn_seconds: Annotated[float, Field(gt=0)] | None = 60.0
     """Calls waiting on one peer and none of them answered for this long: a warning naming
     the peer's URL and how many calls wait. None: off (an engine known to be slow)."""
-    stop_seconds: Annotated[float, Field(gt=0)] | None = 300.0
-    """... for this long: the run takes a snapshot and stops with one line (exit 1). None:
-    off (rows are still given up after ``row_timeout_seconds``)."""
+    stop_seconds: Annotated[float, Field(gt=0)] | None = 600.0
+    """... for this long: the run takes a snapshot and stops with one line (exit 1). The
+    default is the model server's bound on one call: a healthy engine answers some call
+    within it. None: off (rows are still given up after ``row_timeout_seconds``)."""
 
     @model_validator(mode="after")
     def _order(self) -> WatchdogConfig:

@@ -80,7 +80,7 @@ class TrainerSettings:
     stuck_warn_seconds: float | None = 60.0
     """Calls in flight and none answered for this long: one warning naming the peer and
     how many calls wait (None: never)."""
-    stuck_stop_seconds: float | None = 300.0
+    stuck_stop_seconds: float | None = 600.0
     """... and for this long: a snapshot, then :class:`~rollpoint.protocol.errors.RunStuckError`
     (None: never; the row timeout still gives rows up)."""
     retry_failed: bool = False

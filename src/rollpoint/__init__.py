@@ -22,6 +22,7 @@ says why, with the rules between the parts):
 - ``store/``     snapshot store (the only place that knows about files)
 - ``runtime/``   process launchers (the only place that knows about processes)
 - ``testing/``   the test kit: fault proxy and transport, conformance kit, local cluster
+- ``schemas/``   the JSON Schema of ``train_data.jsonl``, shipped with the package
 - ``app/``       the ``rollpoint`` command: CLI, job, run config, report, chaos runner
 
 The top level exports the trainer's façade (:class:`~rollpoint.rollouts.Rollouts`, see

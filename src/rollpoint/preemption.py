@@ -132,7 +132,9 @@ async def drive_until_stopped(
             if not t.done():
                 t.cancel()
         await asyncio.gather(task, asked, return_exceptions=True)
-    log.warning("%s", message)
+    # The stop's one line is the error's message (the CLI prints it): the log keeps it at
+    # info, so the console's warning handler does not say it a second time.
+    log.info("%s", message)
     # For `rollpoint report`'s timeline: the signal, and the snapshot taken on the way out.
     trainer.events.preemption(
         signal_name(stop.signum or signal.SIGTERM), snapshot_id=taken, detail=message
@@ -178,6 +180,18 @@ async def final_snapshot(
         return kept(f"the final snapshot failed ({report.blocked_by})"), None
     return (
         f"stopped by {name}: snapshot {report.snapshot_id} holds the run "
-        f"({report.saved} of {in_flight} in-flight episodes saved mid-episode, "
+        f"({saved_line(in_flight, report.saved, report.restarts)}; "
         f"taken in {time.monotonic() - started:.1f}s); run the same command to resume"
     ), report.snapshot_id
+
+
+def saved_line(in_flight: int, saved: int, restarts: int) -> str:
+    """What became of the episodes in flight at the signal: every one is accounted for.
+    Those not saved mid-episode nor restarting finished before the cut (their calls
+    drained): their replies are in the snapshot's queue or held for adoption."""
+    finished = max(0, in_flight - saved - restarts)
+    restart = f", {restarts} restart from their prompt" if restarts else ""
+    return (
+        f"of {in_flight} episodes in flight at the signal, {saved} saved mid-episode, "
+        f"{finished} finished before the cut{restart}; none lost"
+    )

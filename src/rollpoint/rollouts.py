@@ -171,6 +171,10 @@ class Rollouts:
     your trainer keeps that record itself (a :class:`~rollpoint.trainer.StepRecord`; the
     default is rollpoint's, ``train_data.jsonl`` and ``checkpoints/`` in the workdir). A
     rerun resumes from the newest snapshot that composes with one of its durable steps.
+    ``retry_failed``: the groups that failed in the run this one resumes are sent again,
+    each under a new group id (``<task_id>-g1``, …), after the rest; what was trained stays
+    trained, and a failed group sent again is no longer counted in the summary's
+    ``failed_groups``. ``rollpoint inspect`` lists a run's failed groups with their reasons.
     """
 
     def __init__(
@@ -183,6 +187,7 @@ class Rollouts:
         stop: StopRequest | None = None,
         step_record: StepRecord | None = None,
         say: Callable[[str], None] = log.info,
+        retry_failed: bool = False,
     ) -> None:
         if deployment is not None:
             config = attached_config(config, deployment)
@@ -193,6 +198,7 @@ class Rollouts:
         self._stop = stop
         self._step_record = step_record
         self._say = say
+        self._retry_failed = retry_failed
         self._metrics: TrainerMetrics | None = None
         self._batches: asyncio.Queue[TrainBatch | object] = asyncio.Queue()
         self._trainer: asyncio.Future[Trainer] | None = None
@@ -278,17 +284,37 @@ class Rollouts:
 
     async def batches(self) -> AsyncIterator[TrainBatch]:
         """Each train step's batch, until every prompt group is trained (or failed). A
-        batch not yet :meth:`~TrainBatch.done` when the next is asked for is done then."""
+        batch not yet :meth:`~TrainBatch.done` when the next is asked for is done then.
+        Once the run's ``stop`` is asked (a signal), no batch is handed out: the loop ends
+        and :meth:`summary` raises how the run stopped (a batch the final snapshot did not
+        see trained would be trained again by the rerun, so it is not trained now)."""
         while True:
             if self._pending is not None:
                 self._pending.done()
                 self._pending = None
-            item = await self._batches.get()
+            item = await self._next_or_stop()
             if item is _END:
                 return
             assert isinstance(item, TrainBatch)
             self._pending = item
             yield item
+
+    async def _next_or_stop(self) -> TrainBatch | object:
+        """The next batch, or :data:`_END` once the run ended or its stop was asked."""
+        if self._stop is None:
+            return await self._batches.get()
+        if self._stop.asked.is_set():
+            return _END
+        get = asyncio.ensure_future(self._batches.get())
+        asked = asyncio.ensure_future(self._stop.asked.wait())
+        try:
+            await asyncio.wait({get, asked}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for waiter in (get, asked):
+                waiter.cancel()
+        if self._stop.asked.is_set():
+            return _END  # a batch taken meanwhile stays in TQ, uncommitted: the rerun's
+        return get.result()
 
     async def add_groups(self, tasks: Iterable[TaskRow]) -> list[str]:
         """Add one prompt group (``group_size`` rows) per task, sent after those before it;
@@ -365,6 +391,7 @@ class Rollouts:
                 more_groups=self._more_groups,
                 stop=self._stop,
                 step_record=self._step_record,
+                retry_failed=self._retry_failed,
             )
         finally:
             self._batches.put_nowait(_END)
@@ -412,6 +439,7 @@ class SyncRollouts:
         more_groups: bool = False,
         step_record: StepRecord | None = None,
         say: Callable[[str], None] = log.info,
+        retry_failed: bool = False,
     ) -> None:
         self._rollouts = Rollouts(
             config,
@@ -420,6 +448,7 @@ class SyncRollouts:
             more_groups=more_groups,
             step_record=step_record,
             say=say,
+            retry_failed=retry_failed,
         )
         self._items: queue.Queue[TrainBatch | BaseException | object] = queue.Queue()
         self._ready = threading.Event()

@@ -29,6 +29,7 @@ from tests.chaos.test_crash_recovery import (
 )
 from tests.chaos.test_token_restore import engine_log
 from tests.support.records import state_records
+from tests.support.train_schema import check_train_rows
 
 pytestmark = pytest.mark.chaos
 __all__ = ["start"]
@@ -88,6 +89,7 @@ def test_continued_calls_are_prefix_plus_continuation_and_the_prefix_is_not_deco
     logged = engine_log(log, log.stat().st_size)
 
     lines = [orjson.loads(raw) for raw in (workdir / "train_data.jsonl").read_bytes().splitlines()]
+    check_train_rows(lines)  # the shipped schema: continued episodes, calls cut and continued
     checked = 0
     for line in lines:
         for turn in line["turns"]:

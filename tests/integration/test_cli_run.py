@@ -16,6 +16,7 @@ import yaml
 
 from tests.support.processes import children_of, kill_all, wait_gone
 from tests.support.serve_process import served
+from tests.support.train_schema import check_train_rows
 
 pytestmark = pytest.mark.integration
 
@@ -72,6 +73,7 @@ def test_run_trains_every_group_row_exactly_once(
     assert len(lines) == 4 * 2
     seen = Counter((line["group_id"], line["row"]) for line in lines)
     assert set(seen.values()) == {1}
+    assert check_train_rows(lines) == 8  # the shipped schema, without token capture
     for line in lines:
         for key in ("task_id", "rollout_id", "attempt", "reward", "messages", "train_step"):
             assert key in line
@@ -80,13 +82,17 @@ def test_run_trains_every_group_row_exactly_once(
         assert sum(float(line["reward"]) for line in lines) / len(lines) > 0.5  # type: ignore[arg-type]
 
 
-def test_rerun_of_a_finished_job_resumes_and_trains_nothing_twice(tmp_path: Path) -> None:
+def test_rerun_of_a_finished_job_says_so_without_starting_servers(tmp_path: Path) -> None:
     config = write_config(tmp_path, replicas=1)
     assert rollpoint("run", str(config)).returncode == 0
     first = train_lines(tmp_path / "run")
+    events = (tmp_path / "run" / "run_events.jsonl").read_bytes()
     again = rollpoint("run", str(config))
     assert again.returncode == 0, again.stderr
-    assert "resumed from snapshot" in again.stderr
+    assert "has finished already, at train step 2" in again.stderr
+    assert "servers up" not in again.stderr and "resumed from snapshot" not in again.stderr
+    # No server started: the event log has no new run_start (a job appends one once up).
+    assert (tmp_path / "run" / "run_events.jsonl").read_bytes() == events
     assert train_lines(tmp_path / "run") == first
 
 

@@ -128,6 +128,7 @@ def test_a_signal_mid_job_saves_a_final_snapshot_and_the_rerun_redoes_only_calls
         assert latest is not None and latest.published_at is not None
         assert latest.published_at > signalled_at, "no snapshot was published after the signal"
         assert f"snapshot {latest.snapshot_id} holds the run" in stderr
+        assert stderr.count("holds the run") == 1, "the stop's line is said once"
         log = (tmp_path / "run" / "rollpoint.log").read_text()
         assert f"snapshot {latest.snapshot_id} holds the run" in log
         _check_rerun(tmp_path, _config(tmp_path, url), calls, in_flight)

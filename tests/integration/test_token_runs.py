@@ -21,6 +21,7 @@ from rollpoint.policy.scripted_policy import PolicySettings, create_policy_app
 from rollpoint.trainer.train_hooks import TrainTurn, token_segments
 from tests.integration.test_cli_run import rollpoint, train_lines, write_config
 from tests.support.live_server import serve_app
+from tests.support.train_schema import check_train_rows
 
 pytestmark = pytest.mark.integration
 
@@ -30,6 +31,7 @@ def turns_of(line: dict[str, Any]) -> list[TrainTurn]:
 
 
 def check_tokens(lines: list[dict[str, Any]]) -> None:
+    check_train_rows(lines)  # the shipped schema, with token capture
     for line in lines:
         turns = turns_of(line)
         assert [t.turn for t in turns] == list(range(line["turn_count"]))

@@ -100,6 +100,7 @@ def test_row_results_are_told_apart_by_kind() -> None:
         errors.AttemptConflictError,
         errors.AttemptCancelledError,
         errors.EnvironmentMismatchError,
+        errors.EnvironmentRaisedError,
         errors.DeadlineExceededError,
         errors.InvalidCheckpointStateError,
         errors.UnauthorizedError,
@@ -136,6 +137,7 @@ def test_row_failure_codes_and_tool_argument_errors_are_in_the_tree() -> None:
     table = {cls.code: (cls.status, cls.retryable) for cls in TREE}
     assert table["internal"] == (500, False)
     assert table["environment_mismatch"] == (422, False)  # bad data: fails the group
+    assert table["environment_error"] == (500, False)  # the environment's bug: not retried
     assert table["attempt_conflict"] == (409, True)  # plumbing: re-sent fresh
     assert table["cancelled"] == (409, True)
     assert table["bad_request"] == (400, False)

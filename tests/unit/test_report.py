@@ -133,6 +133,21 @@ def test_a_restore_shows_its_outcome_and_the_calls_the_crash_lost(tmp_path: Path
     assert 'id="in-flight"' in page
 
 
+def test_a_graceful_stop_is_drawn_as_a_preemption_not_a_crash(tmp_path: Path) -> None:
+    (tmp_path / "metrics.jsonl").write_bytes(_snapshot_line("snap-1-0002", 104.5))
+    events = RunEvents(tmp_path / EVENTS_FILE)
+    events.append(_start(100.0))
+    events.append(TrainStep(ts=101.0, step=1, rollouts=4, groups=2))
+    events.preemption("SIGTERM", snapshot_id="snap-1-0002", detail="stopped by SIGTERM")
+    record = read_run(tmp_path)
+    assert record.state.startswith("stopped by SIGTERM (snapshot snap-1-0002 holds it")
+    events.append(_start(record.preemptions[0].ts + 1, resume_from="snap-1-0002"))
+    record = read_run(tmp_path)
+    assert record.stopped_by(0) is not None and record.stopped_by(1) is None
+    timeline = render_page(record).split('id="timeline"')[1]
+    assert "preempted (SIGTERM)" in timeline and "last sign of life" not in timeline
+
+
 def test_write_report_writes_the_page_whole(tmp_path: Path) -> None:
     (tmp_path / "metrics.jsonl").write_bytes(_snapshot_line("snap-1-0001", 101.0))
     target = write_report(read_run(tmp_path))

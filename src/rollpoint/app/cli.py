@@ -22,7 +22,12 @@ import typer
 from rich.console import Console
 
 from rollpoint import __version__
-from rollpoint.protocol.errors import ConfigError, RollpointError, RunPreemptedError
+from rollpoint.protocol.errors import (
+    ConfigError,
+    GroupsFailedError,
+    RollpointError,
+    RunPreemptedError,
+)
 
 app = typer.Typer(
     no_args_is_help=True,
@@ -204,6 +209,14 @@ def run(
             "file) instead of starting any; they are left running.",
         ),
     ] = None,
+    retry_failed: Annotated[
+        bool,
+        typer.Option(
+            "--retry-failed",
+            help="Resume the run and send its failed groups again under new ids "
+            "(what was trained stays trained).",
+        ),
+    ] = False,
 ) -> None:
     """Run a job to the end; run the same command again after a crash to resume it.
 
@@ -211,14 +224,20 @@ def run(
     default) or ray; with --attach, on servers started apart (a trainer killed alone then
     finds them running, and its rerun continues their episodes). Warnings (a snapshot
     skipped or failed, a replica down) show here and in WORKDIR/rollpoint.log.
+
+    Exit status: 0 every group trained; 1 an error stopped the run; 2 refused at start
+    (bad config); 3 the run ended (or stopped early) with failed groups; 143/130 stopped
+    by SIGTERM/SIGINT after a final snapshot (see "Exit codes" in docs/guide.md).
     """
     from rich.table import Table
 
+    from rollpoint.app import exit_codes
     from rollpoint.app.config import load_config
     from rollpoint.app.full_table import print_full
     from rollpoint.app.job import prepare_workdir
     from rollpoint.loop import run_builtin
     from rollpoint.rollouts import attached_config, load_served
+    from rollpoint.trainer.dispatch.failed_groups import digest
 
     try:
         config = load_config(config_path)
@@ -235,8 +254,13 @@ def run(
                 stop=stop,
                 say=_say,
                 watch=_show_progress,
+                retry_failed=retry_failed,
             )
         )
+    except GroupsFailedError as exc:
+        _say(_retry_hint(config_path))
+        console.print(f"[bold red]error:[/] {exc.message}", highlight=False, soft_wrap=True)
+        raise typer.Exit(code=exit_codes.GROUPS_FAILED) from None
     except RunPreemptedError as exc:
         console.print(f"[yellow]{exc.message}[/]", highlight=False, soft_wrap=True)
         raise typer.Exit(code=exc.exit_code) from None
@@ -247,8 +271,25 @@ def run(
         raise typer.Exit(code=130) from None
     table = Table(title="run finished", show_header=False)
     for key, value in summary.model_dump().items():
+        if key == "failed_groups":
+            value = len(summary.failed_groups)  # by reason on the last line, not 400 columns
         table.add_row(key, f"{value:.3f}" if isinstance(value, float) else str(value))
     print_full(out, table)
+    if summary.failed_groups:
+        _say(_retry_hint(config_path))
+        console.print(
+            f"[bold red]error:[/] the run ended with failed groups: {digest(summary.failed_groups)}",
+            highlight=False,
+            soft_wrap=True,
+        )
+        raise typer.Exit(code=exit_codes.GROUPS_FAILED)
+
+
+def _retry_hint(config_path: Path) -> str:
+    return (
+        f"`rollpoint inspect` lists them with their reasons; once the cause is fixed, "
+        f"`rollpoint run {config_path} --retry-failed` sends them again"
+    )
 
 
 @app.command()

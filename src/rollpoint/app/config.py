@@ -176,6 +176,35 @@ class PreemptionConfig(_Section):
     finish in time is abandoned and the previous one holds the run."""
 
 
+class FailureConfig(_Section):
+    """When failed prompt groups stop a run early (see "Exit codes" in docs/guide.md)."""
+
+    max_failed_fraction: Annotated[float, Field(ge=0, le=1)] = 0.5
+    """Once ``min_groups`` groups are settled (trained or failed), more than this share of
+    them failed stops the run: a snapshot, then one line and exit 3. 1.0: never stop."""
+    min_groups: Annotated[int, Field(ge=1)] = 8
+    """Groups settled before the share is looked at (a smaller run: all of its groups)."""
+
+
+class WatchdogConfig(_Section):
+    """A policy engine or a resources server that takes calls and answers none."""
+
+    warn_seconds: Annotated[float, Field(gt=0)] | None = 60.0
+    """Calls waiting on one peer and none of them answered for this long: a warning naming
+    the peer's URL and how many calls wait. None: off (an engine known to be slow)."""
+    stop_seconds: Annotated[float, Field(gt=0)] | None = 600.0
+    """... for this long: the run takes a snapshot and stops with one line (exit 1). The
+    default is the model server's bound on one call: a healthy engine answers some call
+    within it. None: off (rows are still given up after ``row_timeout_seconds``)."""
+
+    @model_validator(mode="after")
+    def _order(self) -> WatchdogConfig:
+        warn, stop = self.warn_seconds, self.stop_seconds
+        if warn is not None and stop is not None and stop < warn:
+            raise ValueError(f"stop_seconds ({stop:g}) is shorter than warn_seconds ({warn:g})")
+        return self
+
+
 DEFAULT_FORWARD_ENV = (
     "AWS_*",
     "GOOGLE_APPLICATION_CREDENTIALS",
@@ -250,6 +279,8 @@ class RunConfig(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     snapshot: SnapshotConfig = Field(default_factory=SnapshotConfig)
     preemption: PreemptionConfig = Field(default_factory=PreemptionConfig)
+    failure: FailureConfig = Field(default_factory=FailureConfig)
+    watchdog: WatchdogConfig = Field(default_factory=WatchdogConfig)
     recovery: Literal["turn", "restart"] = "turn"
     """After a crash, ``turn`` continues every saved episode from its last completed turn;
     ``restart`` starts every unfinished episode over from its prompt (the baseline that
@@ -282,6 +313,12 @@ class RunConfig(_Section):
     def _check(self) -> RunConfig:
         if self.dataset is None and self.tasks is None:
             raise ValueError("give either 'tasks' or 'dataset'")
+        if self.policy.base_url is None and self.policy.api_key is not None:
+            raise ValueError(
+                "policy.api_key is set but policy.base_url is not: the built-in scripted "
+                "policy takes no API key (it would refuse every call as unauthorized); "
+                "remove api_key, or set base_url to the engine it is for"
+            )
         if not self.allow_remote_bind and self.host not in _LOOPBACK:
             raise ValueError(
                 f"host {self.host!r} is not loopback; set allow_remote_bind: true to listen on it"
@@ -328,6 +365,10 @@ class RunConfig(_Section):
             snapshot_every_seconds=self.snapshot.every_seconds,
             save=self.snapshot.save_settings(),
             fingerprint=self.fingerprint(),
+            max_failed_fraction=self.failure.max_failed_fraction,
+            failure_min_groups=self.failure.min_groups,
+            stuck_warn_seconds=self.watchdog.warn_seconds,
+            stuck_stop_seconds=self.watchdog.stop_seconds,
         )
 
 
@@ -335,7 +376,9 @@ def _format_validation_error(source: str, exc: ValidationError) -> str:
     err = exc.errors()[0]
     loc = ".".join(str(p) for p in err["loc"]) or "<top level>"
     if err["type"] == "extra_forbidden":
-        return f"{source}: unknown key '{loc}'"
+        from rollpoint.app.config_keys import did_you_mean
+
+        return f"{source}: unknown key '{loc}'{did_you_mean(RunConfig, err['loc'])}"
     more = f" (and {len(exc.errors()) - 1} more)" if len(exc.errors()) > 1 else ""
     return f"{source}: key '{loc}': {err['msg']}{more}"
 

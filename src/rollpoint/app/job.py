@@ -17,6 +17,7 @@ façade, chaos trials): it installs the performance tricks on the checkpoint sea
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import secrets
@@ -26,6 +27,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from rollpoint.app.config import RunConfig
+from rollpoint.app.deployment_check import check_deployment
+from rollpoint.app.finished_run import finished_summary
 from rollpoint.app.start_checks import check_store_writable, check_workdir_writable, unreadable
 from rollpoint.http.client import HttpClient
 from rollpoint.preemption import StopRequest, drive_until_stopped
@@ -173,6 +176,7 @@ async def run_job(
     attach: ServedDeployment | None = None,
     more_groups: bool = False,
     step_record: StepRecord | None = None,
+    retry_failed: bool = False,
 ) -> RunSummary:
     """``data_token`` guards the servers' data routes (one is made when None); a caller that
     talks to the servers itself (a benchmark reading their stats) passes its own. With
@@ -183,7 +187,11 @@ async def run_job(
     leaves them running when it ends. ``more_groups``: the trainer takes groups added while
     it runs (:meth:`Trainer.add_groups`), and the config's tasks may be none. ``step_record``:
     the trainer's record of its steps, where a resume looks for durable steps (default:
-    rollpoint's, ``train_data.jsonl`` and ``checkpoints/`` in the workdir)."""
+    rollpoint's, ``train_data.jsonl`` and ``checkpoints/`` in the workdir). ``retry_failed``:
+    the resumed run's failed groups are sent again under new group ids (nothing trained is
+    trained again)."""
+    if retry_failed and fresh:
+        raise ConfigError("--retry-failed resumes a run's failed groups; it cannot go with --fresh")
     lock_workdir(config.workdir)  # held already when the CLI prepared the workdir
     install_tuning()  # the trainer's entry point (idempotent: a second job adds nothing)
     tasks = load_tasks_for(config)
@@ -231,6 +239,22 @@ async def run_job(
         # covers (train data edited or cut short) is refused here, naming the file, and
         # left as it is. The restorer checks it again: the same record, read once.
         await asyncio.to_thread(record.check, point.checkpoint)
+        if not retry_failed and not more_groups:
+            events_path = config.workdir / EVENTS_FILE
+            ended = await asyncio.to_thread(finished_summary, events_path, point)
+            if ended is not None:
+                failed = len(ended.failed_groups)
+                say(
+                    f"the run in {config.workdir} has finished already, at train step "
+                    f"{ended.train_steps}"
+                    + (
+                        f" with {failed} failed groups (--retry-failed sends them again)"
+                        if failed
+                        else ""
+                    )
+                    + "; no server was started (--fresh --force starts it over)"
+                )
+                return ended
     metrics = TrainerMetrics(config.workdir / "metrics.jsonl", config.workdir / EVENTS_FILE)
     events = metrics.run_events
     if attach is not None and spec_hook is not None:
@@ -252,6 +276,7 @@ async def run_job(
         deployment = await runtime.start()
         if route is not None:
             deployment = await route(deployment)
+        await check_deployment(config, deployment, data_http, attached=attach is not None)
         port = metrics.serve(config.metrics_host, config.metrics.port)
         say(
             f"servers up: {config.replicas} replica(s) on the {config.runtime} runtime, "
@@ -305,8 +330,11 @@ async def run_job(
                     snapshot_pause_s=point.manifest.pause_seconds,
                 )
             )
+        settings = config.trainer_settings()
+        if retry_failed:
+            settings = dataclasses.replace(settings, retry_failed=True)
         trainer = Trainer(
-            config.trainer_settings(),
+            settings,
             deployment,
             tasks,
             hooks=hooks,
@@ -316,6 +344,14 @@ async def run_job(
             step_record=record,
             more_groups=more_groups,
         )
+        if trainer.retried:
+            say(
+                f"retrying {len(trainer.retried)} failed groups under new ids: "
+                + ", ".join(f"{old} as {new}" for old, new in list(trainer.retried.items())[:5])
+                + (" …" if len(trainer.retried) > 5 else "")
+            )
+        elif retry_failed:
+            say("--retry-failed: the resumed run has no failed groups to retry")
         if stop is None:
             summary = await drive(trainer, runtime, metrics)
         else:

@@ -12,8 +12,10 @@ from typing import TYPE_CHECKING, Any
 
 from rollpoint.protocol.errors import ConfigError
 from rollpoint.store.snapshot_store import SnapshotStore
+from rollpoint.trainer.dispatch.failed_groups import superseded
 from rollpoint.trainer.restore.restorer import read_trainer_document
-from rollpoint.trainer.snapshot.coordinator import FINISHED_QUEUE_FILE
+from rollpoint.trainer.snapshot.coordinator import FINISHED_QUEUE_FILE, LEDGER_FILE
+from rollpoint.trainer.state.ledger import RecoveryLedger
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -73,8 +75,22 @@ def build_report(root: str, *, workdir: Path | None = None) -> dict[str, Any]:
             "finished": [f.model_dump(mode="json") for f in latest_manifest.finished],
             "participants": [p.model_dump(mode="json") for p in latest_manifest.participants],
             "tq_size": tq_size,
+            "failed_groups": failed_groups_at(store, latest_manifest.snapshot_id),
         }
     return {"snapshots": snapshots, "invalid": invalid, "latest": latest}
+
+
+def failed_groups_at(store: SnapshotStore, snapshot_id: str) -> list[dict[str, str]]:
+    """The groups the snapshot's ledger holds as failed and not sent again since
+    (``rollpoint run --retry-failed``), each with its task and why it failed."""
+    doc = read_trainer_document(store, snapshot_id, LEDGER_FILE)
+    ledger = RecoveryLedger.from_document(doc, what=f"ledger of snapshot {snapshot_id}")
+    retried = superseded(ledger)
+    return [
+        {"group_id": gid, "task_id": ledger.group(gid).task_id, "reason": reason}
+        for gid, reason in ledger.failed_groups().items()
+        if gid not in retried
+    ]
 
 
 def render_report(report: dict[str, Any], console: Console) -> None:
@@ -121,6 +137,16 @@ def render_report(report: dict[str, Any], console: Console) -> None:
             str(e["turns_completed"]),
         )
     print_full(console, episodes)
+    failed = latest.get("failed_groups") or []
+    if failed:
+        groups = Table(
+            title=f"failed groups ({len(failed)}; `rollpoint run --retry-failed` sends them again)"
+        )
+        for col in ("group", "task", "why"):
+            groups.add_column(col)
+        for f in failed:
+            groups.add_row(f["group_id"], f["task_id"], f["reason"])
+        print_full(console, groups)
     if latest["restarts"] or latest["finished"]:
         other = Table(title="restarts and finished replies held at the cut")
         for col in ("episode", "replica", "what"):

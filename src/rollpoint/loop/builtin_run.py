@@ -31,12 +31,20 @@ async def run_builtin(
     stop: StopRequest | None = None,
     say: Callable[[str], None] = log.info,
     watch: Watch | None = None,
+    retry_failed: bool = False,
 ) -> RunSummary:
     """Run the config's job to its end with the simulated update; the arguments are the
     façade's (:class:`rollpoint.Rollouts`). A stop request's first signal ends it with
     :class:`~rollpoint.protocol.errors.RunPreemptedError` after the final snapshot."""
     update = SimulatedTrainer(config.train.step_seconds)
-    async with Rollouts(config, deployment=deployment, fresh=fresh, stop=stop, say=say) as run:
+    async with Rollouts(
+        config,
+        deployment=deployment,
+        fresh=fresh,
+        stop=stop,
+        say=say,
+        retry_failed=retry_failed,
+    ) as run:
         shown = None if watch is None else asyncio.create_task(watch(run))
         try:
             async for batch in run.batches():

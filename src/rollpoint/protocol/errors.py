@@ -26,11 +26,14 @@ that failed it, ``transport`` when the error is retryable::
     │   ├── DeadlineExceededError   409 deadline_exceeded      retryable
     │   └── InvalidCheckpointStateError 422 invalid_checkpoint_state
     ├── EpisodeError                422 episode_failed         (a bad rollout is data, not a crash)
-    │   └── EnvironmentMismatchError 422 environment_mismatch (a row for another environment)
+    │   ├── EnvironmentMismatchError 422 environment_mismatch (a row for another environment)
+    │   └── EnvironmentRaisedError  500 environment_error     (the environment's code raised)
     ├── AttemptCancelledError       409 cancelled              retryable (retired, or the server stopped)
     ├── ToolArgumentError           400 tool_argument_invalid  (told to the model, never on the wire)
     ├── SnapshotError               500 snapshot_failed        retryable (one failed save)
     ├── RunStalledError             500 run_stalled            (no row result for too long)
+    ├── RunStuckError               504 run_stuck              (calls waiting on a peer that answers none)
+    ├── GroupsFailedError           500 groups_failed          (too many groups failed; CLI exit 3)
     ├── WorkdirBusyError            409 workdir_busy           (another process holds the workdir)
     ├── StorageError                507 storage_failed         (a file could not be written: disk full, I/O, permissions)
     ├── RestoreError                500 restore_refused        (a restore that cannot be exact)
@@ -204,6 +207,17 @@ class EnvironmentMismatchError(EpisodeError):
     status = 422
 
 
+class EnvironmentRaisedError(EpisodeError):
+    """The environment's own code (a tool, ``start``, ``verify``, ``export_state``) raised
+    an exception that is not a :class:`ToolArgumentError`: a bug in the environment, not a
+    network fault. The message carries the exception's type and text and the
+    environment's frame where it was raised; the traceback is in the resources server's
+    log. Not retryable: the same call would raise again, so the row fails its group."""
+
+    code = "environment_error"
+    status = 500
+
+
 class AttemptCancelledError(RollpointError):
     """A running attempt was stopped (retired, or its server stopped) before it finished:
     its row is re-sent fresh, so it is retryable."""
@@ -245,6 +259,29 @@ class RunStalledError(RollpointError):
     """No row result arrived for the stall timeout (snapshot pauses not counted)."""
 
     code = "run_stalled"
+
+
+class RunStuckError(RollpointError):
+    """Calls have waited on a peer (the policy engine, a resources server) with none
+    answered for the stuck watchdog's stop time: the run took a snapshot and stopped."""
+
+    code = "run_stuck"
+    status = 504
+
+
+class GroupsFailedError(RollpointError):
+    """More prompt groups failed than ``failure.max_failed_fraction`` allows: the run took
+    a snapshot and stopped early (``rollpoint run`` exits 3, as for a run that ended with
+    failed groups). ``failed`` holds group id → reason."""
+
+    code = "groups_failed"
+
+    def __init__(self, message: str, failed: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.failed = dict(failed or {})
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.message, self.failed))
 
 
 class StorageError(RollpointError):

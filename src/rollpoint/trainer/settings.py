@@ -71,6 +71,20 @@ class TrainerSettings:
     fingerprint: dict[str, JsonValue] = field(default_factory=dict)
     """The config keys a snapshot's saved state depends on: saved with every snapshot, and
     a restore refuses a snapshot whose keys differ (naming the key)."""
+    max_failed_fraction: float = 0.5
+    """Stop the run early (a snapshot, then :class:`~rollpoint.protocol.errors.GroupsFailedError`)
+    once more than this share of the groups settled so far failed; 1.0 never stops."""
+    failure_min_groups: int = 8
+    """Groups settled (trained or failed) before ``max_failed_fraction`` is applied (or
+    every group of a smaller run)."""
+    stuck_warn_seconds: float | None = 60.0
+    """Calls in flight and none answered for this long: one warning naming the peer and
+    how many calls wait (None: never)."""
+    stuck_stop_seconds: float | None = 600.0
+    """... and for this long: a snapshot, then :class:`~rollpoint.protocol.errors.RunStuckError`
+    (None: never; the row timeout still gives rows up)."""
+    retry_failed: bool = False
+    """Send the failed groups of the restored run again, under new group ids."""
 
     def __post_init__(self) -> None:
         for name in ("group_size", "concurrency", "max_turns", "batch_size"):
@@ -86,6 +100,19 @@ class TrainerSettings:
             raise ConfigError(
                 f"TrainerSettings.row_timeout_seconds must be > 0, not {self.row_timeout_seconds!r}"
             )
+        if not 0 <= self.max_failed_fraction <= 1:
+            raise ConfigError(
+                "TrainerSettings.max_failed_fraction must be in [0, 1],"
+                f" not {self.max_failed_fraction!r}"
+            )
+        if self.failure_min_groups < 1:
+            raise ConfigError(
+                f"TrainerSettings.failure_min_groups must be at least 1, not {self.failure_min_groups!r}"
+            )
+        for name in ("stuck_warn_seconds", "stuck_stop_seconds"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ConfigError(f"TrainerSettings.{name} must be > 0 or None, not {value!r}")
         every = self.snapshot_every_seconds
         if every is not None and not every > 0:
             raise ConfigError(

@@ -44,17 +44,21 @@ from rollpoint.protocol.episode import RunReply, TaskRow
 from rollpoint.protocol.errors import (
     BadRequestError,
     ConfigError,
+    GroupsFailedError,
     InvalidPhaseError,
     RollpointError,
     RunStalledError,
+    RunStuckError,
 )
 from rollpoint.protocol.model_base import StrictModel
 from rollpoint.protocol.participant import ParticipantKind
 from rollpoint.store import retention
 from rollpoint.trainer.control.control_plane import ControlPlane
 from rollpoint.trainer.control.replica_roster import ReplicaRoster
+from rollpoint.trainer.control.stuck_watch import StuckWatch
 from rollpoint.trainer.dispatch.dispatch_barrier import DispatchBarrier
 from rollpoint.trainer.dispatch.dispatcher import Dispatcher, GroupOutcome
+from rollpoint.trainer.dispatch.failed_groups import FailureLimit, digest, retry_failed, superseded
 from rollpoint.trainer.dispatch.release_batcher import ReleaseBatcher
 from rollpoint.trainer.grpo import advantages_by_episode
 from rollpoint.trainer.metrics import RunCounts
@@ -72,6 +76,7 @@ from rollpoint.trainer.run_events import (
 )
 from rollpoint.trainer.settings import TrainerSettings
 from rollpoint.trainer.snapshot.coordinator import SnapshotCoordinator
+from rollpoint.trainer.snapshot.early_stop import stop_snapshot
 from rollpoint.trainer.state.finished_queue import FinishedQueue, GroupBatch
 from rollpoint.trainer.state.ledger import RecoveryLedger, RolloutState
 from rollpoint.trainer.step_record import StepRecord
@@ -90,6 +95,9 @@ SNAPSHOT_RETRY_S = 0.2
 it takes after its last step when the step's own snapshot failed."""
 
 STALL_REPORT_ROWS = 10
+STOP_SNAPSHOT_SLACK_S = 5.0
+"""A stop from inside (too many failed groups, a stuck peer) gives its final snapshot the
+snapshot deadline and this much more."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +180,14 @@ class Trainer:
                 gid = group_id_for(task.task_id)
                 self.ledger.add_group(task, gid, config.group_size)
                 self.finished_queue.expect_group(gid, config.group_size)
+        self.retried: dict[str, str] = {}
+        """Failed groups of the restored run sent again (``retry_failed``): old id → new."""
+        if config.retry_failed:
+            self.retried = retry_failed(self.ledger, self.finished_queue, config.group_size)
+        self._superseded = superseded(self.ledger)
+        """Failed groups sent again as newer groups: not failures of this run any more."""
+        self._failure_limit = FailureLimit(config.max_failed_fraction, config.failure_min_groups)
+        self._too_many_failed = asyncio.Event()
         self._feed_order = self.ledger.group_ids()
         """The groups to send, in order: the ledger's, then those added while running."""
         self._more_groups = more_groups
@@ -334,7 +350,11 @@ class Trainer:
                 # resumable (it composes with step 0), so a rerun never finds train data
                 # with no snapshot to go with it (it refuses that rather than delete it).
                 await self._first_snapshot(self.coordinator)
-            side: list[Any] = [self._watch_stall(self.dispatcher)]
+            side: list[Any] = [
+                self._watch_stall(self.dispatcher),
+                self._stop_on_failures(),
+                self._stop_when_stuck(),
+            ]
             if self.events.path is not None:
                 side.append(self._sample_in_flight())
             if self.coordinator is not None and self.releases is not None:
@@ -506,10 +526,51 @@ class Trainer:
         self._groups_added.set()
 
     def _group_done(self, outcome: GroupOutcome) -> None:
+        if outcome.group_id in self._superseded:
+            return  # failed before, and sent again as a newer group (retry_failed)
+        self._failure_limit.settle(failed=outcome.failed is not None)
         if outcome.failed is not None:
             self._failed[outcome.group_id] = outcome.failed
             self.finished_queue.drop_group(outcome.group_id)
             self._tq_changed.set()
+        groups = len(self.ledger.group_ids()) - len(self._superseded)
+        if self._failure_limit.exceeded(groups):
+            self._too_many_failed.set()
+
+    async def _stop_on_failures(self) -> None:
+        """Too many groups failed (``max_failed_fraction``): a snapshot, then stop."""
+        await self._too_many_failed.wait()
+        why = self._failure_limit.line()
+        log.warning("%s: taking a snapshot, then stopping", why)
+        holds = await self._stop_snapshot()
+        raise GroupsFailedError(
+            f"stopped early: {why}; {holds}. {digest(self._failed)}", self._failed
+        )
+
+    async def _stop_when_stuck(self) -> None:
+        """A peer takes calls and answers none (:mod:`.stuck_watch`): a snapshot, then stop."""
+        if self.coordinator is None:
+            return  # no control plane: no status to read
+        watch = StuckWatch(
+            self.roster,
+            self.ledger,
+            policy_url=lambda: self.deployment.policy_url,
+            clock=self.barrier.pause_clock,
+            warn_s=self.config.stuck_warn_seconds,
+            stop_s=self.config.stuck_stop_seconds,
+        )
+        why = await watch.run()
+        holds = await self._stop_snapshot()
+        raise RunStuckError(f"{why}; {holds}")
+
+    async def _stop_snapshot(self) -> str:
+        previous = None if self.restored is None else self.restored.snapshot_id
+        return await stop_snapshot(
+            self.coordinator,
+            self.barrier,
+            budget_s=self.config.save.deadline_seconds + STOP_SNAPSHOT_SLACK_S,
+            previous=previous,
+        )
 
     # --- training --------------------------------------------------------------------
 

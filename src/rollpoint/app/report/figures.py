@@ -111,8 +111,9 @@ def _event_marks(ax: Axes, record: RunRecord, *, label: bool) -> None:
                 color=MARK_COLOURS[kind],
             )
 
-    for before, segment in itertools.pairwise(record.segments):
-        if before.end is None:
+    for i, (before, segment) in enumerate(itertools.pairwise(record.segments)):
+        # A run stopped by a signal is drawn as its preemption (below), not as a crash.
+        if before.end is None and record.stopped_by(i) is None:
             vline(before.last_ts, "crash", ":", "last sign of life", "right")
         vline(segment.start.ts, "rerun", "-", "rerun", "right")
     for r in record.restores:

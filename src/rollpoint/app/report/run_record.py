@@ -136,7 +136,20 @@ class RunRecord:
             return "unknown (no run_events.jsonl)"
         if self.segments[-1].end is not None:
             return "finished"
+        stopped = self.stopped_by(len(self.segments) - 1)
+        if stopped is not None:
+            held = f"snapshot {stopped.snapshot_id}" if stopped.snapshot_id else "its last snapshot"
+            return f"stopped by {stopped.signal} ({held} holds it; a rerun resumes)"
         return "crashed or still running"
+
+    def stopped_by(self, index: int) -> Preemption | None:
+        """The signal segment ``index`` stopped on (a preemption: not a crash), or None."""
+        start = self.segments[index].start.ts
+        until = (
+            self.segments[index + 1].start.ts if index + 1 < len(self.segments) else float("inf")
+        )
+        found = [p for p in self.preemptions if start <= p.ts < until]
+        return found[-1] if found else None
 
     @property
     def replicas(self) -> list[str]:

@@ -17,7 +17,9 @@ Routes (see ``docs/architecture.md``):
   error for the model, never a 5xx; a known key with the same call (tool and arguments,
   :func:`~rollpoint.servers.resources.episode_record.call_fingerprint`) replays the first result, with
   another call it is 409 ``idempotency_conflict`` naming the key and runs nothing; unknown
-  episode → 404 ``not_found``
+  episode → 404 ``not_found``; an exception in the environment's own code (a tool, ``start``,
+  ``verify``, ``export_state``) → 500 ``environment_error`` naming it, its traceback in this
+  server's log (:mod:`~rollpoint.servers.resources.environment_calls`)
 - ``POST /episodes/verify`` :class:`VerifyRequest` → :class:`VerifyReply`
 - ``POST /episodes/release`` :class:`ReleaseRequest` → :class:`ReleaseReply`
 - ``GET /metrics``: tool calls applied, idempotent replays, 409 refusals of starts and tool
@@ -96,6 +98,7 @@ from rollpoint.protocol.errors import (
 )
 from rollpoint.protocol.ids import EpisodeId, Identifier
 from rollpoint.protocol.model_base import StrictModel
+from rollpoint.servers.resources.environment_calls import environment_call
 from rollpoint.servers.resources.episode_record import (
     EpisodeRecord,
     ToolResultRecord,
@@ -366,10 +369,12 @@ class ResourcesService:
                     f" not this version of task {task.task_id}"
                 )
             return False
+        with environment_call(self.environment, "start", rollout_id):
+            state = self.environment.start(task)
         # The task's JSON is made here, once, so a checkpoint does not make it in its pause.
         self._episodes[rollout_id] = _Episode(
             task=task,
-            state=self.environment.start(task),
+            state=state,
             task_json=task.model_dump(mode="json"),
         )
         self._image.changed(rollout_id)
@@ -421,7 +426,8 @@ class ResourcesService:
         episode.changing()
         self._image.changed(rollout_id)  # even if the tool raises half-way
         try:
-            result = await self._run(episode, tool_name, call)
+            with environment_call(self.environment, f"tool {tool_name!r}", rollout_id):
+                result = await self._run(episode, tool_name, call)
             episode.results[key] = result
             episode.fingerprints[key] = fingerprint
         finally:
@@ -456,13 +462,14 @@ class ResourcesService:
     def verify(self, request: VerifyRequest) -> VerifyReply:
         self._guard(request.episode)
         episode = self._episode(request.episode.rollout_id)
-        reply = self.environment.verify(episode.state, episode.task, request.final_message)
+        rollout_id = request.episode.rollout_id
+        with environment_call(self.environment, "verify", rollout_id):
+            reply = self.environment.verify(episode.state, episode.task, request.final_message)
         if self.final_states is not None:
+            with environment_call(self.environment, "export_state", rollout_id):
+                final = self.environment.export_state(episode.state)
             self.final_states.append(
-                request.episode,
-                episode.task.task_id,
-                self.environment.name,
-                self.environment.export_state(episode.state),
+                request.episode, episode.task.task_id, self.environment.name, final
             )
         return reply
 
@@ -545,7 +552,8 @@ class ResourcesService:
             # The export is a copy taken now: later tool calls change the state, never the
             # copy, so packing it can wait for a writer's thread. The environment may leave
             # its own encoding for later too (capture_state).
-            make_export = self.environment.capture_state(episode.state)
+            with environment_call(self.environment, "capture_state", rollout_id):
+                make_export = self.environment.capture_state(episode.state)
             episode.packed_state = DeferredValue(
                 partial(_pack_later, make_export, self.environment.name),
                 f"packed state of rollout {rollout_id}",
@@ -576,12 +584,14 @@ class ResourcesService:
 
     def _record(self, rollout_id: str, saved_for: EpisodeId | None = None) -> EpisodeRecord:
         episode = self._episodes[rollout_id]
+        with environment_call(self.environment, "export_state", rollout_id):
+            state = self.environment.export_state(episode.state)
         return EpisodeRecord(
             episode=saved_for,
             rollout_id=rollout_id,
             environment=episode.task.environment,
             task=episode.task,
-            state=self.environment.export_state(episode.state),
+            state=state,
             tool_results=[
                 ToolResultRecord(
                     turn=turn,

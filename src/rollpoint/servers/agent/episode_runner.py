@@ -20,7 +20,8 @@ the same idempotency keys ``(rollout_id, turn, call_index)``.
 
 Does not own: sessions, parking, or what a failure means for the row (the book turns
 errors into :class:`~rollpoint.protocol.episode.RowFailure`): a peer that is down, times
-out or answers off-protocol raises :class:`TransportError`, and so does a resources server
+out or answers off-protocol raises :class:`TransportError`, and so does a policy reply with
+neither content nor tool calls (never a turn of the transcript), and a resources server
 that no longer knows an episode this agent started there (it lost its state: restarted
 empty); a refusal about the data (422) raises the peer's :class:`ProtocolError`.
 """
@@ -37,7 +38,7 @@ from pydantic import BaseModel, ValidationError
 
 from rollpoint.http.client import HttpClient
 from rollpoint.loops import AgentLoop
-from rollpoint.policy.engine_adapters import EngineAdapter, adapter_for
+from rollpoint.policy.engine_adapters import EngineAdapter, adapter_for, check_said
 from rollpoint.protocol.episode import (
     EpisodeStart,
     ModelCall,
@@ -95,6 +96,8 @@ def _assistant_message(reply: Any, url: str) -> dict[str, Any]:
     cleaned = {k: v for k, v in message.items() if v is not None}
     cleaned.setdefault("role", "assistant")
     cleaned.setdefault("content", None)
+    # Neither content nor tool calls: a failed call (re-sent), never a turn of the transcript.
+    check_said(cleaned, url)
     return cleaned
 
 

@@ -20,7 +20,9 @@ retired while it ran gets the same refusal instead of its reply, and is not reco
 stream already under way ends as it began, unrecorded).
 
 Upstream failures: unreachable, timed out or a 5xx → 502 ``transport_error``; a 4xx is passed
-through with its status and body (the engine refused the request, not the plumbing).
+through with its status and body (the engine refused the request, not the plumbing). A
+tagged call whose reply has neither content nor tool calls is a 502 too, and not recorded
+(:func:`~rollpoint.policy.engine_adapters.check_said`).
 
 Token data: each recorded call keeps choice 0's token ids and logprobs, read by the engine
 adapter of ``engine`` (:mod:`rollpoint.policy.engine_adapters`), streamed or not. A plain
@@ -64,7 +66,7 @@ from rollpoint.http.auth import data_token, load_token
 from rollpoint.http.client import HttpClient
 from rollpoint.http.server_metrics import CALL_BUCKETS, Reading, ServerMetrics
 from rollpoint.participant import AdmissionGate, close_control_plane, mount_participant
-from rollpoint.policy.engine_adapters import EngineTokens, TokenStream, adapter_for
+from rollpoint.policy.engine_adapters import EngineTokens, TokenStream, adapter_for, check_said
 from rollpoint.protocol.errors import (
     BadRequestError,
     ModelNotFoundError,
@@ -314,8 +316,12 @@ class StreamAssembler:
 
     def reply_message(self) -> dict[str, Any]:
         """The message as a plain reply carries it (content null next to tool calls)."""
-        message: dict[str, Any] = {"role": self._role, "content": "".join(self._content) or None}
+        # An empty string the engine streamed is its content; no content delta at all is
+        # none (and so is the empty content next to tool calls, as a plain reply has it).
+        content = "".join(self._content) if self._content else None
+        message: dict[str, Any] = {"role": self._role, "content": content}
         if self._tools:
+            message["content"] = content or None
             message["tool_calls"] = [self._tools[i] for i in sorted(self._tools)]
         return message
 
@@ -768,6 +774,9 @@ class ModelServer:
         continued_tokens: int = 0,
         regenerated: str | None = None,
     ) -> None:
+        # Neither content nor tool calls: the call failed (502 to a plain caller, which
+        # re-sends the row), and nothing is filed.
+        check_said(message, f"upstream {self.settings.upstream_url}")
         messages = payload["messages"]
         trace = None
         if read is not None:
@@ -872,23 +881,22 @@ class ModelServer:
             if assembler is not None and tag is not None and not self._retired(tag):
                 try:
                     read = assembler.tokens.result() if assembler.tokens is not None else None
-                except TransportError as exc:
                     # The bytes are relayed already; the call is just not filed (never half).
+                    self._record(
+                        tag,
+                        payload,
+                        assembler.message(),
+                        assembler.finish_reason,
+                        assembler.usage,
+                        version=version,
+                        latency=time.perf_counter() - started,
+                        streamed=True,
+                        read=read,
+                        completion_id=assembler.completion_id,
+                        regenerated=regenerated,
+                    )
+                except TransportError as exc:
                     log.warning("stream of %s not recorded: %s", tag.rollout_id, exc.message)
-                    return
-                self._record(
-                    tag,
-                    payload,
-                    assembler.message(),
-                    assembler.finish_reason,
-                    assembler.usage,
-                    version=version,
-                    latency=time.perf_counter() - started,
-                    streamed=True,
-                    read=read,
-                    completion_id=assembler.completion_id,
-                    regenerated=regenerated,
-                )
 
         return _HeldStream(
             relay(),

@@ -49,13 +49,13 @@ SAMPLING = SamplingConfig(
 
 
 @contextmanager
-def stack(engine_url: str) -> Iterator[tuple[str, str]]:
-    """Model server and agent (capture on) in front of ``engine_url``; their URLs."""
+def stack(engine_url: str, *, cut: bool = False) -> Iterator[tuple[str, str]]:
+    """Model server (``cut``: with the generation cut) and agent (capture on) in front of
+    ``engine_url``; their URLs."""
     with ExitStack() as servers:
         resources = servers.enter_context(serve_app(create_resources_app("workplace")))
-        model = servers.enter_context(
-            serve_app(create_model_app(ModelServerSettings(upstream_url=engine_url + "/v1")))
-        )
+        settings_ = ModelServerSettings(upstream_url=engine_url + "/v1", cut_generations=cut)
+        model = servers.enter_context(serve_app(create_model_app(settings_)))
         settings = AgentSettings(
             model_url=model,
             resources_url=resources,
@@ -236,6 +236,29 @@ async def test_malformed_token_data_fails_the_row_and_records_nothing(
     assert result["kind"] == "failed" and result["transport"] is True, result
     assert f"vllm reply: {field}" in result["message"], result["message"]
     assert recorded == []
+
+
+def _said_nothing(reply: dict[str, Any]) -> None:
+    reply["choices"][0]["message"] = {"role": "assistant", "content": None, "tool_calls": []}
+
+
+@pytest.mark.parametrize("cut", [False, True])
+async def test_a_reply_with_neither_content_nor_tool_calls_fails_the_call_unrecorded(
+    http: httpx.AsyncClient, cut: bool
+) -> None:
+    with serve_app(broken_engine(_said_nothing)) as engine_url, stack(engine_url, cut=cut) as (
+        model,
+        agent,
+    ):
+        (result,) = await run(http, agent, rows(1, "empty"))
+        recorded = await ledger(http, model, "empty0")
+        # Untagged (no episode): the engine's reply is passed through as it came.
+        plain = await http.post(model + "/v1/chat/completions", json={"messages": []})
+    # A transport failure: the dispatcher re-sends the row; no turn holds an empty reply.
+    assert result["kind"] == "failed" and result["transport"] is True, result
+    assert "neither content nor tool calls" in result["message"], result["message"]
+    assert recorded == []
+    assert plain.status_code == 200 and plain.json()["choices"][0]["message"]["content"] is None
 
 
 def _without_tokens(reply: dict[str, Any]) -> None:

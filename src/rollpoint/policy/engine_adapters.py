@@ -6,7 +6,9 @@ Owns, per engine, the request fields that make it return token data
 and the checks on what was read: a reply whose token data is malformed (a non-integer or
 negative id, logprobs and ids of different lengths) raises :class:`TransportError`
 naming the field and the engine, so the call fails whole and nothing is stored half.
-A reply with no token data at all reads as None (the engine cannot return ids).
+A reply with no token data at all reads as None (the engine cannot return ids); its
+per-token logprobs and token strings, when it sent those, are read by
+:func:`read_token_texts`.
 
 The shapes, checked against the engines' sources (the fixtures under
 ``tests/fixtures/engines/`` say which file and commit each follows):
@@ -151,6 +153,24 @@ def _choice(engine: str, reply: Any, index: int) -> dict[str, Any]:
     if not isinstance(choice, dict):
         raise _bad(engine, f"choices[{index}]", "is not an object")
     return choice
+
+
+def read_token_texts(engine: str, reply: Any) -> tuple[list[str], list[float]] | None:
+    """Choice 0's token strings and logprobs from OpenAI ``logprobs.content`` (every
+    OpenAI-compatible engine's shape), for a reply without ids; None when it has none.
+    Malformed entries raise :class:`TransportError` naming the field, as ids do."""
+    field = "choices[0].logprobs"
+    content = _content(engine, field, _choice(engine, reply, 0).get("logprobs"))
+    if content is None:
+        return None
+    logprobs = _content_logprobs(engine, f"{field}.content", content)
+    tokens = []
+    for i, entry in enumerate(content):
+        token = entry.get("token")
+        if not isinstance(token, str):
+            raise _bad(engine, f"{field}.content[{i}].token", f"is not a string: {token!r}")
+        tokens.append(token)
+    return tokens, logprobs
 
 
 def check_said(message: dict[str, Any], where: str) -> None:

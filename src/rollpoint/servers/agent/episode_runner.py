@@ -38,7 +38,12 @@ from pydantic import BaseModel, ValidationError
 
 from rollpoint.http.client import HttpClient
 from rollpoint.loops import AgentLoop
-from rollpoint.policy.engine_adapters import EngineAdapter, adapter_for, check_said
+from rollpoint.policy.engine_adapters import (
+    EngineAdapter,
+    adapter_for,
+    check_said,
+    read_token_texts,
+)
 from rollpoint.protocol.episode import (
     EpisodeStart,
     ModelCall,
@@ -55,7 +60,7 @@ from rollpoint.protocol.ids import (
     HEADER_ROLLOUT_ID,
     HEADER_TURN,
 )
-from rollpoint.protocol.token_data import TokenTrace, context_after
+from rollpoint.protocol.token_data import TokenTexts, TokenTrace, context_after
 from rollpoint.servers.agent.session import Session, SessionState
 from rollpoint.servers.agent.session_book import TurnBoundary
 from rollpoint.servers.model.generation_cut import HEADER_TOKEN_SEGMENTS, parse_segments_header
@@ -241,6 +246,7 @@ class EpisodeRunner:
         message = _assistant_message(reply, self._completions_url)
         # Read (and checked) before anything is kept: malformed token data fails the call.
         tokens = self._tokens(session, reply)
+        texts = self._token_texts(reply) if tokens is None else None
         usage = reply.get("usage") if isinstance(reply.get("usage"), dict) else {}
         version = reply_headers.get(HEADER_POLICY_VERSION, "0")
         completion_id = reply.get("id")
@@ -258,6 +264,7 @@ class EpisodeRunner:
                 finish_reason=finish if isinstance(finish, str) else None,
                 tokens=tokens,
                 segments=parse_segments_header(reply_headers.get(HEADER_TOKEN_SEGMENTS)),
+                token_texts=texts,
             )
         )
         session.add_message(message)
@@ -281,6 +288,15 @@ class EpisodeRunner:
             prompt_ids=read.prompt_ids,
             context=context_after(call.tokens for call in session.model_calls),
         )
+
+    def _token_texts(self, reply: Any) -> TokenTexts | None:
+        """Without ids: the engine's token strings and logprobs, when it sent them."""
+        if self._adapter is None:
+            return None
+        read = read_token_texts(self._adapter.name, reply)
+        if read is None:
+            return None
+        return TokenTexts.build(engine=self._adapter.name, tokens=read[0], logprobs=read[1])
 
     async def _apply_tools(self, session: Session, message: dict[str, Any]) -> None:
         turn = session.turn - 1  # the pending response belongs to the last policy call

@@ -35,7 +35,8 @@ _WORDS = ("The", " answer", " is", " here", ".", " Done", " now", ",", " thanks"
 class LlamaCppPeer:
     url: str
     replies: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """Every reply sent, by completion id: ``{text, finish_reason, usage, streamed}``."""
+    """Every reply sent, by completion id: ``{text, tokens, finish_reason, usage, streamed}``
+    (``tokens``: ``(token, logprob)`` pairs)."""
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
@@ -82,6 +83,7 @@ def create_llama_cpp_app(peer: LlamaCppPeer) -> FastAPI:
             completion_id = f"chatcmpl-{len(peer.replies)}"
             peer.replies[completion_id] = {
                 "text": text,
+                "tokens": tokens,
                 "finish_reason": finish,
                 "usage": usage,
                 "streamed": body.get("stream") is True,

@@ -123,9 +123,7 @@ def create_llama_cpp_app(peer: LlamaCppPeer) -> FastAPI:
         async def events() -> AsyncIterator[bytes]:
             yield chunk({"role": "assistant"}, None, None)
             for token, logprob in tokens:
-                lp = (
-                    {"content": [_entry(token, logprob)], "refusal": None} if logprobs else None
-                )
+                lp = {"content": [_entry(token, logprob)], "refusal": None} if logprobs else None
                 yield chunk({"content": token}, lp, None)
             yield chunk({}, None, finish)
             yield b"data: [DONE]\r\n\r\n"

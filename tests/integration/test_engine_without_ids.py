@@ -8,12 +8,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from rollpoint import parse_config
 from rollpoint.loop import SimulatedTrainer
 from rollpoint.protocol.token_data import as_float32
 from rollpoint.trainer.train_hooks import TrainSample
+from tests.integration.test_token_capture import ledger, rows, run, stack
 from tests.support.embedded_job import embedded_job
 from tests.support.llama_cpp_peer import LlamaCppPeer, llama_cpp_peer
 
@@ -89,3 +91,31 @@ async def test_every_trained_reply_is_the_engines_own(tmp_path: Path, cut: bool)
             assert turn["completion_logprobs"] == as_float32(lp for _, lp in sent["tokens"])
             calls += 1
     assert calls >= 8
+
+
+async def test_a_stream_the_engine_cut_short_is_a_failed_call_never_a_turn() -> None:
+    """The model server forced to stream (the cut on, as before the start check decided it)
+    in front of an engine that ends a stream early when another request waits: what was
+    cut short fails its call as a transport error (the row is re-sent); nothing truncated
+    or empty is filed or handed to the agent."""
+    async with httpx.AsyncClient(timeout=60) as http:
+        with llama_cpp_peer(token_delay_s=0.02) as peer, stack(peer.url, cut=True) as (m, agent):
+            results = await run(http, agent, rows(8, "short"))
+            filed = [
+                call for r in results for call in await ledger(http, m, r["episode"]["rollout_id"])
+            ]
+    assert peer.interrupted > 0  # the engine did cut streams short
+    failed = [r for r in results if r["kind"] == "failed"]
+    assert failed and all(r["transport"] for r in failed), failed
+    assert all("stream ended before choice 0 finished" in r["message"] for r in failed)
+    for result in results:
+        for call in result.get("model_calls", ()):
+            sent = peer.replies[call["completion_id"]]
+            assert call["response"]["content"] == sent["text"]
+            assert call["finish_reason"] == sent["finish_reason"]
+    for call in filed:
+        sent = peer.replies[call["completion_id"]]
+        assert (call["response"]["content"], call["finish_reason"]) == (
+            sent["text"],
+            sent["finish_reason"],
+        )

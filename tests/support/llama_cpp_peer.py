@@ -6,7 +6,9 @@ per-token ``logprobs.content`` (token strings, ``bytes: null``, ``top_logprobs``
 never any token ids (it ignores ``return_token_ids``). Streamed: a first chunk with the
 role, one chunk per token with its ``delta.content`` and logprob entry, a last chunk with
 an empty ``delta`` and the finish reason, then ``[DONE]``; no usage chunk. Plain: the
-message, logprobs, finish reason and ``usage``.
+message, logprobs, finish reason and ``usage``. Like llama.cpp it decodes one request at a
+time, and a stream that finds another request waiting ends at once with ``[DONE]`` and no
+finish reason (its server's ``interrupt_requests``, on by default).
 
 What it says is a pure function of the request (its messages and seed), so a run with the
 generation cut and one without it can be compared reply for reply. Every reply is logged
@@ -15,6 +17,7 @@ generation cut and one without it can be compared reply for reply. Every reply i
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import threading
 from collections.abc import AsyncIterator, Iterator
@@ -38,6 +41,11 @@ class LlamaCppPeer:
     """Every reply sent, by completion id: ``{text, tokens, finish_reason, usage, streamed}``
     (``tokens``: ``(token, logprob)`` pairs)."""
     lock: threading.Lock = field(default_factory=threading.Lock)
+    token_delay_s: float = 0.0
+    """Decode time per token: with it, calls overlap, and wait for each other."""
+    interrupted: int = 0
+    """Streams ended early because another request was waiting (as llama.cpp's server does
+    with ``interrupt_requests``, its default)."""
 
 
 def _tokens(request: dict[str, Any]) -> list[tuple[str, float]]:
@@ -61,6 +69,9 @@ def _entry(token: str, logprob: float) -> dict[str, Any]:
 
 def create_llama_cpp_app(peer: LlamaCppPeer) -> FastAPI:
     app = FastAPI()
+    # llama.cpp decodes one request at a time; a stream that sees another request waiting
+    # for the model ends at once with [DONE] (no finish reason), as its server does.
+    model = asyncio.Lock()
 
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
@@ -91,6 +102,8 @@ def create_llama_cpp_app(peer: LlamaCppPeer) -> FastAPI:
         logprobs = body.get("logprobs") is True
         head = {"id": completion_id, "model": "smollm2", "created": 1764600000}
         if body.get("stream") is not True:
+            async with model:
+                await asyncio.sleep(peer.token_delay_s * len(tokens))
             reply = {
                 **head,
                 "object": "chat.completion",
@@ -121,12 +134,21 @@ def create_llama_cpp_app(peer: LlamaCppPeer) -> FastAPI:
             return b"data: " + orjson.dumps(event) + b"\r\n\r\n"
 
         async def events() -> AsyncIterator[bytes]:
-            yield chunk({"role": "assistant"}, None, None)
-            for token, logprob in tokens:
-                lp = {"content": [_entry(token, logprob)], "refusal": None} if logprobs else None
-                yield chunk({"content": token}, lp, None)
-            yield chunk({}, None, finish)
-            yield b"data: [DONE]\r\n\r\n"
+            async with model:
+                yield chunk({"role": "assistant"}, None, None)
+                for token, logprob in tokens:
+                    await asyncio.sleep(peer.token_delay_s)
+                    if model._waiters:  # another request waits: llama.cpp's interrupt
+                        with peer.lock:
+                            peer.interrupted += 1
+                        yield b"data: [DONE]\r\n\r\n"
+                        return
+                    lp = (
+                        {"content": [_entry(token, logprob)], "refusal": None} if logprobs else None
+                    )
+                    yield chunk({"content": token}, lp, None)
+                yield chunk({}, None, finish)
+                yield b"data: [DONE]\r\n\r\n"
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
@@ -134,9 +156,9 @@ def create_llama_cpp_app(peer: LlamaCppPeer) -> FastAPI:
 
 
 @contextmanager
-def llama_cpp_peer() -> Iterator[LlamaCppPeer]:
+def llama_cpp_peer(token_delay_s: float = 0.0) -> Iterator[LlamaCppPeer]:
     """Serve the peer on a free loopback port; yield it (its ``url`` ends before ``/v1``)."""
-    peer = LlamaCppPeer(url="")
+    peer = LlamaCppPeer(url="", token_delay_s=token_delay_s)
     with serve_app(create_llama_cpp_app(peer)) as url:
         peer.url = url
         yield peer

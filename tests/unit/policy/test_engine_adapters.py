@@ -176,5 +176,5 @@ def test_an_empty_string_streamed_is_content_and_nothing_is_no_reply() -> None:
     assert said_empty.message() == {"role": "assistant", "content": ""}
     check_said(said_empty.message(), "engine")
     assert said_nothing.message() == {"role": "assistant", "content": None}
-    with pytest.raises(TransportError, match="^engine: the policy's reply has neither content"):
+    with pytest.raises(TransportError, match=r"^engine: the policy's reply has neither content"):
         check_said(said_nothing.message(), "engine")

@@ -22,7 +22,10 @@ stream already under way ends as it began, unrecorded).
 Upstream failures: unreachable, timed out or a 5xx → 502 ``transport_error``; a 4xx is passed
 through with its status and body (the engine refused the request, not the plumbing). A
 tagged call whose reply has neither content nor tool calls is a 502 too, and not recorded
-(:func:`~rollpoint.policy.engine_adapters.check_said`).
+(:func:`~rollpoint.policy.engine_adapters.check_said`), and so is a stream from the engine
+that ends before choice 0 has a finish reason (cut short: llama.cpp's server ends a stream
+with ``[DONE]`` when another request waits); a streamed caller's such stream is relayed as
+it came and not recorded.
 
 Token data: each recorded call keeps choice 0's token ids and logprobs, read by the engine
 adapter of ``engine`` (:mod:`rollpoint.policy.engine_adapters`), streamed or not. A plain
@@ -310,6 +313,14 @@ class StreamAssembler:
                 entry["function"]["name"] = fn["name"]
             if isinstance(fn.get("arguments"), str):
                 entry["function"]["arguments"] += fn["arguments"]
+
+    def check_finished(self, upstream: str) -> None:
+        """Raise :class:`TransportError` when the stream ended with no finish reason for
+        choice 0: it was cut short, and what came is not the engine's whole reply."""
+        if self.finish_reason is None:
+            raise TransportError(
+                f"upstream {upstream}: the stream ended before choice 0 finished (no finish_reason)"
+            )
 
     def message(self) -> dict[str, Any]:
         return _clean_message(self.reply_message())
@@ -622,6 +633,9 @@ class ModelServer:
             if continued and prefix is not None:
                 skip_ids = prefix.count
                 skip_entries = prefix.count if prefix.completion_logprobs is not None else 0
+            # A stream that ends before choice 0 has a finish reason was cut short (llama.cpp's
+            # server ends one with [DONE] when another request waits): no reply, a failure.
+            up.assembler.check_finished(self.settings.upstream_url)
             reply = up.assembler.reply(partial, skip_ids, skip_entries)
             fresh = len(partial.ids) - skip_ids
         segments = None
@@ -880,6 +894,7 @@ class ModelServer:
             self.call_seconds.observe(time.perf_counter() - started)
             if assembler is not None and tag is not None and not self._retired(tag):
                 try:
+                    assembler.check_finished(self.settings.upstream_url)
                     read = assembler.tokens.result() if assembler.tokens is not None else None
                     # The bytes are relayed already; the call is just not filed (never half).
                     self._record(

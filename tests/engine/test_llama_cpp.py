@@ -139,7 +139,9 @@ def write_job(tmp_path: Path, engine: str, **more: Any) -> Path:
             "base_url": engine,
             "model": "smollm2",
             "capture_tokens": True,  # and generation_cut: true, the default
-            "sampling": SAMPLING,
+            # Logprobs not asked for: token capture asks (top_logprobs too: llama.cpp
+            # returns none without it).
+            "sampling": {"temperature": 0.0, "max_tokens": 12},
         },
         "train": {"batch_size": 4},
         "final_states_log": str(tmp_path / "final-states"),

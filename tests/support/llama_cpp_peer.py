@@ -99,7 +99,8 @@ def create_llama_cpp_app(peer: LlamaCppPeer) -> FastAPI:
                 "usage": usage,
                 "streamed": body.get("stream") is True,
             }
-        logprobs = body.get("logprobs") is True
+        # As llama.cpp: logprobs only with top_logprobs set (it passes top_logprobs on).
+        logprobs = body.get("logprobs") is True and body.get("top_logprobs") is not None
         head = {"id": completion_id, "model": "smollm2", "created": 1764600000}
         if body.get("stream") is not True:
             async with model:

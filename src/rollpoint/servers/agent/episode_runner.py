@@ -149,6 +149,9 @@ class EpisodeRunner:
         self._fixed: dict[str, Any] = dict(sampling or {})
         if self._adapter is not None:
             self._fixed.update(self._adapter.request_fields())
+            # llama.cpp's server returns logprobs only when top_logprobs is set (0 is the
+            # OpenAI default, so other engines answer as without it).
+            self._fixed.setdefault("top_logprobs", 0)
         self._loop = loop
 
     async def play(self, session: Session, boundary: TurnBoundary) -> RunReply:

@@ -10,6 +10,7 @@ from typing import Any
 
 import httpx
 import pytest
+import yaml
 
 from rollpoint import parse_config
 from rollpoint.loop import SimulatedTrainer
@@ -18,6 +19,7 @@ from rollpoint.trainer.train_hooks import TrainSample
 from tests.integration.test_token_capture import ledger, rows, run, stack
 from tests.support.embedded_job import embedded_job
 from tests.support.llama_cpp_peer import LlamaCppPeer, llama_cpp_peer
+from tests.support.run_process import RunProcess
 
 pytestmark = pytest.mark.integration
 
@@ -121,3 +123,31 @@ async def test_a_stream_the_engine_cut_short_is_a_failed_call_never_a_turn() -> 
             sent["text"],
             sent["finish_reason"],
         )
+
+
+def test_the_run_says_once_that_the_engine_gives_no_ids(tmp_path: Path) -> None:
+    with llama_cpp_peer() as peer:
+        config = tmp_path / "job.yaml"
+        config.write_text(
+            yaml.safe_dump(
+                {
+                    "workdir": str(tmp_path / "run"),
+                    "environment": "workplace",
+                    "tasks": 2,
+                    "group_size": 2,
+                    "max_turns": 2,
+                    "replicas": 1,
+                    "policy": {
+                        "base_url": peer.url + "/v1",
+                        "model": "smollm2",
+                        "capture_tokens": True,
+                    },
+                    "train": {"batch_size": 4},
+                }
+            )
+        )
+        done = RunProcess(config).finish()
+    assert done.returncode == 0, done.stderr[-3000:]
+    # The library logs it; the CLI shows the library's warnings: one line, not two.
+    assert done.stderr.count("returns no token ids") == 1, done.stderr[-3000:]
+    assert "without the generation cut" in done.stderr

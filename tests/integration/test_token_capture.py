@@ -246,9 +246,12 @@ def _said_nothing(reply: dict[str, Any]) -> None:
 async def test_a_reply_with_neither_content_nor_tool_calls_fails_the_call_unrecorded(
     http: httpx.AsyncClient, cut: bool
 ) -> None:
-    with serve_app(broken_engine(_said_nothing)) as engine_url, stack(engine_url, cut=cut) as (
-        model,
-        agent,
+    with (
+        serve_app(broken_engine(_said_nothing)) as engine_url,
+        stack(engine_url, cut=cut) as (
+            model,
+            agent,
+        ),
     ):
         (result,) = await run(http, agent, rows(1, "empty"))
         recorded = await ledger(http, model, "empty0")

@@ -33,8 +33,9 @@ reply whose token data is malformed is refused with 502 ``transport_error`` nami
 and the engine, and nothing is recorded; a stream is relayed as it came and, malformed, left
 unrecorded (logged).
 
-Generation cut (``cut_generations``, on with token capture for an engine whose stream
-carries ids): a tagged one-choice plain call is sent upstream streamed and its plain reply
+Generation cut (``cut_generations``: on with token capture where the start check found the
+engine's stream carries ids and it continues a partial message,
+:mod:`rollpoint.policy.engine_check`): a tagged one-choice plain call is sent upstream streamed and its plain reply
 assembled from the chunks (the engine's fields, in its order), so :attr:`ModelServer.partials`
 always holds the output so far of every such call (streamed callers' too); a call whose
 rollout has a saved prefix installed (:attr:`ModelServer.prefixes`) continues from it, or

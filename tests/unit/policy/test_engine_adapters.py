@@ -137,7 +137,13 @@ def test_unknown_engine_is_a_config_error() -> None:
 def test_a_llama_cpp_reply_has_no_ids_but_its_token_strings_and_logprobs() -> None:
     reply = fixture("llamacpp_chat.json")
     assert adapter_for("vllm").read(reply) is None
-    assert read_token_texts("vllm", reply) == (["Blue", "."], [-0.3125, -0.0625])
+    read = read_token_texts("vllm", reply)
+    assert read is not None
+    tokens, logprobs = read
+    assert tokens == ["A", " colour", " is", " a", " fundamental", " concept", " in", " art"]
+    assert "".join(tokens) == reply["choices"][0]["message"]["content"]
+    assert logprobs[:2] == [-1.238384485244751, -0.8139224052429199]
+    assert len(logprobs) == len(tokens) and all(lp < 0 for lp in logprobs)
     del reply["choices"][0]["logprobs"]
     assert read_token_texts("vllm", reply) is None
 

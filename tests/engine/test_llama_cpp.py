@@ -196,6 +196,10 @@ def test_a_killed_run_reruns_to_every_row_once_continuing_saved_episodes(
     finally:
         if run.proc.poll() is None:
             run.kill()
+    # The killed run's calls are still queued in the engine (it decodes one at a time and
+    # does not notice a plain caller gone), and its /v1/models waits for them: the rerun's
+    # reachability check would time out. One call that answers once they are done.
+    assert httpx.get(engine + "/models", timeout=300).status_code == 200
     rerun = RunProcess(config).finish(RUN_TIMEOUT_S)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert continued(rerun) > 0, rerun.stderr[-3000:]

@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit bench bench-quick lock clean
+.PHONY: demo test lint typecheck unit bench bench-quick lock clean engine
 
 $(STAMP): pyproject.toml constraints.txt examples/sandbox_env/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -14,6 +14,20 @@ $(STAMP): pyproject.toml constraints.txt examples/sandbox_env/pyproject.toml
 	# The example environment, installed as a user would (tests/examples runs it).
 	$(BIN)/python -m pip install --quiet --no-deps -e examples/sandbox_env
 	touch $(STAMP)
+
+# The real-engine tier (tests/engine) runs llama.cpp's server: llama-cpp-python is built
+# from source (no binary wheel on PyPI), about 8 minutes on 2 cores the first time, then pip
+# reuses the wheel it cached. Portable CPU flags: a -march=native build crashed on the CI
+# VMs. Needs a C++ compiler (.ci/run installs one when missing).
+ENGINE_STAMP := $(VENV)/.engine-installed
+LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=OFF \
+	-DGGML_AMX_INT8=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_BF16=OFF
+
+$(ENGINE_STAMP): $(STAMP)
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/python -m pip install --quiet -c constraints.txt -e '.[engine]'
+	touch $(ENGINE_STAMP)
+
+engine: $(ENGINE_STAMP)
 
 demo: $(STAMP)
 	$(BIN)/rollpoint run examples/workplace.yaml --fresh --force
@@ -26,7 +40,7 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 	$(BIN)/mypy examples/sandbox_env/src/sandbox_env examples/own_trainer.py
 
-test: lint typecheck
+test: lint typecheck $(ENGINE_STAMP)
 	$(BIN)/python -m pytest -q
 
 bench: $(STAMP)

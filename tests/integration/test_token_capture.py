@@ -11,6 +11,7 @@ nothing of it is recorded.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
@@ -48,13 +49,13 @@ SAMPLING = SamplingConfig(
 
 
 @contextmanager
-def stack(engine_url: str) -> Iterator[tuple[str, str]]:
-    """Model server and agent (capture on) in front of ``engine_url``; their URLs."""
+def stack(engine_url: str, *, cut: bool = False) -> Iterator[tuple[str, str]]:
+    """Model server (``cut``: with the generation cut) and agent (capture on) in front of
+    ``engine_url``; their URLs."""
     with ExitStack() as servers:
         resources = servers.enter_context(serve_app(create_resources_app("workplace")))
-        model = servers.enter_context(
-            serve_app(create_model_app(ModelServerSettings(upstream_url=engine_url + "/v1")))
-        )
+        settings_ = ModelServerSettings(upstream_url=engine_url + "/v1", cut_generations=cut)
+        model = servers.enter_context(serve_app(create_model_app(settings_)))
         settings = AgentSettings(
             model_url=model,
             resources_url=resources,
@@ -237,6 +238,32 @@ async def test_malformed_token_data_fails_the_row_and_records_nothing(
     assert recorded == []
 
 
+def _said_nothing(reply: dict[str, Any]) -> None:
+    reply["choices"][0]["message"] = {"role": "assistant", "content": None, "tool_calls": []}
+
+
+@pytest.mark.parametrize("cut", [False, True])
+async def test_a_reply_with_neither_content_nor_tool_calls_fails_the_call_unrecorded(
+    http: httpx.AsyncClient, cut: bool
+) -> None:
+    with (
+        serve_app(broken_engine(_said_nothing)) as engine_url,
+        stack(engine_url, cut=cut) as (
+            model,
+            agent,
+        ),
+    ):
+        (result,) = await run(http, agent, rows(1, "empty"))
+        recorded = await ledger(http, model, "empty0")
+        # Untagged (no episode): the engine's reply is passed through as it came.
+        plain = await http.post(model + "/v1/chat/completions", json={"messages": []})
+    # A transport failure: the dispatcher re-sends the row; no turn holds an empty reply.
+    assert result["kind"] == "failed" and result["transport"] is True, result
+    assert "neither content nor tool calls" in result["message"], result["message"]
+    assert recorded == []
+    assert plain.status_code == 200 and plain.json()["choices"][0]["message"]["content"] is None
+
+
 def _without_tokens(reply: dict[str, Any]) -> None:
     del reply["prompt_token_ids"], reply["choices"][0]["token_ids"]
     reply["choices"][0]["logprobs"] = None
@@ -247,10 +274,14 @@ def plain_engine() -> FastAPI:
     return broken_engine(_without_tokens)
 
 
+def warnings_of(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+
 async def test_the_start_check_names_an_engine_without_ids(
-    engine: tuple[str, Path], capsys: pytest.CaptureFixture[str]
+    engine: tuple[str, Path], caplog: pytest.LogCaptureFixture
 ) -> None:
-    from rollpoint.policy.engine_adapters import check_token_capture
+    from rollpoint.policy.engine_check import check_token_capture
     from rollpoint.protocol.errors import LaunchError
 
     scripted, _ = engine
@@ -258,8 +289,8 @@ async def test_the_start_check_names_an_engine_without_ids(
     assert await check_token_capture(scripted + "/v1", required=True, **kw) is True
     with serve_app(plain_engine()) as url:
         assert await check_token_capture(url + "/v1", required=False, **kw) is False
-        err = capsys.readouterr().err
-        assert err.count("warning:") == 1
+        # Once: the CLI shows the library's warnings on the console (no print as well).
+        (err,) = warnings_of(caplog)
         assert f"policy engine 'vllm' at {url}/v1 returns no token ids" in err
         with pytest.raises(LaunchError, match="capture_tokens is 'required'"):
             await check_token_capture(url + "/v1", required=True, **kw)
@@ -283,15 +314,15 @@ def slow_engine(delay_s: float) -> FastAPI:
 
 
 async def test_an_engine_slower_than_the_start_check_is_not_called_one_without_ids(
-    capsys: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    from rollpoint.policy.engine_adapters import check_token_capture
+    from rollpoint.policy.engine_check import check_token_capture
     from rollpoint.protocol.errors import LaunchError
 
     kw: dict[str, Any] = {"engine": "vllm", "model": "m", "api_key": None, "timeout_s": 0.3}
     with serve_app(slow_engine(1.0)) as url:
         assert await check_token_capture(url + "/v1", required=False, **kw) is None
-        err = capsys.readouterr().err
+        (err,) = warnings_of(caplog)
         assert f"could not check whether policy engine 'vllm' at {url}/v1 returns token ids" in err
         assert "no answer within 0.3s" in err and "token capture stays on" in err
         assert "returns no token ids" not in err

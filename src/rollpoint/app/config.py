@@ -116,15 +116,24 @@ class PolicyConfig(_Section):
     tool_turns: Annotated[int, Field(ge=0, le=1024)] = 3
     """Scripted policy only, environments it has no playbook for: tool-calling turns (each
     one offered tool, seeded schema-valid arguments) before its final answer."""
-    generation_cut: bool = True
+    generation_cut: Literal[False, True, "required"] = True
     """With ``capture_tokens``: save the prefix of every call in flight at a snapshot and
-    continue it after a restore (the model server then streams every call from the engine).
-    False proxies calls as they come, and a crash decodes them again."""
+    continue it after a restore (the model server then streams every call from the engine),
+    where the engine can continue it token-exactly, as the start check finds (an engine
+    that cannot is said once at start, and its calls run uncut). False proxies calls as they
+    come, and a crash decodes them again. ``required``: an engine that cannot stops the run
+    at start."""
     token_latency_ms: Annotated[float, Field(ge=0)] = 0.0
     """Scripted policy only: decode time per completion token (with token capture, each
     token is streamed as it is decoded, so a snapshot can cut a generation mid-way)."""
     reasoning_tokens: Annotated[int, Field(ge=0)] = 0
     """Scripted policy only: stand-in reasoning tokens before every tool call."""
+
+    @model_validator(mode="after")
+    def _check(self) -> PolicyConfig:
+        if self.generation_cut == "required" and not self.capture_tokens:
+            raise ValueError("generation_cut: required needs capture_tokens (a cut saves ids)")
+        return self
 
 
 class TrainConfig(_Section):

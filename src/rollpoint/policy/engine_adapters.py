@@ -6,7 +6,9 @@ Owns, per engine, the request fields that make it return token data
 and the checks on what was read: a reply whose token data is malformed (a non-integer or
 negative id, logprobs and ids of different lengths) raises :class:`TransportError`
 naming the field and the engine, so the call fails whole and nothing is stored half.
-A reply with no token data at all reads as None (the engine cannot return ids).
+A reply with no token data at all reads as None (the engine cannot return ids); its
+per-token logprobs and token strings, when it sent those, are read by
+:func:`read_token_texts`.
 
 The shapes, checked against the engines' sources (the fixtures under
 ``tests/fixtures/engines/`` say which file and commit each follows):
@@ -26,23 +28,23 @@ The shapes, checked against the engines' sources (the fixtures under
   triples (``meta_info.input_token_logprobs`` likewise for the prompt, when asked from
   position 0). A native stream's events are cumulative, so its last event is read whole.
 
+Every engine, one rule on the message itself (:func:`check_said`): an assistant message
+with neither content nor tool calls is no reply. It raises :class:`TransportError` (the call
+failed; the dispatcher re-sends the row), so an empty reply the engine did not send is never
+filed or trained on. An empty string is content: the engine said it.
+
 Does not own: packing or chaining what was read (:mod:`rollpoint.protocol.token_data`), or
 what to do with a call that has no token data (the caller's ``capture_tokens`` setting).
 """
 
 from __future__ import annotations
 
-import logging
 import math
-import sys
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from rollpoint.http.client import HttpClient
-from rollpoint.protocol.errors import ConfigError, LaunchError, RollpointError, TransportError
+from rollpoint.protocol.errors import ConfigError, TransportError
 from rollpoint.protocol.token_data import is_int32_id
-
-log = logging.getLogger(__name__)
 
 EngineName = Literal["vllm", "sglang", "sglang_native"]
 _TOKEN_ID_PREFIX = "token_id:"
@@ -151,6 +153,31 @@ def _choice(engine: str, reply: Any, index: int) -> dict[str, Any]:
     if not isinstance(choice, dict):
         raise _bad(engine, f"choices[{index}]", "is not an object")
     return choice
+
+
+def read_token_texts(engine: str, reply: Any) -> tuple[list[str], list[float]] | None:
+    """Choice 0's token strings and logprobs from OpenAI ``logprobs.content`` (every
+    OpenAI-compatible engine's shape), for a reply without ids; None when it has none.
+    Malformed entries raise :class:`TransportError` naming the field, as ids do."""
+    field = "choices[0].logprobs"
+    content = _content(engine, field, _choice(engine, reply, 0).get("logprobs"))
+    if content is None:
+        return None
+    logprobs = _content_logprobs(engine, f"{field}.content", content)
+    tokens = []
+    for i, entry in enumerate(content):
+        token = entry.get("token")
+        if not isinstance(token, str):
+            raise _bad(engine, f"{field}.content[{i}].token", f"is not a string: {token!r}")
+        tokens.append(token)
+    return tokens, logprobs
+
+
+def check_said(message: dict[str, Any], where: str) -> None:
+    """Raise :class:`TransportError` when ``message`` (an assistant message, nulls kept or
+    dropped) has neither content nor tool calls (see the module docstring)."""
+    if message.get("content") is None and not message.get("tool_calls"):
+        raise TransportError(f"{where}: the policy's reply has neither content nor tool calls")
 
 
 class TokenStream(Protocol):
@@ -368,67 +395,3 @@ def adapter_for(engine: str) -> EngineAdapter:
     except KeyError:
         known = ", ".join(sorted(ADAPTERS))
         raise ConfigError(f"unknown engine {engine!r}; known engines: {known}") from None
-
-
-START_CHECK_TIMEOUT_S = 30.0
-"""How long the start check waits for the engine's answer to its one-token call."""
-
-
-async def check_token_capture(
-    base_url: str,
-    *,
-    engine: str,
-    model: str,
-    api_key: str | None,
-    required: bool,
-    timeout_s: float = START_CHECK_TIMEOUT_S,
-) -> bool | None:
-    """Ask the engine for one token with token data, once at start: whether it returns ids
-    (None: it did not answer in time, or could not be reached, so nobody knows).
-
-    An engine that answers without ids is reported on the console and in the log, by name,
-    once; one that does not answer is reported as not checked, and token capture stays on
-    (a slow engine is not one without ids: a call whose reply has none is stored without).
-    With ``required``, either stops the run (:class:`LaunchError`) instead.
-    """
-    adapter = adapter_for(engine)
-    body = {
-        "model": model,
-        "messages": [{"role": "user", "content": "Say OK."}],
-        "max_tokens": 1,
-        **adapter.request_fields(),
-    }
-    why = ""
-    async with HttpClient(token=api_key, timeout_s=timeout_s, connect_timeout_s=5) as client:
-        try:
-            reply = await client.post_json(f"{base_url}/chat/completions", body)
-        except TransportError as exc:  # no answer: nothing is known about its token data
-            _not_checked(engine, base_url, exc.message, required)
-            return None
-        except RollpointError as exc:  # an answer: an error instead of the token data
-            reply, why = None, f": {exc.message}"
-    try:
-        tokens = None if reply is None else adapter.read(reply)
-    except RollpointError as exc:
-        tokens, why = None, f": {exc.message}"
-    if tokens is not None:
-        return True
-    text = f"policy engine '{engine}' at {base_url} returns no token ids{why}"
-    if required:
-        raise LaunchError(f"{text}; policy.capture_tokens is 'required'")
-    _warn(f"{text}; the run goes on without token data")
-    return False
-
-
-def _not_checked(engine: str, base_url: str, why: str, required: bool) -> None:
-    text = (
-        f"could not check whether policy engine '{engine}' at {base_url} returns token ids ({why})"
-    )
-    if required:
-        raise LaunchError(f"{text}; policy.capture_tokens is 'required'")
-    _warn(f"{text}; token capture stays on")
-
-
-def _warn(text: str) -> None:
-    log.warning(text)
-    print(f"warning: {text}", file=sys.stderr)

@@ -19,7 +19,7 @@ from pydantic import Field, JsonValue
 
 from rollpoint.protocol.ids import EpisodeId, Identifier
 from rollpoint.protocol.model_base import StrictModel
-from rollpoint.protocol.token_data import TokenSegment, TokenTrace
+from rollpoint.protocol.token_data import TokenSegment, TokenTexts, TokenTrace
 
 EnvironmentName = Annotated[
     str,
@@ -81,6 +81,9 @@ class ModelCall(StrictModel):
     """A call continued after a restore from the prefix saved at a snapshot: the policy
     version of each run of its completion tokens, prefix first (the model server's
     ``x-rollpoint-token-segments`` header). None for a call decoded in one go."""
+    token_texts: TokenTexts | None = None
+    """With token capture, an engine whose reply has logprobs but no ids: each sampled
+    token's text and logprob (``tokens`` is None then). None otherwise."""
 
 
 class RunReply(StrictModel):

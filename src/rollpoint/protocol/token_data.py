@@ -1,6 +1,7 @@
 """Token data of one policy call as rollpoint saves it: exact ids and logprobs, packed.
 
 Owns: :class:`TokenSegment` (the policy version of each run of a continued call's tokens),
+:class:`TokenTexts` (token strings and logprobs of an engine that returns no ids),
 :class:`TokenTrace` (the wire and on-disk form, shared by the agent's model calls,
 the model server's call ledger and the trained rows), the packed array codec (little-endian
 int32 ids and float32 logprobs, base64 text: a 1k-token turn is ~5.4 KiB of ids and
@@ -164,6 +165,41 @@ class TokenTrace(StrictModel):
         if self.prompt_is_suffix:
             return [*(context or ()), *stored]
         return stored
+
+
+class TokenTexts(StrictModel):
+    """What an engine that returns no token ids still gives: the text of each sampled token
+    (as its ``logprobs.content[].token``) and its logprob, packed float32. Kept per call
+    when token capture is on and the reply has logprobs but no ids (llama.cpp's server,
+    OpenAI's API), so behaviour logprobs are there for a loss that needs only them; the
+    strings are the engine's spelling, not ids (nothing here can be retokenized exactly)."""
+
+    format: Annotated[int, Field(ge=1, le=1)] = 1
+    engine: str
+    """The adapter that read the reply."""
+    tokens: list[str]
+    logprobs: str
+    """Packed float32, one per token."""
+
+    @model_validator(mode="after")
+    def _lengths(self) -> TokenTexts:
+        try:
+            values = _unpack("f", self.logprobs)
+        except ValueError as exc:
+            raise ValueError(f"token texts: {exc}") from None
+        if len(values) != len(self.tokens):
+            raise ValueError(f"{len(self.tokens)} tokens but {len(values)} logprobs")
+        return self
+
+    @classmethod
+    def build(cls, *, engine: str, tokens: list[str], logprobs: Sequence[float]) -> TokenTexts:
+        # model_construct: read and checked by the adapter; validation is for disk.
+        return cls.model_construct(
+            format=1, engine=engine, tokens=tokens, logprobs=pack_floats(logprobs)
+        )
+
+    def values(self) -> list[float]:
+        return unpack_floats(self.logprobs)
 
 
 class TokenSegment(StrictModel):

@@ -16,7 +16,7 @@ from types import TracebackType
 from rollpoint.app.config import RunConfig
 from rollpoint.http.auth import CONTROL_TOKEN_ENV, DATA_TOKEN_ENV, POLICY_API_KEY_ENV
 from rollpoint.http.client import HttpClient
-from rollpoint.policy.engine_adapters import check_token_capture
+from rollpoint.policy.engine_check import check_engine
 from rollpoint.protocol.deployment import Deployment, ReplicaEndpoints
 from rollpoint.protocol.errors import LaunchError, RollpointError
 from rollpoint.runtime.process_group import ProcessGroup
@@ -65,6 +65,8 @@ class EmbeddedRuntime:
         self.deployment: Deployment | None = None
         self._plan: ReplicaPlan | None = None
         self._restarts: set[str] = set()
+        self._generation_cut: bool | None = None
+        """The start check's decision on the generation cut (None: not checked)."""
 
     def _port(self, offset: int) -> int:
         base = self.config.base_port
@@ -85,7 +87,12 @@ class EmbeddedRuntime:
 
     def replica_plan(self, policy_url: str) -> ReplicaPlan:
         """The replicas' specs for this runtime's token and snapshot settings."""
-        return ReplicaPlan.of(self.config, policy_url=policy_url, snapshot_root=self._snapshot_root)
+        return ReplicaPlan.of(
+            self.config,
+            policy_url=policy_url,
+            snapshot_root=self._snapshot_root,
+            generation_cut=self._generation_cut,
+        )
 
     async def _start_replica(self, index: int) -> ReplicaEndpoints:
         assert self._plan is not None
@@ -140,18 +147,21 @@ class EmbeddedRuntime:
 
     async def start_policy(self) -> str:
         """Start the scripted policy (or check ``policy.base_url``); its ``/v1`` URL. With
-        ``policy.capture_tokens``, check once that the engine returns token ids."""
+        ``policy.capture_tokens``, check once what the engine gives: token ids, and whether
+        the generation cut can be exact (:mod:`rollpoint.policy.engine_check`)."""
         url = await self._start_policy()
         cfg = self.config.policy
         if cfg.capture_tokens:
-            await check_token_capture(
+            found = await check_engine(
                 url,
                 engine=cfg.engine,
                 model=cfg.model,
                 # The built-in policy guards its routes with the run's data token.
                 api_key=cfg.api_key if cfg.base_url is not None else self._data_token,
-                required=cfg.capture_tokens == "required",
+                capture=cfg.capture_tokens,
+                cut=cfg.generation_cut,
             )
+            self._generation_cut = found.cut
         return url
 
     async def _start_policy(self) -> str:

@@ -73,6 +73,8 @@ class ReplicaPlan(StrictModel):
     seed_policy: str = "episode"
     capture_tokens: bool = False
     generation_cut: bool = True
+    """``policy.generation_cut`` as the start check decided it (off for an engine that
+    cannot continue a cut call token-exactly)."""
     engine: str = "vllm"
     """The reply shape token data is read from (``policy.engine``)."""
     agent_loop: str | None = None
@@ -85,7 +87,15 @@ class ReplicaPlan(StrictModel):
     (``journal.enabled``), with this group-commit window."""
 
     @classmethod
-    def of(cls, config: RunConfig, *, policy_url: str, snapshot_root: str | None) -> ReplicaPlan:
+    def of(
+        cls,
+        config: RunConfig,
+        *,
+        policy_url: str,
+        snapshot_root: str | None,
+        generation_cut: bool | None = None,
+    ) -> ReplicaPlan:
+        """``generation_cut``: the start check's decision (None: the config's setting)."""
         return cls(
             host=config.host,
             environment=config.environment,
@@ -99,7 +109,9 @@ class ReplicaPlan(StrictModel):
             sampling=config.policy.sampling.request_fields(),
             seed_policy=config.policy.sampling.seed,
             capture_tokens=bool(config.policy.capture_tokens),
-            generation_cut=config.policy.generation_cut,
+            generation_cut=(
+                bool(config.policy.generation_cut) if generation_cut is None else generation_cut
+            ),
             engine=config.policy.engine,
             agent_loop=config.agent_loop,
             final_states_dir=None

@@ -25,7 +25,9 @@ from rollpoint.trainer.record.train_checkpoint import TRAINER_STATE_MAX_BYTES
 class TrainTurn:
     """One model call of a trained episode, with what the engine sampled in it.
 
-    The token fields are None when token capture was off or the engine returned none.
+    The token fields are None when token capture was off or the engine returned none; an
+    engine that returned logprobs without ids fills ``completion_logprobs`` and
+    ``completion_token_strings`` only.
     ``prompt_token_ids`` is the suffix the call's prompt added to the episode's sequence so
     far (the previous call's prompt and completion) when ``prompt_is_suffix``, else the
     whole prompt (the chat template rewrote the history: a new sequence starts).
@@ -44,10 +46,14 @@ class TrainTurn:
     segments: list[dict[str, int]] | None = None
     """A call continued after a restore from its saved prefix: ``{policy_version, tokens}``
     per run of ``completion_token_ids``, prefix first (None: one run, ``policy_version``)."""
+    completion_token_strings: list[str] | None = None
+    """An engine that returned logprobs but no ids: the text of each sampled token, one per
+    ``completion_logprobs`` entry (``completion_token_ids`` is None then). None otherwise."""
 
     @classmethod
     def from_call(cls, call: ModelCall) -> TrainTurn:
         trace = call.tokens
+        texts = call.token_texts
         return cls(
             turn=call.turn,
             attempt=call.attempt,
@@ -55,10 +61,17 @@ class TrainTurn:
             completion_id=call.completion_id,
             finish_reason=call.finish_reason,
             completion_token_ids=None if trace is None else trace.completion(),
-            completion_logprobs=None if trace is None else trace.logprobs(),
+            completion_logprobs=(
+                trace.logprobs()
+                if trace is not None
+                else texts.values()
+                if texts is not None
+                else None
+            ),
             prompt_token_ids=None if trace is None else trace.stored_prompt(),
             prompt_is_suffix=False if trace is None else trace.prompt_is_suffix,
             segments=(None if call.segments is None else [s.model_dump() for s in call.segments]),
+            completion_token_strings=None if texts is None else list(texts.tokens),
         )
 
     def to_json(self) -> dict[str, JsonValue]:
@@ -73,6 +86,7 @@ class TrainTurn:
             "prompt_token_ids": self.prompt_token_ids,  # type: ignore[dict-item]
             "prompt_is_suffix": self.prompt_is_suffix,
             "segments": self.segments,  # type: ignore[dict-item]
+            "completion_token_strings": self.completion_token_strings,  # type: ignore[dict-item]
         }
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import orjson
 import pytest
 
-from rollpoint.policy.engine_adapters import adapter_for
+from rollpoint.policy.engine_adapters import adapter_for, read_token_texts
 from rollpoint.protocol.errors import ConfigError, TransportError
 
 FIXTURES = Path(__file__).parents[2] / "fixtures" / "engines"
@@ -129,3 +129,58 @@ def test_malformed_stream_is_refused_at_the_end() -> None:
 def test_unknown_engine_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="unknown engine 'tgi'"):
         adapter_for("tgi")
+
+
+# ---- an engine without ids: llama.cpp's server -------------------------------------------
+
+
+def test_a_llama_cpp_reply_has_no_ids_but_its_token_strings_and_logprobs() -> None:
+    reply = fixture("llamacpp_chat.json")
+    assert adapter_for("vllm").read(reply) is None
+    read = read_token_texts("vllm", reply)
+    assert read is not None
+    tokens, logprobs = read
+    assert tokens == ["A", " colour", " is", " a", " fundamental", " concept", " in", " art"]
+    assert "".join(tokens) == reply["choices"][0]["message"]["content"]
+    assert logprobs[:2] == [-1.238384485244751, -0.8139224052429199]
+    assert len(logprobs) == len(tokens) and all(lp < 0 for lp in logprobs)
+    del reply["choices"][0]["logprobs"]
+    assert read_token_texts("vllm", reply) is None
+
+
+def test_malformed_token_strings_are_refused_naming_the_field() -> None:
+    reply = fixture("llamacpp_chat.json")
+    reply["choices"][0]["logprobs"]["content"][1]["token"] = 13
+    with pytest.raises(TransportError, match=r"choices\[0\]\.logprobs\.content\[1\]\.token"):
+        read_token_texts("vllm", reply)
+
+
+def test_a_llama_cpp_stream_assembles_to_its_plain_reply() -> None:
+    from rollpoint.servers.model.model_server import StreamAssembler
+
+    stream = adapter_for("vllm").stream()
+    assembler = StreamAssembler(stream)
+    for event in fixture("llamacpp_chat_stream.json")["events"]:
+        assembler.feed(b"data: " + orjson.dumps(event) + b"\r\n\r\n")
+    assembler.feed(b"data: [DONE]\r\n\r\n")
+    plain = fixture("llamacpp_chat.json")["choices"][0]
+    assert assembler.message() == plain["message"]
+    assert assembler.finish_reason == plain["finish_reason"]
+    assert stream.result() is None  # no ids
+
+
+def test_an_empty_string_streamed_is_content_and_nothing_is_no_reply() -> None:
+    from rollpoint.policy.engine_adapters import check_said
+    from rollpoint.servers.model.model_server import StreamAssembler
+
+    said_empty, said_nothing = StreamAssembler(), StreamAssembler()
+    head = {"id": "c", "choices": [{"index": 0, "delta": {"role": "assistant"}}]}
+    for assembler in (said_empty, said_nothing):
+        assembler.feed(b"data: " + orjson.dumps(head) + b"\n")
+    empty = {"id": "c", "choices": [{"index": 0, "delta": {"content": ""}}]}
+    said_empty.feed(b"data: " + orjson.dumps(empty) + b"\n")
+    assert said_empty.message() == {"role": "assistant", "content": ""}
+    check_said(said_empty.message(), "engine")
+    assert said_nothing.message() == {"role": "assistant", "content": None}
+    with pytest.raises(TransportError, match=r"^engine: the policy's reply has neither content"):
+        check_said(said_nothing.message(), "engine")

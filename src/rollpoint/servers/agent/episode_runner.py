@@ -20,7 +20,8 @@ the same idempotency keys ``(rollout_id, turn, call_index)``.
 
 Does not own: sessions, parking, or what a failure means for the row (the book turns
 errors into :class:`~rollpoint.protocol.episode.RowFailure`): a peer that is down, times
-out or answers off-protocol raises :class:`TransportError`, and so does a resources server
+out or answers off-protocol raises :class:`TransportError`, and so does a policy reply with
+neither content nor tool calls (never a turn of the transcript), and a resources server
 that no longer knows an episode this agent started there (it lost its state: restarted
 empty); a refusal about the data (422) raises the peer's :class:`ProtocolError`.
 """
@@ -37,7 +38,12 @@ from pydantic import BaseModel, ValidationError
 
 from rollpoint.agent_loops import AgentLoop
 from rollpoint.http.client import HttpClient
-from rollpoint.policy.engine_adapters import EngineAdapter, adapter_for
+from rollpoint.policy.engine_adapters import (
+    EngineAdapter,
+    adapter_for,
+    check_said,
+    read_token_texts,
+)
 from rollpoint.protocol.episode import (
     EpisodeStart,
     ModelCall,
@@ -54,7 +60,7 @@ from rollpoint.protocol.ids import (
     HEADER_ROLLOUT_ID,
     HEADER_TURN,
 )
-from rollpoint.protocol.token_data import TokenTrace, context_after
+from rollpoint.protocol.token_data import TokenTexts, TokenTrace, context_after
 from rollpoint.servers.agent.session import Session, SessionState
 from rollpoint.servers.agent.session_book import TurnBoundary
 from rollpoint.servers.model.generation_cut import HEADER_TOKEN_SEGMENTS, parse_segments_header
@@ -95,6 +101,8 @@ def _assistant_message(reply: Any, url: str) -> dict[str, Any]:
     cleaned = {k: v for k, v in message.items() if v is not None}
     cleaned.setdefault("role", "assistant")
     cleaned.setdefault("content", None)
+    # Neither content nor tool calls: a failed call (re-sent), never a turn of the transcript.
+    check_said(cleaned, url)
     return cleaned
 
 
@@ -141,6 +149,9 @@ class EpisodeRunner:
         self._fixed: dict[str, Any] = dict(sampling or {})
         if self._adapter is not None:
             self._fixed.update(self._adapter.request_fields())
+            # llama.cpp's server returns logprobs only when top_logprobs is set (0 is the
+            # OpenAI default, so other engines answer as without it).
+            self._fixed.setdefault("top_logprobs", 0)
         self._loop = loop
 
     async def play(self, session: Session, boundary: TurnBoundary) -> RunReply:
@@ -238,6 +249,7 @@ class EpisodeRunner:
         message = _assistant_message(reply, self._completions_url)
         # Read (and checked) before anything is kept: malformed token data fails the call.
         tokens = self._tokens(session, reply)
+        texts = self._token_texts(reply) if tokens is None else None
         usage = reply.get("usage") if isinstance(reply.get("usage"), dict) else {}
         version = reply_headers.get(HEADER_POLICY_VERSION, "0")
         completion_id = reply.get("id")
@@ -255,6 +267,7 @@ class EpisodeRunner:
                 finish_reason=finish if isinstance(finish, str) else None,
                 tokens=tokens,
                 segments=parse_segments_header(reply_headers.get(HEADER_TOKEN_SEGMENTS)),
+                token_texts=texts,
             )
         )
         session.add_message(message)
@@ -278,6 +291,15 @@ class EpisodeRunner:
             prompt_ids=read.prompt_ids,
             context=context_after(call.tokens for call in session.model_calls),
         )
+
+    def _token_texts(self, reply: Any) -> TokenTexts | None:
+        """Without ids: the engine's token strings and logprobs, when it sent them."""
+        if self._adapter is None:
+            return None
+        read = read_token_texts(self._adapter.name, reply)
+        if read is None:
+            return None
+        return TokenTexts.build(engine=self._adapter.name, tokens=read[0], logprobs=read[1])
 
     async def _apply_tools(self, session: Session, message: dict[str, Any]) -> None:
         turn = session.turn - 1  # the pending response belongs to the last policy call

@@ -20,7 +20,12 @@ retired while it ran gets the same refusal instead of its reply, and is not reco
 stream already under way ends as it began, unrecorded).
 
 Upstream failures: unreachable, timed out or a 5xx → 502 ``transport_error``; a 4xx is passed
-through with its status and body (the engine refused the request, not the plumbing).
+through with its status and body (the engine refused the request, not the plumbing). A
+tagged call whose reply has neither content nor tool calls is a 502 too, and not recorded
+(:func:`~rollpoint.policy.engine_adapters.check_said`), and so is a stream from the engine
+that ends before choice 0 has a finish reason (cut short: llama.cpp's server ends a stream
+with ``[DONE]`` when another request waits); a streamed caller's such stream is relayed as
+it came and not recorded.
 
 Token data: each recorded call keeps choice 0's token ids and logprobs, read by the engine
 adapter of ``engine`` (:mod:`rollpoint.policy.engine_adapters`), streamed or not. A plain
@@ -28,8 +33,9 @@ reply whose token data is malformed is refused with 502 ``transport_error`` nami
 and the engine, and nothing is recorded; a stream is relayed as it came and, malformed, left
 unrecorded (logged).
 
-Generation cut (``cut_generations``, on with token capture for an engine whose stream
-carries ids): a tagged one-choice plain call is sent upstream streamed and its plain reply
+Generation cut (``cut_generations``: on with token capture where the start check found the
+engine's stream carries ids and it continues a partial message,
+:mod:`rollpoint.policy.engine_check`): a tagged one-choice plain call is sent upstream streamed and its plain reply
 assembled from the chunks (the engine's fields, in its order), so :attr:`ModelServer.partials`
 always holds the output so far of every such call (streamed callers' too); a call whose
 rollout has a saved prefix installed (:attr:`ModelServer.prefixes`) continues from it, or
@@ -64,7 +70,7 @@ from rollpoint.http.auth import data_token, load_token
 from rollpoint.http.client import HttpClient
 from rollpoint.http.server_metrics import CALL_BUCKETS, Reading, ServerMetrics
 from rollpoint.participant import AdmissionGate, close_control_plane, mount_participant
-from rollpoint.policy.engine_adapters import EngineTokens, TokenStream, adapter_for
+from rollpoint.policy.engine_adapters import EngineTokens, TokenStream, adapter_for, check_said
 from rollpoint.protocol.errors import (
     BadRequestError,
     ModelNotFoundError,
@@ -316,13 +322,25 @@ class StreamAssembler:
             if isinstance(fn.get("arguments"), str):
                 entry["function"]["arguments"] += fn["arguments"]
 
+    def check_finished(self, upstream: str) -> None:
+        """Raise :class:`TransportError` when the stream ended with no finish reason for
+        choice 0: it was cut short, and what came is not the engine's whole reply."""
+        if self.finish_reason is None:
+            raise TransportError(
+                f"upstream {upstream}: the stream ended before choice 0 finished (no finish_reason)"
+            )
+
     def message(self) -> dict[str, Any]:
         return _clean_message(self.reply_message())
 
     def reply_message(self) -> dict[str, Any]:
         """The message as a plain reply carries it (content null next to tool calls)."""
-        message: dict[str, Any] = {"role": self._role, "content": "".join(self._content) or None}
+        # An empty string the engine streamed is its content; no content delta at all is
+        # none (and so is the empty content next to tool calls, as a plain reply has it).
+        content = "".join(self._content) if self._content else None
+        message: dict[str, Any] = {"role": self._role, "content": content}
         if self._tools:
+            message["content"] = content or None
             message["tool_calls"] = [self._tools[i] for i in sorted(self._tools)]
         return message
 
@@ -624,6 +642,9 @@ class ModelServer:
             if continued and prefix is not None:
                 skip_ids = prefix.count
                 skip_entries = prefix.count if prefix.completion_logprobs is not None else 0
+            # A stream that ends before choice 0 has a finish reason was cut short (llama.cpp's
+            # server ends one with [DONE] when another request waits): no reply, a failure.
+            up.assembler.check_finished(self.settings.upstream_url)
             reply = up.assembler.reply(partial, skip_ids, skip_entries)
             fresh = len(partial.ids) - skip_ids
         segments = None
@@ -776,6 +797,9 @@ class ModelServer:
         continued_tokens: int = 0,
         regenerated: str | None = None,
     ) -> None:
+        # Neither content nor tool calls: the call failed (502 to a plain caller, which
+        # re-sends the row), and nothing is filed.
+        check_said(message, f"upstream {self.settings.upstream_url}")
         messages = payload["messages"]
         trace = None
         if read is not None:
@@ -879,24 +903,24 @@ class ModelServer:
             self.call_seconds.observe(time.perf_counter() - started)
             if assembler is not None and tag is not None and not self._retired(tag):
                 try:
+                    assembler.check_finished(self.settings.upstream_url)
                     read = assembler.tokens.result() if assembler.tokens is not None else None
-                except TransportError as exc:
                     # The bytes are relayed already; the call is just not filed (never half).
+                    self._record(
+                        tag,
+                        payload,
+                        assembler.message(),
+                        assembler.finish_reason,
+                        assembler.usage,
+                        version=version,
+                        latency=time.perf_counter() - started,
+                        streamed=True,
+                        read=read,
+                        completion_id=assembler.completion_id,
+                        regenerated=regenerated,
+                    )
+                except TransportError as exc:
                     log.warning("stream of %s not recorded: %s", tag.rollout_id, exc.message)
-                    return
-                self._record(
-                    tag,
-                    payload,
-                    assembler.message(),
-                    assembler.finish_reason,
-                    assembler.usage,
-                    version=version,
-                    latency=time.perf_counter() - started,
-                    streamed=True,
-                    read=read,
-                    completion_id=assembler.completion_id,
-                    regenerated=regenerated,
-                )
 
         return _HeldStream(
             relay(),

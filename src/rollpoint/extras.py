@@ -26,6 +26,8 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "cli": ("typer", "rich"),
     "report": ("matplotlib",),
     "s3": ("s3fs",),
+    "parquet": ("pyarrow",),
+    "datasets": ("datasets", "pyarrow"),
 }
 """Each extra of pyproject.toml's ``[project.optional-dependencies]`` and what it brings
 (``all`` is every one of them; ``cli`` brings ``metrics`` too)."""

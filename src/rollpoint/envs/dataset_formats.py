@@ -165,9 +165,7 @@ class RowMapper:
             if self.environment is None:
                 raise ConfigError(f"{at}: no column 'environment' and no run environment")
             environment = self.environment
-        prompt = _prompt_text(
-            self._get(row, cols.prompt, number), f"{at}: column '{cols.prompt}'"
-        )
+        prompt = _prompt_text(self._get(row, cols.prompt, number), f"{at}: column '{cols.prompt}'")
         params = self._params(row, number)
         fields = {"task_id": task_id, "environment": environment}
         for name, value in fields.items():
@@ -279,10 +277,7 @@ def _hf_rows(spec: DatasetSpec) -> Iterator[Mapping[str, Any]]:
     from rollpoint.extras import need
 
     need("datasets", "a Hugging Face dataset")
-    # Never the hub at run time: set before datasets (and huggingface_hub) read them.
-    os.environ["HF_DATASETS_OFFLINE"] = "1"
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    import datasets
+    datasets = _offline_datasets()
 
     path = Path(spec.path)
     try:
@@ -313,6 +308,22 @@ def _hf_rows(spec: DatasetSpec) -> Iterator[Mapping[str, Any]]:
             )
         loaded = loaded[spec.split]
     yield from loaded
+
+
+def _offline_datasets() -> Any:
+    """The ``datasets`` module, with the hub off for this process: the variables are read
+    when ``datasets`` and ``huggingface_hub`` are first imported, and a trainer process may
+    have imported them before (then their constants are set too)."""
+    os.environ["HF_DATASETS_OFFLINE"] = "1"
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    import datasets
+    import datasets.config
+    import huggingface_hub.constants
+
+    datasets.config.HF_HUB_OFFLINE = True
+    datasets.config.HF_DATASETS_OFFLINE = True
+    huggingface_hub.constants.HF_HUB_OFFLINE = True
+    return datasets
 
 
 def _not_local(reference: str) -> ConfigError:

@@ -5,6 +5,7 @@ column, and the content hash a resume compares."""
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 from typing import Any
 
@@ -250,13 +251,29 @@ def test_parquet_without_its_extra_is_refused_naming_it(
 # --- Hugging Face datasets, from local paths only --------------------------------------------
 
 
-def test_a_saved_dataset_loads_from_disk(tmp_path: Path) -> None:
+def test_a_saved_dataset_loads_from_disk_with_the_hub_off(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import datasets
+    import datasets.config
+    import huggingface_hub.constants
 
     datasets.Dataset.from_list(verl_rows()).save_to_disk(str(tmp_path / "saved"))
+    # Imported already (as in a trainer's process), with the hub on: loading turns it off.
+    for module, name in [
+        (datasets.config, "HF_HUB_OFFLINE"),
+        (datasets.config, "HF_DATASETS_OFFLINE"),
+        (huggingface_hub.constants, "HF_HUB_OFFLINE"),
+    ]:
+        monkeypatch.setattr(module, name, False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
     tasks = load(tmp_path / "saved", VERL_COLUMNS)
     assert [t.task_id for t in tasks] == ["0", "1", "2"]
     assert tasks[0].prompt == "What is 0 + 1?"
+    assert datasets.config.HF_HUB_OFFLINE and huggingface_hub.constants.HF_HUB_OFFLINE
+    assert datasets.config.HF_DATASETS_OFFLINE
+    assert os.environ["HF_HUB_OFFLINE"] == os.environ["HF_DATASETS_OFFLINE"] == "1"
 
 
 def test_a_saved_dataset_dict_takes_the_split(tmp_path: Path) -> None:
@@ -290,3 +307,18 @@ def test_a_reference_that_is_not_a_local_path_is_refused(
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError, match=rf"dataset '{reference}' is not a local path"):
         load_dataset_tasks(DatasetSpec(path=reference, format="hf"), "math")
+
+
+def test_load_dataset_reads_a_local_directory_of_data_files(tmp_path: Path) -> None:
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "train.jsonl").write_bytes(
+        b"".join(orjson.dumps(r) + b"\n" for r in verl_rows(2))
+    )
+    tasks = load(tmp_path / "data", VERL_COLUMNS)
+    assert [t.params["answer"] for t in tasks] == ["1", "2"]
+
+
+def test_a_missing_data_file_is_named(tmp_path: Path) -> None:
+    spec = DatasetSpec(path="json", data_files=[str(tmp_path / "nope.jsonl")])
+    with pytest.raises(ConfigError, match=r"json: data file .*nope\.jsonl does not exist"):
+        load_dataset_tasks(spec, "math")

@@ -64,7 +64,8 @@ class DatasetSpec(BaseModel):
     ``Dataset.save_to_disk``, or one ``load_dataset`` reads), or a packaged builder name
     (``json``, ``csv``, ``parquet``, ...) with local ``data_files``."""
     format: Format | None = None
-    """Inferred from the path when omitted: ``.parquet`` / ``.jsonl`` files, directories are ``hf``."""
+    """Inferred from the path when omitted: ``.parquet``/``.pq`` and ``.jsonl``/``.ndjson``
+    files; a directory, or ``data_files``, is ``hf``."""
     split: str = "train"
     """The split of a ``datasets`` dataset dict (ignored for a single file)."""
     data_files: list[str] | None = None
@@ -73,9 +74,6 @@ class DatasetSpec(BaseModel):
 
     def resolved_format(self) -> Format:
         return self.format or infer_format(self.path, self.data_files)
-
-    def describe(self) -> str:
-        return self.path
 
 
 def infer_format(path: str, data_files: list[str] | None = None) -> Format:
@@ -86,7 +84,8 @@ def infer_format(path: str, data_files: list[str] | None = None) -> Format:
     suffix = p.suffix.lower()
     if suffix in (".parquet", ".pq"):
         return "parquet"
-    if suffix in (".jsonl", ".json", ".ndjson"):
+    # Not ``.json``: that is as often one JSON array (``format: hf`` with ``data_files``).
+    if suffix in (".jsonl", ".ndjson"):
         return "jsonl"
     raise ConfigError(
         f"{path}: cannot tell the dataset's format from its name; set dataset.format "
@@ -268,7 +267,8 @@ def _parquet_rows(spec: DatasetSpec) -> Iterator[Mapping[str, Any]]:
     try:
         reader = pq.ParquetFile(spec.path)
     except (OSError, pa.ArrowException) as exc:
-        raise ConfigError(f"{spec.path}: cannot read Parquet dataset: {exc}") from None
+        first = (str(exc).splitlines() or [type(exc).__name__])[0]
+        raise ConfigError(f"{spec.path}: cannot read Parquet dataset: {first}") from None
     for batch in reader.iter_batches(batch_size=1024):
         yield from batch.to_pylist()
 

@@ -164,7 +164,7 @@ def test_a_param_that_is_not_json_is_refused(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("name", "expected"),
-    [("a.parquet", "parquet"), ("a.PQ", "parquet"), ("a.jsonl", "jsonl"), ("a.json", "jsonl")],
+    [("a.parquet", "parquet"), ("a.PQ", "parquet"), ("a.jsonl", "jsonl"), ("a.ndjson", "jsonl")],
 )
 def test_format_is_inferred_from_the_name(name: str, expected: str) -> None:
     assert infer_format(name) == expected
@@ -174,8 +174,9 @@ def test_a_directory_is_a_datasets_dataset_and_an_unknown_suffix_is_refused(
     tmp_path: Path,
 ) -> None:
     assert infer_format(str(tmp_path)) == "hf"
-    with pytest.raises(ConfigError, match=r"a\.csv: cannot tell the dataset's format"):
-        infer_format(str(tmp_path / "a.csv"))
+    for name in ("a.csv", "a.json"):
+        with pytest.raises(ConfigError, match=rf"{name}: cannot tell the dataset's format"):
+            infer_format(str(tmp_path / name))
 
 
 def test_the_plain_jsonl_form_reads_as_before(tmp_path: Path) -> None:
@@ -322,3 +323,14 @@ def test_a_missing_data_file_is_named(tmp_path: Path) -> None:
     spec = DatasetSpec(path="json", data_files=[str(tmp_path / "nope.jsonl")])
     with pytest.raises(ConfigError, match=r"json: data file .*nope\.jsonl does not exist"):
         load_dataset_tasks(spec, "math")
+
+
+@pytest.mark.parametrize("content", [None, b"not parquet at all"])
+def test_an_unreadable_parquet_file_is_one_line(tmp_path: Path, content: bytes | None) -> None:
+    path = tmp_path / "t.parquet"
+    if content is not None:
+        path.write_bytes(content)
+    with pytest.raises(ConfigError) as caught:
+        load(path)
+    assert str(caught.value).startswith(f"{path}: cannot read Parquet dataset: ")
+    assert "\n" not in str(caught.value)

@@ -143,6 +143,14 @@ def test_each_extra_is_named_when_its_feature_is_used(venv: Path) -> None:
             "the model server's /metrics needs the 'metrics' extra:"
             " pip install 'rollpoint[metrics]'"
         ),
+        "from rollpoint.envs.dataset_formats import DatasetSpec, load_dataset_tasks;"
+        " load_dataset_tasks(DatasetSpec(path='train.parquet'), 'math')": (
+            "a Parquet dataset needs the 'parquet' extra: pip install 'rollpoint[parquet]'"
+        ),
+        "from rollpoint.envs.dataset_formats import DatasetSpec, load_dataset_tasks;"
+        " load_dataset_tasks(DatasetSpec(path='saved', format='hf'), 'math')": (
+            "a Hugging Face dataset needs the 'datasets' extra: pip install 'rollpoint[datasets]'"
+        ),
     }
     for code, message in cases.items():
         assert _refusal(venv, code) == f"ConfigError: {message}", code

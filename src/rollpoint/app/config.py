@@ -21,6 +21,7 @@ from pydantic import (
     model_validator,
 )
 
+from rollpoint.envs.dataset_formats import DatasetSpec
 from rollpoint.protocol.episode import EnvironmentName
 from rollpoint.protocol.errors import ConfigError
 
@@ -277,8 +278,10 @@ class RunConfig(_Section):
     tasks: Annotated[int, Field(ge=0)] | None = 32
     """Number of synthetic tasks; ignored when ``dataset`` is given. 0 only for a run that
     takes its groups while it runs (``Rollouts(..., more_groups=True)``)."""
-    dataset: Path | None = None
-    """A JSONL file of task rows ({task_id, environment, prompt, params})."""
+    dataset: Path | DatasetSpec | None = None
+    """A JSONL file of task rows ({task_id, environment, prompt, params}), or a mapping
+    ``{path, format, split, data_files, columns}`` for Parquet files and local Hugging Face
+    datasets (:class:`~rollpoint.envs.dataset_formats.DatasetSpec`, docs/guide.md)."""
     group_size: Annotated[int, Field(ge=1, le=1024)] = 4
     max_turns: Annotated[int, Field(ge=1, le=1024)] = 8
     replicas: Annotated[int, Field(ge=1, le=64)] = 2
@@ -349,13 +352,19 @@ class RunConfig(_Section):
 
     def fingerprint(self) -> dict[str, JsonValue]:
         """The keys a snapshot's saved state depends on; a restore must match them."""
+        from rollpoint.envs.dataset_formats import content_sha256, fingerprint_value
+
         return {
             "environment": self.environment,
             "group_size": self.group_size,
             "max_turns": self.max_turns,
             "replicas": self.replicas,
             "tasks": self.tasks if self.dataset is None else None,
-            "dataset": str(self.dataset) if self.dataset is not None else None,
+            "dataset": fingerprint_value(self.dataset) if self.dataset is not None else None,
+            # The rows themselves: a dataset edited in place is not the one the snapshot saw.
+            "dataset_content_sha256": (
+                content_sha256(self.dataset) if self.dataset is not None else None
+            ),
             "seed": self.seed,
         }
 

@@ -63,11 +63,12 @@ Route = Callable[[Deployment], Awaitable[Deployment]]
 
 
 def load_tasks_for(config: RunConfig) -> list[TaskRow]:
-    from rollpoint.envs import get_environment, load_tasks
+    from rollpoint.envs import get_environment
+    from rollpoint.envs.dataset_formats import dataset_name, load_dataset_tasks
 
     if config.dataset is not None:
-        tasks = load_tasks(config.dataset)
-        check_environment(config, tasks, str(config.dataset))
+        tasks = load_dataset_tasks(config.dataset, config.environment)
+        check_environment(config, tasks, dataset_name(config.dataset))
         return tasks
     assert config.tasks is not None
     return get_environment(config.environment).make_tasks(config.tasks, config.seed)

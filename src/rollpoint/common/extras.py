@@ -27,6 +27,8 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "report": ("matplotlib",),
     "s3": ("s3fs",),
     "verifiers": ("verifiers", "datasets"),
+    "parquet": ("pyarrow",),
+    "datasets": ("datasets", "pyarrow"),
 }
 """Each extra of pyproject.toml's ``[project.optional-dependencies]`` and what it brings
 (``all`` is every one of them; ``cli`` brings ``metrics`` too)."""

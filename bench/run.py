@@ -17,6 +17,7 @@ from bench import (
     episode_throughput,
     generation_cut,
     ledger_scaling,
+    long_episodes,
     model_overhead,
     runtime_compare,
     snapshot_growth,
@@ -58,6 +59,9 @@ ITEMS: dict[str, Item] = {
     "runtime_compare": lambda quick: runtime_compare.run(),
     "snapshot_pause_100k": lambda quick: snapshot_pause.run_large(100_000, snapshots=4),
     "generation_cut": lambda quick: generation_cut.run(),
+    "long_episodes": lambda quick: (
+        long_episodes.run(tasks=2, group_size=2) if quick else long_episodes.run()
+    ),
     "snapshot_growth": lambda quick: (
         snapshot_growth.run((1000,), snapshots=3, settle_s=10.0, gap_s=2.0)
         if quick

@@ -313,6 +313,7 @@ class Trainer:
                 concurrency=self.config.concurrency,
                 max_turns=self.config.max_turns,
                 row_timeout_s=self.config.row_timeout_seconds,
+                max_reply_bytes=self.config.max_reply_bytes,
                 barrier=self.barrier,
                 on_reply=self._on_reply,
                 roster=self.roster,

@@ -17,6 +17,7 @@ façade, chaos trials): it installs the performance tricks on the checkpoint sea
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import secrets
@@ -36,8 +37,16 @@ from rollpoint.runtime.attached import AttachedRuntime
 from rollpoint.runtime.contract import Runtime, runtime_for
 from rollpoint.runtime.replica_plan import SpecHook
 from rollpoint.start_checks import check_store_writable, check_workdir_writable, unreadable
+from rollpoint.store.job_identity import (
+    FINGERPRINT_KEY,
+    JOB_FILE,
+    check_store_snapshots,
+    claim_job,
+    stamp_store,
+)
+from rollpoint.store.lock_watch import while_locked
 from rollpoint.store.snapshot_store import SnapshotStore
-from rollpoint.store.workdir_lock import lock_workdir
+from rollpoint.store.workdir_lock import check_lock, lock_workdir
 from rollpoint.trainer.control_plane import ControlPlane, participant_clients
 from rollpoint.trainer.metrics import TrainerMetrics
 from rollpoint.trainer.restorer import Restorer, Skipped, check_config, find_resume_point
@@ -90,7 +99,8 @@ def prepare_workdir(workdir: Path, *, fresh: bool, force: bool) -> None:
     touches anything), then --fresh starts over: on an empty workdir, or with --force on
     a used one (everything but the lock goes)."""
     lock = lock_workdir(workdir)
-    contents = [p for p in workdir.iterdir() if p.name != lock.path.name]
+    # The lock and the job's identity stay: the same job starts over (job_identity).
+    contents = [p for p in workdir.iterdir() if p.name not in (lock.path.name, JOB_FILE)]
     if fresh and contents:
         if not force:
             raise ConfigError(f"workdir {workdir} is not empty; --fresh needs --force to delete it")
@@ -185,6 +195,43 @@ async def run_job(
     the trainer's record of its steps, where a resume looks for durable steps (default:
     rollpoint's, ``train_data.jsonl`` and ``checkpoints/`` in the workdir)."""
     lock_workdir(config.workdir)  # held already when the CLI prepared the workdir
+    check_lock(config.workdir)  # and its lock file is still the file it locked
+    # From here to the end the lock is checked as the job goes: a lock file deleted by hand
+    # is taken again, or the job stops (rollpoint.store.lock_watch).
+    return await while_locked(
+        config.workdir,
+        _locked_job(
+            config,
+            fresh=fresh,
+            say=say,
+            drive=drive,
+            route=route,
+            spec_hook=spec_hook,
+            data_token=data_token,
+            stop=stop,
+            hooks=hooks,
+            attach=attach,
+            more_groups=more_groups,
+            step_record=step_record,
+        ),
+    )
+
+
+async def _locked_job(
+    config: RunConfig,
+    *,
+    fresh: bool,
+    say: Callable[[str], None],
+    drive: Drive,
+    route: Route | None,
+    spec_hook: SpecHook | None,
+    data_token: str | None,
+    stop: StopRequest | None,
+    hooks: TrainHooks | None,
+    attach: ServedDeployment | None,
+    more_groups: bool,
+    step_record: StepRecord | None,
+) -> RunSummary:
     install_tuning()  # the trainer's entry point (idempotent: a second job adds nothing)
     tasks = load_tasks_for(config)
     if not tasks and not more_groups:
@@ -208,12 +255,21 @@ async def run_job(
     await asyncio.to_thread(check_store_writable, root)  # before any server starts
     record = step_record or WorkdirRecord(config.workdir)
     try:
-        store = await asyncio.to_thread(SnapshotStore, root, config.snapshot.keep)
+        # Before the store is opened (that cleans a crash's leftovers): one job per store.
+        job = await asyncio.to_thread(claim_job, config.workdir, root)
+        store = await asyncio.to_thread(
+            SnapshotStore, root, config.snapshot.keep, clean_leftovers=False
+        )
+        store.job_id = job.job_id
+        others = await asyncio.to_thread(store.other_jobs)
+        check_store_snapshots(root, others, job)
+        await asyncio.to_thread(store.clean_leftovers)
         point, skipped = (
             (None, []) if fresh else await asyncio.to_thread(find_resume_point, store, record)
         )
     except OSError as exc:
         raise unreadable(exc, "the snapshot store") from None
+    fingerprint = {**config.fingerprint(), FINGERPRINT_KEY: job.job_id}
     for item in skipped:
         # A warning reaches the console as well as rollpoint.log (the CLI's warning handler):
         # a skipped snapshot is progress given up.
@@ -226,11 +282,12 @@ async def run_job(
     elif point is None:
         refuse_unresumable_run(config.workdir, record, root, skipped)
     else:
-        check_config(point.manifest, config.fingerprint())
+        check_config(point.manifest, fingerprint)
         # Before any server starts: a record that does not hold what its checkpoint
         # covers (train data edited or cut short) is refused here, naming the file, and
         # left as it is. The restorer checks it again: the same record, read once.
         await asyncio.to_thread(record.check, point.checkpoint)
+    await asyncio.to_thread(stamp_store, root, job)  # the snapshots found are this job's
     metrics = TrainerMetrics(config.workdir / "metrics.jsonl", config.workdir / EVENTS_FILE)
     events = metrics.run_events
     if attach is not None and spec_hook is not None:
@@ -306,7 +363,7 @@ async def run_job(
                 )
             )
         trainer = Trainer(
-            config.trainer_settings(),
+            dataclasses.replace(config.trainer_settings(), fingerprint=fingerprint),
             deployment,
             tasks,
             hooks=hooks or SimulatedTrainer(config.train.step_seconds),

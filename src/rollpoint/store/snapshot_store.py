@@ -75,6 +75,7 @@ from rollpoint.store.filesystem import (
     normalize_relative,
     resolve_inside,
 )
+from rollpoint.store.job_identity import FINGERPRINT_KEY as JOB_KEY
 from rollpoint.store.participant_state import MANIFEST_NAME, verify_participant_state
 from rollpoint.store.record_packs import OBJECTS_DIR, PackIndex
 from rollpoint.store.retention import Span
@@ -164,6 +165,12 @@ class SnapshotStore:
         always read afresh)."""
         self._references: dict[str, frozenset[str]] = {}
         """Shared records files named by each published snapshot (never changes)."""
+        self.job_id: str | None = None
+        """The job this store serves (:mod:`~rollpoint.store.job_identity`): retention
+        never prunes a snapshot another job took. None: every snapshot is this job's."""
+        self._left_alone: set[str] = set()
+        self._jobs: dict[str, str | None] = {}
+        """The job each loaded manifest names in its config fingerprint (None: older)."""
         self.checkpoint_steps: Callable[[], list[int]] | None = None
         """The durable train checkpoint steps present, when the trainer keeps any: retention
         then never prunes the last snapshot that composes with one (:mod:`.retention`)."""
@@ -290,6 +297,8 @@ class SnapshotStore:
         # it is not read back and validated again (at 100k in flight that validation of its
         # episode list took half of every publish: snapshot_growth_100k, session 13).
         self._loaded[published.snapshot_id] = (published.published_at, _span(published))
+        job = published.config_fingerprint.get(JOB_KEY)
+        self._jobs[published.snapshot_id] = job if isinstance(job, str) else None
         # And the records files it names were just read for the checks: the sweep need
         # not read its manifests again (snapshot_growth_100k, session 14).
         self._references[published.snapshot_id] = references
@@ -593,6 +602,8 @@ class SnapshotStore:
                     out.append(_Candidate(name, when, None, exc.message))
                     continue
                 brief = self._loaded[name] = (manifest.published_at, _span(manifest))
+                job = manifest.config_fingerprint.get(JOB_KEY)
+                self._jobs[name] = job if isinstance(job, str) else None
             out.append(_Candidate(name, brief[0], brief[1], None))
         out.sort(key=lambda c: (c.order_time, c.snapshot_id), reverse=True)
         return out
@@ -615,7 +626,7 @@ class SnapshotStore:
 
         Digests are not checked here: that would read every byte at every publication.
         """
-        candidates = self._candidates()
+        candidates = [c for c in self._candidates() if not self._other_jobs(c.snapshot_id)]
         loadable = [c for c in candidates if c.span is not None]
         # A pin is set and cleared on the event loop while this runs in the publish
         # thread: a frozenset of the counter is one step under the GIL.
@@ -646,6 +657,33 @@ class SnapshotStore:
             except OSError as exc:
                 log.warning("could not prune snapshot %s (skipped): %s", path, exc)
         self._sweep_objects()
+
+    def other_jobs(self) -> dict[str, str]:
+        """Snapshot id → the other job that took it, for every loadable snapshot here that
+        names a job but not :attr:`job_id` (empty when ``job_id`` is None)."""
+        self._candidates()  # loads the manifests not loaded yet
+        return {
+            sid: job
+            for sid, job in sorted(self._jobs.items())
+            if job is not None and self.job_id is not None and job != self.job_id
+        }
+
+    def _other_jobs(self, snapshot_id: str) -> bool:
+        """Whether another job took this snapshot: never pruned from here."""
+        job = self._jobs.get(snapshot_id)
+        if job is not None and self.job_id is not None and job != self.job_id:
+            if snapshot_id in self._left_alone:
+                return True
+            self._left_alone.add(snapshot_id)
+            log.warning(
+                "snapshot %s in %s belongs to job %s, not to this job %s: left alone",
+                snapshot_id,
+                self.root,
+                job,
+                self.job_id,
+            )
+            return True
+        return False
 
     def _sweep_objects(self) -> None:
         """Delete the shared records files no snapshot folder names any more."""
@@ -720,6 +758,12 @@ class SnapshotStore:
                     continue  # a participant that had not written its manifest
                 names |= _shared_files(data, path)
         return names
+
+    def clean_leftovers(self) -> None:
+        """Remove unpublished folders an earlier process left behind when it crashed (done
+        at opening unless ``clean_leftovers=False``: then once the store is known to be
+        this job's, see :mod:`~rollpoint.store.job_identity`)."""
+        self._clean_leftovers()
 
     def _clean_leftovers(self) -> None:
         """Remove unpublished folders an earlier process left behind when it crashed."""

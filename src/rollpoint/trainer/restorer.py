@@ -63,6 +63,8 @@ from rollpoint.protocol.errors import (
 from rollpoint.protocol.ids import MAX_ATTEMPT, EpisodeId
 from rollpoint.protocol.manifest import SavedEpisode, SnapshotManifest
 from rollpoint.protocol.participant import ParticipantKind
+from rollpoint.store.job_identity import FINGERPRINT_KEY as JOB_KEY
+from rollpoint.store.job_identity import check_snapshot_job
 from rollpoint.store.snapshot_store import SNAPSHOTS_DIR, SnapshotStore
 from rollpoint.trainer.coordinator import (
     LEDGER_FILE,
@@ -239,6 +241,14 @@ def check_config(manifest: SnapshotManifest, live: dict[str, JsonValue]) -> None
     """Refuse a config that makes the snapshot unusable, naming the first key that differs."""
     for key, saved in manifest.config_fingerprint.items():
         if key in ELASTIC_CONFIG_KEYS:
+            continue
+        if key == JOB_KEY:
+            # Not a config key: the job that took it (rollpoint.store.job_identity). A
+            # trainer run without one (a library embedding) does not check it.
+            if live.get(JOB_KEY) is not None:
+                check_snapshot_job(
+                    manifest.snapshot_id, manifest.config_fingerprint, str(live[JOB_KEY])
+                )
             continue
         now = live.get(key)
         if now != saved:

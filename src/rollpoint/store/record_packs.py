@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import re
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -86,6 +87,21 @@ _TARGET_CHUNK_BYTES = 8 << 20
 
 def records_file_name(sha256: str) -> str:
     return f"records-{sha256[:16]}.jsonl"
+
+
+_RECORDS_NAME = re.compile(r"records-[0-9a-f]{16}\.jsonl")
+_RECORDS_TEMP_NAME = re.compile(r"\.records-[0-9a-f]{32}\.tmp")
+
+
+def is_records_name(name: str) -> bool:
+    """Whether ``name`` is one this module gives a records file: retention's sweep deletes
+    nothing else (a file put in ``objects/`` by anyone else is not the store's)."""
+    return _RECORDS_NAME.fullmatch(name) is not None
+
+
+def is_records_temp_name(name: str) -> bool:
+    """Whether ``name`` is the temp name of a records file being written."""
+    return _RECORDS_TEMP_NAME.fullmatch(name) is not None
 
 
 @dataclass(slots=True)

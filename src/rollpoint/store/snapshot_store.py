@@ -68,16 +68,21 @@ from rollpoint.protocol.manifest import (
 from rollpoint.protocol.model_base import StrictModel
 from rollpoint.protocol.participant import ParticipantKind
 from rollpoint.store import retention
+from rollpoint.store.contained_filesystem import filesystem_within
 from rollpoint.store.digest import digest_bytes, digest_file
 from rollpoint.store.filesystem import (
-    filesystem_for,
     normalize_location,
     normalize_relative,
     resolve_inside,
 )
 from rollpoint.store.job_identity import FINGERPRINT_KEY as JOB_KEY
 from rollpoint.store.participant_state import MANIFEST_NAME, verify_participant_state
-from rollpoint.store.record_packs import OBJECTS_DIR, PackIndex
+from rollpoint.store.record_packs import (
+    OBJECTS_DIR,
+    PackIndex,
+    is_records_name,
+    is_records_temp_name,
+)
 from rollpoint.store.retention import Span
 from rollpoint.store.staging import (
     PARTICIPANTS_DIR,
@@ -155,7 +160,10 @@ class SnapshotStore:
             raise ConfigError(f"snapshot retention must keep at least 1 snapshot, got {keep}")
         self.root = normalize_location(root)
         self.keep = keep
-        self._fs = filesystem_for(self.root)
+        # Contained on a local root: no write, prune or sweep follows a symlink put in the
+        # store (objects/ swapped for a link once sent the trainer's records and the sweep's
+        # deletes into the folder it named: issue 33).
+        self._fs = filesystem_within(self.root, self.root)
         self._stagings = StagingRegistry()
         self._pins: Counter[str] = Counter()
         self._loaded: dict[str, tuple[float, Span]] = {}
@@ -705,11 +713,13 @@ class SnapshotStore:
             path = self._fs.join(objects, name)
             try:
                 if name.startswith("."):
+                    if not is_records_temp_name(name):
+                        continue
                     modified = self._fs.modified(path)
                     if modified is None or now - modified < _TEMP_RECORDS_AGE_S:
                         continue
-                elif name in referenced:
-                    continue
+                elif name in referenced or not is_records_name(name):
+                    continue  # named by a snapshot, or not a file this store writes
                 self._fs.remove_file(path)
                 log.info("removed records file %s: no kept snapshot names it", name)
             except OSError as exc:

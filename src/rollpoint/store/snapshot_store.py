@@ -648,6 +648,9 @@ class SnapshotStore:
                 protect=kept,
             )
             kept = set(decided.snapshots)
+        fallback = self._fallback(protect, loadable)
+        if fallback is not None:
+            kept.add(fallback)
         oldest_kept = min(
             (c.order_time for c in loadable if c.snapshot_id in kept), default=float("-inf")
         )
@@ -665,6 +668,31 @@ class SnapshotStore:
             except OSError as exc:
                 log.warning("could not prune snapshot %s (skipped): %s", path, exc)
         self._sweep_objects()
+
+    def _fallback(self, newest: str, loadable: Sequence[_Candidate]) -> str | None:
+        """The newest snapshot older than ``newest`` that names no records file
+        ``newest`` names: one damaged shared file then costs no more than the snapshots
+        naming it, and a restore falls back to this one (issue 33). None before the
+        first rebase (:data:`~rollpoint.store.record_packs.REBASE_EVERY`)."""
+        try:
+            named = self._names_of(newest)
+            if not named:
+                return None  # it shares nothing: no file of it can take another down
+            for candidate in loadable:
+                if candidate.snapshot_id == newest:
+                    continue
+                if not named & self._names_of(candidate.snapshot_id):
+                    return candidate.snapshot_id
+        except (OSError, RollpointError) as exc:
+            log.warning("no fallback snapshot chosen in %s: %s", self.root, exc)
+        return None
+
+    def _names_of(self, snapshot_id: str) -> frozenset[str]:
+        known = self._references.get(snapshot_id)
+        if known is None:
+            folder = self._fs.join(self._snapshots_root(), snapshot_id)
+            known = self._references[snapshot_id] = frozenset(self._names_in(folder))
+        return known
 
     def other_jobs(self) -> dict[str, str]:
         """Snapshot id → the other job that took it, for every loadable snapshot here that

@@ -294,6 +294,9 @@ class Trainer:
             resent={} if d is None else {"given_up": d.resent_fresh, "refused": d.resent_refused},
             adopted_replies=0 if d is None else d.adopted,
             failed_rows={} if d is None else dict(d.failed_rows),
+            damaged_records_files=0
+            if self.coordinator is None
+            else self.coordinator.damaged_records_files,
         )
 
     async def run(self) -> RunSummary:

@@ -46,7 +46,7 @@ from rollpoint.store.job_identity import (
 )
 from rollpoint.store.lock_watch import while_locked
 from rollpoint.store.snapshot_store import SnapshotStore
-from rollpoint.store.workdir_lock import check_lock, lock_workdir
+from rollpoint.store.workdir_lock import LOCK_NAME, check_lock, lock_workdir
 from rollpoint.trainer.control_plane import ControlPlane, participant_clients
 from rollpoint.trainer.metrics import TrainerMetrics
 from rollpoint.trainer.restorer import Restorer, Skipped, check_config, find_resume_point
@@ -98,12 +98,21 @@ def prepare_workdir(workdir: Path, *, fresh: bool, force: bool) -> None:
     """Lock the workdir for this process (one writer: a second run is refused before it
     touches anything), then --fresh starts over: on an empty workdir, or with --force on
     a used one (everything but the lock goes)."""
+    # A folder some run of rollpoint made holds its lock file (made at a run's start) or
+    # its job identity: looked for before this run makes its own lock file.
+    ours = (workdir / LOCK_NAME).exists() or (workdir / JOB_FILE).exists()
     lock = lock_workdir(workdir)
     # The lock and the job's identity stay: the same job starts over (job_identity).
     contents = [p for p in workdir.iterdir() if p.name not in (lock.path.name, JOB_FILE)]
     if fresh and contents:
         if not force:
             raise ConfigError(f"workdir {workdir} is not empty; --fresh needs --force to delete it")
+        if not ours:
+            raise ConfigError(
+                f"workdir {workdir} is not a rollpoint workdir (no {LOCK_NAME}) and is not "
+                "empty: --fresh --force deletes only a rollpoint workdir's files; point "
+                "workdir at an empty or new folder"
+            )
         for path in contents:
             if path.is_dir() and not path.is_symlink():
                 shutil.rmtree(path)

@@ -258,3 +258,25 @@ def test_run_attached_to_serve_trains_every_row_once_and_leaves_the_servers_runn
     missing = rollpoint("run", str(job), "--attach", str(tmp_path / "nope.json"))
     assert missing.returncode != 0 and "Traceback" not in missing.stderr
     assert "nope.json: No such file or directory" in missing.stderr
+
+
+def test_a_config_that_is_not_utf8_is_one_line_naming_the_file(tmp_path: Path) -> None:
+    config = tmp_path / "job.yaml"
+    config.write_bytes(b"workdir: run\nenvironment: \xff\xfeworkplace\n")
+    result = rollpoint("run", str(config))
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert f"{config}: not UTF-8 text (byte 0xff at offset 26)" in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_fresh_force_refuses_a_folder_that_is_not_a_rollpoint_workdir(tmp_path: Path) -> None:
+    precious = tmp_path / "run"
+    precious.mkdir()
+    (precious / "thesis.tex").write_text("years of work")
+    config = write_config(tmp_path, replicas=1)
+    result = rollpoint("run", str(config), "--fresh", "--force")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert f"workdir {precious} is not a rollpoint workdir" in result.stderr
+    assert (precious / "thesis.tex").read_text() == "years of work"

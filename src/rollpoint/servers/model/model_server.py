@@ -76,6 +76,7 @@ from rollpoint.protocol.ids import (
     HEADER_POLICY_VERSION,
     HEADER_ROLLOUT_ID,
     HEADER_TURN,
+    MAX_ATTEMPT,
     EpisodeId,
     Identifier,
     is_identifier,
@@ -207,8 +208,19 @@ class RunningCalls:
 
 
 def _header_int(name: str, value: str | None) -> int:
-    if value is None or not value.isdigit():
-        raise BadRequestError(f"header {name} must be a non-negative integer, got {value!r}")
+    # ASCII digits only (str.isdigit() takes "²", which int() refuses), and no more than an
+    # EpisodeId holds: a header of 10**23 once broke every later commit of its rollout.
+    if (
+        value is None
+        or not (value.isascii() and value.isdigit())
+        or len(value) > len(str(MAX_ATTEMPT))
+        or int(value) > MAX_ATTEMPT
+    ):
+        raise BadRequestError(
+            f"header {name} must be an integer from 0 to {MAX_ATTEMPT}, got {value[:40]!r}"
+            if value is not None
+            else f"header {name} must be an integer from 0 to {MAX_ATTEMPT}, got none"
+        )
     return int(value)
 
 

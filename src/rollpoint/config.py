@@ -7,6 +7,7 @@ that names the file and the key.
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Literal
 
@@ -301,6 +302,9 @@ class RunConfig(_Section):
             "replicas": self.replicas,
             "tasks": self.tasks if self.dataset is None else None,
             "dataset": str(self.dataset) if self.dataset is not None else None,
+            # Its content, not only its path: a dataset edited in place between a kill and
+            # the rerun would otherwise be used without a word (issue 33).
+            "dataset_sha256": _content_digest(self.dataset),
             "seed": self.seed,
         }
 
@@ -321,6 +325,16 @@ class RunConfig(_Section):
             save=self.snapshot.save_settings(),
             fingerprint=self.fingerprint(),
         )
+
+
+def _content_digest(path: Path | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        with path.open("rb") as stream:
+            return hashlib.file_digest(stream, "sha256").hexdigest()
+    except OSError:
+        return None  # loading the tasks names an unreadable dataset
 
 
 def _format_validation_error(source: str, exc: ValidationError) -> str:

@@ -280,3 +280,24 @@ def test_fresh_force_refuses_a_folder_that_is_not_a_rollpoint_workdir(tmp_path: 
     assert "Traceback" not in result.stderr
     assert f"workdir {precious} is not a rollpoint workdir" in result.stderr
     assert (precious / "thesis.tex").read_text() == "years of work"
+
+
+def test_a_dataset_edited_in_place_before_the_rerun_is_refused_naming_it(tmp_path: Path) -> None:
+    from rollpoint.envs.registry import get_environment
+
+    dataset = tmp_path / "tasks.jsonl"
+    rows = get_environment("workplace").make_tasks(4, 0)
+    dataset.write_bytes(b"".join(row.model_dump_json().encode() + b"\n" for row in rows))
+    config = write_config(tmp_path, replicas=1, tasks=None, dataset=str(dataset))
+    assert rollpoint("run", str(config)).returncode == 0
+    first = train_lines(tmp_path / "run")
+    # Same path, same rows, one prompt changed.
+    edited = [rows[0].model_copy(update={"prompt": rows[0].prompt + " Today."}), *rows[1:]]
+    dataset.write_bytes(b"".join(row.model_dump_json().encode() + b"\n" for row in edited))
+
+    again = rollpoint("run", str(config))
+
+    assert again.returncode == 2, again.stderr[-3000:]
+    assert "Traceback" not in again.stderr
+    assert f"dataset {dataset} is not the file snapshot" in again.stderr
+    assert train_lines(tmp_path / "run") == first

@@ -251,6 +251,12 @@ def check_config(manifest: SnapshotManifest, live: dict[str, JsonValue]) -> None
                 )
             continue
         now = live.get(key)
+        if key == "dataset_sha256" and now != saved:
+            raise ConfigError(
+                f"dataset {live.get('dataset')} is not the file snapshot "
+                f"{manifest.snapshot_id} was taken with (its content's sha256 is {now}, was "
+                f"{saved}): put the original back, or start over with --fresh --force"
+            )
         if now != saved:
             raise ConfigError(
                 f"config key '{key}' is {now!r} but snapshot {manifest.snapshot_id} was taken with {saved!r}; "

@@ -245,13 +245,20 @@ def test_run_attached_to_serve_trains_every_row_once_and_leaves_the_servers_runn
     with served(serve_config) as deployment:
         line = tmp_path / "served.json"
         line.write_bytes(orjson.dumps(deployment))
-        for name in ("first", "second"):  # the second finds the servers the first left
-            raw = yaml.safe_load(serve_config.read_text()) | {"workdir": str(tmp_path / name)}
-            job.write_text(yaml.safe_dump(raw))
+        raw = yaml.safe_load(serve_config.read_text()) | {"workdir": str(tmp_path / "first")}
+        job.write_text(yaml.safe_dump(raw))
+        for _ in range(2):  # the rerun finds the servers the first run left
             done = rollpoint("run", str(job), "--attach", str(line))
             assert done.returncode == 0, done.stderr[-3000:]
-            rows = Counter((r["group_id"], r["row"]) for r in train_lines(tmp_path / name))
+            rows = Counter((r["group_id"], r["row"]) for r in train_lines(tmp_path / "first"))
             assert len(rows) == 8 and set(rows.values()) == {1}
+        # Another job on them would share their snapshot store: refused (issue 33, one job
+        # per store; before, it started over and its retention pruned the first's snapshots).
+        other = tmp_path / "other.yaml"
+        other.write_text(yaml.safe_dump(raw | {"workdir": str(tmp_path / "second")}))
+        refused = rollpoint("run", str(other), "--attach", str(line))
+        assert refused.returncode == 2, refused.stderr[-3000:]
+        assert "belongs to job" in refused.stderr and "Traceback" not in refused.stderr
         # The snapshots are where the servers write theirs: the serve config's store.
         assert list((tmp_path / "servers" / "snapshots" / "snapshots").glob("*/manifest.json"))
 

@@ -24,6 +24,7 @@ other's snapshots.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import uuid
@@ -40,6 +41,8 @@ JOB_FILE = ".rollpoint-job"
 """In the workdir: kept through ``--fresh --force``, like the lock file."""
 STORE_JOB_FILE = "job.json"
 FINGERPRINT_KEY = "job_id"
+
+log = logging.getLogger("rollpoint.store")
 JOB_IDENTITY_VERSION = 1
 
 
@@ -127,8 +130,18 @@ def claim_job(workdir: Path, root: str) -> JobIdentity:
 def stamp_store(root: str, identity: JobIdentity) -> None:
     """Name this job in a store that names none yet: once its snapshots are known to be
     this job's (a resume checked them), or it starts fresh."""
-    if read_store_job(root) is None:
-        _write_store_job(root, identity)
+    try:
+        if read_store_job(root) is None:
+            _write_store_job(root, identity)
+    except OSError as exc:
+        # Every snapshot still carries the job id in its sealed fingerprint: the store's
+        # own record is the faster check, not the only one.
+        log.warning(
+            "could not write %s in %s (%s): the snapshots still name the job",
+            STORE_JOB_FILE,
+            root,
+            exc,
+        )
 
 
 def refuse_other_job(root: str, theirs: JobIdentity, ours: JobIdentity) -> None:

@@ -65,6 +65,7 @@ from rollpoint.http.client import HttpClient
 from rollpoint.http.server_metrics import CALL_BUCKETS, Reading, ServerMetrics
 from rollpoint.participant import AdmissionGate, close_control_plane, mount_participant
 from rollpoint.policy.engine_adapters import EngineTokens, TokenStream, adapter_for
+from rollpoint.policy.stream_chunk_check import check_chunk
 from rollpoint.protocol.errors import (
     BadRequestError,
     ModelNotFoundError,
@@ -246,8 +247,13 @@ class StreamAssembler:
     """Rebuilds the assistant message of choice 0 from OpenAI SSE chunks as they pass by."""
 
     def __init__(
-        self, tokens: TokenStream | None = None, partial: PartialCall | None = None
+        self,
+        tokens: TokenStream | None = None,
+        partial: PartialCall | None = None,
+        engine: str = "engine",
     ) -> None:
+        self.engine = engine
+        """Named by a chunk's refusal (:mod:`rollpoint.policy.stream_chunk_check`)."""
         self.tokens = tokens
         """Fed every parsed event: the engine adapter's reader of the stream's token data."""
         self.partial = partial
@@ -279,6 +285,7 @@ class StreamAssembler:
             return
         if not isinstance(event, dict):
             return
+        check_chunk(self.engine, event)  # before anything keeps a piece of it
         if self.tokens is not None:
             self.tokens.feed(event)
         if self.partial is not None:
@@ -678,7 +685,7 @@ class ModelServer:
                     return _Upstream(refusal=(resp.status, resp.content_type, await resp.read()))
                 if resp.content_type != "text/event-stream":
                     return _Upstream(plain=await resp.read())
-                assembler = StreamAssembler(partial=partial)
+                assembler = StreamAssembler(partial=partial, engine=self._adapter.name)
                 async for chunk in resp.content.iter_any():
                     assembler.feed(chunk)
                 assembler.feed(b"\n")
@@ -864,7 +871,9 @@ class ModelServer:
 
         async def relay() -> AsyncIterator[bytes]:
             assembler = (
-                StreamAssembler(self._adapter.stream(), partial) if tag is not None else None
+                StreamAssembler(self._adapter.stream(), partial, self._adapter.name)
+                if tag is not None
+                else None
             )
             if partial is not None:
                 self.partials[id(partial)] = partial
@@ -875,6 +884,11 @@ class ModelServer:
                     yield chunk
             except _UPSTREAM_ERRORS as exc:
                 log.warning("upstream stream broke: %s: %s", type(exc).__name__, exc)
+                return
+            except TransportError as exc:
+                # A malformed chunk, not relayed: the caller's stream ends short (a
+                # transport failure it retries) and the call is not filed.
+                log.warning("upstream stream refused: %s", exc.message)
                 return
             finally:
                 if partial is not None:

@@ -43,7 +43,8 @@ async def while_locked(workdir: Path, job: Awaitable[T], *, every_s: float = CHE
     watcher = asyncio.create_task(watch())
     try:
         return await task
-    except asyncio.CancelledError:
+    except BaseException:
+        # Cancelled for the lock: its one line, whatever the job's unwinding raised.
         if failure is not None:
             raise failure from None
         raise

@@ -32,7 +32,12 @@ from rollpoint.loop.simulated_trainer import SimulatedTrainer
 from rollpoint.preemption import StopRequest, drive_until_stopped
 from rollpoint.protocol.deployment import Deployment, ServedDeployment
 from rollpoint.protocol.episode import TaskRow
-from rollpoint.protocol.errors import ConfigError, RestoreError, RollpointError
+from rollpoint.protocol.errors import (
+    BadRequestError,
+    ConfigError,
+    RestoreError,
+    RollpointError,
+)
 from rollpoint.runtime.attached import AttachedRuntime
 from rollpoint.runtime.contract import Runtime, runtime_for
 from rollpoint.runtime.replica_plan import SpecHook
@@ -278,6 +283,9 @@ async def _locked_job(
         )
     except OSError as exc:
         raise unreadable(exc, "the snapshot store") from None
+    except BadRequestError as exc:
+        # The contained filesystem's refusal: a symlink inside the store is never followed.
+        raise ConfigError(f"cannot read the snapshot store {root}: {exc.message}") from None
     fingerprint = {**config.fingerprint(), FINGERPRINT_KEY: job.job_id}
     for item in skipped:
         # A warning reaches the console as well as rollpoint.log (the CLI's warning handler):

@@ -18,6 +18,7 @@ from bench import (
     generation_cut,
     journal_append,
     ledger_scaling,
+    long_episodes,
     model_overhead,
     runtime_compare,
     snapshot_growth,
@@ -60,6 +61,9 @@ ITEMS: dict[str, Item] = {
     "snapshot_pause_100k": lambda quick: snapshot_pause.run_large(100_000, snapshots=4),
     "generation_cut": lambda quick: generation_cut.run(),
     "journal_append": lambda quick: journal_append.run(quick=quick),
+    "long_episodes": lambda quick: (
+        long_episodes.run(tasks=2, group_size=2) if quick else long_episodes.run()
+    ),
     "snapshot_growth": lambda quick: (
         snapshot_growth.run((1000,), snapshots=3, settle_s=10.0, gap_s=2.0)
         if quick

@@ -251,16 +251,66 @@ def test_run_attached_to_serve_trains_every_row_once_and_leaves_the_servers_runn
     with served(serve_config) as deployment:
         line = tmp_path / "served.json"
         line.write_bytes(orjson.dumps(deployment))
-        for name in ("first", "second"):  # the second finds the servers the first left
-            raw = yaml.safe_load(serve_config.read_text()) | {"workdir": str(tmp_path / name)}
-            job.write_text(yaml.safe_dump(raw))
+        raw = yaml.safe_load(serve_config.read_text()) | {"workdir": str(tmp_path / "first")}
+        job.write_text(yaml.safe_dump(raw))
+        for _ in range(2):  # the rerun finds the servers the first run left
             done = rollpoint("run", str(job), "--attach", str(line))
             assert done.returncode == 0, done.stderr[-3000:]
-            rows = Counter((r["group_id"], r["row"]) for r in train_lines(tmp_path / name))
+            rows = Counter((r["group_id"], r["row"]) for r in train_lines(tmp_path / "first"))
             assert len(rows) == 8 and set(rows.values()) == {1}
+        # Another job on them would share their snapshot store: refused (issue 33, one job
+        # per store; before, it started over and its retention pruned the first's snapshots).
+        other = tmp_path / "other.yaml"
+        other.write_text(yaml.safe_dump(raw | {"workdir": str(tmp_path / "second")}))
+        refused = rollpoint("run", str(other), "--attach", str(line))
+        assert refused.returncode == 2, refused.stderr[-3000:]
+        assert "belongs to job" in refused.stderr and "Traceback" not in refused.stderr
         # The snapshots are where the servers write theirs: the serve config's store.
         assert list((tmp_path / "servers" / "snapshots" / "snapshots").glob("*/manifest.json"))
 
     missing = rollpoint("run", str(job), "--attach", str(tmp_path / "nope.json"))
     assert missing.returncode != 0 and "Traceback" not in missing.stderr
     assert "nope.json: No such file or directory" in missing.stderr
+
+
+def test_a_config_that_is_not_utf8_is_one_line_naming_the_file(tmp_path: Path) -> None:
+    config = tmp_path / "job.yaml"
+    config.write_bytes(b"workdir: run\nenvironment: \xff\xfeworkplace\n")
+    result = rollpoint("run", str(config))
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert f"{config}: not UTF-8 text (byte 0xff at offset 26)" in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+def test_fresh_force_refuses_a_folder_that_is_not_a_rollpoint_workdir(tmp_path: Path) -> None:
+    precious = tmp_path / "run"
+    precious.mkdir()
+    (precious / "thesis.tex").write_text("years of work")
+    config = write_config(tmp_path, replicas=1)
+    result = rollpoint("run", str(config), "--fresh", "--force")
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr
+    assert f"workdir {precious} is not a rollpoint workdir" in result.stderr
+    assert (precious / "thesis.tex").read_text() == "years of work"
+
+
+def test_a_dataset_edited_in_place_before_the_rerun_is_refused_naming_it(tmp_path: Path) -> None:
+    from rollpoint.envs.registry import get_environment
+
+    dataset = tmp_path / "tasks.jsonl"
+    rows = get_environment("workplace").make_tasks(4, 0)
+    dataset.write_bytes(b"".join(row.model_dump_json().encode() + b"\n" for row in rows))
+    config = write_config(tmp_path, replicas=1, tasks=None, dataset=str(dataset))
+    assert rollpoint("run", str(config)).returncode == 0
+    first = train_lines(tmp_path / "run")
+    # Same path, same rows, one prompt changed.
+    edited = [rows[0].model_copy(update={"prompt": rows[0].prompt + " Today."}), *rows[1:]]
+    dataset.write_bytes(b"".join(row.model_dump_json().encode() + b"\n" for row in edited))
+
+    again = rollpoint("run", str(config))
+
+    assert again.returncode == 2, again.stderr[-3000:]
+    assert "Traceback" not in again.stderr
+    assert f"dataset {dataset} is not the dataset snapshot" in again.stderr
+    assert train_lines(tmp_path / "run") == first

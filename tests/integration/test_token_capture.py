@@ -334,3 +334,19 @@ async def test_an_engine_slower_than_the_start_check_is_not_called_one_without_i
         assert (
             await check_token_capture(url + "/v1", required=True, **{**kw, "timeout_s": 5}) is True
         )
+
+
+@pytest.mark.parametrize("attempt", ["1" + "0" * 23, str(2**53 + 1), "1e23", "-1"])
+async def test_an_episode_header_out_of_range_is_refused_with_a_400_naming_it(
+    engine: tuple[str, Path], http: httpx.AsyncClient, attempt: str
+) -> None:
+    """Issue 33: ``x-rollpoint-attempt`` of 10**23 was taken, and broke every later commit
+    of its rollout (an attempt an EpisodeId cannot hold)."""
+    engine_url, _ = engine
+    body = {"model": "scripted", "messages": [{"role": "user", "content": "hi"}]}
+    headers = {HEADER_ROLLOUT_ID: "s9", HEADER_ATTEMPT: attempt, HEADER_TURN: "0"}
+    with stack(engine_url) as (model, _):
+        reply = await http.post(model + "/v1/chat/completions", json=body, headers=headers)
+        assert reply.status_code == 400, reply.text
+        assert HEADER_ATTEMPT in reply.json()["error"]["message"]
+        assert await ledger(http, model, "s9") == []

@@ -316,6 +316,12 @@ class RunConfig(_Section):
     limit (each in-flight call holds a socket on every hop)."""
     row_timeout_seconds: Annotated[float, Field(gt=0)] = 300.0
     """Give up on one row after this long (time paused by a snapshot not counted)."""
+    max_reply_bytes: Annotated[int, Field(ge=1024)] = 64 * 1024 * 1024
+    """The longest episode reply (one row's result line, its transcript and token data) the
+    trainer reads from an agent: 64 MiB by default, where a 48k-token, tokens-captured
+    episode is about 1.5 MiB. A longer reply fails that row's try with a message naming
+    its size and this cap; the row is re-sent fresh, and fails its group after the
+    dispatcher's tries."""
     final_states_log: Path | None = None
     """An audit folder: each resources server appends every verified episode's final
     environment state there (``resources-<replica>.jsonl``), before the verify reply.
@@ -380,6 +386,7 @@ class RunConfig(_Section):
             batch_size=self.train.batch_size,
             checkpoint_every_steps=self.train.checkpoint_every_steps,
             row_timeout_seconds=self.row_timeout_seconds,
+            max_reply_bytes=self.max_reply_bytes,
             snapshot_every_seconds=self.snapshot.every_seconds,
             save=self.snapshot.save_settings(),
             fingerprint=self.fingerprint(),
@@ -430,9 +437,13 @@ def parse_config(data: object, *, source: str = "config") -> RunConfig:
 
 def load_config(path: Path) -> RunConfig:
     try:
-        text = path.read_text()
+        text = path.read_bytes().decode("utf-8")
     except OSError as exc:
         raise ConfigError(f"{path}: cannot read config: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(
+            f"{path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset {exc.start})"
+        ) from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:

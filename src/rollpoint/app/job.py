@@ -34,12 +34,25 @@ from rollpoint.http.client import HttpClient
 from rollpoint.preemption import StopRequest, drive_until_stopped
 from rollpoint.protocol.deployment import Deployment, ServedDeployment
 from rollpoint.protocol.episode import TaskRow
-from rollpoint.protocol.errors import ConfigError, RestoreError, RollpointError
+from rollpoint.protocol.errors import (
+    BadRequestError,
+    ConfigError,
+    RestoreError,
+    RollpointError,
+)
 from rollpoint.runtime.attached import AttachedRuntime
 from rollpoint.runtime.contract import Runtime, runtime_for
 from rollpoint.runtime.replica_plan import SpecHook
+from rollpoint.store.job_identity import (
+    FINGERPRINT_KEY,
+    JOB_FILE,
+    check_store_snapshots,
+    claim_job,
+    stamp_store,
+)
+from rollpoint.store.lock_watch import while_locked
 from rollpoint.store.snapshot_store import SnapshotStore
-from rollpoint.store.workdir_lock import lock_workdir
+from rollpoint.store.workdir_lock import LOCK_NAME, check_lock, lock_workdir
 from rollpoint.trainer.control.control_plane import ControlPlane, participant_clients
 from rollpoint.trainer.metrics import TrainerMetrics
 from rollpoint.trainer.record.workdir_record import WorkdirRecord
@@ -92,11 +105,21 @@ def prepare_workdir(workdir: Path, *, fresh: bool, force: bool) -> None:
     """Lock the workdir for this process (one writer: a second run is refused before it
     touches anything), then --fresh starts over: on an empty workdir, or with --force on
     a used one (everything but the lock goes)."""
+    # A folder some run of rollpoint made holds its lock file (made at a run's start) or
+    # its job identity: looked for before this run makes its own lock file.
+    ours = (workdir / LOCK_NAME).exists() or (workdir / JOB_FILE).exists()
     lock = lock_workdir(workdir)
-    contents = [p for p in workdir.iterdir() if p.name != lock.path.name]
+    # The lock and the job's identity stay: the same job starts over (job_identity).
+    contents = [p for p in workdir.iterdir() if p.name not in (lock.path.name, JOB_FILE)]
     if fresh and contents:
         if not force:
             raise ConfigError(f"workdir {workdir} is not empty; --fresh needs --force to delete it")
+        if not ours:
+            raise ConfigError(
+                f"workdir {workdir} is not a rollpoint workdir (no {LOCK_NAME}) and is not "
+                "empty: --fresh --force deletes only a rollpoint workdir's files; point "
+                "workdir at an empty or new folder"
+            )
         for path in contents:
             if path.is_dir() and not path.is_symlink():
                 shutil.rmtree(path)
@@ -194,6 +217,45 @@ async def run_job(
     if retry_failed and fresh:
         raise ConfigError("--retry-failed resumes a run's failed groups; it cannot go with --fresh")
     lock_workdir(config.workdir)  # held already when the CLI prepared the workdir
+    check_lock(config.workdir)  # and its lock file is still the file it locked
+    # From here to the end the lock is checked as the job goes: a lock file deleted by hand
+    # is taken again, or the job stops (rollpoint.store.lock_watch).
+    return await while_locked(
+        config.workdir,
+        _locked_job(
+            config,
+            fresh=fresh,
+            say=say,
+            drive=drive,
+            route=route,
+            spec_hook=spec_hook,
+            data_token=data_token,
+            stop=stop,
+            hooks=hooks,
+            attach=attach,
+            more_groups=more_groups,
+            step_record=step_record,
+            retry_failed=retry_failed,
+        ),
+    )
+
+
+async def _locked_job(
+    config: RunConfig,
+    *,
+    fresh: bool,
+    say: Callable[[str], None],
+    drive: Drive,
+    route: Route | None,
+    spec_hook: SpecHook | None,
+    data_token: str | None,
+    stop: StopRequest | None,
+    hooks: TrainHooks,
+    attach: ServedDeployment | None,
+    more_groups: bool,
+    step_record: StepRecord | None,
+    retry_failed: bool,
+) -> RunSummary:
     install_tuning()  # the trainer's entry point (idempotent: a second job adds nothing)
     tasks = load_tasks_for(config)
     if not tasks and not more_groups:
@@ -217,12 +279,24 @@ async def run_job(
     await asyncio.to_thread(check_store_writable, root)  # before any server starts
     record = step_record or WorkdirRecord(config.workdir)
     try:
-        store = await asyncio.to_thread(SnapshotStore, root, config.snapshot.keep)
+        # Before the store is opened (that cleans a crash's leftovers): one job per store.
+        job = await asyncio.to_thread(claim_job, config.workdir, root)
+        store = await asyncio.to_thread(
+            SnapshotStore, root, config.snapshot.keep, clean_leftovers=False
+        )
+        store.job_id = job.job_id
+        others = await asyncio.to_thread(store.other_jobs)
+        check_store_snapshots(root, others, job)
+        await asyncio.to_thread(store.clean_leftovers)
         point, skipped = (
             (None, []) if fresh else await asyncio.to_thread(find_resume_point, store, record)
         )
     except OSError as exc:
         raise unreadable(exc, "the snapshot store") from None
+    except BadRequestError as exc:
+        # The contained filesystem's refusal: a symlink inside the store is never followed.
+        raise ConfigError(f"cannot read the snapshot store {root}: {exc.message}") from None
+    fingerprint = {**config.fingerprint(), FINGERPRINT_KEY: job.job_id}
     for item in skipped:
         # A warning reaches the console as well as rollpoint.log (the CLI's warning handler):
         # a skipped snapshot is progress given up.
@@ -235,7 +309,7 @@ async def run_job(
     elif point is None:
         refuse_unresumable_run(config.workdir, record, root, skipped)
     else:
-        check_config(point.manifest, config.fingerprint())
+        check_config(point.manifest, fingerprint)
         # Before any server starts: a record that does not hold what its checkpoint
         # covers (train data edited or cut short) is refused here, naming the file, and
         # left as it is. The restorer checks it again: the same record, read once.
@@ -256,6 +330,7 @@ async def run_job(
                     + "; no server was started (--fresh --force starts it over)"
                 )
                 return ended
+    await asyncio.to_thread(stamp_store, root, job)  # the snapshots found are this job's
     metrics = TrainerMetrics(config.workdir / "metrics.jsonl", config.workdir / EVENTS_FILE)
     events = metrics.run_events
     if attach is not None and spec_hook is not None:
@@ -335,7 +410,7 @@ async def run_job(
         if retry_failed:
             settings = dataclasses.replace(settings, retry_failed=True)
         trainer = Trainer(
-            settings,
+            dataclasses.replace(settings, fingerprint=fingerprint),
             deployment,
             tasks,
             hooks=hooks,

@@ -7,6 +7,7 @@ snapshot right now) and never changes a file. :func:`build_report` needs no extr
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -77,7 +78,26 @@ def build_report(root: str, *, workdir: Path | None = None) -> dict[str, Any]:
             "tq_size": tq_size,
             "failed_groups": failed_groups_at(store, latest_manifest.snapshot_id),
         }
-    return {"snapshots": snapshots, "invalid": invalid, "latest": latest}
+    return {
+        "snapshots": snapshots,
+        "invalid": invalid,
+        "damaged_files": damaged_files(invalid),
+        "latest": latest,
+    }
+
+
+_RECORDS_FILE = re.compile(r"records file (\S+?)(?::| is | named | does | holds |$)")
+
+
+def damaged_files(invalid: list[dict[str, Any]]) -> dict[str, list[str]]:
+    """Each records file an unusable snapshot's reason names → the snapshots it takes
+    down (a shared file is named by several: issue 33)."""
+    down: dict[str, list[str]] = {}
+    for bad in invalid:
+        found = _RECORDS_FILE.search(bad["reason"] or "")
+        if found is not None:
+            down.setdefault(found.group(1), []).append(bad["id"])
+    return down
 
 
 def failed_groups_at(store: SnapshotStore, snapshot_id: str) -> list[dict[str, str]]:
@@ -116,6 +136,12 @@ def render_report(report: dict[str, Any], console: Console) -> None:
     print_full(console, table)
     for bad in report["invalid"]:
         console.print(f"[yellow]not usable[/]: {bad['id']}: {bad['reason']}", soft_wrap=True)
+    for path, ids in report.get("damaged_files", {}).items():
+        console.print(
+            f"[yellow]damaged records file[/] {path} takes down {len(ids)} snapshot(s): "
+            + ", ".join(ids),
+            soft_wrap=True,
+        )
     latest = report["latest"]
     if latest is None:
         console.print("no usable snapshot")

@@ -26,6 +26,7 @@ from typing import Any
 import aiohttp
 import orjson
 
+from rollpoint.http.ndjson_lines import DEFAULT_MAX_LINE_BYTES, OversizedLine, capped_lines
 from rollpoint.protocol.errors import ConfigError, TransportError, error_from_wire
 
 
@@ -169,8 +170,13 @@ class HttpClient:
         headers: Mapping[str, str] | None = None,
         timeout_s: float | None = None,
         caller_deadline: bool = False,
+        max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
     ) -> AsyncIterator[Any]:
         """POST ``body`` and yield each JSON line of the reply as it arrives.
+
+        A line longer than ``max_line_bytes`` is read and dropped, and an
+        :class:`~rollpoint.http.ndjson_lines.OversizedLine` is yielded in its place
+        (:mod:`rollpoint.http.ndjson_lines`): the caller decides what that costs.
 
         ``timeout_s`` (None: the client's) bounds how long the stream may stay silent, not
         its whole length. ``caller_deadline=True`` says, explicitly, that the caller ends the
@@ -192,13 +198,10 @@ class HttpClient:
                     except orjson.JSONDecodeError:
                         decoded = raw[:200].decode(errors="replace")
                     raise error_from_wire(resp.status, decoded, peer=url)
-                # readline-based iteration: aiohttp buffers partial lines for us.
-                while True:
-                    line = await resp.content.readline()
-                    if not line:
-                        break
-                    line = line.strip()
-                    if not line:
+                # Not resp.content.readline(): it refuses lines over 512 KiB (LineTooLong).
+                async for line in capped_lines(resp.content.iter_any(), max_line_bytes):
+                    if isinstance(line, OversizedLine):
+                        yield line
                         continue
                     try:
                         yield orjson.loads(line)

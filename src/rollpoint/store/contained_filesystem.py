@@ -1,7 +1,9 @@
 """A local folder whose every open is checked inside its root at the moment it happens.
 
 Owns :class:`ContainedFilesystem`, the :class:`~rollpoint.store.filesystem.Filesystem` a
-participant reads and writes its state through (commit, confirm and restore alike), and
+participant reads and writes its state through (commit, confirm and restore alike) and the
+snapshot store works through on a local root (the trainer's files and records files,
+publication, retention's pruning and sweep, leftovers: issue 33), and
 :func:`filesystem_within`, which picks it for a local root (an fsspec root has no
 symlinks: its own filesystem serves it, as before).
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import shutil
 import stat
 import uuid
 from collections.abc import Iterator
@@ -193,6 +196,45 @@ class ContainedFilesystem(LocalFilesystem):
     def remove_file(self, path: str) -> None:
         with contextlib.suppress(FileNotFoundError), self._parent(path) as (fd, name):
             os.unlink(name, dir_fd=fd)
+
+    # --- the operations the snapshot store adds (retention, leftovers) ------------------
+
+    def listdir(self, path: str) -> list[str]:
+        try:
+            fd = self._open_dir(path, self._parts(path), create=False)
+        except FileNotFoundError:
+            return []
+        try:
+            return sorted(os.listdir(fd))
+        finally:
+            os.close(fd)
+
+    def modified(self, path: str) -> float | None:
+        """As :meth:`LocalFilesystem.modified`, walking a folder without following links."""
+        with self._parent(path) as (fd, name):
+            entry = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            newest = entry.st_mtime
+            if not stat.S_ISDIR(entry.st_mode):
+                return newest
+            for _, dirs, files, folder_fd in os.fwalk(name, dir_fd=fd):
+                for child in (*dirs, *files):
+                    with contextlib.suppress(FileNotFoundError):
+                        child_stat = os.stat(child, dir_fd=folder_fd, follow_symlinks=False)
+                        newest = max(newest, child_stat.st_mtime)
+            return newest
+
+    def remove_tree(self, path: str) -> None:
+        """Remove the folder ``path`` and what is in it, never following a symlink: one
+        inside is removed as a link; ``path`` itself a symlink is refused."""
+        with contextlib.suppress(FileNotFoundError), self._parent(path) as (fd, name):
+            try:
+                mode = os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode
+            except FileNotFoundError:
+                return
+            if stat.S_ISLNK(mode):
+                raise self._refused(path, name)
+            # rmtree with dir_fd walks with openat and O_NOFOLLOW (symlink-attack safe).
+            shutil.rmtree(name, dir_fd=fd)
 
     def sync_dir(self, path: str) -> None:
         fd = self._open_dir(path, self._parts(path), create=False)

@@ -50,6 +50,9 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
+import re
+import time
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -76,6 +79,8 @@ __all__ = [
     "records_file_name",
 ]
 
+log = logging.getLogger("rollpoint.store")
+
 OBJECTS_DIR = "objects"
 """The store root's folder of records files shared by snapshots."""
 COMPACT_BELOW = 0.5
@@ -86,6 +91,21 @@ _TARGET_CHUNK_BYTES = 8 << 20
 
 def records_file_name(sha256: str) -> str:
     return f"records-{sha256[:16]}.jsonl"
+
+
+_RECORDS_NAME = re.compile(r"records-[0-9a-f]{16}\.jsonl")
+_RECORDS_TEMP_NAME = re.compile(r"\.records-[0-9a-f]{32}\.tmp")
+
+
+def is_records_name(name: str) -> bool:
+    """Whether ``name`` is one this module gives a records file: retention's sweep deletes
+    nothing else (a file put in ``objects/`` by anyone else is not the store's)."""
+    return _RECORDS_NAME.fullmatch(name) is not None
+
+
+def is_records_temp_name(name: str) -> bool:
+    """Whether ``name`` is the temp name of a records file being written."""
+    return _RECORDS_TEMP_NAME.fullmatch(name) is not None
 
 
 @dataclass(slots=True)
@@ -109,7 +129,7 @@ class PackIndex:
     (:mod:`rollpoint.participant.checkpoint_write` awaits the previous write).
     """
 
-    __slots__ = ("_by_digest", "_by_id", "_live", "_sizes")
+    __slots__ = ("_by_digest", "_by_id", "_checked", "_live", "_sizes", "_writes", "damaged")
 
     def __init__(self) -> None:
         self._by_id: dict[int, tuple[object, _Placement]] = {}
@@ -117,6 +137,12 @@ class PackIndex:
         self._by_digest: dict[bytes, _Placement] = {}
         self._sizes: dict[str, int] = {}
         self._live: dict[str, int] = {}
+        self._checked: dict[str, float] = {}
+        """File → when (monotonic) its bytes were last found whole (or written)."""
+        self.damaged = 0
+        """Records files found damaged and so written again from memory (a metric)."""
+        self._writes = 0
+        """Writes made with this index: every :data:`REBASE_EVERY` th references nothing."""
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -125,19 +151,40 @@ class PackIndex:
         """Become ``other`` (what a write made, once its manifest is written)."""
         self._by_id, self._by_digest = other._by_id, other._by_digest
         self._sizes, self._live = other._sizes, other._live
+        self._checked = other._checked
+        self.damaged += other.damaged
+        self._writes += 1
 
     def clear(self) -> None:
         self.replace(PackIndex())
 
-    def _usable(self, fs: Filesystem, folder: str) -> set[str]:
-        """The files a new write may reference: referenced enough, and still there."""
+    def _usable(self, fs: Filesystem, folder: str) -> tuple[set[str], int]:
+        """The files a new write may reference: referenced enough, and whole (of the size
+        written, every time; re-hashed when last found whole :data:`REVERIFY_S` ago);
+        with how many were found damaged. A damaged file is never referenced again: the
+        records it held are written again, from memory, into the new pack."""
         usable = set()
+        damaged = 0
+        now = time.monotonic()
         for name, size in self._sizes.items():
             if self._live.get(name, 0) < COMPACT_BELOW * size:
                 continue
-            if fs.exists(fs.join(folder, name)):
-                usable.add(name)
-        return usable
+            path = fs.join(folder, name)
+            why = _damage(
+                fs, path, name, size, rehash=now - self._checked.get(name, 0) >= REVERIFY_S
+            )
+            if why is not None:
+                damaged += 1
+                log.warning(
+                    "records file %s is damaged (%s): not referenced again; the records it "
+                    "held are written again from memory",
+                    path,
+                    why,
+                )
+                continue
+            self._checked.setdefault(name, now)
+            usable.add(name)
+        return usable, damaged
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,7 +213,11 @@ def pack_records(
     what ``index`` does not place; the returned index is the caller's to keep once the
     manifest naming the parts is written (``index`` itself is left as it was)."""
     previous = index if index is not None else PackIndex()
-    usable = previous._usable(fs, folder) if previous._sizes else set()
+    usable, damaged = previous._usable(fs, folder) if previous._sizes else (set(), 0)
+    if previous._writes % REBASE_EVERY == REBASE_EVERY - 1:
+        # A rebase: this write references no earlier file, so the snapshots before it share
+        # none with those after, and retention keeps one of them as the fallback.
+        usable = set()
     by_id, by_digest = previous._by_id, previous._by_digest
     placements: list[_Placement] = []
     kept: list[object] = []
@@ -197,7 +248,9 @@ def pack_records(
         name = writer.finish()
     for placement in fresh:
         placement.file = name
-    return _lay_out(placements, kept, previous, name, writer.size, shared)
+    packed = _lay_out(placements, kept, previous, name, writer.size, shared)
+    packed.index.damaged = damaged
+    return packed
 
 
 def _lay_out(
@@ -228,8 +281,11 @@ def _lay_out(
         length += placement.length + 1
     if run:
         parts.append(_part(run, shared))
+    now = time.monotonic()
     for name in made._live:
         made._sizes[name] = new_size if name == new_file else previous._sizes[name]
+        # A file just written is whole; an older one keeps when it was last found so.
+        made._checked[name] = now if name == new_file else previous._checked.get(name, now)
     return PackedRecords(parts, len(placements), length, new_size, total.hexdigest(), made)
 
 
@@ -244,6 +300,46 @@ def _part(run: list[_Placement], shared: bool) -> RecordsPart:
         digest="lines",
         sha256=hashlib.sha256(b"".join(p.digest for p in run)).hexdigest(),
     )
+
+
+REBASE_EVERY = 8
+"""Every this many writes of one index, a write references no earlier records file (it
+writes all its records): the store then always holds, once the first rebase is published,
+a snapshot sharing no records file with the newest, which retention keeps as the fallback
+one damaged file falls back to (:meth:`SnapshotStore._prune
+<rollpoint.store.snapshot_store.SnapshotStore>`; issue 33). Costs one full write in eight."""
+REVERIFY_S = 30.0
+"""A records file a new write references is re-hashed when it was last found whole this
+long ago (its size is checked every time): the cost is bounded to reading each referenced
+file once per this interval, and damage at rest is found within it (issue 33)."""
+
+
+def _damage(fs: Filesystem, path: str, name: str, size: int, *, rehash: bool) -> str | None:
+    """Why the records file ``name`` at ``path`` is not the one written, or None."""
+    try:
+        actual = fs.size(path)
+    except FileNotFoundError:
+        return "deleted"
+    except OSError as exc:
+        return f"unreadable: {exc.strerror or exc}"
+    if actual != size:
+        return f"{actual} bytes, written as {size}"
+    if not rehash:
+        return None
+    digests = hashlib.sha256()
+    try:
+        with fs.open_read(path) as stream:
+            rest = b""
+            for block in _blocks(stream, size):
+                lines = (rest + block).split(b"\n")
+                rest = lines.pop()
+                for line in lines:
+                    digests.update(hashlib.sha256(line).digest())
+    except OSError as exc:
+        return f"unreadable: {exc.strerror or exc}"
+    if rest or records_file_name(digests.hexdigest()) != name:
+        return "its bytes do not hash to its name"
+    return None
 
 
 def hash_records(records: Sequence[Mapping[str, Any]]) -> tuple[str, int]:

@@ -68,15 +68,21 @@ from rollpoint.protocol.manifest import (
 from rollpoint.protocol.model_base import StrictModel
 from rollpoint.protocol.participant import ParticipantKind
 from rollpoint.store import retention
+from rollpoint.store.contained_filesystem import filesystem_within
 from rollpoint.store.digest import digest_bytes, digest_file
 from rollpoint.store.filesystem import (
-    filesystem_for,
     normalize_location,
     normalize_relative,
     resolve_inside,
 )
+from rollpoint.store.job_identity import FINGERPRINT_KEY as JOB_KEY
 from rollpoint.store.participant_state import MANIFEST_NAME, verify_participant_state
-from rollpoint.store.record_packs import OBJECTS_DIR, PackIndex
+from rollpoint.store.record_packs import (
+    OBJECTS_DIR,
+    PackIndex,
+    is_records_name,
+    is_records_temp_name,
+)
 from rollpoint.store.retention import Span
 from rollpoint.store.staging import (
     PARTICIPANTS_DIR,
@@ -154,7 +160,10 @@ class SnapshotStore:
             raise ConfigError(f"snapshot retention must keep at least 1 snapshot, got {keep}")
         self.root = normalize_location(root)
         self.keep = keep
-        self._fs = filesystem_for(self.root)
+        # Contained on a local root: no write, prune or sweep follows a symlink put in the
+        # store (objects/ swapped for a link once sent the trainer's records and the sweep's
+        # deletes into the folder it named: issue 33).
+        self._fs = filesystem_within(self.root, self.root)
         self._stagings = StagingRegistry()
         self._pins: Counter[str] = Counter()
         self._loaded: dict[str, tuple[float, Span]] = {}
@@ -164,6 +173,12 @@ class SnapshotStore:
         always read afresh)."""
         self._references: dict[str, frozenset[str]] = {}
         """Shared records files named by each published snapshot (never changes)."""
+        self.job_id: str | None = None
+        """The job this store serves (:mod:`~rollpoint.store.job_identity`): retention
+        never prunes a snapshot another job took. None: every snapshot is this job's."""
+        self._left_alone: set[str] = set()
+        self._jobs: dict[str, str | None] = {}
+        """The job each loaded manifest names in its config fingerprint (None: older)."""
         self.checkpoint_steps: Callable[[], list[int]] | None = None
         """The durable train checkpoint steps present, when the trainer keeps any: retention
         then never prunes the last snapshot that composes with one (:mod:`.retention`)."""
@@ -290,6 +305,8 @@ class SnapshotStore:
         # it is not read back and validated again (at 100k in flight that validation of its
         # episode list took half of every publish: snapshot_growth_100k, session 13).
         self._loaded[published.snapshot_id] = (published.published_at, _span(published))
+        job = published.config_fingerprint.get(JOB_KEY)
+        self._jobs[published.snapshot_id] = job if isinstance(job, str) else None
         # And the records files it names were just read for the checks: the sweep need
         # not read its manifests again (snapshot_growth_100k, session 14).
         self._references[published.snapshot_id] = references
@@ -593,6 +610,8 @@ class SnapshotStore:
                     out.append(_Candidate(name, when, None, exc.message))
                     continue
                 brief = self._loaded[name] = (manifest.published_at, _span(manifest))
+                job = manifest.config_fingerprint.get(JOB_KEY)
+                self._jobs[name] = job if isinstance(job, str) else None
             out.append(_Candidate(name, brief[0], brief[1], None))
         out.sort(key=lambda c: (c.order_time, c.snapshot_id), reverse=True)
         return out
@@ -615,7 +634,7 @@ class SnapshotStore:
 
         Digests are not checked here: that would read every byte at every publication.
         """
-        candidates = self._candidates()
+        candidates = [c for c in self._candidates() if not self._other_jobs(c.snapshot_id)]
         loadable = [c for c in candidates if c.span is not None]
         # A pin is set and cleared on the event loop while this runs in the publish
         # thread: a frozenset of the counter is one step under the GIL.
@@ -629,6 +648,9 @@ class SnapshotStore:
                 protect=kept,
             )
             kept = set(decided.snapshots)
+        fallback = self._fallback(protect, loadable)
+        if fallback is not None:
+            kept.add(fallback)
         oldest_kept = min(
             (c.order_time for c in loadable if c.snapshot_id in kept), default=float("-inf")
         )
@@ -646,6 +668,58 @@ class SnapshotStore:
             except OSError as exc:
                 log.warning("could not prune snapshot %s (skipped): %s", path, exc)
         self._sweep_objects()
+
+    def _fallback(self, newest: str, loadable: Sequence[_Candidate]) -> str | None:
+        """The newest snapshot older than ``newest`` that names no records file
+        ``newest`` names: one damaged shared file then costs no more than the snapshots
+        naming it, and a restore falls back to this one (issue 33). None before the
+        first rebase (:data:`~rollpoint.store.record_packs.REBASE_EVERY`)."""
+        try:
+            named = self._names_of(newest)
+            if not named:
+                return None  # it shares nothing: no file of it can take another down
+            for candidate in loadable:
+                if candidate.snapshot_id == newest:
+                    continue
+                if not named & self._names_of(candidate.snapshot_id):
+                    return candidate.snapshot_id
+        except (OSError, RollpointError) as exc:
+            log.warning("no fallback snapshot chosen in %s: %s", self.root, exc)
+        return None
+
+    def _names_of(self, snapshot_id: str) -> frozenset[str]:
+        known = self._references.get(snapshot_id)
+        if known is None:
+            folder = self._fs.join(self._snapshots_root(), snapshot_id)
+            known = self._references[snapshot_id] = frozenset(self._names_in(folder))
+        return known
+
+    def other_jobs(self) -> dict[str, str]:
+        """Snapshot id → the other job that took it, for every loadable snapshot here that
+        names a job but not :attr:`job_id` (empty when ``job_id`` is None)."""
+        self._candidates()  # loads the manifests not loaded yet
+        return {
+            sid: job
+            for sid, job in sorted(self._jobs.items())
+            if job is not None and self.job_id is not None and job != self.job_id
+        }
+
+    def _other_jobs(self, snapshot_id: str) -> bool:
+        """Whether another job took this snapshot: never pruned from here."""
+        job = self._jobs.get(snapshot_id)
+        if job is not None and self.job_id is not None and job != self.job_id:
+            if snapshot_id in self._left_alone:
+                return True
+            self._left_alone.add(snapshot_id)
+            log.warning(
+                "snapshot %s in %s belongs to job %s, not to this job %s: left alone",
+                snapshot_id,
+                self.root,
+                job,
+                self.job_id,
+            )
+            return True
+        return False
 
     def _sweep_objects(self) -> None:
         """Delete the shared records files no snapshot folder names any more."""
@@ -667,11 +741,13 @@ class SnapshotStore:
             path = self._fs.join(objects, name)
             try:
                 if name.startswith("."):
+                    if not is_records_temp_name(name):
+                        continue
                     modified = self._fs.modified(path)
                     if modified is None or now - modified < _TEMP_RECORDS_AGE_S:
                         continue
-                elif name in referenced:
-                    continue
+                elif name in referenced or not is_records_name(name):
+                    continue  # named by a snapshot, or not a file this store writes
                 self._fs.remove_file(path)
                 log.info("removed records file %s: no kept snapshot names it", name)
             except OSError as exc:
@@ -720,6 +796,12 @@ class SnapshotStore:
                     continue  # a participant that had not written its manifest
                 names |= _shared_files(data, path)
         return names
+
+    def clean_leftovers(self) -> None:
+        """Remove unpublished folders an earlier process left behind when it crashed (done
+        at opening unless ``clean_leftovers=False``: then once the store is known to be
+        this job's, see :mod:`~rollpoint.store.job_identity`)."""
+        self._clean_leftovers()
 
     def _clean_leftovers(self) -> None:
         """Remove unpublished folders an earlier process left behind when it crashed."""

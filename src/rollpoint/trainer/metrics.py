@@ -56,6 +56,9 @@ class RunCounts:
     """Given-up tries whose stored reply was fetched and sealed instead of rerun."""
     failed_rows: Mapping[str, int] = field(default_factory=dict)
     """Row failures by error code (transport ones are re-sent; the others fail a group)."""
+    damaged_records_files: int = 0
+    """The trainer's shared records files found damaged before a snapshot referenced them
+    again, and so written again from memory (:mod:`rollpoint.store.record_packs`)."""
 
 
 class _RunCollector:
@@ -84,6 +87,11 @@ class _RunCollector:
                 "rollpoint_replies_adopted",
                 "Given-up tries whose stored reply was sealed",
                 c.adopted_replies,
+            ),
+            (
+                "rollpoint_records_files_damaged",
+                "Trainer records files found damaged and written again from memory",
+                c.damaged_records_files,
             ),
         ):
             yield CounterMetricFamily(name, doc, value=value)

@@ -67,6 +67,9 @@ class TrainerSettings:
     """Give up on one row after this long (time paused by a snapshot not counted)."""
     snapshot_every_seconds: float | None = None
     """A snapshot this often, besides those at train checkpoints; None: only those."""
+    max_reply_bytes: int = 64 * 1024 * 1024
+    """The longest row result the dispatcher reads from an agent; a longer one fails its
+    row's try, which is re-sent fresh (and the row its group after the dispatcher's tries)."""
     save: SaveSettings = field(default_factory=SaveSettings)
     fingerprint: dict[str, JsonValue] = field(default_factory=dict)
     """The config keys a snapshot's saved state depends on: saved with every snapshot, and
@@ -87,7 +90,7 @@ class TrainerSettings:
     """Send the failed groups of the restored run again, under new group ids."""
 
     def __post_init__(self) -> None:
-        for name in ("group_size", "concurrency", "max_turns", "batch_size"):
+        for name in ("group_size", "concurrency", "max_turns", "batch_size", "max_reply_bytes"):
             value = getattr(self, name)
             if value < 1:
                 raise ConfigError(f"TrainerSettings.{name} must be at least 1, not {value!r}")

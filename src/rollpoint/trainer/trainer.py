@@ -310,6 +310,9 @@ class Trainer:
             resent={} if d is None else {"given_up": d.resent_fresh, "refused": d.resent_refused},
             adopted_replies=0 if d is None else d.adopted,
             failed_rows={} if d is None else dict(d.failed_rows),
+            damaged_records_files=0
+            if self.coordinator is None
+            else self.coordinator.damaged_records_files,
         )
 
     async def run(self) -> RunSummary:
@@ -329,6 +332,7 @@ class Trainer:
                 concurrency=self.config.concurrency,
                 max_turns=self.config.max_turns,
                 row_timeout_s=self.config.row_timeout_seconds,
+                max_reply_bytes=self.config.max_reply_bytes,
                 barrier=self.barrier,
                 on_reply=self._on_reply,
                 roster=self.roster,

@@ -156,9 +156,15 @@ def test_a_pack_referenced_for_less_than_half_its_bytes_is_compacted(location: s
     assert third.written == sum(_line_bytes(r) for r in changed[:30])
     assert first.parts[0].file not in {p.file for p in third.parts}
     assert _read(store, "s3") == changed
-    # ...so once s1 and s2 are gone the first pack is deleted.
+    # ...so once s1 and s2 are gone the first pack is deleted. s1, sharing no records
+    # file with the newest, stays as the fallback until a rebase (the 8th write) makes a
+    # newer one.
     store.keep = 1
     _snapshot(store, "s4", changed, index)
+    assert [s.snapshot_id for s in store.list_snapshots()] == ["s4", "s1"]
+    for n in range(5, 9):
+        _snapshot(store, f"s{n}", changed, index)
+    assert [s.snapshot_id for s in store.list_snapshots()] == ["s8", "s7"]
     assert first.parts[0].file not in _objects(store)
 
 

@@ -71,6 +71,7 @@ from rollpoint.http.client import HttpClient
 from rollpoint.http.server_metrics import CALL_BUCKETS, Reading, ServerMetrics
 from rollpoint.participant import AdmissionGate, close_control_plane, mount_participant
 from rollpoint.policy.engine_adapters import EngineTokens, TokenStream, adapter_for, check_said
+from rollpoint.policy.stream_chunk_check import check_chunk
 from rollpoint.protocol.errors import (
     BadRequestError,
     ModelNotFoundError,
@@ -82,6 +83,7 @@ from rollpoint.protocol.ids import (
     HEADER_POLICY_VERSION,
     HEADER_ROLLOUT_ID,
     HEADER_TURN,
+    MAX_ATTEMPT,
     EpisodeId,
     Identifier,
     is_identifier,
@@ -220,8 +222,19 @@ class RunningCalls:
 
 
 def _header_int(name: str, value: str | None) -> int:
-    if value is None or not value.isdigit():
-        raise BadRequestError(f"header {name} must be a non-negative integer, got {value!r}")
+    # ASCII digits only (str.isdigit() takes "²", which int() refuses), and no more than an
+    # EpisodeId holds: a header of 10**23 once broke every later commit of its rollout.
+    if (
+        value is None
+        or not (value.isascii() and value.isdigit())
+        or len(value) > len(str(MAX_ATTEMPT))
+        or int(value) > MAX_ATTEMPT
+    ):
+        raise BadRequestError(
+            f"header {name} must be an integer from 0 to {MAX_ATTEMPT}, got {value[:40]!r}"
+            if value is not None
+            else f"header {name} must be an integer from 0 to {MAX_ATTEMPT}, got none"
+        )
     return int(value)
 
 
@@ -247,8 +260,13 @@ class StreamAssembler:
     """Rebuilds the assistant message of choice 0 from OpenAI SSE chunks as they pass by."""
 
     def __init__(
-        self, tokens: TokenStream | None = None, partial: PartialCall | None = None
+        self,
+        tokens: TokenStream | None = None,
+        partial: PartialCall | None = None,
+        engine: str = "engine",
     ) -> None:
+        self.engine = engine
+        """Named by a chunk's refusal (:mod:`rollpoint.policy.stream_chunk_check`)."""
         self.tokens = tokens
         """Fed every parsed event: the engine adapter's reader of the stream's token data."""
         self.partial = partial
@@ -280,6 +298,7 @@ class StreamAssembler:
             return
         if not isinstance(event, dict):
             return
+        check_chunk(self.engine, event)  # before anything keeps a piece of it
         if self.tokens is not None:
             self.tokens.feed(event)
         if self.partial is not None:
@@ -695,7 +714,7 @@ class ModelServer:
                     return _Upstream(refusal=(resp.status, resp.content_type, await resp.read()))
                 if resp.content_type != "text/event-stream":
                     return _Upstream(plain=await resp.read())
-                assembler = StreamAssembler(partial=partial)
+                assembler = StreamAssembler(partial=partial, engine=self._adapter.name)
                 async for chunk in resp.content.iter_any():
                     assembler.feed(chunk)
                 assembler.feed(b"\n")
@@ -884,7 +903,9 @@ class ModelServer:
 
         async def relay() -> AsyncIterator[bytes]:
             assembler = (
-                StreamAssembler(self._adapter.stream(), partial) if tag is not None else None
+                StreamAssembler(self._adapter.stream(), partial, self._adapter.name)
+                if tag is not None
+                else None
             )
             if partial is not None:
                 self.partials[id(partial)] = partial
@@ -895,6 +916,11 @@ class ModelServer:
                     yield chunk
             except _UPSTREAM_ERRORS as exc:
                 log.warning("upstream stream broke: %s: %s", type(exc).__name__, exc)
+                return
+            except TransportError as exc:
+                # A malformed chunk, not relayed: the caller's stream ends short (a
+                # transport failure it retries) and the call is not filed.
+                log.warning("upstream stream refused: %s", exc.message)
                 return
             finally:
                 if partial is not None:

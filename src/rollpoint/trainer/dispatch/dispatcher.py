@@ -58,6 +58,7 @@ from contextlib import aclosing
 from typing import Any, cast
 
 from rollpoint.http.client import HttpClient
+from rollpoint.http.ndjson_lines import DEFAULT_MAX_LINE_BYTES, OversizedLine
 from rollpoint.protocol.deployment import Deployment
 from rollpoint.protocol.episode import (
     RowFailure,
@@ -110,13 +111,15 @@ class Dispatcher:
         roster: ReplicaRoster | None = None,
         releases: ReleaseBatcher | None = None,
         down_grace_s: float = 0.0,
+        max_reply_bytes: int = DEFAULT_MAX_LINE_BYTES,
     ) -> None:
         """``roster`` (shared with the trainer, which marks replicas down and up) replaces
         ``deployment`` when given; ``releases`` lets a give-up retire before it decides;
         ``down_grace_s``: how long a give-up whose replica did not answer waits for it to
         be reported down before it re-sends fresh; a lost row fails its group after
         ``max_tries`` fresh tries and no sooner than ``retry_window_s`` after it was first
-        lost."""
+        lost; ``max_reply_bytes``: the longest row result read (a longer one fails its row,
+        see :meth:`_oversized`)."""
         if max_tries < 1:
             raise BadRequestError(f"dispatcher: max_tries must be >= 1, got {max_tries}")
         self._ledger = ledger
@@ -124,6 +127,11 @@ class Dispatcher:
         self._client = client
         self._slots = RowSlots(concurrency)
         self._max_turns = max_turns
+        if max_reply_bytes < 1:
+            raise BadRequestError(
+                f"dispatcher: max_reply_bytes must be >= 1, got {max_reply_bytes}"
+            )
+        self._max_reply_bytes = max_reply_bytes
         self._barrier = barrier
         self._on_reply = on_reply
         self._groups: dict[str, GroupRun] = {}
@@ -390,12 +398,17 @@ class Dispatcher:
                 # Bounded by the row deadlines (on the pause clock: a snapshot pause may keep
                 # the stream silent longer than any fixed time); they cancel this task.
                 self._client.stream_ndjson(
-                    url, request.model_dump(mode="json"), caller_deadline=True
+                    url,
+                    request.model_dump(mode="json"),
+                    caller_deadline=True,
+                    max_line_bytes=self._max_reply_bytes,
                 ),
             )
             async with aclosing(stream_lines) as lines:
                 async for line in lines:
-                    if not await self._handle(stream, parse_row_result(line, url)):
+                    if isinstance(line, OversizedLine):
+                        self._oversized(stream, line)
+                    elif not await self._handle(stream, parse_row_result(line, url)):
                         return ""
                     if not stream.pending:
                         return ""
@@ -442,6 +455,28 @@ class Dispatcher:
             self._fail(group, f"row {record.row} ({record.key}): {result.code}: {result.message}")
             return False
         return True
+
+    def _oversized(self, stream: RunStream, line: OversizedLine) -> None:
+        """A row result over ``max_reply_bytes``: that row's try fails as a transport
+        failure and is re-sent fresh (its stored reply is not adopted: it would be as long
+        again); past the dispatcher's tries the row fails its group, naming size and cap.
+
+        The row is the one whose rollout id the line starts with (a result names its
+        episode first); a line naming none of the rows this stream owes breaks the stream."""
+        owed = [r for rid, r in stream.pending.items() if rid.encode() in line.head]
+        if len(owed) != 1:
+            raise TransportError(
+                f"{stream.replica}: {line.describe()} (max_reply_bytes) and names no row "
+                "this stream owes"
+            )
+        (record,) = owed
+        del stream.pending[record.rollout_id]
+        self._slots.release(1)
+        self.results_total += 1
+        self.failed_rows["reply_too_large"] += 1
+        reason = f"{line.describe()} (max_reply_bytes)"
+        log.warning("%s: %s: re-sending it fresh", record.describe(), reason)
+        self._given_up.lose(stream.group, [record], reason, adopt=False)
 
     def _drop_pending(self, stream: RunStream) -> list[LedgerRecord]:
         lost = list(stream.pending.values())

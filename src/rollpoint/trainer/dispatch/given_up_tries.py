@@ -89,16 +89,21 @@ class GivenUpTries:
         self.adopted = 0
         """Given-up tries whose stored reply was fetched and sealed instead of rerun."""
 
-    def lose(self, group: GroupRun, records: list[LedgerRecord], reason: str) -> None:
-        """Give up on tries of one replica that may still run there."""
+    def lose(
+        self, group: GroupRun, records: list[LedgerRecord], reason: str, *, adopt: bool = True
+    ) -> None:
+        """Give up on tries of one replica that may still run there; ``adopt=False``: a
+        finished one is retired and re-sent fresh too (its stored reply was refused)."""
         if group.failure is not None or not records:
             return
         if self._releases is None:
             self.abandon(group, records, reason)
         else:
-            group.spawn(self._give_up(group, records, reason))
+            group.spawn(self._give_up(group, records, reason, adopt=adopt))
 
-    async def _give_up(self, group: GroupRun, records: list[LedgerRecord], reason: str) -> None:
+    async def _give_up(
+        self, group: GroupRun, records: list[LedgerRecord], reason: str, *, adopt: bool
+    ) -> None:
         """Retire the tries first; then adopt the finished ones and re-send the others."""
         answer = await self._retire(records)
         if answer is None:
@@ -108,22 +113,24 @@ class GivenUpTries:
         if answer is None:
             self.abandon(group, still, reason)  # the release batcher retires them later
             return
-        adopt = [
-            r for r in still if answer.outcomes.get(r.key) is RetireOutcomeKind.FINISHED_UNACKED
+        adopted = [
+            r
+            for r in still
+            if adopt and answer.outcomes.get(r.key) is RetireOutcomeKind.FINISHED_UNACKED
         ]
-        if adopt:
-            for record in adopt:
+        if adopted:
+            for record in adopted:
                 # Same identity, pinned to the agent holding the reply: it answers at once.
                 self._ledger.requeue(record.rollout_id, keep_replica=True)
-            self.adopted += len(adopt)
+            self.adopted += len(adopted)
             log.info(
                 "%s had finished on %s (%s): fetching the stored replies, no rerun",
-                ", ".join(r.key for r in adopt),
-                adopt[0].replica,
+                ", ".join(r.key for r in adopted),
+                adopted[0].replica,
                 reason,
             )
-            group.spawn(self._send(group, [r.rollout_id for r in adopt]))
-        fresh = [r for r in still if r not in adopt]
+            group.spawn(self._send(group, [r.rollout_id for r in adopted]))
+        fresh = [r for r in still if r not in adopted]
         self.abandon(group, fresh, reason, retired=answer.everywhere)
 
     async def _retire(self, records: list[LedgerRecord]) -> RetireAnswer | None:

@@ -63,6 +63,8 @@ from rollpoint.protocol.errors import (
 from rollpoint.protocol.ids import MAX_ATTEMPT, EpisodeId
 from rollpoint.protocol.manifest import SavedEpisode, SnapshotManifest
 from rollpoint.protocol.participant import ParticipantKind
+from rollpoint.store.job_identity import FINGERPRINT_KEY as JOB_KEY
+from rollpoint.store.job_identity import check_snapshot_job
 from rollpoint.store.snapshot_store import SNAPSHOTS_DIR, SnapshotStore
 from rollpoint.trainer.control.participant_client import ParticipantClient
 from rollpoint.trainer.record.train_checkpoint import TrainCheckpoint
@@ -247,7 +249,22 @@ def check_config(manifest: SnapshotManifest, live: dict[str, JsonValue]) -> None
     for key, saved in manifest.config_fingerprint.items():
         if key in ELASTIC_CONFIG_KEYS:
             continue
+        if key == JOB_KEY:
+            # Not a config key: the job that took it (rollpoint.store.job_identity). A
+            # trainer run without one (a library embedding) does not check it.
+            if live.get(JOB_KEY) is not None:
+                check_snapshot_job(
+                    manifest.snapshot_id, manifest.config_fingerprint, str(live[JOB_KEY])
+                )
+            continue
         now = live.get(key)
+        if key == "dataset_content_sha256" and now != saved:
+            raise ConfigError(
+                f"dataset {live.get('dataset')} is not the dataset snapshot "
+                f"{manifest.snapshot_id} was taken with (config key 'dataset_content_sha256', its "
+                f"files' sha256, is {now}, was {saved}): put the original back, or start over "
+                "with --fresh --force"
+            )
         if now != saved:
             raise ConfigError(
                 f"config key '{key}' is {now!r} but snapshot {manifest.snapshot_id} was taken with {saved!r}; "

@@ -591,6 +591,11 @@ class SnapshotCoordinator:
                 cut.agent_exported.setdefault(client.address.replica, reply.exported)
         return failed
 
+    @property
+    def damaged_records_files(self) -> int:
+        """Trainer records files found damaged before a snapshot named them again."""
+        return sum(index.damaged for index in self._indexes.values())
+
     def _write_trainer_files(self, cut: Cut) -> dict[str, FileEntry]:
         assert cut.ledger is not None and cut.finished_queue is not None, "a cut captures both"
         # Kept as records: each write adds only what changed since the previous one.

@@ -1,0 +1,112 @@
+"""A damaged shared records file costs no more than the snapshots already naming it
+(issue 33, item 2): a new snapshot never references it again. Its size is checked before
+every write, its bytes re-hashed on a schedule (``REVERIFY_S``); the records it held are
+written again from memory, with a warning, and the index counts it."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import pytest
+
+from rollpoint.store import record_packs
+from rollpoint.store.record_packs import OBJECTS_DIR, PackIndex
+from rollpoint.store.snapshot_store import SnapshotStore
+from tests.unit.store.test_trainer_records import NAME, _records, _snapshot
+
+
+def _pack(root: Path) -> Path:
+    (pack,) = [p for p in (root / OBJECTS_DIR).iterdir() if p.name.startswith("records-")]
+    return pack
+
+
+def _flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _truncate(path: Path) -> None:
+    os.truncate(path, path.stat().st_size - 3)
+
+
+@pytest.mark.parametrize("damage", [_flip, _truncate, Path.unlink])
+def test_a_new_snapshot_never_names_a_damaged_records_file(
+    tmp_path: Path,
+    damage: object,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.setattr(record_packs, "REVERIFY_S", 0.0)  # every write re-hashes
+    root = tmp_path / "store"
+    store, index = SnapshotStore(str(root), keep=5), PackIndex()
+    records = _records(100)
+    _snapshot(store, "s1", records, index)
+    damaged = _pack(root)
+    damage(damaged)  # type: ignore[operator]
+
+    with caplog.at_level(logging.WARNING, logger="rollpoint.store"):
+        changed = [*records[:-1], {"try": {"row": 99, "turn": 1}}]
+        _snapshot(store, "s2", changed, index)
+
+    assert damaged.name not in (root / "snapshots" / "s2" / "trainer" / NAME).read_text()
+    store.verify("s2")
+    assert store.read_records("s2", NAME) == changed
+    assert f"records file {damaged} is damaged" in caplog.text
+    assert index.damaged == 1
+
+
+def test_without_a_rehash_due_only_the_size_is_checked(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    store, index = SnapshotStore(str(root), keep=5), PackIndex()
+    records = _records(100)
+    _snapshot(store, "s1", records, index)
+    _snapshot(store, "s2", records, index)
+    assert index.damaged == 0  # whole files are referenced again, not rewritten
+    assert len(list((root / OBJECTS_DIR).iterdir())) == 1
+
+
+def test_one_damaged_shared_file_falls_back_to_a_snapshot_that_does_not_name_it(
+    tmp_path: Path,
+) -> None:
+    """Every kept snapshot named the biggest records file, so damaging it lost the run;
+    the store now keeps a fallback sharing no records file with the newest."""
+    root = tmp_path / "store"
+    store, index = SnapshotStore(str(root), keep=2), PackIndex()
+    records = _records(200)
+    for n in range(1, 10):
+        records = [*records[:-1], {"try": {"row": 199, "turn": n}}]
+        _snapshot(store, f"s{n}", records, index)
+    newest = (root / "snapshots" / "s9" / "trainer" / NAME).read_text()
+    biggest = max(
+        (p for p in (root / OBJECTS_DIR).iterdir() if p.name in newest),
+        key=lambda p: p.stat().st_size,
+    )
+    _flip(biggest)
+
+    survivor = store.latest()
+
+    assert survivor is not None, "one damaged records file took every snapshot down"
+    trainer_file = root / "snapshots" / survivor.snapshot_id / "trainer" / NAME
+    assert biggest.name not in trainer_file.read_text()
+    assert store.read_records(survivor.snapshot_id, NAME)
+
+
+def test_inspect_names_the_damaged_file_and_the_snapshots_it_takes_down(tmp_path: Path) -> None:
+    from rollpoint.app.snapshot_report import build_report
+
+    root = tmp_path / "store"
+    store, index = SnapshotStore(str(root), keep=3), PackIndex()
+    records = _records(100)
+    for n in (1, 2, 3):
+        records = [*records[:-1], {"try": {"row": 99, "turn": n}}]
+        _snapshot(store, f"s{n}", records, index)
+    # The first pack: every later snapshot still names its unchanged records.
+    base = min((root / OBJECTS_DIR).iterdir(), key=lambda p: p.stat().st_mtime_ns)
+    _flip(base)
+
+    report = build_report(str(root))
+
+    assert report["damaged_files"] == {str(base): ["s3", "s2", "s1"]}

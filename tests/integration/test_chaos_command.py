@@ -36,8 +36,7 @@ from rollpoint.testing.chaos_tally import ChaosTally, RunRecord, TrialOutcome
 from rollpoint.testing.invariants import Invariant, snapshot_outcomes
 from rollpoint.testing.snapshot_damage import Damage
 
-# One worker runs the whole file under xdist: the module's chaos run is made once.
-pytestmark = [pytest.mark.chaos, pytest.mark.xdist_group("chaos_command")]
+pytestmark = pytest.mark.chaos
 
 TRIALS = 3
 SEED = 1
@@ -120,6 +119,7 @@ def chaos_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str,
 
 
 @pytest.mark.timeout(CHAOS_RUN_LIMIT_S + 60)
+@pytest.mark.xdist_group("chaos_run")  # one worker makes the module's chaos run once
 def test_a_short_chaos_run_injects_faults_and_finds_no_violation(
     chaos_run: tuple[Path, dict[str, Any]],
 ) -> None:
@@ -146,6 +146,7 @@ def test_a_short_chaos_run_injects_faults_and_finds_no_violation(
 
 
 @pytest.mark.timeout(CHAOS_RUN_LIMIT_S + 60)
+@pytest.mark.xdist_group("chaos_run")  # one worker makes the module's chaos run once
 def test_the_tally_counts_violations_in_a_tampered_trial(
     chaos_run: tuple[Path, dict[str, Any]], tmp_path: Path
 ) -> None:

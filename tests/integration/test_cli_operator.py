@@ -24,7 +24,7 @@ import yaml
 from rollpoint import __version__
 from tests.support.prometheus import Scrape
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.process
 
 # No COLUMNS: a pipe gets rich's 80 columns, where tables used to cut ids and URLs.
 PIPE_ENV = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")} | {

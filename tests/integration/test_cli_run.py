@@ -17,7 +17,7 @@ import yaml
 from tests.support.processes import children_of, kill_all, wait_gone
 from tests.support.serve_process import served
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.process
 
 
 def write_config(tmp_path: Path, **overrides: object) -> Path:

@@ -33,7 +33,7 @@ from rollpoint.trainer.participant_client import ParticipantAddress, Participant
 from tests.support.blackhole import blackhole
 from tests.support.live_server import serve_app
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.process
 
 
 @pytest.fixture

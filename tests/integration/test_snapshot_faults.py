@@ -57,7 +57,10 @@ PREPARE = f"{CONTROL_PREFIX}/prepare"
 COMMIT = f"{CONTROL_PREFIX}/commit"
 RESUME = f"{CONTROL_PREFIX}/resume"
 CONFIRM = f"{CONTROL_PREFIX}/confirm"
-DEADLINE_S = 1.5
+DEADLINE_S = 4.0
+"""Each save's deadline: a fault that answers late waits past it, and a good save's writes
+must finish within it on a loaded machine too (at 1.5 s, 4 workers on a busy 2-core machine
+saw a good save's confirm fail: "the write outlived the deadline")."""
 LEASE_GRACE_S = 1.0
 POLICY_LATENCY_MS = 60.0
 TASKS, GROUP_SIZE = 8, 2

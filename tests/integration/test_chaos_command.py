@@ -214,10 +214,10 @@ def test_an_unreadable_config_is_one_line_and_exit_2(tmp_path: Path) -> None:
 async def test_a_trainer_killed_alone_resumes_on_its_live_servers_with_no_violation(
     tmp_path: Path,
 ) -> None:
-    # 150 ms a policy call: the kill lands with episodes in flight.
-    plan, outcome = await one_trial(
-        tmp_path, [PlannedFault(kind=ChaosFault.TRAINER_KILL, run=0, at_s=1.5)], latency_ms=150
-    )
+    # 150 ms a policy call: the kill lands with episodes in flight, once a snapshot saved
+    # some (at a fixed moment, a busy machine may not have saved any yet).
+    kill = PlannedFault(kind=ChaosFault.TRAINER_KILL, run=0, at_s=0.0, after_snapshots=1)
+    plan, outcome = await one_trial(tmp_path, [kill], latency_ms=150)
 
     assert outcome.violations == [], invariants.report(outcome.violations)
     first, *_, last = outcome.runs
@@ -288,7 +288,8 @@ async def test_a_snapshot_damaged_between_kill_and_rerun_is_skipped_and_the_one_
     plan, outcome = await one_trial(
         tmp_path,
         [
-            PlannedFault(kind=ChaosFault.PROCESS_KILL, run=0, at_s=1.5),
+            # Two snapshots first: the damaged newest one and the one before that holds.
+            PlannedFault(kind=ChaosFault.PROCESS_KILL, run=0, at_s=0.0, after_snapshots=2),
             PlannedFault(kind=ChaosFault.SNAPSHOT_TAMPER, run=1, at_s=0.0, damage=damage),
         ],
         latency_ms=150,
@@ -362,7 +363,8 @@ async def test_a_resources_server_restarted_empty_between_two_tool_calls_fails_n
     fault = PlannedFault(
         kind=ChaosFault.PARTICIPANT_RESTART,
         run=0,
-        at_s=0.5,
+        at_s=0.0,
+        after_snapshots=1,  # episodes started there by then, waiting on their policy call
         replica=0,
         servers=[ParticipantKind.RESOURCES],
     )
@@ -518,7 +520,7 @@ async def test_a_rerun_killed_before_its_first_snapshot_leaves_nothing_the_next_
     _, outcome = await one_trial(
         tmp_path,
         [
-            PlannedFault(kind=ChaosFault.TRAINER_KILL, run=0, at_s=1.5),
+            PlannedFault(kind=ChaosFault.TRAINER_KILL, run=0, at_s=0.0, after_snapshots=1),
             PlannedFault(kind=ChaosFault.TRAINER_KILL, run=1, at_s=0.2),
         ],
         latency_ms=150,

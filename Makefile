@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit bench bench-quick lock clean engine
+.PHONY: demo test pytest lint typecheck unit bench bench-quick lock clean engine
 
 $(STAMP): pyproject.toml constraints.txt examples/sandbox_env/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -40,8 +40,18 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 	$(BIN)/mypy examples/sandbox_env/src/sandbox_env examples/own_trainer.py
 
-test: lint typecheck $(ENGINE_STAMP)
-	$(BIN)/python -m pytest -q
+# The suite on TEST_WORKERS pytest-xdist workers, beside the lint and the type check.
+# Most of its time is spent waiting on server processes, sockets and policy latency, not
+# on the CPU, so it runs on more workers than the machine has cores; tests sharing an
+# expensive fixture stay on one worker (--dist loadgroup; tests/conftest.py). One tier
+# alone: $(BIN)/python -m pytest -m unit (or integration, process, chaos, ray, examples).
+TEST_WORKERS ?= 4
+
+test: $(STAMP) $(ENGINE_STAMP)
+	$(MAKE) --no-print-directory -j 3 lint typecheck pytest
+
+pytest: $(STAMP) $(ENGINE_STAMP)
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 bench: $(STAMP)
 	$(BIN)/python -m bench.run

@@ -26,8 +26,6 @@ from rollpoint.testing import invariants
 from tests.support.run_dir import has_checkpoint, newest_holds_depth, published
 from tests.support.serve_process import served, workplace_serve_config
 
-pytestmark = pytest.mark.chaos
-
 EXAMPLE = Path(__file__).parents[2] / "examples" / "own_trainer.py"
 TASKS, GROUP_SIZE = 16, 2  # what the example's config says
 _RESUMED = re.compile(r"resumed from (\S+) at step (\d+): (\d+) episodes continued; weights (\S+)")

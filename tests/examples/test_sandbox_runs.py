@@ -41,8 +41,6 @@ from tests.support.run_dir import has_checkpoint, newest_holds_depth, published
 from tests.support.run_process import Finished, RunProcess
 from tests.support.serve_process import served
 
-pytestmark = pytest.mark.chaos
-
 REF = "sandbox_env:SandboxEnvironment"
 GROUP_SIZE = 2
 MAX_RERUNS = 3

@@ -39,7 +39,8 @@ from tests.fuzz.control_fuzz import (
     serve_target,
 )
 
-pytestmark = [pytest.mark.integration, pytest.mark.fuzz]
+# One worker runs the file: each participant kind's module target is started once.
+pytestmark = [pytest.mark.integration, pytest.mark.fuzz, pytest.mark.xdist_group("fuzz")]
 
 KINDS = ["agent", "model", "resources"]
 EXAMPLES = {"agent": 50, "model": 15, "resources": 15}

@@ -3,12 +3,16 @@
 One short chaos run (3 trials of a small workplace job) goes through the CLI in a
 subprocess and is shared by the tests: it must find no violation and inject faults. A
 trial's workdir, tampered with, and a run that stopped by itself must then be counted as
-violations by the same check and tally code the command uses.
+violations by the same check and tally code the command uses. Single trials under one
+planned fault each pin a behaviour only a whole trial shows (a trainer killed alone on live
+servers, a stopped replica, a lost ack reply, a snapshot damaged between a kill and its
+rerun, a peer partition, a restarted server, a skewed clock) and the regressions the
+recorded chaos campaigns found; what a fault does inside one save is tested in process
+(tests/integration/test_snapshot_faults.py, test_lost_replies.py, test_replica_loss.py).
 """
 
 from __future__ import annotations
 
-import errno
 import os
 import shutil
 import signal
@@ -16,7 +20,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import orjson
 import pytest
@@ -37,6 +41,12 @@ pytestmark = pytest.mark.chaos
 TRIALS = 3
 SEED = 1
 """Plans a process kill, replica kills and lost control replies in these 3 trials."""
+RUN_TIMEOUT_S = 120
+"""The command's own bound on each run of a trial (a run past it is wedged: killed and
+counted), passed explicitly so the test's limit below follows from it."""
+CHAOS_RUN_LIMIT_S = TRIALS * 3 * RUN_TIMEOUT_S
+"""Only a hang guard: the command ends by itself once every trial's runs (a kill and two
+reruns at most) have ended or hit ``RUN_TIMEOUT_S``, however loaded the machine is."""
 
 
 def write_config(folder: Path, *, latency_ms: int = 50) -> Path:
@@ -67,7 +77,7 @@ async def one_trial(
     return plan, await runner.trial(plan)
 
 
-def rollpoint(*args: str, timeout_s: float = 85) -> subprocess.CompletedProcess[str]:
+def rollpoint(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "rollpoint", *args],
         capture_output=True,
@@ -94,8 +104,11 @@ def chaos_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str,
         "1.0",
         "--jobs",
         "2",
+        "--run-timeout",
+        str(RUN_TIMEOUT_S),
         "--json",
         str(report),
+        timeout_s=CHAOS_RUN_LIMIT_S,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     # In a pipe, progress is a plain line per finished trial, not a bar drawn at the end.
@@ -105,6 +118,8 @@ def chaos_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str,
     return config, orjson.loads(report.read_bytes())
 
 
+@pytest.mark.timeout(CHAOS_RUN_LIMIT_S + 60)
+@pytest.mark.xdist_group("chaos_run")  # one worker makes the module's chaos run once
 def test_a_short_chaos_run_injects_faults_and_finds_no_violation(
     chaos_run: tuple[Path, dict[str, Any]],
 ) -> None:
@@ -130,6 +145,8 @@ def test_a_short_chaos_run_injects_faults_and_finds_no_violation(
     ]
 
 
+@pytest.mark.timeout(CHAOS_RUN_LIMIT_S + 60)
+@pytest.mark.xdist_group("chaos_run")  # one worker makes the module's chaos run once
 def test_the_tally_counts_violations_in_a_tampered_trial(
     chaos_run: tuple[Path, dict[str, Any]], tmp_path: Path
 ) -> None:
@@ -179,7 +196,7 @@ def test_the_tally_counts_violations_in_a_tampered_trial(
 def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str], message: str) -> None:
     config = write_config(tmp_path)
 
-    done = rollpoint("chaos", str(config), *args, timeout_s=30)
+    done = rollpoint("chaos", str(config), *args)
 
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip() == f"error: {message}"
@@ -187,7 +204,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, args: list[str], messa
 
 
 def test_an_unreadable_config_is_one_line_and_exit_2(tmp_path: Path) -> None:
-    done = rollpoint("chaos", str(tmp_path / "missing.yaml"), "--trials", "1", timeout_s=30)
+    done = rollpoint("chaos", str(tmp_path / "missing.yaml"), "--trials", "1")
 
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
@@ -197,10 +214,10 @@ def test_an_unreadable_config_is_one_line_and_exit_2(tmp_path: Path) -> None:
 async def test_a_trainer_killed_alone_resumes_on_its_live_servers_with_no_violation(
     tmp_path: Path,
 ) -> None:
-    # 150 ms a policy call: the kill lands with episodes in flight.
-    plan, outcome = await one_trial(
-        tmp_path, [PlannedFault(kind=ChaosFault.TRAINER_KILL, run=0, at_s=1.5)], latency_ms=150
-    )
+    # 150 ms a policy call: the kill lands with episodes in flight, once a snapshot saved
+    # some (at a fixed moment, a busy machine may not have saved any yet).
+    kill = PlannedFault(kind=ChaosFault.TRAINER_KILL, run=0, at_s=0.0, after_snapshots=1)
+    plan, outcome = await one_trial(tmp_path, [kill], latency_ms=150)
 
     assert outcome.violations == [], invariants.report(outcome.violations)
     first, *_, last = outcome.runs
@@ -229,13 +246,6 @@ async def test_a_trainer_killed_alone_resumes_on_its_live_servers_with_no_violat
         PlannedFault(
             kind=ChaosFault.LOST_CONTROL_REPLY,
             run=0,
-            at_s=0.5,
-            participant=ParticipantKind.MODEL,
-            verb=Verb.PREPARE,
-        ),
-        PlannedFault(
-            kind=ChaosFault.LOST_CONTROL_REPLY,
-            run=0,
             at_s=0.2,
             participant=ParticipantKind.AGENT,
             verb=Verb.ACK,
@@ -243,7 +253,7 @@ async def test_a_trainer_killed_alone_resumes_on_its_live_servers_with_no_violat
     ],
     ids=lambda f: f.kind if f.verb is None else f"{f.kind}-{f.verb}",
 )
-async def test_a_stopped_replica_or_a_lost_prepare_or_ack_reply_leaves_no_violation(
+async def test_a_stopped_replica_or_a_lost_ack_reply_leaves_no_violation(
     tmp_path: Path, fault: PlannedFault
 ) -> None:
     plan, outcome = await one_trial(tmp_path, [fault])
@@ -266,49 +276,20 @@ async def test_a_stopped_replica_or_a_lost_prepare_or_ack_reply_leaves_no_violat
         published = [s["ts"] for s in saves if s["outcome"] == "published"]
         assert not [t for t in published if stopped[0] + 0.2 < t < stopped[1]], (stopped, saves)
         assert any(t > stopped[1] for t in published), (stopped, saves)
-    elif fault.verb is Verb.PREPARE:
-        # The save whose prepare reply was lost failed; a later one published (I4).
-        assert saves[-1]["outcome"] == "published"
-        assert any(s["outcome"] == "failed" and "prepare" in s["detail"] for s in saves), saves
 
 
-async def test_a_rerun_whose_restore_reply_is_lost_asks_again_and_continues(
+async def test_a_snapshot_damaged_between_kill_and_rerun_is_skipped_and_the_one_before_holds(
     tmp_path: Path,
 ) -> None:
-    # 150 ms a policy call: the kill lands with episodes in flight.
-    _, outcome = await one_trial(
-        tmp_path,
-        [
-            PlannedFault(kind=ChaosFault.PROCESS_KILL, run=0, at_s=1.5),
-            PlannedFault(
-                kind=ChaosFault.LOST_CONTROL_REPLY,
-                run=1,
-                at_s=0.0,
-                participant=ParticipantKind.AGENT,
-                verb=Verb.RESTORE,
-            ),
-        ],
-        latency_ms=150,
-    )
-
-    assert outcome.violations == [], invariants.report(outcome.violations)
-    first, second, *more = outcome.runs
-    assert first.killed
-    # The rerun lost the agent's restore reply, asked again and went on: no third run.
-    assert second.faults() == {ChaosFault.LOST_CONTROL_REPLY: 1}
-    assert second.returncode == 0 and more == []
-    continued, _ = second.resumed()
-    assert continued > 0
-
-
-@pytest.mark.parametrize("damage", list(Damage))
-async def test_a_snapshot_damaged_between_kill_and_rerun_is_skipped_and_the_one_before_holds(
-    tmp_path: Path, damage: Damage
-) -> None:
+    # One damage (a trainer file's byte flipped); the others are each tested nearer
+    # their code (a flipped train step: tests/chaos/test_workdir_integrity.py; a removed
+    # manifest: test_snapshot_faults.py; every kind: tests/unit/testing).
+    damage = Damage.FILE
     plan, outcome = await one_trial(
         tmp_path,
         [
-            PlannedFault(kind=ChaosFault.PROCESS_KILL, run=0, at_s=1.5),
+            # Two snapshots first: the damaged newest one and the one before that holds.
+            PlannedFault(kind=ChaosFault.PROCESS_KILL, run=0, at_s=0.0, after_snapshots=2),
             PlannedFault(kind=ChaosFault.SNAPSHOT_TAMPER, run=1, at_s=0.0, damage=damage),
         ],
         latency_ms=150,
@@ -320,28 +301,8 @@ async def test_a_snapshot_damaged_between_kill_and_rerun_is_skipped_and_the_one_
     damaged = struck.reason.split(":")[0].removeprefix("snapshot ")
     resumed = [e.snapshot_id for e in outcome.runs[1].events if e.event == "resumed"]
     assert resumed and resumed[0] != damaged, (damaged, resumed)
-    if damage is not Damage.MANIFEST:  # a removed manifest leaves no snapshot to skip
-        # The trial's warnings go to its log (rollpoint run prints them on the console).
-        assert (
-            f"WARNING skipping snapshot {damaged}: " in (plan.workdir / "rollpoint.log").read_text()
-        )
-
-
-@pytest.mark.parametrize("error", ["ENOSPC", "EIO"])
-async def test_a_snapshot_store_failing_every_write_for_a_moment_is_ridden_out(
-    tmp_path: Path, error: Literal["ENOSPC", "EIO"]
-) -> None:
-    fault = PlannedFault(kind=ChaosFault.STORE_FULL, run=0, at_s=1.0, seconds=0.7, error=error)
-    plan, outcome = await one_trial(tmp_path, [fault], latency_ms=150)
-
-    assert outcome.violations == [], invariants.report(outcome.violations)
-    assert outcome.faults_injected == {ChaosFault.STORE_FULL: 1}
-    assert [r.returncode for r in outcome.runs] == [0]
-    # Saves in the window failed on the store (the trainer's writes or the participants'),
-    # were counted, and the next ones published (I4 checked that much).
-    assert outcome.snapshots["failed"] >= 1, outcome.snapshots
-    log = (plan.workdir / "rollpoint.log").read_text()
-    assert os.strerror(getattr(errno, error)) in log
+    # The trial's warnings go to its log (rollpoint run prints them on the console).
+    assert f"WARNING skipping snapshot {damaged}: " in (plan.workdir / "rollpoint.log").read_text()
 
 
 @pytest.mark.parametrize(
@@ -356,15 +317,8 @@ async def test_a_snapshot_store_failing_every_write_for_a_moment_is_ridden_out(
             seconds=0.4,
             forward=True,
         ),
-        PlannedFault(
-            kind=ChaosFault.PEER_PARTITION,
-            run=0,
-            at_s=0.8,
-            participant=ParticipantKind.MODEL,
-            seconds=0.4,
-        ),
     ],
-    ids=["resources-forwarded", "model"],
+    ids=["resources-forwarded"],
 )
 async def test_an_agent_cut_from_its_peer_for_a_moment_leaves_no_violation(
     tmp_path: Path, fault: PlannedFault
@@ -380,10 +334,11 @@ async def test_an_agent_cut_from_its_peer_for_a_moment_leaves_no_violation(
     assert "re-sending under new rollout" in log  # the episode the cut call belonged to
 
 
-@pytest.mark.parametrize("server", list(ParticipantKind))
 async def test_a_server_restarted_in_place_with_nothing_leaves_no_violation(
-    tmp_path: Path, server: ParticipantKind
+    tmp_path: Path,
 ) -> None:
+    # The agent; a resources server and a model server restarted: the tests below.
+    server = ParticipantKind.AGENT
     fault = PlannedFault(
         kind=ChaosFault.PARTICIPANT_RESTART, run=0, at_s=1.0, replica=0, servers=[server]
     )
@@ -408,7 +363,8 @@ async def test_a_resources_server_restarted_empty_between_two_tool_calls_fails_n
     fault = PlannedFault(
         kind=ChaosFault.PARTICIPANT_RESTART,
         run=0,
-        at_s=0.5,
+        at_s=0.0,
+        after_snapshots=1,  # episodes started there by then, waiting on their policy call
         replica=0,
         servers=[ParticipantKind.RESOURCES],
     )
@@ -421,14 +377,12 @@ async def test_a_resources_server_restarted_empty_between_two_tool_calls_fails_n
     assert "failed: row" not in log  # no group failed
 
 
-@pytest.mark.parametrize(
-    ("server", "skew_s"),
-    [(ParticipantKind.RESOURCES, 2.0), (ParticipantKind.AGENT, -2.0), (ParticipantKind.MODEL, 2.0)],
-    ids=["resources-ahead", "agent-behind", "model-ahead"],
-)
 async def test_a_participant_whose_clock_is_skewed_within_tolerance_leaves_no_violation(
-    tmp_path: Path, server: ParticipantKind, skew_s: float
+    tmp_path: Path,
 ) -> None:
+    # One server ahead; a clock behind or ahead on any participant reads deadlines against
+    # itself the same way (tests/unit/gym/test_participant_sdk.py, one skew each way).
+    server, skew_s = ParticipantKind.RESOURCES, 2.0
     fault = PlannedFault(
         kind=ChaosFault.CLOCK_SKEW, run=0, at_s=0.0, replica=1, participant=server, seconds=skew_s
     )
@@ -460,19 +414,6 @@ async def test_a_clock_skewed_past_the_deadline_fails_every_snapshot_naming_the_
     assert first.failed, first
     assert "resources@replica-1 prepare" in first.error and "passed 5.0" in first.error
     assert Invariant.SNAPSHOTS_COMMIT in {v.kind for v in outcome.violations}
-
-
-async def test_a_second_run_on_the_workdir_is_refused_naming_the_first_and_changes_nothing(
-    tmp_path: Path,
-) -> None:
-    fault = PlannedFault(kind=ChaosFault.SECOND_RUN, run=0, at_s=0.5)
-    plan, outcome = await one_trial(tmp_path, [fault])
-
-    assert outcome.violations == [], invariants.report(outcome.violations)
-    assert outcome.faults_injected == {ChaosFault.SECOND_RUN: 1}
-    (struck,) = [e for e in outcome.runs[0].events if e.event == "fault"]
-    assert f"workdir {plan.workdir} is in use by" in struck.reason
-    assert outcome.runs[0].intruders == []
 
 
 def test_an_interrupted_chaos_run_still_reports_the_trials_it_finished(tmp_path: Path) -> None:
@@ -579,7 +520,7 @@ async def test_a_rerun_killed_before_its_first_snapshot_leaves_nothing_the_next_
     _, outcome = await one_trial(
         tmp_path,
         [
-            PlannedFault(kind=ChaosFault.TRAINER_KILL, run=0, at_s=1.5),
+            PlannedFault(kind=ChaosFault.TRAINER_KILL, run=0, at_s=0.0, after_snapshots=1),
             PlannedFault(kind=ChaosFault.TRAINER_KILL, run=1, at_s=0.2),
         ],
         latency_ms=150,

@@ -24,7 +24,7 @@ import yaml
 from rollpoint import __version__
 from tests.support.prometheus import Scrape
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.process
 
 # No COLUMNS: a pipe gets rich's 80 columns, where tables used to cut ids and URLs.
 PIPE_ENV = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")} | {
@@ -83,8 +83,19 @@ def test_help_is_plain_words_for_every_command() -> None:
 def test_version_flag_and_shell_completion() -> None:
     assert rollpoint("--version").stdout.strip() == __version__
     assert rollpoint("version").stdout.strip() == __version__
-    completion = rollpoint("--show-completion", "bash")
-    assert completion.returncode == 0, completion.stderr
+    # --show-completion prints the script for the shell it runs under (the nearest shell
+    # among its parent processes, as typer detects it), so the test picks that shell: a
+    # bash that waits for the command (two commands: bash does not exec the first).
+    command = [sys.executable, "-m", "rollpoint", "--show-completion"]
+    completion = subprocess.run(
+        ["bash", "-c", '"$@"; exit $?', "bash", *command],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+        env=PIPE_ENV,
+    )
+    assert completion.returncode == 0, completion.stdout + completion.stderr
     assert "complete" in completion.stdout and "COMP_WORDS" in completion.stdout
 
 

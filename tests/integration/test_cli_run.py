@@ -18,7 +18,7 @@ from tests.support.processes import children_of, kill_all, wait_gone
 from tests.support.serve_process import served
 from tests.support.train_schema import check_train_rows
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.process
 
 
 def write_config(tmp_path: Path, **overrides: object) -> Path:

@@ -20,8 +20,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from rollpoint.app.config import parse_config
 from tests.support.embedded_job import embedded_job
 
-pytestmark = pytest.mark.integration
-
 DASHBOARD = Path(__file__).resolve().parents[2] / "dashboards" / "rollpoint.json"
 
 _SUFFIXES = {
@@ -101,6 +99,7 @@ def test_metric_names_of_promql_leave_out_functions_labels_and_variables() -> No
     assert metric_names(expr) == {"rollpoint_model_call_seconds_bucket", "up"}
 
 
+@pytest.mark.process
 async def test_every_dashboard_query_names_a_metric_the_servers_export(tmp_path: Path) -> None:
     dashboard = json.loads(DASHBOARD.read_text())
     exprs = queries(dashboard)

@@ -22,7 +22,8 @@ from rollpoint.protocol.episode import RunRow
 from rollpoint.protocol.ids import EpisodeId
 from tests.support.serve_process import served as served_cli
 
-pytestmark = pytest.mark.integration
+# One worker runs the file: the module's served deployment is started once.
+pytestmark = [pytest.mark.process, pytest.mark.xdist_group("data_token")]
 
 
 @dataclass(frozen=True)

@@ -28,8 +28,6 @@ from tests.support.live_server import serve_app
 from tests.support.polling import eventually
 from tests.support.prometheus import Scrape
 
-pytestmark = pytest.mark.integration
-
 
 def job(tmp_path: Path, **overrides: Any) -> RunConfig:
     raw: dict[str, Any] = {
@@ -59,6 +57,7 @@ async def scrape(url: str) -> Scrape:
     return await asyncio.to_thread(Scrape, url)
 
 
+@pytest.mark.process
 async def test_counters_move_during_a_run_and_match_train_data(tmp_path: Path) -> None:
     config = job(tmp_path)
     data = config.workdir / "train_data.jsonl"

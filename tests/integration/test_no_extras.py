@@ -23,7 +23,8 @@ import pytest
 
 from rollpoint.common.extras import EXTRAS
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+# One worker runs the file: the module's virtual environment is made once.
+pytestmark = [pytest.mark.process, pytest.mark.timeout(600), pytest.mark.xdist_group("no_extras")]
 
 ROOT = Path(__file__).resolve().parents[2]
 

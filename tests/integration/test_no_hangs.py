@@ -33,7 +33,7 @@ from rollpoint.trainer.control.participant_client import ParticipantAddress, Par
 from tests.support.blackhole import blackhole
 from tests.support.live_server import serve_app
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.process
 
 
 @pytest.fixture

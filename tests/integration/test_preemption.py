@@ -25,7 +25,7 @@ from tests.support.counting_policy import PolicyCalls, counting_policy
 from tests.support.processes import children_of, wait_gone
 from tests.support.run_process import RICH_ENV, RunProcess
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.process
 
 TASKS, GROUP = 12, 2
 GRACE_S = 20.0

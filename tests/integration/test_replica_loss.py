@@ -38,8 +38,6 @@ from rollpoint.trainer.trainer import Trainer
 from tests.support.embedded_job import EmbeddedJob, embedded_job, embedded_servers
 from tests.support.polling import eventually
 
-pytestmark = pytest.mark.integration
-
 LOST = "replica-1"
 WAIT_S = 10.0
 
@@ -93,6 +91,7 @@ def replicas_named(manifest: SnapshotManifest) -> set[str]:
     return {p.replica for p in manifest.participants}
 
 
+@pytest.mark.process
 async def test_a_replica_killed_mid_job_is_left_out_and_every_row_trains_once(
     tmp_path: Path,
 ) -> None:
@@ -128,6 +127,7 @@ async def test_a_replica_killed_mid_job_is_left_out_and_every_row_trains_once(
     assert sum(not r.published for r in history) <= 1, [r.blocked_by for r in history]
 
 
+@pytest.mark.process
 async def test_a_replica_back_on_new_ports_is_used_again_and_a_cut_without_it_restores(
     tmp_path: Path,
 ) -> None:

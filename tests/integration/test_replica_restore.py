@@ -41,8 +41,6 @@ from tests.integration.test_replica_loss import LOST, assert_every_row_trained_o
 from tests.support.embedded_job import embedded_job
 from tests.support.polling import eventually
 
-pytestmark = pytest.mark.integration
-
 
 def saved_and_running(trainer: Trainer) -> bool:
     """The latest snapshot saved a mid-conversation episode on LOST that still runs there."""
@@ -63,6 +61,7 @@ def saved_and_running(trainer: Trainer) -> bool:
     return False
 
 
+@pytest.mark.process
 async def test_a_killed_replica_continues_its_snapshot_episodes_once_restarted(
     tmp_path: Path,
 ) -> None:

@@ -25,7 +25,8 @@ import yaml
 
 from tests.support.run_process import RunProcess
 
-pytestmark = pytest.mark.integration
+# One worker runs the file: the module's browser is started once.
+pytestmark = [pytest.mark.process, pytest.mark.xdist_group("report_browser")]
 
 CHROMIUM_ARGS = [
     "--headless",

@@ -29,7 +29,7 @@ from rollpoint.runtime.replica_plan import ReplicaPlan, replica_index, start_rep
 from tests.support.processes import replica_servers
 from tests.support.serve_process import served, workplace_serve_config
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.process
 
 TASKS, GROUP_SIZE = 12, 2
 LOST = "replica-1"

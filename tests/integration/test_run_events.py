@@ -22,7 +22,7 @@ from rollpoint.trainer.run_events import (
 from tests.support.embedded_job import embedded_job
 from tests.support.polling import eventually
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.process
 
 LOST = "replica-1"
 

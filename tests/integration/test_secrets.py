@@ -12,7 +12,7 @@ from tests.support.counting_policy import counting_policy
 from tests.support.processes import children_of
 from tests.support.run_process import RunProcess
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.process
 
 API_KEY = "sk-test-6b1f0c2e9d8a4e37"
 

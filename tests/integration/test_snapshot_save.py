@@ -31,7 +31,7 @@ from rollpoint.tuning.collector_listener import installed
 from rollpoint.tuning.collector_schedule import collector_schedule
 from tests.support.embedded_job import embedded_job
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.process
 
 
 def job(tmp_path: Path, **overrides: Any) -> RunConfig:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.process
 
 
 def _run(tmp_path: Path, **config: object) -> subprocess.CompletedProcess[str]:

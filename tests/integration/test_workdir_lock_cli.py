@@ -15,7 +15,7 @@ import yaml
 
 from tests.support.serve_process import served
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.process
 
 
 def test_a_run_on_a_workdir_that_serve_holds_is_refused_before_touching_it(

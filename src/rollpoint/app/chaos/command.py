@@ -58,6 +58,7 @@ from rollpoint.testing.invariants import Invariant, RewardScope, Violation
 from rollpoint.testing.snapshot_damage import Damage, NothingToDamage, damage_newest
 
 _GONE_WAIT_S = 5.0
+_PUBLISHED_POLL_S = 0.05
 _SECOND_RUN_WAIT_S = 60.0
 """A second run on a locked workdir is refused within seconds (its imports, its lock)."""
 _BUSY = "is in use by"
@@ -224,7 +225,8 @@ class ChaosRunner:
             record.kill = kills[0].kind
         live = _Run(process, record)
         helpers = [asyncio.create_task(self._read(live, plan.workdir / "events.jsonl"))]
-        helpers += [asyncio.create_task(self._kill_at(live, f.at_s)) for f in kills]
+        published = _Published(trial_store_folder(plan))
+        helpers += [asyncio.create_task(self._kill_at(live, f, published)) for f in kills]
         helpers += [
             asyncio.create_task(self._second_run_at(live, plan, f)) for f in plan.second_runs()
         ]
@@ -299,12 +301,42 @@ class ChaosRunner:
                 f"{': ' + said[-1] if said else ''})"
             )
 
-    async def _kill_at(self, live: _Run, at_s: float) -> None:
+    async def _kill_at(self, live: _Run, fault: PlannedFault, published: _Published) -> None:
         await live.up.wait()
-        await asyncio.sleep(at_s)
+        await published.wait_for(fault.after_snapshots)
+        await asyncio.sleep(fault.at_s)
         if live.process.returncode is None:
             _kill_group(live.process.pid)
             live.record.killed_at = time.time()
+
+
+class _Published:
+    """The snapshots with saved episodes a run publishes in a trial's store, seen from
+    outside its process (``PlannedFault.after_snapshots``)."""
+
+    def __init__(self, store: Path) -> None:
+        self._manifests = store / "snapshots"
+        self._before = {p.parent.name for p in self._manifests.glob("*/manifest.json")}
+        self._seen: set[str] = set()
+
+    def _look(self) -> None:
+        for path in self._manifests.glob("*/manifest.json"):
+            name = path.parent.name
+            if name in self._before or name in self._seen:
+                continue
+            try:
+                if orjson.loads(path.read_bytes())["episodes"]:
+                    self._seen.add(name)
+            except (OSError, ValueError, KeyError):
+                continue  # pruned meanwhile, or not ours to judge: looked at again
+
+    async def wait_for(self, count: int) -> None:
+        """Until this run has published ``count`` snapshots with saved episodes (retention
+        may have pruned some since: each is counted once seen)."""
+        while len(self._seen) < count:
+            self._look()
+            if len(self._seen) < count:
+                await asyncio.sleep(_PUBLISHED_POLL_S)
 
 
 async def _start_trial(

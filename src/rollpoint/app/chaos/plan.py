@@ -144,7 +144,13 @@ class PlannedFault(StrictModel):
     run: Annotated[int, Field(ge=0, le=MAX_RERUNS)]
     """Which run of the trial suffers it: 0 the first, 1 the first rerun, ..."""
     at_s: Annotated[float, Field(ge=0)]
-    """Seconds after that run's servers are up."""
+    """Seconds after that run's servers are up (or after ``after_snapshots``)."""
+    after_snapshots: Annotated[int, Field(ge=0)] = 0
+    """When not 0, ``at_s`` counts from the moment that run has published this many
+    snapshots that saved episodes in flight: a fault that needs saved state to act on (a
+    kill whose rerun continues saved episodes, a damage that needs a snapshot before the
+    newest) gets it however slow the machine is, instead of hoping a fixed moment comes
+    after it."""
     replica: Annotated[int, Field(ge=0)] = 0
     participant: ParticipantKind = ParticipantKind.AGENT
     """Proxied faults: whose URL the proxy stands in front of; ``peer_partition``: which
@@ -189,8 +195,11 @@ class PlannedFault(StrictModel):
             ChaosFault.STORE_FULL: f" ({self.error}, {self.seconds:.2f}s)",
             ChaosFault.CLOCK_SKEW: f" ({self.seconds:+.2f}s)",
         }.get(self.kind, "")
+        at = f"{self.at_s:.2f}s" + (
+            f" after {self.after_snapshots} snapshots with episodes" if self.after_snapshots else ""
+        )
         if self.kind is ChaosFault.SECOND_RUN:
-            return f"{self.kind} on the workdir at {self.at_s:.2f}s of run {self.run}"
+            return f"{self.kind} on the workdir at {at} of run {self.run}"
         if self.kind is ChaosFault.SNAPSHOT_TAMPER:
             return f"{self.kind} of the newest snapshot ({self.damage}) before run {self.run}"
         if self.kind is ChaosFault.PROCESS_KILL:
@@ -199,7 +208,7 @@ class PlannedFault(StrictModel):
             where = "the snapshot store"
         elif self.kind is ChaosFault.TRAINER_KILL:
             where = "trainer"
-        return f"{self.kind} of {where}{extra} at {self.at_s:.2f}s of run {self.run}"
+        return f"{self.kind} of {where}{extra} at {at} of run {self.run}"
 
 
 class TrialPlan(StrictModel):

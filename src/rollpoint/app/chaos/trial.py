@@ -235,7 +235,15 @@ class TrialFaults:
             await self._give_up(applying)
 
     async def _apply(self, fault: PlannedFault, trainer: Trainer, runtime: Runtime) -> None:
-        await asyncio.sleep(max(0.0, self._up_at + fault.at_s - time.monotonic()))
+        start = self._up_at
+        if fault.after_snapshots:
+            # Polled: the coordinator keeps a list of its saves, and no event for them.
+            while True:
+                if _published(trainer) >= fault.after_snapshots:
+                    break
+                await asyncio.sleep(_NOTICED_POLL_S)
+            start = time.monotonic()
+        await asyncio.sleep(max(0.0, start + fault.at_s - time.monotonic()))
         await self._strike(fault, self._strikes[fault.kind](fault, trainer, runtime))
 
     async def _strike(self, fault: PlannedFault, striking: Awaitable[Strike | None]) -> None:
@@ -385,6 +393,14 @@ class TrialFaults:
         if proxy is None:
             raise ConfigError(f"chaos: no proxy for {fault.describe()}")
         return proxy
+
+
+def _published(trainer: Trainer) -> int:
+    """The snapshots with saved episodes this run has published."""
+    coordinator = trainer.coordinator
+    if coordinator is None:
+        return 0
+    return sum(r.published and r.saved > 0 for r in coordinator.history)
 
 
 async def _cut(proxy: FaultProxy, path: str, fault: PlannedFault) -> Strike:

@@ -1,0 +1,71 @@
+"""The suite's tiers: every test carries exactly one tier marker, and the costly ones run first.
+
+A tier says what a test costs and what it waits on (pyproject.toml registers them):
+
+- ``unit``: one module's logic in the test process (tests/unit);
+- ``integration``: real servers on loopback as threads of the test process (tests/integration,
+  tests/scenarios, tests/fuzz);
+- ``process``: real server or CLI processes (files in tests/integration that start them say
+  so with ``pytestmark = pytest.mark.process``);
+- ``chaos``: processes killed and rerun (tests/chaos, the ``rollpoint chaos`` command);
+- ``ray``: a local two-node Ray cluster (tests/ray);
+- ``examples``: the packages under examples/, installed (tests/examples);
+- ``engine``: a real policy engine, llama.cpp's server on the CPU (tests/engine).
+
+A test with no tier marker of its own gets its folder's; one with two is a usage error.
+Select a tier with ``-m``: ``pytest -m unit``, ``pytest -m "process or chaos"``.
+
+Under pytest-xdist (``make test`` runs ``-n 4 --dist loadgroup``) the order of the items is
+the order work is handed out: the tiers that wait longest go first, so the many short unit
+tests fill the workers' last minutes instead of one long chaos trial starting last. Tests
+that share an expensive module or session fixture carry ``pytest.mark.xdist_group`` (one
+worker makes the fixture once); the ray tier is one group, its cluster made once, and so is the engine tier.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+TIERS = ("engine", "chaos", "ray", "process", "examples", "integration", "unit")
+"""Every tier, in the order their tests are handed out (longest waits first)."""
+
+FOLDER_TIERS = {
+    "unit": "unit",
+    "integration": "integration",
+    "scenarios": "integration",
+    "fuzz": "integration",
+    "chaos": "chaos",
+    "ray": "ray",
+    "examples": "examples",
+    "engine": "engine",
+}
+
+TESTS = Path(__file__).parent
+
+
+def _folder_tier(item: pytest.Item) -> str:
+    relative = item.path.relative_to(TESTS)
+    tier = FOLDER_TIERS.get(relative.parts[0])
+    if tier is None:
+        raise pytest.UsageError(f"{relative}: tests/{relative.parts[0]} has no tier: add it")
+    return tier
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups (--dist loadgroup)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    tier_of: dict[str, str] = {}
+    for item in items:
+        own = {m.name for m in item.iter_markers() if m.name in TIERS}
+        if len(own) > 1:
+            raise pytest.UsageError(f"{item.nodeid}: more than one tier: {sorted(own)}")
+        tier = own.pop() if own else _folder_tier(item)
+        if not item.get_closest_marker(tier):
+            item.add_marker(tier)
+        if tier in ("ray", "engine") and not item.get_closest_marker("xdist_group"):
+            # One cluster, one engine process (a CPU-bound one: two would halve each).
+            item.add_marker(pytest.mark.xdist_group(tier))
+        tier_of[item.nodeid] = tier
+    # A stable sort: within a tier, collection order (a file's tests stay together).
+    items.sort(key=lambda item: TIERS.index(tier_of[item.nodeid]))

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from rollpoint.app import exit_codes
 from tests.integration.test_cli_run import rollpoint, train_lines, write_config
 
 pytestmark = pytest.mark.integration
@@ -57,7 +58,8 @@ def test_a_48k_token_episode_with_its_token_data_trains(tmp_path: Path) -> None:
 def test_a_reply_over_the_cap_fails_its_row_naming_the_size_and_the_cap(tmp_path: Path) -> None:
     config = _long_episode_config(tmp_path, max_reply_bytes=256 * 1024)
     result = rollpoint("run", str(config))
-    assert result.returncode == 0, result.stderr[-3000:]  # the run ends, its group failed
+    # The run ends with its group failed: exit 3, not a crash (rollpoint.app.exit_codes).
+    assert result.returncode == exit_codes.GROUPS_FAILED, result.stderr[-3000:]
     assert "Traceback" not in result.stderr
     # Re-sent fresh (never adopted: the stored reply is as long), then the group failed.
     assert "fetching the stored replies" not in result.stderr

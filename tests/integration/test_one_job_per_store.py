@@ -60,10 +60,11 @@ def test_a_second_job_on_a_store_is_refused_in_one_line_naming_both(tmp_path: Pa
     assert _snapshots(store) == kept
     assert not (store / STORE_JOB_FILE).exists()  # not claimed by the refused job
 
-    # The first job resumes from its snapshots and trains nothing twice.
+    # The first job still opens on its store (its run is finished: it says so) and
+    # trains nothing twice.
     again = rollpoint("run", str(first))
     assert again.returncode == 0, again.stderr[-3000:]
-    assert "resumed from snapshot" in again.stderr
+    assert "has finished already" in again.stderr
     assert len(train_lines(tmp_path / "a" / "run")) == 8
 
 

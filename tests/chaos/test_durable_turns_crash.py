@@ -14,7 +14,8 @@ before the kill is answered from the journals. Counted from the outside:
   ``concurrency`` replies before it), where without the journal every call is done again;
 - every turn trained carries the token ids and logprobs the engine logged for it;
 - the environment's tools also write each effect to a log outside their state
-  (``tests.support.effect_log_env``): each effect is there exactly once;
+  (``tests.support.effect_log_env``): each effect is there, a journaled one exactly once
+  (one in flight at the kill may be there twice: the in-doubt window of issue 36);
 - invariants I1 to I4 hold (every row trained once).
 """
 
@@ -35,6 +36,7 @@ from tests.chaos.test_crash_recovery import (
     Start,
     continued,
     crash,
+    published,
     rerun_until_ok,
     start,
     write_config,
@@ -89,13 +91,19 @@ def job(
     return config, log
 
 
-def kill_mid_run(start: Start, config: Path, log: Path) -> int:
+def kill_mid_run(start: Start, config: Path, log: Path, *, snapshots: int = 0) -> int:
     """Start the job, SIGKILL it once the engine has answered a third of the calls the job
-    makes (about 4 a row); the engine log's size at the kill."""
+    makes (about 4 a row) and ``snapshots`` snapshots were published (the first is taken
+    before any row: a later one holds episodes in flight); the engine log's size at the
+    kill."""
     run = start(config)
-    run.wait_until(
-        lambda: len(episode_calls(lines(log))) >= TASKS * 4 // 3, "a third of the policy calls"
-    )
+    seen: set[str] = set()  # retention prunes: count every snapshot ever seen published
+
+    def ready() -> bool:
+        seen.update(published(config.parent / "run"))
+        return len(episode_calls(lines(log))) >= TASKS * 4 // 3 and len(seen) >= snapshots
+
+    run.wait_until(ready, f"a third of the policy calls and {snapshots} snapshots")
     crash(run)
     return log.stat().st_size
 
@@ -125,11 +133,16 @@ def effects(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 @pytest.mark.parametrize(
     "snapshots", [NO_SNAPSHOTS, FREQUENT_SNAPSHOTS], ids=["none", "every_0.5s"]
 )
-def test_a_killed_job_redoes_only_the_calls_in_flight_and_each_effect_happens_once(
+def test_a_killed_job_redoes_only_the_calls_in_flight_and_no_journaled_effect_twice(
     tmp_path: Path, start: Start, effects: Path, snapshots: dict[str, Any]
 ) -> None:
     config, log = job(tmp_path, journal=True, snapshots=snapshots)
-    at_kill = kill_mid_run(start, config, log)
+    # With snapshots every 0.5 s the rerun must resume from one that saved episodes in
+    # flight (on a loaded machine the kill could otherwise come before the second one).
+    at_kill = kill_mid_run(
+        start, config, log, snapshots=3 if snapshots is FREQUENT_SNAPSHOTS else 0
+    )
+    effects_at_kill = lines(effects)  # the servers are dead: nothing more is written
     reruns = rerun_until_ok(start, config)
     if snapshots is FREQUENT_SNAPSHOTS:
         assert continued(reruns[0]) > 0, reruns[0].stderr[-2000:]
@@ -155,13 +168,23 @@ def test_a_killed_job_redoes_only_the_calls_in_flight_and_each_effect_happens_on
             kept += turn["completion_id"] in pre_kill
     assert kept > 0, "no turn sampled before the kill reached training"
 
-    # Each effect reached the outside world once.
+    # Each effect reached the outside world, and a journaled one only once. A tool call in
+    # flight at the kill (its effect written, its journal record not yet durable) is in
+    # doubt: it runs again after the restore, as issue 36's effect intents will prevent. So,
+    # as for policy calls: at most one repeated effect per call in flight (CONCURRENCY),
+    # each among the last effects before the kill, and never a third time.
     loaded = load_config(config)
     tasks = load_tasks_for(loaded)
     env = EffectLogEnvironment()
     expected = Counter((t.task_id, e) for t in tasks for e in env.expected_side_effects(t))
     seen = Counter((line["task"], line["effect"]) for line in lines(effects))
-    assert seen == expected, {k: n for k, n in seen.items() if n != 1}
+    assert set(seen) == set(expected), set(seen) ^ set(expected)
+    assert set(expected.values()) == {1}
+    repeated = {k for k, n in seen.items() if n > 1}
+    assert all(seen[k] == 2 for k in repeated), {k: seen[k] for k in repeated}
+    assert len(repeated) <= CONCURRENCY, f"{len(repeated)} effects made twice: {repeated}"
+    in_doubt = {(line["task"], line["effect"]) for line in effects_at_kill[-CONCURRENCY:]}
+    assert repeated <= in_doubt, "an effect made well before the kill was made again"
 
     found = invariants.check_workdir(
         loaded.workdir,

@@ -63,7 +63,7 @@ import orjson
 
 from rollpoint.protocol.errors import InvalidCheckpointStateError
 from rollpoint.protocol.manifest import RecordsManifest, RecordsPart
-from rollpoint.store.digest import BLOCK_BYTES
+from rollpoint.store.digest import BLOCK_BYTES, digest_file
 from rollpoint.store.filesystem import Filesystem
 
 __all__ = [
@@ -407,9 +407,17 @@ class _PackWriter:
         if self._stream is None:
             return ""
         self._close(None)
-        name = records_file_name(self._digest.hexdigest())
+        sha256 = self._digest.hexdigest()
+        name = records_file_name(sha256)
         assert self._temp is not None
-        self._fs.rename(self._temp, self._fs.join(self._folder, name))
+        target = self._fs.join(self._folder, name)
+        if self._fs.exists(target) and digest_file(self._fs, target).sha256 == sha256:
+            # The same bytes are there already (a rebase wrote records that had not
+            # changed): keep that file as it is, so no snapshot naming it finds it written
+            # after its manifest. A damaged file of that name is replaced.
+            self._fs.remove_file(self._temp)
+        else:
+            self._fs.rename(self._temp, target)
         self._temp = None
         self._fs.sync_dir(self._folder)
         return name

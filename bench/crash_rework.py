@@ -3,7 +3,8 @@
 The job: workplace tasks of 8-15 events (and at most one email) to schedule and confirm, so
 every episode takes 17-32 turns of the scripted policy (no mistakes, 300 ms a call), with
 snapshots every 5 s. It runs once without a stop (the baseline), then three times stopped at
-the same moment (a seeded random share of the baseline's run time) and resumed:
+the same point (once a seeded random share of the baseline's policy calls were answered)
+and resumed:
 
 - ``sigterm``: a real SIGTERM to this process, handled as ``rollpoint run`` handles it (the
   preemption: a final snapshot within the grace, then the servers stop);
@@ -18,7 +19,12 @@ Policy calls are counted by the model servers (``calls_total``) of each run: rea
 before the servers stop (SIGTERM, and the end of every full run) or just before the kill.
 Re-done work is what a stopped job needed beyond the baseline, in policy calls and in
 seconds of rollout time (from the trainer's start to its end, both runs summed), each also
-as a ratio to ``restart``'s. For ``sigterm`` the policy calls in flight at the signal are
+as a ratio to ``restart``'s. ``sigkill_journal``'s seconds are measured against a second
+baseline run with the journal on (``baseline_journal``): every turn of a journaling job
+waits for group commits (the model server's and the resources server's, before their
+replies), so against the plain baseline its figure would count that cost on the whole job,
+not work re-done; that cost is its own figure, ``journal_seconds_cost`` (the two
+baselines' difference: noise on a loaded machine, see docs/log/journal-2026-12.md). For ``sigterm`` the policy calls in flight at the signal are
 read from the model servers as it is sent: the goal is to re-do no more than those.
 """
 
@@ -60,7 +66,11 @@ EVENTS = (8, 15)
 """Events per task: 2 turns each (create, then search to confirm), plus an email turn (or
 not) and the final answer: 17-32 turns."""
 STOP_AT_SHARE = (0.3, 0.7)
-"""The stop comes at a seeded random share of the baseline's run time in this range."""
+"""The stop comes once the run's model servers answered a seeded random share (in this
+range) of the baseline's policy calls: the same progress in every leg, whatever the load
+does between legs (a share of the baseline's seconds came after a leg's end once the load
+fell: "the job ended before the kill")."""
+POLL_S = 0.05
 CASES = ("sigterm", "sigkill", "restart", "sigkill_journal")
 """``sigkill_journal``: the ``sigkill`` case with ``journal.enabled`` (issue 35): the rerun's
 calls that were finished before the kill are answered from the model servers' journals."""
@@ -75,6 +85,11 @@ class Leg:
     calls: int = 0
     seconds: float = 0.0
     in_flight_at_stop: int = 0
+    stopping_s: float = 0.0
+    """Of ``seconds``: from the stop to the first run's end (the trainer cancelled, or the
+    final snapshot taken)."""
+    rerun_s: float = 0.0
+    """Of ``seconds``: the rerun's (the full run after the stop)."""
 
 
 # The model servers' /stats is a data route: the bench hands run_job the token it reads with.
@@ -158,7 +173,8 @@ async def _full_run(config: RunConfig, leg: Leg) -> RunSummary:
     async def drive(trainer: Trainer, runtime: Runtime, metrics: TrainerMetrics) -> RunSummary:
         t0 = time.monotonic()
         summary = await drive_quietly(trainer, runtime, metrics)
-        leg.seconds += time.monotonic() - t0
+        leg.rerun_s = time.monotonic() - t0
+        leg.seconds += leg.rerun_s
         leg.calls += await _calls(runtime)
         return summary
 
@@ -172,22 +188,30 @@ async def _full_run(config: RunConfig, leg: Leg) -> RunSummary:
     )
 
 
-async def _killed_run(config: RunConfig, leg: Leg, stop_after_s: float) -> None:
+async def _until_calls(job: asyncio.Task[Any], runtime: Runtime, calls: int) -> None:
+    """Return once the run's model servers answered ``calls`` policy calls (or it ended)."""
+    while not job.done() and await _calls(runtime) < calls:
+        await asyncio.wait({job}, timeout=POLL_S)
+
+
+async def _killed_run(config: RunConfig, leg: Leg, stop_calls: int) -> None:
     async def drive(trainer: Trainer, runtime: Runtime, metrics: TrainerMetrics) -> Any:
         assert isinstance(runtime, EmbeddedRuntime), "the kill needs local server processes"
         t0 = time.monotonic()
         job = asyncio.create_task(drive_quietly(trainer, runtime, metrics))
-        await asyncio.wait({job}, timeout=stop_after_s)
+        await _until_calls(job, runtime, stop_calls)
         if job.done():
-            raise RuntimeError(f"the job ended before the kill at {stop_after_s:.1f}s")
+            raise RuntimeError(f"the job ended before the kill at {stop_calls} calls")
         stats = await _stats(runtime)
         leg.calls += sum(int(s["calls_total"]) for s in stats)
         leg.in_flight_at_stop = sum(int(s["in_flight"]) for s in stats)
+        stopped = time.monotonic()
         for child in runtime.group.children:
             if child.alive:
                 os.kill(child.process.pid, signal.SIGKILL)
         job.cancel()
         await asyncio.gather(job, return_exceptions=True)
+        leg.stopping_s = time.monotonic() - stopped
         leg.seconds += time.monotonic() - t0
         raise Killed
 
@@ -202,7 +226,7 @@ async def _killed_run(config: RunConfig, leg: Leg, stop_after_s: float) -> None:
         )
 
 
-async def _preempted_run(config: RunConfig, leg: Leg, stop_after_s: float) -> str:
+async def _preempted_run(config: RunConfig, leg: Leg, stop_calls: int) -> str:
     """SIGTERM to this very process, through the handler ``rollpoint run`` installs."""
     loop = asyncio.get_running_loop()
     main = asyncio.current_task()
@@ -214,16 +238,18 @@ async def _preempted_run(config: RunConfig, leg: Leg, stop_after_s: float) -> st
         t0 = time.monotonic()
         job = asyncio.create_task(drive_quietly(trainer, runtime, metrics))
         try:
-            await asyncio.wait({job}, timeout=stop_after_s)
+            await _until_calls(job, runtime, stop_calls)
             if job.done():
-                raise RuntimeError(f"the job ended before the signal at {stop_after_s:.1f}s")
+                raise RuntimeError(f"the job ended before the signal at {stop_calls} calls")
             leg.in_flight_at_stop = sum(int(s["in_flight"]) for s in await _stats(runtime))
+            stopped = time.monotonic()
             os.kill(os.getpid(), signal.SIGTERM)
             return await job
         except asyncio.CancelledError:
             # The final snapshot is published: the servers stop once this returns.
             job.cancel()
             await asyncio.gather(job, return_exceptions=True)
+            leg.stopping_s = time.monotonic() - stopped
             leg.seconds += time.monotonic() - t0
             leg.calls += await _calls(runtime)
             raise
@@ -254,9 +280,15 @@ async def run(tasks: int = 16, seed: int = 0) -> BenchResult:
         await _full_run(_config(Path(tmp) / "baseline", dataset, "turn"), base)
         figures["baseline_policy_calls"] = base.calls
         figures["baseline_seconds"] = base.seconds
+        base_journal = Leg()
+        await _full_run(
+            _config(Path(tmp) / "baseline_journal", dataset, "turn", journal=True), base_journal
+        )
+        figures["baseline_journal_seconds"] = base_journal.seconds
+        figures["journal_seconds_cost"] = base_journal.seconds - base.seconds
         share = random.Random(seed).uniform(*STOP_AT_SHARE)
-        stop_after_s = round(share * base.seconds, 2)
-        figures["stop_after_s"] = stop_after_s
+        stop_calls = round(share * base.calls)
+        figures["stop_at_calls"] = stop_calls
         legs: dict[str, Leg] = {}
         for case in CASES:
             leg = legs[case] = Leg()
@@ -267,18 +299,23 @@ async def run(tasks: int = 16, seed: int = 0) -> BenchResult:
                 journal=case == "sigkill_journal",
             )
             if case == "sigterm":
-                figures["sigterm_line"] = await _preempted_run(config, leg, stop_after_s)
+                figures["sigterm_line"] = await _preempted_run(config, leg, stop_calls)
             else:
-                await _killed_run(config, leg, stop_after_s)
+                await _killed_run(config, leg, stop_calls)
             await _full_run(config, leg)
         restart_calls = legs["restart"].calls - base.calls
         restart_s = legs["restart"].seconds - base.seconds
         for case in CASES:
             leg = legs[case]
-            calls, seconds = leg.calls - base.calls, leg.seconds - base.seconds
+            baseline = base_journal if case == "sigkill_journal" else base
+            calls, seconds = leg.calls - base.calls, leg.seconds - baseline.seconds
             figures[f"{case}_calls_in_flight_at_stop"] = leg.in_flight_at_stop
             figures[f"{case}_policy_calls_redone"] = calls
             figures[f"{case}_seconds_redone"] = seconds
+            # Where the seconds went: the stop itself, and the rerun (whose own part is
+            # the work left after the stop plus what was re-done).
+            figures[f"{case}_stopping_seconds"] = leg.stopping_s
+            figures[f"{case}_rerun_seconds"] = leg.rerun_s
             figures[f"{case}_calls_ratio_to_restart"] = (
                 calls / restart_calls if restart_calls else float("nan")
             )
@@ -308,6 +345,6 @@ async def run(tasks: int = 16, seed: int = 0) -> BenchResult:
             "turns_per_episode": "17-32",
             "policy_latency_ms": LATENCY_MS,
             "snapshot_every_s": SNAPSHOT_EVERY_S,
-            "stop": f"at {stop_after_s}s (a seeded share {STOP_AT_SHARE} of the baseline)",
+            "stop": f"at {stop_calls} policy calls (a seeded share {STOP_AT_SHARE} of the baseline's)",
         },
     )

@@ -36,7 +36,7 @@ async def run(tasks: int = 64, replicas: int = 2, concurrency: int = 64) -> Benc
         )
         config.workdir.mkdir(parents=True)
         rows = get_environment("workplace").make_tasks(tasks, config.seed)
-        async with EmbeddedRuntime(config) as runtime:
+        async with EmbeddedRuntime(config.runtime_settings()) as runtime:
             assert runtime.deployment is not None
             trainer = Trainer(
                 config.trainer_settings(),

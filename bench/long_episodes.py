@@ -53,7 +53,7 @@ async def run(tasks: int = 8, group_size: int = 4, concurrency: int = 16) -> Ben
         )
         config.workdir.mkdir(parents=True)
         rows = get_environment("workplace").make_tasks(tasks, config.seed)
-        async with EmbeddedRuntime(config) as runtime:
+        async with EmbeddedRuntime(config.runtime_settings()) as runtime:
             assert runtime.deployment is not None
             trainer = Trainer(
                 config.trainer_settings(),

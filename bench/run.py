@@ -13,6 +13,7 @@ import orjson
 
 from bench import (
     checkpoint_overhead,
+    control_latency,
     crash_rework,
     episode_throughput,
     generation_cut,
@@ -24,6 +25,7 @@ from bench import (
     snapshot_growth,
     snapshot_io,
     snapshot_pause,
+    soak,
 )
 from bench.report import BenchResult, print_results, save_results
 
@@ -61,6 +63,9 @@ ITEMS: dict[str, Item] = {
     "snapshot_pause_100k": lambda quick: snapshot_pause.run_large(100_000, snapshots=4),
     "generation_cut": lambda quick: generation_cut.run(),
     "journal_append": lambda quick: journal_append.run(quick=quick),
+    "control_latency": lambda quick: (
+        control_latency.run(seconds=15, concurrency=32) if quick else control_latency.run()
+    ),
     "long_episodes": lambda quick: (
         long_episodes.run(tasks=2, group_size=2) if quick else long_episodes.run()
     ),
@@ -74,9 +79,17 @@ ITEMS: dict[str, Item] = {
     "snapshot_growth_100k": lambda quick: snapshot_growth.run(
         (100_000,), snapshots=4, settle_s=60.0, variants=("plain",)
     ),
+    # 21 minutes (--quick: 3; ROLLPOINT_SOAK_SECONDS sets it): by name only, with --only.
+    "soak": lambda quick: soak.run(soak.duration(quick)),
 }
 # Items too slow for --quick: they run in the full suite, or by name with --only.
-FULL_ONLY = {"runtime_compare", "snapshot_pause_100k", "generation_cut", "snapshot_growth_100k"}
+FULL_ONLY = {
+    "runtime_compare",
+    "snapshot_pause_100k",
+    "generation_cut",
+    "snapshot_growth_100k",
+    "soak",
+}
 
 
 async def _main(keys: list[str], quick: bool) -> list[BenchResult]:

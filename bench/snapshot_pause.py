@@ -480,7 +480,9 @@ async def measure(
         store = await asyncio.to_thread(
             store_class or TimedStore, root, config.snapshot.keep, clock
         )
-        async with EmbeddedRuntime(config, control_token=token, snapshot_root=root) as runtime:
+        async with EmbeddedRuntime(
+            config.runtime_settings(), control_token=token, snapshot_root=root
+        ) as runtime:
             assert runtime.deployment is not None
             control_http = HttpClient(token=token, timeout_s=300)
             data_http = MeteredClient(load(sessions).rows_per_s, sessions)
@@ -536,7 +538,7 @@ async def _drive(
                 await coordinator.save()
         assert trainer.dispatcher is not None
         resent_before = trainer.dispatcher.resent_fresh
-        seen = len(coordinator.history)
+        seen = coordinator.saves
         while len(phase.cuts) < snapshots:
             if run.done():
                 run.result()
@@ -546,13 +548,13 @@ async def _drive(
             await asyncio.sleep(gap_s)
             with contextlib.suppress(SnapshotError):  # three failures in a row: noted below
                 await coordinator.save()
-            for report in coordinator.history[seen:]:
+            for report in coordinator.reports_since(seen):
                 if report.published:
                     sizes = store.sizes.get(report.snapshot_id, {})
                     phase.cuts.append(_cut(report, clock, sizes))
                 else:
                     phase.failed.append(report.blocked_by)
-            seen = len(coordinator.history)
+            seen = coordinator.saves
         phase.resent = trainer.dispatcher.resent_fresh - resent_before
     finally:
         run.cancel()

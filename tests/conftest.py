@@ -24,6 +24,9 @@ worker makes the fixture once); the ray tier is one group, its cluster made once
 
 from __future__ import annotations
 
+import gc
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -69,3 +72,29 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         tier_of[item.nodeid] = tier
     # A stable sort: within a tier, collection order (a file's tests stay together).
     items.sort(key=lambda item: TIERS.index(tier_of[item.nodeid]))
+
+
+COLLECTOR_BACK_WITHIN_S = 2.0
+"""How long after a test its checkpoints' collector holds may still be given back: a hold is
+released 0.25 s after its pause ends (``COLLECTOR_RELEASE_DELAY_S``), on a loaded machine
+later."""
+
+
+@pytest.fixture(autouse=True)
+def _collector_left_as_found() -> Iterator[None]:
+    """A test that leaves the cyclic collector off fails itself, named, instead of every later
+    test on its worker that checks the collector (CI once failed eleven unit tests that way,
+    the culprit unnamed): the collector is turned back on for them."""
+    enabled = gc.isenabled()
+    yield
+    if not enabled or gc.isenabled():
+        return
+    deadline = time.monotonic() + COLLECTOR_BACK_WITHIN_S
+    while not gc.isenabled() and time.monotonic() < deadline:
+        time.sleep(0.02)  # a server thread's loop gives its hold back on its own
+    if not gc.isenabled():
+        gc.enable()
+        pytest.fail(
+            f"the cyclic garbage collector was left off {COLLECTOR_BACK_WITHIN_S:g} s after "
+            "this test (a collector pause or hold never given back)"
+        )

@@ -37,7 +37,22 @@ EXIT_CODES: dict[int, int] = {signal.SIGTERM: 143, signal.SIGINT: 130}
 """The shell's convention: 128 + the signal's number."""
 
 STOP_RESERVE_S = 5.0
+PUBLICATION_WAIT_S = 10.0
+"""At most this long for a publication already writing when the stop's line is made."""
 """Of the grace, kept for stopping the servers after the final snapshot (at most a third)."""
+
+
+def cancelled_line(stop: StopRequest) -> str:
+    """The one line of a run a signal cancelled outright: the final snapshot's line when it
+    was over before the cancel (a second signal while the servers stop), else what holds
+    the run without one."""
+    if stop.outcome is not None:
+        return stop.outcome
+    why = "a second signal" if stop.received > 1 else "before the trainer ran"
+    return (
+        f"stopped at once by {signal_name(stop.signum or signal.SIGTERM)} ({why}; "
+        "no final snapshot): the latest published snapshot holds the run"
+    )
 
 
 def signal_name(signum: int) -> str:
@@ -64,6 +79,10 @@ class StopRequest:
         """True once a signal cancelled the run outright (second signal, or too early)."""
         self.received = 0
         """How many signals came."""
+        self.outcome: str | None = None
+        """The stop's one line once the final snapshot is over (what holds the run): a
+        second signal that cancels the way out after it must say that line, not "no final
+        snapshot"."""
 
     @classmethod
     def on_signals(cls, signums: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> StopRequest:
@@ -135,6 +154,7 @@ async def drive_until_stopped(
     # The stop's one line is the error's message (the CLI prints it): the log keeps it at
     # info, so the console's warning handler does not say it a second time.
     log.info("%s", message)
+    stop.outcome = message
     # For `rollpoint report`'s timeline: the signal, and the snapshot taken on the way out.
     trainer.events.preemption(
         signal_name(stop.signum or signal.SIGTERM), snapshot_id=taken, detail=message
@@ -154,8 +174,15 @@ async def final_snapshot(
     reserve = min(STOP_RESERVE_S, grace_s / 3)
     budget = grace_s - reserve - (time.monotonic() - stop.received_at)
 
-    def kept(why: str) -> str:
-        latest = None if coordinator is None else coordinator.latest_published
+    async def kept(why: str) -> str:
+        if coordinator is None:
+            latest = None
+        else:
+            # A periodic save the signal caught while its thread wrote the publication:
+            # that thread finishes it regardless (the process waits for it at exit), so
+            # the line names what it publishes, not the snapshot before it.
+            await coordinator.publication_settled(PUBLICATION_WAIT_S)
+            latest = coordinator.latest_published
         held_by = previous if latest is None else latest.snapshot_id
         holds = (
             f"snapshot {held_by} (taken before the signal) holds the run"
@@ -165,7 +192,7 @@ async def final_snapshot(
         return f"stopped by {name}: {why}; {holds}"
 
     if coordinator is None:
-        return kept("this run takes no snapshots"), None
+        return await kept("this run takes no snapshots"), None
     started = time.monotonic()
     try:
         # Half the budget at most for the calls already running to finish: what is left
@@ -173,25 +200,33 @@ async def final_snapshot(
         save = coordinator.save(final=True, drain_s=max(0.0, budget) / 2)
         report = await asyncio.wait_for(save, max(0.0, budget))
     except TimeoutError:
-        return kept(f"the final snapshot did not finish within the {grace_s:g}s grace"), None
+        return await kept(f"the final snapshot did not finish within the {grace_s:g}s grace"), None
     except RollpointError as exc:
-        return kept(f"the final snapshot failed ({exc.message})"), None
+        return await kept(f"the final snapshot failed ({exc.message})"), None
     if not report.published:
-        return kept(f"the final snapshot failed ({report.blocked_by})"), None
+        return await kept(f"the final snapshot failed ({report.blocked_by})"), None
     return (
         f"stopped by {name}: snapshot {report.snapshot_id} holds the run "
-        f"({saved_line(in_flight, report.saved, report.restarts)}; "
+        f"({saved_line(in_flight, report.saved, report.restarts, report.mid_call)}; "
         f"taken in {time.monotonic() - started:.1f}s); run the same command to resume"
     ), report.snapshot_id
 
 
-def saved_line(in_flight: int, saved: int, restarts: int) -> str:
+def saved_line(in_flight: int, saved: int, restarts: int, mid_call: int = 0) -> str:
     """What became of the episodes in flight at the signal: every one is accounted for.
-    Those not saved mid-episode nor restarting finished before the cut (their calls
-    drained): their replies are in the snapshot's queue or held for adoption."""
+    Those saved mid-episode are split into those at a turn boundary (parked between two
+    turns) and those waiting on a policy call (its reply is had again on resume). Those
+    not saved nor restarting finished before the cut (their calls drained): their replies
+    are in the snapshot's queue or held for adoption."""
     finished = max(0, in_flight - saved - restarts)
+    mid_call = min(mid_call, saved)
+    split = (
+        f" ({saved - mid_call} at a turn boundary, {mid_call} waiting on a policy call)"
+        if saved
+        else ""
+    )
     restart = f", {restarts} restart from their prompt" if restarts else ""
     return (
-        f"of {in_flight} episodes in flight at the signal, {saved} saved mid-episode, "
+        f"of {in_flight} episodes in flight at the signal, {saved} saved mid-episode{split}, "
         f"{finished} finished before the cut{restart}; none lost"
     )

@@ -3,7 +3,8 @@
 Owns :class:`Rollouts`, the few calls a trainer author needs — open a run (on servers
 ``rollpoint serve`` started, or on ones it starts), learn where it resumed, add prompt
 groups while it runs, pull batches of finished prompt groups, say when a batch's update is
-done, take a snapshot, report a replica's servers gone and back — and
+done, take a snapshot, report a replica's servers gone and back, say which policy version
+is live on the engines (pausing them around a weight update) — and
 :class:`TrainBatch`, one batch handed out. Everything else (the recovery ledger, the
 dispatcher, the finished-rollout queue, snapshots, ``train_data.jsonl`` and its
 checkpoints, the restore) runs underneath as it does for ``rollpoint run``: the façade
@@ -25,6 +26,7 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -34,6 +36,7 @@ from pydantic import JsonValue, ValidationError
 
 from rollpoint.app.config import RunConfig
 from rollpoint.app.job import Drive, check_environment, drive_quietly, run_job
+from rollpoint.policy.engine_adapters import PauseMode
 from rollpoint.preemption import StopRequest
 from rollpoint.protocol.deployment import ReplicaEndpoints, ServedDeployment
 from rollpoint.protocol.episode import TaskRow
@@ -122,6 +125,14 @@ class RunProgress:
     train_steps: int
     last_pause_s: float | None
     """How long the latest snapshot paused the run (None: none taken yet)."""
+    policy_version: int = 0
+    """The version live on the engines."""
+    lag_holds: int = 0
+    """Times new episodes waited for ``train.max_policy_lag``."""
+    stale_resent: int = 0
+    """Groups sent again for a sample beyond ``train.max_policy_lag``."""
+    stale_marked: int = 0
+    """Samples handed over marked ``stale``."""
 
 
 _END = object()
@@ -280,6 +291,10 @@ class Rollouts:
             reward_mean=stats.reward_mean,
             train_steps=stats.train_steps,
             last_pause_s=None if self._metrics is None else self._metrics.last_pause_s,
+            policy_version=trainer.policy_version,
+            lag_holds=trainer.lag.holds,
+            stale_resent=trainer.stale_resent,
+            stale_marked=trainer.stale_marked,
         )
 
     async def batches(self) -> AsyncIterator[TrainBatch]:
@@ -340,6 +355,29 @@ class Rollouts:
         them); a step already durable is a no-op; a step not trained, or not waiting, is a
         one-line ``BadRequestError``."""
         await self._started().mark_durable(step)
+
+    async def weights_live(self, version: int) -> None:
+        """Policy version ``version`` is live on the engines from now on: every policy call
+        that starts after this is stamped with it, and a call still decoding carries a
+        segment of each version. Your first call ends rollpoint's own count (one version
+        per train step). Versions only go up (an older one is a ``BadRequestError``). Use
+        it when your weight push pauses the engines itself; :meth:`weight_update` pauses
+        them for you. See docs/trainers.md, "Policy versions"."""
+        await self._started().weights_live(version)
+
+    @asynccontextmanager
+    async def weight_update(self, version: int, mode: PauseMode = "keep") -> AsyncIterator[None]:
+        """``async with run.weight_update(v, mode="keep"):`` push your weights inside.
+
+        On entry every engine is paused through its own route (vLLM's ``/pause``, SGLang's
+        ``/pause_generation``) in ``mode``: ``keep`` (calls in flight freeze and go on under
+        the new weights, two segments), ``wait`` (they finish first) or ``abort`` (they
+        end, and are sent again after the update); an engine without a pause route is
+        drained. On leaving, ``version`` is live (as :meth:`weights_live`) and the engines
+        resume. No snapshot runs inside: each one is before the update or after it. A block
+        that raises resumes the engines under the version they had."""
+        async with self._started().weight_update(version, mode):
+            yield
 
     async def snapshot(self) -> SaveReport:
         """Take one snapshot now (besides those ``snapshot.every_seconds`` takes)."""
@@ -531,6 +569,28 @@ class SyncRollouts:
     def mark_durable(self, step: int) -> None:
         """As :meth:`Rollouts.mark_durable`, from your thread."""
         self._call(self._rollouts.mark_durable(step))
+
+    def weights_live(self, version: int) -> None:
+        """As :meth:`Rollouts.weights_live`, from your thread."""
+        self._call(self._rollouts.weights_live(version))
+
+    @contextmanager
+    def weight_update(self, version: int, mode: PauseMode = "keep") -> Iterator[None]:
+        """As :meth:`Rollouts.weight_update`: ``with run.weight_update(v):`` push inside."""
+
+        async def pause() -> None:
+            await self._rollouts._started().pause_for_update(mode)
+
+        async def end(live: int | None) -> None:
+            await self._rollouts._started().end_update(live)
+
+        self._call(pause())
+        try:
+            yield
+        except BaseException:
+            self._call(end(None))
+            raise
+        self._call(end(version))
 
     def replica_down(self, name: str) -> None:
         """As :meth:`Rollouts.replica_down`, from your thread."""

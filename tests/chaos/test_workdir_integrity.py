@@ -178,20 +178,20 @@ def test_damaged_train_data_is_refused_naming_it_and_nothing_is_deleted(
 
 
 # ---- a full snapshot disk, and a workdir whose snapshots are gone ---------------------------
-@pytest.fixture(params=["tmpfs", "injected"])
-def disk(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[FullDisk]:
+@pytest.fixture
+def disk(tmp_path: Path) -> Iterator[FullDisk]:
     """``WORKDIR/snapshots`` on a disk the test fills and frees: a real tmpfs where one can
-    be mounted, else the trainer's store writes failing with ENOSPC (tests/support/full_disk)."""
-    if request.param == "tmpfs":
-        with tmpfs_at(tmp_path / "run" / "snapshots") as mounted:
-            if mounted is None:
-                pytest.skip("no tmpfs can be mounted here (needs root)")
+    be mounted, else the trainer's store writes failing with ENOSPC (tests/support/full_disk).
+    One of the two, not both: the run sees the same ENOSPC either way, and each test is a
+    run, a kill and reruns (a process-level test's cost, paid once)."""
+    with tmpfs_at(tmp_path / "run" / "snapshots") as mounted:
+        if mounted is not None:
             yield mounted
             mounted.free()
-    else:
-        injected = InjectedDisk(tmp_path)
-        yield injected
-        injected.free()
+            return
+    injected = InjectedDisk(tmp_path)
+    yield injected
+    injected.free()
 
 
 def published_steps(workdir: Path) -> list[int]:
@@ -282,33 +282,35 @@ def _corrupt_every_manifest(workdir: Path) -> Callable[[], None]:
     return put_back
 
 
-@pytest.mark.parametrize(
-    ("lose", "why"),
-    [(_move_the_store, "but no snapshot in"), (_corrupt_every_manifest, "is unusable: snap-")],
-    ids=["store-moved", "every-snapshot-corrupt"],
-)
+LOSSES = [(_move_the_store, "but no snapshot in"), (_corrupt_every_manifest, "is unusable: snap-")]
+"""Each way a workdir's snapshots can go, and what the refusal says of it."""
+
+
 def test_progress_with_no_usable_snapshot_is_refused_and_nothing_is_deleted(
-    tmp_path: Path, start: Start, lose: Callable[[Path], Callable[[], None]], why: str
+    tmp_path: Path, start: Start
 ) -> None:
+    # One crashed run, its snapshots lost each way in turn (put back between): each rerun
+    # is refused, and once they are back the last one resumes.
     config = write_config(tmp_path)
     workdir = tmp_path / "run"
     run = start(config)
     wait_for_resumable_snapshot(run, workdir)
     crash(run)
     before = progress(workdir)
-    put_back = lose(workdir)
 
-    refused = start(config).finish()
+    for lose, why in LOSSES:
+        put_back = lose(workdir)
+        refused = start(config).finish()
 
-    assert refused.returncode != 0, refused.stderr[-2000:]
-    errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1, refused.stderr[-3000:]
-    assert "holds progress (train_data.jsonl:" in errors[0] and why in errors[0], errors[0]
-    assert "fix the snapshot store" in errors[0] and "--fresh --force" in errors[0]
-    assert "Traceback" not in refused.stderr and "servers up" not in refused.stderr
-    assert progress(workdir) == before
+        assert refused.returncode != 0, refused.stderr[-2000:]
+        errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1, refused.stderr[-3000:]
+        assert "holds progress (train_data.jsonl:" in errors[0] and why in errors[0], errors[0]
+        assert "fix the snapshot store" in errors[0] and "--fresh --force" in errors[0]
+        assert "Traceback" not in refused.stderr and "servers up" not in refused.stderr
+        assert progress(workdir) == before
+        put_back()
 
-    put_back()
     reruns = rerun_until_ok(start, config)
     assert "resumed from snapshot" in reruns[0].stderr, reruns[0].stderr[-2000:]
     assert_invariants(config, reruns[-1])

@@ -28,7 +28,6 @@ from typing import Any
 
 import orjson
 import pytest
-import yaml
 from sandbox_env import TASKS
 from sandbox_env.tree import pack_tree
 
@@ -36,17 +35,16 @@ from rollpoint.envs import TaskRow, load_tasks
 from rollpoint.policy.scripted_policy import PolicySettings, create_policy_app
 from rollpoint.servers.agent.episode_runner import episode_seed
 from rollpoint.testing import invariants
+from tests.support.crash_rerun import crash_and_rerun, tool_calls, trained_once
+from tests.support.job_config import write_job_config
 from tests.support.live_server import serve_app
-from tests.support.run_dir import has_checkpoint, newest_holds_depth, published
-from tests.support.run_process import Finished, RunProcess
+from tests.support.run_process import RunProcess
 from tests.support.serve_process import served
 
 REF = "sandbox_env:SandboxEnvironment"
 GROUP_SIZE = 2
-MAX_RERUNS = 3
 TOOL_TURNS = 6
 """The policy's tool calls an episode: its last call (the final answer) is turn TOOL_TURNS."""
-_CONTINUED = re.compile(r"(\d+)\s+episodes\s+continued")
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -111,22 +109,17 @@ def policy() -> Iterator[tuple[str, CallLog]]:
 
 
 def write_config(tmp_path: Path, **overrides: object) -> Path:
-    config: dict[str, object] = {
-        "workdir": str(tmp_path / "run"),
+    fields: dict[str, object] = {
         "environment": REF,
         "dataset": str(TASKS),
         "group_size": GROUP_SIZE,
         "max_turns": 10,
-        "replicas": 2,
-        "concurrency": 8,
         "policy": {"latency_ms": 40, "error_rate": 0, "tool_turns": TOOL_TURNS},
         "snapshot": {"every_seconds": 0.3},
-        "train": {"batch_size": 4},
+        **overrides,
     }
-    config.update(overrides)
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
+    # The dataset holds the tasks: no "tasks" key, as a user's config has none.
+    return write_job_config(tmp_path, unset=["tasks"], **fields)
 
 
 @pytest.fixture
@@ -168,26 +161,9 @@ def test_rollpoint_conformance_passes_on_every_sandbox_server(
 
 
 # ---- a crash -----------------------------------------------------------------------------
-def _rerun_until_ok(config: Path, started: list[RunProcess]) -> list[Finished]:
-    runs: list[Finished] = []
-    while len(runs) < MAX_RERUNS:
-        started.append(RunProcess(config))
-        runs.append(started[-1].finish())
-        if runs[-1].returncode == 0:
-            return runs
-        assert "Traceback" not in runs[-1].stderr, runs[-1].stderr[-3000:]
-    raise AssertionError("reruns failed:\n" + "\n---\n".join(r.stderr[-1500:] for r in runs))
-
-
 def _calls(messages: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any], str]]:
     """Every tool call of a transcript with its arguments and the result it got."""
-    results = {m.get("tool_call_id"): m.get("content") for m in messages if m["role"] == "tool"}
-    calls = []
-    for message in messages:
-        for call in message.get("tool_calls") or ():
-            arguments = orjson.loads(call["function"]["arguments"] or "{}")
-            calls.append((call["function"]["name"], arguments, str(results.get(call["id"]))))
-    return calls
+    return [(c.name, c.arguments, c.result) for c in tool_calls(messages)]
 
 
 def expected_tree(task: TaskRow, messages: list[dict[str, Any]]) -> tuple[bytes, int]:
@@ -205,45 +181,15 @@ def expected_tree(task: TaskRow, messages: list[dict[str, Any]]) -> tuple[bytes,
     return pack_tree(files), appends
 
 
-def crash_and_rerun(
+def crash_and_rerun_sandbox(
     config: Path, workdir: Path, *, depth: int = 1
 ) -> list[invariants.TrainedRollout]:
     """SIGKILL the run once a snapshot after its first train checkpoint holds an episode
-    ``depth`` turns in (the newest one: the rerun restores from it), rerun it to the end;
-    the rollouts it trained, each row once (checked), some of them continued.
-
-    Waiting for the depth, not for any snapshot, is what makes the crash test one: on a
-    loaded machine the first snapshot after the checkpoint could catch only episodes that
-    had not completed a turn (CI's did), and a continued episode then kept nothing."""
-    started: list[RunProcess] = []
-    try:
-        run = RunProcess(config)
-        started.append(run)
-        store = workdir / invariants.SNAPSHOT_STORE_DIR
-        run.wait_until(lambda: has_checkpoint(workdir), "a train checkpoint")
-        before = published(store)
-        run.wait_until(
-            # With a policy call left: the rerun continues the episode with a call.
-            lambda: newest_holds_depth(store, before, depth, most=TOOL_TURNS),
-            f"a snapshot after it holding an episode {depth} turn(s) in",
-        )
-        assert run.proc.poll() is None, f"the run ended before the kill:\n{run.stderr[-2000:]}"
-        assert run.kill() == [], "processes outlived the killed run"
-
-        reruns = _rerun_until_ok(config, started)
-    finally:
-        for proc in started:
-            if proc.proc.poll() is None:
-                proc.kill()
-
-    match = _CONTINUED.search(reruns[0].stderr)
-    assert match and int(match.group(1)) > 0, reruns[0].stderr[-2000:]
-    tasks = load_tasks(TASKS, environment=REF)
-    rollouts, unreadable = invariants.read_train_data(workdir)
-    expected = invariants.expected_rows(tasks, GROUP_SIZE)
-    found = [*unreadable, *invariants.check_exactly_once(rollouts, expected)]
-    assert found == [], invariants.report(found)
-    return rollouts
+    ``depth`` turns in with a policy call left (the newest one: the rerun restores from it,
+    and continues the episode with a call), rerun it to the end; the rollouts it trained,
+    each row once (checked), some of them continued."""
+    crash_and_rerun(config, workdir, depth=depth, most=TOOL_TURNS, rerun_timeout_s=90)
+    return trained_once(workdir, load_tasks(TASKS, environment=REF), GROUP_SIZE)
 
 
 def test_sigkill_and_rerun_trains_every_row_once_applies_each_append_once_and_regenerates_nothing(
@@ -251,7 +197,7 @@ def test_sigkill_and_rerun_trains_every_row_once_applies_each_append_once_and_re
 ) -> None:
     policy_url, log = policy
     config = write_config(tmp_path, policy={"base_url": policy_url})
-    rollouts = crash_and_rerun(config, tmp_path / "run")
+    rollouts = crash_and_rerun_sandbox(config, tmp_path / "run")
     tasks = {t.task_id: t for t in load_tasks(TASKS, environment=REF)}
 
     # No append applied twice: from the final trees the environment itself wrote.
@@ -318,13 +264,7 @@ def test_an_export_that_is_not_json_safe_fails_that_snapshot_and_the_run_goes_on
 
     assert finished.returncode == 0, finished.stderr[-3000:]
     workdir = tmp_path / "run"
-    rollouts, unreadable = invariants.read_train_data(workdir)
-    tasks = load_tasks(TASKS, environment=REF)
-    found = [
-        *unreadable,
-        *invariants.check_exactly_once(rollouts, invariants.expected_rows(tasks, GROUP_SIZE)),
-    ]
-    assert found == [], invariants.report(found)
+    trained_once(workdir, load_tasks(TASKS, environment=REF), GROUP_SIZE)
     events = [orjson.loads(line) for line in (workdir / "metrics.jsonl").read_bytes().splitlines()]
     snapshots = [e for e in events if e.get("event") == "snapshot"]
     failed = [e for e in snapshots if e["outcome"] == "failed"]
@@ -352,7 +292,7 @@ def test_a_custom_loop_gets_its_state_back_after_sigkill_and_rerun(
     policy_url, log = policy
     config = write_config(tmp_path, policy={"base_url": policy_url}, agent_loop=LOOP)
     # Killed with an episode past a fold, whose next call the rerun makes from the summary.
-    rollouts = crash_and_rerun(config, tmp_path / "run", depth=SummarizingLoop.every)
+    rollouts = crash_and_rerun_sandbox(config, tmp_path / "run", depth=SummarizingLoop.every)
 
     # Every request the policy got is what the loop makes from the transcript, its state
     # threaded turn by turn from the start: a restore that lost the state (or handed back

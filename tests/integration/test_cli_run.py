@@ -14,29 +14,18 @@ import orjson
 import pytest
 import yaml
 
+from tests.support.job_config import write_job_config
 from tests.support.processes import children_of, kill_all, wait_gone
-from tests.support.serve_process import served
+from tests.support.serve_process import served, workplace_serve_config
 from tests.support.train_schema import check_train_rows
 
 pytestmark = pytest.mark.process
 
 
 def write_config(tmp_path: Path, **overrides: object) -> Path:
-    config: dict[str, object] = {
-        "workdir": str(tmp_path / "run"),
-        "environment": "workplace",
-        "tasks": 4,
-        "group_size": 2,
-        "max_turns": 8,
-        "replicas": 2,
-        "concurrency": 8,
-        "policy": {"latency_ms": 0, "error_rate": 0.1},
-        "train": {"batch_size": 4},
-    }
-    config.update(overrides)
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
+    return write_job_config(
+        tmp_path, **{"policy": {"latency_ms": 0, "error_rate": 0.1}, **overrides}
+    )
 
 
 def rollpoint(*args: str, **kw: object) -> subprocess.CompletedProcess[str]:
@@ -54,9 +43,9 @@ def train_lines(workdir: Path) -> list[dict[str, object]]:
     return [orjson.loads(line) for line in (workdir / "train_data.jsonl").read_bytes().splitlines()]
 
 
-@pytest.mark.parametrize(
-    ("environment", "replicas"), [("workplace", 2), ("blackjack", 1), ("math", 1)]
-)
+# The math environment's run (single-turn, restart-only) is the built-in loop's in process:
+# tests/integration/test_builtin_loop.py, test_rollouts_sync.py (every row trained once).
+@pytest.mark.parametrize(("environment", "replicas"), [("workplace", 2), ("blackjack", 1)])
 def test_run_trains_every_group_row_exactly_once(
     tmp_path: Path, environment: str, replicas: int
 ) -> None:
@@ -174,19 +163,6 @@ def test_servers_exit_on_their_own_when_run_is_sigkilled(tmp_path: Path) -> None
         proc.wait(timeout=10)
         leftover = wait_gone(servers, timeout_s=10)
         assert leftover == [], f"servers outlived a SIGKILLed run: {leftover}"
-    finally:
-        kill_all(servers)
-
-
-def test_sigterm_stops_the_run_and_every_server(tmp_path: Path) -> None:
-    proc = _start_long_run(tmp_path)
-    servers = _wait_for_servers(proc, count=1 + 3 * 2)
-    try:
-        time.sleep(1.0)
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=20)
-        assert proc.returncode != 0
-        assert wait_gone(servers, timeout_s=1) == []
     finally:
         kill_all(servers)
 
@@ -314,3 +290,37 @@ def test_a_dataset_edited_in_place_before_the_rerun_is_refused_naming_it(tmp_pat
     assert "Traceback" not in again.stderr
     assert f"dataset {dataset} is not the dataset snapshot" in again.stderr
     assert train_lines(tmp_path / "run") == first
+
+
+def test_a_graceful_stop_on_served_servers_leaves_no_lease_for_the_rerun(tmp_path: Path) -> None:
+    # The final snapshot holds the participants until it is published, then the trainer
+    # exits: on servers that outlive it the rerun waited their lease out (8.8 s) first.
+    from tests.support.run_process import RICH_ENV, RunProcess
+
+    serve_config, _ = workplace_serve_config(tmp_path, tasks=40, group_size=2, latency_ms=300)
+    with served(serve_config) as deployment:
+        line = tmp_path / "served.json"
+        line.write_bytes(orjson.dumps(deployment))
+        raw = yaml.safe_load(serve_config.read_text())
+        job = tmp_path / "job.yaml"
+        job.write_text(
+            yaml.safe_dump(
+                raw | {"workdir": str(tmp_path / "run"), "snapshot": {"every_seconds": 1.0}}
+            )
+        )
+        run = RunProcess(job, "--attach", str(line))
+        run.wait_until(
+            lambda: (tmp_path / "run" / "train_data.jsonl").exists(), "a train step", timeout_s=120
+        )
+        run.proc.send_signal(signal.SIGTERM)
+        stopped = run.finish(timeout_s=60)
+        assert stopped.returncode == 143, stopped.stderr[-3000:]
+        assert "holds the run" in stopped.stderr
+
+        again = rollpoint("run", str(job), "--attach", str(line), env={**os.environ, **RICH_ENV})
+
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert "resumed from snapshot" in again.stderr
+        assert "restore waits for" not in again.stderr
+        rows = Counter((r["group_id"], r["row"]) for r in train_lines(tmp_path / "run"))
+        assert len(rows) == 80 and set(rows.values()) == {1}

@@ -9,6 +9,7 @@ resume without reopening.
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -49,12 +50,15 @@ Send = Any
 Scope = dict[str, Any]
 
 
-def make_participant(kind: str, root: Path) -> FastAPI:
+def make_participant(kind: str, root: Path, *, journal: bool = False) -> FastAPI:
     snapshot_root = str(root)
     if kind == "model":
         return create_model_app(
             ModelServerSettings(
-                upstream_url=f"{DOWN}/v1", snapshot_root=snapshot_root, lease_grace_s=GRACE_S
+                upstream_url=f"{DOWN}/v1",
+                snapshot_root=snapshot_root,
+                lease_grace_s=GRACE_S,
+                journal=journal,
             )
         )
     if kind == "agent":
@@ -64,9 +68,12 @@ def make_participant(kind: str, root: Path) -> FastAPI:
             environment="workplace",
             snapshot_root=snapshot_root,
             lease_grace_s=GRACE_S,
+            journal=journal,
         )
         return create_agent_app(settings)
-    return create_resources_app("workplace", snapshot_root=snapshot_root, lease_grace_s=GRACE_S)
+    return create_resources_app(
+        "workplace", snapshot_root=snapshot_root, lease_grace_s=GRACE_S, journal=journal
+    )
 
 
 @pytest.fixture(autouse=True)
@@ -87,11 +94,33 @@ async def test_our_participants_pass_every_case(kind: str, tmp_path: Path) -> No
     assert [c.name for c in report.cases] == [name for name, _ in CASES]
     assert set(failures(report)) == KNOWN_FAILURES, failures(report)
     assert report.participant == f"{kind} {kind}/replica-0"
+    assert report.journals is False
     by_name = {c.name: c for c in report.cases}
     # The kit read the manifest and records back from <root>/<dir>/<kind>/<instance>/.
     assert "checked on disk" in by_name["commit"].detail
     # The lease reopened the participant by itself, about a grace after the deadline.
     assert by_name["lease"].seconds < 1.0 + GRACE_S + 1.5
+
+
+@pytest.mark.parametrize("kind", ["model", "agent", "resources"])
+async def test_a_journaling_participant_passes_every_case_and_says_it_journals(
+    kind: str, tmp_path: Path
+) -> None:
+    with serve_app(make_participant(kind, tmp_path, journal=True)) as url:
+        report = await check_participant(
+            url, TOKEN, lease_grace_s_hint=GRACE_S, local_root=tmp_path
+        )
+    assert set(failures(report)) == KNOWN_FAILURES, failures(report)
+    assert report.journals is True
+    assert "journals its work" in (report.to_table().caption or "")
+    # Each commit saved where the journal stood as its cut opened.
+    pattern = f"conformance/**/{kind}/{kind}-replica-0/manifest.json"
+    docs = await asyncio.to_thread(
+        lambda: [orjson.loads(p.read_bytes()) for p in tmp_path.glob(pattern)]
+    )
+    assert docs
+    for doc in docs:
+        assert doc["journal"]["folder"] == f"journal/{kind}/{kind}-replica-0"
 
 
 # --- broken participants ------------------------------------------------------------------

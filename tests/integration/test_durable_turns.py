@@ -13,6 +13,8 @@ outside log). A kill of real processes is in ``tests/chaos/test_durable_turns_cr
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
@@ -68,9 +70,11 @@ async def http() -> AsyncIterator[httpx.AsyncClient]:
 
 
 @contextmanager
-def servers(engine_url: str, store: Path, *, journal: bool) -> Iterator[tuple[str, str]]:
+def servers(
+    engine_url: str, store: Path, *, journal: bool, agent_journal: bool = False
+) -> Iterator[tuple[str, str]]:
     """Resources (the effect-logging workplace), model and agent servers on ``store``;
-    the model and agent URLs."""
+    the model and agent URLs. ``agent_journal``: the agent journals its turns too."""
     root = str(store)
     with ExitStack() as stack:
         resources = stack.enter_context(
@@ -96,6 +100,7 @@ def servers(engine_url: str, store: Path, *, journal: bool) -> Iterator[tuple[st
             sampling=SAMPLING.request_fields(),
             seed_policy=SAMPLING.seed,
             capture_tokens=True,
+            **({"snapshot_root": root, "journal": True} if agent_journal else {}),
         )
         agent = stack.enter_context(serve_app(create_agent_app(settings)))
         yield model, agent
@@ -294,3 +299,70 @@ async def test_a_replay_that_differs_warns_and_the_episode_continues_from_the_sn
     verdict = service.verify(VerifyRequest(episode=episode, final_message=None))
     assert verdict.reward is not None
     await journal.journal.close()
+
+
+@pytest.fixture
+def slow_engine(tmp_path: Path) -> Iterator[tuple[str, Path]]:
+    """The scripted policy taking 150 ms a call: a stop lands mid-episode."""
+    log = tmp_path / "slow-engine.jsonl"
+    settings = PolicySettings(seed=3, error_rate=0.0, call_log=str(log), latency_ms=150)
+    with serve_app(create_policy_app(settings)) as url:
+        yield url, log
+
+
+async def test_an_agent_resumes_each_episode_at_its_last_journaled_turn_and_adopts_finished_replies(
+    slow_engine: tuple[str, Path],
+    http: httpx.AsyncClient,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first servers stop while episodes are mid-way (their sessions cancelled, as a
+    kill would leave them, with what was journaled); new servers on the same store are sent
+    the same rows under the next attempt: each episode goes on from its last journaled turn
+    (no policy call sampled again but the ones in flight at the stop, no effect applied
+    again, the environment's state rebuilt: full reward), and a row that had finished gets
+    its journaled reply back without running."""
+    engine_url, engine_log = slow_engine
+    effects = tmp_path / "effects.jsonl"
+    monkeypatch.setenv(LOG_ENV, str(effects))
+    store = tmp_path / "store"
+    batch = rows(4, attempt=0)
+    with servers(engine_url, store, journal=True, agent_journal=True) as (_, agent):
+        finished = await run(http, agent, batch[:1])  # one row ends before the stop
+        first = asyncio.create_task(run(http, agent, batch[1:]))
+        # Mid-way: some turns of every other row journaled, none of them finished.
+        for _ in range(2000):
+            if len(log_lines(engine_log)) >= finished["dt0"]["turns"] + 6:
+                break
+            await asyncio.sleep(0.005)
+        assert not first.done()
+        first.cancel()  # the connection goes: the server's shutdown then stops the sessions
+        with contextlib.suppress(BaseException):
+            await first
+    sampled = log_lines(engine_log)
+    applied = log_lines(effects)
+
+    with servers(engine_url, store, journal=True, agent_journal=True) as (_, agent):
+        again = await run(http, agent, rows(4, attempt=1))
+        counts = (await http.get(agent + "/rollpoint/v1/sessions")).json()["counts"]
+    # The finished row: its reply, adopted under the new attempt, nothing run.
+    assert again["dt0"]["episode"]["attempt"] == 1
+    assert turns(again["dt0"]) == turns(finished["dt0"])
+    assert counts["journal_adopted"] == 1
+    assert counts["journal_resumed_turns"] > 0
+    # At most one policy call per unfinished row (the one in flight at the stop) sampled again.
+    seeds_before = Counter(line["request"]["seed"] for line in sampled)
+    after = log_lines(engine_log)[len(sampled) :]
+    twice = [line["request"]["seed"] for line in after if seeds_before[line["request"]["seed"]]]
+    assert len(twice) <= 3, twice
+    # No effect twice, every effect once; the state was rebuilt: full reward.
+    seen = Counter((line["task"], line["effect"]) for line in log_lines(effects))
+    assert max(seen.values()) == 1 and len(log_lines(effects)) >= len(applied)
+    by_id = {line["id"]: line for line in log_lines(engine_log)}
+    for reply in again.values():
+        assert reply["reward"] == 1.0, reply["reward"]
+        for call in reply["model_calls"]:
+            (choice,) = by_id[call["completion_id"]]["choices"]
+            trace = TokenTrace.model_validate(call["tokens"])
+            assert trace.completion() == choice["token_ids"]
+            assert trace.logprobs() == as_float32(choice["logprobs"])

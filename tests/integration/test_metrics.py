@@ -17,34 +17,29 @@ import orjson
 import pytest
 from fastapi import FastAPI
 
-from rollpoint.app.config import RunConfig, parse_config
+from rollpoint.app.config import RunConfig
 from rollpoint.envs.workplace import WorkplaceEnvironment
 from rollpoint.protocol.errors import ConfigError, StaleAttemptError
 from rollpoint.protocol.ids import EpisodeId
 from rollpoint.servers.resources.resources_server import create_resources_app, resources_service
 from rollpoint.trainer.metrics import TrainerMetrics
 from tests.support.embedded_job import embedded_job
+from tests.support.job_config import job_config
 from tests.support.live_server import serve_app
 from tests.support.polling import eventually
 from tests.support.prometheus import Scrape
 
 
 def job(tmp_path: Path, **overrides: Any) -> RunConfig:
-    raw: dict[str, Any] = {
-        "workdir": str(tmp_path / "run"),
-        "environment": "workplace",
-        "tasks": 16,
-        "group_size": 2,
-        "replicas": 2,
-        "concurrency": 8,
-        "policy": {"latency_ms": 40, "error_rate": 0.0},
-        "train": {"batch_size": 4},
-        "snapshot": {"every_seconds": 0.5, "keep": 50, "deadline_seconds": 5},
-    }
-    raw.update(overrides)
-    config = parse_config(raw)
-    config.workdir.mkdir(parents=True, exist_ok=True)
-    return config
+    return job_config(
+        tmp_path,
+        **{
+            "tasks": 16,
+            "policy": {"latency_ms": 40, "error_rate": 0.0},
+            "snapshot": {"every_seconds": 0.5, "keep": 50, "deadline_seconds": 5},
+            **overrides,
+        },
+    )
 
 
 def train_rows(path: Path) -> list[dict[str, Any]]:

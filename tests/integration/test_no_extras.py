@@ -131,8 +131,13 @@ def test_each_extra_is_named_when_its_feature_is_used(venv: Path) -> None:
             "environment 'verifiers:stardata.envs.constraint_gym' needs the 'verifiers' extra:"
             " pip install 'rollpoint[verifiers]'"
         ),
+        "from rollpoint.envs import get_environment;"
+        " get_environment('openenv:echo_env.server.app:app')": (
+            "environment 'openenv:echo_env.server.app:app' needs the 'openenv' extra:"
+            " pip install 'rollpoint[openenv]'"
+        ),
         "from rollpoint.app.config import RunConfig; from rollpoint.runtime.contract import"
-        " runtime_for; runtime_for(RunConfig(runtime='ray'))": (
+        " runtime_for; runtime_for(RunConfig(runtime='ray').runtime_settings())": (
             "the Ray runtime (runtime: ray) needs the 'ray' extra: pip install 'rollpoint[ray]'"
         ),
         "from rollpoint.trainer.metrics import TrainerMetrics; TrainerMetrics()": (

@@ -9,6 +9,7 @@ calls beyond those are the ones re-done after the stop.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -111,10 +112,12 @@ def _check_rerun(tmp_path: Path, config: Path, calls: PolicyCalls, in_flight: in
     assert 0 <= redone <= in_flight, f"{redone} calls re-done, {in_flight} were in flight"
 
 
+# SIGTERM to the run alone (a scheduler's notice), and SIGINT to the whole group (Ctrl-C,
+# which the servers also get): each signal once, each delivery once.
 @pytest.mark.parametrize(
     ("signum", "group"),
-    [(signal.SIGTERM, False), (signal.SIGTERM, True), (signal.SIGINT, True)],
-    ids=["sigterm-to-run", "sigterm-to-group", "sigint-to-group"],
+    [(signal.SIGTERM, False), (signal.SIGINT, True)],
+    ids=["sigterm-to-run", "sigint-to-group"],
 )
 def test_a_signal_mid_job_saves_a_final_snapshot_and_the_rerun_redoes_only_calls_in_flight(
     tmp_path: Path, signum: int, group: bool
@@ -129,6 +132,15 @@ def test_a_signal_mid_job_saves_a_final_snapshot_and_the_rerun_redoes_only_calls
         assert latest.published_at > signalled_at, "no snapshot was published after the signal"
         assert f"snapshot {latest.snapshot_id} holds the run" in stderr
         assert stderr.count("holds the run") == 1, "the stop's line is said once"
+        # Every saved episode is said to be at a turn boundary or waiting on a policy call.
+        split = re.search(
+            r"(\d+) saved mid-episode \((\d+) at a turn boundary, (\d+) waiting on a policy "
+            r"call\)",
+            stderr,
+        )
+        assert split is not None, stderr[-2000:]
+        saved, boundary, waiting = map(int, split.groups())
+        assert saved == len(latest.episodes) > 0 and boundary + waiting == saved
         log = (tmp_path / "run" / "rollpoint.log").read_text()
         assert f"snapshot {latest.snapshot_id} holds the run" in log
         _check_rerun(tmp_path, _config(tmp_path, url), calls, in_flight)
@@ -194,6 +206,34 @@ def test_a_second_signal_stops_at_once_without_a_traceback(tmp_path: Path) -> No
         assert "stopped at once by SIGTERM (a second signal" in finished.stderr
         assert "Traceback" not in finished.stderr
         assert wait_gone(servers, timeout_s=5) == []
+
+
+def test_a_second_signal_after_the_final_snapshot_says_the_one_line_naming_it(
+    tmp_path: Path,
+) -> None:
+    # The second signal comes while the servers stop, after the final snapshot published:
+    # the console said "no final snapshot" although the log said which one held the run.
+    with counting_policy(latency_ms=300) as (url, calls):
+        run = _started_mid_job(tmp_path, url, calls)
+        log = tmp_path / "run" / "rollpoint.log"
+        os.kill(run.proc.pid, signal.SIGTERM)
+        run.wait_until(
+            lambda: "holds the run" in log.read_text(),
+            "the final snapshot over",
+            timeout_s=GRACE_S,
+            poll_s=0.002,
+        )
+        os.kill(run.proc.pid, signal.SIGINT)
+        finished = run.finish(timeout_s=30)
+        assert "SIGINT received again" in finished.stderr, "the second signal came too late"
+        assert finished.returncode == 143, finished.stderr[-3000:]
+        latest = SnapshotStore(str(tmp_path / "run" / "snapshots"), clean_leftovers=False).latest()
+        assert latest is not None
+        stop_lines = [line for line in finished.stderr.splitlines() if "stopped" in line]
+        assert len(stop_lines) == 1, stop_lines
+        assert f"snapshot {latest.snapshot_id} holds the run" in stop_lines[0]
+        assert "no final snapshot" not in finished.stderr
+        assert "Traceback" not in finished.stderr
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])

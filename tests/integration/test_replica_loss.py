@@ -20,7 +20,7 @@ from typing import Any
 import orjson
 import pytest
 
-from rollpoint.app.config import RunConfig, parse_config
+from rollpoint.app.config import RunConfig
 from rollpoint.http.client import HttpClient
 from rollpoint.loop import SimulatedTrainer
 from rollpoint.protocol.episode import RunReply
@@ -36,6 +36,7 @@ from rollpoint.trainer.snapshot.coordinator import FINISHED_QUEUE_FILE, LEDGER_F
 from rollpoint.trainer.state.ledger import RecoveryLedger, RolloutState
 from rollpoint.trainer.trainer import Trainer
 from tests.support.embedded_job import EmbeddedJob, embedded_job, embedded_servers
+from tests.support.job_config import job_config
 from tests.support.polling import eventually
 
 LOST = "replica-1"
@@ -43,26 +44,22 @@ WAIT_S = 10.0
 
 
 def job(tmp_path: Path, **overrides: Any) -> RunConfig:
-    raw: dict[str, Any] = {
-        "workdir": str(tmp_path / "run"),
-        "environment": "workplace",
-        "tasks": 12,
-        "group_size": 2,
-        "replicas": 2,
-        "concurrency": 6,
-        "policy": {"latency_ms": 40, "error_rate": 0.0},
-        "train": {"batch_size": 4, "checkpoint_every_steps": 1},
-        "snapshot": {
-            "every_seconds": 0.3,
-            "keep": 100,
-            "deadline_seconds": 5,
-            "retry_after_seconds": 0,
+    return job_config(
+        tmp_path,
+        **{
+            "tasks": 12,
+            "concurrency": 6,
+            "policy": {"latency_ms": 40, "error_rate": 0.0},
+            "train": {"batch_size": 4, "checkpoint_every_steps": 1},
+            "snapshot": {
+                "every_seconds": 0.3,
+                "keep": 100,
+                "deadline_seconds": 5,
+                "retry_after_seconds": 0,
+            },
+            **overrides,
         },
-    }
-    raw.update(overrides)
-    config = parse_config(raw)
-    config.workdir.mkdir(parents=True, exist_ok=True)
-    return config
+    )
 
 
 async def kill(h: EmbeddedJob, replica: str) -> float:

@@ -173,7 +173,7 @@ async def parts(tmp_path: Path, wait_s: float) -> AsyncIterator[Parts]:
         files={},
         config_fingerprint={},
     )
-    coordinator.history.append(SaveReport("snap-1", published=True, manifest=manifest))
+    coordinator.remember(SaveReport("snap-1", published=True, manifest=manifest))
     recovery = ReplicaRecovery(ledger, roster, coordinator, wait_s=wait_s, restore_deadline_s=1)
 
     async def on_reply(reply: RunReply) -> None:

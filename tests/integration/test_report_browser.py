@@ -11,6 +11,7 @@ why and are skipped; ``.ci/run`` installs it so CI always has it.
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -21,8 +22,8 @@ from typing import Any
 
 import orjson
 import pytest
-import yaml
 
+from tests.support.job_config import write_job_config
 from tests.support.run_process import RunProcess
 
 # One worker runs the file: the module's browser is started once.
@@ -64,22 +65,15 @@ def browser() -> Iterator[Any]:
 
 
 def write_config(tmp_path: Path, **overrides: object) -> Path:
-    config: dict[str, object] = {
-        "workdir": str(tmp_path / "run"),
-        "environment": "workplace",
-        "tasks": 16,
-        "group_size": 2,
-        "max_turns": 8,
-        "replicas": 2,
-        "concurrency": 8,
-        "policy": {"latency_ms": 40, "error_rate": 0},
-        "snapshot": {"every_seconds": 0.3},
-        "train": {"batch_size": 4},
-    }
-    config.update(overrides)
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
+    return write_job_config(
+        tmp_path,
+        **{
+            "tasks": 16,
+            "policy": {"latency_ms": 40, "error_rate": 0},
+            "snapshot": {"every_seconds": 0.3},
+            **overrides,
+        },
+    )
 
 
 def rollpoint(*args: str) -> subprocess.CompletedProcess[str]:
@@ -176,7 +170,9 @@ def test_report_of_a_finished_run_renders_in_chromium(browser: Any, tmp_path: Pa
 def test_report_of_a_crashed_and_resumed_run_shows_the_restore(
     browser: Any, tmp_path: Path
 ) -> None:
-    config = write_config(tmp_path)
+    """With the journal on: the page also lists each server's journal, the marks the kept
+    snapshots hold for it and the turns the restore took from the agents' journals."""
+    config = write_config(tmp_path, journal={"enabled": True})
     workdir = tmp_path / "run"
     first = RunProcess(config)
     try:
@@ -214,3 +210,25 @@ def test_report_of_a_crashed_and_resumed_run_shows_the_restore(
     # The rerun's mark, its legend entry, and where the killed run's records stop.
     assert page.locator("#timeline svg text", has_text="rerun").count() == 2
     assert page.locator("#timeline svg text", has_text="last sign of life").count() == 1
+    # The journals: one row per server, as the store holds them; the marks every kept
+    # snapshot saved; the restore's turns from the journal, as its line said.
+    taken = re.search(r"(\d+) replayed from the journal", again.stderr)
+    assert taken is not None, again.stderr
+    assert cells[8] == taken.group(1)
+    store = orjson.loads(rollpoint("inspect", str(workdir), "--json").stdout)
+    kept = [s["id"] for s in store["snapshots"]]
+    rows = page.locator("h2:text('Journals') + table tbody tr")
+    shown = {}
+    for i in range(rows.count()):
+        row = rows.nth(i).locator("td").all_inner_texts()
+        shown[row[0]] = row
+    assert set(shown) == {f"{j['kind']}/{j['instance']}" for j in store["journals"]}
+    assert len(shown) == 6  # model, resources and agent servers of two replicas
+    for j in store["journals"]:
+        row = shown[f"{j['kind']}/{j['instance']}"]
+        assert row[1:4] == [str(j["records"]), str(j["bytes"]), str(j["segments"])]
+        assert all(f"{sid}: segment " in row[5] for sid in kept), (row, kept)
+    at_restore = [shown[name][6] for name in shown if name.startswith("agent/")]
+    turns = [re.fullmatch(r"(\d+) turns, \d+ finished replies", cell) for cell in at_restore]
+    assert all(turns), at_restore
+    assert sum(int(m.group(1)) for m in turns if m) == int(taken.group(1))

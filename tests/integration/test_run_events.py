@@ -5,11 +5,10 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Any
 
 import pytest
 
-from rollpoint.app.config import RunConfig, parse_config
+from rollpoint.app.config import RunConfig
 from rollpoint.trainer.run_events import (
     EVENTS_FILE,
     InFlight,
@@ -20,6 +19,7 @@ from rollpoint.trainer.run_events import (
     read_events,
 )
 from tests.support.embedded_job import embedded_job
+from tests.support.job_config import job_config
 from tests.support.polling import eventually
 
 pytestmark = pytest.mark.process
@@ -28,20 +28,14 @@ LOST = "replica-1"
 
 
 def job(tmp_path: Path) -> RunConfig:
-    raw: dict[str, Any] = {
-        "workdir": str(tmp_path / "run"),
-        "environment": "workplace",
-        "tasks": 16,
-        "group_size": 2,
-        "replicas": 2,
-        "concurrency": 6,
-        "policy": {"latency_ms": 40, "error_rate": 0.0},
-        "train": {"batch_size": 4, "checkpoint_every_steps": 1},
-        "snapshot": {"every_seconds": 0.3, "deadline_seconds": 5, "retry_after_seconds": 0},
-    }
-    config = parse_config(raw)
-    config.workdir.mkdir(parents=True, exist_ok=True)
-    return config
+    return job_config(
+        tmp_path,
+        tasks=16,
+        concurrency=6,
+        policy={"latency_ms": 40, "error_rate": 0.0},
+        train={"batch_size": 4, "checkpoint_every_steps": 1},
+        snapshot={"every_seconds": 0.3, "deadline_seconds": 5, "retry_after_seconds": 0},
+    )
 
 
 @pytest.mark.timeout(300)

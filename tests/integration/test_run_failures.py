@@ -24,6 +24,7 @@ import yaml
 
 from rollpoint.app import exit_codes
 from tests.support.hanging_engine import MODEL, hanging_engine
+from tests.support.job_config import write_job_config
 from tests.support.run_process import RICH_ENV, RunProcess
 from tests.support.serve_process import served
 from tests.support.train_schema import check_train_rows
@@ -92,22 +93,18 @@ def verify_calls(tmp_path: Path) -> Counter[str]:
 
 
 def write_config(tmp_path: Path, **overrides: object) -> Path:
-    config: dict[str, object] = {
-        "workdir": str(tmp_path / "run"),
-        "environment": "flaky_env:Flaky",
-        "tasks": 4,
-        "group_size": 2,
-        "max_turns": 1,
-        "replicas": 1,
-        "concurrency": 4,
-        "policy": {"latency_ms": 0, "error_rate": 0},
-        "train": {"batch_size": 2},
-        "snapshot": {"allow_restart_only": True},
-    }
-    config.update(overrides)
-    path = tmp_path / "job.yaml"
-    path.write_text(yaml.safe_dump(config))
-    return path
+    return write_job_config(
+        tmp_path,
+        **{
+            "environment": "flaky_env:Flaky",
+            "max_turns": 1,
+            "replicas": 1,
+            "concurrency": 4,
+            "train": {"batch_size": 2},
+            "snapshot": {"allow_restart_only": True},
+            **overrides,
+        },
+    )
 
 
 def rollpoint(*args: str) -> subprocess.CompletedProcess[str]:

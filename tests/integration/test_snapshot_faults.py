@@ -22,18 +22,19 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
 import orjson
 import pytest
 
-from rollpoint.app.config import RunConfig, parse_config
+from rollpoint.app.config import RunConfig
 from rollpoint.envs import get_environment
 from rollpoint.http.client import HttpClient
 from rollpoint.loop import SimulatedTrainer
 from rollpoint.protocol.control import CONTROL_PREFIX, Phase
+from rollpoint.protocol.episode import TaskRow
 from rollpoint.protocol.errors import SnapshotError
 from rollpoint.protocol.manifest import SnapshotManifest
 from rollpoint.protocol.participant import ParticipantKind
@@ -48,6 +49,7 @@ from rollpoint.trainer.record.workdir_record import TRAIN_DATA_FILE
 from rollpoint.trainer.snapshot.coordinator import SaveReport, SnapshotCoordinator
 from rollpoint.trainer.train_hooks import TrainHooks, TrainSample
 from rollpoint.trainer.trainer import RunSummary, Trainer
+from tests.support.job_config import job_config
 from tests.support.polling import eventually
 from tests.support.records import records_paths
 
@@ -69,21 +71,15 @@ MODEL, AGENT, RESOURCES = ParticipantKind.MODEL, ParticipantKind.AGENT, Particip
 
 def job(tmp_path: Path, **snapshot: Any) -> RunConfig:
     """Long enough for a failed save and a good one mid-run; snapshots only when asked."""
-    config = parse_config(
-        {
-            "workdir": str(tmp_path / "run"),
-            "environment": "workplace",
-            "tasks": TASKS,
-            "group_size": GROUP_SIZE,
-            "replicas": 2,
-            "concurrency": 4,
-            "train": {"batch_size": 4, "checkpoint_every_steps": None},
-            "snapshot": {"keep": 50, "deadline_seconds": DEADLINE_S, "retry_after_seconds": 0}
-            | snapshot,
-        }
+    return job_config(
+        tmp_path,
+        tasks=TASKS,
+        group_size=GROUP_SIZE,
+        concurrency=4,
+        policy={},
+        train={"batch_size": 4, "checkpoint_every_steps": None},
+        snapshot={"keep": 50, "deadline_seconds": DEADLINE_S, "retry_after_seconds": 0} | snapshot,
     )
-    config.workdir.mkdir(parents=True, exist_ok=True)
-    return config
 
 
 @dataclass
@@ -94,6 +90,13 @@ class Harness:
     proxy: FaultProxy
     direct: dict[str, ParticipantClient]
     """Every participant by label, reached without the proxy."""
+    held_back: list[TaskRow] = field(default_factory=list)
+    """The job's last tasks, not given to the trainer yet (:meth:`send_held_back`)."""
+
+    def send_held_back(self) -> None:
+        """Give the trainer the tasks held back; it ends once they are trained too."""
+        self.trainer.add_groups(self.held_back)
+        self.trainer.end_groups()
 
     @property
     def coordinator(self) -> SnapshotCoordinator:
@@ -117,9 +120,15 @@ class Harness:
 
 @asynccontextmanager
 async def harness(
-    config: RunConfig, behind_proxy: ParticipantKind = AGENT, hooks: TrainHooks | None = None
+    config: RunConfig,
+    behind_proxy: ParticipantKind = AGENT,
+    hooks: TrainHooks | None = None,
+    *,
+    hold_back: int = 0,
 ) -> AsyncIterator[Harness]:
-    """The job's deployment, with replica-0's ``behind_proxy`` participant behind a proxy."""
+    """The job's deployment, with replica-0's ``behind_proxy`` participant behind a proxy.
+    With ``hold_back``, the trainer starts on all but the job's last ``hold_back`` tasks and
+    does not end until the test sends them (``Harness.send_held_back``)."""
     token = secrets.token_urlsafe(16)
     root = config.snapshot_root()
     store = SnapshotStore(root, keep=config.snapshot.keep)
@@ -145,14 +154,17 @@ async def harness(
                 participants = [proxied if c is target else c for c in clients]
                 control = ControlPlane(participants, store, metrics)
                 tasks = get_environment(config.environment).make_tasks(TASKS, config.seed)
+                first, held = tasks[: TASKS - hold_back], tasks[TASKS - hold_back :]
                 trainer = Trainer(
                     config.trainer_settings(),
                     deployment,
-                    tasks,
+                    first,
                     control=control,
                     hooks=hooks or SimulatedTrainer(config.train.step_seconds),
+                    more_groups=bool(held),
                 )
-                yield Harness(config, trainer, store, proxy, {c.label: c for c in clients})
+                direct = {c.label: c for c in clients}
+                yield Harness(config, trainer, store, proxy, direct, held)
 
 
 # --- what every test checks ------------------------------------------------------------
@@ -503,15 +515,19 @@ async def test_a_run_whose_last_snapshot_fails_saves_again_before_it_ends(
 async def test_corrupt_or_partial_snapshots_are_never_listed_as_valid(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    async with harness(job(tmp_path), AGENT) as h:
+    async with harness(job(tmp_path), AGENT, hold_back=1) as h:
         run = await h.start()
         first = await assert_commits(h)
         second = await assert_commits(h)
         # The newest must hold a record the older two do not (a write adds only what
         # changed since the participant's previous one): a policy call finished after the
-        # second's cut. Back to back on an idle machine, no call may finish in between.
+        # second's cut. The last group is sent only now, so one does, however fast or slow
+        # the rest of the job went (it may have finished before the second).
         calls = await model_calls(h)
-        await eventually(lambda: more_model_calls(h, calls), "a policy call after the second")
+        h.send_held_back()
+        await eventually(
+            lambda: more_model_calls(h, calls), "a policy call after the second", within_s=120
+        )
         newest = await assert_commits(h)
         summary = await run
     assert_trained_exactly_once(h, summary)

@@ -15,7 +15,7 @@ from typing import Any
 import orjson
 import pytest
 
-from rollpoint.app.config import RunConfig, parse_config
+from rollpoint.app.config import RunConfig
 from rollpoint.envs import get_environment
 from rollpoint.protocol.episode import TaskRow
 from rollpoint.protocol.errors import ConfigError
@@ -30,26 +30,22 @@ from rollpoint.tuning import collector_schedule as collector_schedule_module
 from rollpoint.tuning.collector_listener import installed
 from rollpoint.tuning.collector_schedule import collector_schedule
 from tests.support.embedded_job import embedded_job
+from tests.support.job_config import job_config
 
 pytestmark = pytest.mark.process
 
 
 def job(tmp_path: Path, **overrides: Any) -> RunConfig:
-    raw: dict[str, Any] = {
-        "workdir": str(tmp_path / "run"),
-        "environment": "workplace",
-        "tasks": 8,
-        "group_size": 2,
-        "replicas": 2,
-        "concurrency": 16,
-        "policy": {"latency_ms": 60, "error_rate": 0.0},
-        "train": {"batch_size": 4},
-        "snapshot": {"every_seconds": 0.4, "keep": 50, "deadline_seconds": 5},
-    }
-    raw.update(overrides)
-    config = parse_config(raw)
-    config.workdir.mkdir(parents=True, exist_ok=True)
-    return config
+    return job_config(
+        tmp_path,
+        **{
+            "tasks": 8,
+            "concurrency": 16,
+            "policy": {"latency_ms": 60, "error_rate": 0.0},
+            "snapshot": {"every_seconds": 0.4, "keep": 50, "deadline_seconds": 5},
+            **overrides,
+        },
+    )
 
 
 def _tool_status(content: object) -> object:

@@ -19,7 +19,9 @@ from rollpoint.protocol.errors import RunStalledError
 from rollpoint.testing import LocalCluster
 from rollpoint.trainer.settings import TrainerSettings
 from rollpoint.trainer.state.ledger import RolloutState
+from rollpoint.trainer.train_hooks import TrainSample
 from rollpoint.trainer.trainer import Trainer
+from tests.support.polling import eventually
 
 pytestmark = pytest.mark.integration
 
@@ -79,6 +81,59 @@ async def test_every_row_of_every_group_is_trained_exactly_once(
     assert [replica.policy_version() for replica in cluster.replicas] == [4, 4]
     assert trainer.finished_queue.counts()["consumed_groups"] == 0  # every step was committed
     assert trainer.stats.groups_trained == 8
+
+
+class LaggingTraining:
+    """Train hooks whose steps wait until the test lets them go: training slower than
+    rollouts, as with a large policy."""
+
+    def __init__(self) -> None:
+        self.go = asyncio.Event()
+
+    async def train_step(self, step: int, batch: list[TrainSample]) -> dict[str, float]:
+        await self.go.wait()
+        return {"samples": float(len(batch))}
+
+
+async def test_finished_rollouts_waiting_for_training_stay_bounded_while_training_lags(
+    cluster: LocalCluster, tmp_path: Path
+) -> None:
+    # Unbounded, the dispatcher ran every group while the first step trained: the finished
+    # queue held the whole run (issue 33's soak: the trainer grew 41 KiB a trained row).
+    tasks = cluster.tasks(40)
+    settings = TrainerSettings(
+        workdir=tmp_path,
+        group_size=4,
+        concurrency=8,
+        max_turns=12,
+        batch_size=8,
+        max_ready_batches=2,
+    )
+    hooks = LaggingTraining()
+    trainer = Trainer(settings, cluster.deployment(), tasks, hooks=hooks)
+    run = asyncio.create_task(trainer.run())
+    try:
+        limit = 2 * settings.batch_size
+
+        def feed_held_back() -> bool:
+            d = trainer.dispatcher
+            return d is not None and d.idle and trainer.finished_queue.ready_rollouts >= limit
+
+        await eventually(feed_held_back, "the feed waiting on a full finished queue", within_s=60)
+        # What was in flight when the feed stopped finishes: at most the feed's window of
+        # groups (concurrency / group_size + 1) more than the limit.
+        window = (math.ceil(settings.concurrency / settings.group_size) + 1) * 4
+        assert trainer.finished_queue.ready_rollouts <= limit + window
+        sealed = trainer.ledger.counts()[RolloutState.SEALED]
+        assert sealed <= settings.batch_size + limit + window < len(tasks) * 4
+    finally:
+        hooks.go.set()
+    summary = await asyncio.wait_for(run, 120)
+    assert summary.episodes == len(tasks) * 4
+    rows = read_train_data(tmp_path / "train_data.jsonl")
+    assert Counter((r["group_id"], r["row"]) for r in rows) == {
+        (f"{t.task_id}-g0", row): 1 for t in tasks for row in range(4)
+    }
 
 
 async def test_a_group_with_a_data_failure_is_reported_and_the_others_train(

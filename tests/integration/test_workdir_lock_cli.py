@@ -13,6 +13,7 @@ import orjson
 import pytest
 import yaml
 
+from tests.support.job_config import write_job_config
 from tests.support.serve_process import served
 
 pytestmark = pytest.mark.process
@@ -58,22 +59,13 @@ time.sleep(600)
 
 
 def _long_job(tmp_path: Path) -> Path:
-    config = tmp_path / "job.yaml"
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "workdir": str(tmp_path / "run"),
-                "environment": "workplace",
-                "tasks": 12,
-                "group_size": 2,
-                "replicas": 1,
-                "concurrency": 4,
-                "policy": {"latency_ms": 150, "error_rate": 0.0},
-                "train": {"batch_size": 4},
-            }
-        )
+    return write_job_config(
+        tmp_path,
+        tasks=12,
+        replicas=1,
+        concurrency=4,
+        policy={"latency_ms": 150, "error_rate": 0.0},
     )
-    return config
 
 
 def _wait_until(check: Callable[[], bool], what: str, within_s: float = 60.0) -> None:

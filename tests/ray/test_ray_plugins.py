@@ -47,7 +47,9 @@ async def test_an_environment_by_import_path_runs_on_every_replica_actor(
     config.workdir.mkdir(parents=True, exist_ok=True)
     async with (
         RayRuntime(
-            config, control_token=secrets.token_urlsafe(16), snapshot_root=config.snapshot_root()
+            config.runtime_settings(),
+            control_token=secrets.token_urlsafe(16),
+            snapshot_root=config.snapshot_root(),
         ) as rt,
         HttpClient(timeout_s=10) as http,
     ):

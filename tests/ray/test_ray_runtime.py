@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import ray
 
-from rollpoint.app.config import RunConfig, parse_config
+from rollpoint.app.config import RunConfig
 from rollpoint.app.job import drive_quietly, load_tasks_for, run_job
 from rollpoint.http.client import HttpClient
 from rollpoint.loop import SimulatedTrainer
@@ -34,6 +34,7 @@ from rollpoint.testing import invariants
 from rollpoint.trainer.metrics import TrainerMetrics
 from rollpoint.trainer.trainer import RunSummary, Trainer
 from tests.ray.conftest import RayCluster
+from tests.support.job_config import job_config
 from tests.support.polling import eventually
 from tests.support.processes import wait_gone
 
@@ -45,23 +46,18 @@ WAIT_S = 30.0
 
 
 def ray_job(tmp_path: Path, cluster: RayCluster, **overrides: Any) -> RunConfig:
-    raw: dict[str, Any] = {
-        "workdir": str(tmp_path / "run"),
-        "runtime": "ray",
-        "ray": {"address": cluster.address, "num_cpus_per_replica": 1},
-        "environment": "workplace",
-        "tasks": 16,
-        "group_size": 2,
-        "replicas": 2,
-        "concurrency": 6,
-        "policy": {"latency_ms": 100, "error_rate": 0.0},
-        "train": {"batch_size": 4},
-        "snapshot": {"every_seconds": 0.3},
-    }
-    raw.update(overrides)
-    config = parse_config(raw)
-    config.workdir.mkdir(parents=True, exist_ok=True)
-    return config
+    return job_config(
+        tmp_path,
+        **{
+            "runtime": "ray",
+            "ray": {"address": cluster.address, "num_cpus_per_replica": 1},
+            "tasks": 16,
+            "concurrency": 6,
+            "policy": {"latency_ms": 100, "error_rate": 0.0},
+            "snapshot": {"every_seconds": 0.3},
+            **overrides,
+        },
+    )
 
 
 def published(workdir: Path) -> int:
@@ -69,13 +65,27 @@ def published(workdir: Path) -> int:
     return len(list(snapshots.glob("*/manifest.json")))
 
 
-async def test_each_replica_is_an_actor_on_its_own_node_serving_the_driver(
+@pytest.mark.timeout(180)  # a hang guard: two tests' work in one (50 s at a load of 30)
+async def test_each_replica_is_an_actor_on_its_own_node_and_one_whose_server_dies_is_replaced(
     tmp_path: Path, ray_cluster: RayCluster
 ) -> None:
+    # One runtime for both: each replica an actor on its own node serving the driver, all
+    # its servers gone with the runtime; a replica whose server dies gets a new actor, and
+    # the others are untouched.
     config = ray_job(tmp_path, ray_cluster)
     root = config.snapshot_root()
+    events: list[tuple[str, object]] = []
+
+    async def on_down(name: str) -> None:
+        events.append(("down", name))
+
+    async def on_up(endpoints: ReplicaEndpoints) -> None:
+        events.append(("up", endpoints))
+
     async with (
-        RayRuntime(config, control_token=secrets.token_urlsafe(16), snapshot_root=root) as rt,
+        RayRuntime(
+            config.runtime_settings(), control_token=secrets.token_urlsafe(16), snapshot_root=root
+        ) as rt,
         HttpClient(timeout_s=10) as http,
     ):
         assert rt.deployment is not None
@@ -87,27 +97,6 @@ async def test_each_replica_is_an_actor_on_its_own_node_serving_the_driver(
             models = await http.get_json(f"{replica.model_url}/v1/models")
             assert tools["environment"] == "workplace"
             assert models["data"][0]["id"] == config.policy.model
-
-    assert names == ["replica-0", "replica-1"]
-    assert len(set(nodes.values())) == ray_cluster.nodes == 2
-    assert len(pids) == 6
-    assert wait_gone(pids, timeout_s=10) == [], "a replica's server outlived the runtime"
-
-
-async def test_a_replica_whose_server_dies_gets_a_new_actor_and_the_others_are_untouched(
-    tmp_path: Path, ray_cluster: RayCluster
-) -> None:
-    config = ray_job(tmp_path, ray_cluster)
-    events: list[tuple[str, object]] = []
-
-    async def on_down(name: str) -> None:
-        events.append(("down", name))
-
-    async def on_up(endpoints: ReplicaEndpoints) -> None:
-        events.append(("up", endpoints))
-
-    async with RayRuntime(config) as rt:
-        assert rt.deployment is not None
         before = {r.name: r for r in rt.deployment.replicas}
         kept_actor = rt.actor(KEPT)
         servers = await rt.actor(LOST).pids.remote()
@@ -124,11 +113,16 @@ async def test_a_replica_whose_server_dies_gets_a_new_actor_and_the_others_are_u
         replaced_by = await rt.actor(LOST).pids.remote()
         kept_same_actor = rt.actor(KEPT) is kept_actor
 
+    assert names == ["replica-0", "replica-1"]
+    assert len(set(nodes.values())) == ray_cluster.nodes == 2
+    assert len(pids) == 6
     assert events[0] == ("down", LOST)
     assert events[1] == ("up", after[LOST]) and after[LOST] != before[LOST]
     assert after[KEPT] == before[KEPT] and kept_same_actor
     assert not set(replaced_by.values()) & set(servers.values())
     assert wait_gone(list(servers.values()), timeout_s=10) == [], "the old actor's servers live on"
+    left = [*pids, *replaced_by.values()]
+    assert wait_gone(left, timeout_s=10) == [], "a replica's server outlived the runtime"
 
 
 async def test_a_killed_replica_actor_is_replaced_alone_and_the_job_keeps_the_invariants(

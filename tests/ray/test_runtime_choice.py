@@ -48,8 +48,10 @@ def test_a_bad_ray_setting_is_one_line_naming_the_key(raw: dict[str, object], me
 def test_the_config_picks_the_runtime(tmp_path: Path) -> None:
     from rollpoint.runtime.ray_runtime import RayRuntime
 
-    embedded = runtime_for(parse_config({"workdir": str(tmp_path)}))
-    on_ray = runtime_for(parse_config({"workdir": str(tmp_path), "runtime": "ray"}))
+    embedded = runtime_for(parse_config({"workdir": str(tmp_path)}).runtime_settings())
+    on_ray = runtime_for(
+        parse_config({"workdir": str(tmp_path), "runtime": "ray"}).runtime_settings()
+    )
     assert isinstance(embedded, EmbeddedRuntime)
     assert isinstance(on_ray, RayRuntime)
 
@@ -58,7 +60,7 @@ def test_the_embedded_path_never_imports_ray() -> None:
     code = (
         "import sys, rollpoint.app.cli, rollpoint.app.job, rollpoint.runtime.contract; "
         "from rollpoint.app.config import parse_config; "
-        "rollpoint.runtime.contract.runtime_for(parse_config({})); "
+        "rollpoint.runtime.contract.runtime_for(parse_config({}).runtime_settings()); "
         "print('ray' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -67,7 +69,9 @@ def test_the_embedded_path_never_imports_ray() -> None:
 
 def _plan(base_port: int | None, snapshot_root: str | None) -> ReplicaPlan:
     config = parse_config({"base_port": base_port} if base_port else {})
-    return ReplicaPlan.of(config, policy_url="http://127.0.0.1:9/v1", snapshot_root=snapshot_root)
+    return ReplicaPlan.of(
+        config.runtime_settings(), policy_url="http://127.0.0.1:9/v1", snapshot_root=snapshot_root
+    )
 
 
 def test_a_replica_takes_its_fixed_ports_first_and_free_ones_when_restarted() -> None:
@@ -91,7 +95,9 @@ def test_servers_are_participants_only_with_a_snapshot_root() -> None:
 
 def test_the_upstream_cap_reaches_every_agent_and_its_settings() -> None:
     config = parse_config({"upstream_connections": 2000})
-    plan = ReplicaPlan.of(config, policy_url="http://127.0.0.1:9/v1", snapshot_root=None)
+    plan = ReplicaPlan.of(
+        config.runtime_settings(), policy_url="http://127.0.0.1:9/v1", snapshot_root=None
+    )
     agent = plan.agent_spec(0, model_url="http://m", resources_url="http://r", restarted=False)
     assert AgentSettings.model_validate(agent.settings).upstream_connections == 2000
     uncapped = _plan(None, None).agent_spec(0, model_url="m", resources_url="r", restarted=False)

@@ -39,7 +39,7 @@ import orjson
 from aiohttp import web
 from pydantic import BaseModel
 
-from rollpoint.app.config import RunConfig, parse_config
+from rollpoint.app.config import RunConfig
 from rollpoint.envs import get_environment
 from rollpoint.http.client import HttpClient
 from rollpoint.loop import SimulatedTrainer
@@ -66,6 +66,7 @@ from rollpoint.trainer.state.finished_queue import FinishedQueue
 from rollpoint.trainer.state.ledger import LedgerRecord, RecoveryLedger
 from rollpoint.trainer.train_hooks import TrainHooks, TrainSample
 from rollpoint.trainer.trainer import RunSummary, Trainer
+from tests.support.job_config import job_config as small_job_config
 from tests.support.polling import eventually
 
 T = TypeVar("T")
@@ -328,21 +329,19 @@ class SpyClient(ParticipantClient):
 
 def job_config(workdir: Path, **overrides: Any) -> RunConfig:
     """A small job; ``overrides`` replace whole keys (a section replaces its section)."""
-    raw: dict[str, Any] = {
-        "workdir": str(workdir),
-        "environment": "workplace",
-        "tasks": 6,
-        "group_size": 2,
-        "replicas": 2,
-        "concurrency": 4,
-        "max_turns": 12,
-        "train": {"batch_size": 4, "checkpoint_every_steps": None},
-        "snapshot": {"keep": 100, "deadline_seconds": 5, "retry_after_seconds": 0},
-    }
-    raw.update(overrides)
-    config = parse_config(raw)
-    config.workdir.mkdir(parents=True, exist_ok=True)
-    return config
+    return small_job_config(
+        workdir,
+        **{
+            "workdir": str(workdir),
+            "tasks": 6,
+            "concurrency": 4,
+            "max_turns": 12,
+            "policy": {},
+            "train": {"batch_size": 4, "checkpoint_every_steps": None},
+            "snapshot": {"keep": 100, "deadline_seconds": 5, "retry_after_seconds": 0},
+            **overrides,
+        },
+    )
 
 
 @dataclass

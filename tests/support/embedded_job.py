@@ -78,7 +78,7 @@ async def embedded_servers(config: RunConfig) -> AsyncIterator[EmbeddedServers]:
     token = secrets.token_urlsafe(16)
     async with (
         EmbeddedRuntime(
-            config, control_token=token, snapshot_root=config.snapshot_root()
+            config.runtime_settings(), control_token=token, snapshot_root=config.snapshot_root()
         ) as runtime,
         HttpClient(token=token) as http,
     ):

@@ -139,3 +139,15 @@ def test_metrics_port_and_host_are_validated_and_named() -> None:
         parse_config({"metrics": {"host": "0.0.0.0"}})
     opened = parse_config({"metrics": {"host": "0.0.0.0"}, "allow_remote_bind": True})
     assert opened.metrics_host == "0.0.0.0"
+
+
+def test_journal_snapshots_need_the_journal_and_the_cut_stays_the_default() -> None:
+    assert parse_config({}).snapshot.mode == "cut"
+    with pytest.raises(
+        ConfigError, match=r"job.yaml: key 'snapshot.mode': 'journal' needs journal"
+    ):
+        parse_config({"snapshot": {"mode": "journal"}}, source="job.yaml")
+    config = parse_config({"snapshot": {"mode": "journal"}, "journal": {"enabled": True}})
+    assert config.trainer_settings().save.mode == "journal"
+    with pytest.raises(ConfigError, match=r"key 'snapshot.mode'"):
+        parse_config({"snapshot": {"mode": "pausefree"}})

@@ -3,8 +3,9 @@ with ``ast``.
 
 - the app (``rollpoint.app``: the CLI, the job, the run config, the start checks, the
   snapshot listing, the report, the chaos runner) stands on top: no layer imports it but the
-  package's faces (``rollpoint``, ``rollpoint.__main__``) and those that still take the
-  whole run config (:data:`STILL_TAKE_THE_RUN_CONFIG`: the façade and the runtimes);
+  package's faces (``rollpoint``, ``rollpoint.__main__``) and the one that still takes the
+  whole run config (:data:`STILL_TAKE_THE_RUN_CONFIG`: the façade); the runtimes, like the
+  trainer, are told what they need (``RuntimeSettings``);
 - ``rollpoint.common`` (what every layer may use) imports nothing of rollpoint but the
   protocol;
 - the test kit (``rollpoint.testing``) is a kit, not the app: it imports neither the app
@@ -27,10 +28,11 @@ with ``ast``.
   and in the library nothing but the trainer loop imports ``restore``;
 - ``rollpoint.store`` knows files: it imports no performance trick (``rollpoint.tuning``),
   neither side, nor the app;
-- the SDK and the trainer reach the tricks only through the checkpoint seam
-  (``rollpoint.tuning.seam``, whose events they emit) and the decode pause they wrap around
-  their own reads (``rollpoint.tuning.collector_pause``): no fence nor coordinator holds a
-  collector of its own;
+- the SDK, the built-in servers and the trainer reach the tricks only through the
+  checkpoint seam (``rollpoint.tuning.seam``: the events they emit, the record values they
+  hand the writer) and the decode pause they wrap around their own reads
+  (``rollpoint.tuning.collector_pause``): no fence nor coordinator holds a collector of its
+  own, no server imports a trick's module;
 - the tricks are installed by the entry points alone (a server process, ``run_job``,
   ``LocalCluster``), and nothing else outside ``rollpoint.tuning`` uses the collector
   schedule but the scripted policy, which takes no part in checkpoints.
@@ -53,17 +55,10 @@ import rollpoint.trainer
 SRC = Path(rollpoint.__file__).parent
 APP = ("rollpoint.app",)
 """The CLI, the job, the run config and what only the ``rollpoint`` command does."""
-STILL_TAKE_THE_RUN_CONFIG = {
-    "rollpoint.rollouts",
-    "rollpoint.runtime.attached",
-    "rollpoint.runtime.contract",
-    "rollpoint.runtime.embedded",
-    "rollpoint.runtime.ray_runtime",
-    "rollpoint.runtime.replica_plan",
-}
-"""Below the app, the modules that still import it: the façade (it runs the job on the
-``RunConfig`` a user hands it) and the runtimes (each takes the whole ``RunConfig``, not
-settings of its own yet). The list may only shrink."""
+STILL_TAKE_THE_RUN_CONFIG = {"rollpoint.rollouts"}
+"""Below the app, the modules that still import it: the façade (it runs the app's job,
+``run_job``, on the ``RunConfig`` a user hands it). The runtimes take settings of their own
+(``rollpoint.runtime.settings``), as the trainer does. The list may only shrink."""
 FACES = {"rollpoint", "rollpoint.__main__"}
 """The package's faces: ``rollpoint.RunConfig`` (lazily) and the ``rollpoint`` script."""
 COMMON = ("rollpoint.common",)
@@ -75,7 +70,7 @@ ENVIRONMENT_SIDE = ("rollpoint.participant", "rollpoint.servers")
 SDK_PUBLIC = set(rollpoint.participant.__all__)
 TUNING = ("rollpoint.tuning",)
 SEAM_SIDE = ("rollpoint.tuning.seam", "rollpoint.tuning.collector_pause")
-"""What of ``rollpoint.tuning`` the SDK and the trainer may import."""
+"""What of ``rollpoint.tuning`` the SDK, the servers and the trainer may import."""
 INSTALLERS = {
     "rollpoint.runtime.server_process",
     "rollpoint.app.job",
@@ -267,8 +262,11 @@ def test_the_store_imports_no_trick_neither_side_nor_the_app() -> None:
     assert _violations("store", TUNING + ENVIRONMENT_SIDE + TRAINER + APP) == []
 
 
-@pytest.mark.parametrize("package", ["participant", "trainer"])
-def test_the_sdk_and_the_trainer_reach_the_tricks_only_through_the_seam(package: str) -> None:
+@pytest.mark.parametrize("package", ["participant", "servers", "trainer"])
+def test_the_sdk_the_servers_and_the_trainer_reach_the_tricks_only_through_the_seam(
+    package: str,
+) -> None:
+    assert _modules(package), f"no modules under rollpoint/{package}"
     found = [
         f"{path.relative_to(SRC)}:{line} imports {module}"
         for path in _modules(package)

@@ -128,7 +128,8 @@ def test_a_restore_shows_its_outcome_and_the_calls_the_crash_lost(tmp_path: Path
     page = render_page(record)
     restores = page.split("<h2>Restores</h2>")[1].split("</table>")[0]
     cells = re.findall(r"<td[^>]*>([^<]*)</td>", restores)
-    assert cells[1:] == ["snap-1-0001", "2", "6", "1", "2", "3", "17", "&ge; 38"]
+    assert cells[1:] == ["snap-1-0001", "2", "6", "1", "2", "3", "17", "&mdash;", "&ge; 38"]
+    assert "<h2>Journals</h2>" not in page  # the run did not journal
     assert "restore snap-1-0001" in page.split('id="timeline"')[1]
     assert 'id="in-flight"' in page
 
@@ -244,3 +245,75 @@ def test_a_restored_snapshot_gone_from_metrics_and_store_is_drawn_from_the_resto
     assert (snap.snapshot_id, snap.cut_ts, snap.pause_s) == ("snap-9-0009", 101.5, 0.03)
     assert record.restores[0].calls_redone == 15
     assert re.search(r'<g id="snap-9-0009"><title>', render_page(record))
+
+
+def test_each_journal_shows_its_size_the_kept_marks_and_what_the_last_restore_took(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "metrics.jsonl").write_bytes(_snapshot_line("snap-1-0001", 101.0))
+    events = RunEvents(tmp_path / EVENTS_FILE)
+    events.append(_start(100.0))
+    for ts, turns in [(103.0, {"agent/agent-replica-0": 9}), (107.0, {"agent/agent-replica-0": 4})]:
+        events.append(_start(ts - 1, resume_from="snap-1-0001"))
+        events.append(
+            Restore(
+                ts=ts,
+                snapshot_id="snap-1-0001",
+                train_step=0,
+                continued=2,
+                restarted=0,
+                adopted=0,
+                requeued=0,
+                turns_kept=3,
+                journal_turns=turns,
+                journal_replies={"agent/agent-replica-0": 1},
+            )
+        )
+    journals = [
+        {
+            "kind": "agent",
+            "instance": "agent-replica-0",
+            "records": 41,
+            "bytes": 52_311,
+            "segments": 2,
+            "last_key": "reply|r7|a1|t5",
+            "last_kind": "reply",
+            "last_position": [3, 9_000],
+            "damage": None,
+            "marks": [
+                {"snapshot": "snap-1-0001", "segment": 2, "offset": 4_100},
+                {"snapshot": "snap-2-0002", "segment": 3, "offset": 28},
+            ],
+        },
+        {
+            "kind": "model",
+            "instance": "model-replica-0",
+            "records": 12,
+            "bytes": 8_000,
+            "segments": 1,
+            "last_key": "model|r7|a1|t4|c0",
+            "last_kind": "policy_call",
+            "last_position": [1, 8_028],
+            "damage": "segment-0000000001.rpj at offset 8028: <checksum mismatch>",
+            "marks": [],
+        },
+    ]
+    store = {"snapshots": [], "invalid": [], "latest": None, "journals": journals}
+    monkeypatch.setattr(run_record, "build_report", lambda root, workdir: store)
+    page = render_page(read_run(tmp_path))
+    restores = page.split("<h2>Restores</h2>")[1].split("</table>")[0]
+    assert [re.findall(r"<td[^>]*>([^<]*)</td>", row)[8] for row in restores.split("<tr>")[2:]] == [
+        "9",
+        "4",
+    ]
+    table = page.split("<h2>Journals</h2>")[1].split("</table>")[0]
+    agent, model = table.split("<tbody>")[1].split("</tr>")[:2]
+    cells = re.findall(r"<td[^>]*>(.*?)</td>", agent)
+    assert "agent/agent-replica-0" in cells[0]
+    assert cells[1:4] == ["41", "52311", "2"]
+    assert cells[4] == "reply reply|r7|a1|t5 (segment 3, offset 9000)"
+    assert cells[5] == ("snap-1-0001: segment 2, offset 4100; snap-2-0002: segment 3, offset 28")
+    assert cells[6] == "4 turns, 1 finished replies"  # the last restore's, not the first's
+    cells = re.findall(r"<td[^>]*>(.*?)</td>", model)
+    assert "damaged: segment-0000000001.rpj at offset 8028: &lt;checksum mismatch&gt;" in cells[4]
+    assert cells[5] == "none (no kept snapshot marks it)" and cells[6] == "&mdash;"

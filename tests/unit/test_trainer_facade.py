@@ -94,7 +94,7 @@ def test_the_line_serve_prints_parses_unchanged() -> None:
 async def test_the_attached_runtime_hands_back_the_servers_and_restarts_none() -> None:
     served = ServedDeployment.model_validate_json(SERVED)
     config = parse_config({"workdir": "/tmp/x", "environment": "math", "tasks": 1, "replicas": 1})
-    async with AttachedRuntime(config, served.deployment()) as runtime:
+    async with AttachedRuntime(config.runtime_settings(), served.deployment()) as runtime:
         assert runtime.deployment == served.deployment()
         with pytest.raises(LaunchError, match="replica-0 is not this trainer's to restart"):
             await runtime.restart_replica("replica-0")
@@ -105,7 +105,7 @@ def test_the_attached_runtime_refuses_another_replica_count() -> None:
     served = ServedDeployment.model_validate_json(SERVED)
     config = parse_config({"workdir": "/tmp/x", "environment": "math", "tasks": 1, "replicas": 2})
     with pytest.raises(ConfigError, match=r"replicas: the config says 2, the deployment has 1"):
-        AttachedRuntime(config, served.deployment())
+        AttachedRuntime(config.runtime_settings(), served.deployment())
 
 
 def _rollpoint_types(hint: object) -> Iterator[type]:

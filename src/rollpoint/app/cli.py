@@ -56,9 +56,8 @@ def _run_async(make: Callable[[StopRequest], Awaitable[T]]) -> T:
     takes a final snapshot on the first); a signal that cancels it outright ends in a
     :class:`RunPreemptedError`, after every cleanup ran."""
     import asyncio
-    import signal
 
-    from rollpoint.preemption import StopRequest, signal_name
+    from rollpoint.preemption import StopRequest, cancelled_line
 
     async def _main() -> T:
         stop = StopRequest.on_signals()
@@ -67,12 +66,7 @@ def _run_async(make: Callable[[StopRequest], Awaitable[T]]) -> T:
         except asyncio.CancelledError:
             if not stop.cancelled:
                 raise
-            why = "a second signal" if stop.received > 1 else "before the trainer ran"
-            raise RunPreemptedError(
-                f"stopped at once by {signal_name(stop.signum or signal.SIGTERM)} ({why}; "
-                "no final snapshot): the latest published snapshot holds the run",
-                stop.exit_code,
-            ) from None
+            raise RunPreemptedError(cancelled_line(stop), stop.exit_code) from None
 
     return asyncio.run(_main())
 
@@ -337,7 +331,7 @@ def serve(
         data_file = None if open_data_routes else config.workdir / "data.token"
         data_token = None if data_file is None else _private_token(data_file)
         runtime = EmbeddedRuntime(
-            config,
+            config.runtime_settings(),
             control_token=token,
             data_token=data_token,
             snapshot_root=config.snapshot_root(),
@@ -478,20 +472,47 @@ def report(
 @app.command()
 def conformance(
     url: Annotated[
-        str,
+        str | None,
         typer.Argument(
             help="Base URL of the participant server.", show_default=False, metavar="URL"
         ),
-    ],
+    ] = None,
     token_file: Annotated[
-        Path, typer.Option("--token-file", help="File holding the control token.")
-    ],
+        Path | None, typer.Option("--token-file", help="File holding the control token.")
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the report as JSON.")] = False,
+    nemo_gym: Annotated[
+        Path | None,
+        typer.Option(
+            "--nemo-gym",
+            help="Instead, check a NeMo-Gym resources server's session routes with the"
+            " first row of this task file (JSONL).",
+        ),
+    ] = None,
+    environment: Annotated[
+        str | None,
+        typer.Option(
+            "--environment",
+            help="Check an environment's own promises instead (a name or package.module:Class):"
+            " export/restore, replayed calls, side effects.",
+        ),
+    ] = None,
 ) -> None:
-    """Check that a server speaks the checkpoint control protocol: every case, passed or failed."""
+    """Check that a server speaks the checkpoint control protocol (or, with --nemo-gym,
+    NeMo-Gym's session routes): every case, passed or failed; or, with --environment,
+    that an environment keeps its own promises."""
+    if environment is not None:
+        from rollpoint.testing.environment_conformance import environment_conformance_command
+
+        raise typer.Exit(code=environment_conformance_command(environment))
+    if url is None:
+        console.print(
+            "[bold red]error:[/] conformance needs a URL (or --environment REF)", highlight=False
+        )
+        raise typer.Exit(code=2)
     from rollpoint.testing.conformance import conformance_command
 
-    raise typer.Exit(code=conformance_command(url, token_file, as_json))
+    raise typer.Exit(code=conformance_command(url, token_file, as_json, nemo_gym_rows=nemo_gym))
 
 
 @app.command()

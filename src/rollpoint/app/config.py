@@ -22,10 +22,13 @@ from pydantic import (
 )
 
 from rollpoint.envs.dataset_formats import DatasetSpec
+from rollpoint.protocol.engine_faults import EngineFault
 from rollpoint.protocol.episode import EnvironmentName
 from rollpoint.protocol.errors import ConfigError
+from rollpoint.runtime.settings import DEFAULT_FORWARD_ENV
 
 if TYPE_CHECKING:  # imported when used: loading a config need not load the trainer
+    from rollpoint.runtime.settings import RuntimeSettings
     from rollpoint.trainer.settings import SaveSettings, TrainerSettings
 
 _LOOPBACK = ("127.0.0.1", "localhost", "::1")
@@ -129,11 +132,23 @@ class PolicyConfig(_Section):
     token is streamed as it is decoded, so a snapshot can cut a generation mid-way)."""
     reasoning_tokens: Annotated[int, Field(ge=0)] = 0
     """Scripted policy only: stand-in reasoning tokens before every tool call."""
+    weights_log: Path | None = None
+    """Scripted policy only: a JSONL file it appends, per generation, which weights version
+    sampled each run of its tokens (the engine's own account of a weight update)."""
+    faults: list[EngineFault] = Field(default_factory=list)
+    """Scripted policy only, for testing: bad engine data on purpose on the calls each fault
+    names (an oversized reply, a bad streamed token id or logprob, a streamed tool call
+    without an id: :mod:`rollpoint.policy.scripted_faults`). None by default; ``rollpoint
+    chaos`` sets them for the run a trial names."""
+    fault_log: Path | None = None
+    """Scripted policy only: a JSONL file it appends every corruption ``faults`` made to."""
 
     @model_validator(mode="after")
     def _check(self) -> PolicyConfig:
         if self.generation_cut == "required" and not self.capture_tokens:
             raise ValueError("generation_cut: required needs capture_tokens (a cut saves ids)")
+        if self.faults and self.base_url is not None:
+            raise ValueError("faults are the scripted policy's: remove them, or base_url")
         return self
 
 
@@ -143,9 +158,22 @@ class TrainConfig(_Section):
     checkpoint_every_steps: Annotated[int, Field(ge=1)] | None = 1
     """Write a train checkpoint (and take a snapshot) every this many steps. The finished queue keeps the
     rollouts it consumed until their checkpoint is durable; None never checkpoints."""
+    max_ready_batches: Annotated[int, Field(ge=1)] | None = 4
+    """Finished rollouts waiting for training, in batches: while this many are waiting, no
+    new prompt group is sent (those in flight finish). Bounds what the trainer holds when
+    training is slower than rollouts; None: no bound (the wait grows with the run)."""
     step_seconds: Annotated[float, Field(ge=0)] = 0.0
     """Built-in loop only (``rollpoint run``'s :class:`~rollpoint.loop.SimulatedTrainer`):
     time a train step takes (simulated work)."""
+    max_policy_lag: Annotated[int, Field(ge=0)] | None = None
+    """At most this many policy versions between the live one and the oldest turn of a
+    sample it trains on: new episodes wait while the oldest untrained rollout is that far
+    behind, and a sample beyond it at training time is handled as ``stale_samples`` says.
+    None: no bound."""
+    stale_samples: Literal["resend", "mark"] = "resend"
+    """A sample beyond ``max_policy_lag`` when its batch is trained: ``resend`` sends its
+    group again (a new group of the same task, ``<task_id>-g<n>``) and leaves it out of the
+    batch; ``mark`` hands it over with ``TrainSample.stale`` set."""
 
 
 class SnapshotConfig(_Section):
@@ -164,6 +192,14 @@ class SnapshotConfig(_Section):
     allow_restart_only: bool = False
     store: str | None = None
     """A path or fsspec URL; None keeps snapshots under <workdir>/snapshots."""
+    mode: Literal["cut", "journal"] = "cut"
+    """``cut``: every snapshot closes admission on every replica until it commits (the
+    two-phase cut). ``journal``: periodic snapshots never close admission: each journaling
+    participant records its journal position while its calls go on, the trainer its
+    ledger after them, and a restore sends every try in flight again under its own id,
+    continued from the journals (docs/design.md "Pause-free snapshots"). Needs
+    ``journal.enabled``; a participant that does not journal makes a save take the cut.
+    Not the default: journaling is off by default (fsspec stores, streamed calls)."""
 
     def save_settings(self) -> SaveSettings:
         """What the snapshot coordinator is told of these keys."""
@@ -173,6 +209,7 @@ class SnapshotConfig(_Section):
             deadline_seconds=self.deadline_seconds,
             retry_after_seconds=self.retry_after_seconds,
             allow_restart_only=self.allow_restart_only,
+            mode=self.mode,
         )
 
 
@@ -215,17 +252,6 @@ class WatchdogConfig(_Section):
         return self
 
 
-DEFAULT_FORWARD_ENV = (
-    "AWS_*",
-    "GOOGLE_APPLICATION_CREDENTIALS",
-    "GOOGLE_CLOUD_PROJECT",
-    "AZURE_STORAGE_*",
-    "FSSPEC_*",
-)
-"""What ``ray.forward_env`` copies by default: the credentials and endpoints s3fs
-(botocore), gcsfs and adlfs read, and fsspec's own configuration variables."""
-
-
 class RayConfig(_Section):
     """Where the replicas run when ``runtime: ray``; ignored on the embedded runtime."""
 
@@ -246,14 +272,15 @@ class RayConfig(_Section):
 
 class JournalConfig(_Section):
     """The durable-turns journal (issue 35, ``docs/journal.md``): each model server journals
-    every finished plain policy call, and each resources server every applied tool call, in
-    the snapshot store before the reply leaves; a restored episode's calls are answered from
-    it instead of being sampled or run again."""
+    every finished plain policy call, each resources server every applied tool call and each
+    agent server every completed turn and finished reply, in the snapshot store before the
+    work goes on; after a crash each episode resumes at its last journaled turn and a call
+    made again is answered from the journal instead of being sampled or run again."""
 
     enabled: bool = False
-    """Off by default while the rest of issue 35 lands: the trainer's dispatches and the
-    agents' turns are not journaled yet, so a crash with no snapshot still starts its
-    rollouts over under new ids (see ``docs/journal.md``, "What is wired")."""
+    """Off by default: the journaling servers refuse an fsspec snapshot store (shipping is
+    not wired into them), and streamed calls are not journaled (``docs/journal.md``,
+    "Not wired yet")."""
     window_ms: Annotated[float, Field(ge=0, le=1000)] = 2.0
     """The group-commit window: records ready within it share one fsync."""
 
@@ -374,6 +401,50 @@ class RunConfig(_Section):
             "seed": self.seed,
         }
 
+    def runtime_settings(self) -> RuntimeSettings:
+        """What a runtime is told of this config (the runtimes read no config)."""
+        from rollpoint.runtime.settings import PolicySettings, RaySettings, RuntimeSettings
+
+        policy = self.policy
+        return RuntimeSettings(
+            workdir=self.workdir,
+            environment=self.environment,
+            replicas=self.replicas,
+            runtime=self.runtime,
+            host=self.host,
+            base_port=self.base_port,
+            seed=self.seed,
+            agent_loop=self.agent_loop,
+            upstream_connections=self.upstream_connections,
+            final_states_log=self.final_states_log,
+            journal_window_s=self.journal.window_ms / 1000 if self.journal.enabled else None,
+            policy=PolicySettings(
+                base_url=policy.base_url,
+                model=policy.model,
+                api_key=policy.api_key,
+                engine=policy.engine,
+                capture_tokens=policy.capture_tokens,
+                generation_cut=policy.generation_cut,
+                sampling=policy.sampling.request_fields(),
+                seed=policy.sampling.seed,
+                latency_ms=policy.latency_ms,
+                error_rate=policy.error_rate,
+                tokens_per_call=policy.tokens_per_call,
+                tool_turns=policy.tool_turns,
+                call_log=policy.call_log,
+                weights_log=policy.weights_log,
+                token_latency_ms=policy.token_latency_ms,
+                reasoning_tokens=policy.reasoning_tokens,
+                faults=tuple(f.model_dump(mode="json") for f in policy.faults),
+                fault_log=policy.fault_log,
+            ),
+            ray=RaySettings(
+                address=self.ray.address,
+                num_cpus_per_replica=self.ray.num_cpus_per_replica,
+                forward_env=tuple(self.ray.forward_env),
+            ),
+        )
+
     def trainer_settings(self) -> TrainerSettings:
         """What the trainer loop is told of this config (the library reads no config)."""
         from rollpoint.trainer.settings import TrainerSettings
@@ -385,6 +456,9 @@ class RunConfig(_Section):
             max_turns=self.max_turns,
             batch_size=self.train.batch_size,
             checkpoint_every_steps=self.train.checkpoint_every_steps,
+            max_policy_lag=self.train.max_policy_lag,
+            stale_samples=self.train.stale_samples,
+            max_ready_batches=self.train.max_ready_batches,
             row_timeout_seconds=self.row_timeout_seconds,
             max_reply_bytes=self.max_reply_bytes,
             snapshot_every_seconds=self.snapshot.every_seconds,
@@ -394,6 +468,7 @@ class RunConfig(_Section):
             failure_min_groups=self.failure.min_groups,
             stuck_warn_seconds=self.watchdog.warn_seconds,
             stuck_stop_seconds=self.watchdog.stop_seconds,
+            journaled=self.journal.enabled,
         )
 
 
@@ -425,6 +500,20 @@ def parse_config(data: object, *, source: str = "config") -> RunConfig:
         resolve_environment(config.environment)
     except ConfigError as exc:
         raise ConfigError(f"{source}: key 'environment': {exc}") from None
+    from rollpoint.envs.mcp_env import is_mcp_reference
+
+    if is_mcp_reference(config.environment) and not config.journal.enabled:
+        # The MCP server's state is outside every snapshot: only the journal keeps a
+        # restored episode from sending a completed call again (docs/environments.md).
+        raise ConfigError(
+            f"{source}: key 'journal.enabled': environment {config.environment!r} needs"
+            f" it true (a restored episode's completed MCP calls are answered from it)"
+        )
+    if config.snapshot.mode == "journal" and not config.journal.enabled:
+        raise ConfigError(
+            f"{source}: key 'snapshot.mode': 'journal' needs journal.enabled: true (a"
+            " journal-mode snapshot saves journal positions, not episodes)"
+        )
     if config.agent_loop is not None:
         from rollpoint.agent_loops import resolve_agent_loop
 

@@ -40,6 +40,7 @@ from rollpoint.protocol.errors import (
     RestoreError,
     RollpointError,
 )
+from rollpoint.protocol.participant import ParticipantKind
 from rollpoint.runtime.attached import AttachedRuntime
 from rollpoint.runtime.contract import Runtime, runtime_for
 from rollpoint.runtime.replica_plan import SpecHook
@@ -54,6 +55,7 @@ from rollpoint.store.lock_watch import while_locked
 from rollpoint.store.snapshot_store import SnapshotStore
 from rollpoint.store.workdir_lock import LOCK_NAME, check_lock, lock_workdir
 from rollpoint.trainer.control.control_plane import ControlPlane, participant_clients
+from rollpoint.trainer.control.participant_client import ParticipantClient
 from rollpoint.trainer.metrics import TrainerMetrics
 from rollpoint.trainer.record.workdir_record import WorkdirRecord
 from rollpoint.trainer.restore.restorer import Restorer, Skipped, check_config, find_resume_point
@@ -64,6 +66,7 @@ from rollpoint.trainer.run_events import (
     RunStart,
     without_secrets,
 )
+from rollpoint.trainer.state.ledger import RecoveryLedger, RolloutState
 from rollpoint.trainer.step_record import StepRecord
 from rollpoint.trainer.train_hooks import TrainHooks
 from rollpoint.trainer.trainer import RunSummary, Trainer
@@ -337,14 +340,14 @@ async def _locked_job(
         raise ConfigError("an attached run starts no servers: it has no specs to hook")
     runtime: Runtime = (
         runtime_for(
-            config,
+            config.runtime_settings(),
             control_token=token,
             data_token=data_token,
             snapshot_root=root,
             spec_hook=spec_hook,
         )
         if attach is None
-        else AttachedRuntime(config, attach.deployment())
+        else AttachedRuntime(config.runtime_settings(), attach.deployment())
     )
     control_http = HttpClient(token=token, timeout_s=60)
     data_http = HttpClient(token=data_token)
@@ -381,12 +384,38 @@ async def _locked_job(
                 )
             except OSError as exc:
                 raise unreadable(exc, f"restoring snapshot {point.manifest.snapshot_id}") from None
+            continued = {(e.rollout_id, e.attempt) for e in restored.continued}
+            turns_kept = sum(
+                e.turns_completed
+                for e in point.manifest.episodes
+                if (e.rollout_id, e.attempt + 1) in continued
+            )
+            pending = await journal_pending(control.participants)
+            journaled = (
+                None if pending is None else (sum(pending[0].values()), sum(pending[1].values()))
+            )
+            if config.journal.enabled:
+                pinned = await pin_to_journals(restored.ledger, deployment, data_http)
+                if pinned:
+                    log.info("%d queued rows go back to the replica holding their journal", pinned)
             say(
                 f"resumed from snapshot {restored.snapshot_id} at train step {restored.checkpoint.step}: "
                 f"{len(restored.continued)} episodes continued, {restored.restarted} restarted, "
                 f"{restored.adopted} finished replies adopted, {restored.tq_requeued} finished-queue items requeued"
+                + (
+                    f", {restored.resent} sent again to continue from their journals"
+                    if restored.resent
+                    else ""
+                )
+                + "; "
+                f"turns: {turns_kept} continued from the snapshot"
+                + (
+                    ""
+                    if journaled is None
+                    else f", {journaled[0]} replayed from the journal "
+                    f"(and {journaled[1]} journaled finished replies to adopt)"
+                )
             )
-            continued = {(e.rollout_id, e.attempt) for e in restored.continued}
             events.append(
                 Restore(
                     ts=time.time(),
@@ -396,14 +425,12 @@ async def _locked_job(
                     restarted=restored.restarted,
                     adopted=restored.adopted,
                     requeued=restored.tq_requeued,
-                    turns_kept=sum(
-                        e.turns_completed
-                        for e in point.manifest.episodes
-                        if (e.rollout_id, e.attempt + 1) in continued
-                    ),
+                    turns_kept=turns_kept,
                     snapshot_pause_ended_at=point.manifest.created_at
                     + point.manifest.pause_seconds,
                     snapshot_pause_s=point.manifest.pause_seconds,
+                    journal_turns=None if pending is None else pending[0],
+                    journal_replies=None if pending is None else pending[1],
                 )
             )
         settings = config.trainer_settings()
@@ -453,3 +480,49 @@ async def _locked_job(
         await data_http.aclose()
         metrics.close()
         await runtime.stop()
+
+
+async def journal_pending(
+    participants: list[ParticipantClient],
+) -> tuple[dict[str, int], dict[str, int]] | None:
+    """(turns, finished replies) each agent's journal holds past the restored snapshot, to
+    be resumed or adopted as their rows come, by journal (``agent/<name>-<replica>``, as
+    ``inspect`` and ``report`` name it); None: no agent journals."""
+    agents = [p for p in participants if p.address.kind is ParticipantKind.AGENT]
+    replies = await asyncio.gather(*(p.status() for p in agents), return_exceptions=True)
+    statuses = [
+        r for r in replies if not isinstance(r, BaseException) and "journal_turns" in r.counts
+    ]
+    if not statuses:
+        return None
+    turns = {f"{r.kind}/{r.name}-{r.replica}": r.counts["journal_turns"] for r in statuses}
+    finished = {
+        f"{r.kind}/{r.name}-{r.replica}": r.counts.get("journal_replies", 0) for r in statuses
+    }
+    return turns, finished
+
+
+async def pin_to_journals(ledger: RecoveryLedger, deployment: Deployment, http: HttpClient) -> int:
+    """Pin each row the restored ledger holds queued (it will be sent again under its own
+    rollout id) to the replica whose agent journaled its turns: only there do the servers'
+    journals let it go on from its last journaled turn. Returns how many were pinned."""
+    replies = await asyncio.gather(
+        *(
+            http.get_json(f"{r.agent_url}/rollpoint/v1/journal", timeout_s=30)
+            for r in deployment.replicas
+        ),
+        return_exceptions=True,
+    )
+    pinned = 0
+    for replica, reply in zip(deployment.replicas, replies, strict=True):
+        if isinstance(reply, BaseException) or not isinstance(reply, dict):
+            log.warning("%s: its agent's journal could not be read: %s", replica.name, reply)
+            continue
+        for rollout_id in reply.get("rollouts", []):
+            if rollout_id not in ledger:
+                continue
+            record = ledger.get(rollout_id)
+            if record.state is RolloutState.QUEUED and record.replica is None:
+                ledger.pin(rollout_id, replica.name)
+                pinned += 1
+    return pinned

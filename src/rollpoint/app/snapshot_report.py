@@ -11,7 +11,15 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from rollpoint.protocol.errors import ConfigError
+from rollpoint.protocol.errors import ConfigError, RollpointError
+from rollpoint.protocol.manifest import (
+    SnapshotManifest,
+    decode_document,
+    load_participant_manifest,
+)
+from rollpoint.store.filesystem import LocalFilesystem
+from rollpoint.store.journal_retention import JOURNAL_DIR
+from rollpoint.store.journal_scan import summarize
 from rollpoint.store.snapshot_store import SnapshotStore
 from rollpoint.trainer.dispatch.failed_groups import superseded
 from rollpoint.trainer.restore.restorer import read_trainer_document
@@ -26,16 +34,19 @@ def build_report(root: str, *, workdir: Path | None = None) -> dict[str, Any]:
     if workdir is not None and not workdir.exists():
         raise ConfigError(f"workdir {workdir} does not exist")
     if "://" not in root and not Path(root).exists():
-        return {"snapshots": [], "invalid": [], "latest": None}
+        return {"snapshots": [], "invalid": [], "latest": None, "journals": []}
     store = SnapshotStore(root, clean_leftovers=False)
     summaries = store.list_snapshots(include_invalid=True)
     snapshots = []
     invalid = []
+    marks: dict[str, list[dict[str, Any]]] = {}
     for summary in summaries:
         if not summary.valid:
             invalid.append({"id": summary.snapshot_id, "reason": summary.reason})
             continue
         manifest = store.load(summary.snapshot_id)
+        for folder, mark in journal_marks(store, manifest).items():
+            marks.setdefault(folder, []).append({"snapshot": manifest.snapshot_id, **mark})
         snapshots.append(
             {
                 "id": manifest.snapshot_id,
@@ -44,6 +55,7 @@ def build_report(root: str, *, workdir: Path | None = None) -> dict[str, Any]:
                 "pause_seconds": manifest.pause_seconds,
                 "episodes": len(manifest.episodes),
                 "restarts": len(manifest.restarts),
+                "journaled": len(manifest.journaled),
             }
         )
     latest_manifest = store.latest()
@@ -74,6 +86,7 @@ def build_report(root: str, *, workdir: Path | None = None) -> dict[str, Any]:
             ],
             "restarts": [r.model_dump(mode="json") for r in latest_manifest.restarts],
             "finished": [f.model_dump(mode="json") for f in latest_manifest.finished],
+            "journaled": [j.model_dump(mode="json") for j in latest_manifest.journaled],
             "participants": [p.model_dump(mode="json") for p in latest_manifest.participants],
             "tq_size": tq_size,
             "failed_groups": failed_groups_at(store, latest_manifest.snapshot_id),
@@ -83,7 +96,56 @@ def build_report(root: str, *, workdir: Path | None = None) -> dict[str, Any]:
         "invalid": invalid,
         "damaged_files": damaged_files(invalid),
         "latest": latest,
+        "journals": journals(root, marks),
     }
+
+
+def journal_marks(store: SnapshotStore, manifest: SnapshotManifest) -> dict[str, dict[str, int]]:
+    """Journal folder → where the snapshot's cut found it (``segment``, ``offset``: a
+    restore from it replays the records after), from its participant manifests; a
+    participant that did not journal has no mark. Local stores only, like :func:`journals`."""
+    found: dict[str, dict[str, int]] = {}
+    if "://" in store.root:
+        return found
+    folder = Path(store.snapshot_dir(manifest.snapshot_id))
+    for entry in manifest.participants:
+        relative = Path(entry.manifest_path)
+        if relative.is_absolute() or ".." in relative.parts:
+            continue  # the store refuses it on load; the report only reads what it may
+        path = folder / relative
+        try:
+            participant = load_participant_manifest(
+                decode_document(path.read_bytes(), str(path)), str(path)
+            )
+        except (OSError, RollpointError):
+            continue  # the snapshot's own check reports it
+        mark = participant.journal
+        if mark is not None:
+            found[mark.folder] = {"segment": mark.segment, "offset": mark.offset}
+    return found
+
+
+def journals(
+    root: str, marks: dict[str, list[dict[str, Any]]] | None = None
+) -> list[dict[str, Any]]:
+    """Each participant's journal in the store (``journal/<kind>/<instance>``): records,
+    bytes, segments, the last durable record and any damage, and the mark each kept
+    snapshot holds for it (``marks``: journal folder → marks); read only."""
+    base = Path(root) / JOURNAL_DIR
+    if "://" in root or not base.is_dir():
+        return []
+    fs = LocalFilesystem()
+    out = []
+    for kind in sorted(p for p in base.iterdir() if p.is_dir()):
+        for folder in sorted(p for p in kind.iterdir() if p.is_dir()):
+            try:
+                summary = summarize(fs, str(folder)).as_json()
+            except OSError as exc:
+                summary = {"damage": f"unreadable: {exc}"}
+            relative = f"{JOURNAL_DIR}/{kind.name}/{folder.name}"
+            kept = (marks or {}).get(relative, [])
+            out.append({"kind": kind.name, "instance": folder.name, **summary, "marks": kept})
+    return out
 
 
 _RECORDS_FILE = re.compile(r"records file (\S+?)(?::| is | named | does | holds |$)")
@@ -142,6 +204,7 @@ def render_report(report: dict[str, Any], console: Console) -> None:
             + ", ".join(ids),
             soft_wrap=True,
         )
+    _render_journals(report.get("journals") or [], console)
     latest = report["latest"]
     if latest is None:
         console.print("no usable snapshot")
@@ -173,6 +236,13 @@ def render_report(report: dict[str, Any], console: Console) -> None:
         for f in failed:
             groups.add_row(f["group_id"], f["task_id"], f["reason"])
         print_full(console, groups)
+    journaled = latest.get("journaled") or []
+    if journaled:
+        console.print(
+            f"a journal-mode snapshot: {len(journaled)} tries in flight, each sent again on "
+            "restore and continued from its replica's journals",
+            soft_wrap=True,
+        )
     if latest["restarts"] or latest["finished"]:
         other = Table(title="restarts and finished replies held at the cut")
         for col in ("episode", "replica", "what"):
@@ -190,3 +260,30 @@ def render_report(report: dict[str, Any], console: Console) -> None:
     for p in latest["participants"]:
         parts.add_row(p["kind"], p["name"], p["replica"], p["mode"])
     print_full(console, parts)
+
+
+def _render_journals(journals: list[dict[str, Any]], console: Console) -> None:
+    if not journals:
+        return
+    from rich.table import Table
+
+    from rollpoint.app.full_table import print_full
+
+    table = Table(title="journals (docs/journal.md)")
+    for col in ("participant", "records", "bytes", "segments", "last durable record"):
+        table.add_column(col)
+    for j in journals:
+        position = j.get("last_position")
+        last = "none" if j.get("last_key") is None else f"{j['last_kind']} {j['last_key']}"
+        if position is not None:
+            last += f" (segment {position[0]}, offset {position[1]})"
+        if j.get("damage"):
+            last += f"; damaged: {j['damage']}"
+        table.add_row(
+            f"{j['kind']}/{j['instance']}",
+            str(j.get("records", "?")),
+            str(j.get("bytes", "?")),
+            str(j.get("segments", "?")),
+            last,
+        )
+    print_full(console, table)

@@ -27,6 +27,8 @@ EXTRAS: dict[str, tuple[str, ...]] = {
     "report": ("matplotlib",),
     "s3": ("s3fs",),
     "verifiers": ("verifiers", "datasets"),
+    "mcp": ("mcp",),
+    "openenv": ("openenv",),  # websockets comes with it
     "parquet": ("pyarrow",),
     "datasets": ("datasets", "pyarrow"),
 }

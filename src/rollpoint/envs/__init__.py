@@ -5,7 +5,8 @@ pinned surface; the submodules are not): the :class:`Environment` base class wit
 :class:`Tool` entries and :class:`ToolArguments` models, the task and verifier wire models
 (:class:`TaskRow`, :class:`VerifyReply`), :class:`CheckpointMode`, the errors an environment
 raises, the call context a tool may take (:class:`ToolContext`) and the
-:func:`slow_tool` mark, task datasets (:func:`load_tasks`, :func:`write_tasks`) and the lookup of an
+:func:`slow_tool` mark, what an environment's ``reconcile`` hook is asked about an effect in
+doubt and answers (:class:`InDoubtEffect`, :class:`Reconciled`), task datasets (:func:`load_tasks`, :func:`write_tasks`) and the lookup of an
 environment reference (a built-in name, a name registered in the entry-point group
 :data:`ENTRY_POINT_GROUP`, or an import path ``package.module:ClassName``).
 See docs/environments.md.
@@ -13,6 +14,7 @@ See docs/environments.md.
 
 from rollpoint.envs.base import Environment, NoArguments, Tool, ToolArgumentError, ToolArguments
 from rollpoint.envs.dataset import load_tasks, write_tasks
+from rollpoint.envs.effects import InDoubtEffect, Reconciled
 from rollpoint.envs.registry import (
     ENTRY_POINT_GROUP,
     environment_matches,
@@ -31,8 +33,10 @@ __all__ = [
     "ConfigError",
     "Environment",
     "EpisodeError",
+    "InDoubtEffect",
     "InvalidCheckpointStateError",
     "NoArguments",
+    "Reconciled",
     "TaskRow",
     "Tool",
     "ToolArgumentError",

@@ -24,6 +24,13 @@ from typing import Any, ClassVar, Generic, TypeAlias, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict, JsonValue, ValidationError
 
+from rollpoint.envs.effects import (
+    CallEffects,
+    InDoubtEffect,
+    MemoryEffects,
+    Reconciled,
+    check_effect_name,
+)
 from rollpoint.envs.tool_call import ToolContext, is_async, takes_context, tool_context
 from rollpoint.protocol.episode import TaskRow, VerifyReply
 from rollpoint.protocol.errors import ConfigError
@@ -117,6 +124,24 @@ class Tool(Generic[StateT, ArgsT]):
             raise ToolArgumentError(_describe_validation_error(self.name, exc)) from None
 
 
+def check_declarations(environment: Environment[Any]) -> None:
+    """Refuse, in one line naming the environment, what its class declares wrongly: an
+    effect name that cannot be a key, an ``external`` mode without ``version``."""
+    for name in sorted(environment.effects):
+        try:
+            check_effect_name(environment.name, name)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    if (
+        environment.checkpoint_mode is CheckpointMode.EXTERNAL
+        and type(environment).version is Environment.version
+    ):
+        raise ConfigError(
+            f"environment {environment.name!r}: checkpoint_mode external needs a version(state)"
+            " method (the external state's own version or digest)"
+        )
+
+
 class Environment(ABC, Generic[StateT]):
     """One kind of task with its tools; per-episode state lives in ``StateT`` objects."""
 
@@ -133,6 +158,13 @@ class Environment(ABC, Generic[StateT]):
     :data:`~rollpoint.envs.tool_call.SLOW_CALL_S` on the event loop runs in a thread from
     then on. Off by default (a tool is only warned about): a thread touches the episode's
     state from another thread, which some handles refuse (an SQLite connection)."""
+
+    effects: ClassVar[frozenset[str]] = frozenset()
+    """The names of the effects its tools make outside the episode's state through
+    ``ctx.effect`` (:mod:`rollpoint.envs.effects`); an undeclared name is refused. Declared
+    effects are journaled in the resources server's journal whether or not
+    ``journal.enabled`` is on (the exactly-once promise is the environment's, not a
+    setting's), so a server that runs such an environment needs a local snapshot store."""
 
     # ---- tasks -------------------------------------------------------------------------
     def make_tasks(self, n: int, seed: int) -> list[TaskRow]:
@@ -182,15 +214,24 @@ class Environment(ABC, Generic[StateT]):
         if not takes_context(self.name, tool):
             return cast(str, tool.run(state, args))  # type: ignore[call-arg]
         if context is None:
-            context = tool_context(
-                self.name,
-                tool_name,
-                rollout_id="local",
-                attempt=0,
-                task_id="local",
-                turn=0,
+            where: dict[str, Any] = {
+                "rollout_id": "local",
+                "attempt": 0,
+                "task_id": "local",
+                "turn": 0,
+            }
+            memory = MemoryEffects()
+            effects = CallEffects(
+                self,
+                state,
+                memory,
+                **where,
+                tool=tool_name,
                 call_index=0,
+                loop=None,
+                counts=memory.counts,
             )
+            context = tool_context(self.name, tool_name, **where, call_index=0, effects=effects)
         return cast(str, tool.run(state, args, context))  # type: ignore[call-arg]
 
     # ---- episodes ----------------------------------------------------------------------
@@ -235,5 +276,46 @@ class Environment(ABC, Generic[StateT]):
         :meth:`side_effects` names them (none by default)."""
         return []
 
+    # ---- state that lives outside (checkpoint_mode external) ---------------------------
+    def version(self, state: StateT) -> str:
+        """The external state's own version or digest now (``external`` mode: required).
+        Journaled after every tool call and saved at each checkpoint; a restored episode
+        continues only on state :meth:`attach` finds at the version it was last journaled
+        at. It must change whenever the state does (a counter of applied calls, a commit
+        id, a content hash)."""
+        raise NotImplementedError(f"environment {self.name!r} defines no version()")
+
+    def attach(self, task: TaskRow, rollout_id: str) -> StateT | None:
+        """Reconnect to the external state of ``rollout_id`` after a crash (``external``
+        mode): a handle on it, or None when it no longer exists. Whether it is at the right
+        version is checked with :meth:`version`; a handle that is not is closed. None by
+        default: every episode restarts."""
+        return None
+
+    def snapshot(self, state: StateT) -> JsonValue:
+        """A handle on a copy of the external state taken now (a sandbox provider's
+        snapshot id, a copied folder's path), saved with the checkpoint, or None when its
+        owner cannot take one (the default). Called when the episode's saved form is made
+        (at most once per checkpoint for an episode changed since the last one)."""
+        return None
+
+    def restore_snapshot(self, task: TaskRow, rollout_id: str, handle: JsonValue) -> StateT:
+        """External state for ``rollout_id`` made from a :meth:`snapshot` handle (a new
+        sandbox forked from it): used when :meth:`attach` finds no state at the journaled
+        version. The journaled calls after the snapshot are then replayed on it."""
+        raise NotImplementedError(f"environment {self.name!r} defines no restore_snapshot()")
+
+    def reconcile(self, state: StateT, effect: InDoubtEffect) -> Reconciled | None:
+        """Decide an effect in doubt: its intent was recorded but not its result (the
+        process died while ``fn`` ran, or ``fn`` raised). Look it up in the outside system
+        by ``effect.key`` (the key ``fn`` was given) and answer
+        :meth:`Reconciled.applied` with the result ``fn`` would have returned, or
+        :meth:`Reconciled.not_applied` (``fn`` is then called). None (the default: no
+        reconcile) fails the episode with one line naming the effect; an effect is never
+        made a second time on a guess."""
+        return None
+
     def close(self, state: StateT) -> None:
-        """Release what the state holds (a database connection); a no-op by default."""
+        """Release what the state holds (a database connection); a no-op by default. For an
+        ``external`` environment it releases the handle only: the outside state may be
+        attached again by a restore, so closing must not destroy it."""

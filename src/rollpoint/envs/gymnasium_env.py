@@ -40,9 +40,10 @@ from typing import Annotated, Any, ClassVar
 from pydantic import Field, JsonValue, ValidationError, create_model
 
 from rollpoint.common.extras import need
+from rollpoint.envs.action_replay import Replay, check_seeded, read_saved, restart_notice
 from rollpoint.envs.base import Environment, Tool, ToolArgumentError, ToolArguments
 from rollpoint.protocol.episode import TaskRow, VerifyReply
-from rollpoint.protocol.errors import ConfigError, EpisodeError, InvalidCheckpointStateError
+from rollpoint.protocol.errors import ConfigError, EpisodeError
 from rollpoint.protocol.model_base import StrictModel
 from rollpoint.protocol.participant import CheckpointMode
 
@@ -390,67 +391,42 @@ class GymnasiumEnvironment(Environment[GymState]):
 
     def restore_state(self, task: TaskRow, exported: Mapping[str, Any]) -> GymState:
         seed = _params(task).seed
-        try:
-            saved = _Saved.model_validate(exported)
-        except ValidationError as exc:
-            err = exc.errors()[0]
-            loc = ".".join(str(p) for p in err["loc"])
-            raise InvalidCheckpointStateError(
-                f"{self.name} state of task {task.task_id}: '{loc}': {err['msg']}"
-            ) from None
-        if saved.seed != seed or len(saved.trace) != len(saved.actions):
-            raise InvalidCheckpointStateError(
-                f"{self.name} state of task {task.task_id}: seed {saved.seed} with"
-                f" {len(saved.actions)} actions and {len(saved.trace)} steps does not fit"
-                f" the task (seed {seed})"
-            )
+        saved = read_saved(_Saved, exported, self.name, task)
+        check_seeded(self.name, task, seed, saved.seed, len(saved.actions), len(saved.trace))
         env, observation = self._fresh(seed)
-        diverged = self._diverged(task, saved, record(observation), env)
-        if diverged is None:
+        replay = Replay(
+            f"{self.name}: task {task.task_id}",
+            saved.actions,
+            [list(step) for step in saved.trace],
+            shows="[observation, reward, terminated, truncated]",
+        )
+        if replay.check_start(record(observation), saved.reset, "observation"):
+            for action in replay:
+                observation, reward, terminated, truncated, _ = env.step(action)
+                replay.answered(
+                    [record(observation), record(reward), bool(terminated), bool(truncated)]
+                )
+        if replay.diverged is None:
             return GymState(
                 env=env,
                 seed=seed,
                 reset=saved.reset,
                 actions=list(saved.actions),
                 trace=[(o, r, t, u) for o, r, t, u in saved.trace],
-                replayed=saved.replayed + len(saved.actions),
+                replayed=saved.replayed + replay.replayed,
                 restarts=saved.restarts,
             )
-        at, message = diverged
-        log.warning("%s", message)
+        log.warning("%s", replay.diverged)
         env.close()
         env, observation = self._fresh(seed)
         return GymState(
             env=env,
             seed=seed,
             reset=record(observation),
-            replayed=saved.replayed + at,
+            replayed=saved.replayed + replay.replayed,
             restarts=saved.restarts + 1,
-            notice="the environment could not be restored and restarted from its first"
-            " observation; this step is the first of the new start",
+            notice=restart_notice("its first observation", "step"),
         )
-
-    def _diverged(
-        self, task: TaskRow, saved: _Saved, first: JsonValue, env: Any
-    ) -> tuple[int, str] | None:
-        """Replay the saved actions; None when every step gave its recorded entry, else how
-        many were replayed and the one line saying where it went another way."""
-        where = f"{self.name}: task {task.task_id}"
-        if first != saved.reset:
-            return 0, (
-                f"{where}: replay diverged at reset (observation {first!r}, recorded"
-                f" {saved.reset!r}); the episode restarts from its seed"
-            )
-        for index, (action, recorded) in enumerate(zip(saved.actions, saved.trace, strict=True)):
-            observation, reward, terminated, truncated, _ = env.step(action)
-            got = [record(observation), record(reward), bool(terminated), bool(truncated)]
-            if got != list(recorded):
-                return index + 1, (
-                    f"{where}: replay diverged at action {index + 1} of {len(saved.actions)}"
-                    f" ([observation, reward, terminated, truncated] {got!r}, recorded"
-                    f" {list(recorded)!r}); the episode restarts from its seed"
-                )
-        return None
 
     def close(self, state: GymState) -> None:
         state.env.close()

@@ -7,7 +7,12 @@ Owns resolving an environment *reference*, which is one of:
   (``[project.entry-points."rollpoint.environments"] sandbox = "sandbox_env:SandboxEnvironment"``);
 - an import path ``package.module:ClassName``;
 - ``gymnasium:<env id>``: a registered Gymnasium environment (``rollpoint.envs.gymnasium_env``);
-- ``verifiers:<module>[:<attr>]``: a verifiers ``MultiTurnEnv`` (``rollpoint.envs.verifiers_env``).
+- ``verifiers:<module>[:<attr>]``: a verifiers ``MultiTurnEnv`` (``rollpoint.envs.verifiers_env``);
+- ``mcp:<spec file>``: the tools of an MCP server (``rollpoint.envs.mcp_env``);
+- ``openenv:<module>:<app>`` or ``openenv:http://host:port``: an OpenEnv environment server
+  (``rollpoint.envs.openenv_env``);
+- ``nemo-gym:http://host:port@<rows.jsonl>``: a NeMo-Gym resources server
+  (``rollpoint.envs.nemo_gym_env``).
 
 Every failure is one :class:`ConfigError` line naming the reference and what was tried: a
 name nothing provides, a module that fails to import, a missing attribute, something that is
@@ -25,10 +30,13 @@ from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
 from rollpoint.common.import_path import is_import_path, load_class
-from rollpoint.envs.base import Environment
+from rollpoint.envs.base import Environment, check_declarations
 from rollpoint.envs.blackjack import BlackjackEnvironment
 from rollpoint.envs.gymnasium_env import gymnasium_environment, is_gymnasium_reference
 from rollpoint.envs.math import MathEnvironment
+from rollpoint.envs.mcp_env import is_mcp_reference, mcp_environment
+from rollpoint.envs.nemo_gym_env import is_nemo_gym_reference, nemo_gym_environment
+from rollpoint.envs.openenv_env import is_openenv_reference, openenv_environment
 from rollpoint.envs.tool_call import check_tools
 from rollpoint.envs.verifiers_env import is_verifiers_reference, verifiers_environment
 from rollpoint.envs.workplace import WorkplaceEnvironment
@@ -82,6 +90,12 @@ def _resolve(ref: str) -> type[Environment[Any]]:
         return gymnasium_environment(ref)
     if is_verifiers_reference(ref):
         return verifiers_environment(ref)
+    if is_mcp_reference(ref):
+        return mcp_environment(ref)
+    if is_openenv_reference(ref):
+        return openenv_environment(ref)
+    if is_nemo_gym_reference(ref):
+        return nemo_gym_environment(ref)
     if is_import_path(ref):
         return _load_import_path(ref, via=repr(ref))
     claims = [ep for ep in _entry_points() if ep.name == ref]
@@ -100,8 +114,9 @@ def _resolve(ref: str) -> type[Environment[Any]]:
         return _load_import_path(ep.value, via=f"{ref!r} ({_provider(ep)}: {ep.value})")
     raise ConfigError(
         f"unknown environment {ref!r} (valid: {', '.join(environment_names())};"
-        f" or an import path package.module:ClassName, gymnasium:<env id>"
-        f" or verifiers:<module>)"
+        f" or an import path package.module:ClassName, gymnasium:<env id>,"
+        f" verifiers:<module>, mcp:<spec file>, openenv:<module>:<app>"
+        f" or nemo-gym:<url>@<rows.jsonl>)"
     )
 
 
@@ -118,6 +133,7 @@ def get_environment(ref: str) -> Environment[Any]:
             f"environment {ref!r}: {cls.__qualname__}() failed ({type(exc).__name__}: {exc})"
         ) from None
     check_tools(environment)
+    check_declarations(environment)
     return environment
 
 

@@ -23,6 +23,10 @@ thread from then on only when the environment says its tools may run in a thread
 thread (an SQLite connection refuses that; so may other handles), and only the author can
 promise that is safe. A tool marked slow is run in a thread from its first call.
 
+A tool that changes something outside the episode's state makes that change through
+:meth:`ToolContext.effect` (or ``await ctx.aeffect``), which records it exactly once
+(:mod:`rollpoint.envs.effects`).
+
 The server (not this module) keeps one call per episode at a time and decides what a
 checkpoint sees while a call is away from the loop; this module only runs the call.
 """
@@ -44,6 +48,7 @@ from rollpoint.protocol.errors import ConfigError, ToolArgumentError
 
 if TYPE_CHECKING:
     from rollpoint.envs.base import Environment, Tool
+    from rollpoint.envs.effects import CallEffects
 
 SLOW_CALL_S = 0.05
 """A synchronous tool call on the event loop longer than this is slow: named once in a
@@ -103,6 +108,26 @@ class ToolContext:
     logger: logging.LoggerAdapter  # type: ignore[type-arg]
     """Logs under ``rollpoint.envs.<environment>``, each line prefixed with the rollout,
     attempt, turn and call index."""
+    effects: CallEffects | None = None
+    """The call's effects (the server's journal, or in memory); use :meth:`effect`."""
+
+    def effect(self, name: str, fn: Callable[[str], Any]) -> Any:
+        """Make an effect outside the episode's state exactly once, from a synchronous
+        tool (marked :func:`slow_tool`: it runs in a worker thread). ``fn(key)`` makes it,
+        given the effect's idempotency key (``<idempotency_key>/<name>``, to pass to the
+        outside system), and returns a JSON-safe result; a replay or re-issue of the call
+        gets the recorded result without calling ``fn`` (:mod:`rollpoint.envs.effects`).
+        ``name`` must be one of the environment's declared ``effects``."""
+        return self._effects().run(name, fn)
+
+    async def aeffect(self, name: str, fn: Callable[[str], Awaitable[Any]]) -> Any:
+        """:meth:`effect` for an ``async def`` tool: ``fn(key)`` is awaited."""
+        return await self._effects().arun(name, fn)
+
+    def _effects(self) -> CallEffects:
+        if self.effects is None:
+            raise RuntimeError(f"tool {self.tool!r}: this context records no effects")
+        return self.effects
 
 
 def idempotency_key(rollout_id: str, turn: int, call_index: int) -> str:
@@ -119,6 +144,7 @@ def tool_context(
     task_id: str,
     turn: int,
     call_index: int,
+    effects: CallEffects | None = None,
 ) -> ToolContext:
     """The context of one call (the server makes one per call it applies)."""
     where = f"rollout {rollout_id}#{attempt} turn {turn} call {call_index} {tool}"
@@ -132,6 +158,7 @@ def tool_context(
         turn=turn,
         call_index=call_index,
         logger=_CallLogger(logging.getLogger(f"rollpoint.envs.{environment}"), {"call": where}),
+        effects=effects,
     )
 
 

@@ -21,7 +21,10 @@ environment the user already has, unchanged:
   call at all).
 - **Verify** renders the completion and runs the environment's rubric
   (``rubric.score_rollout``): the reward clamped to [0, 1]; the detail holds the rubric's own
-  reward and metrics and the stop condition.
+  reward and metrics and the stop condition. The reward functions get the prompt and the
+  completion as the ``Rubric`` documents them, messages as dicts (:class:`RubricMessage`,
+  whose fields also read as attributes), not verifiers' message objects, which a reward
+  function written to that contract cannot read.
 - **Saved** (``turn`` mode): the conversation (``messages``), the trajectory steps (each as
   the length of its prompt in ``messages`` plus reward, advantage, truncation and extras) and
   every other key of the verifiers ``state`` as JSON (messages as dicts). The keys rollpoint
@@ -179,6 +182,36 @@ def _text(messages: list[Any]) -> str:
             content = message.get("content")
         parts.append(content if isinstance(content, str) else orjson.dumps(content).decode())
     return "\n\n".join(p for p in parts if p)
+
+
+class RubricMessage(dict[str, Any]):
+    """A message as a reward function gets it: a dict, as verifiers' ``Rubric`` documents
+    (``completion: list[dict[str, str]] | str``) and as reward functions written to that
+    contract test for (``isinstance(m, dict)``), whose fields also read as attributes, as
+    on verifiers' own message objects (``m.content``).
+
+    verifiers 0.3 hands its message objects, which are no dicts: staros-stardata's reward
+    then scores the list's ``repr`` instead of the reply (0.3625 for a perfect haiku), and
+    a trained reward is not the rubric's score of what the policy said."""
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+def _for_rubric(messages: Any) -> Any:
+    """``messages`` (verifiers message objects or dicts; a string stays one) as
+    :class:`RubricMessage` values, every field present (None where unset)."""
+    if not isinstance(messages, list):
+        return messages
+    out = []
+    for message in messages:
+        dump = getattr(message, "model_dump", None)
+        fields = dump(mode="json") if callable(dump) else dict(message)
+        out.append(RubricMessage(fields))
+    return out
 
 
 class VerifiersEnvironment(Environment[VfEpisode]):
@@ -356,7 +389,12 @@ class VerifiersEnvironment(Environment[VfEpisode]):
                 await self._add_turn(episode, final_message)
             episode.finished = True
         await vf_env.render_completion(state)
-        await vf_env.rubric.score_rollout(state)
+        rendered = state["prompt"], state["completion"]
+        state["prompt"], state["completion"] = _for_rubric(rendered[0]), _for_rubric(rendered[1])
+        try:
+            await vf_env.rubric.score_rollout(state)
+        finally:
+            state["prompt"], state["completion"] = rendered
         raw = float(state.get("reward") or 0.0)
         detail: dict[str, Any] = {
             "rubric_reward": raw,

@@ -25,11 +25,13 @@ from fastapi.responses import Response
 from fastapi.telemetry import TelemetryConfig
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from rollpoint.http.auth import guard_data_routes
 from rollpoint.protocol.errors import (
     BadRequestError,
     NotFoundError,
+    PayloadTooLargeError,
     RollpointError,
     UnsupportedMediaTypeError,
 )
@@ -75,7 +77,9 @@ def _validation_message(exc: RequestValidationError) -> str:
     return f"invalid field '{_validation_field(exc)}': {errors[0].get('msg', 'invalid')}{more}"
 
 
-async def strict_json_body(request: Request, model: type[ModelT]) -> ModelT:
+async def strict_json_body(
+    request: Request, model: type[ModelT], *, max_bytes: int | None = None
+) -> ModelT:
     """The request's body as ``model``, read the way the wire is documented.
 
     - ``Content-Type`` must be ``application/json`` (a ``charset`` parameter, if any,
@@ -85,10 +89,13 @@ async def strict_json_body(request: Request, model: type[ModelT]) -> ModelT:
     - the value is validated in pydantic's strict mode, so nothing is coerced (no string to
       number or bool, no bool to int, no float to int; a JSON integer is still a number
       for a float field): a bad field is :class:`RequestValidationError`, answered as a
-      :class:`BadRequestError` (400) naming it.
+      :class:`BadRequestError` (400) naming it;
+    - with ``max_bytes``, a body longer than that is :class:`PayloadTooLargeError` (413),
+      refused by its ``Content-Length`` or, sent chunked, as soon as it grows past the cap
+      (never read whole).
     """
     _check_json_content_type(request.headers.get("content-type"))
-    raw = await request.body()
+    raw = await request.body() if max_bytes is None else await _capped_body(request, max_bytes)
     try:
         raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -108,6 +115,25 @@ async def strict_json_body(request: Request, model: type[ModelT]) -> ModelT:
                 f"the request body is not valid JSON{hint}: {detail} ({len(raw)} bytes)"
             ) from None
         raise RequestValidationError([{**e, "loc": ("body", *e["loc"])} for e in errors]) from None
+
+
+async def _capped_body(request: Request, max_bytes: int) -> bytes:
+    def too_large(size: str) -> PayloadTooLargeError:
+        return PayloadTooLargeError(
+            f"the request body is {size}, over the {max_bytes} bytes this route takes"
+        )
+
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise too_large(f"{int(declared)} bytes")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise too_large(f"more than {max_bytes} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _check_json_content_type(header: str | None) -> None:
@@ -202,6 +228,18 @@ def create_app(title: str, *, data_token: str | None = None, **kwargs: Any) -> F
         # (400, bad_request's one status), with the field named.
         err = BadRequestError(_validation_message(exc))
         return error_response(err, request.url.path, param=_validation_field(exc))
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_gone(request: Request, exc: ClientDisconnect) -> Response:
+        # The caller hung up before its body was read (a trainer stopped or killed, a
+        # timeout on its side): nothing was done and nobody reads an answer. One line, not
+        # the server's "Exception in ASGI application" traceback.
+        log.info(
+            "%s %s: the client went away before its request was read",
+            request.method,
+            request.url.path,
+        )
+        return Response(status_code=400)
 
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, exc: HTTPException) -> Response:

@@ -5,15 +5,16 @@ package) are not part of it:
 
 - the hooks a server implements: :class:`Participant` (``kind``, ``name``, ``replica``,
   ``mode``, ``portable``, ``features``, admission, readiness, export, install, retire,
-  forget, ack, stats) and :class:`CapturingParticipant` (a two-step export whose pause is a
-  copy), with the values they return (:class:`Readiness`, :class:`RetireOutcome`,
+  forget, ack, stats), :class:`CapturingParticipant` (a two-step export whose pause is a
+  copy) and :class:`JournalingParticipant` (its journal's position saved with each cut), with the values they return (:class:`Readiness`, :class:`RetireOutcome`,
   :class:`RetireOutcomeKind`);
 - :class:`Fence`, which runs one participant's phase machine, lease, retire marks and
   replays, and :class:`ControlSettings`, its token, snapshot root and lease grace;
   :class:`RetireMarks`, the marks themselves (``Fence.marks``: the fence writes them, a
   server reads them or calls ``Fence.check_attempt``);
 - :func:`mount_participant`, the one function that mounts the control routes over a fence,
-  with the control token passed explicitly; :func:`close_control_plane` on shutdown,
+  with the control token passed explicitly (and serves them again on a listener of their
+  own thread, loop and port, so data-plane load cannot delay them); :func:`close_control_plane` on shutdown,
   :func:`control_fence` to find it again;
 - :class:`StateImage`, a participant's saved form kept current between checkpoints so a
   capture copies a dict, and the scope readers :class:`EpisodeScope`,
@@ -39,6 +40,7 @@ from rollpoint.participant.episode_scope import EpisodeScope, episode_pairs, lat
 from rollpoint.participant.fence import ControlSettings, Fence
 from rollpoint.participant.participant import (
     CapturingParticipant,
+    JournalingParticipant,
     Participant,
     Readiness,
     RetireOutcome,
@@ -58,6 +60,7 @@ __all__ = [
     "EpisodeId",
     "EpisodeScope",
     "Fence",
+    "JournalingParticipant",
     "Participant",
     "ParticipantKind",
     "Readiness",

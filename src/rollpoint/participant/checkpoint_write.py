@@ -35,7 +35,7 @@ from rollpoint.participant.episode_scope import EpisodeScope
 from rollpoint.participant.participant import CapturingParticipant, Participant, await_hook
 from rollpoint.protocol.control import CommitReply, Phase
 from rollpoint.protocol.errors import DeadlineExceededError, SnapshotError
-from rollpoint.protocol.manifest import ParticipantManifest
+from rollpoint.protocol.manifest import JournalMark, ParticipantManifest
 from rollpoint.store.participant_state import write_participant_state
 from rollpoint.store.record_packs import PackIndex
 from rollpoint.tuning.collector_pause import collector_paused
@@ -75,6 +75,11 @@ class CheckpointWrite:
     exported: dict[str, int | None] | None = None
     """The scoped episodes the written records hold (:func:`exported`), made with the
     write: after the pause, where a scan of every record costs the cut nothing."""
+    journal: JournalMark | None = None
+    """The participant's journal position when the cut opened, saved in the manifest (a
+    journal-mode checkpoint saves its floor there instead)."""
+    position: JournalMark | None = None
+    """A journal-mode checkpoint's journal position as it was taken (its reply's)."""
 
     @property
     def key(self) -> tuple[str, frozenset[str]]:
@@ -184,6 +189,7 @@ class CheckpointWrites:
             records=records,
             root=self._root,
             index=self._index,
+            journal=write.journal,
         )
         manifest = await await_hook("state write", store, SnapshotError)
         write.exported = await asyncio.to_thread(exported, records, write.scope)

@@ -22,7 +22,7 @@ A server mounts it on its app and stops the fence with the app::
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request, Response
@@ -33,6 +33,7 @@ from rollpoint.http.app import error_response, strict_json_body
 from rollpoint.http.auth import BearerAuth
 from rollpoint.participant.fence import ControlSettings, Fence
 from rollpoint.participant.fence_verbs import VerbHandler, fence_handlers
+from rollpoint.protocol.control import MAX_CONTROL_BODY_BYTES, StatusReply, Verb
 from rollpoint.protocol.control_verbs import VERBS, ControlVerb
 from rollpoint.protocol.errors import RollpointError
 
@@ -48,7 +49,6 @@ def _control_route(auth: BearerAuth, bodies: dict[str, type[BaseModel]]) -> type
 
     class ControlRoute(APIRoute):
         def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-            handler = super().get_route_handler()
             model = bodies.get(self.path)
             endpoint = self.endpoint
 
@@ -57,9 +57,17 @@ def _control_route(auth: BearerAuth, bodies: dict[str, type[BaseModel]]) -> type
                     auth.check(request.headers.get("authorization"))
                 except RollpointError as exc:
                     return error_response(exc)
-                if model is None:
-                    return await handler(request)  # status: no body
-                reply = await endpoint(await strict_json_body(request, model))
+                if model is None:  # status: no body
+                    status = await endpoint()
+                    assert isinstance(status, StatusReply), "status replies with its model"
+                    # The port this request reached, as this server's socket says: a
+                    # client that dialled another (a proxy's) keeps its URL for control.
+                    server = request.scope.get("server")
+                    port = server[1] if server and isinstance(server[1], int) else None
+                    status = status.model_copy(update={"server_port": port})
+                    return Response(status.model_dump_json(), media_type="application/json")
+                body = await strict_json_body(request, model, max_bytes=MAX_CONTROL_BODY_BYTES)
+                reply = await endpoint(body)
                 if isinstance(reply, Response):
                     return reply
                 assert isinstance(reply, BaseModel), "a control verb replies with its model"
@@ -99,10 +107,18 @@ def _endpoint(verb: ControlVerb[BaseModel, BaseModel], handler: VerbHandler) -> 
     return endpoint
 
 
-def mount_control_routes(app: FastAPI, fence: Fence, settings: ControlSettings) -> None:
+def mount_control_routes(
+    app: FastAPI,
+    fence: Fence,
+    settings: ControlSettings,
+    *,
+    handlers: Mapping[Verb, VerbHandler] | None = None,
+) -> None:
     """Register every control verb of ``fence`` on ``app``, guarded by ``settings.token``.
 
-    Pass the same settings the fence was built with. The routes go on the app's own router,
+    Pass the same settings the fence was built with. ``handlers``: what each verb calls
+    (default: the fence's own, :func:`~rollpoint.participant.fence_verbs.fence_handlers`, on the
+    loop serving ``app``; the control listener passes its cross-thread ones). The routes go on the app's own router,
     not through ``include_router``: FastAPI >= 0.165 builds an included router's routes on
     its first request, inside the first prepare's pause, and its build silences a pydantic
     warning with ``warnings.catch_warnings()``, which races when several servers share a
@@ -111,7 +127,8 @@ def mount_control_routes(app: FastAPI, fence: Fence, settings: ControlSettings) 
     auth = BearerAuth(settings.token)
     bodies = {v.path: v.request for v in VERBS.values() if v.request is not None}
     route_class = _control_route(auth, bodies)
-    handlers = fence_handlers(fence)
+    if handlers is None:
+        handlers = fence_handlers(fence)
     for verb in VERBS.values():
         app.router.add_api_route(
             verb.path,

@@ -14,6 +14,7 @@ the file format (:mod:`rollpoint.store.participant_state`)::
 
     idle --prepare--> preparing --ready--> prepared --commit--> committed
     idle --restore--> restored
+    idle --checkpoint--> idle                (journal mode: admission stays open)
     preparing|prepared|committed|restored --resume|lease_expired--> idle
     preparing|restored --failed--> idle      (a hook failed; the id is not spent)
 
@@ -64,6 +65,7 @@ from rollpoint.participant.checkpoint_write import (
 from rollpoint.participant.episode_scope import EpisodeScope
 from rollpoint.participant.participant import (
     CapturingParticipant,
+    JournalingParticipant,
     Participant,
     await_hook,
     call_hook,
@@ -78,6 +80,8 @@ from rollpoint.protocol.control import (
     SCOPE_KEYS,
     AckReply,
     AckRequest,
+    CheckpointReply,
+    CheckpointRequest,
     CommitReply,
     CommitRequest,
     ConfirmReply,
@@ -112,7 +116,7 @@ from rollpoint.protocol.errors import (
     StaleCheckpointError,
 )
 from rollpoint.protocol.ids import EpisodeId, is_identifier
-from rollpoint.protocol.manifest import ParticipantManifest
+from rollpoint.protocol.manifest import JournalMark, ParticipantManifest
 from rollpoint.store.filesystem import resolve_inside
 from rollpoint.store.participant_state import read_participant_state
 from rollpoint.tuning import seam
@@ -190,6 +194,10 @@ class Fence:
         self._prepared: PrepareReply | None = None
         self._write: CheckpointWrite | None = None
         """The active checkpoint's commit; cleared when the phase returns to idle."""
+        self._journal_mark: JournalMark | None = None
+        """Where the participant's journal stood when the active cut opened (its commit
+        saves it): at the open, not the commit, since a call finishing during the cut is
+        journaled before the commit while its reply is held unapplied."""
         self._writes = CheckpointWrites(
             participant, self._instance, clock, root=settings.snapshot_root
         )
@@ -199,6 +207,12 @@ class Fence:
         self._lease_changed = asyncio.Event()
         self._watcher: asyncio.Task[None] | None = None
         self._closed = False
+        self.control_port: int | None = None
+        """The port of the control listener serving this fence on its own loop, if one
+        runs (:mod:`rollpoint.participant.control_listener` sets it); status reports it."""
+        self._admission_closes = 0
+        """Times this fence closed admission (status ``counts.admission_closes``): what a
+        journal-mode job shows never happens (issue 37)."""
         self._in_use = False
         """Checkpoints came into use (:meth:`_first_use`): the seam heard it, and a
         capturing participant was told to keep its saved form current."""
@@ -231,7 +245,24 @@ class Fence:
         """Refuse data-plane work of a retired attempt with :class:`StaleAttemptError`."""
         self._marks.check(episode)
 
-    def status(self) -> StatusReply:
+    @property
+    def instance(self) -> str:
+        """``<name>-<replica>``: the participant's state folder, and its name in logs."""
+        return self._instance
+
+    @property
+    def in_use(self) -> bool:
+        """Checkpoints came into use here (a first status or lease, on the data loop)."""
+        return self._in_use
+
+    def participant_stats(self) -> dict[str, int]:
+        """The participant's counters (its ``stats`` hook), raising what it raises: the
+        control listener reads them off the data loop and falls back on :meth:`status`."""
+        return self._participant.stats()
+
+    def status(self, *, counts: dict[str, int] | None = None) -> StatusReply:
+        """The status; ``counts``: the participant's stats already read by the caller
+        (None: read here, on the data loop)."""
         self._first_use()
         p = self._participant
         return StatusReply(
@@ -244,9 +275,13 @@ class Fence:
             phase=self._phase,
             checkpoint_id=self._checkpoint_id,
             lease_expires_at=self._lease_expires_at,
-            counts=call_hook("stats", p.stats),
+            counts={
+                **(call_hook("stats", p.stats) if counts is None else counts),
+                "admission_closes": self._admission_closes,
+            },
             retired_rollouts=len(self._marks),
             portable=p.portable,
+            control_port=self.control_port,
         )
 
     # --- verbs -------------------------------------------------------------------------
@@ -317,6 +352,53 @@ class Fence:
             if self._phase is Phase.PREPARED:
                 await self._move(Verb.COMMIT)
         return reply
+
+    async def checkpoint(self, req: CheckpointRequest) -> CheckpointReply:
+        """A journal-mode checkpoint (``snapshot.mode: journal``): the phase stays idle and
+        admission open. In one step on the loop the participant's journal mark is taken (the
+        position now, which the reply returns); the written state holds no episode record
+        (a restore brings every episode from its prompt through the journal), and its
+        manifest saves ``req.floor``, so retention keeps every record a restore may read.
+        A participant that does not journal is refused: it keeps the cut."""
+        cid = req.checkpoint_id
+        directory = self._participant_dir(req.checkpoint_dir)
+        p = self._participant
+        async with self._lock:
+            await self._reap_lease()
+            self._admit(Verb.CHECKPOINT, cid)
+            write = self._writes.get(cid)
+            if write is not None and write.position is not None:
+                if write.checkpoint_dir != req.checkpoint_dir:
+                    raise CheckpointConflictError(
+                        f"checkpoint {cid} already went to {write.checkpoint_dir!r}"
+                    )
+            else:
+                self._check_deadline("checkpoint", cid, req.deadline_ts)
+                if not isinstance(p, JournalingParticipant):
+                    raise InvalidPhaseError(
+                        f"checkpoint {cid}: {self._instance} does not journal; it takes the cut "
+                        "(prepare and commit)"
+                    )
+                position = call_hook("journal_mark", p.journal_mark)
+                if position is None:
+                    raise InvalidPhaseError(
+                        f"checkpoint {cid}: {self._instance} journals nothing now; it takes "
+                        "the cut (prepare and commit)"
+                    )
+                floor = _checked_floor(cid, req.floor, position)
+                write = CheckpointWrite(
+                    cid,
+                    req.checkpoint_dir,
+                    directory,
+                    EpisodeScope([]),
+                    records=[],
+                    journal=floor,
+                    position=position,
+                )
+                self._writes.start_capture(write)
+        manifest = await self._writes.stored(write, req.deadline_ts, f"checkpoint {cid}")
+        assert write.position is not None, "a journal checkpoint records its position"
+        return CheckpointReply(checkpoint_id=cid, position=write.position, manifest=manifest)
 
     async def confirm(self, req: ConfirmRequest) -> ConfirmReply:
         """The manifest of what a commit of ``req.checkpoint_id`` captured, once written."""
@@ -457,6 +539,8 @@ class Fence:
         before, after = self._phase, next_phase(self._phase, step)
         if before is Phase.IDLE and after is not Phase.IDLE:
             await self._close_admission()
+            if step is Verb.PREPARE and isinstance(self._participant, JournalingParticipant):
+                self._journal_mark = call_hook("journal_mark", self._participant.journal_mark)
             # The pause starts (the lease bounds how long). The collector's listener pauses
             # the cyclic collector through it: the cut's own allocations (parsing the
             # scope, exporting) would otherwise trigger a full collection over every
@@ -470,10 +554,12 @@ class Fence:
             self._checkpoint_id = None
             self._lease_expires_at = None
             self._prepared, self._write, self._restored = None, None, None
+            self._journal_mark = None
             self._lease_changed.set()
         self._phase = after
 
     async def _close_admission(self) -> None:
+        self._admission_closes += 1
         try:
             await self._participant.close_admission()
         except Exception as exc:
@@ -528,6 +614,7 @@ class Fence:
         self._check_deadline("commit", cid, req.deadline_ts)
         self._check_ready_for(cid, wanted.scope)
         if write is None:
+            wanted.journal = self._journal_mark
             write = self._write = wanted
         self._writes.start_capture(write)
         self._extend_lease(req.deadline_ts)
@@ -671,6 +758,24 @@ def _read_state(
         return read_participant_state(
             directory, kind=kind, instance=instance, checkpoint_id=checkpoint_id, root=root
         )
+
+
+def _checked_floor(cid: str, floor: JournalMark | None, position: JournalMark) -> JournalMark:
+    """The mark a journal checkpoint's manifest saves: ``floor``, or the journal's first
+    segment (keep it whole) when the coordinator gave none; a floor in another folder or
+    past ``position`` is a 400 naming it."""
+    if floor is None:
+        return JournalMark(folder=position.folder, segment=1, offset=0)
+    if floor.folder != position.folder:
+        raise BadRequestError(
+            f"checkpoint {cid}: floor names journal {floor.folder!r}, not {position.folder!r}"
+        )
+    if (floor.segment, floor.offset) > (position.segment, position.offset):
+        raise BadRequestError(
+            f"checkpoint {cid}: floor {floor.segment}:{floor.offset} is past the journal's "
+            f"position {position.segment}:{position.offset}"
+        )
+    return floor
 
 
 def _wire_report(report: Readiness) -> Readiness:

@@ -41,4 +41,5 @@ def fence_handlers(fence: Fence) -> dict[Verb, VerbHandler]:
         Verb.RETIRE: fence.retire,
         Verb.FORGET: fence.forget,
         Verb.ACK: fence.ack,
+        Verb.CHECKPOINT: fence.checkpoint,
     }

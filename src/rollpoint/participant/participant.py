@@ -10,8 +10,9 @@ calls two of them at once, except the read-only :meth:`Participant.readiness`,
 
 Hooks that a verb calls, in order:
 
-- prepare → ``close_admission`` once, then ``readiness`` / ``wait_changed`` until ready
-  or the deadline.
+- prepare → ``close_admission`` once, then (a :class:`JournalingParticipant`)
+  ``journal_mark`` once: where its journal stands as the cut opens, saved in the
+  commit's manifest; then ``readiness`` / ``wait_changed`` until ready or the deadline.
 - commit → ``readiness`` (re-checked), ``export(scope)`` once per checkpoint; or, when the
   participant also has ``capture`` (:class:`CapturingParticipant`), ``capture(scope)`` in
   the pause and the function it returns in the writer's thread after it.
@@ -31,10 +32,12 @@ from pydantic import JsonValue
 from rollpoint.protocol.control import Readiness, RetireOutcome, RetireOutcomeKind
 from rollpoint.protocol.errors import RollpointError
 from rollpoint.protocol.ids import EpisodeId
+from rollpoint.protocol.manifest import JournalMark
 from rollpoint.protocol.participant import CheckpointMode, ParticipantKind
 
 __all__ = [
     "CapturingParticipant",
+    "JournalingParticipant",
     "Participant",
     "Readiness",
     "RetireOutcome",
@@ -131,7 +134,10 @@ class Participant(Protocol):
         ...
 
     def stats(self) -> dict[str, int]:
-        """Counters shown by status (sessions, in flight, held replies...)."""
+        """Counters shown by status (sessions, in flight, held replies...). Called on the
+        control listener's thread while the data loop runs
+        (:mod:`rollpoint.participant.control_listener`): read counters and sizes only; if it
+        raises there it is called again on the data loop."""
         ...
 
 
@@ -159,6 +165,22 @@ class CapturingParticipant(Participant, Protocol):
         """Stop what capturing started (a background sweep); the fence calls it when it
         closes."""
         ...
+
+
+@runtime_checkable
+class JournalingParticipant(Participant, Protocol):
+    """A participant that journals its completed work (docs/journal.md).
+
+    ``journal_mark()`` is called once per checkpoint, on the event loop, right after
+    ``close_admission``: the position its journal has reached as the cut opens (the end
+    of the last durable record), or None when it journals nothing now. The commit's
+    manifest saves it; a restore from that snapshot replays the journal after it, and
+    retention keeps every journal segment a kept snapshot's mark still needs. Keep it
+    cheap: no waiting (start any follow-up, such as closing the active segment, in the
+    background).
+    """
+
+    def journal_mark(self) -> JournalMark | None: ...
 
 
 # --- calling a hook ------------------------------------------------------------------------

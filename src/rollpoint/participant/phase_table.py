@@ -48,6 +48,8 @@ TRANSITIONS: dict[tuple[Phase, Step], Phase] = {
     (Phase.IDLE, Verb.RETIRE): Phase.IDLE,
     (Phase.RESTORED, Verb.RETIRE): Phase.RESTORED,
     (Phase.IDLE, Verb.FORGET): Phase.IDLE,
+    # A journal-mode checkpoint moves nothing: admission stays open (issue 37).
+    (Phase.IDLE, Verb.CHECKPOINT): Phase.IDLE,
     (Phase.RESTORED, Verb.FORGET): Phase.RESTORED,
     **{(phase, Verb.RESUME): Phase.IDLE for phase in _HELD},
     **{(phase, Event.LEASE_EXPIRED): Phase.IDLE for phase in _HELD},

@@ -33,6 +33,20 @@ with neither content nor tool calls is no reply. It raises :class:`TransportErro
 failed; the dispatcher re-sends the row), so an empty reply the engine did not send is never
 filed or trained on. An empty string is content: the engine said it.
 
+Weight updates (:class:`EngineControl`, :func:`control_for`): each engine's own pause and
+resume around a weight update, as recorded wire fixtures under
+``tests/fixtures/engines/pause/`` (which file and commit each follows):
+
+- ``vllm`` (``vllm/entrypoints/serve/dev/rlhf/api_router.py``, served with
+  ``VLLM_SERVER_DEV_MODE=1``): ``POST /pause?mode=keep|wait|abort`` (the mode a query
+  parameter, no body) answers ``{"status": "paused"}``; ``POST /resume`` answers
+  ``{"status": "resumed"}``. Both at the server's root, not under ``/v1``.
+- ``sglang`` and ``sglang_native`` (``python/sglang/srt/managers/io_struct.py``,
+  ``PauseGenerationReqInput`` and ``ContinueGenerationReqInput``): ``POST
+  /pause_generation`` with ``{"mode": "in_place"}`` (our ``keep``) or ``{"mode":
+  "abort"}``; ``POST /continue_generation`` with ``{}``. SGLang has no ``wait`` mode: the
+  model server drains its calls instead (:meth:`EngineControl.pause` answers None).
+
 Does not own: packing or chaining what was read (:mod:`rollpoint.protocol.token_data`), or
 what to do with a call that has no token data (the caller's ``capture_tokens`` setting).
 """
@@ -47,6 +61,10 @@ from rollpoint.protocol.errors import ConfigError, TransportError
 from rollpoint.protocol.token_data import is_int32_id
 
 EngineName = Literal["vllm", "sglang", "sglang_native"]
+PauseMode = Literal["keep", "wait", "abort"]
+"""How a weight update treats the calls in flight: ``keep`` freezes them and they go on
+under the new weights (two segments); ``wait`` lets them finish first; ``abort`` ends them
+(the model server sends them again once the new weights are live)."""
 _TOKEN_ID_PREFIX = "token_id:"
 _INT32_MAX = 2**31 - 1
 
@@ -382,6 +400,65 @@ class _LastEvent:
 
     def result(self) -> EngineTokens | None:
         return None if self._last is None else self._adapter.read(self._last, self._index)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineCall:
+    """One control request to the engine: ``POST`` to ``path`` under its root URL."""
+
+    path: str
+    params: dict[str, str]
+    body: dict[str, Any] | None
+
+
+class EngineControl(Protocol):
+    name: str
+
+    def pause(self, mode: PauseMode) -> EngineCall | None:
+        """The request that pauses the engine in ``mode``; None when it has no such mode
+        (the caller drains its calls instead)."""
+        ...
+
+    def resume(self) -> EngineCall: ...
+
+
+class VllmControl:
+    name = "vllm"
+
+    def pause(self, mode: PauseMode) -> EngineCall | None:
+        return EngineCall("/pause", {"mode": mode}, None)
+
+    def resume(self) -> EngineCall:
+        return EngineCall("/resume", {}, None)
+
+
+class SglangControl:
+    _MODES: dict[str, str] = {"keep": "in_place", "abort": "abort"}
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def pause(self, mode: PauseMode) -> EngineCall | None:
+        sglang_mode = self._MODES.get(mode)
+        if sglang_mode is None:
+            return None
+        return EngineCall("/pause_generation", {}, {"mode": sglang_mode})
+
+    def resume(self) -> EngineCall:
+        return EngineCall("/continue_generation", {}, {})
+
+
+CONTROLS: dict[str, EngineControl] = {
+    c.name: c for c in (VllmControl(), SglangControl("sglang"), SglangControl("sglang_native"))
+}
+
+
+def control_for(engine: str) -> EngineControl:
+    try:
+        return CONTROLS[engine]
+    except KeyError:
+        known = ", ".join(sorted(CONTROLS))
+        raise ConfigError(f"unknown engine {engine!r}; known engines: {known}") from None
 
 
 ADAPTERS: dict[str, EngineAdapter] = {

@@ -57,7 +57,8 @@ class EngineCheck:
     """The model servers stream and cut calls: the cut can be exact (or was not checked)."""
 
 
-_PROMPT = [{"role": "user", "content": "Say OK."}]
+START_CHECK_PROMPT = [{"role": "user", "content": "Say OK."}]
+"""The start check's one-token probe (the scripted policy's faults never count it)."""
 
 
 async def check_engine(
@@ -76,7 +77,12 @@ async def check_engine(
     cut_on = bool(capture) and bool(cut)
     where = f"policy engine '{engine}' at {base_url}"
     async with HttpClient(token=api_key, timeout_s=timeout_s, connect_timeout_s=5) as client:
-        body = {"model": model, "messages": _PROMPT, "max_tokens": 1, **adapter.request_fields()}
+        body = {
+            "model": model,
+            "messages": START_CHECK_PROMPT,
+            "max_tokens": 1,
+            **adapter.request_fields(),
+        }
         try:
             ids, why = await _plain_ids(client, base_url, adapter, body)
         except TransportError as exc:  # no answer: nothing is known about its token data

@@ -29,6 +29,15 @@ prefix + continuation is exactly that call's output. The call log then has the
 ``prefix_token_ids`` it was given beside the ``token_ids`` it decoded. ``accept_prefix:
 false`` answers such requests with a 400, as an engine that cannot take a prefix does.
 
+Bad engine data on purpose (``faults``, off by default: :mod:`rollpoint.policy.scripted_faults`):
+an oversized reply, a bad token id or logprob in a stream, a streamed tool call without an
+id, on the calls each fault names, each one logged to ``fault_log``.
+
+Weight updates (:mod:`rollpoint.policy.scripted_weights`): vLLM's and SGLang's pause and
+resume routes and ``/update_weight_version`` (unless ``pause_routes`` is off: an engine
+without them), every paced token sampled at a token boundary under the version live then,
+and ``weights_log``, the engine's own account of which version sampled each token span.
+
 It runs full garbage collections only while no call is in flight
 (:class:`~rollpoint.tuning.collector_schedule.ServerCollector` with ``idle``). Holding 10k calls in a
 benchmark, CPython's own took 1.1-2.8 s every few seconds and freed nothing: the stand-in
@@ -65,6 +74,7 @@ from pydantic import Field, ValidationError
 from rollpoint.http.app import create_app
 from rollpoint.http.auth import data_token
 from rollpoint.policy import stand_in_tokenizer as stand_in
+from rollpoint.policy.engine_check import START_CHECK_PROMPT
 from rollpoint.policy.openai_wire import (
     AssistantMessage,
     ChatCompletion,
@@ -86,6 +96,14 @@ from rollpoint.policy.openai_wire import (
     Usage,
 )
 from rollpoint.policy.playbook import Decision, FinalDecision, Playbook
+from rollpoint.policy.scripted_faults import FaultPlan
+from rollpoint.policy.scripted_weights import (
+    Aborted,
+    Generation,
+    ScriptedWeights,
+    mount_weight_routes,
+)
+from rollpoint.protocol.engine_faults import EngineFault
 from rollpoint.protocol.errors import BadRequestError, ModelNotFoundError
 from rollpoint.protocol.model_base import StrictModel
 from rollpoint.tuning.collector_schedule import CollectorSchedule, ServerCollector
@@ -127,6 +145,17 @@ class PolicySettings(StrictModel):
     accept_prefix: bool = True
     """Whether ``continue_final_message`` is honoured; False answers it with a 400, as an
     engine that cannot continue a prefix does."""
+    weights_log: str | None = None
+    """A JSONL file with one line per generation as it ends: which weights version sampled
+    each run of its tokens (:mod:`rollpoint.policy.scripted_weights`)."""
+    pause_routes: bool = True
+    """Serve the engines' pause, resume and weight-version routes; False: an engine
+    without them (they answer 404, and a weight update drains its calls instead)."""
+    faults: list[EngineFault] = Field(default_factory=list)
+    """Bad engine data on purpose, on the calls each fault names
+    (:mod:`rollpoint.policy.scripted_faults`); none by default."""
+    fault_log: str | None = None
+    """A JSONL file with one line per corruption ``faults`` made, before its reply leaves."""
 
 
 def estimate_prompt_tokens(request: ChatCompletionRequest) -> int:
@@ -161,6 +190,18 @@ def _message(decision: Decision, reasoning_tokens: int = 0) -> AssistantMessage:
     )
     content = reasoning_text(decision.call_id, reasoning_tokens) if reasoning_tokens else None
     return AssistantMessage(content=content, tool_calls=[call])
+
+
+def _padded(message: AssistantMessage, padding: str) -> AssistantMessage:
+    if not padding:
+        return message
+    return message.model_copy(update={"content": (message.content or "") + padding})
+
+
+def _is_start_check(chat: ChatCompletionRequest) -> bool:
+    """The engine start check's probe (:data:`START_CHECK_PROMPT`), which no fault counts."""
+    asked = [{"role": m.role, "content": m.text} for m in chat.messages]
+    return asked == START_CHECK_PROMPT
 
 
 def _cut(message: AssistantMessage, prefix: str) -> AssistantMessage:
@@ -305,14 +346,16 @@ class _Reply:
         request: ChatCompletionRequest,
         decisions: list[Decision],
         prefix: str = "",
+        padding: str = "",
     ) -> None:
         """``prefix``: the content already generated (``continue_final_message``); the
-        request's messages are then the conversation before the partial assistant one."""
+        request's messages are then the conversation before the partial assistant one.
+        ``padding``: added to every choice's content (an oversized reply, on purpose)."""
         self.id = "chatcmpl-" + os.urandom(12).hex()
         self.created = int(time.time())
         self.model = request.model or settings.model
         self.decisions = decisions
-        whole = [_message(d, settings.reasoning_tokens) for d in decisions]
+        whole = [_padded(_message(d, settings.reasoning_tokens), padding) for d in decisions]
         self.messages = [_cut(m, prefix) for m in whole]
         start = len(prefix) // _CHARS_PER_TOKEN
         self.prefix_given = bool(prefix)
@@ -445,6 +488,17 @@ class _Reply:
         )
         return b"data: " + chunk.model_dump_json().encode() + b"\n\n"
 
+    def abort_chunk(self) -> bytes:
+        """The chunk an engine ends an aborted generation with (finish reason ``abort``)."""
+        chunk = {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": [{"index": 0, "delta": {}, "finish_reason": "abort"}],
+        }
+        return b"data: " + orjson.dumps(chunk) + b"\n\n"
+
     def log_line(self, request: ChatCompletionRequest) -> bytes:
         """The call log's record of this reply: what was asked (but the conversation) and
         every choice's token data, as the engine's own account of what it sampled."""
@@ -471,6 +525,25 @@ class _Reply:
         return orjson.dumps(line, option=orjson.OPT_APPEND_NEWLINE)
 
 
+def _aborted_completion(reply: _Reply) -> bytes:
+    """A plain reply to a generation a pause aborted: no message, finish reason ``abort``."""
+    body = {
+        "id": reply.id,
+        "object": "chat.completion",
+        "created": reply.created,
+        "model": reply.model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": ""},
+                "finish_reason": "abort",
+            }
+        ],
+        "usage": reply.usage.model_dump(),
+    }
+    return orjson.dumps(body)
+
+
 def _spans(count: int, parts: int) -> list[tuple[int, int]]:
     """``count`` items cut into ``parts`` consecutive spans, as even as can be."""
     if parts <= 0:
@@ -485,18 +558,33 @@ async def _sse(chunks: list[bytes]) -> AsyncIterator[bytes]:
 
 
 async def _timed_sse(
-    chunks: list[tuple[bytes, int]], per_token_s: float, done: Callable[[int], None]
+    chunks: list[tuple[bytes, int]],
+    per_token_s: float,
+    done: Callable[[int], None],
+    weights: ScriptedWeights,
+    generation: Generation,
+    abort_chunk: bytes,
 ) -> AsyncIterator[bytes]:
-    """The chunks at their decode pace; ``done(tokens decoded)`` however the stream ends
-    (a caller that goes away cuts it)."""
+    """The chunks at their decode pace, each sampled at a token boundary under the weights
+    live then; ``done(tokens decoded)`` however the stream ends (a caller that goes away
+    cuts it). Aborted by a pause: the abort chunk and ``[DONE]``."""
     decoded = 0
+    weights.track(generation)
     try:
         for chunk, tokens in chunks:
             if tokens:
+                try:
+                    version = await weights.turn(generation)
+                except Aborted:
+                    yield abort_chunk
+                    yield _SSE_DONE
+                    return
                 await asyncio.sleep(tokens * per_token_s)
                 decoded += tokens
+                generation.sampled(version, tokens)
             yield chunk
     finally:
+        weights.end(generation)
         done(decoded)
 
 
@@ -534,6 +622,8 @@ def create_policy_app(
 
     call_log: BinaryIO | None = None
     decode_log: BinaryIO | None = None
+    weights = ScriptedWeights()
+    faults = FaultPlan(settings.faults)
 
     def note_decoded(reply_id: str, tokens: int, asked: ChatCompletionRequest) -> None:
         if decode_log is not None:
@@ -554,16 +644,27 @@ def create_policy_app(
             call_log = open(settings.call_log, "ab", buffering=0)  # noqa: SIM115, ASYNC230
         if settings.decode_log is not None:
             decode_log = open(settings.decode_log, "ab", buffering=0)  # noqa: SIM115, ASYNC230
+        if settings.weights_log is not None:
+            weights.log = open(settings.weights_log, "ab", buffering=0)  # noqa: SIM115, ASYNC230
+        if settings.fault_log is not None:
+            faults.log = open(settings.fault_log, "ab", buffering=0)  # noqa: SIM115, ASYNC230
         try:
             yield
         finally:
+            if weights.log is not None:
+                weights.log.close()
             if call_log is not None:
                 call_log.close()
             if decode_log is not None:
                 decode_log.close()
+            if faults.log is not None:
+                faults.log.close()
             await collector.aclose()
 
     app = create_app("scripted-policy", lifespan=lifespan, data_token=data_token())
+    app.state.weights = weights
+    if settings.pause_routes:
+        mount_weight_routes(app, weights)
     playbook = Playbook(
         seed=settings.seed, error_rate=settings.error_rate, tool_turns=settings.tool_turns
     )
@@ -595,11 +696,16 @@ def create_policy_app(
         nonlocal in_flight
         chat = await _read_request(request)
         check_model(chat.model)
+        await weights.admit()
         asked, prefix = chat, ""
         if getattr(chat, "continue_final_message", False) is True:
             chat, prefix = _continuation(chat, settings)
         decisions = [playbook.decide(chat if i == 0 else _reseeded(chat, i)) for i in range(chat.n)]
-        reply = _Reply(settings, chat, decisions, prefix)
+        faulty = bool(settings.faults) and not _is_start_check(asked)
+        padding = faults.padding() if faulty else ""
+        reply = _Reply(settings, chat, decisions, prefix, padding)
+        if padding:
+            faults.note_padding(reply.id, len(padding))
         if prefix:
             whole = _message(decisions[0], settings.reasoning_tokens).content or ""
             if len(prefix) % _CHARS_PER_TOKEN or not whole.startswith(prefix):
@@ -609,6 +715,12 @@ def create_policy_app(
             call_log.write(reply.log_line(asked))
         timed = token_delay_s > 0 and reply.tokens is not None
         streamed_timed = timed and chat.stream and chat.n == 1
+        # A paced stream is in flight once its body runs (a caller gone before that never
+        # started it: nothing for a pause to wait for).
+        generation = Generation(reply.id) if streamed_timed else weights.start(reply.id)
+        if not timed:
+            # Sampled at once, under the weights live now.
+            generation.sampled(weights.version, reply.completion_tokens)
         if delay_s > 0 or (timed and not streamed_timed):
             in_flight += 1
             decoded = 0
@@ -616,22 +728,43 @@ def create_policy_app(
                 await asyncio.sleep(delay_s)
                 if timed and not streamed_timed:
                     for _ in range(reply.completion_tokens):
+                        version = await weights.turn(generation)
                         await asyncio.sleep(token_delay_s)
                         decoded += 1
+                        generation.sampled(version, 1)
+            except Aborted:
+                generation.aborted = True
             finally:
                 in_flight -= 1
                 if timed and not streamed_timed:
                     note_decoded(reply.id, decoded, asked)
+                if not streamed_timed:
+                    weights.end(generation)
+            if generation.aborted:
+                return Response(_aborted_completion(reply), media_type="application/json")
+        if not streamed_timed and generation.id in weights.active:
+            weights.end(generation)
         if not chat.stream:
             return Response(reply.completion(), media_type="application/json")
         include_usage = chat.stream_options is not None and chat.stream_options.include_usage
+        tool_call = not isinstance(decisions[0], FinalDecision)
         if streamed_timed:
             timed_chunks = reply.timed_stream(include_usage=include_usage)
+            if faulty:
+                spoiled = faults.corrupt_stream(reply.id, [c for c, _ in timed_chunks], tool_call)
+                timed_chunks = list(zip(spoiled, (n for _, n in timed_chunks), strict=True))
             body = _timed_sse(
-                timed_chunks, token_delay_s, lambda n: note_decoded(reply.id, n, asked)
+                timed_chunks,
+                token_delay_s,
+                lambda n: note_decoded(reply.id, n, asked),
+                weights,
+                generation,
+                reply.abort_chunk(),
             )
             return StreamingResponse(_counted(body), media_type="text/event-stream")
         chunks = reply.stream(include_usage=include_usage)
+        if faulty:
+            chunks = faults.corrupt_stream(reply.id, chunks, tool_call)
         return StreamingResponse(_sse(chunks), media_type="text/event-stream")
 
     async def _counted(body: AsyncIterator[bytes]) -> AsyncIterator[bytes]:

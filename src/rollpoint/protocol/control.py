@@ -45,6 +45,15 @@ Each verb: phases before → after; replay rule; refusals (409 unless noted).
 - ``POST forget(rollout_ids)``: idle|restored → same; forgetting twice is a no-op.
   invalid_phase.
 - ``POST ack(episode_ids)``: any phase → same; acking twice is a no-op.
+- ``POST checkpoint(checkpoint_id, deadline_ts, checkpoint_dir, floor?)``: idle → idle, a
+  journal-mode snapshot (``snapshot.mode: journal``, docs/design.md "Pause-free
+  snapshots"): admission stays open and nothing parks; the participant takes its journal
+  mark (where its journal stands now) and writes a state holding no episode, whose
+  manifest's journal mark is ``floor`` (the oldest position a restore from the snapshot
+  may need, chosen by the coordinator; null: keep the whole journal). Replay with the same
+  id and dir returns the recorded reply. invalid_phase (not idle, or a participant that
+  does not journal: it takes the cut), stale_checkpoint, deadline_exceeded, 400 (path, or a
+  floor in another folder or past the position now).
 
 Every request is strict and a refused call changes nothing: the body is UTF-8 JSON sent
 as ``application/json`` (415 ``unsupported_media_type`` otherwise; a body that is not JSON,
@@ -64,7 +73,7 @@ from typing import Annotated
 from pydantic import AfterValidator, Field, StringConstraints
 
 from rollpoint.protocol.ids import CheckpointId, EpisodeId, EpisodeKey, Identifier
-from rollpoint.protocol.manifest import ParticipantManifest
+from rollpoint.protocol.manifest import JournalMark, ParticipantManifest
 from rollpoint.protocol.model_base import StrictModel
 from rollpoint.protocol.participant import CheckpointMode, ParticipantKind
 
@@ -76,8 +85,16 @@ DETACHED_WRITE = "detached-write"
 """The status feature of a participant whose commit can reply before its write ends."""
 SCOPE_KEYS = "scope-keys"
 """The status feature of a participant that takes a commit's scope as ``episode_keys``."""
+JOURNAL = "journal"
+"""The status feature of a participant that journals its completed work (docs/journal.md):
+its commits save the journal position the cut opened at."""
 MAX_BATCH = 100_000
 """Most episodes or rollouts one retire, forget or ack request may name."""
+MAX_CONTROL_BODY_BYTES = 64 * 1024 * 1024
+"""The largest control request body a participant reads; a longer one is 413
+``payload_too_large``, refused before it is read whole. The largest real bodies (a retire
+of ``MAX_BATCH`` episode ids, a commit naming a replica's 100k in-flight episodes) are under
+10 MiB; a body of hundreds of MiB was read whole before (issue 33)."""
 
 DeadlineTs = Annotated[float, Field(gt=0, allow_inf_nan=False)]
 """Absolute Unix seconds (not a duration): the same instant on every machine."""
@@ -124,6 +141,7 @@ class Verb(StrEnum):
     RETIRE = "retire"
     FORGET = "forget"
     ACK = "ack"
+    CHECKPOINT = "checkpoint"
 
 
 class RetireOutcomeKind(StrEnum):
@@ -183,6 +201,18 @@ class CommitRequest(StrictModel):
     """False: reply as soon as the scope's state is captured (``manifest`` is null) and
     write it only when ``confirm`` asks, after the resume, so the write stays out of the
     snapshot pause. Only to a participant listing feature ``detached-write``."""
+
+
+class CheckpointRequest(StrictModel):
+    """A journal-mode checkpoint: no admission close, no prepare (see ``checkpoint`` above)."""
+
+    checkpoint_id: CheckpointId
+    deadline_ts: DeadlineTs
+    checkpoint_dir: CheckpointDir
+    floor: JournalMark | None = None
+    """The journal mark the written manifest saves: the oldest record a restore from this
+    snapshot may read (every try the snapshot holds in flight was first seen after it).
+    Null: keep the whole journal (segment 1), when the coordinator cannot bound it."""
 
 
 class ConfirmRequest(StrictModel):
@@ -245,6 +275,20 @@ class StatusReply(StrictModel):
     portable: bool = True
     """Whether its saved state may be installed on another replica (an elastic restore
     onto a different replica count); a participant that cannot move says false."""
+    control_port: int | None = Field(default=None, ge=1, le=65535)
+    """The port of a second listener serving these control routes on a loop of their own
+    (same host as the server's URL), so data-plane load cannot delay them; None: only at
+    the server's URL. A coordinator sends its calls there once it has read it, if it
+    reached the server directly (``server_port`` is the port of its URL)."""
+    server_port: int | None = Field(default=None, ge=0, le=65535)
+    """The local port this status was served on, as the server's socket says. A client
+    whose URL names another port reaches the server through a proxy (a fault proxy, a
+    gateway) and keeps using its URL, so the proxy stays in the path of every call."""
+    data_loop_quiet_ms: int | None = Field(default=None, ge=0)
+    """Served by the control listener: how long the server's data loop has not run its
+    heartbeat (a loop blocked by a hung tool or verifier stops it), in milliseconds; None
+    when the status was served on the data loop itself (which is then running). A status
+    answered off the data loop says nothing else about it: the stuck watchdog reads this."""
 
 
 class PrepareReply(StrictModel):
@@ -289,6 +333,15 @@ class ConfirmReply(StrictModel):
     """The state the commit captured, written and named by its digest."""
     exported: dict[EpisodeKey, int | None] = Field(default_factory=dict)
     """As :attr:`CommitReply.exported`, for the commit that did not wait for the write."""
+
+
+class CheckpointReply(StrictModel):
+    checkpoint_id: CheckpointId
+    position: JournalMark
+    """Where the participant's journal stood as it checkpointed (its end of last durable
+    record): a later snapshot may name it as its floor."""
+    manifest: ParticipantManifest
+    """The written state (no episode records), its journal mark the request's floor."""
 
 
 class ResumeReply(StrictModel):

@@ -19,6 +19,8 @@ from rollpoint.protocol.control import (
     CONTROL_PREFIX,
     AckReply,
     AckRequest,
+    CheckpointReply,
+    CheckpointRequest,
     CommitReply,
     CommitRequest,
     ConfirmReply,
@@ -42,6 +44,7 @@ from rollpoint.protocol.errors import TransportError
 
 __all__ = [
     "ACK",
+    "CHECKPOINT",
     "COMMIT",
     "CONFIRM",
     "FORGET",
@@ -97,9 +100,22 @@ RESTORE = ControlVerb(Verb.RESTORE, "POST", RestoreRequest, RestoreReply)
 RETIRE = ControlVerb(Verb.RETIRE, "POST", RetireRequest, RetireReply)
 FORGET = ControlVerb(Verb.FORGET, "POST", ForgetRequest, ForgetReply)
 ACK = ControlVerb(Verb.ACK, "POST", AckRequest, AckReply)
+CHECKPOINT = ControlVerb(Verb.CHECKPOINT, "POST", CheckpointRequest, CheckpointReply)
 
 VERBS: dict[Verb, ControlVerb[BaseModel, BaseModel]] = {
     v.verb: v
-    for v in (STATUS, PREPARE, RENEW, COMMIT, CONFIRM, RESUME, RESTORE, RETIRE, FORGET, ACK)
+    for v in (
+        STATUS,
+        PREPARE,
+        RENEW,
+        COMMIT,
+        CONFIRM,
+        RESUME,
+        RESTORE,
+        RETIRE,
+        FORGET,
+        ACK,
+        CHECKPOINT,
+    )
 }
 """Every control verb, in :class:`~rollpoint.protocol.control.Verb` order."""

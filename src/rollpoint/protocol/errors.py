@@ -17,6 +17,7 @@ that failed it, ``transport`` when the error is retryable::
     │   ├── NotFoundError           404 not_found
     │   │   └── ModelNotFoundError  404 model_not_found    (OpenAI's code for an unknown model)
     │   ├── UnsupportedMediaTypeError 415 unsupported_media_type (a body that is not UTF-8 JSON)
+    │   ├── PayloadTooLargeError    413 payload_too_large      (a control body over its cap)
     │   ├── InvalidPhaseError       409 invalid_phase
     │   ├── CheckpointConflictError 409 checkpoint_conflict
     │   ├── StaleCheckpointError    409 stale_checkpoint
@@ -27,7 +28,8 @@ that failed it, ``transport`` when the error is retryable::
     │   └── InvalidCheckpointStateError 422 invalid_checkpoint_state
     ├── EpisodeError                422 episode_failed         (a bad rollout is data, not a crash)
     │   ├── EnvironmentMismatchError 422 environment_mismatch (a row for another environment)
-    │   └── EnvironmentRaisedError  500 environment_error     (the environment's code raised)
+    │   ├── EnvironmentRaisedError  500 environment_error     (the environment's code raised)
+    │   └── EffectInDoubtError      500 effect_in_doubt        (an effect that may have been made, undecided)
     ├── AttemptCancelledError       409 cancelled              retryable (retired, or the server stopped)
     ├── ToolArgumentError           400 tool_argument_invalid  (told to the model, never on the wire)
     ├── SnapshotError               500 snapshot_failed        retryable (one failed save)
@@ -136,6 +138,14 @@ class UnsupportedMediaTypeError(ProtocolError):
     status = 415
 
 
+class PayloadTooLargeError(ProtocolError):
+    """A request body over the route's cap (the control routes': ``MAX_CONTROL_BODY_BYTES``):
+    refused before it is read whole."""
+
+    code = "payload_too_large"
+    status = 413
+
+
 class ModelNotFoundError(NotFoundError):
     """A model id no engine behind this URL serves."""
 
@@ -215,6 +225,16 @@ class EnvironmentRaisedError(EpisodeError):
     log. Not retryable: the same call would raise again, so the row fails its group."""
 
     code = "environment_error"
+    status = 500
+
+
+class EffectInDoubtError(EpisodeError):
+    """An effect outside the episode's state (``ctx.effect``) whose intent was journaled
+    but not its result, which the environment's ``reconcile`` did not decide: it may have
+    been made. Not retryable: the episode fails rather than make it a second time; the
+    message names the environment, the effect and the episode."""
+
+    code = "effect_in_doubt"
     status = 500
 
 

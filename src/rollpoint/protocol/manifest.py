@@ -3,18 +3,22 @@
 Owns the shape of every JSON document rollpoint writes to a snapshot store and reads
 back after a crash, possibly with a newer rollpoint:
 
-- :class:`ParticipantManifest` (schema 2): one participant's exported state, written
+- :class:`ParticipantManifest` (schema 3): one participant's exported state, written
   last into the participant's folder after the records files it names: a list of
   :class:`RecordsPart` s, each a run of consecutive records (lines) in one records file.
   Schema history: **1** named one records file in the participant's folder, with the
-  sha256 of its bytes; **2** (current) names parts, so a snapshot references the records
+  sha256 of its bytes; **2** names parts, so a snapshot references the records
   an earlier one wrote instead of writing them again (the records files shared by
-  snapshots sit in the store's ``objects/`` folder: :mod:`rollpoint.store.record_packs`).
-  Migration 1 → 2 makes the one file one part of its whole bytes, digested as bytes: exact.
+  snapshots sit in the store's ``objects/`` folder: :mod:`rollpoint.store.record_packs`);
+  **3** (current) adds ``journal``: the participant's journal position when the cut
+  opened (:class:`JournalMark`, docs/journal.md), null for a participant that does not
+  journal. Migration 1 → 2 makes the one file one part of its whole bytes, digested as
+  bytes: exact. Migration 2 → 3 sets ``journal`` to null: exact, no older writer journaled
+  into a snapshot.
 - :class:`TrainerFileManifest` (schema 1): a trainer file (the ledger, the finished queue) kept as
   records, as a participant's state is: the parts of shared records files that hold them,
   so a snapshot writes the ledger's and the finished queue's records that changed since the previous one.
-- :class:`SnapshotManifest` (schema 5): one published snapshot, written last into the
+- :class:`SnapshotManifest` (schema 6): one published snapshot, written last into the
   snapshot folder; its presence is what makes the snapshot exist. It is sealed
   (:func:`seal_manifest`): ``seal`` holds the sha256 of every other top-level field, so a
   field changed after publication (a flipped digit in ``train_step``) is refused naming
@@ -47,10 +51,15 @@ Schema history of :class:`SnapshotManifest`:
   an older snapshot was never sealed); it loads unsealed, its participant manifests are
   checked by their own records digests as before, and the restore still cross-checks its
   train step and policy version against its digest-checked ``trainer.json``.
-- **5**: current. Each file entry says its ``format``: ``document`` (the file is the JSON
+- **5**: each file entry says its ``format``: ``document`` (the file is the JSON
   document itself, as every file of an older snapshot) or ``records`` (the file is a
   :class:`TrainerFileManifest` naming the records that make the document). Migration
   4 → 5 sets ``document`` on every entry: exact, an older writer wrote nothing else.
+- **6**: current. Adds ``journaled``: the in-flight tries of a journal-mode snapshot
+  (``snapshot.mode: journal``, issue 37), which saves no episode state: each is sent again
+  under its own rollout id and attempt, pinned to its replica, whose journals bring it to
+  its last journaled turn. Migration 5 → 6 adds an empty list: exact, every older writer
+  took the cut, which sorts each try into saved, restarts or finished.
 """
 
 from __future__ import annotations
@@ -76,9 +85,9 @@ RecordsFileName = Annotated[str, StringConstraints(pattern=r"^records-[0-9a-f]{1
 """``records-<first 16 hex of the records sha256>.jsonl``: never a path, so never a traversal."""
 NonNegativeInt = Annotated[int, Field(ge=0)]
 
-PARTICIPANT_MANIFEST_VERSION = 2
+PARTICIPANT_MANIFEST_VERSION = 3
 TRAINER_FILE_MANIFEST_VERSION = 1
-SNAPSHOT_MANIFEST_VERSION = 5
+SNAPSHOT_MANIFEST_VERSION = 6
 LATEST_POINTER_VERSION = 1
 
 
@@ -124,6 +133,23 @@ class RecordsManifest(StrictModel):
     """Unix time the manifest was written."""
 
 
+JournalFolder = Annotated[
+    str, StringConstraints(pattern=r"^journal/[a-z]+/[A-Za-z0-9][A-Za-z0-9._:-]*$")
+]
+"""``journal/<kind>/<instance>``, relative to the snapshot root: never ``..``, never absolute."""
+
+
+class JournalMark(StrictModel):
+    """Where a participant's journal stood when a cut opened: the snapshot covers every
+    record up to here, and a restore from it replays the records after it."""
+
+    folder: JournalFolder
+    segment: Annotated[int, Field(ge=1, le=2**32 - 1)]
+    """A segment's number is a u32 in its header."""
+    offset: Annotated[int, Field(ge=0, le=2**63 - 1)]
+    """The end of the last durable record in ``segment`` (a segment's header is 28 bytes)."""
+
+
 class ParticipantManifest(RecordsManifest):
     """One participant's exported state: the records it saved, as parts of records files."""
 
@@ -132,6 +158,8 @@ class ParticipantManifest(RecordsManifest):
     instance: Identifier
     """The participant instance, e.g. ``model-replica-0``."""
     checkpoint_id: CheckpointId
+    journal: JournalMark | None = None
+    """The participant's journal position when the cut opened (None: it does not journal)."""
 
 
 class TrainerFileManifest(RecordsManifest):
@@ -217,6 +245,10 @@ class SnapshotManifest(StrictModel):
     """In-flight episodes whose finished reply an agent held at the cut (on the wire, or
     not acknowledged yet): the reply is in the agent's state; on restore it is adopted when
     the saved ledger has not sealed it, so it is neither lost nor run again."""
+    journaled: list[RestartEpisode] = Field(default_factory=list)
+    """In-flight tries of a journal-mode snapshot (no episode state saved, no pause): on
+    restore each is sent again under its own rollout id and attempt, pinned to its replica,
+    and continues there from the journals (docs/design.md "Pause-free snapshots")."""
     files: dict[str, FileEntry]
     """The trainer's files in the snapshot (ledger, the finished queue), keyed by name."""
     config_fingerprint: dict[str, JsonValue]
@@ -281,11 +313,19 @@ def _snapshot_v4_to_v5(doc: dict[str, Any]) -> dict[str, Any]:
     return doc
 
 
+def _snapshot_v5_to_v6(doc: dict[str, Any]) -> dict[str, Any]:
+    if "journaled" in doc:
+        raise ValueError("a version 5 document has no 'journaled' field")
+    doc["journaled"] = []
+    return doc
+
+
 SNAPSHOT_MANIFEST_MIGRATIONS: dict[int, Migration] = {
     1: _snapshot_v1_to_v2,
     2: _snapshot_v2_to_v3,
     3: _snapshot_v3_to_v4,
     4: _snapshot_v4_to_v5,
+    5: _snapshot_v5_to_v6,
 }
 
 
@@ -309,7 +349,17 @@ def _participant_v1_to_v2(doc: dict[str, Any]) -> dict[str, Any]:
     return doc
 
 
-PARTICIPANT_MANIFEST_MIGRATIONS: dict[int, Migration] = {1: _participant_v1_to_v2}
+def _participant_v2_to_v3(doc: dict[str, Any]) -> dict[str, Any]:
+    if "journal" in doc:
+        raise ValueError("a version 2 document has no 'journal' field")
+    doc["journal"] = None
+    return doc
+
+
+PARTICIPANT_MANIFEST_MIGRATIONS: dict[int, Migration] = {
+    1: _participant_v1_to_v2,
+    2: _participant_v2_to_v3,
+}
 TRAINER_FILE_MANIFEST_MIGRATIONS: dict[int, Migration] = {}
 LATEST_POINTER_MIGRATIONS: dict[int, Migration] = {}
 

@@ -14,20 +14,20 @@ import asyncio
 from types import TracebackType
 from typing import Self
 
-from rollpoint.app.config import RunConfig
 from rollpoint.protocol.deployment import Deployment, ReplicaEndpoints
 from rollpoint.protocol.errors import ConfigError, LaunchError
 from rollpoint.runtime.contract import OnDown, OnUp
+from rollpoint.runtime.settings import RuntimeSettings
 
 
 class AttachedRuntime:
-    def __init__(self, config: RunConfig, deployment: Deployment) -> None:
-        if len(deployment.replicas) != config.replicas:
+    def __init__(self, settings: RuntimeSettings, deployment: Deployment) -> None:
+        if len(deployment.replicas) != settings.replicas:
             raise ConfigError(
-                f"replicas: the config says {config.replicas}, the deployment has "
+                f"replicas: the config says {settings.replicas}, the deployment has "
                 f"{len(deployment.replicas)} ({', '.join(r.name for r in deployment.replicas)})"
             )
-        self.config = config
+        self.settings = settings
         self._given = deployment
         self.deployment: Deployment | None = None
 

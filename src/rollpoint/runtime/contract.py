@@ -2,7 +2,7 @@
 
 Owns the shape a job relies on — start the servers, hand back a :class:`Deployment`,
 restart one replica, watch replicas, stop everything — and :func:`runtime_for`, which
-builds the runtime ``config.runtime`` names. The Ray runtime is imported only when chosen,
+builds the runtime ``settings.runtime`` names. The Ray runtime is imported only when chosen,
 so the embedded path never imports Ray. It owns no processes or actors itself.
 """
 
@@ -13,17 +13,17 @@ from pathlib import Path
 from types import TracebackType
 from typing import Protocol, Self
 
-from rollpoint.app.config import RunConfig
 from rollpoint.protocol.deployment import Deployment, ReplicaEndpoints
 from rollpoint.protocol.errors import ConfigError
 from rollpoint.runtime.replica_plan import SpecHook
+from rollpoint.runtime.settings import RuntimeSettings
 
 OnDown = Callable[[str], Awaitable[None]]
 OnUp = Callable[[ReplicaEndpoints], Awaitable[None]]
 
 
 class Runtime(Protocol):
-    config: RunConfig
+    settings: RuntimeSettings
     deployment: Deployment | None
 
     async def start(self) -> Deployment:
@@ -54,7 +54,7 @@ class Runtime(Protocol):
 
 
 def runtime_for(
-    config: RunConfig,
+    settings: RuntimeSettings,
     *,
     control_token: str | None = None,
     data_token: str | None = None,
@@ -62,15 +62,15 @@ def runtime_for(
     log_dir: Path | None = None,
     spec_hook: SpecHook | None = None,
 ) -> Runtime:
-    """The runtime ``config.runtime`` names, with the same tokens and snapshot settings.
+    """The runtime ``settings.runtime`` names, with the same tokens and snapshot settings.
     ``spec_hook`` (chaos trials) needs the embedded runtime: it starts local processes."""
-    if config.runtime == "ray":
+    if settings.runtime == "ray":
         if spec_hook is not None:
             raise ConfigError("a hook on the servers' specs needs runtime: embedded")
         from rollpoint.runtime.ray_runtime import RayRuntime
 
         return RayRuntime(
-            config,
+            settings,
             control_token=control_token,
             data_token=data_token,
             snapshot_root=snapshot_root,
@@ -79,7 +79,7 @@ def runtime_for(
     from rollpoint.runtime.embedded import EmbeddedRuntime
 
     return EmbeddedRuntime(
-        config,
+        settings,
         control_token=control_token,
         data_token=data_token,
         snapshot_root=snapshot_root,

@@ -1,6 +1,6 @@
 """The embedded runtime: every environment server as a local process on loopback.
 
-Starts the scripted policy (unless ``policy.base_url`` is set), then ``replicas`` copies of
+Starts the scripted policy (unless ``settings.policy.base_url`` is set), then ``replicas`` copies of
 the resources, model and agent servers, and hands the trainer a :class:`Deployment`.
 Used as an async context manager so every exit path stops every process.
 """
@@ -13,7 +13,6 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from types import TracebackType
 
-from rollpoint.app.config import RunConfig
 from rollpoint.http.auth import CONTROL_TOKEN_ENV, DATA_TOKEN_ENV, POLICY_API_KEY_ENV
 from rollpoint.http.client import HttpClient
 from rollpoint.policy.engine_check import check_engine
@@ -29,6 +28,7 @@ from rollpoint.runtime.replica_plan import (
     start_replica,
 )
 from rollpoint.runtime.server_spec import ServerSpec
+from rollpoint.runtime.settings import RuntimeSettings
 
 # replica_name and replica_of moved to replica_plan; importers of this module keep working.
 __all__ = ["EmbeddedRuntime", "check_policy_reachable", "replica_name", "replica_of"]
@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 class EmbeddedRuntime:
     def __init__(
         self,
-        config: RunConfig,
+        settings: RuntimeSettings,
         *,
         control_token: str | None = None,
         data_token: str | None = None,
@@ -52,15 +52,15 @@ class EmbeddedRuntime:
         ``data_token`` the replicas' data routes need it (the policy keeps its api_key).
         ``spec_hook`` sees every replica server's spec before it starts (a replica restarted
         later too)."""
-        self.config = config
+        self.settings = settings
         self._spec_hook = spec_hook
         self._data_token = data_token
         env = {CONTROL_TOKEN_ENV: control_token} if control_token else {}
         if data_token:
             env[DATA_TOKEN_ENV] = data_token
-        if config.policy.api_key:
-            env[POLICY_API_KEY_ENV] = config.policy.api_key
-        self.group = ProcessGroup(log_dir or config.workdir / "logs", env=env)
+        if settings.policy.api_key:
+            env[POLICY_API_KEY_ENV] = settings.policy.api_key
+        self.group = ProcessGroup(log_dir or settings.workdir / "logs", env=env)
         self._snapshot_root = snapshot_root if control_token and snapshot_root else None
         self.deployment: Deployment | None = None
         self._plan: ReplicaPlan | None = None
@@ -69,7 +69,7 @@ class EmbeddedRuntime:
         """The start check's decision on the generation cut (None: not checked)."""
 
     def _port(self, offset: int) -> int:
-        base = self.config.base_port
+        base = self.settings.base_port
         return 0 if base is None else base + offset
 
     async def start(self) -> Deployment:
@@ -77,7 +77,7 @@ class EmbeddedRuntime:
             self._plan = self.replica_plan(await self.start_policy())
             # Replicas start side by side; within one, the agent needs its peers' URLs.
             replicas = await asyncio.gather(
-                *(self._start_replica(i) for i in range(self.config.replicas))
+                *(self._start_replica(i) for i in range(self.settings.replicas))
             )
         except BaseException:
             await self.group.stop()
@@ -88,7 +88,7 @@ class EmbeddedRuntime:
     def replica_plan(self, policy_url: str) -> ReplicaPlan:
         """The replicas' specs for this runtime's token and snapshot settings."""
         return ReplicaPlan.of(
-            self.config,
+            self.settings,
             policy_url=policy_url,
             snapshot_root=self._snapshot_root,
             generation_cut=self._generation_cut,
@@ -126,31 +126,48 @@ class EmbeddedRuntime:
     ) -> None:
         """Watch the server processes: a replica whose process died is reported down,
         restarted empty, and reported up; the policy dying ends the run."""
-        while True:
-            await asyncio.sleep(poll_s)
-            for child in self.group.dead():
-                replica = replica_of(child.spec.name)
-                if replica is None:
-                    raise LaunchError(
-                        f"{child.spec.name} exited unexpectedly (code {child.process.returncode}); see {child.log_path}"
+        restarting: dict[str, asyncio.Task[None]] = {}
+
+        async def restart(replica: str) -> None:
+            await on_up(await self.restart_replica(replica))
+
+        try:
+            while True:
+                await asyncio.sleep(poll_s)
+                for name, task in list(restarting.items()):
+                    if task.done():
+                        del restarting[name]
+                        task.result()  # a failed restart ends the watch, as before
+                for child in self.group.dead():
+                    replica = replica_of(child.spec.name)
+                    if replica is None:
+                        raise LaunchError(
+                            f"{child.spec.name} exited unexpectedly (code {child.process.returncode}); see {child.log_path}"
+                        )
+                    if replica in restarting:
+                        continue  # its restart stops what is left of it
+                    log.warning(
+                        "%s exited (code %s); restarting %s",
+                        child.spec.name,
+                        child.process.returncode,
+                        replica,
                     )
-                log.warning(
-                    "%s exited (code %s); restarting %s",
-                    child.spec.name,
-                    child.process.returncode,
-                    replica,
-                )
-                await on_down(replica)
-                endpoints = await self.restart_replica(replica)
-                await on_up(endpoints)
-                break  # the children list changed: look again on the next tick
+                    # Reported down at once and restarted alongside the others: a restart
+                    # takes seconds, and the tries of a replica reported late would be
+                    # given up meanwhile (sent fresh) instead of held for its restart.
+                    await on_down(replica)
+                    restarting[replica] = asyncio.create_task(restart(replica))
+        finally:
+            for task in restarting.values():
+                task.cancel()
+            await asyncio.gather(*restarting.values(), return_exceptions=True)
 
     async def start_policy(self) -> str:
         """Start the scripted policy (or check ``policy.base_url``); its ``/v1`` URL. With
         ``policy.capture_tokens``, check once what the engine gives: token ids, and whether
         the generation cut can be exact (:mod:`rollpoint.policy.engine_check`)."""
         url = await self._start_policy()
-        cfg = self.config.policy
+        cfg = self.settings.policy
         if cfg.capture_tokens:
             found = await check_engine(
                 url,
@@ -165,27 +182,30 @@ class EmbeddedRuntime:
         return url
 
     async def _start_policy(self) -> str:
-        cfg = self.config
-        if cfg.policy.base_url is not None:
-            url = cfg.policy.base_url.rstrip("/")
-            await check_policy_reachable(url, cfg.policy.api_key)
+        policy = self.settings.policy
+        if policy.base_url is not None:
+            url = policy.base_url.rstrip("/")
+            await check_policy_reachable(url, policy.api_key)
             return url
         spec = ServerSpec(
             kind="policy",
             name="policy",
-            host=cfg.host,
+            host=self.settings.host,
             port=self._port(0),
             settings={
-                "seed": cfg.seed,
-                "latency_ms": cfg.policy.latency_ms,
-                "error_rate": cfg.policy.error_rate,
-                "tokens_per_call": cfg.policy.tokens_per_call,
-                "tool_turns": cfg.policy.tool_turns,
-                "model": cfg.policy.model,
-                "call_log": None if cfg.policy.call_log is None else str(cfg.policy.call_log),
-                "shape": cfg.policy.engine,
-                "token_latency_ms": cfg.policy.token_latency_ms,
-                "reasoning_tokens": cfg.policy.reasoning_tokens,
+                "seed": self.settings.seed,
+                "latency_ms": policy.latency_ms,
+                "error_rate": policy.error_rate,
+                "tokens_per_call": policy.tokens_per_call,
+                "tool_turns": policy.tool_turns,
+                "model": policy.model,
+                "call_log": None if policy.call_log is None else str(policy.call_log),
+                "shape": policy.engine,
+                "token_latency_ms": policy.token_latency_ms,
+                "reasoning_tokens": policy.reasoning_tokens,
+                "weights_log": (None if policy.weights_log is None else str(policy.weights_log)),
+                "faults": [dict(f) for f in policy.faults],
+                "fault_log": None if policy.fault_log is None else str(policy.fault_log),
             },
         )
         (child,) = await self.group.start([spec])

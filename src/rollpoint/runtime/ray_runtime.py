@@ -18,13 +18,12 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from fnmatch import fnmatchcase
 from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from rollpoint.app.config import RunConfig
 from rollpoint.common.extras import need
 from rollpoint.protocol.deployment import Deployment, ReplicaEndpoints
 from rollpoint.protocol.errors import LaunchError, RollpointError
@@ -32,6 +31,7 @@ from rollpoint.runtime.contract import OnDown, OnUp
 from rollpoint.runtime.embedded import EmbeddedRuntime
 from rollpoint.runtime.replica_actor import ReplicaActor, advertised, endpoints_of, node_ip
 from rollpoint.runtime.replica_plan import ReplicaPlan, replica_index, replica_name
+from rollpoint.runtime.settings import RuntimeSettings
 
 # A ray.actor.ActorHandle: Ray's annotations do not type ``handle.method.remote``.
 ActorHandle = Any
@@ -43,7 +43,9 @@ PLACEMENT_TIMEOUT_S = 120.0
 _STOP_GRACE_S = 5.0
 
 
-def forwarded_env(patterns: list[str], environ: Mapping[str, str] | None = None) -> dict[str, str]:
+def forwarded_env(
+    patterns: Sequence[str], environ: Mapping[str, str] | None = None
+) -> dict[str, str]:
     """The variables of ``environ`` (default: this process's) that ``ray.forward_env`` names."""
     source = os.environ if environ is None else environ
     return {k: v for k, v in source.items() if any(fnmatchcase(k, p) for p in patterns)}
@@ -52,7 +54,7 @@ def forwarded_env(patterns: list[str], environ: Mapping[str, str] | None = None)
 class RayRuntime:
     def __init__(
         self,
-        config: RunConfig,
+        settings: RuntimeSettings,
         *,
         control_token: str | None = None,
         data_token: str | None = None,
@@ -62,15 +64,15 @@ class RayRuntime:
         """Same arguments as :class:`EmbeddedRuntime`, whose driver-side part (the policy,
         the servers' environment and specs) this runtime reuses."""
         need("ray", "the Ray runtime (runtime: ray)")
-        self.config = config
+        self.settings = settings
         self._driver = EmbeddedRuntime(
-            config,
+            settings,
             control_token=control_token,
             data_token=data_token,
             snapshot_root=snapshot_root,
             log_dir=log_dir,
         )
-        self._log_dir = str((log_dir or config.workdir / "logs").resolve())
+        self._log_dir = str((log_dir or settings.workdir / "logs").resolve())
         self.deployment: Deployment | None = None
         self._plan: ReplicaPlan | None = None
         self._actors: dict[str, ActorHandle] = {}
@@ -87,7 +89,7 @@ class RayRuntime:
             self._check_room()
             policy_url = advertised(await self._driver.start_policy(), node_ip())
             self._plan = self._driver.replica_plan(policy_url)
-            names = [replica_name(i) for i in range(self.config.replicas)]
+            names = [replica_name(i) for i in range(self.settings.replicas)]
             replicas = await asyncio.gather(*(self._start_actor(n) for n in names))
         except BaseException:
             await self.stop()
@@ -100,7 +102,7 @@ class RayRuntime:
 
         if ray.is_initialized():
             return  # the caller's Ray session: use it, leave it up
-        address = self.config.ray.address
+        address = self.settings.ray.address
         local: dict[str, Any] = {}
         if address is None:
             # A Ray instance of our own: no dashboard, no usage reporting.
@@ -121,9 +123,9 @@ class RayRuntime:
         (on a cluster Ray may add nodes, so there the placement timeout decides)."""
         import ray
 
-        if not self._owns_ray or self.config.ray.address or os.environ.get("RAY_ADDRESS"):
+        if not self._owns_ray or self.settings.ray.address or os.environ.get("RAY_ADDRESS"):
             return
-        cfg = self.config
+        cfg = self.settings
         need = cfg.replicas * cfg.ray.num_cpus_per_replica
         have = float(ray.cluster_resources().get("CPU", 0))  # type: ignore[no-untyped-call]
         if need > have:
@@ -165,12 +167,12 @@ class RayRuntime:
         assert self._plan is not None
         actor: ActorHandle = (
             ray.remote(ReplicaActor)
-            .options(num_cpus=self.config.ray.num_cpus_per_replica, max_restarts=0)
+            .options(num_cpus=self.settings.ray.num_cpus_per_replica, max_restarts=0)
             .remote(
                 self._plan.model_dump_json(),
                 replica_index(name),
                 name in self._restarts,
-                {**forwarded_env(self.config.ray.forward_env), **self._driver.group.env},
+                {**forwarded_env(self.settings.ray.forward_env), **self._driver.group.env},
                 self._log_dir,
             )
         )
@@ -182,7 +184,7 @@ class RayRuntime:
         except TimeoutError:
             raise LaunchError(
                 f"{name}: Ray did not start its actor within {PLACEMENT_TIMEOUT_S:.0f}s; "
-                f"does the cluster have {self.config.ray.num_cpus_per_replica:g} CPU(s) free "
+                f"does the cluster have {self.settings.ray.num_cpus_per_replica:g} CPU(s) free "
                 f"(ray.num_cpus_per_replica)?"
             ) from None
         except ray.exceptions.RayError as exc:

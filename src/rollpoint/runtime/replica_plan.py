@@ -13,11 +13,12 @@ from collections.abc import Awaitable, Callable
 
 from pydantic import JsonValue
 
-from rollpoint.app.config import RunConfig
 from rollpoint.protocol.deployment import ReplicaEndpoints
 from rollpoint.protocol.model_base import StrictModel
+from rollpoint.protocol.participant import CheckpointMode, session_mode
 from rollpoint.runtime.process_group import ProcessGroup
 from rollpoint.runtime.server_spec import ServerSpec
+from rollpoint.runtime.settings import RuntimeSettings
 
 _REPLICA_PREFIX = "replica-"
 
@@ -83,41 +84,42 @@ class ReplicaPlan(StrictModel):
     """Set: each resources server logs every verified episode's state there
     (``final_states_log``)."""
     journal_window_s: float | None = None
-    """Set: the model and resources servers journal their calls in the snapshot store
+    """Set: the model, resources and agent servers journal their work in the snapshot store
     (``journal.enabled``), with this group-commit window."""
 
     @classmethod
     def of(
         cls,
-        config: RunConfig,
+        settings: RuntimeSettings,
         *,
         policy_url: str,
         snapshot_root: str | None,
         generation_cut: bool | None = None,
     ) -> ReplicaPlan:
-        """``generation_cut``: the start check's decision (None: the config's setting)."""
+        """``generation_cut``: the start check's decision (None: the settings')."""
+        policy = settings.policy
         return cls(
-            host=config.host,
-            environment=config.environment,
+            host=settings.host,
+            environment=settings.environment,
             policy_url=policy_url,
-            builtin_policy=config.policy.base_url is None,
-            model_name=config.policy.model,
-            checkpoint_mode=_checkpoint_mode(config.environment),
-            base_port=config.base_port,
+            builtin_policy=policy.base_url is None,
+            model_name=policy.model,
+            checkpoint_mode=_checkpoint_mode(settings.environment),
+            base_port=settings.base_port,
             snapshot_root=snapshot_root,
-            upstream_connections=config.upstream_connections,
-            sampling=config.policy.sampling.request_fields(),
-            seed_policy=config.policy.sampling.seed,
-            capture_tokens=bool(config.policy.capture_tokens),
+            upstream_connections=settings.upstream_connections,
+            sampling=dict(policy.sampling),
+            seed_policy=policy.seed,
+            capture_tokens=bool(policy.capture_tokens),
             generation_cut=(
-                bool(config.policy.generation_cut) if generation_cut is None else generation_cut
+                bool(policy.generation_cut) if generation_cut is None else generation_cut
             ),
-            engine=config.policy.engine,
-            agent_loop=config.agent_loop,
+            engine=policy.engine,
+            agent_loop=settings.agent_loop,
             final_states_dir=None
-            if config.final_states_log is None
-            else str(config.final_states_log.resolve()),
-            journal_window_s=config.journal.window_ms / 1000 if config.journal.enabled else None,
+            if settings.final_states_log is None
+            else str(settings.final_states_log.resolve()),
+            journal_window_s=settings.journal_window_s,
         )
 
     def _port(self, offset: int, restarted: bool) -> int:
@@ -188,7 +190,7 @@ class ReplicaPlan(StrictModel):
                 model_url=model_url,
                 resources_url=resources_url,
                 environment=_environment_name(self.environment),
-                checkpoint_mode=self.checkpoint_mode,
+                checkpoint_mode=session_mode(CheckpointMode(self.checkpoint_mode)),
                 model_name=self.model_name,
                 upstream_connections=self.upstream_connections,
                 sampling=self.sampling,
@@ -196,6 +198,8 @@ class ReplicaPlan(StrictModel):
                 capture_tokens=self.capture_tokens,
                 engine=self.engine,
                 agent_loop=self.agent_loop,
+                # A restart-only agent resumes nothing: its episodes start over anyway.
+                **(self._journal() if self.checkpoint_mode == "turn" else {}),
             ),
         )
 

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -61,6 +62,8 @@ from rollpoint.store.journal_format import (
 from rollpoint.store.journal_scan import JournalScan, Placement, Position, scan
 
 __all__ = ["Journal", "JournalMetrics", "JournalRecord", "Position"]
+
+log = logging.getLogger(__name__)
 
 UNTRUSTED = ".untrusted"
 _O_APPEND_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW
@@ -131,6 +134,7 @@ class Journal:
         self._flusher: asyncio.Task[None] | None = None
         self._failed: BaseException | None = None
         self._closed = False
+        self._rotating: asyncio.Task[None] | None = None
         self._writer = ThreadPoolExecutor(1, thread_name_prefix="journal-writer")
         self._readers: dict[int, int] = {}
         self._fd = -1
@@ -179,6 +183,17 @@ class Journal:
     async def append(self, key: str, kind: str, payload: bytes, *, json: bool = False) -> Position:
         """Append one record; returns its end once it is durable (:class:`StorageError` if
         the write failed: then every later append fails too, the journal is broken)."""
+        return await self.append_soon(key, kind, payload, json=json)
+
+    def append_soon(
+        self, key: str, kind: str, payload: bytes, *, json: bool = False
+    ) -> asyncio.Future[Position]:
+        """Queue one record and return at once: the future resolves to its end once it is
+        durable (or fails with :class:`StorageError`). Records are made durable in the order
+        they were queued, so when a later record of this journal is durable, this one is
+        too: a caller that must not wait on this record (it only speeds a resume up) still
+        has it durable before anything it awaits afterwards. Raises at once when the
+        journal is closed or broken."""
         if self._failed is not None:
             raise StorageError(f"journal {self.folder}: an earlier write failed: {self._failed}")
         if self._closed:
@@ -192,7 +207,7 @@ class Journal:
         self._pending_bytes += len(frame)
         if self._flusher is None:
             self._flusher = loop.create_task(self._flush())
-        return await pending.future
+        return pending.future
 
     async def append_json(self, key: str, kind: str, value: Any) -> Position:
         return await self.append(key, kind, orjson.dumps(value), json=True)
@@ -292,12 +307,56 @@ class Journal:
         if self._limits[self._active] > HEADER:
             self._new_segment(self._active + 1, self._limits[self._active])
 
+    def checkpoint(self) -> Position:
+        """The position a cut opening now names (:attr:`position`), and the active segment
+        closed in the background (when it holds records): the records after this position
+        then start a new segment, so retention can delete every segment before it once no
+        kept snapshot names an earlier position. Call on the event loop; no waiting."""
+        position = self.position
+        busy = self._rotating is not None and not self._rotating.done()
+        if not busy and not self._closed and self._failed is None and position.offset > HEADER:
+            self._rotating = asyncio.get_running_loop().create_task(self._rotate_quietly())
+        return position
+
+    async def _rotate_quietly(self) -> None:
+        try:
+            await self.rotate()
+        except Exception as exc:  # the next append meets the broken disk, with its error
+            log.warning("journal %s: could not close the active segment: %s", self.folder, exc)
+
+    def forget_removed(self) -> list[int]:
+        """Forget the closed segments no longer in the folder: retention (the trainer's
+        snapshot store) deleted them, since no kept snapshot needs them. Their keys leave
+        the index. Returns their numbers (one listing of the folder)."""
+        try:
+            present = set(self._fs.listdir(self.folder))
+        except OSError as exc:
+            log.warning("journal %s: cannot list it: %s", self.folder, exc)
+            return []
+        gone = [n for n in self._limits if n != self._active and segment_name(n) not in present]
+        self._forget(gone)
+        return gone
+
+    def _forget(self, numbers: list[int]) -> None:
+        for number in numbers:
+            with contextlib.suppress(KeyError, OSError):
+                os.close(self._readers.pop(number))
+            self._limits.pop(number, None)
+        if numbers:
+            self._index = {k: v for k, v in self._index.items() if v.segment in self._limits}
+
     # --- reading -------------------------------------------------------------------------
 
     def lookup(self, key: str) -> JournalRecord | None:
         """The last durable record appended under ``key``, or None: a dict look-up and one read."""
         loc = self._index.get(key)
-        return None if loc is None else self._read(loc)
+        if loc is None:
+            return None
+        try:
+            return self._read(loc)
+        except FileNotFoundError:  # retention deleted its segment: no kept snapshot needs it
+            self._forget([loc.segment])
+            return None
 
     def __contains__(self, key: str) -> bool:
         return key in self._index
@@ -309,11 +368,17 @@ class Journal:
         """Every durable record that ends after ``position`` (all of them when None), in order."""
         after = position or Position(0, 0)
         for number in sorted(self._limits):
-            if number < after.segment:
+            if number < after.segment or number not in self._limits:
                 continue
             path = self._fs.join(self.folder, segment_name(number))
-            limit = self._limits[number]
-            data = self._pread(number, 0, limit)
+            limit = self._limits.get(number)
+            if limit is None:
+                continue
+            try:
+                data = self._pread(number, 0, limit)
+            except FileNotFoundError:  # retention deleted it: no kept snapshot needs it
+                self._forget([number])
+                continue
             start = max(HEADER, after.offset) if number == after.segment else HEADER
             for frame in scan_frames(data, start, limit):
                 if isinstance(frame, Damage):
@@ -381,6 +446,8 @@ class Journal:
         self._closed = True
         while self._flusher is not None:
             await asyncio.shield(self._flusher)
+        if self._rotating is not None:
+            await asyncio.shield(self._rotating)
         self._writer.shutdown(wait=True)
         for fd in (self._fd, *self._readers.values()):
             with contextlib.suppress(OSError):

@@ -11,6 +11,7 @@ journal's (:mod:`rollpoint.store.journal`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -25,6 +26,7 @@ from rollpoint.store.journal_format import (
     SegmentHeader,
     decode_header,
     scan_frames,
+    segment_name,
     segment_number,
 )
 
@@ -98,7 +100,12 @@ def scan(fs: Filesystem, folder: str) -> JournalScan:
             result.cut = Position(number, 0)
             result.untrusted.append(path.rsplit("/", 1)[-1])
             continue
-        follower = datas[i + 1][3] if i + 1 < len(datas) else None
+        # Segments are numbered without gaps (a writer's next segment is the last one's
+        # number plus one, a cut's new segment takes the number after the cut, retention
+        # deletes only the oldest): a number missing between two segments is a segment
+        # lost, and nothing after it is trusted, the next segment's prev_end included.
+        lost = i + 1 < len(datas) and datas[i + 1][0] != number + 1
+        follower = datas[i + 1][3] if i + 1 < len(datas) and not lost else None
         limit = follower.prev_end if follower is not None else len(data)
         if limit > len(data):
             _warn_cut(path, len(data), f"segment ends before {limit}, where the next begins", 0)
@@ -113,6 +120,11 @@ def scan(fs: Filesystem, folder: str) -> JournalScan:
             result.index[frame.key] = Placement(number, frame.offset, frame.end)
             result.records += 1
         result.limits[number] = limit
+        if lost and result.cut is None:
+            missing = fs.join(folder, segment_name(number + 1))
+            later = sum(len(d[2]) for d in datas[i + 1 :])
+            _warn_cut(missing, 0, "segment missing (lost)", later)
+            result.cut = Position(number, limit)
     return result
 
 
@@ -150,3 +162,68 @@ def _migrate(
         backup,
     )
     return migrated, new_header
+
+
+@dataclass
+class JournalSummary:
+    """What ``rollpoint inspect`` shows of one journal folder (read-only: nothing migrated,
+    cut or renamed)."""
+
+    records: int = 0
+    bytes: int = 0
+    """Of the trusted records' frames."""
+    segments: int = 0
+    last_key: str | None = None
+    last_kind: str | None = None
+    last_position: Position | None = None
+    """The end of the last durable record (what a cut opening now would name)."""
+    damage: str | None = None
+    """The first damage met, as ``file at offset: reason`` (nothing after it is trusted)."""
+
+    def as_json(self) -> dict[str, object]:
+        return {
+            "records": self.records,
+            "bytes": self.bytes,
+            "segments": self.segments,
+            "last_key": self.last_key,
+            "last_kind": self.last_kind,
+            "last_position": None if self.last_position is None else list(self.last_position),
+            "damage": self.damage,
+        }
+
+
+def summarize(fs: Filesystem, folder: str) -> JournalSummary:
+    """Count the trusted records of ``folder`` and find the last one, reading each segment
+    once and changing nothing (a live server may be appending: what it appends after the
+    read is not counted)."""
+    found = sorted(
+        (number, name)
+        for name in fs.listdir(folder)
+        if (number := segment_number(name)) is not None
+    )
+    out = JournalSummary(segments=len(found))
+    datas = [(number, fs.join(folder, name)) for number, name in found]
+    loaded = [(number, path, fs.read_bytes(path)) for number, path in datas]
+    for i, (number, path, data) in enumerate(loaded):
+        try:
+            header = decode_header(data, path)
+        except JournalFormatError as exc:
+            out.damage = exc.message
+            return out
+        if header.version != FORMAT_VERSION:
+            out.damage = f"{path}: format version {header.version} (migrated when opened)"
+            return out
+        follower = None
+        if i + 1 < len(loaded):
+            with contextlib.suppress(JournalFormatError):
+                follower = decode_header(loaded[i + 1][2], loaded[i + 1][1])
+        limit = min(len(data), follower.prev_end) if follower is not None else len(data)
+        for frame in scan_frames(data, HEADER, limit):
+            if isinstance(frame, Damage):
+                out.damage = f"{path} at offset {frame.offset}: {frame.reason}"
+                return out
+            out.records += 1
+            out.bytes += frame.end - frame.offset
+            out.last_key, out.last_kind = frame.key, frame.kind
+            out.last_position = Position(number, frame.end)
+    return out

@@ -26,7 +26,6 @@ decodes a large state (the fence's restore) pauses the cyclic garbage collector 
 
 from __future__ import annotations
 
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -38,6 +37,7 @@ from rollpoint.protocol.errors import (
 )
 from rollpoint.protocol.ids import is_identifier
 from rollpoint.protocol.manifest import (
+    JournalMark,
     ParticipantManifest,
     decode_document,
     encode_document,
@@ -49,11 +49,13 @@ from rollpoint.store.filesystem import Filesystem, filesystem_for
 from rollpoint.store.record_packs import (
     OBJECTS_DIR,
     PackIndex,
+    check_identity,
     check_totals,
     hash_records,
     pack_records,
     read_parts,
     records_file_name,
+    records_manifest,
 )
 
 __all__ = [
@@ -76,6 +78,7 @@ def write_participant_state(
     records: Sequence[Mapping[str, Any]],
     root: str | None = None,
     index: PackIndex | None = None,
+    journal: JournalMark | None = None,
 ) -> ParticipantManifest:
     """Write ``records`` and then their manifest into ``directory``; return the manifest.
 
@@ -85,7 +88,8 @@ def write_participant_state(
     it without following a symlink (:func:`_filesystem`), the records go to the root's
     shared records files, and with ``index`` (the participant's, kept between its writes)
     only what its previous write did not hold is written; ``index`` becomes this write's
-    once the manifest is written.
+    once the manifest is written. ``journal``: the participant's journal position when
+    the cut opened, saved in the manifest.
     """
     participant_kind = _check_identity(kind, instance, checkpoint_id)
     fs = _filesystem(directory, root)
@@ -99,16 +103,13 @@ def write_participant_state(
     try:
         fs.makedirs(directory)
         packed = pack_records(fs, folder, records, index, shared=root is not None)
-        manifest = ParticipantManifest(
+        manifest = records_manifest(
+            ParticipantManifest,
+            packed,
             kind=participant_kind,
             instance=instance,
             checkpoint_id=checkpoint_id,
-            parts=packed.parts,
-            count=packed.count,
-            bytes=packed.bytes,
-            written=packed.written,
-            sha256=packed.sha256,
-            written_at=time.time(),
+            journal=journal,
         )
         fs.publish_bytes(manifest_path, encode_document(manifest))
     except OSError as exc:
@@ -235,13 +236,7 @@ def _read_manifest(
         "instance": manifest.instance,
         "checkpoint_id": manifest.checkpoint_id,
     }
-    differences = [
-        f"{field} is {found[field]!r}, expected {want!r}"
-        for field, want in expected.items()
-        if found[field] != want
-    ]
-    if differences:
-        raise InvalidCheckpointStateError(f"{manifest_path}: " + "; ".join(differences))
+    check_identity(manifest_path, found, expected)
     for part in manifest.parts:
         if part.digest == "bytes" and part.file != records_file_name(part.sha256):
             raise InvalidCheckpointStateError(

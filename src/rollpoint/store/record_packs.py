@@ -40,8 +40,10 @@ Records are encoded with orjson: non-finite floats are written as ``null``; a
 :class:`ValueMadeOnWrite` anywhere in a record is made here, in the writer's thread, and
 written as its value (:class:`~rollpoint.tuning.deferred_value.DeferredValue` is one).
 
-It does not know what a record means (each participant does), the manifest around the parts
-(:mod:`rollpoint.store.participant_state`), nor which snapshots are kept. Nor the
+It does not know what a record means (each participant does), nor the manifests around the
+parts (:mod:`rollpoint.store.participant_state`, :mod:`rollpoint.store.trainer_records`)
+beyond what they share (:class:`~rollpoint.protocol.manifest.RecordsManifest`: the parts and
+totals a write fills in, the identity a read checks), nor which snapshots are kept. Nor the
 interpreter: a caller that decodes a large state pauses the garbage collector around the
 read itself (:mod:`rollpoint.tuning.collector_pause`).
 """
@@ -57,13 +59,13 @@ import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, TypeVar
 
 import orjson
 
 from rollpoint.protocol.errors import InvalidCheckpointStateError
 from rollpoint.protocol.manifest import RecordsManifest, RecordsPart
-from rollpoint.store.digest import BLOCK_BYTES, digest_file
+from rollpoint.store.digest import BLOCK_BYTES
 from rollpoint.store.filesystem import Filesystem
 
 __all__ = [
@@ -411,7 +413,12 @@ class _PackWriter:
         name = records_file_name(sha256)
         assert self._temp is not None
         target = self._fs.join(self._folder, name)
-        if self._fs.exists(target) and digest_file(self._fs, target).sha256 == sha256:
+        # The name is the digest of the lines' digests (not of the file's bytes): what
+        # _damage re-hashes, with the size.
+        if (
+            self._fs.exists(target)
+            and _damage(self._fs, target, name, self.size, rehash=True) is None
+        ):
             # The same bytes are there already (a rebase wrote records that had not
             # changed): keep that file as it is, so no snapshot naming it finds it written
             # after its manifest. A damaged file of that name is replaced.
@@ -490,6 +497,36 @@ def _unencodable(record: object, number: int, exc: Exception) -> InvalidCheckpoi
 
 
 # --- reading parts -----------------------------------------------------------------------
+
+
+M = TypeVar("M", bound=RecordsManifest)
+
+
+def records_manifest(model: type[M], packed: PackedRecords, **identity: Any) -> M:
+    """The manifest ``model`` of the parts ``packed`` laid out, with its totals, stamped
+    now, naming them by ``identity`` (the fields ``model`` adds: whose records, which
+    checkpoint)."""
+    return model(
+        **identity,
+        parts=packed.parts,
+        count=packed.count,
+        bytes=packed.bytes,
+        written=packed.written,
+        sha256=packed.sha256,
+        written_at=time.time(),
+    )
+
+
+def check_identity(path: str, found: Mapping[str, Any], expected: Mapping[str, Any]) -> None:
+    """Refuse the manifest at ``path`` unless each identity field ``found`` in it is the
+    one ``expected``; the error names every field that differs."""
+    differences = [
+        f"{field} is {found[field]!r}, expected {want!r}"
+        for field, want in expected.items()
+        if found[field] != want
+    ]
+    if differences:
+        raise InvalidCheckpointStateError(f"{path}: " + "; ".join(differences))
 
 
 def check_totals(manifest: RecordsManifest, path: str) -> None:

@@ -10,6 +10,9 @@ Owns the layout of a run's snapshot root (a local folder or an fsspec URL)::
         participants/<kind>/<instance>/      one participant's state (participant_state)
     <root>/objects/records-<hex>.jsonl       records files shared by snapshots (record_packs)
     <root>/latest                            LatestPointer to the newest published snapshot
+    <root>/journal/<kind>/<instance>/        participants' journals (docs/journal.md): the
+                                             segments no kept snapshot needs are deleted
+                                             with the snapshots (:mod:`.journal_retention`)
 
 Publication: on a local root, :meth:`SnapshotStore.publish` renames the staging folder
 into ``snapshots/`` (atomic) and then writes the manifest (temp file + rename); on an
@@ -76,6 +79,7 @@ from rollpoint.store.filesystem import (
     resolve_inside,
 )
 from rollpoint.store.job_identity import FINGERPRINT_KEY as JOB_KEY
+from rollpoint.store.journal_retention import JournalRetention
 from rollpoint.store.participant_state import MANIFEST_NAME, verify_participant_state
 from rollpoint.store.record_packs import (
     OBJECTS_DIR,
@@ -166,6 +170,8 @@ class SnapshotStore:
         self._fs = filesystem_within(self.root, self.root)
         self._stagings = StagingRegistry()
         self._pins: Counter[str] = Counter()
+        self._kept_fallback: str | None = None
+        """The fallback the last prune kept (:meth:`_fallback`)."""
         self._loaded: dict[str, tuple[float, Span]] = {}
         """Publication time and span of manifests already loaded, for ordering and
         retention (a manifest never changes once published; a manifest of 100k episodes
@@ -173,6 +179,8 @@ class SnapshotStore:
         always read afresh)."""
         self._references: dict[str, frozenset[str]] = {}
         """Shared records files named by each published snapshot (never changes)."""
+        self._journals = JournalRetention(self._fs, self.root)
+        """The journal segments the published snapshots need (:mod:`.journal_retention`)."""
         self.job_id: str | None = None
         """The job this store serves (:mod:`~rollpoint.store.job_identity`): retention
         never prunes a snapshot another job took. None: every snapshot is this job's."""
@@ -202,6 +210,14 @@ class SnapshotStore:
     @property
     def pinned(self) -> frozenset[str]:
         return frozenset(self._pins)
+
+    @property
+    def kept_fallback(self) -> frozenset[str]:
+        """The fallback snapshot the last publication kept beyond the ``keep`` newest (one
+        sharing no records file with the newest; empty when there is none): the train
+        checkpoint it composes with must be kept too, or the fallback cannot be restored
+        (chaos ``pack_damage``: it was pruned, and the damage took the run down)."""
+        return frozenset() if self._kept_fallback is None else frozenset({self._kept_fallback})
 
     # --- writing -----------------------------------------------------------------------
 
@@ -634,7 +650,8 @@ class SnapshotStore:
 
         Digests are not checked here: that would read every byte at every publication.
         """
-        candidates = [c for c in self._candidates() if not self._other_jobs(c.snapshot_id)]
+        every = self._candidates()
+        candidates = [c for c in every if not self._other_jobs(c.snapshot_id)]
         loadable = [c for c in candidates if c.span is not None]
         # A pin is set and cleared on the event loop while this runs in the publish
         # thread: a frozenset of the counter is one step under the GIL.
@@ -648,12 +665,13 @@ class SnapshotStore:
                 protect=kept,
             )
             kept = set(decided.snapshots)
-        fallback = self._fallback(protect, loadable)
+        fallback = self._kept_fallback = self._fallback(protect, loadable)
         if fallback is not None:
             kept.add(fallback)
         oldest_kept = min(
             (c.order_time for c in loadable if c.snapshot_id in kept), default=float("-inf")
         )
+        pruned: set[str] = set()
         for candidate in candidates:
             if candidate.snapshot_id in kept:
                 continue
@@ -664,10 +682,18 @@ class SnapshotStore:
                 self._fs.remove_tree(path)
                 self._loaded.pop(candidate.snapshot_id, None)
                 self._references.pop(candidate.snapshot_id, None)
+                self._journals.forget(candidate.snapshot_id)
+                pruned.add(candidate.snapshot_id)
+                # Every per-snapshot memo goes with the folder: kept, one entry a snapshot
+                # (one a train step) grew the trainer with rows trained (issue 33).
+                self._jobs.pop(candidate.snapshot_id, None)
                 log.info("pruned snapshot %s", candidate.snapshot_id)
             except OSError as exc:
                 log.warning("could not prune snapshot %s (skipped): %s", path, exc)
         self._sweep_objects()
+        # Every snapshot left counts, another job's too: its marks keep their segments.
+        left = [c.snapshot_id for c in every if c.snapshot_id not in pruned]
+        self._journals.sweep(self._snapshots_root(), left)
 
     def _fallback(self, newest: str, loadable: Sequence[_Candidate]) -> str | None:
         """The newest snapshot older than ``newest`` that names no records file

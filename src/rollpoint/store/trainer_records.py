@@ -22,7 +22,6 @@ folder the file sits (:mod:`rollpoint.store.snapshot_store`).
 from __future__ import annotations
 
 import hashlib
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -38,9 +37,11 @@ from rollpoint.store.filesystem import Filesystem
 from rollpoint.store.record_packs import (
     OBJECTS_DIR,
     PackIndex,
+    check_identity,
     check_totals,
     pack_records,
     read_parts,
+    records_manifest,
 )
 
 __all__ = [
@@ -66,16 +67,7 @@ def write_trainer_records(
     ``path`` (``relative`` to the snapshot folder); ``index`` becomes this write's."""
     try:
         packed = pack_records(fs, fs.join(root, OBJECTS_DIR), records, index, shared=True)
-        manifest = TrainerFileManifest(
-            name=name,
-            snapshot_id=snapshot_id,
-            parts=packed.parts,
-            count=packed.count,
-            bytes=packed.bytes,
-            written=packed.written,
-            sha256=packed.sha256,
-            written_at=time.time(),
-        )
+        manifest = records_manifest(TrainerFileManifest, packed, name=name, snapshot_id=snapshot_id)
         data = encode_document(manifest)
         fs.makedirs(path.rsplit("/", 1)[0])
         with fs.open_write(path) as stream:
@@ -135,13 +127,7 @@ def _manifest(data: bytes, path: str, name: str, snapshot_id: str) -> TrainerFil
     manifest = _load(data, path)
     found = {"name": manifest.name, "snapshot_id": manifest.snapshot_id}
     expected = {"name": name, "snapshot_id": snapshot_id}
-    differences = [
-        f"{field} is {found[field]!r}, expected {want!r}"
-        for field, want in expected.items()
-        if found[field] != want
-    ]
-    if differences:
-        raise InvalidCheckpointStateError(f"{path}: " + "; ".join(differences))
+    check_identity(path, found, expected)
     unshared = [part.file for part in manifest.parts if not part.shared]
     if unshared:
         raise InvalidCheckpointStateError(

@@ -32,7 +32,7 @@ import httpx
 from pydantic import computed_field
 
 from rollpoint.http.auth import load_token
-from rollpoint.protocol.control import Phase, Verb
+from rollpoint.protocol.control import JOURNAL, Phase, Verb
 from rollpoint.protocol.errors import ConfigError, RollpointError, TransportError
 from rollpoint.protocol.model_base import StrictModel
 from rollpoint.testing.conformance_cases import CASES, Case
@@ -60,6 +60,10 @@ class ConformanceReport(StrictModel):
     participant: str | None
     """``<kind> <name>/<replica>`` from its status, when that could be read."""
     cases: list[CaseResult]
+    journals: bool | None = None
+    """Whether it journals its completed work (status feature ``journal``,
+    docs/journal.md): a restore then replays its journal after the snapshot's mark; without
+    it, it is restored from snapshots alone (the protocol's cut). None: status unread."""
 
     @computed_field  # type: ignore[prop-decorator]
     @property
@@ -83,7 +87,12 @@ class ConformanceReport(StrictModel):
             verdict = "[green]pass[/]" if c.passed else "[bold red]FAIL[/]"
             table.add_row(c.name, verdict, f"{c.seconds:.2f}", c.detail)
         passed = len(self.cases) - len(self.failed)
-        table.caption = f"{passed}/{len(self.cases)} passed"
+        journal = {
+            True: "; journals its work (feature 'journal'): restores replay its journal",
+            False: "; does not journal: restored from snapshots alone",
+            None: "",
+        }[self.journals]
+        table.caption = f"{passed}/{len(self.cases)} passed{journal}"
         return table
 
 
@@ -126,7 +135,8 @@ async def check_participant(
                 halted = "not run: the status case failed"
             elif left_held:
                 halted = f"not run: case {name} left the participant held"
-        return ConformanceReport(url=url, participant=await _label(probe), cases=results)
+        label, journals = await _label(probe)
+        return ConformanceReport(url=url, participant=label, cases=results, journals=journals)
 
 
 async def _run_case(name: str, run: Case, trial: Trial) -> tuple[CaseResult, bool]:
@@ -169,21 +179,29 @@ async def _cleanup(trial: Trial) -> str | None:
     return None
 
 
-async def _label(probe: Probe) -> str | None:
+async def _label(probe: Probe) -> tuple[str | None, bool | None]:
+    """``<kind> <name>/<replica>`` and whether it journals, from its status."""
     try:
         s = await probe.status()
     except (CaseFailed, httpx.HTTPError):
-        return None
-    return f"{s.kind} {s.name}/{s.replica}"
+        return None, None
+    return f"{s.kind} {s.name}/{s.replica}", JOURNAL in s.features
 
 
 def conformance_command(
-    url: str, token_file: Path, as_json: bool, *, lease_grace_s_hint: float | None = None
+    url: str,
+    token_file: Path | None,
+    as_json: bool,
+    *,
+    lease_grace_s_hint: float | None = None,
+    nemo_gym_rows: Path | None = None,
 ) -> int:
     """``rollpoint conformance``: print the report (a table, or JSON); the exit code.
 
     0 when every case passed, 1 when one failed or the URL cannot be reached, 2 for bad
-    input (an unreadable or empty token file, a URL that is not http(s)).
+    input (an unreadable or empty token file, a URL that is not http(s)). With
+    ``nemo_gym_rows`` the server is a NeMo-Gym resources server
+    (:mod:`rollpoint.testing.nemo_gym_conformance`) and no token is needed.
     """
     from rich.console import Console
 
@@ -191,8 +209,20 @@ def conformance_command(
     try:
         if not url.startswith(("http://", "https://")):
             raise ConfigError(f"{url!r} is not a participant's base URL (http:// or https://)")
-        token = load_token(file=token_file)
-        report = asyncio.run(check_participant(url, token, lease_grace_s_hint=lease_grace_s_hint))
+        if nemo_gym_rows is not None:
+            from rollpoint.testing.nemo_gym_conformance import check_nemo_gym
+
+            report = check_nemo_gym(url, nemo_gym_rows)
+        elif token_file is None:
+            raise ConfigError("--token-file is needed (the participant's control token)")
+        else:
+            token = load_token(file=token_file)
+            report = asyncio.run(
+                check_participant(url, token, lease_grace_s_hint=lease_grace_s_hint)
+            )
+    except httpx.ConnectError as exc:
+        errors.print(f"[bold red]error:[/] {url}: {exc}", highlight=False, soft_wrap=True)
+        return 1
     except RollpointError as exc:
         errors.print(f"[bold red]error:[/] {exc.message}", highlight=False, soft_wrap=True)
         return 2 if isinstance(exc, ConfigError) else 1

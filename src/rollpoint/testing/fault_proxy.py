@@ -165,6 +165,31 @@ class Rules:
         return [r for r in self._rules if r.active and not r.exhausted]
 
 
+class RuleCommands:
+    """The rule commands of a fault-injecting front (the fault proxy, the fault transport
+    of :mod:`rollpoint.testing.fault_transport`): a test adds, removes and lists rules the
+    same way on either. The front keeps its :class:`Rules` in ``_rules``."""
+
+    _rules: Rules
+
+    def add(self, fault: Fault) -> Rule:
+        """Apply ``fault`` to the matching requests from now on (after earlier rules)."""
+        return self._rules.add(fault)
+
+    def remove(self, rule: Rule) -> None:
+        """Stop applying ``rule``; requests it holds go on."""
+        self._rules.remove(rule)
+
+    def release(self, rule: Rule) -> None:
+        """Let the requests ``rule`` holds go on, and hold no more (same as :meth:`remove`)."""
+        self.remove(rule)
+
+    @property
+    def rules(self) -> list[Rule]:
+        """The rules still in force, in the order they are tried."""
+        return self._rules.active
+
+
 @dataclass(frozen=True)
 class ProxyStats:
     requests: int
@@ -181,8 +206,9 @@ class ProxyStats:
 _Action = Callable[[web.BaseRequest, ProxiedRequest, Rule], Awaitable[web.StreamResponse]]
 
 
-class FaultProxy:
-    """A real HTTP proxy in front of ``upstream``; use as an async context manager."""
+class FaultProxy(RuleCommands):
+    """A real HTTP proxy in front of ``upstream``; use as an async context manager. Its
+    rules: :class:`RuleCommands` (a request a removed rule held is forwarded)."""
 
     def __init__(
         self,
@@ -269,23 +295,6 @@ class FaultProxy:
         await self.aclose()
 
     # --- commands ----------------------------------------------------------------------
-
-    def add(self, fault: Fault) -> Rule:
-        """Apply ``fault`` to the matching requests from now on (after earlier rules)."""
-        return self._rules.add(fault)
-
-    def remove(self, rule: Rule) -> None:
-        """Stop applying ``rule``; requests it holds are forwarded."""
-        self._rules.remove(rule)
-
-    def release(self, rule: Rule) -> None:
-        """Forward the requests ``rule`` holds, and hold no more (same as :meth:`remove`)."""
-        self.remove(rule)
-
-    @property
-    def rules(self) -> list[Rule]:
-        """The rules still in force, in the order they are tried."""
-        return self._rules.active
 
     async def partition(self) -> None:
         """Refuse new connections and cut every open one, until :meth:`heal`."""

@@ -37,7 +37,7 @@ from pydantic import BaseModel
 from rollpoint.protocol.control_verbs import ControlVerb
 from rollpoint.protocol.errors import RollpointError, TransportError, error_from_wire
 from rollpoint.testing.fault import Fault, FaultKind, ProxiedRequest
-from rollpoint.testing.fault_proxy import Rule, Rules
+from rollpoint.testing.fault_proxy import RuleCommands, Rules
 from rollpoint.trainer.control.control_transport import ControlTransport
 
 __all__ = ["FaultTransport"]
@@ -45,8 +45,9 @@ __all__ = ["FaultTransport"]
 R = TypeVar("R", bound=BaseModel)
 
 
-class FaultTransport:
-    """``inner`` with faults applied to the calls that match a rule."""
+class FaultTransport(RuleCommands):
+    """``inner`` with faults applied to the calls that match a rule (:class:`RuleCommands`:
+    a call a removed rule held is sent)."""
 
     def __init__(self, inner: ControlTransport, *, peer: str = "fault transport") -> None:
         self.inner = inner
@@ -59,23 +60,7 @@ class FaultTransport:
         """Calls the inner transport served."""
         self.faulted: Counter[FaultKind] = Counter()
 
-    # --- rules (as on the fault proxy) -------------------------------------------------
-
-    def add(self, fault: Fault) -> Rule:
-        """Apply ``fault`` to the matching calls from now on (after earlier rules)."""
-        return self._rules.add(fault)
-
-    def remove(self, rule: Rule) -> None:
-        """Stop applying ``rule``; calls it holds are sent."""
-        self._rules.remove(rule)
-
-    def release(self, rule: Rule) -> None:
-        """Send the calls ``rule`` holds, and hold no more (same as :meth:`remove`)."""
-        self.remove(rule)
-
-    @property
-    def rules(self) -> list[Rule]:
-        return self._rules.active
+    # --- rules: add, remove, release, rules (as on the fault proxy) ---------------------
 
     @property
     def partitioned(self) -> bool:

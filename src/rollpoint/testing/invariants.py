@@ -98,6 +98,9 @@ class TrainedRollout:
     messages: list[dict[str, Any]]
     model_calls: list[ModelCallMark] | None
     """None when the line does not record them (transcript checks only)."""
+    policy_lag: int | None = None
+    """Versions its oldest turn was behind when trained; None on lines written before
+    ``train_data.jsonl`` recorded it."""
 
     @property
     def subject(self) -> str:
@@ -156,6 +159,7 @@ def _parse_line(number: int, data: Any) -> TrainedRollout:
         model_calls=None
         if calls is None
         else [ModelCallMark(turn=int(c["turn"]), attempt=int(c["attempt"])) for c in calls],
+        policy_lag=None if data.get("policy_lag") is None else int(data["policy_lag"]),
     )
 
 

@@ -41,7 +41,7 @@ from rollpoint.policy.scripted_policy import PolicySettings, create_policy_app
 from rollpoint.protocol.deployment import Deployment, ReplicaEndpoints
 from rollpoint.protocol.episode import EnvironmentName, TaskRow
 from rollpoint.protocol.errors import LaunchError
-from rollpoint.protocol.participant import ParticipantKind
+from rollpoint.protocol.participant import ParticipantKind, session_mode
 from rollpoint.servers.agent.agent_server import AgentSettings, agent_server_of, create_agent_app
 from rollpoint.servers.agent.session_book import SessionBook
 from rollpoint.servers.model.model_server import (
@@ -234,7 +234,7 @@ class LocalCluster:
             "resources_url": self._tool_urls[name],
             "environment": self.environment,
             "replica": name,
-            "checkpoint_mode": get_environment(self.environment).checkpoint_mode,
+            "checkpoint_mode": session_mode(get_environment(self.environment).checkpoint_mode),
             **self._control(),
         }
 

@@ -1,5 +1,7 @@
 """Damage to a published snapshot between a crash and its rerun, as a disk, a copy gone wrong
-or a hand edit leaves it: what ``rollpoint chaos``'s ``snapshot_tamper`` fault does.
+or a hand edit leaves it: what ``rollpoint chaos``'s ``snapshot_tamper`` fault does; and
+damage to the shared records file most snapshots name (``pack_damage`` at rest,
+``pack_damage_live`` while a run goes: :func:`damage_shared_pack`).
 
 Owns choosing the newest published snapshot of a local store and damaging it one
 :class:`Damage` way. The rerun must skip it, say so on the console, and resume from the
@@ -17,6 +19,7 @@ from pathlib import Path
 import orjson
 
 from rollpoint.store.participant_state import MANIFEST_NAME
+from rollpoint.store.record_packs import OBJECTS_DIR, is_records_name
 from rollpoint.store.snapshot_store import SNAPSHOTS_DIR
 
 
@@ -69,3 +72,37 @@ def damage_newest(store: Path, how: Damage) -> str:
     data[at] ^= 0x01
     path.write_bytes(bytes(data))
     return f"snapshot {snapshot_id}: byte {at} of {entry['path']} flipped"
+
+
+def damage_shared_pack(store: Path, how: str) -> str:
+    """Damage the records file of ``store``'s ``objects/`` that the most published
+    snapshots name (``flip``: one byte in its middle; ``truncate``: cut to half;
+    ``delete``: removed); say what was done. Which snapshots name a file is read from
+    their folders' bytes (every manifest naming a shared part spells the file's name)."""
+    named: dict[str, int] = {}
+    folders = [m.parent for m in (store / SNAPSHOTS_DIR).glob(f"*/{MANIFEST_NAME}")]
+    if len(folders) < 2:
+        raise NothingToDamage(
+            f"{len(folders)} published snapshot(s) in {store}: no records file is shared yet"
+        )
+    packs = sorted(p for p in (store / OBJECTS_DIR).glob("*") if is_records_name(p.name))
+    for folder in folders:
+        text = b"".join(f.read_bytes() for f in folder.rglob("*") if f.is_file())
+        for pack in packs:
+            if pack.name.encode() in text:
+                named[pack.name] = named.get(pack.name, 0) + 1
+    if not named:
+        raise NothingToDamage(f"no snapshot in {store} names a shared records file")
+    name = max(sorted(named), key=lambda n: named[n])
+    path = store / OBJECTS_DIR / name
+    if how == "delete":
+        path.unlink()
+        return f"{name} (named by {named[name]} snapshots) deleted"
+    data = bytearray(path.read_bytes())
+    if how == "truncate":
+        path.write_bytes(bytes(data[: len(data) // 2]))
+        return f"{name} (named by {named[name]} snapshots) cut to {len(data) // 2} bytes"
+    at = len(data) // 2
+    data[at] ^= 0x01
+    path.write_bytes(bytes(data))
+    return f"{name} (named by {named[name]} snapshots): byte {at} flipped"

@@ -85,6 +85,12 @@ class Restore(_Event):
     """When the snapshot's pause ended (its cut), from its manifest: the report draws the
     snapshot from it when the killed run wrote no metrics line for it."""
     snapshot_pause_s: float | None = None
+    journal_turns: dict[str, NonNegativeInt] | None = None
+    """Per agent journal (``agent/<name>-<replica>``, its folder under ``journal/``): the
+    turns it held past the snapshot, which the continued and re-sent episodes resume
+    through instead of playing again. None when no agent journals."""
+    journal_replies: dict[str, NonNegativeInt] | None = None
+    """Per agent journal: finished replies it held, to be adopted (not run again)."""
 
 
 class TrainStep(_Event):

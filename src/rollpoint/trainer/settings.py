@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 from pydantic import JsonValue
 
@@ -34,6 +35,10 @@ class SaveSettings:
     long (see ``snapshot.retry_after_seconds`` in docs/guide.md)."""
     allow_restart_only: bool = False
     """Save a deployment whose participants can only restart their episodes."""
+    mode: Literal["cut", "journal"] = "cut"
+    """``journal``: periodic saves close no admission (``snapshot.mode``, docs/design.md
+    "Pause-free snapshots"); a final save and a save with a participant that does not
+    journal take the cut."""
 
     def __post_init__(self) -> None:
         if not (0 < self.deadline_seconds <= MAX_DEADLINE_S):
@@ -63,6 +68,16 @@ class TrainerSettings:
     """Rollouts per train step; rounded up to whole prompt groups."""
     checkpoint_every_steps: int | None = 1
     """A train checkpoint (and a snapshot) every this many steps; None never checkpoints."""
+    max_policy_lag: int | None = None
+    """At most this many policy versions between the live one and a trained sample's
+    oldest turn (:mod:`rollpoint.trainer.policy_lag`); None: no bound."""
+    stale_samples: Literal["resend", "mark"] = "resend"
+    """A sample beyond ``max_policy_lag`` at training time: its group sent again, or
+    handed over marked ``stale``."""
+    max_ready_batches: int | None = 4
+    """While this many batches of finished rollouts wait for training, no new prompt group
+    is sent (the groups in flight finish): the trainer holds at most about this many
+    batches plus what is in flight, however slow training is. None: no bound."""
     row_timeout_seconds: float = 300.0
     """Give up on one row after this long (time paused by a snapshot not counted)."""
     snapshot_every_seconds: float | None = None
@@ -88,6 +103,9 @@ class TrainerSettings:
     (None: never; the row timeout still gives rows up)."""
     retry_failed: bool = False
     """Send the failed groups of the restored run again, under new group ids."""
+    journaled: bool = False
+    """The servers journal their work (``journal.enabled``): a replica lost mid-run gets
+    every try it held back, not only the latest snapshot's (docs/journal.md)."""
 
     def __post_init__(self) -> None:
         for name in ("group_size", "concurrency", "max_turns", "batch_size", "max_reply_bytes"):
@@ -98,6 +116,20 @@ class TrainerSettings:
             raise ConfigError(
                 "TrainerSettings.checkpoint_every_steps must be at least 1 or None,"
                 f" not {self.checkpoint_every_steps!r}"
+            )
+        if self.max_policy_lag is not None and self.max_policy_lag < 0:
+            raise ConfigError(
+                f"TrainerSettings.max_policy_lag must be >= 0 or None, not {self.max_policy_lag!r}"
+            )
+        if self.stale_samples not in ("resend", "mark"):
+            raise ConfigError(
+                "TrainerSettings.stale_samples must be 'resend' or 'mark',"
+                f" not {self.stale_samples!r}"
+            )
+        if self.max_ready_batches is not None and self.max_ready_batches < 1:
+            raise ConfigError(
+                "TrainerSettings.max_ready_batches must be at least 1 or None,"
+                f" not {self.max_ready_batches!r}"
             )
         if not self.row_timeout_seconds > 0:
             raise ConfigError(

@@ -18,6 +18,7 @@ from pydantic import JsonValue
 
 from rollpoint.protocol.episode import ModelCall, RunReply
 from rollpoint.protocol.errors import BadRequestError
+from rollpoint.trainer.policy_lag import turn_lags
 from rollpoint.trainer.record.train_checkpoint import TRAINER_STATE_MAX_BYTES
 
 
@@ -49,9 +50,12 @@ class TrainTurn:
     completion_token_strings: list[str] | None = None
     """An engine that returned logprobs but no ids: the text of each sampled token, one per
     ``completion_logprobs`` entry (``completion_token_ids`` is None then). None otherwise."""
+    policy_lag: int = 0
+    """How many policy versions this turn's oldest token is behind the version live when
+    its batch was handed out (0: sampled by the live weights)."""
 
     @classmethod
-    def from_call(cls, call: ModelCall) -> TrainTurn:
+    def from_call(cls, call: ModelCall, *, live: int | None = None) -> TrainTurn:
         trace = call.tokens
         texts = call.token_texts
         return cls(
@@ -72,6 +76,7 @@ class TrainTurn:
             prompt_is_suffix=False if trace is None else trace.prompt_is_suffix,
             segments=(None if call.segments is None else [s.model_dump() for s in call.segments]),
             completion_token_strings=None if texts is None else list(texts.tokens),
+            policy_lag=0 if live is None else turn_lags([call], live)[0],
         )
 
     def to_json(self) -> dict[str, JsonValue]:
@@ -87,6 +92,7 @@ class TrainTurn:
             "prompt_is_suffix": self.prompt_is_suffix,
             "segments": self.segments,  # type: ignore[dict-item]
             "completion_token_strings": self.completion_token_strings,  # type: ignore[dict-item]
+            "policy_lag": self.policy_lag,
         }
 
 
@@ -130,9 +136,26 @@ class TrainSample:
     trajectory: list[TrainTurn] = field(default_factory=list)
     """One entry per model call of the transcript, in turn order (``train_data.jsonl``'s
     ``turns``); :func:`token_segments` rebuilds the token sequence and its mask."""
+    policy_lag: int = 0
+    """Its oldest turn's lag (:attr:`TrainTurn.policy_lag`); a continued episode's turns
+    from before a restore count."""
+    stale: bool = False
+    """Beyond ``train.max_policy_lag`` (handed over with ``train.stale_samples: mark``)."""
 
     @classmethod
-    def from_reply(cls, reply: RunReply, *, advantage: float, group_size: int) -> TrainSample:
+    def from_reply(
+        cls,
+        reply: RunReply,
+        *,
+        advantage: float,
+        group_size: int,
+        live: int | None = None,
+        max_lag: int | None = None,
+    ) -> TrainSample:
+        """``live``: the policy version live now (the turns' lags count from it);
+        ``max_lag``: the bound a sample is ``stale`` beyond."""
+        trajectory = [TrainTurn.from_call(c, live=live) for c in reply.model_calls]
+        lag = max((t.policy_lag for t in trajectory), default=0)
         return cls(
             task_id=reply.task_id,
             group_id=reply.group_id,
@@ -146,7 +169,9 @@ class TrainSample:
             model_calls=reply.model_calls,
             turns=reply.turns,
             finish_reason=reply.finish_reason,
-            trajectory=[TrainTurn.from_call(c) for c in reply.model_calls],
+            trajectory=trajectory,
+            policy_lag=lag,
+            stale=max_lag is not None and lag > max_lag,
         )
 
 

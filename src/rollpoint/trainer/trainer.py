@@ -2,7 +2,8 @@
 
 Owns the run's parts and how they meet: the ledger, the dispatch barrier, the finished queue and the
 dispatcher are built here (and exposed, so a snapshot coordinator can drive them); one
-task keeps the dispatcher fed with prompt groups, one trains on whole groups as the finished queue fills,
+task keeps the dispatcher fed with prompt groups (none while ``max_ready_batches`` batches
+wait for training: what the trainer holds stays bounded), one trains on whole groups as the finished queue fills,
 and a stall watchdog fails the run when no row result arrives for too long (time paused
 by a snapshot not counted). Every train step calls the :class:`TrainHooks`, bumps the
 policy version on every model server, writes the consumed rollouts to the trainer's
@@ -32,13 +33,15 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import JsonValue
 
 from rollpoint.http.client import HttpClient
+from rollpoint.policy.engine_adapters import PauseMode
 from rollpoint.protocol.deployment import Deployment, ReplicaEndpoints
 from rollpoint.protocol.episode import RunReply, TaskRow
 from rollpoint.protocol.errors import (
@@ -62,6 +65,7 @@ from rollpoint.trainer.dispatch.failed_groups import FailureLimit, digest, retry
 from rollpoint.trainer.dispatch.release_batcher import ReleaseBatcher
 from rollpoint.trainer.grpo import advantages_by_episode
 from rollpoint.trainer.metrics import RunCounts
+from rollpoint.trainer.policy_lag import PolicyLag, sample_lag
 from rollpoint.trainer.record.train_checkpoint import TrainCheckpoint, stamp
 from rollpoint.trainer.record.workdir_record import WorkdirRecord
 from rollpoint.trainer.restore.replica_recovery import ReplicaRecovery
@@ -202,6 +206,9 @@ class Trainer:
         self._stall_timeout_s = stall_timeout_s
         self._started = False
         self._tq_changed = asyncio.Event()
+        self._tq_drained = asyncio.Event()
+        """Set whenever rollouts leave the finished queue's ready groups (taken for
+        training, or a failed group dropped): the feed may have room again."""
         self._dispatch_done = False
         self._failed: dict[str, str] = {}
         self._episodes = 0
@@ -211,6 +218,15 @@ class Trainer:
         self._groups_trained = 0
         self._episodes_trained = 0
         self._policy_version = 0
+        self._running = asyncio.Event()
+        """Set while :meth:`run` runs (weight updates wait for it)."""
+        self._ended = False
+        self._update: AsyncExitStack | None = None
+        """Held from :meth:`pause_for_update` to :meth:`end_update` (keeps saves out)."""
+        self._update_replicas: list[ReplicaEndpoints] = []
+        self._trainer_versions = False
+        """True once the trainer said which version is live (:meth:`weights_live`): train
+        steps no longer count versions of their own."""
         self._trainer_state: JsonValue = None
         """The state the train hooks last handed over (kept in each train checkpoint)."""
         self._not_durable: dict[int, TrainCheckpoint] = {}
@@ -223,12 +239,30 @@ class Trainer:
             ckpt, doc = restored.checkpoint, restored.trainer_doc
             self._train_steps = ckpt.step
             self._policy_version = ckpt.policy_version
+            self._trainer_versions = bool(doc.get("trainer_versions", False))
             self._trainer_state = ckpt.trainer_state
             self._groups_trained = ckpt.groups_trained
             self._episodes_trained = ckpt.episodes_trained
             self._episodes = self.ledger.counts()[RolloutState.SEALED]
             self._turns = int(doc.get("turns", 0))
             self._reward_sum = float(doc.get("reward_sum", 0.0))
+        self.lag = PolicyLag(
+            config.max_policy_lag,
+            live=lambda: self._policy_version,
+            busy=self._lag_busy,
+            # The versions were the trainer's: none is stamped until it says one again.
+            awaiting_trainer=self._trainer_versions,
+        )
+        """Each untrained row's oldest policy version; holds dispatch (``max_policy_lag``)."""
+        if restored is not None:
+            self.lag.load(restored.trainer_doc.get("policy_lag"))
+        self._feed_idle = False
+        """The feed sent every group and none runs, but may still get one (a stale group
+        sent again): the trainer may train a last, partial batch."""
+        self.stale_resent = 0
+        """Groups sent again because a sample was beyond ``max_policy_lag``."""
+        self.stale_marked = 0
+        """Samples handed over marked ``stale``."""
         self.events = control.metrics.run_events if control is not None else RunEvents(None)
         """The run's event log (``run_events.jsonl``; records nothing without a control plane)."""
         self._metrics = control.metrics if control is not None else None
@@ -269,6 +303,7 @@ class Trainer:
                 self.coordinator,
                 wait_s=deadline_s if replica_restart_wait_s is None else replica_restart_wait_s,
                 restore_deadline_s=deadline_s,
+                journaled=config.journaled,
             )
 
     def state(self) -> dict[str, Any]:
@@ -276,6 +311,8 @@ class Trainer:
         return {
             "train_step": self._train_steps,
             "policy_version": self._policy_version,
+            "trainer_versions": self._trainer_versions,
+            "policy_lag": self.lag.to_doc(),
             "episodes": self._episodes,
             "turns": self._turns,
             "reward_sum": self._reward_sum,
@@ -294,6 +331,14 @@ class Trainer:
             groups_total=len(self.ledger.group_ids()),
             groups_trained=self._groups_trained,
             policy_version=self._policy_version,
+        )
+
+    def _lag_busy(self) -> bool:
+        """Whether the run makes progress without new episodes: rows in flight, or a batch
+        ready to train (so a dispatch held for the lag bound is not a deadlock)."""
+        return (
+            self.ledger.in_flight_count() > 0
+            or self.finished_queue.ready_rollouts >= self.config.batch_size
         )
 
     def run_counts(self) -> RunCounts:
@@ -324,6 +369,7 @@ class Trainer:
         self.config.workdir.mkdir(parents=True, exist_ok=True)
         client = self._client or HttpClient()
         self._http = client
+        self._running.set()
         try:
             self.dispatcher = Dispatcher(
                 self.ledger,
@@ -338,6 +384,7 @@ class Trainer:
                 roster=self.roster,
                 releases=self.releases,
                 down_grace_s=REPLICA_DOWN_GRACE_S if self.recovery is not None else 0.0,
+                hold=self.lag,
             )
             for name in sorted(self._lost_before_run):
                 self.dispatcher.replica_lost(name)
@@ -379,6 +426,8 @@ class Trainer:
             if self.coordinator is not None:
                 await seam.closed(self.coordinator)
             self._http = None
+            self._running.clear()
+            self._ended = True
             if self._client is None:
                 await client.aclose()
         return RunSummary(
@@ -444,6 +493,7 @@ class Trainer:
         if self.releases is not None and record.replica is not None:
             self.releases.sealed(reply.episode, record.replica)
         self.finished_queue.put(reply)
+        self.lag.finished(reply)
         self._episodes += 1
         self._turns += reply.turns
         self._reward_sum += reply.reward
@@ -455,6 +505,44 @@ class Trainer:
         tickets = asyncio.Semaphore(window)
         running: set[asyncio.Task[GroupOutcome]] = set()
         errors: list[BaseException] = []
+        try:
+            sent = 0
+            while True:
+                sent = await self._feed_some(dispatcher, tickets, running, errors, sent)
+                if sent < len(self._feed_order):
+                    continue  # sent again while the last ones ran
+                if not self._may_resend():
+                    break
+                # Every group sent and settled; a batch still to train may send one again.
+                self._feed_idle = True
+                self._tq_changed.set()
+                self._groups_added.clear()
+                await self._groups_added.wait()
+                self._feed_idle = False
+        finally:
+            leftover = list(running)
+            for task in leftover:
+                task.cancel()
+            await asyncio.gather(*leftover, return_exceptions=True)
+        self._dispatch_done = True
+        self._tq_changed.set()
+
+    def _may_resend(self) -> bool:
+        """Whether a group may still be sent again for staleness: batches left to train."""
+        if self.config.max_policy_lag is None or self.config.stale_samples != "resend":
+            return False
+        return self.finished_queue.ready_groups > 0 or self._step_in_hand is not None
+
+    async def _feed_some(
+        self,
+        dispatcher: Dispatcher,
+        tickets: asyncio.Semaphore,
+        running: set[asyncio.Task[GroupOutcome]],
+        errors: list[BaseException],
+        sent: int,
+    ) -> int:
+        """Send the groups of the feed order from ``sent`` on (and those added meanwhile),
+        then wait for every one running; returns how many of the order are sent."""
 
         def finished(task: asyncio.Task[GroupOutcome]) -> None:
             running.discard(task)
@@ -467,32 +555,42 @@ class Trainer:
             else:
                 self._group_done(task.result())
 
-        try:
-            sent = 0
-            while sent < len(self._feed_order) or self._more_groups:
-                if sent == len(self._feed_order):
-                    self._groups_added.clear()
-                    await self._groups_added.wait()  # add_groups or end_groups
-                    continue
-                gid = self._feed_order[sent]
-                sent += 1
-                await tickets.acquire()
-                if errors:
-                    raise errors[0]
-                task = asyncio.create_task(dispatcher.run_group(gid), name=f"group-{gid}")
-                running.add(task)
-                task.add_done_callback(finished)
-            while running and not errors:
-                await asyncio.wait(set(running), return_when=asyncio.FIRST_EXCEPTION)
+        while sent < len(self._feed_order) or self._more_groups:
+            if sent == len(self._feed_order):
+                self._groups_added.clear()
+                await self._groups_added.wait()  # add_groups or end_groups
+                continue
+            gid = self._feed_order[sent]
+            sent += 1
+            await tickets.acquire()
+            await self._room_to_train()
             if errors:
                 raise errors[0]
-        finally:
-            leftover = list(running)
-            for task in leftover:
-                task.cancel()
-            await asyncio.gather(*leftover, return_exceptions=True)
-        self._dispatch_done = True
-        self._tq_changed.set()
+            task = asyncio.create_task(dispatcher.run_group(gid), name=f"group-{gid}")
+            running.add(task)
+            task.add_done_callback(finished)
+        while running and not errors:
+            await asyncio.wait(set(running), return_when=asyncio.FIRST_EXCEPTION)
+        if errors:
+            raise errors[0]
+        return sent
+
+    async def _room_to_train(self) -> None:
+        """Wait while ``max_ready_batches`` batches of finished rollouts wait for training.
+
+        Training slower than rollouts otherwise piles finished replies up in the finished
+        queue without end: the trainer's memory (and every snapshot's finished queue) grew
+        with the run (issue 33, the soak: 41 KiB per trained row). The bound is at least
+        one batch, so the train loop, which takes a batch as soon as one is ready, always
+        makes the room waited for here; while the feed waits the dispatcher goes idle, which
+        the stall watch does not count as a stall."""
+        batches = self.config.max_ready_batches
+        if batches is None:
+            return
+        limit = batches * self.config.batch_size
+        while self.finished_queue.ready_rollouts >= limit:
+            self._tq_drained.clear()
+            await self._tq_drained.wait()
 
     # --- groups added while running -------------------------------------------------
 
@@ -536,7 +634,9 @@ class Trainer:
         if outcome.failed is not None:
             self._failed[outcome.group_id] = outcome.failed
             self.finished_queue.drop_group(outcome.group_id)
+            self.lag.settled(outcome.group_id, self.ledger.group(outcome.group_id).group_size)
             self._tq_changed.set()
+            self._tq_drained.set()
         groups = len(self.ledger.group_ids()) - len(self._superseded)
         if self._failure_limit.exceeded(groups):
             self._too_many_failed.set()
@@ -590,23 +690,35 @@ class Trainer:
         batch_size = self.config.batch_size
         while True:
             if self.finished_queue.ready_rollouts >= batch_size or (
-                self._dispatch_done and self.finished_queue.ready_groups
+                (self._dispatch_done or self._feed_idle) and self.finished_queue.ready_groups
             ):
-                return self.finished_queue.take_groups(batch_size, train_step=step)
+                taken = self.finished_queue.take_groups(batch_size, train_step=step)
+                self._tq_drained.set()
+                return taken
             if self._dispatch_done:
                 return []
             self._tq_changed.clear()
             await self._tq_changed.wait()
 
     async def _train_step(self, client: HttpClient, step: int, groups: list[GroupBatch]) -> None:
+        groups = self._fresh_enough(groups)
+        if not groups:
+            self._groups_added.set()  # the feed looks again: a group may have been re-sent
+            return  # every group was sent again: the step trains the next batch instead
         advantages = advantages_by_episode(batch.replies for batch in groups)
+        live, bound = self._policy_version, self.config.max_policy_lag
         samples = [
             TrainSample.from_reply(
-                reply, advantage=advantages[reply.episode.key], group_size=batch.size
+                reply,
+                advantage=advantages[reply.episode.key],
+                group_size=batch.size,
+                live=live,
+                max_lag=bound,
             )
             for batch in groups
             for reply in batch.replies
         ]
+        self.stale_marked += sum(s.stale for s in samples)
         generated_by = self._policy_version
         self._step_in_hand = step
         try:
@@ -616,12 +728,55 @@ class Trainer:
             async with self._step_recorded:
                 self._step_in_hand = None
                 self._step_recorded.notify_all()
+            for batch in groups:
+                self.lag.settled(batch.group_id, batch.size)
+            self._groups_added.set()  # the feed looks again (it may wait for this step)
         log.info(
             "train step %d: %d rollouts from %d groups; %s",
             step,
             len(samples),
             len(groups),
             ", ".join(f"{k}={v:.4g}" for k, v in self.last_metrics.items()),
+        )
+
+    def _fresh_enough(self, groups: list[GroupBatch]) -> list[GroupBatch]:
+        """The groups to train: with ``stale_samples: resend``, a group with a sample beyond
+        ``max_policy_lag`` is left out and sent again as a new group of its task (one the
+        ledger already replaced, after a restore, is just left out)."""
+        bound = self.config.max_policy_lag
+        if bound is None or self.config.stale_samples != "resend":
+            return groups
+        live = self._policy_version
+        kept = []
+        for batch in groups:
+            if batch.group_id in self._superseded:
+                continue
+            lag = max((sample_lag(r.model_calls, live) for r in batch.replies), default=0)
+            if lag <= bound:
+                kept.append(batch)
+                continue
+            self._send_again(batch, lag, bound)
+        return kept
+
+    def _send_again(self, batch: GroupBatch, lag: int, bound: int) -> None:
+        gid = batch.group_id
+        task_id = self.ledger.group(gid).task_id
+        self.ledger.fail_group(
+            gid, f"stale: a sample {lag} policy versions behind (train.max_policy_lag {bound})"
+        )
+        self._superseded.add(gid)
+        taken = {g for g in self.ledger.group_ids() if self.ledger.group(g).task_id == task_id}
+        n = len(taken)
+        while f"{task_id}-g{n}" in taken:
+            n += 1
+        new = f"{task_id}-g{n}"
+        self.ledger.add_group(self.ledger.task(task_id), new, batch.size)
+        self.finished_queue.expect_group(new, batch.size)
+        self._feed_order.append(new)
+        self.lag.settled(gid, batch.size)
+        self.stale_resent += 1
+        log.info(
+            "group %s: a sample %d versions behind the live policy; sent again as %s", gid, lag, new
         )
 
     async def _record_step(
@@ -641,8 +796,11 @@ class Trainer:
                 self._trainer_state = result.state
         else:
             self.last_metrics = result
-        self._policy_version += 1
-        await self._publish_policy_version(client, self._policy_version)
+        if not self._trainer_versions:
+            # rollpoint's own count: one version per train step, live once it is done.
+            self._policy_version += 1
+            await self._publish_policy_version(client, self._policy_version)
+            self.lag.changed()
         coverage = await asyncio.to_thread(self.step_record.write_step, step, samples, generated_by)
         self._train_steps = step
         self._groups_trained += len(groups)
@@ -668,6 +826,112 @@ class Trainer:
             await self._checkpoint(checkpoint)
         else:
             self._not_durable[step] = checkpoint
+
+    @property
+    def policy_version(self) -> int:
+        """The version live on the engines (the trainer's own once it reported one)."""
+        return self._policy_version
+
+    async def weights_live(self, version: int) -> None:
+        """Version ``version`` is live on the engines from now on (see :meth:`weight_update`
+        for an update rollpoint pauses the engines around). Held out of snapshots."""
+        async with self._holding_saves():
+            await self._make_live(version)
+
+    @asynccontextmanager
+    async def weight_update(self, version: int, mode: PauseMode = "keep") -> AsyncIterator[None]:
+        """The engines paused in ``mode`` while the block pushes the weights; on leaving
+        it, ``version`` is live and they resume. No snapshot runs inside (one in progress
+        finishes first), so a snapshot is before the update or after it. A block that
+        raises resumes the engines under the version they had."""
+        self._check_version(version)
+        await self.pause_for_update(mode)
+        try:
+            yield
+        except BaseException:
+            await self.end_update(None)
+            raise
+        await self.end_update(version)
+
+    async def pause_for_update(self, mode: PauseMode) -> None:
+        """Step one of :meth:`weight_update`: hold snapshots, pause every up replica's
+        engine (through its model server) in ``mode``."""
+        http = await self._require_http()
+        if self._update is not None:
+            raise InvalidPhaseError("trainer: a weight update is already in progress")
+        stack = AsyncExitStack()
+        await stack.enter_async_context(self._holding_saves())
+        self._update = stack
+        self._update_replicas = []
+        try:
+            for name in list(self.roster.up):
+                r = self.roster.endpoints(name)
+                await http.post_json(f"{r.model_url}/rollpoint/v1/weights/pause", {"mode": mode})
+                self._update_replicas.append(r)
+        except BaseException:
+            await self.end_update(None)
+            raise
+
+    async def end_update(self, version: int | None) -> None:
+        """Step two: ``version`` live (None: the one before, for an update given up), the
+        engines resumed, snapshots let go."""
+        stack, self._update = self._update, None
+        if stack is None:
+            raise InvalidPhaseError("trainer: no weight update is in progress")
+        try:
+            http = await self._require_http()
+            if version is None or version < self._policy_version:
+                await self._post_live(http, self._policy_version, self._update_replicas)
+                if version is not None:
+                    self._check_version(version)  # raises: the engines run on, unchanged
+                return
+            self._policy_version = version
+            self._trainer_versions = True
+            replicas = [self.roster.endpoints(name) for name in self.roster.up]
+            await self._post_live(http, version, replicas)
+            self.lag.trainer_reported()
+            log.info("weights of version %d are live", version)
+        finally:
+            await stack.aclose()
+
+    def _holding_saves(self) -> Any:
+        if self.coordinator is None:
+            return AsyncExitStack()
+        return self.coordinator.holding_saves()
+
+    def _check_version(self, version: int) -> None:
+        if version < self._policy_version:
+            raise BadRequestError(
+                f"trainer: policy version {version} is older than the live one "
+                f"({self._policy_version}); versions only go up"
+            )
+
+    async def _require_http(self) -> HttpClient:
+        """The run's client; a call made before :meth:`run` got going waits for it."""
+        if self._http is None and not self._ended:
+            await self._running.wait()
+        if self._http is None:
+            raise InvalidPhaseError("trainer: the run is not running (no weights to update)")
+        return self._http
+
+    async def _make_live(self, version: int) -> None:
+        self._check_version(version)
+        http = await self._require_http()
+        self._policy_version = version
+        self._trainer_versions = True
+        replicas = [self.roster.endpoints(name) for name in self.roster.up]
+        await self._post_live(http, version, replicas)
+        self.lag.trainer_reported()
+
+    async def _post_live(
+        self, client: HttpClient, version: int, replicas: list[ReplicaEndpoints]
+    ) -> None:
+        """``version`` live on these replicas' model servers (resuming their engines)."""
+
+        async def live(r: ReplicaEndpoints) -> None:
+            await client.post_json(f"{r.model_url}/rollpoint/v1/weights/live", {"version": version})
+
+        await asyncio.gather(*(live(r) for r in replicas))
 
     async def _publish_policy_version(
         self, client: HttpClient, version: int, replicas: list[ReplicaEndpoints] | None = None
@@ -733,7 +997,8 @@ class Trainer:
 
     def _steps_to_keep(self, step: int) -> frozenset[int]:
         """The train checkpoints retention keeps once ``step``'s is written: never one a
-        kept snapshot composes with (one decision with the snapshots': :mod:`retention`)."""
+        kept snapshot composes with, the store's fallback included (one decision with the
+        snapshots': :mod:`retention`)."""
         if self.coordinator is None:
             return frozenset()
         store = self.coordinator.store
@@ -742,7 +1007,7 @@ class Trainer:
             [*self.step_record.steps(), step],
             keep_snapshots=store.keep,
             keep_checkpoints=self.step_record.keep,
-            protect=store.pinned,
+            protect=store.pinned | store.kept_fallback,
         ).checkpoints
 
     # --- snapshots -------------------------------------------------------------------

@@ -10,12 +10,17 @@
 - :mod:`~rollpoint.tuning.deferred_value`: a record value made when it is written, not
   inside the pause (``snapshot_pause``);
 - :mod:`~rollpoint.tuning.encoded_json`: JSON encoded once and kept as a fragment a writer
-  copies (``snapshot_io``).
+  copies (``snapshot_io``);
+- :mod:`~rollpoint.tuning.thread_switch`: the GIL handed to a waiting thread after 0.5 ms,
+  not 5 ms, so a server's control thread does not wait behind a saturated data loop
+  (``control_latency``); a server process's entry point calls it.
 
 And the seam they hang on, :mod:`~rollpoint.tuning.seam`: a fence and the trainer's snapshot
 coordinator emit checkpoint events (in use, hold, release, closed) and hold no trick; each
 process's entry point calls :func:`install` once (a server process, ``run_job``, a
-``LocalCluster``, the bench harnesses), and the listeners it installs act on them.
+``LocalCluster``, the bench harnesses), and the listeners it installs act on them. A
+participant (the SDK, a built-in server) takes the record-value tricks from the seam too,
+never from their modules (a test reads the imports).
 
 None of them changes what is computed or written: turn one off (or install nothing) and
 every test still passes, only slower (the bench item says how much). :mod:`rollpoint.store`

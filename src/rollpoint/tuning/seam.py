@@ -16,6 +16,13 @@ path, and a process that installed nothing pays nothing there. Listeners are ins
 each process's entry point (:func:`rollpoint.tuning.install`), not by the source: a fence
 and a coordinator know that checkpoints hold them, not what a trick does about it.
 
+And the record values a participant hands its snapshot writer, named here so that a
+participant (the SDK, a built-in server) reaches every trick through the seam: a value made
+when it is written, not inside the pause (:class:`DeferredValue`, from
+:mod:`rollpoint.tuning.deferred_value`), and JSON encoded once and kept (:func:`encoded`,
+:func:`encoded_or_itself`, from :mod:`rollpoint.tuning.encoded_json`). They need no
+installing: each is a value the writer copies or makes, whoever wrote it.
+
 It does not own any trick (:mod:`rollpoint.tuning.collector_listener` is the one listener
 today), nor when a source emits (the fence's phase machine, the coordinator's save).
 """
@@ -27,10 +34,16 @@ import threading
 from collections.abc import Iterator
 from typing import TypeVar
 
+from rollpoint.tuning.deferred_value import DeferredValue
+from rollpoint.tuning.encoded_json import encoded, encoded_or_itself
+
 __all__ = [
     "CheckpointListener",
+    "DeferredValue",
     "add_listener",
     "closed",
+    "encoded",
+    "encoded_or_itself",
     "hold",
     "in_use",
     "listeners",

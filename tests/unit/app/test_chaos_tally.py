@@ -62,3 +62,45 @@ def test_a_kill_that_landed_and_a_fault_struck_before_it_are_not_missed() -> Non
     assert [(f.kind, why) for f, why in o.missed] == [
         (ChaosFault.PARTITION, "the run ended (killed by the plan) before it took effect")
     ]
+
+
+def test_a_run_stopped_on_failed_groups_is_not_a_failed_run_nor_a_pass() -> None:
+    # Chaos trials exit 3 when a run stops early on failure.max_failed_fraction: the
+    # snapshots committed (not I4), and the rows the failed groups never trained are I1's.
+    stopped = RunRecord(run=0, started_at=0.0, returncode=3)
+    crashed = RunRecord(run=0, started_at=0.0, returncode=1)
+
+    assert stopped.stopped_on_failed_groups and not stopped.failed
+    assert crashed.failed and not crashed.stopped_on_failed_groups
+    o = outcome([stopped])
+    assert not o.finished  # a trial ends only on a run that exits 0
+    tally = ChaosTally(seed=1, config="job.yaml", outcomes=[o, outcome([crashed])])
+    doc = tally.to_json()
+    assert doc["runs_failed"] == 1 and doc["runs_stopped_on_failed_groups"] == 1
+
+
+def test_the_check_counts_a_stop_on_failed_groups_by_its_untrained_rows_not_as_i4(
+    tmp_path: Path,
+) -> None:
+    import yaml
+
+    from rollpoint.app.chaos.command import ChaosRunner
+    from rollpoint.app.config import load_config
+    from rollpoint.testing.invariants import Invariant
+
+    config = tmp_path / "job.yaml"
+    config.write_text(
+        yaml.safe_dump({"workdir": str(tmp_path / "run"), "environment": "workplace", "tasks": 2})
+    )
+    runner = ChaosRunner(config, load_config(config), run_timeout_s=60)
+    plan = TrialPlan(trial=0, config=config, workdir=tmp_path / "trial-0")
+    plan.workdir.mkdir()
+
+    stopped = runner.check(plan, [RunRecord(run=0, started_at=0.0, returncode=3)])
+    crashed = runner.check(plan, [RunRecord(run=0, started_at=0.0, returncode=1)])
+
+    # Nothing was trained here: I1 counts every row; the workdir's missing snapshots are
+    # I4's own finding, but the stop itself is not said to be a run that failed.
+    assert Invariant.EXACTLY_ONCE in {v.kind for v in stopped}
+    assert not [v for v in stopped if "stopped by itself" in v.detail]
+    assert [v for v in crashed if "stopped by itself (exit 1)" in v.detail]

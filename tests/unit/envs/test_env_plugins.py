@@ -82,8 +82,10 @@ def test_the_public_surface_is_pinned() -> None:
         "ConfigError",
         "Environment",
         "EpisodeError",
+        "InDoubtEffect",
         "InvalidCheckpointStateError",
         "NoArguments",
+        "Reconciled",
         "TaskRow",
         "Tool",
         "ToolArgumentError",
@@ -136,8 +138,9 @@ def test_an_unknown_name_says_what_was_tried() -> None:
         parse_config({"environment": "chess"})
     assert str(err.value) == (
         "config: key 'environment': unknown environment 'chess' (valid: blackjack, math,"
-        " workplace; or an import path package.module:ClassName, gymnasium:<env id>"
-        " or verifiers:<module>)"
+        " workplace; or an import path package.module:ClassName, gymnasium:<env id>,"
+        " verifiers:<module>, mcp:<spec file>, openenv:<module>:<app>"
+        " or nemo-gym:<url>@<rows.jsonl>)"
     )
 
 

@@ -128,6 +128,57 @@ def test_a_single_turn_environment_ends_after_one_reply_and_its_rubric_scores_it
     assert verdict.detail["metrics"]["prosody_reward"] == verdict.reward
 
 
+@pytest.mark.parametrize(
+    "reply",
+    [
+        HAIKU,
+        # The crash test's scripted reply whose trained reward (the package's score of the
+        # message list's repr, 0.3625) was not the package's score of the reply (0.504).
+        "9m605w0wa8",
+    ],
+)
+def test_the_rubric_scores_what_the_policy_said(reply: str) -> None:
+    from stardata.envs.constraint_gym import prosody_reward
+
+    env = make(STARDATA)
+    task = env.make_tasks(2, 0)[0]
+    info = task.params["input"]["info"]  # type: ignore[index,call-overload]
+    said, restored = env.start(task), env.restore_state(task, env.export_state(env.start(task)))
+    env.call(said, "vf_respond", {"content": reply})
+    env.call(restored, "vf_respond", {"content": reply})
+    want = min(1.0, prosody_reward(reply, info=info))
+    assert env.verify(said, task, None).reward == want
+    assert env.verify(restored, task, None).reward == want
+    # verify leaves the state's messages as verifiers made them
+    assert all(isinstance(m, vf.AssistantMessage) for m in said.state["completion"])
+
+
+def by_attribute(completion: vf.Messages, **kwargs: Any) -> float:
+    return 1.0 if completion[-1].content == "lift off" else 0.0
+
+
+def by_key(completion: vf.Messages, prompt: vf.Messages, **kwargs: Any) -> float:
+    plain = all(isinstance(m, dict) for m in [*completion, *prompt])
+    return 1.0 if plain and completion[-1]["content"] == "lift off" else 0.0
+
+
+def countdown_read_both_ways() -> Countdown:
+    env = countdown()
+    env.rubric = vf.Rubric(funcs=[by_attribute, by_key], weights=[0.5, 0.5])
+    return env
+
+
+def test_a_reward_function_reads_messages_as_dicts_or_by_attribute() -> None:
+    env = make("verifiers:tests.unit.envs.test_verifiers_env:countdown_read_both_ways")
+    task = env.make_tasks(1, 0)[0]
+    episode = env.start(task)
+    for word in ("three", "two", "one"):
+        env.call(episode, "vf_respond", {"content": word})
+    verdict = env.verify(episode, task, None)
+    assert verdict.detail["metrics"] == {"by_attribute": 1.0, "by_key": 1.0}
+    assert verdict.reward == 1.0
+
+
 def test_a_final_answer_alone_is_the_single_turn() -> None:
     env = make(STARDATA)
     task = env.make_tasks(2, 0)[1]

@@ -15,7 +15,7 @@ from fastapi.routing import APIRoute
 from rollpoint.http.app import create_app
 from rollpoint.participant.control_routes import mount_control_routes
 from rollpoint.participant.fence import ControlSettings, Fence
-from rollpoint.protocol.control import CONTROL_PREFIX, Phase, Verb
+from rollpoint.protocol.control import CONTROL_PREFIX, MAX_CONTROL_BODY_BYTES, Phase, Verb
 from rollpoint.protocol.errors import error_class_for
 from tests.unit.participant.fake_participant import FakeParticipant
 
@@ -317,3 +317,78 @@ async def test_retire_forget_and_ack_over_http(
     assert forgot.json() == {"forgotten": ["r1"]}
     acked = await post(client, "ack", {"episode_ids": [{"rollout_id": "r9"}]})
     assert acked.json() == {"acked": []}
+
+
+async def test_a_control_body_over_the_cap_is_413_and_is_not_read_whole(
+    client: httpx.AsyncClient, fence: Fence, participant: FakeParticipant
+) -> None:
+    # Issue 33: an authenticated 400 MiB body was read whole and parsed.
+    ids = b",".join(b'{"rollout_id":"r1","attempt":0}' for _ in range(1024))
+    chunk = ids + b","
+    sent = 0
+
+    async def endless() -> AsyncIterator[bytes]:
+        nonlocal sent
+        yield b'{"episode_ids":['
+        while sent < 4 * MAX_CONTROL_BODY_BYTES:
+            sent += len(chunk)
+            yield chunk
+
+    headers = AUTH | {"content-type": "application/json"}
+    reply = await client.post(f"{CONTROL_PREFIX}/retire", content=endless(), headers=headers)
+    assert reply.status_code == 413, reply.text[:300]
+    assert error_of(reply)["code"] == "payload_too_large"
+    assert f"over the {MAX_CONTROL_BODY_BYTES} bytes" in error_of(reply)["message"]
+    assert sent < MAX_CONTROL_BODY_BYTES + 2 * len(chunk), "the body was read past the cap"
+    declared = b" " * (MAX_CONTROL_BODY_BYTES + 1)
+    reply = await client.post(f"{CONTROL_PREFIX}/prepare", content=declared, headers=headers)
+    assert reply.status_code == 413, reply.text[:300]
+    assert f"is {MAX_CONTROL_BODY_BYTES + 1} bytes" in error_of(reply)["message"]
+    assert fence.phase is Phase.IDLE and participant.calls["close_admission"] == 0
+    # A body under the cap is read as before.
+    assert (await post(client, "prepare", prepare_body())).status_code == 200
+
+
+async def test_a_client_that_hangs_up_mid_body_costs_one_line_not_a_traceback(
+    fence: Fence, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Issue 33: the server logged "Exception in ASGI application" with a traceback, which
+    # uvicorn prints for any exception the app lets out; the app must not let one out.
+    app = create_app("participant")
+    mount_control_routes(app, fence, ControlSettings(TOKEN, str(tmp_path)))
+    messages = [
+        {"type": "http.request", "body": b'{"checkpoint_id":', "more_body": True},
+        {"type": "http.disconnect"},
+    ]
+    sent: list[dict[str, Any]] = []
+    path = f"{CONTROL_PREFIX}/prepare"
+
+    async def receive() -> dict[str, Any]:
+        return messages.pop(0) if messages else {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "root_path": "",
+        "headers": [
+            (b"authorization", AUTH["authorization"].encode()),
+            (b"content-type", b"application/json"),
+            (b"content-length", b"1000"),
+        ],
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 2),
+    }
+    with caplog.at_level("INFO"):
+        await app(scope, receive, send)  # raises ClientDisconnect without the handler
+    assert any("went away before its request was read" in r.message for r in caplog.records)
+    assert not [r for r in caplog.records if r.levelno >= 40 or r.exc_info]
+    assert fence.phase is Phase.IDLE

@@ -47,6 +47,7 @@ from rollpoint.protocol.errors import (
     StaleCheckpointError,
 )
 from rollpoint.protocol.ids import EpisodeId
+from rollpoint.protocol.manifest import JournalMark
 from rollpoint.store.participant_state import read_participant_state
 from rollpoint.tuning import collector_schedule as collector_schedule_module
 from rollpoint.tuning import seam
@@ -1053,7 +1054,7 @@ async def test_status_reports_identity_and_counts(
     assert status.features == ["turn-boundary", "detached-write", "scope-keys"]
     assert status.phase is Phase.IDLE and status.checkpoint_id is None
     assert status.lease_expires_at is None
-    assert status.counts == {"sessions": 2, "finished_unacked": 0}
+    assert status.counts == {"sessions": 2, "finished_unacked": 0, "admission_closes": 0}
     assert status.retired_rollouts == 0
 
 
@@ -1113,3 +1114,45 @@ async def test_a_capturing_participant_is_copied_in_the_pause_and_built_after_it
     assert records == [{"episode": "r1#0", "turns": 3}, {"episode": "r2#0", "turns": 1}]
     await fence.aclose()
     assert participant.closed
+
+
+class JournalingFake(FakeParticipant):
+    """A participant whose journal moves on as the test says (a position per call)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.position = 100
+
+    def journal_mark(self) -> JournalMark:
+        self._hook("journal_mark")
+        return JournalMark(folder="journal/agent/agent-replica-0", segment=2, offset=self.position)
+
+
+async def test_a_commit_saves_the_journal_position_the_cut_opened_at(root: Path) -> None:
+    participant = JournalingFake()
+    participant.state = {"r1#0": 3}
+    with installed():
+        fence = Fence(participant, ControlSettings(token="t", snapshot_root=str(root)))
+        try:
+            await fence.prepare(prepare())
+            participant.position = 900  # a call journaled while the cut is open
+            reply = await fence.commit(commit(scope=("r1#0",)))
+            assert reply.manifest is not None and reply.manifest.journal is not None
+            assert reply.manifest.journal.offset == 100
+            await fence.resume(ResumeRequest(checkpoint_id="c1"))
+            # The next cut asks again; a participant without the hook saves no mark.
+            await fence.prepare(prepare("c2"))
+            again = await fence.commit(commit("c2", "snap-2", scope=("r1#0",)))
+            assert again.manifest is not None and again.manifest.journal is not None
+            assert again.manifest.journal.offset == 900
+            assert participant.calls["journal_mark"] == 2
+        finally:
+            await fence.aclose()
+
+
+async def test_a_participant_that_does_not_journal_saves_no_mark(
+    fence: Fence, participant: FakeParticipant
+) -> None:
+    await fence.prepare(prepare())
+    reply = await fence.commit(commit())
+    assert reply.manifest is not None and reply.manifest.journal is None

@@ -23,6 +23,7 @@ SDK = Path(rollpoint.participant.__file__).parent
 SDK_MODULES = {
     "admission_gate",
     "checkpoint_write",
+    "control_listener",
     "control_mount",
     "control_routes",
     "episode_scope",
@@ -51,6 +52,7 @@ def test_the_public_surface_is_pinned() -> None:
         "EpisodeId",
         "EpisodeScope",
         "Fence",
+        "JournalingParticipant",
         "Participant",
         "ParticipantKind",
         "Readiness",
@@ -135,7 +137,9 @@ async def test_mount_participant_guards_the_routes_with_the_token_it_is_given(
     await close_control_plane(app)
 
 
-@pytest.mark.parametrize(("skew_s", "refused"), [(5.0, True), (-5.0, False), (0.0, False)])
+@pytest.mark.parametrize(
+    ("skew_s", "refused"), [(5.0, True), (2.0, False), (-5.0, False), (0.0, False)]
+)
 async def test_a_skewed_control_clock_reads_deadlines_against_itself(
     tmp_path: Path, skew_s: float, refused: bool
 ) -> None:

@@ -172,3 +172,26 @@ async def test_a_saved_prefix_of_format_1_installs_and_waits_for_its_call() -> N
     assert records[0]["prefix"] == {**golden[0]["prefix"], "request_digest": None}
     participant.forget(["r7"])
     assert "r7" not in server.prefixes
+
+
+def test_a_weight_switch_splits_the_segments_and_a_frozen_partial_keeps_what_it_saw() -> None:
+    call = PartialCall("r1", 0, 0, 2)
+    call.feed(chunk("Let me", ids=[11, 12]))
+    frozen = call.freeze()  # a snapshot's cut, before the switch
+    call.feed(chunk(" now", ids=[14]))  # still the old weights
+    call.switch(3)  # keep mode: version 3 live from here
+    call.switch(3)  # the same version again: nothing new
+    call.feed(chunk(" see", ids=[13]))
+    assert [(s.policy_version, s.tokens) for s in call.segments()] == [(2, 3), (3, 1)]
+    saved = frozen.prefix("vllm")
+    assert saved is not None and saved.digest_ok()
+    # The snapshot is before the update: one segment, the old version.
+    assert [(s.policy_version, s.tokens) for s in saved.segments] == [(2, 2)]
+    after = call.freeze().prefix("vllm")
+    assert after is not None
+    assert [(s.policy_version, s.tokens) for s in after.segments] == [(2, 3), (3, 1)]
+    # A switch before any token leaves no empty segment behind.
+    fresh = PartialCall("r2", 0, 0, 2)
+    fresh.switch(4)
+    fresh.feed(chunk("Hi", ids=[7]))
+    assert [(s.policy_version, s.tokens) for s in fresh.segments()] == [(4, 1)]

@@ -110,3 +110,34 @@ def test_inspect_names_the_damaged_file_and_the_snapshots_it_takes_down(tmp_path
     report = build_report(str(root))
 
     assert report["damaged_files"] == {str(base): ["s3", "s2", "s1"]}
+
+
+def test_the_train_checkpoint_the_fallback_composes_with_is_kept_too(tmp_path: Path) -> None:
+    """Chaos (``pack_damage``, its first campaign): the store kept its fallback, but the
+    trainer's checkpoint retention did not know it and deleted the train checkpoint it
+    composes with; the damage then left no snapshot a rerun could use, and every rerun
+    was refused."""
+    from types import SimpleNamespace
+
+    from rollpoint.trainer.trainer import Trainer
+    from tests.unit.store.test_trainer_records import _manifest, _write
+
+    store, index = SnapshotStore(str(tmp_path / "store"), keep=2), PackIndex()
+    records = _records(200)
+    steps = list(range(1, 12))
+    for n in steps:  # one snapshot per train step; the 8th write of the index rebases
+        records = [*records[:-1], {"try": {"row": 199, "turn": n}}]
+        staging, entry = _write(store, f"s{n}", records, index)
+        manifest = _manifest(f"s{n}", {NAME: entry})
+        store.publish(staging, manifest.model_copy(update={"train_step": n, "committed_step": n}))
+    (fallback,) = store.kept_fallback
+    assert fallback not in {s.snapshot_id for s in store.spans()[: store.keep]}
+    span = next(s for s in store.spans() if s.snapshot_id == fallback)
+    trainer = SimpleNamespace(
+        coordinator=SimpleNamespace(store=store),
+        step_record=SimpleNamespace(steps=lambda: steps, keep=2),
+    )
+
+    kept = Trainer._steps_to_keep(trainer, 12)  # type: ignore[arg-type]
+
+    assert any(span.composes_with(step) for step in kept), (fallback, sorted(kept))

@@ -350,3 +350,53 @@ async def test_under_a_store_root_the_journal_goes_through_the_contained_filesys
     with pytest.raises(BadRequestError, match="symlink"):
         Journal.open(str(root / "journal" / "agent" / "agent-0"), fs=fs)
     assert list((tmp_path / "elsewhere").iterdir()) == []
+
+
+async def test_append_soon_returns_before_its_fsync_and_is_durable_before_a_later_append(
+    tmp_path: Path,
+) -> None:
+    fsync = CountingFsync()
+    journal = _open(tmp_path / "j", fsync, window_s=0.0, batch_bytes=1)  # a commit a record
+    fsync.hold()
+    queued = journal.append_soon("turn", "turn", b"1")
+    await asyncio.to_thread(fsync.entered.wait, 10)
+    assert not queued.done(), "append_soon waited for, or skipped, its fsync"
+    later = asyncio.create_task(journal.append("reply", "reply", b"2"))
+    fsync.release.set()
+    end = await later
+    assert queued.done() and queued.result() < end, "a later record was durable first"
+    assert journal.metrics.commits == 2
+    await journal.close()
+
+
+async def test_a_lost_segment_between_two_cuts_the_journal_where_it_was(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Segments are numbered without gaps: one missing between two is lost, and the
+    segments after it are not trusted (their records follow records that are gone)."""
+    folder = tmp_path / "j"
+    journal = _open(folder, segment_bytes=200)
+    ends = [await journal.append(f"k{i}", "turn", b"w" * 60) for i in range(8)]
+    await journal.close()
+    numbers = sorted({e.segment for e in ends})
+    assert len(numbers) >= 3, ends
+    lost = folder / segment_name(numbers[1])
+    lost.unlink()
+    before = [e for e in ends if e.segment == numbers[0]]
+    later = sorted(p.name for p in folder.iterdir() if p.name > lost.name)
+    with caplog.at_level(logging.WARNING, logger="rollpoint.store.journal"):
+        reopened = _open(folder)
+    assert f"journal {lost}: segment missing (lost)" in caplog.text
+    kept = [f"k{i}" for i in range(len(before))]
+    assert [r.key for r in reopened.records_after()] == kept
+    assert all((folder / f"{name}.untrusted").exists() for name in later)
+    assert reopened.lookup(f"k{len(before)}") is None and reopened.lookup("k7") is None
+    await reopened.append("after", "turn", b"x")
+    await reopened.close()
+
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="rollpoint.store.journal"):
+        again = _open(folder)  # the cut's new segment took the lost one's number: no gap
+    assert "missing" not in caplog.text and "cut there" not in caplog.text
+    assert [r.key for r in again.records_after()] == [*kept, "after"]
+    await again.close()

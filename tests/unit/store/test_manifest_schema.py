@@ -36,10 +36,29 @@ def load_golden_snapshot(name: str) -> SnapshotManifest:
     return load_snapshot_manifest(decode_document(path.read_bytes(), what), what)
 
 
-def test_golden_v5_loads_and_reencodes_to_the_same_bytes() -> None:
+def test_golden_v6_loads_and_reencodes_to_the_same_bytes() -> None:
+    manifest = load_golden_snapshot("snapshot_manifest_v6.json")
+
+    assert manifest.schema_version == SNAPSHOT_MANIFEST_VERSION == 6
+    assert [(j.rollout_id, j.attempt, j.replica) for j in manifest.journaled] == [
+        ("r5a6b7c8d9e0f1a2b", 0, "replica-1")
+    ]
+    assert encode_document(manifest) == (GOLDEN / "snapshot_manifest_v6.json").read_bytes()
+
+
+def test_golden_v6_with_a_journaled_try_dropped_is_refused_by_its_seal() -> None:
+    doc = orjson.loads((GOLDEN / "snapshot_manifest_v6.json").read_bytes())
+    doc["journaled"] = []
+
+    with pytest.raises(InvalidCheckpointStateError, match="field 'journaled' does not match"):
+        load_snapshot_manifest(doc, "doc")
+
+
+def test_golden_v5_migrates_to_v6_with_no_journaled_try() -> None:
     manifest = load_golden_snapshot("snapshot_manifest_v5.json")
 
-    assert manifest.schema_version == SNAPSHOT_MANIFEST_VERSION == 5
+    assert manifest.schema_version == SNAPSHOT_MANIFEST_VERSION == 6
+    assert manifest.journaled == []
     assert len(manifest.participants) == 6
     assert all(p.sha256 is not None and p.bytes is not None for p in manifest.participants)
     assert manifest.committed_step == 12
@@ -49,7 +68,9 @@ def test_golden_v5_loads_and_reencodes_to_the_same_bytes() -> None:
         "trainer.json": ("trainer.json", "document"),
     }
     assert [e.turns_completed for e in manifest.episodes] == [3, 5, 0]
-    assert encode_document(manifest) == (GOLDEN / "snapshot_manifest_v5.json").read_bytes()
+    v6 = load_golden_snapshot("snapshot_manifest_v6.json")
+    same = {"journaled", "seal", "schema_version"}
+    assert manifest.model_dump(exclude=same) == v6.model_dump(exclude=same)
 
 
 def test_golden_v5_with_a_file_format_changed_is_refused_by_its_seal() -> None:
@@ -63,7 +84,7 @@ def test_golden_v5_with_a_file_format_changed_is_refused_by_its_seal() -> None:
 def test_golden_v4_migrates_to_v5_with_every_file_a_document() -> None:
     manifest = load_golden_snapshot("snapshot_manifest_v4.json")
 
-    assert manifest.schema_version == 5
+    assert manifest.schema_version == SNAPSHOT_MANIFEST_VERSION
     assert len(manifest.participants) == 6
     assert all(p.sha256 is not None and p.bytes is not None for p in manifest.participants)
     assert manifest.committed_step == 12
@@ -140,7 +161,7 @@ def test_golden_v3_migrates_to_v4_unsealed() -> None:
     v3 = load_golden_snapshot("snapshot_manifest_v3.json")
     v4 = load_golden_snapshot("snapshot_manifest_v4.json")
 
-    assert v3.schema_version == 5
+    assert v3.schema_version == SNAPSHOT_MANIFEST_VERSION
     assert v3.seal is None and v3.committed_step is None
     assert all(p.sha256 is None and p.bytes is None for p in v3.participants)
     unsealed = {"seal", "committed_step", "participants"}
@@ -193,7 +214,7 @@ def test_newer_golden_is_refused_with_upgrade_advice() -> None:
 
     assert "snapshot_manifest_v9_newer.json" in info.value.message
     assert (
-        "schema_version 9 is newer than this rollpoint understands (max 5); upgrade rollpoint"
+        "schema_version 9 is newer than this rollpoint understands (max 6); upgrade rollpoint"
         in info.value.message
     )
 
@@ -231,7 +252,7 @@ def test_participant_manifest_and_latest_pointer_goldens_load() -> None:
     assert pointer == LatestPointer(snapshot_id="snap-000042", published_at=1767225601.25)
 
 
-def test_participant_manifest_v2_golden_loads_and_re_encodes_to_the_same_bytes() -> None:
+def test_participant_manifest_v2_golden_migrates_to_v3_without_a_journal_mark() -> None:
     raw = (GOLDEN / "participant_manifest_v2.json").read_bytes()
 
     manifest = load_participant_manifest(orjson.loads(raw), "p")
@@ -241,7 +262,29 @@ def test_participant_manifest_v2_golden_loads_and_re_encodes_to_the_same_bytes()
         (1, True, "lines"),
     ]
     assert (manifest.count, manifest.bytes, manifest.written) == (3, 24, 8)
+    assert manifest.schema_version == 3 and manifest.journal is None
+    doc = orjson.loads(raw)
+    doc["journal"] = None
+    with pytest.raises(InvalidCheckpointStateError, match="version 2 document has no 'journal'"):
+        load_participant_manifest(doc, "p")
+
+
+def test_participant_manifest_v3_golden_loads_its_journal_mark_and_re_encodes_the_same() -> None:
+    raw = (GOLDEN / "participant_manifest_v3.json").read_bytes()
+
+    manifest = load_participant_manifest(orjson.loads(raw), "p")
+
+    assert manifest.journal is not None
+    assert (manifest.journal.folder, manifest.journal.segment, manifest.journal.offset) == (
+        "journal/model/model-replica-0",
+        7,
+        40960,
+    )
     assert encode_document(manifest) == raw
+    doc = orjson.loads(raw)
+    doc["journal"]["folder"] = "journal/../../elsewhere"
+    with pytest.raises(InvalidCheckpointStateError, match=r"journal\.folder"):
+        load_participant_manifest(doc, "p")
 
 
 @pytest.mark.parametrize(

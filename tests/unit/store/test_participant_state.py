@@ -497,13 +497,21 @@ def test_a_failed_read_also_leaves_the_collector_on(location: str) -> None:
 
 def test_objects_an_application_froze_stay_frozen(location: str) -> None:
     _write(location)
+    # Watched by identity, not by gc.get_freeze_count(): the count also moves when other
+    # code in this process freezes what it allocated (the pause's own settle step, or a
+    # collector schedule left by an earlier test on the same xdist worker), which says
+    # nothing about whether the application's objects were thawed.
+    application_object = [object()]
     gc.freeze()
     try:
-        frozen = gc.get_freeze_count()
-        read_participant_state(_folder(location), **IDENTITY)
-        assert gc.get_freeze_count() == frozen
+        # Paused as the fence's restore reads: the pause's exit settles what was allocated.
+        with collector_paused():
+            read_participant_state(_folder(location), **IDENTITY)
+        # gc.get_objects() lists the collector's generations, never the frozen one.
+        assert not any(o is application_object for o in gc.get_objects())
     finally:
         gc.unfreeze()
+    assert any(o is application_object for o in gc.get_objects())
 
 
 def test_concurrent_paused_reads_all_decode_and_leave_the_collector_on(

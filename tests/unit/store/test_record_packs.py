@@ -112,6 +112,27 @@ def test_an_unchanged_state_is_referenced_not_written_again(location: str) -> No
     assert _read(store, "s2") == _read(store, "s1") == records
 
 
+def test_a_write_of_records_already_in_the_store_keeps_that_file(location: str) -> None:
+    # A rebase (or a rerun's first write) writes records whose file is there already under
+    # the same name: the file stays as it was, so no snapshot naming it finds it written
+    # after its manifest (the object store's publication order: test_object_store).
+    store = SnapshotStore(location)
+    records = _records(50)
+    first = _snapshot(store, "s1", records, PackIndex())
+    (name,) = _objects(store)
+    fs = filesystem_for(store.root)
+    path = fs.join(store.root, OBJECTS_DIR, name)
+    written_at = fs.modified(path)
+    time.sleep(0.05)  # a rewrite would then carry a later time
+
+    second = _snapshot(store, "s2", records, PackIndex())
+
+    assert second.written == first.written > 0
+    assert _objects(store) == [name]
+    assert fs.modified(path) == written_at
+    assert _read(store, "s2") == records
+
+
 def test_a_write_adds_only_the_changed_records_and_keeps_the_order(location: str) -> None:
     store, index = SnapshotStore(location), PackIndex()
     records = _records(30)

@@ -22,6 +22,7 @@ from rollpoint.protocol.errors import (
     SnapshotError,
 )
 from rollpoint.protocol.manifest import (
+    SNAPSHOT_MANIFEST_VERSION,
     FileEntry,
     ParticipantEntry,
     SavedEpisode,
@@ -426,7 +427,9 @@ def test_a_refused_manifest_leaves_the_staging_open(location: str) -> None:
     store = SnapshotStore(location)
     staging, manifest = _stage(store, "s1")
 
-    with pytest.raises(BadRequestError, match="must have schema_version 5, got 1"):
+    with pytest.raises(
+        BadRequestError, match=f"must have schema_version {SNAPSHOT_MANIFEST_VERSION}, got 1"
+    ):
         store.publish(staging, manifest.model_copy(update={"schema_version": 1}))
     store.write_file(staging, "late.json", b"{}")
     store.publish(staging, manifest)
@@ -614,3 +617,16 @@ def test_a_publication_does_not_read_its_own_manifest_back(
 
     assert loaded == []
     assert [s.snapshot_id for s in store.list_snapshots()] == ["s3", "s2"]
+
+
+def test_pruned_snapshots_leave_no_entry_in_the_stores_memos(location: str) -> None:
+    # One entry a snapshot, kept after the prune, grew the trainer with every snapshot
+    # (one a train step: issue 33's soak). What the store remembers per snapshot is bounded
+    # by the snapshots it keeps.
+    store = SnapshotStore(location, keep=2)
+    for number in range(30):
+        _publish(store, f"s{number:02d}")
+    kept = {s.snapshot_id for s in store.list_snapshots(include_invalid=True)}
+    assert kept == {"s29", "s28"}
+    for memo in (store._loaded, store._references, store._jobs):
+        assert set(memo) <= kept, sorted(memo)

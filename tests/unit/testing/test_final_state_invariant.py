@@ -62,8 +62,10 @@ def trained(rollout_id: str, attempt: int = 1) -> TrainedRollout:
     )
 
 
-def log(folder: Path, *entries: tuple[str, int, dict[str, Any]]) -> None:
-    journal = FinalStateLog(folder, "replica-0")
+def log(
+    folder: Path, *entries: tuple[str, int, dict[str, Any]], replica: str = "replica-0"
+) -> None:
+    journal = FinalStateLog(folder, replica)
     for rollout_id, attempt, state in entries:
         journal.append(
             EpisodeId(rollout_id=rollout_id, attempt=attempt), TASK.task_id, "workplace", state
@@ -105,6 +107,21 @@ def test_the_last_line_of_the_trained_attempt_is_the_one_read(tmp_path: Path) ->
         ("r1", 1, final_state()),
     )
     assert check(tmp_path, trained("r1")) == []
+
+
+def test_of_one_try_verified_on_two_replicas_the_line_written_last_is_read(
+    tmp_path: Path,
+) -> None:
+    # A queued row sent to replica-1 after the snapshot, verified, killed; the rerun sent
+    # it to replica-0 (whose file is read first) under the same id and attempt.
+    log(tmp_path, ("r1", 0, final_state(emails=2)), replica="replica-1")
+    log(tmp_path, ("r1", 0, final_state()), replica="replica-0")
+    assert check(tmp_path, trained("r1", attempt=0)) == []
+    log(tmp_path, ("r2", 0, final_state()), replica="replica-0")
+    log(tmp_path, ("r2", 0, final_state(emails=2)), replica="replica-1")
+    assert [v.detail for v in check(tmp_path, trained("r2", attempt=0))] == [
+        "applied 2 times: email to ana@example.com subject 'Team sync scheduled'"
+    ]
 
 
 def test_a_continued_rollout_missing_an_effect_is_a_violation(tmp_path: Path) -> None:

@@ -160,7 +160,11 @@ class Rig:
 
 
 def build_rig(
-    root: Path, replicas: tuple[str, ...] = ("replica-0",), *, lease_grace_s: float = 2
+    root: Path,
+    replicas: tuple[str, ...] = ("replica-0",),
+    *,
+    lease_grace_s: float = 2,
+    participant: type[SessionParticipant] = SessionParticipant,
 ) -> Rig:
     rig = Rig(root=root)
     settings = ControlSettings(
@@ -168,10 +172,10 @@ def build_rig(
     )
     for replica in replicas:
         for kind in KINDS:
-            participant = SessionParticipant(kind=kind, name=str(kind), replica=replica)
-            fence = Fence(participant, settings)
+            made = participant(kind=kind, name=str(kind), replica=replica)
+            fence = Fence(made, settings)
             label = f"{kind}@{replica}"
-            rig.participants[label] = participant
+            rig.participants[label] = made
             rig.fences[label] = fence
             rig.clients.append(in_process_client(fence, faults=True, control_timeout_s=5.0))
     return rig

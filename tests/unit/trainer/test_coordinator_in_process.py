@@ -12,6 +12,7 @@ from rollpoint.protocol.control import Phase
 from rollpoint.protocol.participant import ParticipantKind
 from rollpoint.store.snapshot_store import STAGING_DIR
 from rollpoint.testing import Fault
+from rollpoint.trainer.snapshot import coordinator as coordinator_module
 from rollpoint.trainer.snapshot.cut import SavePhase
 from rollpoint.trainer.snapshot.resumer import Resumer
 from rollpoint.tuning import seam
@@ -170,3 +171,25 @@ async def test_a_save_behind_an_unreachable_leftover_names_each_one_before_any_p
     ]
     assert report.blocked_by == f"{AGENT} still closed by an earlier checkpoint and unreachable"
     assert report.pause_s == 0.0  # no prepare was sent: the barrier never closed
+
+
+async def test_the_save_history_keeps_the_newest_reports_however_many_saves_ran(
+    rig: Rig, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Kept whole, the history held one report (and its manifest) per save, one a train step:
+    # the trainer grew with rows trained (issue 33, the soak). A small bound keeps this fast.
+    monkeypatch.setattr(coordinator_module, "HISTORY_KEEP", 4)
+    rig.dispatch()
+    coordinator = rig.coordinator()
+    ids = []
+    for _ in range(20):
+        report = await coordinator.save()
+        assert report.published, report.blocked_by
+        ids.append(report.snapshot_id)
+    assert coordinator.saves == coordinator.published_total == 20
+    assert 4 <= len(coordinator.history) < 8
+    assert [r.snapshot_id for r in coordinator.history] == ids[-len(coordinator.history) :]
+    latest = coordinator.latest_published
+    assert latest is not None and latest.snapshot_id == ids[-1]
+    assert [r.snapshot_id for r in coordinator.reports_since(18)] == ids[18:]
+    assert coordinator.published_with_episodes == 20  # every save held the dispatched rows

@@ -54,6 +54,8 @@ def record_in(ledger: RecoveryLedger, state: RolloutState, group_id: str = "g") 
 def apply(ledger: RecoveryLedger, rollout_id: str, move: LedgerMove) -> LedgerRecord:
     if move is M.DISPATCH:
         return ledger.dispatch(rollout_id, "replica-0")
+    if move is M.PIN:
+        return ledger.pin(rollout_id, "replica-1")
     if move is M.ABANDON:
         ledger.abandon(rollout_id)
         return ledger.get(rollout_id)

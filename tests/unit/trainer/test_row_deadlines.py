@@ -64,3 +64,36 @@ async def test_time_paused_by_a_snapshot_does_not_count() -> None:
 def test_a_timeout_that_is_not_positive_is_refused() -> None:
     with pytest.raises(BadRequestError, match="row_timeout_s must be > 0"):
         deadlines(DispatchBarrier(), 0, Expired())
+
+
+async def test_ended_streams_are_not_kept_until_their_due_time() -> None:
+    # Dropped only at the head, every ended stream stayed a whole timeout behind the oldest
+    # (300 s of rows at the default: issue 33's soak). The watch holds what is open.
+    barrier, expired = DispatchBarrier(), Expired()
+    watch = deadlines(barrier, 300.0, expired)
+    oldest = FakeStream("oldest")  # a long row: still owed
+    watch.add(oldest)
+    for number in range(1000):
+        stream = FakeStream(f"s{number}")
+        watch.add(stream)
+        await asyncio.sleep(0)  # the watch task runs between streams
+        stream.pending.clear()
+        watch.drop(stream)
+    assert len(watch) == 1
+    watch.drop(oldest)
+    assert len(watch) == 0
+    await watch.aclose()
+    assert expired.streams == []
+
+
+async def test_a_stream_dropped_while_the_watch_sleeps_on_it_never_expires() -> None:
+    barrier, expired = DispatchBarrier(), Expired()
+    watch = deadlines(barrier, 0.05, expired)
+    a, b = FakeStream("a"), FakeStream("b")
+    watch.add(a)
+    watch.add(b)
+    await asyncio.sleep(0.01)  # the watch sleeps until a's due time
+    watch.drop(a)  # a ended (its rows were settled by the dispatcher), still "owing"
+    await asyncio.sleep(0.15)
+    await watch.aclose()
+    assert expired.streams == ["b"]

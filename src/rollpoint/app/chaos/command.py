@@ -11,7 +11,8 @@ and what its workdir holds (snapshots published and failed). :class:`ChaosTally`
 trials into one table and one JSON object.
 
 Between two runs it damages the trial's newest snapshot when the plan says so
-(:mod:`rollpoint.testing.snapshot_damage`). It does not apply the in-process faults (the
+(:mod:`rollpoint.testing.snapshot_damage`). After a trial whose policy corrupted calls it
+adds the engine-data checks (:mod:`rollpoint.app.chaos.engine_checks`). It does not apply the in-process faults (the
 trial process does) and draws no plan itself.
 Trials run one after another, or ``--jobs`` of them at once: each is a whole job with its
 servers, in its own folder, on free ports.
@@ -37,8 +38,13 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from rollpoint.app.chaos.engine_checks import check_engine_data
 from rollpoint.app.chaos.plan import (
+    JOURNAL_DAMAGES,
     MAX_RERUNS,
+    OVERSIZED_CAP,
+    PACK_DAMAGE_AFTER,
+    ChaosFault,
     PlannedFault,
     TrialEvent,
     TrialPlan,
@@ -52,10 +58,19 @@ from rollpoint.app.config import RunConfig, load_config
 from rollpoint.app.job import load_tasks_for
 from rollpoint.protocol.episode import TaskRow
 from rollpoint.protocol.errors import ConfigError, LaunchError, RollpointError
+from rollpoint.store.snapshot_store import SnapshotStore
+from rollpoint.store.workdir_lock import LOCK_NAME
 from rollpoint.testing import invariants
 from rollpoint.testing.faulty_store import heal
 from rollpoint.testing.invariants import Invariant, RewardScope, Violation
-from rollpoint.testing.snapshot_damage import Damage, NothingToDamage, damage_newest
+from rollpoint.testing.journal_damage import NothingToDamage as NoJournalToDamage
+from rollpoint.testing.journal_damage import damage_journal
+from rollpoint.testing.snapshot_damage import (
+    Damage,
+    NothingToDamage,
+    damage_newest,
+    damage_shared_pack,
+)
 
 _GONE_WAIT_S = 5.0
 _PUBLISHED_POLL_S = 0.05
@@ -63,6 +78,8 @@ _SECOND_RUN_WAIT_S = 60.0
 """A second run on a locked workdir is refused within seconds (its imports, its lock)."""
 _BUSY = "is in use by"
 """What the refusal of a second run on a workdir says (rollpoint.store.workdir_lock)."""
+_OTHER_JOB = "give each job its own snapshot.store"
+"""What the refusal of another job on a snapshot store says (rollpoint.store.job_identity)."""
 _SERVE_START_S = 120.0
 
 
@@ -121,6 +138,13 @@ class ChaosRunner:
             final_states=final_states_dir(plan),
             # The store the trial's runs were configured with (trial_config).
             store=trial_store(plan),
+        )
+        found += _damaged_pack_named(plan, runs)
+        found += check_engine_data(
+            plan,
+            runs,
+            engine=self.config.policy.engine,
+            cap=min(self.config.max_reply_bytes, OVERSIZED_CAP),
         )
         for r in runs:
             found += [Violation(Invariant.EXACTLY_ONCE, f"run {r.run}", p) for p in r.intruders]
@@ -201,8 +225,15 @@ class ChaosRunner:
         for fault in plan.before_run():
             now = time.time()
             try:
-                done = damage_newest(trial_store_folder(plan), fault.damage or Damage.FILE)
-            except NothingToDamage as exc:
+                if fault.kind is ChaosFault.PACK_DAMAGE:
+                    done = damage_shared_pack(trial_store_folder(plan), fault.how or "flip")
+                elif fault.kind in JOURNAL_DAMAGES:
+                    done = damage_journal(
+                        trial_store_folder(plan), JOURNAL_DAMAGES[fault.kind], fault.participant
+                    )
+                else:
+                    done = damage_newest(trial_store_folder(plan), fault.damage or Damage.FILE)
+            except (NothingToDamage, NoJournalToDamage) as exc:
                 events.append(
                     TrialEvent(event="missed", ts=now, detail=fault.describe(), reason=str(exc))
                 )
@@ -226,7 +257,12 @@ class ChaosRunner:
         live = _Run(process, record)
         helpers = [asyncio.create_task(self._read(live, plan.workdir / "events.jsonl"))]
         published = _Published(trial_store_folder(plan))
-        helpers += [asyncio.create_task(self._kill_at(live, f, published)) for f in kills]
+        # A shared records file damaged before the next run: once the store keeps a fallback.
+        damaged_next = any(
+            f.kind is ChaosFault.PACK_DAMAGE and f.run == plan.run + 1 for f in plan.faults
+        )
+        at_least = PACK_DAMAGE_AFTER if damaged_next else 0
+        helpers += [asyncio.create_task(self._kill_at(live, f, published, at_least)) for f in kills]
         helpers += [
             asyncio.create_task(self._second_run_at(live, plan, f)) for f in plan.second_runs()
         ]
@@ -265,14 +301,29 @@ class ChaosRunner:
                     live.up.set()
 
     async def _second_run_at(self, live: _Run, plan: TrialPlan, fault: PlannedFault) -> None:
-        """Start the same run again on the trial's workdir while the first one runs; it
-        must be refused at once, naming the holder. Its events are not the trial's."""
+        """Start the same run again on the trial's workdir while the first one runs (for a
+        ``lock_tamper``, once its lock file was deleted or replaced), or another job on
+        its snapshot store (``second_job``); it must be refused at once, naming the
+        holder or both jobs. Its events are not the trial's."""
         await live.up.wait()
         await asyncio.sleep(fault.at_s)
         if live.process.returncode is not None:
             return  # the run ended first: not injected
+        expected = _BUSY
+        second_plan = plan
+        if fault.kind is ChaosFault.LOCK_TAMPER:
+            _tamper_lock(plan.workdir, fault.how or "deleted")
+        elif fault.kind is ChaosFault.SECOND_JOB:
+            expected = _OTHER_JOB
+            second_plan = TrialPlan(
+                trial=plan.trial,
+                config=plan.config,
+                workdir=plan.workdir / "second-job",
+                store_of=plan.workdir,
+            )
+            second_plan.workdir.mkdir(exist_ok=True)
         second = await _start_trial(
-            plan, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE
+            second_plan, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE
         )
         struck = time.time()
         try:
@@ -285,7 +336,7 @@ class ChaosRunner:
             await second.wait()
         said = err.decode(errors="replace").strip().splitlines()
         refused = second.returncode not in (0, None, -signal.SIGKILL) and any(
-            _BUSY in line for line in said
+            expected in line for line in said
         )
         event = TrialEvent(
             event="fault",
@@ -296,14 +347,24 @@ class ChaosRunner:
         )
         live.record.events += [event, event.model_copy(update={"event": "over"})]
         if not refused:
+            what = (
+                "another job on the snapshot store"
+                if fault.kind is ChaosFault.SECOND_JOB
+                else "a second run on the workdir"
+            )
             live.record.intruders.append(
-                f"a second run on the workdir was not refused at once (exit {second.returncode}"
+                f"{what} was not refused at once ({fault.describe()}; exit {second.returncode}"
                 f"{': ' + said[-1] if said else ''})"
             )
 
-    async def _kill_at(self, live: _Run, fault: PlannedFault, published: _Published) -> None:
+    async def _kill_at(
+        self, live: _Run, fault: PlannedFault, published: _Published, at_least: int
+    ) -> None:
+        """The plan's kill, at its moment; not before ``at_least`` snapshots of any kind
+        were published by this run."""
         await live.up.wait()
         await published.wait_for(fault.after_snapshots)
+        await published.wait_for(at_least, with_episodes=False)
         await asyncio.sleep(fault.at_s)
         if live.process.returncode is None:
             _kill_group(live.process.pid)
@@ -311,31 +372,38 @@ class ChaosRunner:
 
 
 class _Published:
-    """The snapshots with saved episodes a run publishes in a trial's store, seen from
-    outside its process (``PlannedFault.after_snapshots``)."""
+    """The snapshots with saved episodes (or, in journal mode, journaled tries) a run
+    publishes in a trial's store, seen from outside its process
+    (``PlannedFault.after_snapshots``)."""
 
     def __init__(self, store: Path) -> None:
         self._manifests = store / "snapshots"
         self._before = {p.parent.name for p in self._manifests.glob("*/manifest.json")}
         self._seen: set[str] = set()
+        self._any: set[str] = set()
 
     def _look(self) -> None:
         for path in self._manifests.glob("*/manifest.json"):
             name = path.parent.name
             if name in self._before or name in self._seen:
                 continue
+            self._any.add(name)
             try:
-                if orjson.loads(path.read_bytes())["episodes"]:
+                doc = orjson.loads(path.read_bytes())
+                # A journal-mode snapshot saves no episode: it lists its tries in flight
+                # as journaled (snapshot.mode: journal), the state a fault acts on then.
+                if doc["episodes"] or doc.get("journaled"):
                     self._seen.add(name)
             except (OSError, ValueError, KeyError):
                 continue  # pruned meanwhile, or not ours to judge: looked at again
 
-    async def wait_for(self, count: int) -> None:
-        """Until this run has published ``count`` snapshots with saved episodes (retention
-        may have pruned some since: each is counted once seen)."""
-        while len(self._seen) < count:
+    async def wait_for(self, count: int, *, with_episodes: bool = True) -> None:
+        """Until this run has published ``count`` snapshots with saved episodes (or of
+        any kind; retention may have pruned some since: each is counted once seen)."""
+        seen = self._seen if with_episodes else self._any
+        while len(seen) < count:
             self._look()
-            if len(self._seen) < count:
+            if len(seen) < count:
                 await asyncio.sleep(_PUBLISHED_POLL_S)
 
 
@@ -354,6 +422,48 @@ async def _start_trial(
         start_new_session=True,
         env={**os.environ, "NO_COLOR": "1"},
     )
+
+
+def _damaged_pack_named(plan: TrialPlan, runs: list[RunRecord]) -> list[Violation]:
+    """I4 after a ``pack_damage_live``: the newest snapshot, when published after the
+    damage, verifies whole (a damaged records file is written again, never named again).
+    One published before it is not judged: it named the file while it was whole."""
+    struck = [
+        e.ts
+        for r in runs
+        for e in r.events
+        if e.event == "fault" and e.kind is ChaosFault.PACK_DAMAGE_LIVE
+    ]
+    if not struck:
+        return []
+    store = SnapshotStore(str(trial_store_folder(plan)), clean_leftovers=False)
+    latest = store.latest()
+    if latest is None or latest.published_at <= max(struck):
+        return []
+    try:
+        store.verify(latest.snapshot_id)
+    except (RollpointError, OSError) as exc:
+        why = exc.message if isinstance(exc, RollpointError) else str(exc)
+        return [
+            Violation(
+                Invariant.SNAPSHOTS_COMMIT,
+                f"snapshot {latest.snapshot_id}",
+                f"published after a shared records file was damaged, it does not verify: {why}",
+            )
+        ]
+    return []
+
+
+def _tamper_lock(workdir: Path, how: str) -> None:
+    """What an operator clearing a "stale lock" does: delete the lock file, or put another
+    file in its place (written beside it, renamed over it)."""
+    lock = workdir / LOCK_NAME
+    if how == "deleted":
+        lock.unlink(missing_ok=True)
+        return
+    other = workdir / f"{LOCK_NAME}.chaos"
+    other.write_text("0\n")
+    other.replace(lock)
 
 
 def _kill_group(pgid: int) -> None:
@@ -475,6 +585,7 @@ def chaos_command(
         root=runner.root,
         replicas=config.replicas,
         within_s=within_s,
+        journaled=config.journal.enabled,
     )
     tally = ChaosTally(seed=seed, config=str(config_path))
     interrupted = False

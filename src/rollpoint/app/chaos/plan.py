@@ -8,7 +8,8 @@ line each on stdout), and :func:`draw_plans`, which draws every trial's faults f
 
 Moments are seconds after a run's servers are up. Whole-process kills are the runner's
 (it owns the process group), and so is damage to the trial's snapshots between two runs;
-every other fault is applied inside the trial process, on the run the plan names. It does not run, kill or check anything.
+every other fault is applied inside the trial process, on the run the plan names (the
+engine-data kinds by the scripted policy that process starts: ``policy.faults``). It does not run, kill or check anything.
 """
 
 from __future__ import annotations
@@ -21,9 +22,12 @@ from typing import Annotated, Literal
 from pydantic import Field, model_validator
 
 from rollpoint.protocol.control import Verb
+from rollpoint.protocol.engine_faults import TOKEN_DATA_HOWS, TokenDataHow
 from rollpoint.protocol.model_base import StrictModel
 from rollpoint.protocol.participant import ParticipantKind
+from rollpoint.store.record_packs import REBASE_EVERY
 from rollpoint.testing.faulty_store import store_url
+from rollpoint.testing.journal_damage import JournalDamage
 from rollpoint.testing.snapshot_damage import Damage
 
 MAX_RERUNS = 4
@@ -77,19 +81,125 @@ class ChaosFault(StrEnum):
     """Between a kill and the rerun, the newest published snapshot is damaged (a byte of a
     file, a sealed field, or its manifest gone: :mod:`rollpoint.testing.snapshot_damage`);
     the rerun must skip it and resume from the one before."""
+    LOCK_TAMPER = "lock_tamper"
+    """While a run holds the workdir, its ``.rollpoint.lock`` is deleted or replaced by
+    another file (an operator clearing a "stale lock"), then a second run is started on the
+    workdir: it must still be refused, naming the holder (issue 33: it ran beside the
+    first, rows trained twice). Checked as ``second_run`` is (I1)."""
+    SECOND_JOB = "second_job"
+    """While a run goes, another job (a fresh workdir of its own) is started on the
+    trial's snapshot store: it must be refused in one line naming both jobs, before its
+    retention touches the first job's snapshots (I1: not refused; I1 and I4 of the first
+    job's rows and snapshots)."""
+    PACK_DAMAGE = "pack_damage"
+    """Between a kill and the rerun, the shared records file (``objects/``) named by the
+    most kept snapshots is damaged at rest (a byte flipped, cut short, or deleted:
+    :func:`rollpoint.testing.snapshot_damage.damage_shared_pack`); the rerun must fall back
+    to a snapshot that does not need it, not refuse the run (I4), and train every row once
+    (I1)."""
+    JOURNAL_TORN_TAIL = "journal_torn_tail"
+    """Between a process kill and the rerun, a torn record (half of one) at the end of the
+    newest segment of one participant's journal (``participant``: which kind; the one of
+    that kind written last): :mod:`rollpoint.testing.journal_damage`. The rerun's server
+    cuts it with a warning naming the file, and the run goes on (I1 to I4). Drawn only
+    for a job with ``journal.enabled``, as the other journal faults."""
+    JOURNAL_CORRUPT_RECORD = "journal_corrupt_record"
+    """Between a process kill and the rerun, one byte of a journal's newest record
+    flipped: cut before it with a warning; its call is done again, as one in flight."""
+    JOURNAL_LOST_SEGMENT = "journal_lost_segment"
+    """Between a process kill and the rerun, the segment before a journal's newest one
+    deleted: the journal is cut where the one before it ends, with a warning naming the
+    lost file, and nothing after it is trusted."""
+    CHECKPOINT_KILL = "checkpoint_kill"
+    """One replica's server processes SIGKILLed at the next save's capture point
+    (``coordinator.before_capture``): with ``snapshot.mode: journal``, after each of them
+    wrote its checkpoint and before the snapshot is published (issue 37); in a cut, inside
+    its pause, every participant prepared. The runtime restarts the replica."""
+    PACK_DAMAGE_LIVE = "pack_damage_live"
+    """While the run goes, once it published snapshots, the shared records file named by
+    the most of them is damaged (a byte flipped): the snapshots after it must not name it
+    damaged (the trainer writes it again), so the newest one verifies whole when the trial
+    ends (I4), and the run goes on (I4)."""
+    OVERSIZED_REPLY = "oversized_reply"
+    """The scripted policy pads one call's reply (``call``: which of the run's calls) so
+    its episode's reply outgrows ``max_reply_bytes`` (the trial lowers it to
+    :data:`OVERSIZED_CAP`): that row's try fails naming the size and the cap and is re-sent
+    fresh; no padded reply is trained, every row trained once (I1)."""
+    BAD_TOKEN_DATA = "bad_token_data"
+    """The scripted policy streams one call (``call``: which of the run's streamed calls)
+    with a bad token id (2**31, ``"13"``, ``13.0``, -1) or logprob (0.5, ``"x"``, null) in
+    a chunk (``how``); the trial turns token capture on, so the model servers stream and
+    cut calls: that call fails naming the engine and the field, its row is re-sent, and
+    nothing bad is trained (I1)."""
+    TOOL_CALL_WITHOUT_ID = "tool_call_without_id"
+    """The scripted policy streams one tool call (``call``: which of the run's streamed
+    tool calls) without its ``id``: a transport error on that call (naming the field), its
+    row re-sent, not a 400 that fails the group (I1)."""
 
 
 KILLS = frozenset({ChaosFault.PROCESS_KILL, ChaosFault.TRAINER_KILL})
 """The runner's faults: it SIGKILLs the trial process's group (with the servers in it, or
 not when they run under ``rollpoint serve``)."""
-RUNNER_DURING = frozenset({ChaosFault.SECOND_RUN})
-"""The runner's other faults during a run: it starts a second run beside it."""
-BETWEEN_RUNS = frozenset({ChaosFault.SNAPSHOT_TAMPER})
+RUNNER_DURING = frozenset({ChaosFault.SECOND_RUN, ChaosFault.LOCK_TAMPER, ChaosFault.SECOND_JOB})
+"""The runner's other faults during a run: it starts a second run beside it (after
+tampering with the lock file), or a second job on the trial's store."""
+JOURNAL_DAMAGES = {
+    ChaosFault.JOURNAL_TORN_TAIL: JournalDamage.TORN_TAIL,
+    ChaosFault.JOURNAL_CORRUPT_RECORD: JournalDamage.CORRUPT_RECORD,
+    ChaosFault.JOURNAL_LOST_SEGMENT: JournalDamage.LOST_SEGMENT,
+}
+"""The journal faults, each with the damage it does (issue 35)."""
+JOURNAL_DAMAGE_SHARE = 0.5
+"""Of the trials of a journaling job drawn with a process kill, this share damage a
+journal before the rerun."""
+BETWEEN_RUNS = frozenset({ChaosFault.SNAPSHOT_TAMPER, ChaosFault.PACK_DAMAGE, *JOURNAL_DAMAGES})
 """The runner's faults on the trial's folder, after one run ended and before the next."""
 IN_PROCESS = frozenset(set(ChaosFault) - KILLS - BETWEEN_RUNS - RUNNER_DURING)
 """Faults the trial process applies itself."""
 SECOND_RUN_SHARE = 0.15
 """Of all trials, this share start a second run on the workdir while one runs."""
+ENGINE_DATA = frozenset(
+    {ChaosFault.OVERSIZED_REPLY, ChaosFault.BAD_TOKEN_DATA, ChaosFault.TOOL_CALL_WITHOUT_ID}
+)
+"""Faults the scripted policy makes itself, on the call the plan names (``policy.faults``,
+set by the trial for the run it names): a fault proxy cannot rewrite a stream."""
+STREAMED = frozenset({ChaosFault.BAD_TOKEN_DATA, ChaosFault.TOOL_CALL_WITHOUT_ID})
+"""Engine-data faults in streamed calls: a trial planning one runs with token capture on
+(the model servers then stream every call from the engine, to cut it at a snapshot)."""
+ENGINE_SHARES = {
+    ChaosFault.OVERSIZED_REPLY: 0.1,
+    ChaosFault.BAD_TOKEN_DATA: 0.1,
+    ChaosFault.TOOL_CALL_WITHOUT_ID: 0.1,
+}
+"""Of the trials whose servers are their own (no trainer kill), the share that suffer
+each of issue 33's engine-data breaks; drawn from a generator of their own
+(:func:`draw_plans`), so every fault drawn before they existed stays what it was."""
+ENGINE_CALLS = (1, 24)
+"""Which call of its kind an engine-data fault hits, drawn in this range."""
+OVERSIZED_CAP = 256 * 1024
+"""A trial with an ``oversized_reply`` caps episode replies at this (or the config's
+smaller ``max_reply_bytes``): a 4 MiB padding is not needed to test a cap."""
+DRAWN_APART = frozenset({ChaosFault.PACK_DAMAGE_LIVE, ChaosFault.CHECKPOINT_KILL}) | ENGINE_DATA
+"""In-process faults drawn on their own after the others (:data:`LATER_SHARES`), so the
+faults every seed drew before they existed stay what they were."""
+LATER_SHARES = {
+    ChaosFault.LOCK_TAMPER: 0.1,
+    ChaosFault.SECOND_JOB: 0.1,
+    ChaosFault.PACK_DAMAGE_LIVE: 0.15,
+}
+"""Of all trials, the share that suffer each of these (issue 33's breaks)."""
+CHECKPOINT_KILL_SHARE = 0.15
+"""Of the trials whose servers are the trial's own, the share that kill a replica at a
+save's capture point (drawn last of all: every other fault of a seed stays as it was)."""
+PACK_DAMAGE_SHARE = 0.25
+"""Of the trials drawn with a kill, this share damage a shared records file before the
+rerun."""
+PACK_DAMAGE_AFTER = REBASE_EVERY + 1
+"""The kill before a ``pack_damage`` waits for this many snapshots published by its run (the
+runner sees to it): the store promises a fallback once the first rebase (the
+``REBASE_EVERY`` th write) is published, not before (docs/RELIABILITY.md)."""
+LOCK_TAMPERING = ("deleted", "replaced")
+PACK_DAMAGES = ("flip", "truncate", "delete")
 TAMPER_SHARE = 0.3
 """Of the trials drawn with a kill, this share damage a snapshot before the rerun."""
 TRAINER_KILL_SHARE = 0.3
@@ -104,7 +214,12 @@ PROXIED = frozenset(
 )
 """Faults applied by a fault proxy in front of one participant's URL."""
 SIGNALLED = frozenset(
-    {ChaosFault.REPLICA_KILL, ChaosFault.REPLICA_STOP, ChaosFault.PARTICIPANT_RESTART}
+    {
+        ChaosFault.REPLICA_KILL,
+        ChaosFault.REPLICA_STOP,
+        ChaosFault.PARTICIPANT_RESTART,
+        ChaosFault.CHECKPOINT_KILL,
+    }
 )
 """Faults the trial process signals its own runtime's server processes with."""
 SPEC_FAULTS = frozenset({ChaosFault.PEER_PARTITION, ChaosFault.CLOCK_SKEW})
@@ -169,6 +284,13 @@ class PlannedFault(StrictModel):
     (its reply is lost)."""
     damage: Damage | None = None
     """``snapshot_tamper``: how the newest snapshot is damaged."""
+    how: Literal["deleted", "replaced", "flip", "truncate", "delete"] | TokenDataHow | None = None
+    """``lock_tamper``: what became of the lock file; ``pack_damage``: what was done to
+    the shared records file (``pack_damage_live`` always flips a byte); ``bad_token_data``:
+    which value is bad (:data:`rollpoint.protocol.engine_faults.BAD_VALUES`)."""
+    call: Annotated[int, Field(ge=0)] = 0
+    """Engine-data faults: which of the run's policy calls of its kind the scripted policy
+    corrupts (1: the first; ``at_s`` is unused)."""
     error: Literal["ENOSPC", "EIO"] | None = None
     """``store_full``: what the failed writes raise."""
 
@@ -186,6 +308,7 @@ class PlannedFault(StrictModel):
             where = f"agent-{self.participant} link@{where}"
         extra = {
             ChaosFault.REPLICA_KILL: f" ({', '.join(self.servers)})",
+            ChaosFault.CHECKPOINT_KILL: f" ({', '.join(self.servers)}) at a save's capture",
             ChaosFault.PARTICIPANT_RESTART: f" ({', '.join(self.servers)}, down {self.seconds:.2f}s)",
             ChaosFault.REPLICA_STOP: f" ({', '.join(self.servers)}, {self.seconds:.2f}s)",
             ChaosFault.LOST_CONTROL_REPLY: f" ({self.verb})",
@@ -202,6 +325,21 @@ class PlannedFault(StrictModel):
             return f"{self.kind} on the workdir at {at} of run {self.run}"
         if self.kind is ChaosFault.SNAPSHOT_TAMPER:
             return f"{self.kind} of the newest snapshot ({self.damage}) before run {self.run}"
+        if self.kind is ChaosFault.PACK_DAMAGE:
+            return f"{self.kind} of the most shared records file ({self.how}) before run {self.run}"
+        if self.kind in JOURNAL_DAMAGES:
+            return f"{self.kind} of a {self.participant} journal before run {self.run}"
+        if self.kind is ChaosFault.LOCK_TAMPER:
+            return (
+                f"{self.kind} (lock file {self.how}, then a second run) at {at} of run {self.run}"
+            )
+        if self.kind is ChaosFault.SECOND_JOB:
+            return f"{self.kind} on the snapshot store at {at} of run {self.run}"
+        if self.kind is ChaosFault.PACK_DAMAGE_LIVE:
+            return f"{self.kind} of the most shared records file at {at} of run {self.run}"
+        if self.kind in ENGINE_DATA:
+            how = f" ({self.how})" if self.how else ""
+            return f"{self.kind}{how} on policy call {self.call} of its kind in run {self.run}"
         if self.kind is ChaosFault.PROCESS_KILL:
             where = "trial"
         elif self.kind is ChaosFault.STORE_FULL:
@@ -225,6 +363,9 @@ class TrialPlan(StrictModel):
     served: Path | None = None
     """The deployment ``rollpoint serve --json`` printed, when the trial's servers run
     apart from the trainer (set by the runner for a trial with a trainer kill)."""
+    store_of: Path | None = None
+    """A ``second_job``'s plan: the workdir of the trial whose snapshot store it names
+    (None: its own)."""
 
     @property
     def servers_apart(self) -> bool:
@@ -249,8 +390,9 @@ class TrialPlan(StrictModel):
 
 
 def trial_store_folder(plan: TrialPlan) -> Path:
-    """The local folder of a trial's snapshot store: its own ``snapshots`` folder."""
-    return plan.workdir / "snapshots"
+    """The local folder of a trial's snapshot store: its own ``snapshots`` folder (a second
+    job's: the trial's it was started on)."""
+    return (plan.store_of or plan.workdir) / "snapshots"
 
 
 def trial_store(plan: TrialPlan) -> str:
@@ -261,6 +403,12 @@ def trial_store(plan: TrialPlan) -> str:
     if any(f.kind is ChaosFault.STORE_FULL for f in plan.faults):
         return store_url(folder)
     return str(folder)
+
+
+def engine_fault_log(plan: TrialPlan) -> Path:
+    """Where the scripted policy of a trial's run logs each corruption it made (its
+    ``policy.fault_log``): one file per run, so a run's strikes are its own."""
+    return plan.workdir / f"engine-faults-run{plan.run}.jsonl"
 
 
 def final_states_dir(plan: TrialPlan) -> Path:
@@ -293,19 +441,84 @@ class TrialEvent(StrictModel):
 
 
 def draw_plans(
-    trials: int, seed: int, *, config: Path, root: Path, replicas: int, within_s: float
+    trials: int,
+    seed: int,
+    *,
+    config: Path,
+    root: Path,
+    replicas: int,
+    within_s: float,
+    journaled: bool = False,
 ) -> list[TrialPlan]:
     """Every trial's plan, drawn from ``random.Random(seed)``; trial ``k`` works in
-    ``root/trial-<k>``. Faults land within ``within_s`` of a run's servers coming up."""
+    ``root/trial-<k>``. Faults land within ``within_s`` of a run's servers coming up.
+    ``journaled`` (the job has ``journal.enabled``) adds the journal faults, drawn after
+    every other fault of a trial: a seed's other faults are the same either way."""
     rng = random.Random(seed)
-    return [
-        TrialPlan(
-            trial=k,
-            config=config,
-            workdir=root / f"trial-{k}",
-            faults=_draw_faults(rng, replicas, within_s),
+    # Issue 33's engine-data breaks: a generator of their own, so a seed's other faults
+    # stay what they were without them, in every trial (not only in the first).
+    engine_rng = random.Random(f"engine-data/{seed}")
+    plans = []
+    for k in range(trials):
+        faults = _draw_faults(rng, replicas, within_s)
+        faults += _draw_engine_data(engine_rng, faults)
+        plans.append(TrialPlan(trial=k, config=config, workdir=root / f"trial-{k}", faults=faults))
+    if journaled:
+        # From a stream of their own: the rest of every trial's plan stays as it was, but
+        # for a full store: it is injected through an fsspec store (``faultyfile://``),
+        # which the journaling servers refuse (docs/journal.md, "Not wired yet").
+        journal_rng = random.Random(f"journal-{seed}")
+        plans = [
+            plan.model_copy(
+                update={
+                    "faults": [f for f in plan.faults if f.kind is not ChaosFault.STORE_FULL]
+                    + _draw_journal_damage(journal_rng, plan.faults)
+                }
+            )
+            for plan in plans
+        ]
+    return plans
+
+
+def _draw_engine_data(rng: random.Random, drawn: list[PlannedFault]) -> list[PlannedFault]:
+    """The engine-data faults of a trial whose other faults are ``drawn``: none where its
+    servers run apart (the scripted policy is ``rollpoint serve``'s, started once for all
+    its runs). Drawn as many times from ``rng`` whatever they come to."""
+    killed = any(f.kind in KILLS and f.run == 0 for f in drawn)
+    apart = any(f.kind is ChaosFault.TRAINER_KILL for f in drawn)
+    faults = []
+    for kind, share in ENGINE_SHARES.items():
+        hit, second, call = rng.random(), rng.random(), rng.randint(*ENGINE_CALLS)
+        how = rng.choice(TOKEN_DATA_HOWS)
+        if hit >= share or apart:
+            continue
+        run = 1 if killed and second < 0.5 else 0
+        faults.append(
+            PlannedFault(
+                kind=kind,
+                run=run,
+                at_s=0.0,
+                call=call,
+                how=how if kind is ChaosFault.BAD_TOKEN_DATA else None,
+            )
         )
-        for k in range(trials)
+    return faults
+
+
+def _draw_journal_damage(rng: random.Random, faults: list[PlannedFault]) -> list[PlannedFault]:
+    """A journal damaged before the rerun of a trial whose first run is killed whole (a
+    journal is read again only when its server starts again; a trainer killed alone
+    leaves its servers and their journals open), in :data:`JOURNAL_DAMAGE_SHARE` of them."""
+    killed = any(f.kind is ChaosFault.PROCESS_KILL and f.run == 0 for f in faults)
+    if rng.random() >= JOURNAL_DAMAGE_SHARE or not killed:
+        return []
+    return [
+        PlannedFault(
+            kind=rng.choice(sorted(JOURNAL_DAMAGES)),
+            run=1,
+            at_s=0.0,
+            participant=rng.choice(list(ParticipantKind)),
+        )
     ]
 
 
@@ -323,7 +536,9 @@ def _draw_faults(rng: random.Random, replicas: int, within_s: float) -> list[Pla
     # One proxied fault per participant and run: a partition heals its whole proxy.
     free = {run: [(r, p) for r in range(replicas) for p in ParticipantKind] for run in range(2)}
     # Servers apart from the trainer are not its processes: it cannot signal a replica's.
-    pool = sorted(IN_PROCESS - (OWN_SERVERS if kill is ChaosFault.TRAINER_KILL else set()))
+    pool = sorted(
+        IN_PROCESS - DRAWN_APART - (OWN_SERVERS if kill is ChaosFault.TRAINER_KILL else set())
+    )
     kinds = rng.sample(pool, rng.randint(0 if kill_at is not None else 1, 3))
     # A replica kill first: proxied faults then avoid its replica (once it restarts on new
     # ports, the trainer no longer goes through their proxy).
@@ -357,6 +572,55 @@ def _draw_faults(rng: random.Random, replicas: int, within_s: float) -> list[Pla
             PlannedFault(
                 kind=ChaosFault.SNAPSHOT_TAMPER, run=1, at_s=0.0, damage=rng.choice(list(Damage))
             )
+        )
+    tampered = any(f.kind is ChaosFault.SNAPSHOT_TAMPER for f in faults)
+    faults += _draw_later(rng, kill_at, within_s, tampered=tampered)
+    if kill is not ChaosFault.TRAINER_KILL and rng.random() < CHECKPOINT_KILL_SHARE:
+        run = 0 if kill_at is None or rng.random() < 0.5 else 1
+        last = kill_at if run == 0 and kill_at is not None else within_s
+        at_s = rng.uniform(0.05, max(last, 0.1))
+        # Not a replica a proxied fault of the run stands in front of: restarted on new
+        # ports, the trainer would no longer go through that proxy.
+        proxied = {f.replica for f in faults if f.run == run and f.kind in PROXIED}
+        targets = [r for r in range(replicas) if r not in proxied]
+        if targets:
+            faults.append(
+                PlannedFault(
+                    kind=ChaosFault.CHECKPOINT_KILL,
+                    run=run,
+                    at_s=at_s,
+                    replica=rng.choice(targets),
+                    servers=list(ParticipantKind),
+                )
+            )
+    return faults
+
+
+def _draw_later(
+    rng: random.Random, kill_at: float | None, within_s: float, *, tampered: bool
+) -> list[PlannedFault]:
+    """Issue 33's breaks, drawn after every other fault of the trial. A shared records
+    file is damaged only where the newest snapshot is not (two damages at once may leave
+    no snapshot to fall back to, rightly refused)."""
+    faults = []
+    for kind, share in LATER_SHARES.items():
+        if rng.random() >= share:
+            continue
+        run = 0 if kill_at is None or rng.random() < 0.5 else 1
+        last = kill_at if run == 0 and kill_at is not None else within_s
+        at_s = rng.uniform(0.05, max(last, 0.1))
+        if kind is ChaosFault.PACK_DAMAGE_LIVE:
+            # Once snapshots share records files: at least two with saved episodes.
+            faults.append(PlannedFault(kind=kind, run=run, at_s=0.0, after_snapshots=2))
+        elif kind is ChaosFault.LOCK_TAMPER:
+            faults.append(
+                PlannedFault(kind=kind, run=run, at_s=at_s, how=rng.choice(LOCK_TAMPERING))
+            )
+        else:
+            faults.append(PlannedFault(kind=kind, run=run, at_s=at_s))
+    if kill_at is not None and rng.random() < PACK_DAMAGE_SHARE and not tampered:
+        faults.append(
+            PlannedFault(kind=ChaosFault.PACK_DAMAGE, run=1, at_s=0.0, how=rng.choice(PACK_DAMAGES))
         )
     return faults
 

@@ -18,6 +18,7 @@ from typing import Any
 
 from rich.table import Table
 
+from rollpoint.app import exit_codes
 from rollpoint.app.chaos.plan import KILLS, ChaosFault, PlannedFault, TrialEvent, TrialPlan
 from rollpoint.testing.invariants import Invariant, Violation
 
@@ -49,8 +50,21 @@ class RunRecord:
 
     @property
     def failed(self) -> bool:
-        """It exited non-zero on its own (not killed by the plan, not hung)."""
-        return self.returncode not in (0, None) and not self.killed and not self.timed_out
+        """It exited non-zero on its own (not killed by the plan, not hung), for another
+        reason than failed groups."""
+        return (
+            self.returncode not in (0, None, exit_codes.GROUPS_FAILED)
+            and not self.killed
+            and not self.timed_out
+        )
+
+    @property
+    def stopped_on_failed_groups(self) -> bool:
+        """It stopped early, with a snapshot, because too many groups failed
+        (``failure.max_failed_fraction``; exit 3). Not a snapshot that failed to commit
+        (I4): the rows those groups never trained are I1's to count, so the trial is not
+        passed either."""
+        return self.returncode == exit_codes.GROUPS_FAILED and not self.killed
 
     @property
     def ending(self) -> str:
@@ -214,6 +228,7 @@ class ChaosTally:
         return {
             "runs": len(runs),
             "runs_failed": sum(r.failed for r in runs),
+            "runs_stopped_on_failed_groups": sum(r.stopped_on_failed_groups for r in runs),
             "runs_hung": sum(r.timed_out for r in runs),
             "trials_unfinished": sum(not o.finished for o in self.outcomes),
             "committed": snapshots[PUBLISHED],
@@ -230,6 +245,7 @@ class ChaosTally:
             "trials": len(self.outcomes),
             "runs": sums["runs"],
             "runs_failed": sums["runs_failed"],
+            "runs_stopped_on_failed_groups": sums["runs_stopped_on_failed_groups"],
             "runs_hung": sums["runs_hung"],
             "trials_unfinished": sums["trials_unfinished"],
             "faults_injected": _all(ChaosFault, self.faults_injected),
@@ -255,6 +271,9 @@ class ChaosTally:
         table.add_row("trials", str(len(self.outcomes)))
         table.add_row("runs (first runs and reruns)", str(sums["runs"]))
         table.add_row("runs that failed by themselves", str(sums["runs_failed"]))
+        table.add_row(
+            "runs stopped on failed groups (exit 3)", str(sums["runs_stopped_on_failed_groups"])
+        )
         table.add_row("runs that hung", str(sums["runs_hung"]))
         table.add_row("trials unfinished", str(sums["trials_unfinished"]), end_section=True)
         injected, planned = self.faults_injected, self.faults_planned

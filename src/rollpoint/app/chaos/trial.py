@@ -1,7 +1,8 @@
 """One run of one chaos trial: ``python -m rollpoint.app.chaos.trial PLAN_JSON``.
 
 Owns a single process of a trial (see :mod:`rollpoint.app.chaos.plan`): it points the
-job's config at the trial's workdir, runs the job (fresh on run 0, resuming on a rerun)
+job's config at the trial's workdir (with the scripted policy's ``policy.faults`` for the
+engine-data faults of this run), runs the job (fresh on run 0, resuming on a rerun)
 with a fault proxy in front of every participant its plan targets, applies the plan's
 faults of this run at their moments, and prints what happened as
 :class:`~rollpoint.app.chaos.plan.TrialEvent` JSON lines on stdout, flushed one by
@@ -10,7 +11,9 @@ stderr and logs to ``<workdir>/rollpoint.log``.
 
 It does not kill itself, rerun, or judge the outcome (the runner in
 :mod:`rollpoint.app.chaos.command` does). Exit code 0: the job finished; 1: it failed; 2: bad
-plan or config.
+plan or config (or a run refused: another run holds the workdir, another job the store);
+3: it stopped early, with a snapshot, because too many groups failed
+(``failure.max_failed_fraction``), as ``rollpoint run`` exits.
 """
 
 from __future__ import annotations
@@ -27,15 +30,21 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
+from rollpoint.app import exit_codes
+from rollpoint.app.chaos.engine_checks import fault_log_lines
 from rollpoint.app.chaos.plan import (
+    ENGINE_DATA,
+    OVERSIZED_CAP,
     OWN_SERVERS,
     PEER_PATHS,
     PROXIED,
     SPEC_FAULTS,
+    STREAMED,
     ChaosFault,
     PlannedFault,
     TrialEvent,
     TrialPlan,
+    engine_fault_log,
     final_states_dir,
     trial_store,
     trial_store_folder,
@@ -45,7 +54,8 @@ from rollpoint.app.job import drive_quietly, run_job
 from rollpoint.loop import SimulatedTrainer
 from rollpoint.protocol.control import CONTROL_PREFIX, Verb
 from rollpoint.protocol.deployment import Deployment, ServedDeployment
-from rollpoint.protocol.errors import ConfigError, RollpointError
+from rollpoint.protocol.engine_faults import EngineFault
+from rollpoint.protocol.errors import ConfigError, GroupsFailedError, RollpointError
 from rollpoint.protocol.participant import ParticipantKind
 from rollpoint.runtime.contract import Runtime
 from rollpoint.runtime.embedded import EmbeddedRuntime, replica_name, replica_of
@@ -55,6 +65,7 @@ from rollpoint.store.workdir_lock import lock_workdir
 from rollpoint.testing.fault import Fault
 from rollpoint.testing.fault_proxy import FaultProxy
 from rollpoint.testing.faulty_store import fail_writes, heal
+from rollpoint.testing.snapshot_damage import NothingToDamage, damage_shared_pack
 from rollpoint.trainer.metrics import TrainerMetrics
 from rollpoint.trainer.trainer import RunSummary, Trainer
 
@@ -95,14 +106,45 @@ def trial_config(plan: TrialPlan) -> RunConfig:
     config = load_config(plan.config)
     # Servers apart name the store by its path; the trainer must name it alike.
     snapshot = config.snapshot.model_copy(update={"store": trial_store(plan)})
-    return config.model_copy(
-        update={
-            "workdir": plan.workdir,
-            "base_port": None,
-            "snapshot": snapshot,
-            "final_states_log": final_states_dir(plan),
+    update: dict[str, object] = {
+        "workdir": plan.workdir,
+        "base_port": None,
+        "snapshot": snapshot,
+        "final_states_log": final_states_dir(plan),
+    }
+    planned = {f.kind for f in plan.faults}
+    if ChaosFault.OVERSIZED_REPLY in planned:
+        # Every run of the trial alike: a rerun reads the replies of the same episodes.
+        update["max_reply_bytes"] = min(config.max_reply_bytes, OVERSIZED_CAP)
+    if planned & ENGINE_DATA and config.policy.base_url is None:
+        policy: dict[str, object] = {
+            "faults": [
+                _engine_fault(f, min(config.max_reply_bytes, OVERSIZED_CAP))
+                for f in plan.faults
+                if f.kind in ENGINE_DATA and f.run == plan.run
+            ],
+            "fault_log": engine_fault_log(plan),
         }
-    )
+        if planned & STREAMED and not config.policy.capture_tokens:
+            # The model servers then stream every call from the engine (the generation
+            # cut): a stream to spoil. Every run alike, as the oversized cap.
+            policy["capture_tokens"] = True
+        update["policy"] = config.policy.model_copy(update=policy)
+    return config.model_copy(update=update)
+
+
+def _engine_fault(fault: PlannedFault, cap: int) -> EngineFault:
+    """The scripted policy's fault setting for one planned engine-data fault."""
+    if fault.kind is ChaosFault.OVERSIZED_REPLY:
+        # A quarter over the cap: the episode's reply is over it whatever else it holds.
+        return EngineFault(corrupt="oversized_reply", calls=[fault.call], pad_bytes=cap + cap // 4)
+    if fault.kind is ChaosFault.BAD_TOKEN_DATA:
+        return EngineFault(
+            corrupt="token_data",
+            calls=[fault.call],
+            how=fault.how,
+        )
+    return EngineFault(corrupt="tool_call_id", calls=[fault.call])
 
 
 @dataclass(frozen=True)
@@ -120,8 +162,10 @@ _StrikeFn = Callable[[PlannedFault, Trainer, Runtime], Awaitable[Strike | None]]
 class TrialFaults:
     """The plan's faults of one run: the proxies they need and their application."""
 
-    def __init__(self, plan: TrialPlan) -> None:
+    def __init__(self, plan: TrialPlan, config: RunConfig) -> None:
         self.faults = plan.in_process()
+        self._config = config
+        self._engine_log = engine_fault_log(plan)
         self._proxies: dict[tuple[str, ParticipantKind], FaultProxy] = {}
         """(replica, participant) → the proxy in front of it; its faults share it."""
         self._peer_proxies: dict[tuple[str, ParticipantKind], FaultProxy] = {}
@@ -136,6 +180,7 @@ class TrialFaults:
         """The faults that took effect, by description."""
         self._strikes: dict[ChaosFault, _StrikeFn] = {
             ChaosFault.REPLICA_KILL: self._kill_replica,
+            ChaosFault.CHECKPOINT_KILL: self._kill_at_capture,
             ChaosFault.REPLICA_STOP: self._stop_replica,
             ChaosFault.PARTICIPANT_RESTART: self._restart_in_place,
             ChaosFault.LOST_RUN_REPLY: self._lose_reply,
@@ -145,6 +190,10 @@ class TrialFaults:
             ChaosFault.STORE_FULL: self._fill_store,
             ChaosFault.PEER_PARTITION: self._partition_peer,
             ChaosFault.CLOCK_SKEW: self._skew_clock,
+            ChaosFault.PACK_DAMAGE_LIVE: self._damage_pack,
+            ChaosFault.OVERSIZED_REPLY: self._engine_data,
+            ChaosFault.BAD_TOKEN_DATA: self._engine_data,
+            ChaosFault.TOOL_CALL_WITHOUT_ID: self._engine_data,
         }
         self._store = trial_store_folder(plan)
 
@@ -250,7 +299,7 @@ class TrialFaults:
         """Wait for the fault to take effect, then for it to be over, saying both."""
         try:
             strike = await striking
-        except RollpointError as exc:
+        except (RollpointError, ChaosMissError) as exc:
             log.warning("chaos: %s could not be applied: %s", fault.describe(), exc.message)
             _missed(fault.describe(), f"could not be applied: {exc.message}")
             return
@@ -289,6 +338,28 @@ class TrialFaults:
                 await asyncio.sleep(_NOTICED_POLL_S)
 
         return Strike(time.time(), noticed)
+
+    async def _kill_at_capture(
+        self, fault: PlannedFault, trainer: Trainer, runtime: Runtime
+    ) -> Strike | None:
+        """:meth:`_kill_replica` at the next save's capture point: in journal mode after
+        every participant's checkpoint is written, before the snapshot is published."""
+        coordinator = trainer.coordinator
+        if coordinator is None:
+            return None
+        struck: asyncio.Future[Strike | None] = asyncio.get_running_loop().create_future()
+
+        async def kill() -> None:
+            coordinator.before_capture = None  # once
+            if not struck.done():
+                struck.set_result(await self._kill_replica(fault, trainer, runtime))
+
+        coordinator.before_capture = kill
+        try:
+            return await struck
+        finally:
+            if coordinator.before_capture is kill:
+                coordinator.before_capture = None
 
     async def _stop_replica(
         self, fault: PlannedFault, trainer: Trainer, runtime: Runtime
@@ -388,6 +459,34 @@ class TrialFaults:
 
         return Strike(time.time(), free)
 
+    async def _damage_pack(
+        self, fault: PlannedFault, trainer: Trainer, runtime: Runtime
+    ) -> Strike | None:
+        """Flip a byte of the records file most published snapshots name, under the live
+        run: the next snapshots must not name it damaged (the runner checks the newest)."""
+        try:
+            done = await asyncio.to_thread(damage_shared_pack, self._store, "flip")
+        except NothingToDamage as exc:
+            raise ChaosMissError(str(exc)) from None
+        log.warning("chaos: %s: %s", fault.describe(), done)
+        return Strike(time.time())
+
+    async def _engine_data(
+        self, fault: PlannedFault, trainer: Trainer, runtime: Runtime
+    ) -> Strike | None:
+        """Set up as the run's scripted policy started (``policy.faults``, from
+        :func:`trial_config`): it took effect once the policy logged the corruption."""
+        if self._config.policy.base_url is not None:
+            raise ChaosMissError("the policy is not the scripted one (policy.base_url)")
+        if not isinstance(runtime, EmbeddedRuntime):
+            raise ChaosMissError("the scripted policy runs apart (rollpoint serve)")
+        corrupt = _CORRUPTION[fault.kind]
+        while True:  # polled: the policy is another process; its log is the only word
+            for line in fault_log_lines(self._engine_log):
+                if line.get("corrupt") == corrupt:
+                    return Strike(float(line["ts"]))
+            await asyncio.sleep(_ENGINE_LOG_POLL_S)
+
     def _proxy_of(self, fault: PlannedFault) -> FaultProxy:
         proxy = self._proxies.get((replica_name(fault.replica), fault.participant))
         if proxy is None:
@@ -395,12 +494,21 @@ class TrialFaults:
         return proxy
 
 
+_CORRUPTION = {
+    ChaosFault.OVERSIZED_REPLY: "oversized_reply",
+    ChaosFault.BAD_TOKEN_DATA: "token_data",
+    ChaosFault.TOOL_CALL_WITHOUT_ID: "tool_call_id",
+}
+"""Each engine-data kind's ``EngineFault.corrupt``."""
+_ENGINE_LOG_POLL_S = 0.05
+
+
 def _published(trainer: Trainer) -> int:
     """The snapshots with saved episodes this run has published."""
     coordinator = trainer.coordinator
     if coordinator is None:
         return 0
-    return sum(r.published and r.saved > 0 for r in coordinator.history)
+    return coordinator.published_with_episodes
 
 
 async def _cut(proxy: FaultProxy, path: str, fault: PlannedFault) -> Strike:
@@ -414,6 +522,16 @@ async def _cut(proxy: FaultProxy, path: str, fault: PlannedFault) -> Strike:
         await proxy.heal()
 
     return Strike(time.time(), heal)
+
+
+class ChaosMissError(Exception):
+    """A fault found nothing of its kind to act on (said as missed, with why). The trial's
+    own signal, caught in :meth:`_strike`: not a :class:`RollpointError` (the one error
+    tree is what crosses the wire and the console, each with a code of its own)."""
+
+    @property
+    def message(self) -> str:
+        return str(self)
 
 
 def _missed(fault: str, reason: str) -> None:
@@ -439,7 +557,7 @@ def _servers_of(fault: PlannedFault, trainer: Trainer, runtime: Runtime) -> list
 
 
 async def run_trial(plan: TrialPlan, config: RunConfig) -> RunSummary:
-    faults = TrialFaults(plan)
+    faults = TrialFaults(plan, config)
     try:
         attach = (
             None
@@ -486,6 +604,11 @@ def main(argv: list[str] | None = None) -> int:
     except RollpointError as exc:
         emit(TrialEvent(event="error", ts=time.time(), detail=exc.message))
         print(f"error: {exc.message}", file=sys.stderr)
+        if isinstance(exc, GroupsFailedError):
+            # As `rollpoint run` exits: stopped early on failure.max_failed_fraction, with
+            # a snapshot. Not a run that failed by itself: the rows the failed groups
+            # never trained are I1's to count.
+            return exit_codes.GROUPS_FAILED
         return 2 if isinstance(exc, ConfigError) else 1
     emit(TrialEvent(event="finished", ts=time.time(), detail=summary.model_dump_json()))
     return 0

@@ -2,9 +2,10 @@
 
 Owns the page's layout and tables: a summary of the run, the figures of
 :mod:`rollpoint.app.report.figures` inlined as SVG, the snapshot attempts (a failed one with
-its reason), the restores (continued, restarted, adopted, requeued, policy calls kept and
-re-done), what happened to replicas, the latest snapshot's contents as ``rollpoint
-inspect`` shows them, and the config the run used. Nothing on the page loads from anywhere:
+its reason), the restores (continued, restarted, adopted, requeued, policy calls kept, turns
+taken from the journal and calls re-done), each participant's journal (size, records, the
+kept snapshots' marks, what the last restore took from it), what happened to replicas, the
+latest snapshot's contents as ``rollpoint inspect`` shows them, and the config the run used. Nothing on the page loads from anywhere:
 one inline stylesheet, no script, so it opens from a file, offline, in any browser. A
 workdir with no snapshot gets a page that says so. Every value from the run is escaped.
 """
@@ -102,6 +103,7 @@ def render_page(record: RunRecord) -> str:
         ]
     parts += [
         _restores(record),
+        _journals(record),
         _replicas(record),
         _snapshot_table(record),
         _latest(record),
@@ -202,6 +204,7 @@ def _restores(record: RunRecord) -> str:
     for r in record.restores:
         e = r.event
         redone = "not sampled" if r.calls_redone is None else f"&ge; {r.calls_redone}"
+        journal = "&mdash;" if e.journal_turns is None else sum(e.journal_turns.values())
         rows.append(
             (
                 f"{e.ts - t0:.1f}",
@@ -212,18 +215,73 @@ def _restores(record: RunRecord) -> str:
                 e.adopted,
                 e.requeued,
                 e.turns_kept,
+                journal,
                 redone,
             )
         )
     headers = ["at (s)", "snapshot", "train step", "continued", "restarted", "adopted"]
-    headers += ["requeued", "policy calls kept", "policy calls re-done"]
+    headers += ["requeued", "policy calls kept", "turns from the journal", "policy calls re-done"]
     return (
         "<h2>Restores</h2>"
-        + _table(headers, rows, numeric=frozenset({0, 2, 3, 4, 5, 6, 7, 8}))
+        + _table(headers, rows, numeric=frozenset({0, 2, 3, 4, 5, 6, 7, 8, 9}))
         + "<p class='sub'>Policy calls kept: turns the continued episodes had completed at the "
-        "cut. Re-done: calls the model servers answered between the cut and the restore "
-        "(lost with the crash), from the trainer's samples of their counters; the turns "
-        "restarted episodes had played before the cut come on top.</p>"
+        "cut. Turns from the journal: turns the agents' journals held past the cut, which "
+        "the episodes resume through instead of playing again (&mdash;: no agent journals). "
+        "Re-done: calls the model servers answered between the cut and the restore "
+        "(lost with the crash, unless a journal answers them again), from the trainer's "
+        "samples of their counters; the turns restarted episodes had played before the cut "
+        "come on top.</p>"
+    )
+
+
+def _journals(record: RunRecord) -> str:
+    """Each participant's journal in the store, with the marks the kept snapshots hold
+    for it and what the last restore took from it (docs/journal.md)."""
+    journals: list[dict[str, Any]] = record.inspect.get("journals") or []
+    if not journals:
+        return ""
+    last = next(
+        (r.event for r in reversed(record.restores) if r.event.journal_turns is not None), None
+    )
+    rows = []
+    for j in journals:
+        name = f"{j['kind']}/{j['instance']}"
+        position = j.get("last_position")
+        durable = "none" if j.get("last_key") is None else f"{j['last_kind']} {j['last_key']}"
+        if position is not None:
+            durable += f" (segment {position[0]}, offset {position[1]})"
+        marks = "; ".join(
+            f"{m['snapshot']}: segment {m['segment']}, offset {m['offset']}"
+            for m in j.get("marks", [])
+        )
+        taken = "&mdash;"
+        if last is not None and last.journal_turns is not None and name in last.journal_turns:
+            replies = (last.journal_replies or {}).get(name, 0)
+            taken = f"{last.journal_turns[name]} turns, {replies} finished replies"
+        damage = j.get("damage")
+        rows.append(
+            (
+                f'<span id="journal-{_e(name)}">{_e(name)}</span>',
+                j.get("records", "?"),
+                j.get("bytes", "?"),
+                j.get("segments", "?"),
+                _e(durable)
+                + (f'<br><span class="failed">damaged: {_e(damage)}</span>' if damage else ""),
+                _e(marks) or "none (no kept snapshot marks it)",
+                taken,
+            )
+        )
+    headers = ["journal", "records", "bytes", "segments", "last durable record"]
+    headers += ["kept snapshots' marks", "at the last restore"]
+    restored = "" if last is None else f" (the last restore: {_e(last.snapshot_id)})"
+    return (
+        "<h2>Journals</h2>"
+        + _table(headers, rows, numeric=frozenset({1, 2, 3}))
+        + "<p class='sub'>Kept snapshots' marks: where each snapshot's cut found the journal; "
+        "a restore from it replays the records after its mark, and retention deletes the "
+        f"segments before the oldest. At the last restore{restored}: the turns and "
+        "finished replies an agent's journal held past the snapshot, resumed or adopted "
+        "instead of played again.</p>"
     )
 
 

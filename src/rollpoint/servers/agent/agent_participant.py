@@ -32,7 +32,9 @@ from typing import TYPE_CHECKING
 from pydantic import JsonValue
 
 from rollpoint.participant import Readiness, RetireOutcome
+from rollpoint.protocol.control import JOURNAL
 from rollpoint.protocol.ids import EpisodeId
+from rollpoint.protocol.manifest import JournalMark
 from rollpoint.protocol.participant import CheckpointMode, ParticipantKind
 
 if TYPE_CHECKING:
@@ -43,11 +45,20 @@ class AgentParticipant:
     """The :class:`~rollpoint.participant.participant.Participant` of one agent server."""
 
     kind = ParticipantKind.AGENT
-    features: tuple[str, ...] = ("turn-boundary", "finished-replies")
 
     def __init__(self, server: AgentServer) -> None:
         self._server = server
         self._book = server.book
+
+    @property
+    def features(self) -> tuple[str, ...]:
+        base = ("turn-boundary", "finished-replies")
+        return (*base, JOURNAL) if self._server.settings.journal else base
+
+    def journal_mark(self) -> JournalMark | None:
+        """The turn journal's position as the cut opens (None without a journal)."""
+        journal = self._book.journal
+        return None if journal is None else journal.mark()
 
     @property
     def name(self) -> str:

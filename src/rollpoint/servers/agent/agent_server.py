@@ -9,6 +9,8 @@ startup, closed at shutdown, when running sessions are cancelled too). Routes:
   client that goes away cancels nothing, and a failed row never ends its siblings.
 - ``GET /rollpoint/v1/sessions`` → session counts by state, boundaries, readiness.
 - ``GET /metrics`` → the same counts for Prometheus (``rollpoint_agent_sessions{state}``).
+- ``GET /rollpoint/v1/journal`` → ``{"rollouts": [...]}``: the rollouts an earlier process
+  journaled turns of here (:mod:`.turn_journal`), which a restored trainer sends back here.
 - ``POST /rollpoint/v1/ack`` ``{"episodes": [EpisodeId]}`` → ``{"acked": [...]}``: releases
   finished replies (the book's :meth:`~SessionBook.ack` is the one implementation; the
   control plane's ``ack`` verb calls the same method and is the official one).
@@ -23,7 +25,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Annotated, Any, Literal
 
 import orjson
@@ -32,11 +33,9 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, JsonValue
 
 from rollpoint.agent_loops import resolve_agent_loop
-from rollpoint.http.app import create_app
-from rollpoint.http.auth import data_token, load_token
+from rollpoint.http.auth import data_token
 from rollpoint.http.client import HttpClient
 from rollpoint.http.server_metrics import Reading, ServerMetrics
-from rollpoint.participant import close_control_plane, mount_participant
 from rollpoint.protocol.control import MAX_BATCH
 from rollpoint.protocol.episode import EnvironmentName, RowResult, RunReply, RunRequest
 from rollpoint.protocol.errors import TransportError
@@ -47,6 +46,8 @@ from rollpoint.servers.agent.agent_participant import AgentParticipant
 from rollpoint.servers.agent.episode_runner import EpisodeRunner
 from rollpoint.servers.agent.session import LIVE_STATES, Session, SessionState
 from rollpoint.servers.agent.session_book import SessionBook, TurnBoundary
+from rollpoint.servers.agent.turn_journal import open_turn_journal
+from rollpoint.servers.server_app import control_plane, create_server_app
 
 NDJSON = "application/x-ndjson"
 
@@ -86,6 +87,12 @@ class AgentSettings(BaseModel):
     """A checkpoint's lease lapses this long after its deadline, then boundaries reopen."""
     clock_skew_s: Annotated[float, Field(allow_inf_nan=False)] = 0.0
     """Fault injection: the control clock runs this far ahead (``rollpoint chaos``)."""
+    journal: bool = False
+    """Journal each completed turn and finished reply in the snapshot store, and resume
+    what an earlier process left unfinished from it (:mod:`.turn_journal`); needs a local
+    ``snapshot_root``."""
+    journal_window_s: Annotated[float, Field(ge=0, le=1)] = 0.002
+    """The journal's group-commit window."""
 
 
 class AckEpisodes(StrictModel):
@@ -202,34 +209,36 @@ def agent_server_of(app: FastAPI) -> AgentServer:
 def create_agent_app(settings: AgentSettings) -> FastAPI:
     """The agent server of one replica; with ``settings.snapshot_root``, a participant too."""
     server = AgentServer(settings)
-
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        await server.start()
-        try:
-            yield
-        finally:
-            await close_control_plane(app)
-            await server.stop()
-
-    app = create_app(
-        f"rollpoint agent server {settings.name}/{settings.replica}",
-        lifespan=lifespan,
-        data_token=data_token(),
-    )
-    app.state.agent_server = server
     metrics = ServerMetrics(server=settings.name, replica=settings.replica)
     metrics.read(server.readings)
-    metrics.mount(app)
-    if settings.snapshot_root is not None:
-        fence = mount_participant(
-            app,
-            AgentParticipant(server),
-            token=load_token(),
-            snapshot_root=settings.snapshot_root,
-            lease_grace_s=settings.lease_grace_s,
-            clock_skew_s=settings.clock_skew_s,
-        )
+
+    async def start(app: FastAPI) -> None:
+        await server.start()
+        if settings.journal:
+            server.book.journal = await open_turn_journal(
+                settings.snapshot_root,
+                settings.name,
+                settings.replica,
+                window_s=settings.journal_window_s,
+            )
+
+    async def stop(app: FastAPI) -> None:
+        await server.stop()
+        if server.book.journal is not None:
+            await server.book.journal.close()
+
+    app, fence = create_server_app(
+        f"rollpoint agent server {settings.name}/{settings.replica}",
+        metrics=metrics,
+        participant=lambda: AgentParticipant(server),
+        control=control_plane(
+            settings.snapshot_root, settings.lease_grace_s, settings.clock_skew_s
+        ),
+        start=start,
+        stop=stop,
+    )
+    app.state.agent_server = server
+    if fence is not None:
         # One copy of the retire marks: the fence writes them, /run admission reads them.
         server.book.marks = fence.marks
 
@@ -241,6 +250,13 @@ def create_agent_app(settings: AgentSettings) -> FastAPI:
     @app.get("/rollpoint/v1/sessions")
     async def sessions() -> dict[str, Any]:
         return server.sessions()
+
+    @app.get("/rollpoint/v1/journal")
+    async def journal() -> dict[str, Any]:
+        """The rollouts whose turns an earlier process journaled here, not resumed yet: a
+        restored trainer sends them back to this replica."""
+        found = server.book.journal
+        return {"rollouts": [] if found is None else found.rollouts()}
 
     @app.post("/rollpoint/v1/ack")
     async def ack(request: AckEpisodes) -> dict[str, Any]:

@@ -39,7 +39,7 @@ from rollpoint.protocol.errors import InvalidPhaseError
 from rollpoint.protocol.ids import EpisodeId
 from rollpoint.protocol.model_base import StrictModel
 from rollpoint.servers.agent.session_parts import PART_ITEMS, grow_parts
-from rollpoint.tuning.encoded_json import encoded, encoded_or_itself
+from rollpoint.tuning.seam import encoded, encoded_or_itself
 
 
 class SessionState(StrEnum):

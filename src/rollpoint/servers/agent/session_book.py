@@ -68,7 +68,8 @@ from rollpoint.servers.agent.session import (
     SessionState,
 )
 from rollpoint.servers.agent.session_parts import join_parts
-from rollpoint.tuning.encoded_json import encoded
+from rollpoint.servers.agent.turn_journal import TurnJournal
+from rollpoint.tuning.seam import encoded
 
 log = logging.getLogger(__name__)
 
@@ -176,6 +177,10 @@ class SessionBook:
         self._image: StateImage[SessionEntry] = StateImage(
             self._image_entry, lambda: list(self._sessions), name="sessions"
         )
+        self.journal: TurnJournal | None = None
+        """The turn journal while ``journal`` is on (:mod:`.turn_journal`): each turn is
+        journaled at its boundary, each finished reply before it is handed on, and a row an
+        earlier process left unfinished resumes at its last journaled turn."""
 
     # --- admission ---------------------------------------------------------------------
 
@@ -204,8 +209,12 @@ class SessionBook:
             )
         if live is not None:
             live.continue_as(row)
+            if self.journal is not None:
+                self.journal.resume(live)
             return self._launch(live)
         session = Session(row)
+        if self.journal is not None:
+            self.journal.resume(session)
         self._sessions[episode.rollout_id] = session
         session.observe(self._on_move, self._image.changed)
         return self._launch(session)
@@ -237,6 +246,9 @@ class SessionBook:
             reply = await self._play(session, self._turn_boundary)
             if session.state is not SessionState.VERIFYING:
                 raise InvalidPhaseError(f"session {session.key} ended in {session.state}")
+            if self.journal is not None:
+                self.journal.check(reply)
+                await self.journal.reply(reply)  # durable before it is handed on
             return reply
         except Exception as exc:
             if not isinstance(exc, RollpointError):
@@ -279,7 +291,10 @@ class SessionBook:
         self._gate.open()
 
     async def boundary(self, session: Session) -> None:
-        """A turn boundary of ``session``: returns at once while open, else parks it."""
+        """A turn boundary of ``session``: its turn journaled (with a journal), then it
+        returns at once while open, else parks it."""
+        if self.journal is not None:
+            self.journal.turn(session)  # queued: durable shortly, in order (see its docstring)
         if self._gate.is_open:
             return
         session.move(SessionState.PARKED)
@@ -344,6 +359,13 @@ class SessionBook:
         out["live"] = len(self._sessions)
         out["finished_unacked"] = len(self._finished)
         out["retired_rollouts"] = len(self.marks)
+        if self.journal is not None:
+            restored = {rid: s.turn for rid, s in self._by_state[SessionState.RESTORED].items()}
+            turns, replies = self.journal.pending(restored)
+            out["journal_turns"] = turns
+            out["journal_replies"] = replies
+            out["journal_resumed_turns"] = self.journal.counts.resumed_turns
+            out["journal_adopted"] = self.journal.counts.adopted
         return out
 
     def session(self, rollout_id: str) -> Session | None:

@@ -45,6 +45,7 @@ from starlette.responses import Response
 
 from rollpoint.protocol.errors import ConfigError
 from rollpoint.protocol.ids import HEADER_POLICY_VERSION
+from rollpoint.protocol.manifest import JournalMark
 from rollpoint.servers.model.call_ledger import CallRecord, json_form
 from rollpoint.servers.model.generation_cut import HEADER_TOKEN_SEGMENTS
 from rollpoint.store.journal import Journal, Position
@@ -61,7 +62,12 @@ _KEPT_HEADERS = (HEADER_POLICY_VERSION, HEADER_TOKEN_SEGMENTS)
 
 def journal_folder(store_root: str, name: str, replica: str) -> str:
     """Where a model server keeps its journal: next to the participants' state in the store."""
-    return f"{store_root.rstrip('/')}/journal/model/{name}-{replica}"
+    return f"{store_root.rstrip('/')}/{journal_relative(name, replica)}"
+
+
+def journal_relative(name: str, replica: str) -> str:
+    """The journal's folder relative to the store root, as a snapshot's mark names it."""
+    return f"journal/model/{name}-{replica}"
 
 
 def request_key(payload: dict[str, Any]) -> str:
@@ -87,6 +93,7 @@ class CallJournal:
     def __init__(self, journal: Journal, server: ModelServer) -> None:
         self.journal = journal
         self._server = server
+        self.relative = journal_relative(server.settings.name, server.settings.replica)
         self.counts = CallJournalCounts()
         self._by_turn: dict[tuple[str, int], dict[int, str]] = {}
         """(rollout, turn) -> {attempt: journal key} of every journaled call."""
@@ -103,6 +110,20 @@ class CallJournal:
     @property
     def position(self) -> Position:
         return self.journal.position
+
+    def mark(self) -> JournalMark:
+        """Where the journal stands as a cut opens (the commit saves it), after forgetting
+        the calls in segments retention deleted: the index keeps what the kept snapshots'
+        positions still need, nothing older."""
+        if self.journal.forget_removed():
+            kept = {}
+            for turn, attempts in self._by_turn.items():
+                left = {a: k for a, k in attempts.items() if k in self.journal}
+                if left:
+                    kept[turn] = left
+            self._by_turn = kept
+        position = self.journal.checkpoint()
+        return JournalMark(folder=self.relative, segment=position.segment, offset=position.offset)
 
     def _index(self, key: str) -> None:
         # model|<rollout>|a<attempt>|t<turn>|c<call>: journal_key refuses parts with '|'.

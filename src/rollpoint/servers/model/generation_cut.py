@@ -227,8 +227,46 @@ class PartialCall:
                 if delta.get("reasoning_content") or delta.get("reasoning"):
                     self.reasoning_started = True
 
+    def clone_start(self) -> PartialCall:
+        """A copy of this call as it stands before its stream (empty, or its prefix): the
+        start a call aborted for a weight update is streamed again from."""
+        return PartialCall(
+            rollout_id=self.rollout_id,
+            attempt=self.attempt,
+            turn=self.turn,
+            version=self.version,
+            base=list(self.base),
+            ids=list(self.ids),
+            entries=list(self.entries),
+            text=list(self.text),
+            prompt=self.prompt,
+            request=self.request,
+        )
+
+    def switch(self, version: int) -> None:
+        """New weights are live from now on (``keep`` mode): the tokens received so far
+        close a segment of the old version, the rest of the call samples under ``version``.
+        A new list, not an append: a frozen partial keeps the segments it saw."""
+        if version == self.version:
+            return
+        sampled = len(self.ids) - sum(s.tokens for s in self.base)
+        if sampled > 0:
+            self.base = [*self.base, TokenSegment(policy_version=self.version, tokens=sampled)]
+        self.version = version
+
+    def segments(self, count: int | None = None) -> list[TokenSegment]:
+        """The version of each run of the first ``count`` tokens (default: all so far),
+        segments without tokens left out."""
+        n = len(self.ids) if count is None else count
+        out = [s for s in self.base if s.tokens]
+        done = sum(s.tokens for s in out)
+        if n > done:
+            out.append(TokenSegment(policy_version=self.version, tokens=n - done))
+        return out
+
     def freeze(self) -> FrozenPartial:
-        """O(1): the lengths now; the content is read from the same lists later."""
+        """O(1) in the tokens: the lengths now (the content is read from the same lists
+        later) and the segments as they stand (a switch after the freeze is not in it)."""
         return FrozenPartial(
             self,
             len(self.ids),
@@ -236,6 +274,8 @@ class PartialCall:
             len(self.text),
             self.tool_call_started,
             self.reasoning_started,
+            self.base,
+            self.version,
         )
 
     @classmethod
@@ -278,6 +318,8 @@ class FrozenPartial:
     n_text: int
     tool_call_started: bool
     reasoning_started: bool
+    base: list[TokenSegment]
+    version: int
 
     def prefix(self, engine: str) -> CallPrefix | None:
         """The saved form (after the pause, off the event loop); None with nothing to save."""
@@ -293,10 +335,10 @@ class FrozenPartial:
             except (TypeError, KeyError, ValueError):
                 logprobs = None
         text = "".join(call.text[: self.n_text])
-        segments = [*call.base]
+        segments = [s for s in self.base if s.tokens]
         done = sum(s.tokens for s in segments)
         if self.n_ids > done:
-            segments.append(TokenSegment(policy_version=call.version, tokens=self.n_ids - done))
+            segments.append(TokenSegment(policy_version=self.version, tokens=self.n_ids - done))
         packed_ids = pack_ids(ids)
         packed_lp = None if logprobs is None else pack_floats(logprobs)
         packed_prompt = None if call.prompt is None else pack_ids(call.prompt)

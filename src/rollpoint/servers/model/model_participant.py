@@ -46,8 +46,10 @@ from rollpoint.participant import (
     StateImage,
     latest_attempts,
 )
+from rollpoint.protocol.control import JOURNAL
 from rollpoint.protocol.errors import InvalidCheckpointStateError
 from rollpoint.protocol.ids import EpisodeId
+from rollpoint.protocol.manifest import JournalMark
 from rollpoint.protocol.model_base import StrictModel
 from rollpoint.protocol.participant import CheckpointMode, ParticipantKind
 from rollpoint.servers.model.call_ledger import CallRecord
@@ -103,7 +105,6 @@ class ModelParticipant:
 
     kind = ParticipantKind.MODEL
     mode = CheckpointMode.TURN
-    features: tuple[str, ...] = ("admission-gate", "call-ledger", "generation-cut")
     portable = True
     """Its call records are plain data: they restore onto any replica's model server."""
 
@@ -123,6 +124,16 @@ class ModelParticipant:
     @property
     def name(self) -> str:
         return self._server.settings.name
+
+    @property
+    def features(self) -> tuple[str, ...]:
+        base = ("admission-gate", "call-ledger", "generation-cut")
+        return (*base, JOURNAL) if self._server.settings.journal else base
+
+    def journal_mark(self) -> JournalMark | None:
+        """The call journal's position as the cut opens (None without a journal)."""
+        journal = self._server.journal
+        return None if journal is None else journal.mark()
 
     @property
     def replica(self) -> str:

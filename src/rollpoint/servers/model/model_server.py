@@ -6,7 +6,9 @@ proxied to ``upstream_url``, and ``GET /v1/models/{id}`` answered from the upstr
 completion passes; the :class:`~rollpoint.servers.model.call_ledger.CallLedger` that files each call
 carrying the episode headers; the policy version stamped on every completion (reply header
 ``x-rollpoint-policy-version`` and the ledger record); and the routes
-``GET /rollpoint/v1/calls``, ``POST /rollpoint/v1/policy_version``, ``GET /rollpoint/v1/stats``;
+``GET /rollpoint/v1/calls``, ``POST /rollpoint/v1/policy_version``, ``GET /rollpoint/v1/stats``,
+``POST /rollpoint/v1/weights/pause`` and ``POST /rollpoint/v1/weights/live`` (a weight update:
+:mod:`rollpoint.servers.model.weight_switch`);
 and ``GET /metrics`` (calls, in flight, waiting at the gate, latency, tokens of recorded calls).
 
 Does not own: checkpoint control (with ``snapshot_root`` set, the control routes are mounted
@@ -42,6 +44,12 @@ rollout has a saved prefix installed (:attr:`ModelServer.prefixes`) continues fr
 is decoded from scratch with the refusal counted (:mod:`rollpoint.servers.model.generation_cut`).
 An engine that answers a streamed request with plain JSON is passed through as it answered.
 
+Versions: a call is stamped with the version its first token was sampled under (the one
+live when it started, unless a weight update began before it sampled anything); a call
+that spans an update in ``keep`` mode carries the segments of each version, on the ledger
+record and in the reply's ``x-rollpoint-token-segments`` header, as a continued call does.
+A call the engine aborted for a weight update is sent again once the new weights are live.
+
 This is the hot path of every policy call. The plain path reads the body once, parses it
 once, forwards the same bytes over one aiohttp session, and returns the engine's bytes;
 only calls carrying episode headers parse the reply, to record it.
@@ -52,7 +60,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping
-from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
+from contextlib import AsyncExitStack, contextmanager
 from dataclasses import dataclass
 from itertools import islice
 from typing import Annotated, Any
@@ -65,11 +73,10 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.types import Receive, Scope, Send
 from yarl import URL
 
-from rollpoint.http.app import create_app
-from rollpoint.http.auth import data_token, load_token
+from rollpoint.http.auth import data_token
 from rollpoint.http.client import HttpClient
 from rollpoint.http.server_metrics import CALL_BUCKETS, Reading, ServerMetrics
-from rollpoint.participant import AdmissionGate, close_control_plane, mount_participant
+from rollpoint.participant import AdmissionGate
 from rollpoint.policy.engine_adapters import EngineTokens, TokenStream, adapter_for, check_said
 from rollpoint.policy.stream_chunk_check import check_chunk
 from rollpoint.protocol.errors import (
@@ -106,10 +113,14 @@ from rollpoint.servers.model.generation_cut import (
     stitch,
 )
 from rollpoint.servers.model.model_participant import ModelParticipant
+from rollpoint.servers.model.weight_switch import LiveRequest, PauseRequest, WeightSwitch
+from rollpoint.servers.server_app import control_plane, create_server_app
 
 log = logging.getLogger(__name__)
 
 _UPSTREAM_ERRORS = (TimeoutError, aiohttp.ClientError, OSError)
+MAX_ABORTS = 3
+"""Times one call is sent again after the engine aborted it (a weight update each)."""
 
 
 class ModelServerSettings(BaseModel):
@@ -459,6 +470,12 @@ class ModelServer:
             upstream_key = data_token()
         if upstream_key:
             self._upstream_headers["authorization"] = f"Bearer {upstream_key}"
+        self.upstream_control_headers = {
+            k: v for k, v in self._upstream_headers.items() if k != "content-type"
+        }
+        self.weights = WeightSwitch(self, can_split=lambda: self._cut)
+        self.aborted_calls = 0
+        """Calls the engine aborted for a weight update, sent again after it."""
 
     @property
     def session(self) -> aiohttp.ClientSession:
@@ -485,6 +502,11 @@ class ModelServer:
             "policy_version": self.policy_version,
             "gate_open": self.gate.is_open,
             "generation_cut": self.cut.as_dict(),
+            "weights": {
+                "phase": str(self.weights.phase),
+                "updates": self.weights.updates,
+                "aborted_calls": self.aborted_calls,
+            },
         }
 
     def _readings(self) -> list[Reading]:
@@ -565,6 +587,8 @@ class ModelServer:
             raise BadRequestError("request body must be a JSON object with a 'messages' list")
         tag = EpisodeTag.from_headers(request.headers)
         self._guard(tag)
+        if not self.weights.is_live:
+            await self.weights.wait_live()  # it starts under the new weights
         cut = self._cut
         if payload.get("stream") is True:
             # A streamed caller is relayed as it comes: its saved prefix is not continued.
@@ -582,10 +606,17 @@ class ModelServer:
             # Again: the attempt may have been retired while the call waited at the gate.
             self._guard(tag)
             with self.running.track(tag):
-                version = self.policy_version
-                started = time.perf_counter()
-                status, content_type, raw = await self._post_upstream(body)
-                latency = time.perf_counter() - started
+                aborts = 0
+                while True:
+                    version = self.policy_version
+                    started = time.perf_counter()
+                    status, content_type, raw = await self._post_upstream(body)
+                    latency = time.perf_counter() - started
+                    # Only once a weight update was ever asked for: no scan on other calls.
+                    if not (self.weights.touched and _plain_aborted(status, raw)):
+                        break
+                    aborts += 1
+                    await self._after_abort(tag, aborts)
         self.calls_total += 1
         self.call_seconds.observe(latency)
         if status >= 400:
@@ -595,6 +626,34 @@ class ModelServer:
             self._guard(tag)
             self._record_reply(tag, payload, raw, version, latency)
         return Response(raw, media_type=content_type, headers={HEADER_POLICY_VERSION: str(version)})
+
+    async def _after_abort(self, tag: EpisodeTag | None, aborts: int) -> None:
+        """The engine aborted the call for a weight update: send it again once it is over
+        (a call aborted :data:`MAX_ABORTS` times fails, as a transport error)."""
+        if aborts > MAX_ABORTS:
+            raise TransportError(
+                f"upstream {self.settings.upstream_url} aborted the call {aborts} times"
+            )
+        self.aborted_calls += 1
+        log.info("call aborted for a weight update; sent again once the weights are live")
+        await self.weights.wait_live()
+        self._guard(tag)
+
+    async def _stream_again_if_aborted(
+        self, tag: EpisodeTag, body: dict[str, Any], partial: PartialCall
+    ) -> tuple[_Upstream, PartialCall]:
+        """Stream ``body``; a stream the engine aborted for a weight update is streamed
+        again, from the same start, once the new weights are live."""
+        aborts = 0
+        while True:
+            start = partial.clone_start()
+            up = await self._stream_upstream(body, partial)
+            if up.assembler is None or up.assembler.finish_reason != "abort":
+                return up, partial
+            aborts += 1
+            await self._after_abort(tag, aborts)
+            partial = start
+            partial.version = self.policy_version
 
     def _refused(self, tag: EpisodeTag, reason: str) -> None:
         self.cut.refused(reason)
@@ -628,7 +687,7 @@ class ModelServer:
                         prefix, attempt=tag.attempt, version=version, prompt=prefix.prompt()
                     )
                     body = continuation_body(payload, prefix, self._adapter.name)
-                    up = await self._stream_upstream(body, partial)
+                    up, partial = await self._stream_again_if_aborted(tag, body, partial)
                     if up.refusal is not None:
                         # An engine that cannot take the prefix says so with a 4xx.
                         reason, up = "engine_refused", None
@@ -637,7 +696,7 @@ class ModelServer:
                         tag.rollout_id, tag.attempt, tag.turn, version, request=asked
                     )
                     body = {**payload, "stream": True, "stream_options": {"include_usage": True}}
-                    up = await self._stream_upstream(body, partial)
+                    up, partial = await self._stream_again_if_aborted(tag, body, partial)
                 latency = time.perf_counter() - started
         self.calls_total += 1
         if up.refusal is not None:
@@ -667,9 +726,21 @@ class ModelServer:
             reply = up.assembler.reply(partial, skip_ids, skip_entries)
             fresh = len(partial.ids) - skip_ids
         segments = None
+        spans = partial.segments() if raw is None else []
+        if not continued and spans:
+            # The version its first token was sampled under; more than one: it spanned a
+            # weight update (keep mode) and carries each version's run.
+            version = spans[0].policy_version
+            if len(spans) > 1:
+                segments = spans
         headers = {HEADER_POLICY_VERSION: str(version)}
+        if segments is not None:
+            headers[HEADER_TOKEN_SEGMENTS] = segments_header(segments)
         if continued and prefix is not None:
-            segments = [*prefix.segments, TokenSegment(policy_version=version, tokens=fresh)]
+            segments = spans or [
+                *prefix.segments,
+                TokenSegment(policy_version=version, tokens=fresh),
+            ]
             stitch(reply, prefix)
             raw = None
             self.cut.continued += 1
@@ -943,6 +1014,8 @@ class ModelServer:
                         streamed=True,
                         read=read,
                         completion_id=assembler.completion_id,
+                        # Spanned a weight update (keep): the headers left before it did.
+                        segments=_spanning(partial),
                         regenerated=regenerated,
                     )
                 except TransportError as exc:
@@ -963,6 +1036,25 @@ class ModelServer:
         return False
 
 
+def _spanning(partial: PartialCall | None) -> list[TokenSegment] | None:
+    """The segments of a call that spanned a weight update; None for one of one version."""
+    if partial is None:
+        return None
+    segments = partial.segments()
+    return segments if len(segments) > 1 else None
+
+
+def _plain_aborted(status: int, raw: bytes) -> bool:
+    """Whether a plain reply is the engine's abort of the call (finish reason ``abort``)."""
+    if status != 200 or b'"abort"' not in raw:
+        return False
+    try:
+        choices = orjson.loads(raw)["choices"]
+        return any(isinstance(c, dict) and c.get("finish_reason") == "abort" for c in choices)
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return False
+
+
 def model_server_of(app: FastAPI) -> ModelServer:
     """The :class:`ModelServer` behind an app built by :func:`create_model_app`."""
     server: ModelServer = app.state.model_server
@@ -973,35 +1065,26 @@ def create_model_app(settings: ModelServerSettings) -> FastAPI:
     """The model server of one replica; with ``settings.snapshot_root``, a participant too."""
     server = ModelServer(settings)
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def start(app: FastAPI) -> None:
         await server.start()
         server.journal = await open_call_journal(server)
-        try:
-            yield
-        finally:
-            await close_control_plane(app)
-            await server.stop()
-            if server.journal is not None:
-                await server.journal.close()
 
-    app = create_app(
+    async def stop(app: FastAPI) -> None:
+        await server.stop()
+        if server.journal is not None:
+            await server.journal.close()
+
+    app, fence = create_server_app(
         f"rollpoint model server {settings.name}/{settings.replica}",
-        lifespan=lifespan,
-        data_token=data_token(),
+        metrics=server.metrics,
+        participant=lambda: ModelParticipant(server),
+        control=control_plane(
+            settings.snapshot_root, settings.lease_grace_s, settings.clock_skew_s
+        ),
+        start=start,
+        stop=stop,
     )
     app.state.model_server = server
-    server.metrics.mount(app)
-    fence = None
-    if settings.snapshot_root is not None:
-        fence = mount_participant(
-            app,
-            ModelParticipant(server),
-            token=load_token(),
-            snapshot_root=settings.snapshot_root,
-            lease_grace_s=settings.lease_grace_s,
-            clock_skew_s=settings.clock_skew_s,
-        )
     if fence is not None:
         server.attempt_guard = fence.check_attempt
 
@@ -1038,5 +1121,13 @@ def create_model_app(settings: ModelServerSettings) -> FastAPI:
     @app.get("/rollpoint/v1/stats")
     async def stats() -> dict[str, Any]:
         return server.stats()
+
+    @app.post("/rollpoint/v1/weights/pause")
+    async def weights_pause(req: PauseRequest) -> dict[str, Any]:
+        return await server.weights.pause(req.mode)
+
+    @app.post("/rollpoint/v1/weights/live")
+    async def weights_live(req: LiveRequest) -> dict[str, Any]:
+        return await server.weights.live(req.version)
 
     return app

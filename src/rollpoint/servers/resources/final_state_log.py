@@ -49,6 +49,8 @@ class FinalState:
     state: dict[str, Any]
     file: Path
     line: int
+    ts: float = 0.0
+    """Unix time the server wrote the line."""
 
 
 class FinalStateLog:
@@ -116,7 +118,13 @@ def read_final_states(folder: Path) -> tuple[dict[tuple[str, int], FinalState], 
     """Every verified episode's last line in ``folder`` by (rollout id, attempt), and the
     lines that could not be read. A torn last line (no newline: its writer was killed in
     the write, before the verify replied) is skipped; any other bad line is named, never
-    guessed at."""
+    guessed at.
+
+    "Last" is the line written last (its ``ts``), whichever replica's file holds it: a try
+    can be verified on two replicas. A row queued in the snapshot a rerun restores keeps
+    its rollout id and attempt, and may have been sent to one replica after that snapshot
+    (and verified there) and to another by the rerun; the rerun's verify is the one trained.
+    Lines of one file keep their order when their times are equal."""
     found: dict[tuple[str, int], FinalState] = {}
     unreadable: list[str] = []
     for path in sorted(folder.glob(FILE_PATTERN)):
@@ -134,9 +142,13 @@ def read_final_states(folder: Path) -> tuple[dict[tuple[str, int], FinalState], 
                     state=dict(doc["state"]),
                     file=path,
                     line=number,
+                    ts=float(doc["ts"]),
                 )
             except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
                 unreadable.append(f"{path.name} line {number}: {exc}")
                 continue
-            found[(entry.rollout_id, entry.attempt)] = entry
+            key = (entry.rollout_id, entry.attempt)
+            kept = found.get(key)
+            if kept is None or entry.ts >= kept.ts:
+                found[key] = entry
     return found, unreadable

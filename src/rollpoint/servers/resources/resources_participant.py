@@ -18,7 +18,11 @@ Owns the mapping from the :class:`~rollpoint.participant.participant.Participant
 
 The checkpoint mode is the environment's. A ``restart_only`` environment (math) exports
 nothing, installs nothing and never blocks: its episodes start over, and the agent lists
-them as restarts.
+them as restarts. An ``external`` one is saved like a ``turn`` one, except that each
+episode's record holds the version of its outside state instead of an export; install
+continues only the episodes whose state is still there at that version and leaves the rest
+out of its reply, so the trainer restarts them
+(:mod:`~rollpoint.servers.resources.external_state`).
 
 Does not own: the state, the gate and idempotency (the service), phases, leases and
 retire marks (the fence).
@@ -32,7 +36,9 @@ from typing import TYPE_CHECKING
 from pydantic import JsonValue
 
 from rollpoint.participant import Readiness, RetireOutcome, RetireOutcomeKind
+from rollpoint.protocol.control import JOURNAL
 from rollpoint.protocol.ids import EpisodeId
+from rollpoint.protocol.manifest import JournalMark
 from rollpoint.protocol.participant import CheckpointMode, ParticipantKind
 
 if TYPE_CHECKING:
@@ -43,10 +49,19 @@ class ResourcesParticipant:
     """The :class:`~rollpoint.participant.participant.Participant` of one resources server."""
 
     kind = ParticipantKind.RESOURCES
-    features: tuple[str, ...] = ("freeze", "tool-idempotency")
 
     def __init__(self, service: ResourcesService) -> None:
         self._service = service
+
+    @property
+    def features(self) -> tuple[str, ...]:
+        base = ("freeze", "tool-idempotency")
+        return (*base, JOURNAL) if self._service.tool_journal is not None else base
+
+    def journal_mark(self) -> JournalMark | None:
+        """The tool journal's position as the cut opens (None without a journal)."""
+        journal = self._service.tool_journal
+        return None if journal is None else journal.mark()
 
     @property
     def name(self) -> str:
@@ -68,7 +83,9 @@ class ResourcesParticipant:
 
     @property
     def _captures(self) -> bool:
-        return self.mode is CheckpointMode.TURN
+        # An external environment's episodes are saved too: their task, idempotency table
+        # and the version of their outside state (never the state itself).
+        return self.mode in (CheckpointMode.TURN, CheckpointMode.EXTERNAL)
 
     async def close_admission(self) -> None:
         self._service.freeze()

@@ -40,6 +40,14 @@ verify only reads and is never held. Start, tools and verify of a retired attemp
 fence's retire marks) are refused with 409 ``stale_attempt`` and apply nothing; the next
 attempt of the same rollout is not retired and finds its state and recorded results.
 
+Each tool call gets the call's effects (:class:`~rollpoint.envs.effects.CallEffects`) over
+the server's effect store: the store's ``effects/`` folder when the environment declares
+effects and the snapshot store is a local path (refused at creation otherwise), in memory
+without a snapshot store (:mod:`~rollpoint.servers.resources.effect_records`). An
+``external`` environment's episodes save the version of their outside state instead of an
+export, and install reattaches to it or leaves the episode out to be restarted
+(:mod:`~rollpoint.servers.resources.external_state`).
+
 Each episode's saved form is kept current in a :class:`~rollpoint.participant.state_image.StateImage`
 once checkpoints are in use: after a tool call changes an episode, the image's sweep takes
 the environment's export (``Environment.capture_state``) between checkpoints, so a
@@ -54,9 +62,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections import Counter
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping, Sequence
-from contextlib import asynccontextmanager
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -67,17 +74,14 @@ from fastapi import FastAPI
 from pydantic import Field, JsonValue, ValidationError
 
 from rollpoint.envs.base import Environment, ToolArgumentError
+from rollpoint.envs.effects import CallEffects, EffectCounts, EffectStore, MemoryEffects
 from rollpoint.envs.registry import environment_matches, get_environment
 from rollpoint.envs.tool_call import ToolRunner, tool_context
-from rollpoint.http.app import create_app
-from rollpoint.http.auth import data_token, load_token
 from rollpoint.http.server_metrics import Reading, ServerMetrics
 from rollpoint.participant import (
     AdmissionGate,
     RecordMemo,
     StateImage,
-    close_control_plane,
-    mount_participant,
 )
 from rollpoint.protocol.episode import (
     EpisodeStart,
@@ -106,10 +110,24 @@ from rollpoint.servers.resources.episode_record import (
     episode_records,
     pack_state,
 )
+from rollpoint.servers.resources.external_state import (
+    Journaled,
+    check_external,
+    is_external,
+    reattach,
+    saved_form,
+    version_of,
+)
 from rollpoint.servers.resources.final_state_log import FinalStateLog
 from rollpoint.servers.resources.resources_participant import ResourcesParticipant
-from rollpoint.servers.resources.tool_journal import ToolJournal, open_tool_journal
-from rollpoint.tuning.deferred_value import DeferredValue
+from rollpoint.servers.resources.tool_journal import (
+    ToolJournal,
+    check_effect_store,
+    open_tool_journal,
+    replaying,
+)
+from rollpoint.servers.server_app import control_plane, create_server_app
+from rollpoint.tuning.seam import DeferredValue
 
 log = logging.getLogger(__name__)
 
@@ -167,6 +185,13 @@ class _Episode:
     it, what the image holds until the call's result is stored."""
     dropped: bool = False
     """Released or replaced while a call ran on it: that call closes the state when done."""
+    versions: dict[tuple[int, int], str] = field(default_factory=dict)
+    """External episodes: the state's version right after the last call applied here (what
+    the tool journal records with the call; one entry, so it stays bounded)."""
+    attached: deque[Journaled] | None = None
+    """An external episode continued on its live state after a restore: the journaled calls
+    that state already holds, answered (not run) as the agent asks them again
+    (:mod:`~rollpoint.servers.resources.external_state`)."""
 
     def changing(self) -> None:
         """Forget the last export: ``state`` or ``results`` is about to change."""
@@ -235,6 +260,7 @@ class ResourcesService:
         self.name = name
         self.replica = replica
         self._episodes: dict[str, _Episode] = {}
+        check_external(environment)
         self.tools = ToolRunner(environment)
         """Each tool's calling convention, found now: a tool that fits none is refused here."""
         self.gate = AdmissionGate()
@@ -247,6 +273,15 @@ class ResourcesService:
         """409 refusals of start and tool calls, by error code (:meth:`counting_conflicts`)."""
         self.attempt_guard: Callable[[EpisodeId], None] | None = None
         """Raises :class:`StaleAttemptError` for a retired attempt (the fence's check)."""
+        self.effect_store: EffectStore = MemoryEffects()
+        """Where ``ctx.effect`` records effects: in memory until the server's journal is
+        open (:mod:`~rollpoint.servers.resources.effect_records`)."""
+        self.effect_counts = EffectCounts()
+        self.tool_journal: ToolJournal | None = None
+        """Set when tool calls are journaled: an external episode's install reads the
+        calls journaled after its snapshot."""
+        self.lost: list[str] = []
+        """External episodes the last install could not continue (restarted instead)."""
         self._memo = RecordMemo()
         """An unchanged entry's record is handed out again as the same object: a snapshot's
         writer references it without encoding it (:mod:`rollpoint.participant.record_memo`)."""
@@ -287,6 +322,23 @@ class ResourcesService:
                 self.gate.in_flight,
             ),
         ]
+        counts = self.effect_counts
+        for outcome, value in (
+            ("made", counts.made),
+            ("answered", counts.answered),
+            ("reconciled", counts.reconciled),
+            ("in_doubt", counts.in_doubt),
+        ):
+            out.append(
+                Reading(
+                    "rollpoint_resources_effects",
+                    "ctx.effect calls by outcome: made, answered from its record, decided by"
+                    " reconcile, failed in doubt",
+                    value,
+                    "counter",
+                    {"outcome": outcome},
+                )
+            )
         doc = "Episode starts and tool calls refused with 409, by code"
         # One series even before the first refusal, so a dashboard's query names a live metric.
         for code in sorted({"stale_attempt", *self.conflicts}):
@@ -372,13 +424,32 @@ class ResourcesService:
         with environment_call(self.environment, "start", rollout_id):
             state = self.environment.start(task)
         # The task's JSON is made here, once, so a checkpoint does not make it in its pause.
-        self._episodes[rollout_id] = _Episode(
-            task=task,
-            state=state,
-            task_json=task.model_dump(mode="json"),
-        )
+        episode = _Episode(task=task, state=state, task_json=task.model_dump(mode="json"))
+        if is_external(self.environment) and self.tool_journal is not None:
+            self._attach_started(episode, rollout_id)
+        self._episodes[rollout_id] = episode
         self._image.changed(rollout_id)
         return True
+
+    def _attach_started(self, episode: _Episode, rollout_id: str) -> None:
+        """An external episode started again from its task under a rollout id that has
+        journaled calls (a row sent again after a crash, no snapshot holding its
+        episode): continued on its outside state if that is at the last journaled
+        version, else started fresh with none of its journaled calls used."""
+        assert self.tool_journal is not None
+        journaled = self.tool_journal.journaled(rollout_id)
+        if not journaled:
+            return
+        try:
+            found = reattach(self.environment, episode.task, rollout_id, {}, journaled)
+        except RollpointError as exc:
+            log.warning("rollout %s starts fresh: %s", rollout_id, exc.message)
+            found = None
+        if found is None or not found.pending:
+            self.tool_journal.forget_calls(rollout_id)
+            return
+        self.environment.close(episode.state)
+        episode.state, episode.attached, episode.touched = found.state, found.pending, True
 
     async def call_tool(self, tool_name: str, call: ToolCall) -> ToolResult:
         """Run one tool call once per idempotency key; a known key replays the first result
@@ -428,6 +499,11 @@ class ResourcesService:
         try:
             with environment_call(self.environment, f"tool {tool_name!r}", rollout_id):
                 result = await self._run(episode, tool_name, call)
+                if is_external(self.environment):
+                    # Read while this call still holds the episode: no other call's change in it.
+                    episode.versions = {
+                        key: version_of(self.environment, episode.state, rollout_id)
+                    }
             episode.results[key] = result
             episode.fingerprints[key] = fingerprint
         finally:
@@ -443,16 +519,24 @@ class ResourcesService:
         arguments = _parse_arguments(call.arguments)
         if isinstance(arguments, ToolResult):
             return arguments
-        context = partial(
-            tool_context,
-            self.environment.name,
-            tool_name,
-            rollout_id=call.episode.rollout_id,
-            attempt=call.episode.attempt,
-            task_id=episode.task.task_id,
-            turn=call.turn,
-            call_index=call.call_index,
+        where: dict[str, Any] = {
+            "rollout_id": call.episode.rollout_id,
+            "attempt": call.episode.attempt,
+            "task_id": episode.task.task_id,
+            "turn": call.turn,
+            "call_index": call.call_index,
+        }
+        effects = CallEffects(
+            self.environment,
+            episode.state,
+            self.effect_store,
+            tool=tool_name,
+            loop=asyncio.get_running_loop(),
+            counts=self.effect_counts,
+            replaying=replaying,
+            **where,
         )
+        context = partial(tool_context, self.environment.name, tool_name, effects=effects, **where)
         try:
             content = await self.tools.call(episode.state, tool_name, arguments, context)
         except ToolArgumentError as exc:
@@ -548,6 +632,11 @@ class ResourcesService:
         packed = episode.packed_state
         if fresh:
             pass  # saved as its task: nothing of the state to copy
+        elif packed is None and is_external(self.environment):
+            # Nothing of the state is exported: its version (and a snapshot handle).
+            episode.packed_state = pack_state(
+                saved_form(self.environment, episode.state, rollout_id)
+            )
         elif packed is None:
             # The export is a copy taken now: later tool calls change the state, never the
             # copy, so packing it can wait for a writer's thread. The environment may leave
@@ -584,8 +673,11 @@ class ResourcesService:
 
     def _record(self, rollout_id: str, saved_for: EpisodeId | None = None) -> EpisodeRecord:
         episode = self._episodes[rollout_id]
-        with environment_call(self.environment, "export_state", rollout_id):
-            state = self.environment.export_state(episode.state)
+        if is_external(self.environment):
+            state = saved_form(self.environment, episode.state, rollout_id)
+        else:
+            with environment_call(self.environment, "export_state", rollout_id):
+                state = self.environment.export_state(episode.state)
         return EpisodeRecord(
             episode=saved_for,
             rollout_id=rollout_id,
@@ -625,6 +717,15 @@ class ResourcesService:
         if duplicates:
             raise InvalidCheckpointStateError(f"records repeat rollouts {_named(duplicates)}")
         built = self._build(parsed)
+        self.lost = [r.rollout_id for r in parsed if r.rollout_id not in built]
+        if self.lost:
+            log.warning(
+                "%s/%s: %d external episodes restart (their state did not survive): %s",
+                self.name,
+                self.replica,
+                len(self.lost),
+                _named(self.lost),
+            )
         for rollout_id, episode in built.items():
             old = self._episodes.get(rollout_id)
             if old is not None:
@@ -670,10 +771,43 @@ class ResourcesService:
             )
         return parsed
 
+    def _reattach(self, record: EpisodeRecord) -> _Episode | None:
+        """An external episode continued on its live state or a snapshot of it; None: lost."""
+        saved = {(t.turn, t.call_index) for t in record.tool_results}
+        journaled = (
+            []
+            if self.tool_journal is None
+            else [j for j in self.tool_journal.journaled(record.rollout_id) if j.key not in saved]
+        )
+        found = reattach(
+            self.environment, record.task, record.rollout_id, record.exported_state(), journaled
+        )
+        if found is None:
+            return None
+        episode = _Episode(
+            record.task,
+            found.state,
+            {(t.turn, t.call_index): t.result for t in record.tool_results},
+            {(t.turn, t.call_index): t.fingerprint for t in record.tool_results if t.fingerprint},
+            touched=True,
+        )
+        episode.attached = found.pending if found.pending else None
+        return episode
+
     def _build(self, records: Sequence[EpisodeRecord]) -> dict[str, _Episode]:
         built: dict[str, _Episode] = {}
         try:
             for index, record in enumerate(records):
+                if is_external(self.environment) and not record.fresh_start:
+                    try:
+                        external = self._reattach(record)
+                    except RollpointError as exc:
+                        # The environment could not tell: never continue on a guess.
+                        log.warning("rollout %s restarts: %s", record.rollout_id, exc.message)
+                        external = None
+                    if external is not None:
+                        built[record.rollout_id] = external
+                    continue
                 try:
                     if record.fresh_start:
                         state = self.environment.start(record.task)
@@ -727,40 +861,36 @@ def create_resources_app(
     env = get_environment(environment) if isinstance(environment, str) else environment
     final_states = None if final_states_dir is None else FinalStateLog(final_states_dir, replica)
     service = ResourcesService(env, name=name, replica=replica, final_states=final_states)
+    if env.effects and snapshot_root is not None:
+        # Refused now, before the server starts, when the store cannot hold them; kept
+        # whether or not journal.enabled is on (effect_records says why).
+        service.effect_store = check_effect_store(service, snapshot_root)
 
-    @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if journal:
-            app.state.tool_journal = await open_tool_journal(
-                service, snapshot_root, window_s=journal_window_s
-            )
-        try:
-            yield
-        finally:
-            await close_control_plane(app)
-            service.tools.close()
-            if final_states is not None:
-                final_states.close()
-            if journal:
-                await app.state.tool_journal.close()
-
-    app = create_app(
-        f"rollpoint {name} ({replica}, {env.name})", lifespan=lifespan, data_token=data_token()
-    )
-    app.state.resources_service = service
     metrics = ServerMetrics(server=name, replica=replica)
     metrics.read(service.readings)
-    metrics.mount(app)
-    fence = None
-    if snapshot_root is not None:
-        fence = mount_participant(
-            app,
-            ResourcesParticipant(service),
-            token=load_token(),
-            snapshot_root=snapshot_root,
-            lease_grace_s=lease_grace_s,
-            clock_skew_s=clock_skew_s,
-        )
+
+    async def start(app: FastAPI) -> None:
+        if journal:
+            app.state.tool_journal = service.tool_journal = await open_tool_journal(
+                service, snapshot_root, window_s=journal_window_s
+            )
+
+    async def stop(app: FastAPI) -> None:
+        service.tools.close()
+        if final_states is not None:
+            final_states.close()
+        if journal:
+            await app.state.tool_journal.close()
+
+    app, fence = create_server_app(
+        f"rollpoint {name} ({replica}, {env.name})",
+        metrics=metrics,
+        participant=lambda: ResourcesParticipant(service),
+        control=control_plane(snapshot_root, lease_grace_s, clock_skew_s),
+        start=start,
+        stop=stop,
+    )
+    app.state.resources_service = service
     if fence is not None:
         service.attempt_guard = fence.check_attempt
     tools = ToolsReply(environment=env.name, tools=env.tools())
@@ -772,7 +902,12 @@ def create_resources_app(
     @app.post("/episodes/start")
     async def start_episode(body: EpisodeStart) -> StartReply:
         with service.counting_conflicts():
-            return StartReply(created=await service.start(body))
+            created = await service.start(body)
+            if service.tool_journal is not None:
+                # An earlier process's journaled calls of the rollout: the agent resumes
+                # the episode after them, so its state must be there too.
+                await service.tool_journal.catch_up(body.episode)
+            return StartReply(created=created)
 
     @app.post("/tools/{name}")
     async def call_tool(name: str, body: ToolCall) -> ToolResult:

@@ -22,6 +22,8 @@ from rollpoint.http.client import HttpClient
 from rollpoint.protocol.control import (
     AckReply,
     AckRequest,
+    CheckpointReply,
+    CheckpointRequest,
     CommitReply,
     CommitRequest,
     ConfirmReply,
@@ -42,6 +44,7 @@ from rollpoint.protocol.control import (
 )
 from rollpoint.protocol.control_verbs import (
     ACK,
+    CHECKPOINT,
     COMMIT,
     CONFIRM,
     FORGET,
@@ -55,6 +58,7 @@ from rollpoint.protocol.control_verbs import (
 )
 from rollpoint.protocol.errors import ConfigError, TransportError
 from rollpoint.protocol.ids import EpisodeId
+from rollpoint.protocol.manifest import JournalMark
 from rollpoint.protocol.participant import ParticipantKind
 from rollpoint.trainer.control.control_transport import ControlTransport, HttpControlTransport
 
@@ -153,6 +157,23 @@ class ParticipantClient:
             # 50k of them cost ~13 ms per participant inside the pause (the server checks).
             body = body.model_copy(update={"episode_keys": [e.key for e in scope]})
         return await self._call(COMMIT, body, deadline_ts)
+
+    async def checkpoint(
+        self,
+        checkpoint_id: str,
+        deadline_ts: float,
+        checkpoint_dir: str,
+        floor: JournalMark | None,
+    ) -> CheckpointReply:
+        """A journal-mode checkpoint: no admission close (``floor``: the journal mark its
+        manifest saves; None keeps the whole journal)."""
+        body = CheckpointRequest(
+            checkpoint_id=checkpoint_id,
+            deadline_ts=deadline_ts,
+            checkpoint_dir=checkpoint_dir,
+            floor=floor,
+        )
+        return await self._call(CHECKPOINT, body, deadline_ts)
 
     async def confirm(self, checkpoint_id: str, deadline_ts: float) -> ConfirmReply:
         body = ConfirmRequest(checkpoint_id=checkpoint_id, deadline_ts=deadline_ts)

@@ -8,8 +8,10 @@ routes, not the data plane the calls wait on):
 
 - a model server with calls in flight (or waiting at its gate) whose answered-call count
   does not move is waiting on the engine;
-- a resources server whose status does not answer while episodes are in flight on its
-  replica is stuck itself (tools run on its event loop: a hung tool holds every route).
+- a resources server whose data loop does not run while episodes are in flight on its
+  replica is stuck itself (a hung tool on its event loop holds every data route): its
+  status does not answer, or, served by its control listener on a loop of its own, says
+  the data loop has been quiet longer than a tick (``data_loop_quiet_ms``).
 
 Time paused by a snapshot is not counted (the dispatch barrier's pause clock). After
 ``warn_s`` of this on one peer, one warning names the peer's URL and how many calls wait;
@@ -100,8 +102,9 @@ class StuckWatch:
         try:
             status = await asyncio.wait_for(client.status(), self.tick_s)
             counts: dict[str, int] | None = status.counts
+            data_loop_quiet = (status.data_loop_quiet_ms or 0) / 1000
         except (RollpointError, TimeoutError):
-            counts = None
+            counts, data_loop_quiet = None, 0.0
         now = self._clock()
         if kind is ParticipantKind.MODEL:
             waiting = (
@@ -115,7 +118,7 @@ class StuckWatch:
                 peer.answered = answered
         else:
             waiting = self._ledger.in_flight_count(replica)
-            moved = counts is not None
+            moved = counts is not None and data_loop_quiet < self.tick_s
         if waiting == 0 or moved:
             self._progress(peer, replica, kind, client)
             return None

@@ -39,6 +39,10 @@ A replica whose stream broke (or that reported a transport failure) is *suspect*
 few seconds (:mod:`rollpoint.trainer.dispatch.replica_picker`).
 
 Rows waiting for the barrier, a replica or a concurrency slot stay ``queued``: not in flight.
+
+With a :class:`~rollpoint.trainer.policy_lag.PolicyLag` (``hold``), the rows of a group
+not yet sent wait while it holds (``train.max_policy_lag``); rows sent again after a try
+was given up do not (they are the run's own progress), and every try sent is told to it.
 """
 
 from __future__ import annotations
@@ -82,6 +86,7 @@ from rollpoint.trainer.dispatch.replica_picker import ReplicaPicker
 from rollpoint.trainer.dispatch.row_deadlines import RowDeadlines
 from rollpoint.trainer.dispatch.row_slots import RowSlots
 from rollpoint.trainer.dispatch.run_stream import RunStream, parse_row_result
+from rollpoint.trainer.policy_lag import PolicyLag
 from rollpoint.trainer.state.ledger import LedgerRecord, RecoveryLedger, RolloutState
 
 __all__ = ["Dispatcher", "GroupOutcome"]
@@ -112,6 +117,7 @@ class Dispatcher:
         releases: ReleaseBatcher | None = None,
         down_grace_s: float = 0.0,
         max_reply_bytes: int = DEFAULT_MAX_LINE_BYTES,
+        hold: PolicyLag | None = None,
     ) -> None:
         """``roster`` (shared with the trainer, which marks replicas down and up) replaces
         ``deployment`` when given; ``releases`` lets a give-up retire before it decides;
@@ -123,6 +129,7 @@ class Dispatcher:
         if max_tries < 1:
             raise BadRequestError(f"dispatcher: max_tries must be >= 1, got {max_tries}")
         self._ledger = ledger
+        self._hold = hold
         self._roster = roster if roster is not None else ReplicaRoster.of_deployment(deployment)
         self._client = client
         self._slots = RowSlots(concurrency)
@@ -355,6 +362,8 @@ class Dispatcher:
         stream = RunStream(group, replica, asyncio.current_task())
         for record in sendable:
             stream.pending[record.rollout_id] = self._ledger.dispatch(record.rollout_id, replica)
+            if self._hold is not None:
+                self._hold.sent(record.group_id, record.row, record.rollout_id)
         self._streams[replica].add(stream)
         self._deadlines.add(stream)
         try:
@@ -364,6 +373,9 @@ class Dispatcher:
             raise
         finally:
             self._streams[replica].discard(stream)
+            # Ended: what it still owes is settled just below, not by its deadline, and the
+            # stream is not kept until its due time.
+            self._deadlines.drop(stream)
         lost = self._drop_pending(stream)
         if lost:
             # Rows that never came back: they fail as a lot, with no code of their own.
@@ -374,13 +386,16 @@ class Dispatcher:
         """Wait for the barrier, an up replica and ``rows`` slots; return with all three."""
         self._waiting_rows += rows
         try:
+            hold = None if priority else self._hold
             while True:
+                if hold is not None:
+                    await hold.wait_open()
                 await self._barrier.wait_open()
                 await self._roster.wait_any_up()
                 await self._slots.acquire(rows, priority=priority)
                 # Nothing can change either between this check and the caller's dispatch:
                 # both run without yielding to the event loop.
-                if self._barrier.is_open and self._roster.any_up:
+                if self._barrier.is_open and self._roster.any_up and (hold is None or hold.is_open):
                     return
                 self._slots.release(rows)
         finally:

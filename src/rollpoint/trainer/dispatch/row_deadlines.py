@@ -9,7 +9,6 @@ waits for anything) nor what becomes of a late row (``expire`` decides).
 from __future__ import annotations
 
 import asyncio
-from collections import deque
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
@@ -38,17 +37,28 @@ class RowDeadlines(Generic[S]):
         self._owes = owes
         self._expire = expire
         # Every stream gets the same timeout, so due times arrive in the order streams are
-        # added: a deque is a heap here. Streams that owe nothing are dropped at the head.
-        self._due: deque[tuple[float, S]] = deque()
+        # added: an insertion-ordered dict is a heap here, from which a stream that ended
+        # is dropped at once (:meth:`drop`). Dropped only at the head, ended streams (each
+        # holding its group and task) piled up for a whole timeout behind the oldest, 300 s
+        # of rows at the default (issue 33's soak).
+        self._due: dict[S, float] = {}
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
     def add(self, stream: S) -> None:
         """Start the clock of a stream whose rows were all sent just now."""
-        self._due.append((self._barrier.pause_clock() + self.timeout_s, stream))
+        self._due[stream] = self._barrier.pause_clock() + self.timeout_s
         self._wake.set()
         if self._task is None or self._task.done():
             self._task = asyncio.create_task(self._watch(), name="row-deadlines")
+
+    def drop(self, stream: S) -> None:
+        """Forget a stream that ended (it owes nothing any more); a no-op if unknown."""
+        self._due.pop(stream, None)
+
+    def __len__(self) -> int:
+        """Streams watched: those added and neither dropped, expired nor found owing nothing."""
+        return len(self._due)
 
     async def aclose(self) -> None:
         await stop_task(self._task)
@@ -60,9 +70,9 @@ class RowDeadlines(Generic[S]):
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            due, stream = self._due[0]
+            stream, due = next(iter(self._due.items()))
             if not self._owes(stream):
-                self._due.popleft()
+                del self._due[stream]
                 continue
             wait = due - self._barrier.pause_clock()
             if wait > 0:
@@ -71,5 +81,5 @@ class RowDeadlines(Generic[S]):
                 else:
                     await self._barrier.wait_open()
                 continue
-            self._due.popleft()
-            self._expire(stream)
+            if self._due.pop(stream, None) is not None:  # not dropped while asleep
+                self._expire(stream)

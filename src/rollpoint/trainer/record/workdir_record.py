@@ -110,6 +110,9 @@ def train_rows(step: int, samples: list[TrainSample], default_version: int) -> b
                 "messages": s.messages,
                 "train_step": step,
                 "policy_version": min(versions, default=default_version),
+                # Versions behind the live one when the batch was handed out, its oldest
+                # turn's (each turn's is in ``turns``): what train.max_policy_lag bounds.
+                "policy_lag": s.policy_lag,
                 "turn_count": s.turns,
                 # One entry per model call: the ids and logprobs the engine sampled and
                 # the policy version that sampled them (schema: docs/protocol.md).

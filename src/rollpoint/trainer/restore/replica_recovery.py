@@ -15,6 +15,12 @@ while the others keep running):
   the held tries are re-sent to it. A failed restore re-sends them fresh instead.
 - a replica not back within ``wait_s`` has its held tries re-sent fresh.
 
+With the servers journaling (``journaled``), *every* try in flight on the lost replica is
+held, not only the snapshot's: a try started after the latest snapshot (or with none)
+continues as ``attempt + 1`` pinned to the replica, whose restarted servers find its
+turns, policy calls and tool calls in their journals (the agent resumes it at its last
+journaled turn, the resources server replays its tool calls): docs/journal.md.
+
 Races, and who wins: the ledger is the arbiter, and the first to move a try wins. A try
 the dispatcher gave up on before the replica was reported down is no longer in flight, so
 it is not held; a held try is no longer dispatched, so a give-up still running for it
@@ -57,7 +63,8 @@ class HeldTries:
 class _Held:
     """A lost replica's tries waiting for it to come back."""
 
-    manifest: SnapshotManifest
+    manifest: SnapshotManifest | None
+    """The latest snapshot (None: none yet, only journaled tries are held)."""
     attempts: dict[str, int]
     """rollout_id → the attempt it waits at (saved attempt + 1, or the same to adopt)."""
     continued: set[str]
@@ -76,19 +83,21 @@ class ReplicaRecovery:
         *,
         wait_s: float,
         restore_deadline_s: float,
+        journaled: bool = False,
     ) -> None:
         self._ledger = ledger
         self._roster = roster
         self._coordinator = coordinator
         self._wait_s = wait_s
         self._deadline_s = restore_deadline_s
+        self._journaled = journaled
         self._held: dict[str, _Held] = {}
 
     @property
     def held(self) -> dict[str, HeldTries]:
         """Per lost replica, the tries waiting for it."""
         return {
-            name: HeldTries(h.manifest.snapshot_id, dict(h.attempts))
+            name: HeldTries("" if h.manifest is None else h.manifest.snapshot_id, dict(h.attempts))
             for name, h in self._held.items()
         }
 
@@ -102,21 +111,29 @@ class ReplicaRecovery:
         if manifest is not None:
             for group in (manifest.episodes, manifest.finished):
                 saved.update({e.rollout_id: e.attempt for e in group if e.replica == name})
-        keep = [r for r in self._ledger.in_flight(name) if saved.get(r.rollout_id) == r.attempt]
+        in_flight = self._ledger.in_flight(name)
+        keep = [r for r in in_flight if saved.get(r.rollout_id) == r.attempt]
+        if self._journaled:
+            keep = list(in_flight)
         dispatcher.replica_lost(name, keep={r.rollout_id for r in keep})
-        if manifest is None or not keep:
+        if not keep:
             return
-        continuing = {e.rollout_id for e in manifest.episodes if e.replica == name}
+        continuing = set()
+        if manifest is not None:
+            continuing = {e.rollout_id for e in manifest.episodes if e.replica == name}
+            # Snapshots go on publishing while the replica restarts: retention must not
+            # prune the one its tries come back from (seen with a snapshot every 2 s, keep 3).
+            self._coordinator.store.pin(manifest.snapshot_id)
         held = _Held(manifest, {}, set())
-        # Snapshots go on publishing while the replica restarts: retention must not prune
-        # the one its tries come back from (seen with a snapshot every 2 s, keep 3).
-        self._coordinator.store.pin(manifest.snapshot_id)
         for record in keep:
-            if record.rollout_id in continuing:
+            from_snapshot = saved.get(record.rollout_id) == record.attempt
+            if record.rollout_id in continuing and from_snapshot:
                 moved = self._ledger.continue_attempt(record.rollout_id)
                 held.continued.add(record.rollout_id)
-            else:
+            elif from_snapshot:
                 moved = self._ledger.requeue(record.rollout_id, keep_replica=True)
+            else:  # journaled only: the restarted servers' journals hold its work
+                moved = self._ledger.continue_attempt(record.rollout_id)
             held.attempts[moved.rollout_id] = moved.attempt
         held.timer = asyncio.get_running_loop().call_later(
             self._wait_s,
@@ -127,10 +144,11 @@ class ReplicaRecovery:
         )
         self._held[name] = held
         log.warning(
-            "%s is down: %d of its tries wait to be restored from snapshot %s",
+            "%s is down: %d of its tries wait to be restored from snapshot %s%s",
             name,
             len(held.attempts),
-            manifest.snapshot_id,
+            "(none)" if manifest is None else manifest.snapshot_id,
+            " and its servers' journals" if self._journaled else "",
         )
 
     async def restore(self, name: str, dispatcher: Dispatcher) -> int:
@@ -144,7 +162,8 @@ class ReplicaRecovery:
         try:
             return await self._restore(name, held, dispatcher)
         finally:
-            self._coordinator.store.unpin(held.manifest.snapshot_id)
+            if held.manifest is not None:
+                self._coordinator.store.unpin(held.manifest.snapshot_id)
 
     async def _restore(self, name: str, held: _Held, dispatcher: Dispatcher) -> int:
         async with self._coordinator.holding_saves():
@@ -157,17 +176,24 @@ class ReplicaRecovery:
                 if rid in held.continued
             ]
             try:
-                await Restorer(self._roster.participants(name)).restore_replica(
-                    held.manifest, name, episodes, deadline_s=self._deadline_s
-                )
+                lost: set[str] = set()
+                if held.manifest is not None:
+                    lost = await Restorer(self._roster.participants(name)).restore_replica(
+                        held.manifest, name, episodes, deadline_s=self._deadline_s
+                    )
             except RollpointError as exc:
                 log.warning("restoring %s failed (%s): its tries start over", name, exc.message)
                 dispatcher.give_up(still, f"restoring {name} failed: {exc.message}")
                 return 0
+            gone = sorted(r for r in still if r in lost)
+            if gone:
+                # An external environment's state did not survive: never continued on it.
+                dispatcher.give_up(gone, f"the external state of {name} did not survive")
+                still = {r: a for r, a in still.items() if r not in lost}
         log.info(
             "%s restored from snapshot %s: %d tries continue there",
             name,
-            held.manifest.snapshot_id,
+            "(none)" if held.manifest is None else held.manifest.snapshot_id,
             len(still),
         )
         dispatcher.resend(sorted(still))
@@ -180,7 +206,8 @@ class ReplicaRecovery:
             return
         if held.timer is not None:
             held.timer.cancel()
-        self._coordinator.store.unpin(held.manifest.snapshot_id)
+        if held.manifest is not None:
+            self._coordinator.store.unpin(held.manifest.snapshot_id)
         still = self._still_held(name, held)
         if still:
             log.warning("%s: %d held tries start over", reason, len(still))

@@ -62,7 +62,7 @@ from rollpoint.protocol.errors import (
 )
 from rollpoint.protocol.ids import MAX_ATTEMPT, EpisodeId
 from rollpoint.protocol.manifest import SavedEpisode, SnapshotManifest
-from rollpoint.protocol.participant import ParticipantKind
+from rollpoint.protocol.participant import CheckpointMode, ParticipantKind
 from rollpoint.store.job_identity import FINGERPRINT_KEY as JOB_KEY
 from rollpoint.store.job_identity import check_snapshot_job
 from rollpoint.store.snapshot_store import SNAPSHOTS_DIR, SnapshotStore
@@ -124,7 +124,13 @@ class RestoredRun:
     """The trainer's counters at the cut (for display; training state is the checkpoint's)."""
     continued: list[EpisodeId] = field(default_factory=list)
     restarted: int = 0
+    lost_external: list[str] = field(default_factory=list)
+    """Saved episodes of an ``external`` environment whose state did not survive: restarted
+    (counted in ``restarted`` too)."""
     adopted: int = 0
+    resent: int = 0
+    """Tries a journal-mode snapshot held in flight, sent again under their own id and
+    attempt to their replica, to continue there from its journals."""
     tq_requeued: int = 0
     placement: dict[str, str] = field(default_factory=dict)
     """Saved replica → the live replica its state went to (differs after an elastic restore)."""
@@ -391,7 +397,7 @@ class Restorer:
             point.finished_queue_doc, what=f"the finished queue of snapshot {manifest.snapshot_id}"
         )
         saved = manifest.episodes if continue_episodes else []
-        await self._install(manifest, self._plan(manifest, placement, saved), deadline_s)
+        lost = await self._install(manifest, self._plan(manifest, placement, saved), deadline_s)
         run = RestoredRun(
             snapshot_id=manifest.snapshot_id,
             checkpoint=point.checkpoint,
@@ -407,9 +413,11 @@ class Restorer:
                 ledger.abandon(record.rollout_id)
                 run.restarted += 1
         for episode in manifest.episodes:
-            if not continue_episodes:
+            if not continue_episodes or episode.rollout_id in lost:
                 ledger.abandon(episode.rollout_id)
                 run.restarted += 1
+                if episode.rollout_id in lost:
+                    run.lost_external.append(episode.rollout_id)
                 continue
             pin = placement.target_of[episode.replica]
             record = ledger.continue_attempt(episode.rollout_id, pin=pin)
@@ -421,6 +429,13 @@ class Restorer:
             holder = placement.target_of.get(finished.replica, finished.replica)
             ledger.requeue(finished.rollout_id, keep_replica=True, pin=holder)
             run.adopted += 1
+        # A journal-mode snapshot saved no episode: its tries in flight go back under their
+        # own identity to the replica whose journals hold their turns (docs/design.md
+        # "Pause-free snapshots"); a row finished there is only verified again.
+        for journaled in manifest.journaled:
+            holder = placement.target_of.get(journaled.replica, journaled.replica)
+            ledger.requeue(journaled.rollout_id, keep_replica=True, pin=holder)
+            run.resent += 1
         run.tq_requeued = finished_queue.rewind(point.checkpoint.step)
         await asyncio.to_thread(step_record.cut_back, point.checkpoint)
         return run
@@ -432,9 +447,10 @@ class Restorer:
         episodes: list[EpisodeId],
         *,
         deadline_s: float = 30.0,
-    ) -> None:
+    ) -> set[str]:
         """Install ``replica``'s saved state (the saved attempts in ``episodes``, plus the
         finished replies its agent held) into its restarted servers, all or nothing.
+        Returns the rollouts an ``external`` environment could not continue (to start over).
 
         The restorer's participants are that replica's; the trainer moves its ledger."""
         live = await self._live()
@@ -453,7 +469,7 @@ class Restorer:
         _check_modes(only, live, placement)
         wanted = {e.key for e in episodes}
         chosen = [e for e in manifest.episodes if f"{e.rollout_id}#{e.attempt}" in wanted]
-        await self._install(only, self._plan(only, placement, chosen), deadline_s)
+        return await self._install(only, self._plan(only, placement, chosen), deadline_s)
 
     async def _live(self) -> _Live:
         replies = await asyncio.gather(
@@ -502,12 +518,14 @@ class Restorer:
 
     async def _install(
         self, manifest: SnapshotManifest, plan: list[_Target], deadline_s: float
-    ) -> None:
-        """Restore every planned participant or none: one cleanup path on any failure."""
+    ) -> set[str]:
+        """Restore every planned participant or none: one cleanup path on any failure.
+        Returns the rollouts an ``external`` resources server could not continue (their
+        state did not survive): the caller restarts them."""
         restore_id = f"restore-{int(time.time() * 1000)}"
         directory = f"{SNAPSHOTS_DIR}/{manifest.snapshot_id}/{PARTICIPANTS_SUBDIR}"
         clients = [t.client for t in plan]
-        await self._await_leases(clients, time.time() + deadline_s)
+        await self._await_leases(clients, time.time() + deadline_s, manifest.checkpoint_id)
         deadline = time.time() + deadline_s  # a wait for a lease does not shorten the install
         saved = sorted({e for t in plan for e in t.scope}, key=lambda e: e.key)
         if saved:
@@ -543,9 +561,25 @@ class Restorer:
             raise RestoreError(
                 f"restore of snapshot {manifest.snapshot_id} failed, nothing kept: {'; '.join(failed)}"
             )
+        gone = _lost_external(manifest, plan, results)
+        if gone:
+            # Their sessions were installed and wait for attempts that will not come: retire
+            # those attempts (best effort: a session left waiting holds memory, nothing else).
+            doomed = [e.next_attempt() for t in plan for e in t.scope if e.rollout_id in gone]
+            await asyncio.gather(*(c.retire(doomed) for c in clients), return_exceptions=True)
+            log.warning(
+                "snapshot %s: %d episodes of an external environment restart from their"
+                " task (their external state did not survive): %s",
+                manifest.snapshot_id,
+                len(gone),
+                _names(sorted(gone)),
+            )
         await Resumer().resume_all(restore_id, clients)
+        return gone
 
-    async def _await_leases(self, clients: list[ParticipantClient], deadline: float) -> None:
+    async def _await_leases(
+        self, clients: list[ParticipantClient], deadline: float, published: str
+    ) -> None:
         """Wait, until ``deadline`` at most, for every participant to be idle.
 
         A trainer killed in the middle of a snapshot leaves the servers that outlive it (a
@@ -560,9 +594,16 @@ class Restorer:
         after its own deadline (that restore's deadline plus the grace), though the holder
         is surely gone: the first lease seen lapsing within ``_LEASE_GRACE_WAIT_S`` of
         ``deadline`` moves the limit to just past that lapse. The limit is set once, so a
-        lease someone keeps renewing cannot hold a restore forever."""
+        lease someone keeps renewing cannot hold a restore forever.
+
+        A participant held by the cut of ``published`` (the snapshot being restored) is
+        resumed at once instead: that snapshot was published, so its trainer was done with
+        it, and the workdir lock says that trainer is gone. A graceful stop leaves exactly
+        that (its final snapshot holds the participants until it is published, then the
+        trainer exits): its rerun waited a whole lease for nothing."""
         warned = False
         limit: float | None = None
+        resumed = False
         while True:
             replies = await asyncio.gather(*(c.status() for c in clients), return_exceptions=True)
             held = [
@@ -572,6 +613,17 @@ class Restorer:
             ]
             if not held:
                 return
+            done_with = [c for c, r in held if r.checkpoint_id == published]
+            if done_with and not resumed:
+                resumed = True  # once: a resume that fails leaves the lease to reopen it
+                log.info(
+                    "restore: %s still held by the cut of snapshot %s, which its trainer "
+                    "published before it stopped: resumed",
+                    _names([c.label for c in done_with]),
+                    published,
+                )
+                await Resumer().resume_all(published, done_with)
+                continue
             shown = _names([f"{c.label} ({r.phase.value} for {r.checkpoint_id})" for c, r in held])
             lapses = max(r.lease_expires_at or 0.0 for _, r in held)
             if limit is None:
@@ -643,11 +695,11 @@ class Restorer:
 
 
 def _check_cut(manifest: SnapshotManifest, ledger: RecoveryLedger) -> None:
-    """The saved ledger's in-flight tries must be exactly the snapshot's saved, restarted
-    and finished episodes, each on the same replica."""
+    """The saved ledger's in-flight tries must be exactly the snapshot's saved, restarted,
+    finished and journaled episodes, each on the same replica."""
     in_ledger = {f"{r.rollout_id}#{r.attempt}": r.replica for r in ledger.in_flight()}
     listed: dict[str, str] = {}
-    for group in (manifest.episodes, manifest.restarts, manifest.finished):
+    for group in (manifest.episodes, manifest.restarts, manifest.finished, manifest.journaled):
         for e in group:
             listed[f"{e.rollout_id}#{e.attempt}"] = e.replica
     only_ledger = sorted(f"{k} on {v}" for k, v in in_ledger.items() if k not in listed)
@@ -668,3 +720,22 @@ def _check_cut(manifest: SnapshotManifest, ledger: RecoveryLedger) -> None:
         raise RestoreError(
             f"snapshot {manifest.snapshot_id} does not match its ledger: {'; '.join(problems)}"
         )
+
+
+def _lost_external(manifest: SnapshotManifest, plan: list[_Target], results: list[Any]) -> set[str]:
+    """Scoped rollouts an ``external`` resources participant did not restore (its reply's
+    ``restored`` lists the next attempts it made ready)."""
+    external = {
+        p.replica
+        for p in manifest.participants
+        if p.kind is ParticipantKind.RESOURCES and p.mode is CheckpointMode.EXTERNAL
+    }
+    lost: set[str] = set()
+    for target, reply in zip(plan, results, strict=True):
+        if target.client.address.kind is not ParticipantKind.RESOURCES:
+            continue
+        if not external.intersection(target.sources):
+            continue
+        restored = {e.rollout_id for e in reply.restored}
+        lost |= {e.rollout_id for e in target.scope if e.rollout_id not in restored}
+    return lost

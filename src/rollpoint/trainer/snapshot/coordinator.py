@@ -23,6 +23,27 @@ Owns the save order (docs/design.md#the-save-order) and the failure budget. A sa
    lost on the wire is sent once more: it is idempotent), and publishes the manifest last.
    A write that fails fails the save: nothing is published.
 
+**Pause-free saves** (``snapshot.mode: journal``, docs/design.md "Pause-free snapshots";
+periodic saves only, and only when every participant journals: otherwise the cut above):
+no barrier, no prepare, no admission closed anywhere. Each participant is sent
+``checkpoint`` at once; in one step on its loop it takes its journal position and writes a
+state holding no episode, whose manifest's mark is the *floor* the coordinator chose
+(:mod:`rollpoint.trainer.snapshot.journal_floors`: a position from before the first record
+of every try in flight, so retention keeps all a restore may read). Once every participant
+replied, the trainer captures the ledger, the finished queue and its counters in one
+instant (its own position, after every participant's), every try then in flight is listed
+as ``journaled``, and the trainer's files are written and the manifest published as after
+a cut. Why the trainer goes last: a try sealed before its capture is in the saved ledger
+and finished queue (trained once, from there; its servers' journals are never read for
+it); a try in flight at its capture (even one whose reply was on the wire, or sealed a
+moment after) is sent again under its own id and attempt, and its agent's journal holds
+every turn and the finished reply, so it is continued or only verified again, never
+sampled again; a try dispatched after a participant's position but before the capture is
+in flight and all its records are after the floor. No order of a seal and a participant's
+checkpoint can lose a row or train it twice, because no participant's saved state says
+anything about any try: only the ledger does (I1, I2); calls made again are answered by
+key from the journals, effects from their records (I3, I4 as for a crash with the journal).
+
 **Finished replies nobody will seal** (strays, see :mod:`rollpoint.trainer.dispatch.stray_replies`)
 are acked away on their agents once the pause is over, whatever became of the save.
 
@@ -58,6 +79,7 @@ from pydantic import JsonValue
 from rollpoint.common.background import stop_task
 from rollpoint.protocol.control import (
     DETACHED_WRITE,
+    JOURNAL,
     SCOPE_KEYS,
     CommitReply,
     Phase,
@@ -73,6 +95,7 @@ from rollpoint.protocol.errors import (
 )
 from rollpoint.protocol.manifest import (
     FileEntry,
+    JournalMark,
     ParticipantEntry,
     SnapshotManifest,
     topology_fingerprint,
@@ -96,6 +119,7 @@ from rollpoint.trainer.snapshot.cut import (
     SavePhase,
     SaveReport,
 )
+from rollpoint.trainer.snapshot.journal_floors import JournalFloors
 from rollpoint.trainer.snapshot.resumer import Resumer
 from rollpoint.trainer.state.finished_queue import FinishedQueue
 from rollpoint.trainer.state.ledger import RecoveryLedger
@@ -103,6 +127,7 @@ from rollpoint.tuning import seam
 
 __all__ = [
     "FINISHED_QUEUE_FILE",
+    "HISTORY_KEEP",
     "LEDGER_FILE",
     "MAX_FAILED_IN_A_ROW",
     "PREPARE_STAGES",
@@ -115,6 +140,10 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 MAX_FAILED_IN_A_ROW = 3
+HISTORY_KEEP = 64
+"""Save reports :attr:`SnapshotCoordinator.history` keeps: the newest (each holds its
+snapshot's manifest, tens of KB; kept all, one per train step and per period, they were the
+trainer's growth with rows trained in the soak, issue 33)."""
 LEDGER_FILE = "ledger.json"
 FINISHED_QUEUE_FILE = "tq.json"
 TRAINER_FILE = "trainer.json"
@@ -155,11 +184,35 @@ class SnapshotCoordinator:
         self._lock = asyncio.Lock()
         self._sequence = 0
         self._resumer = Resumer()
+        self.floors = JournalFloors()
+        """The journal marks a journal-mode save names (``snapshot.mode: journal``)."""
+        self._cut_instead: set[str] = set()
+        """Participants that made a journal-mode save take the cut (warned once each)."""
         self._failing_since = 0.0
+        self._final_asked = False
+        """A final save was asked: no other save starts after it (a stop is a stop)."""
         self.history: list[SaveReport] = []
+        """The newest save reports, oldest first: at least :data:`HISTORY_KEEP` and at most
+        twice that (older ones are dropped in blocks). :attr:`saves` counts every report."""
+        self.saves = 0
+        """Save reports made since this coordinator was built (published or not)."""
+        self.published_total = 0
+        """Snapshots published since this coordinator was built."""
+        self.published_with_episodes = 0
+        """Published snapshots that saved at least one episode (or, in journal mode,
+        listed at least one try in flight as journaled)."""
+        self._latest_published: SnapshotManifest | None = None
+        self._publishing: asyncio.Future[SnapshotManifest] | None = None
+        """The publication thread of the save under way, if it has reached that step."""
+        self._newest_in_store: SnapshotManifest | None = None
+        """The newest manifest this coordinator's publications wrote (set by the thread)."""
         self.before_save: Callable[[], Awaitable[None]] | None = None
         """Runs before the barrier closes (the trainer flushes retires and forgets: step 1 of
         docs/design.md#the-save-order)."""
+        self.before_capture: Callable[[], Awaitable[None]] | None = None
+        """Awaited right before the trainer's capture, once every participant checkpointed
+        (journal mode) or prepared (the cut: admission is closed everywhere then). Nothing
+        in rollpoint sets it: it is where a test watches what the servers do meanwhile."""
 
     @property
     def saving(self) -> bool:
@@ -167,9 +220,46 @@ class SnapshotCoordinator:
         return self._lock.locked()
 
     @property
+    def final_asked(self) -> bool:
+        """True once the run's final save was asked (a stop): no other save is taken."""
+        return self._final_asked
+
+    @property
     def latest_published(self) -> SnapshotManifest | None:
         """The newest snapshot this coordinator published, if any."""
-        return next((r.manifest for r in reversed(self.history) if r.published), None)
+        # Also a publication whose save was cancelled once its thread was writing (a stop
+        # during a periodic save): the thread finished it, the save never recorded it.
+        return self._newest_in_store or self._latest_published
+
+    async def publication_settled(self, timeout_s: float) -> None:
+        """Wait, at most ``timeout_s``, for a publication already writing to finish.
+
+        A thread writes a publication and cannot be cancelled; the process waits for it at
+        exit anyway. A stop that names the snapshot holding the run waits here first, so it
+        names the one the thread publishes (a periodic save caught by the signal mid-write).
+        """
+        publishing = self._publishing
+        if publishing is None or publishing.done():
+            return
+        with contextlib.suppress(Exception, asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.shield(publishing), timeout_s)
+
+    def reports_since(self, saves: int) -> list[SaveReport]:
+        """The reports made after the first ``saves`` (a value :attr:`saves` had), oldest
+        first; those dropped from the history since are left out."""
+        newer = self.saves - saves
+        return self.history[-newer:] if newer > 0 else []
+
+    def remember(self, report: SaveReport) -> None:
+        """Keep ``report`` as the newest save (every save calls it; a test may too)."""
+        self.history.append(report)
+        self.saves += 1
+        if report.published:
+            self._latest_published = report.manifest
+            self.published_total += 1
+            self.published_with_episodes += report.saved > 0 or report.journaled > 0
+        if len(self.history) >= 2 * HISTORY_KEEP:
+            del self.history[:-HISTORY_KEEP]
 
     @contextlib.asynccontextmanager
     async def holding_saves(self) -> AsyncIterator[None]:
@@ -272,8 +362,18 @@ class SnapshotCoordinator:
         ``drain_s``: once the model servers' gates are closed, wait up to this long for the
         policy calls already running to finish before the agents are asked to park, so
         their replies are applied and saved instead of made again after a restore (the
-        generation cut saves a session as before a call still running)."""
+        generation cut saves a session as before a call still running).
+
+        Once a final save was asked, any other save returns at once, untried and not
+        counted (``not_taken``): a periodic save that came after it would find the
+        participants held by the final cut and print "resume ... refused" for nothing."""
+        if final:
+            self._final_asked = True
+        elif self._final_asked:
+            return SaveReport(snapshot_id="", published=False, not_taken=True)
         async with self._lock:
+            if not final and self._final_asked:  # it waited behind the final save
+                return SaveReport(snapshot_id="", published=False, not_taken=True)
             if self.before_save is not None:
                 try:
                     await self.before_save()
@@ -282,7 +382,7 @@ class SnapshotCoordinator:
             self._sequence += 1
             snapshot_id = f"snap-{int(time.time() * 1000)}-{self._sequence:04d}"
             report = await self._save(snapshot_id, final=final, drain_s=drain_s)
-            self.history.append(report)
+            self.remember(report)
             self.metrics.record_snapshot(
                 outcome="published" if report.published else "failed",
                 pause_s=report.pause_s,
@@ -345,6 +445,17 @@ class SnapshotCoordinator:
                 for label in sorted(self._resumer.unresumed)
             ]
             return report
+        if self.config.mode == "journal" and not final:
+            cutting = [c for c in clients if JOURNAL not in self._statuses[c].features]
+            if not cutting:
+                return await self._save_journal(snapshot_id, clients, report)
+            new = sorted({c.label for c in cutting} - self._cut_instead)
+            if new:
+                log.warning(
+                    "snapshot.mode journal: %s do(es) not journal; snapshots take the cut",
+                    ", ".join(new),
+                )
+                self._cut_instead.update(new)
         checkpoint_id = snapshot_id
         started_at = time.time()
         self.barrier.close()
@@ -366,6 +477,8 @@ class SnapshotCoordinator:
                 clients, checkpoint_id, deadline, prepared, drain_until=time.time() + drain_s
             )
             report.prepare_s = time.monotonic() - t0
+            if self.before_capture is not None:
+                await self.before_capture()
             report.phase = SavePhase.COMMIT
             staging = await asyncio.to_thread(self.store.begin, snapshot_id)
             t1 = time.monotonic()
@@ -402,6 +515,74 @@ class SnapshotCoordinator:
             if renewer is not None and not renewer.done():
                 await stop_task(renewer)  # a final save's participants were held until now
 
+    async def _save_journal(
+        self, snapshot_id: str, clients: list[ParticipantClient], report: SaveReport
+    ) -> SaveReport:
+        """A pause-free save (see the module docstring): ``checkpoint`` on every
+        participant, then the trainer's capture, then the write and the publication."""
+        started_at = time.time()
+        floors = self.floors.floors(self.ledger.live_records())
+        report.phase = SavePhase.COMMIT
+        try:
+            staging = await asyncio.to_thread(self.store.begin, snapshot_id)
+        except (RollpointError, OSError) as exc:
+            report.blockers = [blocker(None, report.phase, exc)]
+            return report
+        t1 = time.monotonic()
+        deadline = time.time() + self.config.deadline_seconds
+        replies = await by_deadline(
+            [
+                c.checkpoint(
+                    snapshot_id, deadline, staging.participants_relative_dir, floors.get(c.label)
+                )
+                for c in clients
+            ],
+            deadline,
+        )
+        failed = [
+            blocker(c.label, Verb.CHECKPOINT, r)
+            for c, r in zip(clients, replies, strict=True)
+            if isinstance(r, BaseException)
+        ]
+        if failed:
+            report.blockers = failed
+            with contextlib.suppress(RollpointError, OSError):
+                await asyncio.to_thread(self.store.abort, staging)
+            return report
+        positions: dict[str, JournalMark] = {}
+        for c, r in zip(clients, replies, strict=True):
+            assert not isinstance(r, BaseException)
+            positions[c.label] = r.position
+        self.floors.reported(positions)
+        if self.before_capture is not None:
+            await self.before_capture()
+        cut = Cut(
+            staging=staging,
+            checkpoint_id=snapshot_id,
+            created_at=started_at,
+            participants=clients,
+            journal_mode=True,
+        )
+        # The trainer's position, after every participant's: see the module docstring.
+        replicas = {c.address.replica for c in clients}
+        elsewhere = [r.describe() for r in self.ledger.in_flight() if r.replica not in replicas]
+        if elsewhere:
+            message = (
+                "episodes in flight on replicas taking no part in the snapshot: "
+                f"{', '.join(elsewhere[:10])}"
+            )
+            report.blockers = [Blocker(None, Verb.CHECKPOINT, SnapshotError.code, True, message)]
+            with contextlib.suppress(RollpointError, OSError):
+                await asyncio.to_thread(self.store.abort, staging)
+            return report
+        cut.in_flight = {replica: self.ledger.in_flight(replica) for replica in sorted(replicas)}
+        self.floors.observe(self.ledger.live_records())
+        cut.ledger = self.ledger.capture()
+        cut.finished_queue = self.finished_queue.capture()
+        cut.trainer_doc = self._trainer_state()
+        report.commit_s = time.monotonic() - t1
+        return await self._write_and_publish(cut, Prepared(), report)
+
     async def _write_and_publish(
         self, cut: Cut, prepared: Prepared, report: SaveReport
     ) -> SaveReport:
@@ -416,7 +597,11 @@ class SnapshotCoordinator:
             # builds a manifest entry per try (~30 ms of the pause at 10k when inside).
             cut.classify(prepared)
             report.phase = SavePhase.PUBLISH
-            report.manifest = await asyncio.to_thread(self._publish, cut, files, report.pause_s)
+            publishing = asyncio.ensure_future(
+                asyncio.to_thread(self._publish, cut, files, report.pause_s)
+            )
+            self._publishing = publishing
+            report.manifest = await asyncio.shield(publishing)
         except (SaveBlocked, RollpointError) as exc:
             if isinstance(exc, SaveBlocked):
                 report.blockers = exc.blockers
@@ -432,6 +617,8 @@ class SnapshotCoordinator:
             len(cut.restarts),
             len(cut.finished),
         )
+        report.journaled = len(cut.journaled)
+        report.mid_call = min(prepared.awaiting_model, report.saved)
         if cut.restarts:
             log.info(
                 "snapshot %s: %d in-flight episodes would start over",
@@ -480,6 +667,8 @@ class SnapshotCoordinator:
                     )
                 else:
                     prepared.restarts.update(e.key for e in reply.report.restarts)
+                    if stage == ParticipantKind.AGENT:
+                        prepared.awaiting_model += reply.report.counts.get("awaiting_model", 0)
                     prepared.finished_unacked.update(e.key for e in reply.report.finished_unacked)
             if blocked:
                 raise SaveBlocked(blocked)
@@ -628,10 +817,13 @@ class SnapshotCoordinator:
             episodes=cut.episodes,
             restarts=cut.restarts,
             finished=cut.finished,
+            journaled=cut.journaled,
             files=files,
             config_fingerprint=self._config_fingerprint,
         )
-        return self.store.publish(cut.staging, manifest)
+        published = self.store.publish(cut.staging, manifest)
+        self._newest_in_store = published
+        return published
 
     async def _renew_leases(self, checkpoint_id: str, prepared: list[ParticipantClient]) -> None:
         """Keep every prepared participant's lease alive while the save runs."""

@@ -85,11 +85,19 @@ class SaveReport:
     confirmed its write (participants that waited for their write inside the commit
     confirm at once)."""
     saved: int = 0
+    mid_call: int = 0
+    """Of ``saved``, those waiting on a policy call at the cut (held at the model gate, or
+    their reply held unapplied); the others were parked at a turn boundary."""
     restarts: int = 0
     finished: int = 0
+    journaled: int = 0
+    """Tries in flight a journal-mode snapshot listed (no episode saved)."""
     acked_away: int = 0
     """Finished replies of tries nobody will seal, released on their agents."""
     manifest: SnapshotManifest | None = None
+    not_taken: bool = False
+    """True for a save asked after the run's final one: nothing was tried (the run is
+    stopping; the final snapshot holds it), nothing counted as a failure."""
 
     @property
     def blocked_by(self) -> str:
@@ -114,6 +122,8 @@ class Prepared:
     finished_unacked: set[str] = field(default_factory=set)
     strays: dict[ParticipantClient, list[EpisodeId]] = field(default_factory=dict)
     """Per agent: finished replies of tries that are not a row's current try."""
+    awaiting_model: int = 0
+    """Sessions the agents reported waiting on a policy call once ready (the rest parked)."""
 
 
 @dataclass
@@ -130,6 +140,10 @@ class Cut:
     episodes: list[SavedEpisode] = field(default_factory=list)
     restarts: list[RestartEpisode] = field(default_factory=list)
     finished: list[RestartEpisode] = field(default_factory=list)
+    journal_mode: bool = False
+    """A pause-free save (``snapshot.mode: journal``): no participant saved any episode, so
+    every try in flight is ``journaled`` (sent again under its own id on restore)."""
+    journaled: list[RestartEpisode] = field(default_factory=list)
     ledger: LedgerCapture | None = None
     """Frozen references, O(live tries): encoded by
     :meth:`~rollpoint.trainer.snapshot.coordinator.SnapshotCoordinator._write_trainer_files`."""
@@ -142,7 +156,8 @@ class Cut:
     or from its confirm reply when the commit did not wait for the write."""
 
     def classify(self, prepared: Prepared) -> None:
-        """Every in-flight episode is saved, finished (reply held) or a restart — exactly one."""
+        """Every in-flight episode is saved, finished (reply held) or a restart — exactly
+        one; in a journal-mode save every one is journaled."""
         for replica, records in self.in_flight.items():
             exported = self.agent_exported.get(replica, {})
             for record in records:
@@ -154,7 +169,9 @@ class Cut:
                     "group_id": record.group_id,
                     "row": record.row,
                 }
-                if key in exported:
+                if self.journal_mode:
+                    self.journaled.append(RestartEpisode(**base))
+                elif key in exported:
                     turns = exported[key] or 0
                     self.episodes.append(SavedEpisode(**base, turns_completed=turns))
                 elif key in prepared.finished_unacked:

@@ -79,6 +79,9 @@ class LedgerMove(StrEnum):
     CONTINUE = "continue"
     """Saved by a snapshot and restored: it continues as ``attempt + 1`` on the replica
     holding its restored state (the one that saved it, or another after an elastic restore)."""
+    PIN = "pin"
+    """Queued after a restore, its work journaled on one replica (issue 35): it goes there,
+    where the servers' journals let it go on from its last journaled turn."""
     FINISH = "finish"
     SEAL = "seal"
     ABANDON = "abandon"
@@ -89,6 +92,7 @@ S, M = RolloutState, LedgerMove
 TRANSITIONS: dict[tuple[RolloutState, LedgerMove], RolloutState] = {
     (S.QUEUED, M.DISPATCH): S.DISPATCHED,
     (S.QUEUED, M.ABANDON): S.ABANDONED,  # its group failed before it was sent
+    (S.QUEUED, M.PIN): S.QUEUED,
     (S.DISPATCHED, M.REQUEUE): S.QUEUED,
     (S.DISPATCHED, M.CONTINUE): S.QUEUED,
     (S.DISPATCHED, M.FINISH): S.FINISHED,
@@ -313,6 +317,10 @@ class RecoveryLedger:
             attempt=record.attempt + 1,
             replica=pin or record.replica,
         )
+
+    def pin(self, rollout_id: str, replica: str) -> LedgerRecord:
+        """Send a queued try (same identity) to ``replica``: its journals hold its work."""
+        return self._move(rollout_id, LedgerMove.PIN, replica=replica)
 
     def finish(self, rollout_id: str) -> LedgerRecord:
         return self._move(rollout_id, LedgerMove.FINISH)

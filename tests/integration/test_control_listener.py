@@ -304,8 +304,12 @@ async def test_a_call_whose_listener_is_gone_is_sent_where_the_server_now_serves
             listener = control_listener(app)
             assert listener is not None
             await listener.aclose()
-            prepared = await transport.call(
-                PREPARE, PrepareRequest(checkpoint_id="c1", deadline_ts=time.time() + 30), 10
-            )
-            assert prepared.phase is Phase.PREPARED
-            assert transport.target == url
+            try:
+                prepared = await transport.call(
+                    PREPARE, PrepareRequest(checkpoint_id="c1", deadline_ts=time.time() + 30), 10
+                )
+                assert prepared.phase is Phase.PREPARED
+                assert transport.target == url
+            finally:
+                # As an SDK user's shutdown does: the prepared fence holds the collector.
+                await close_control_plane(app)

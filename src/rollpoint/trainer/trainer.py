@@ -384,6 +384,7 @@ class Trainer:
                 roster=self.roster,
                 releases=self.releases,
                 down_grace_s=REPLICA_DOWN_GRACE_S if self.recovery is not None else 0.0,
+                down_first=self.recovery is not None and self.config.journaled,
                 hold=self.lag,
             )
             for name in sorted(self._lost_before_run):

@@ -116,13 +116,16 @@ class Dispatcher:
         roster: ReplicaRoster | None = None,
         releases: ReleaseBatcher | None = None,
         down_grace_s: float = 0.0,
+        down_first: bool = False,
         max_reply_bytes: int = DEFAULT_MAX_LINE_BYTES,
         hold: PolicyLag | None = None,
     ) -> None:
         """``roster`` (shared with the trainer, which marks replicas down and up) replaces
         ``deployment`` when given; ``releases`` lets a give-up retire before it decides;
         ``down_grace_s``: how long a give-up whose replica did not answer waits for it to
-        be reported down before it re-sends fresh; a lost row fails its group after
+        be reported down before it re-sends fresh; ``down_first`` (the servers journal):
+        every give-up waits that grace before it asks the agent, even when the agent is
+        there to answer (:class:`GivenUpTries`); a lost row fails its group after
         ``max_tries`` fresh tries and no sooner than ``retry_window_s`` after it was first
         lost; ``max_reply_bytes``: the longest row result read (a longer one fails its row,
         see :meth:`_oversized`)."""
@@ -157,6 +160,7 @@ class Dispatcher:
             max_tries=max_tries,
             retry_window_s=retry_window_s,
             down_grace_s=down_grace_s,
+            down_first=down_first,
             send=self._send_ahead,
             fail=self._fail,
         )

@@ -72,6 +72,7 @@ class GivenUpTries:
         max_tries: int,
         retry_window_s: float = RETRY_WINDOW_S,
         down_grace_s: float,
+        down_first: bool = False,
         send: SendRows,
         fail: Callable[[GroupRun, str], None],
     ) -> None:
@@ -83,6 +84,7 @@ class GivenUpTries:
         self._max_tries = max_tries
         self._retry_window_s = retry_window_s
         self._down_grace_s = down_grace_s
+        self._down_first = down_first
         self._send = send
         self._fail = fail
         self.resent_fresh = 0
@@ -104,7 +106,19 @@ class GivenUpTries:
     async def _give_up(
         self, group: GroupRun, records: list[LedgerRecord], reason: str, *, adopt: bool
     ) -> None:
-        """Retire the tries first; then adopt the finished ones and re-send the others."""
+        """Retire the tries first; then adopt the finished ones and re-send the others.
+
+        ``down_first`` (the servers journal): wait for a down report before that. A server
+        of the replica that dies makes its agent fail the rows it was running (a transport
+        error) while the agent itself still answers; re-sent fresh under new rollout ids,
+        they would run every turn again, their tools' effects too. Reported down within
+        the grace, the replica's tries are held for its restart instead, which continues
+        them from its journals (:mod:`~rollpoint.trainer.restore.replica_recovery`)."""
+        if self._down_first:
+            await self._await_down_report(records[0].replica)
+            records = [r for r in records if self._still_dispatched(r)]
+            if not records:
+                return
         answer = await self._retire(records)
         if answer is None:
             await self._await_down_report(records[0].replica)

@@ -31,10 +31,10 @@ import pytest
 from rollpoint.envs import get_environment
 from rollpoint.envs.openenv_env import STEP_TOOL
 from tests.support.crash_rerun import (
-    continued_from_before_the_kill,
     crash_and_rerun,
     final_state_of,
     final_states,
+    held_at_the_restore,
     tool_calls,
     trained_once,
     write_example_config,
@@ -110,7 +110,8 @@ def test_sigkill_mid_episode_then_rerun_replays_every_episode_to_its_turn_and_st
         replayed += state["replayed"]
         divergences += state["restarts"]
         steps += len(kept)
-        if continued_from_before_the_kill(r) and len(state["actions"]) > 0:
+        # Steps the restored session held must have been replayed (held_at_the_restore).
+        if any(c.name == STEP_TOOL and not c.failed for c in held_at_the_restore(r)):
             continued += 1
             assert state["replayed"] > 0 or state["restarts"] > 0, (
                 f"{r.subject}: continued, yet its session was not rebuilt by replay"

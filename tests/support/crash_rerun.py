@@ -179,6 +179,27 @@ def continued_from_before_the_kill(rollout: TrainedRollout) -> bool:
     )
 
 
+def held_at_the_restore(rollout: TrainedRollout) -> list[ToolCall]:
+    """The tool calls a continued try's restored environment already held: those of every
+    turn before the last turn an earlier attempt made. That turn's policy call was sent
+    with their results, so the snapshot the rerun restored (a consistent cut) holds the
+    environment with them applied. The last such turn's own calls may have run before the
+    kill or after the restore (a reply the rerun adopted): not counted. Empty for a try
+    that is not continued."""
+    calls = rollout.model_calls
+    if rollout.attempt < 1 or not calls:
+        return []
+    earlier = [c.turn for c in calls if c.attempt < rollout.attempt]
+    if not earlier:
+        return []
+    turns = [m for m in rollout.messages if m["role"] == "assistant"]
+    assert len(turns) >= max(earlier) + 1, f"{rollout.subject}: fewer replies than turns"
+    held_ids = {
+        call["id"] for message in turns[: max(earlier)] for call in message.get("tool_calls") or ()
+    }
+    return [c for c in tool_calls(rollout.messages) if c.call_id in held_ids]
+
+
 @dataclass(frozen=True)
 class ToolCall:
     """One tool call of a transcript, with the result the transcript shows for it."""

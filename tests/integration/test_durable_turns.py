@@ -42,6 +42,7 @@ from rollpoint.servers.resources.resources_server import (
 )
 from rollpoint.servers.resources.tool_journal import ToolJournal
 from rollpoint.store.journal import Journal
+from rollpoint.testing.journal_damage import JournalDamage, damage_journal
 from tests.support.effect_log_env import LOG_ENV, EffectLogEnvironment
 from tests.support.live_server import serve_app
 
@@ -366,3 +367,57 @@ async def test_an_agent_resumes_each_episode_at_its_last_journaled_turn_and_adop
             trace = TokenTrace.model_validate(call["tokens"])
             assert trace.completion() == choice["token_ids"]
             assert trace.logprobs() == as_float32(choice["logprobs"])
+
+
+async def test_a_continued_episode_whose_tool_journal_lost_calls_it_holds_starts_over(
+    tmp_path: Path, http: httpx.AsyncClient
+) -> None:
+    """A damaged tool journal (its last record corrupt: the journal is cut before it) no
+    longer holds a call the agent's session has the result of: the restarted resources
+    server refuses to continue that episode (409 ``cancelled``, naming it and the call), so
+    its row starts over instead of playing its later turns on a state without that call's
+    effect (``rollpoint chaos``'s journal_corrupt_record found the I2 violation). A
+    continued episode whose calls all survived starts as before."""
+    store = tmp_path / "store"
+    task = get_environment("workplace").make_tasks(1, seed=1)[0]
+    email = '{"to": "ana@example.com", "subject": "Hi", "body": "Hello"}'
+    keys = [(0, 0), (1, 0)]
+
+    def start(rollout_id: str, attempt: int, held: list[tuple[int, int]]) -> dict[str, Any]:
+        episode = EpisodeId(rollout_id=rollout_id, attempt=attempt)
+        return EpisodeStart(episode=episode, task=task, held_calls=held).model_dump(mode="json")
+
+    def call(rollout_id: str, turn: int) -> dict[str, Any]:
+        episode = EpisodeId(rollout_id=rollout_id, attempt=0)
+        return ToolCall(episode=episode, turn=turn, call_index=0, arguments=email).model_dump(
+            mode="json"
+        )
+
+    def resources() -> Any:
+        app = create_resources_app(WorkplaceEnvironment(), snapshot_root=str(store), journal=True)
+        return serve_app(app)
+
+    with resources() as url:
+        for rollout_id in ("kept", "cut"):
+            assert (
+                await http.post(url + "/episodes/start", json=start(rollout_id, 0, []))
+            ).is_success
+            for turn, _ in keys:
+                reply = await http.post(url + "/tools/email_send", json=call(rollout_id, turn))
+                assert reply.is_success and not reply.json()["is_error"], reply.text
+    # The journal's last record is the "cut" episode's turn-1 call: corrupt it.
+    said = damage_journal(store, JournalDamage.CORRUPT_RECORD, "resources")
+    assert "a byte flipped" in said
+
+    with resources() as url:
+        refused = await http.post(url + "/episodes/start", json=start("cut", 1, keys))
+        assert refused.status_code == 409, refused.text
+        body = refused.json()["error"]
+        assert body["code"] == "cancelled"
+        assert "cut#1" in body["message"] and "turn 1 call 0" in body["message"]
+        assert "turn 0 call 0" not in body["message"]  # replayed from the journal
+        kept = await http.post(url + "/episodes/start", json=start("kept", 1, keys))
+        assert kept.is_success, kept.text
+        # Asking for no more than the journal kept, the damaged one continues too.
+        partial = await http.post(url + "/episodes/start", json=start("cut", 1, keys[:1]))
+        assert partial.is_success, partial.text

@@ -128,6 +128,12 @@ class EpisodeStart(StrictModel):
 
     episode: EpisodeId
     task: TaskRow
+    held_calls: list[tuple[Annotated[int, Field(ge=0)], Annotated[int, Field(ge=0)]]] = []
+    """The ``(turn, call_index)`` keys of the tool calls whose results the agent's session
+    already holds (a continued episode: restored from a snapshot, resumed from its turn
+    journal). The server refuses the start when its state of the rollout lacks any of them
+    (a damaged journal lost them): the turns after would be played on a state without
+    their effects. Empty for an episode that starts at its prompt."""
 
 
 class ToolCall(StrictModel):

@@ -15,6 +15,7 @@ import pytest
 
 from rollpoint.protocol.episode import ModelCall, RunReply, RunRow, TaskRow
 from rollpoint.protocol.ids import EpisodeId
+from rollpoint.servers.agent.episode_runner import held_calls
 from rollpoint.servers.agent.session import Session, SessionRecord
 from rollpoint.servers.agent.turn_journal import TurnJournal, journal_relative
 from rollpoint.store.journal import Journal
@@ -217,3 +218,27 @@ async def test_a_turn_is_queued_without_waiting_and_durable_before_its_reply(
     await reply
     assert journal.journal.lookup(journal_key("agent", "r1", 0, 0)) is not None
     await journal.close()
+
+
+def test_a_continued_session_names_the_tool_calls_whose_results_it_holds() -> None:
+    """What the agent's episode start tells the resources server it holds (the server
+    refuses to continue without them): each applied turn's routable calls, not the pending
+    turn's (its tools not applied yet), nor a call whose name no route takes (answered by
+    the agent itself)."""
+    session = Session(row())
+    assert held_calls(session) == []
+    policy_call(session, "step 0", tools=True)
+    assert held_calls(session) == []  # turn 0's tools pending
+    tools_applied(session)
+    assert held_calls(session) == [(0, 0)]
+    policy_call(session, "step 1", tools=True)
+    session.model_calls[1].response["tool_calls"].append(  # type: ignore[union-attr]
+        {"id": "bad", "type": "function", "function": {"name": "no such/tool"}}
+    )
+    session.model_calls[1].response["tool_calls"].append(  # type: ignore[union-attr]
+        {"id": "c1b", "type": "function", "function": {"name": "g"}}
+    )
+    tools_applied(session)
+    assert held_calls(session) == [(0, 0), (1, 0), (1, 2)]
+    policy_call(session, "the answer", tools=False)
+    assert held_calls(session) == [(0, 0), (1, 0), (1, 2)]

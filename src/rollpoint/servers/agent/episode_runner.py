@@ -106,6 +106,23 @@ def _assistant_message(reply: Any, url: str) -> dict[str, Any]:
     return cleaned
 
 
+def held_calls(session: Session) -> list[tuple[int, int]]:
+    """The ``(turn, call_index)`` keys of the tool calls the resources server answered for
+    ``session`` so far: every call of each turn whose tools were applied, but those with a
+    name no route takes (answered here, :meth:`EpisodeRunner._tool_call`)."""
+    applied = session.turn - (1 if session.pending_response is not None else 0)
+    held = []
+    for call in session.model_calls:
+        if call.turn >= applied:
+            continue
+        for index, tool_call in enumerate(_tool_calls(call.response)):
+            fn = tool_call.get("function") if isinstance(tool_call, dict) else None
+            name = fn.get("name") if isinstance(fn, dict) else None
+            if isinstance(name, str) and _TOOL_NAME.match(name):
+                held.append((call.turn, index))
+    return held
+
+
 def _tool_calls(message: dict[str, Any]) -> list[Any]:
     calls = message.get("tool_calls")
     return calls if isinstance(calls, list) else []
@@ -203,7 +220,9 @@ class EpisodeRunner:
         return tools
 
     async def _start(self, session: Session) -> None:
-        body = EpisodeStart(episode=session.episode, task=session.row.task)
+        body = EpisodeStart(
+            episode=session.episode, task=session.row.task, held_calls=held_calls(session)
+        )
         await self._client.post_json(
             f"{self._resources}/episodes/start",
             body.model_dump(mode="json"),

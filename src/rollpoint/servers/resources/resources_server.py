@@ -92,6 +92,7 @@ from rollpoint.protocol.episode import (
     VerifyRequest,
 )
 from rollpoint.protocol.errors import (
+    AttemptCancelledError,
     BadRequestError,
     EpisodeError,
     IdempotencyConflictError,
@@ -405,6 +406,25 @@ class ResourcesService:
             # Again: the attempt may have been retired while the call waited at the gate.
             self._guard(request.episode)
             return self._start(request)
+
+    def check_held(self, request: EpisodeStart) -> None:
+        """Refuse a continued episode whose state here lacks a tool call the agent holds the
+        result of (:attr:`EpisodeStart.held_calls`): a damaged tool journal lost it, or the
+        server restarted empty. Its later turns would be played on a state without that
+        call's effect, so the row starts over (:class:`AttemptCancelledError`, retryable),
+        never continued."""
+        if not request.held_calls:
+            return
+        episode = self._episode(request.episode.rollout_id)
+        missing = sorted(set(request.held_calls) - episode.results.keys())
+        if missing:
+            shown = ", ".join(f"turn {t} call {i}" for t, i in missing[:5])
+            more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            raise AttemptCancelledError(
+                f"episode {request.episode.key}: {self.environment.name} does not hold the "
+                f"tool calls its agent has results of ({shown}{more}): its state or journal "
+                "lost them; it starts over"
+            )
 
     def _start(self, request: EpisodeStart) -> bool:
         task, rollout_id = request.task, request.episode.rollout_id
@@ -907,6 +927,7 @@ def create_resources_app(
                 # An earlier process's journaled calls of the rollout: the agent resumes
                 # the episode after them, so its state must be there too.
                 await service.tool_journal.catch_up(body.episode)
+            service.check_held(body)
             return StartReply(created=created)
 
     @app.post("/tools/{name}")

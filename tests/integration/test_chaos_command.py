@@ -25,6 +25,7 @@ from typing import Any
 import orjson
 import pytest
 
+from rollpoint.app.chaos import command as chaos_command_module
 from rollpoint.app.chaos.command import ChaosRunner
 from rollpoint.app.chaos.engine_checks import fault_log_lines
 from rollpoint.app.chaos.plan import (
@@ -673,3 +674,34 @@ async def test_bad_engine_data_fails_its_call_and_the_row_is_re_sent_and_trained
     assert f"vllm reply: chunk {struck['token_data']['field']} is not a token id: 2147483648" in log
     assert f"vllm reply: chunk {struck['tool_call_id']['field']} is missing" in log
     assert "Traceback" not in (plan.workdir / "stderr.log").read_text()
+
+
+async def test_a_trial_whose_servers_never_start_is_a_violation_and_the_campaign_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A trial with a trainer kill serves its servers apart (``rollpoint serve``); when they
+    never come up, the trial is counted with one I4 violation naming them, not a traceback
+    that ends the whole campaign (seen when a full-store trial's journaling servers refused
+    its store)."""
+    monkeypatch.setattr(chaos_command_module, "_SERVE_START_S", 0.01)
+    plan, outcome = await one_trial(
+        tmp_path, [PlannedFault(kind=ChaosFault.TRAINER_KILL, run=0, at_s=1.0)]
+    )
+    assert outcome.runs == [] and not outcome.finished
+    (violation,) = outcome.violations
+    assert violation.kind is Invariant.SNAPSHOTS_COMMIT and violation.subject == "servers"
+    assert "rollpoint serve printed no deployment within 0.01s" in violation.detail
+    # And the serve it started is gone with its servers.
+    assert _processes_naming(plan.workdir) == []
+
+
+def _processes_naming(folder: Path) -> list[str]:
+    """Live processes whose command line names ``folder``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and str(folder).encode() in (entry / "cmdline").read_bytes():
+                found.append(entry.name)
+        except OSError:
+            continue  # gone meanwhile
+    return found

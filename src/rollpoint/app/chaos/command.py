@@ -109,19 +109,31 @@ class ChaosRunner:
         shutil.rmtree(plan.workdir, ignore_errors=True)
         plan.workdir.mkdir(parents=True)
         runs: list[RunRecord] = []
+        not_served: LaunchError | None = None
         with (plan.workdir / "stderr.log").open("ab") as stderr:
-            async with self._servers_apart(plan, stderr) as plan:
-                for run in range(MAX_RERUNS + 1):
-                    this = plan.model_copy(update={"run": run})
-                    runs.append(await self._run(this, stderr, before=self._between(this)))
-                    if runs[-1].returncode == 0:
-                        break
+            try:
+                async with self._servers_apart(plan, stderr) as plan:
+                    for run in range(MAX_RERUNS + 1):
+                        this = plan.model_copy(update={"run": run})
+                        runs.append(await self._run(this, stderr, before=self._between(this)))
+                        if runs[-1].returncode == 0:
+                            break
+            except LaunchError as exc:
+                # The trial's servers never came up (the one LaunchError raised here): the
+                # job did not go on, a violation of its own (I4), counted with the others;
+                # the campaign goes on.
+                not_served = exc
+        violations = (
+            self.check(plan, runs)
+            if not_served is None
+            else [Violation(Invariant.SNAPSHOTS_COMMIT, "servers", not_served.message)]
+        )
         return TrialOutcome(
             trial=plan.trial,
             plan=plan,
             runs=runs,
             snapshots=invariants.snapshot_outcomes(plan.workdir),
-            violations=self.check(plan, runs),
+            violations=violations,
             seconds=time.monotonic() - started,
         )
 
@@ -197,8 +209,14 @@ class ChaosRunner:
         )
         try:
             assert process.stdout is not None
-            async with asyncio.timeout(_SERVE_START_S):
-                line = await process.stdout.readline()
+            try:
+                async with asyncio.timeout(_SERVE_START_S):
+                    line = await process.stdout.readline()
+            except TimeoutError:
+                raise LaunchError(
+                    f"trial {plan.trial}: rollpoint serve printed no deployment within "
+                    f"{_SERVE_START_S:g}s; see stderr.log"
+                ) from None
             if not line:
                 raise LaunchError(f"trial {plan.trial}: rollpoint serve exited; see stderr.log")
             served = plan.workdir / "served.json"

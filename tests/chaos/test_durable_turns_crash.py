@@ -89,6 +89,18 @@ FREQUENT_SNAPSHOTS: dict[str, Any] = {
 """Sessions saved mid-episode: the rerun continues them under the next attempt."""
 
 
+def logged_policy(log: Path) -> dict[str, Any]:
+    """The scripted policy as these tests run it: its own call log at ``log``, token data
+    required, each call's seed naming its (rollout, turn)."""
+    return {
+        "latency_ms": 60,
+        "error_rate": 0,
+        "capture_tokens": "required",
+        "call_log": str(log),
+        "sampling": {"logprobs": True, "temperature": 1.0, "seed": "turn"},
+    }
+
+
 def job(
     tmp_path: Path, *, journal: bool, snapshots: dict[str, Any] = NO_SNAPSHOTS
 ) -> tuple[Path, Path]:
@@ -99,13 +111,7 @@ def job(
         tasks=TASKS,
         group_size=1,
         concurrency=CONCURRENCY,
-        policy={
-            "latency_ms": 60,
-            "error_rate": 0,
-            "capture_tokens": "required",
-            "call_log": str(log),
-            "sampling": {"logprobs": True, "temperature": 1.0, "seed": "turn"},
-        },
+        policy=logged_policy(log),
         journal={"enabled": journal},
         **snapshots,
     )

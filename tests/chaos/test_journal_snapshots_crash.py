@@ -45,6 +45,7 @@ from tests.chaos.test_durable_turns_crash import (
     job,
     kill_mid_run,
     lines,
+    logged_policy,
     redone,
 )
 from tests.support.effect_log_env import EffectLogEnvironment
@@ -102,13 +103,7 @@ async def test_a_participant_killed_between_its_checkpoint_and_the_publication(
         tasks=TASKS,
         group_size=1,
         concurrency=CONCURRENCY,
-        policy={
-            "latency_ms": 60,
-            "error_rate": 0,
-            "capture_tokens": "required",
-            "call_log": str(log),
-            "sampling": {"logprobs": True, "temperature": 1.0, "seed": "turn"},
-        },
+        policy=logged_policy(log),
         journal={"enabled": True},
         snapshot={"every_seconds": 600, "mode": "journal", "deadline_seconds": 60},
         train={"batch_size": 4, "checkpoint_every_steps": 1000},

@@ -39,12 +39,11 @@ from rollpoint.protocol.errors import RollpointError
 from rollpoint.protocol.manifest import decode_document, load_participant_manifest
 from rollpoint.store.filesystem import Filesystem
 from rollpoint.store.journal_format import segment_number
+from rollpoint.store.staging import participant_manifests
 
 log = logging.getLogger(__name__)
 
 JOURNAL_DIR = "journal"
-PARTICIPANTS_DIR = "participants"
-MANIFEST_NAME = "manifest.json"
 
 Needs = dict[str, int]
 """Journal folder (relative to the store root) → the oldest segment a snapshot needs."""
@@ -77,22 +76,13 @@ class JournalRetention:
 
     def _needs_of(self, folder: str) -> Needs:
         needed: Needs = {}
-        participants = self._fs.join(folder, PARTICIPANTS_DIR)
-        if not self._fs.isdir(participants):
-            return needed
-        for kind in self._fs.listdir(participants):
-            for instance in self._fs.listdir(self._fs.join(participants, kind)):
-                path = self._fs.join(participants, kind, instance, MANIFEST_NAME)
-                try:
-                    data = self._fs.read_bytes(path)
-                except FileNotFoundError:
-                    continue  # never written: the snapshot holds no state of it
-                manifest = load_participant_manifest(decode_document(data, path), path)
-                mark = manifest.journal
-                if mark is None:
-                    needed[f"{JOURNAL_DIR}/{kind}/{instance}"] = 0  # not journaled: keep all
-                else:
-                    needed[mark.folder] = min(mark.segment, needed.get(mark.folder, mark.segment))
+        for kind, instance, path, data in participant_manifests(self._fs, folder):
+            manifest = load_participant_manifest(decode_document(data, path), path)
+            mark = manifest.journal
+            if mark is None:
+                needed[f"{JOURNAL_DIR}/{kind}/{instance}"] = 0  # not journaled: keep all
+            else:
+                needed[mark.folder] = min(mark.segment, needed.get(mark.folder, mark.segment))
         return needed
 
     def sweep(self, snapshots_root: str, snapshot_ids: list[str]) -> list[str]:

@@ -93,6 +93,7 @@ from rollpoint.store.staging import (
     Staging,
     StagingAction,
     StagingRegistry,
+    participant_manifests,
     participant_subdir,
 )
 from rollpoint.store.trainer_records import (
@@ -810,17 +811,8 @@ class SnapshotStore:
                     continue  # a temp file of a write that did not finish
                 path = self._fs.join(trainer, name)
                 names |= trainer_shared_files(self._fs.read_bytes(path), path)
-        participants = self._fs.join(folder, PARTICIPANTS_DIR)
-        if not self._fs.isdir(participants):
-            return names
-        for kind in self._fs.listdir(participants):
-            for instance in self._fs.listdir(self._fs.join(participants, kind)):
-                path = self._fs.join(participants, kind, instance, MANIFEST_NAME)
-                try:
-                    data = self._fs.read_bytes(path)
-                except FileNotFoundError:
-                    continue  # a participant that had not written its manifest
-                names |= _shared_files(data, path)
+        for _, _, path, data in participant_manifests(self._fs, folder):
+            names |= _shared_files(data, path)
         return names
 
     def clean_leftovers(self) -> None:

@@ -10,21 +10,41 @@ and the one transition table of a staging's life::
                             publishing ──fail────▶ aborted   (I/O failed, folder removed)
     open ──abort──▶ aborted ──abort──▶ aborted
 
-It does not touch files: :mod:`rollpoint.store.snapshot_store` does, asking
-:class:`StagingRegistry` first.
+Also reads what that layout holds once written: the participants' manifests of a snapshot
+folder (:func:`participant_manifests`, for retention's and the fallback's walks). It writes
+no file: :mod:`rollpoint.store.snapshot_store` does, asking :class:`StagingRegistry` first.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import StrEnum
 
 from rollpoint.protocol.errors import BadRequestError, CheckpointConflictError, InvalidPhaseError
 from rollpoint.protocol.ids import is_identifier
 from rollpoint.protocol.participant import ParticipantKind
+from rollpoint.store.filesystem import Filesystem
+from rollpoint.store.participant_state import MANIFEST_NAME
 
 PARTICIPANTS_DIR = "participants"
+
+
+def participant_manifests(fs: Filesystem, folder: str) -> Iterator[tuple[str, str, str, bytes]]:
+    """Each participant manifest written in the snapshot ``folder``: ``(kind, instance,
+    path, bytes)``; a participant that never wrote its manifest has none (skipped)."""
+    participants = fs.join(folder, PARTICIPANTS_DIR)
+    if not fs.isdir(participants):
+        return
+    for kind in fs.listdir(participants):
+        for instance in fs.listdir(fs.join(participants, kind)):
+            path = fs.join(participants, kind, instance, MANIFEST_NAME)
+            try:
+                data = fs.read_bytes(path)
+            except FileNotFoundError:
+                continue
+            yield kind, instance, path, data
 
 
 def participant_subdir(kind: ParticipantKind | str, instance: str) -> str:

@@ -42,9 +42,11 @@ from rollpoint.servers.resources.resources_server import (
 )
 from rollpoint.servers.resources.tool_journal import ToolJournal
 from rollpoint.store.journal import Journal
+from rollpoint.store.journal_shipping import SPOOL_ENV
 from rollpoint.testing.journal_damage import JournalDamage, damage_journal
 from tests.support.effect_log_env import LOG_ENV, EffectLogEnvironment
 from tests.support.live_server import serve_app
+from tests.support.moto_s3 import moto_s3
 
 pytestmark = pytest.mark.integration
 
@@ -72,7 +74,7 @@ async def http() -> AsyncIterator[httpx.AsyncClient]:
 
 @contextmanager
 def servers(
-    engine_url: str, store: Path, *, journal: bool, agent_journal: bool = False
+    engine_url: str, store: Path | str, *, journal: bool, agent_journal: bool = False
 ) -> Iterator[tuple[str, str]]:
     """Resources (the effect-logging workplace), model and agent servers on ``store``;
     the model and agent URLs. ``agent_journal``: the agent journals its turns too."""
@@ -186,6 +188,38 @@ async def test_a_restored_episode_is_answered_from_the_journal_never_the_engine_
         ]
     counts = Counter((line["task"], line["effect"]) for line in log_lines(effects))
     assert max(counts.values()) == 1
+
+
+async def test_a_journal_in_an_object_store_answers_the_restored_episodes_on_a_new_machine(
+    engine: tuple[str, Path],
+    http: httpx.AsyncClient,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``snapshot.store`` an S3 bucket (moto's server on loopback): each server journals in
+    this machine's spool and ships its segments there, and servers started on another
+    machine (an empty spool) fetch them and answer every call from them as above."""
+    engine_url, engine_log = engine
+    effects = tmp_path / "effects.jsonl"
+    monkeypatch.setenv(LOG_ENV, str(effects))
+    store = "s3://rollpoint-journal-store/run-1"
+    with moto_s3(monkeypatch, "rollpoint-journal-store") as s3:
+        monkeypatch.setenv(SPOOL_ENV, str(tmp_path / "machine-1"))
+        with servers(engine_url, store, journal=True, agent_journal=True) as (_, agent):
+            first = await run(http, agent, rows(2, attempt=0))
+        sampled, applied = log_lines(engine_log), log_lines(effects)
+        assert sampled and applied
+        shipped = {kind: s3.ls(f"{store}/journal/{kind}") for kind in ("model", "resources")}
+        assert all(shipped.values()), shipped
+
+        monkeypatch.setenv(SPOOL_ENV, str(tmp_path / "machine-2"))
+        with servers(engine_url, store, journal=True, agent_journal=True) as (_, agent):
+            again = await run(http, agent, rows(2, attempt=1))
+    assert log_lines(engine_log) == sampled, "a journaled policy call was sampled again"
+    assert log_lines(effects) == applied, "a journaled tool call's effect was applied again"
+    for rid, reply in again.items():
+        assert turns(reply) == turns(first[rid]) and reply["reward"] == first[rid]["reward"]
+    assert (tmp_path / "machine-2").is_dir()
 
 
 async def test_without_the_journal_a_restarted_server_samples_and_applies_again(

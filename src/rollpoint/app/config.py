@@ -278,9 +278,9 @@ class JournalConfig(_Section):
     made again is answered from the journal instead of being sampled or run again."""
 
     enabled: bool = False
-    """Off by default: the journaling servers refuse an fsspec snapshot store (shipping is
-    not wired into them), and streamed calls are not journaled (``docs/journal.md``,
-    "Not wired yet")."""
+    """Off by default: streamed calls are not journaled (``docs/journal.md``, "Not wired
+    yet"). With an fsspec snapshot store each journal is spooled on its server's machine
+    and shipped to the store every second."""
     window_ms: Annotated[float, Field(ge=0, le=1000)] = 2.0
     """The group-commit window: records ready within it share one fsync."""
 

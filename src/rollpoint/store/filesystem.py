@@ -247,6 +247,10 @@ class FsspecFilesystem:
         return bool(self._fs.isdir(path))
 
     def listdir(self, path: str) -> list[str]:
+        # What is there now: fsspec caches listings per instance (s3fs's dircache), and
+        # another process may have written or deleted since (a journal's shipper lists
+        # what the trainer's retention deleted).
+        self._fs.invalidate_cache(path)
         try:
             entries = self._fs.ls(path, detail=False)
         except FileNotFoundError:

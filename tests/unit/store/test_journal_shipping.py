@@ -11,10 +11,13 @@ from typing import Any
 import pytest
 
 from rollpoint.store.journal import Journal
-from rollpoint.store.journal_shipping import SegmentShipper, fetch_segments
-
-moto_server = pytest.importorskip("moto.server", reason="moto[server] is a dev dependency")
-s3fs = pytest.importorskip("s3fs", reason="s3fs is the s3 extra")
+from rollpoint.store.journal_shipping import (
+    SPOOL_ENV,
+    SegmentShipper,
+    fetch_segments,
+    open_store_journal,
+)
+from tests.support.moto_s3 import moto_s3
 
 BUCKET = "rollpoint-journal-test"
 URL = f"s3://{BUCKET}/run-1/journal/model-0"
@@ -22,24 +25,8 @@ URL = f"s3://{BUCKET}/run-1/journal/model-0"
 
 @pytest.fixture
 def s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    for name, value in {
-        "AWS_ENDPOINT_URL": f"http://{host}:{port}",
-        "AWS_ACCESS_KEY_ID": "rollpoint",
-        "AWS_SECRET_ACCESS_KEY": "rollpoint",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }.items():
-        monkeypatch.setenv(name, value)
-    fs = s3fs.S3FileSystem(skip_instance_cache=True)
-    if fs.exists(BUCKET):
-        fs.rm(BUCKET, recursive=True)
-    fs.mkdir(BUCKET)
-    # fsspec caches filesystem instances: the shipper must see this server's settings.
-    s3fs.S3FileSystem.clear_instance_cache()
-    yield fs
-    server.stop()
+    with moto_s3(monkeypatch, BUCKET) as fs:
+        yield fs
 
 
 async def test_shipped_segments_restore_on_a_new_machine_up_to_the_last_ship(
@@ -116,3 +103,58 @@ async def test_segments_rewritten_after_a_cut_replace_their_shipped_namesakes(
     # where the writer cut it: what the writer set aside is not trusted anywhere.
     assert [r.key for r in restored.records_after()] == ["k9"]
     await restored.close()
+
+
+async def test_a_segment_retention_deleted_at_the_url_leaves_the_spool_too(
+    s3: Any, tmp_path: Path
+) -> None:
+    """The trainer's retention deletes shipped segments no kept snapshot needs at the URL;
+    the next ship deletes their spool copies, and the journal forgets them at its next
+    checkpoint: a long run's spool stays as small as the store's journal."""
+    spool = tmp_path / "spool"
+    journal = Journal.open(str(spool))
+    shipper = SegmentShipper(journal, URL, every_s=60)
+    for i in range(3):
+        await journal.append_json(f"k{i}", "policy_call", {"i": i})
+        await shipper.ship_once()  # one segment each
+    names = sorted(p.name for p in spool.glob("segment-*.rpj"))
+    assert len(names) == 4  # three closed, shipped; the active one
+    s3.rm(f"{URL}/{names[0]}")  # retention's delete
+
+    await shipper.ship_once()
+
+    assert not (spool / names[0]).exists()
+    assert (spool / names[1]).exists() and (spool / names[2]).exists()
+    assert journal.forget_removed() == [1]
+    assert journal.lookup("k0") is None and journal.lookup("k1") is not None
+    await journal.close()
+
+
+async def test_a_store_journal_is_spooled_shipped_and_fetched_on_a_new_machine(
+    s3: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The journaling servers' one way in (open_store_journal): for an fsspec store the
+    journal is this machine's spool, shipped while open and once more when closed; a new
+    machine (another spool) starts with what was shipped."""
+    root = f"s3://{BUCKET}/run-2"
+    monkeypatch.setenv(SPOOL_ENV, str(tmp_path / "machine-1"))
+    journal, shipping = await open_store_journal(root, "journal/model/m-0", window_s=0.002)
+    assert shipping is not None and journal.folder.startswith(str(tmp_path / "machine-1"))
+    await journal.append_json("k0", "policy_call", {"i": 0})
+    await shipping.aclose()
+    await journal.close()
+    assert s3.ls(f"{root}/journal/model/m-0")
+
+    monkeypatch.setenv(SPOOL_ENV, str(tmp_path / "machine-2"))
+    again, shipping = await open_store_journal(root, "journal/model/m-0", window_s=0.002)
+    assert shipping is not None
+    found = again.lookup("k0")
+    assert found is not None and found.value() == {"i": 0}
+    await shipping.aclose()
+    await again.close()
+
+
+async def test_a_local_store_journal_is_the_folder_itself(tmp_path: Path) -> None:
+    journal, shipping = await open_store_journal(str(tmp_path), "journal/agent/a-0", window_s=0)
+    assert shipping is None and journal.folder == f"{tmp_path}/journal/agent/a-0"
+    await journal.close()

@@ -466,7 +466,8 @@ def draw_plans(
     if journaled:
         # From a stream of their own: the rest of every trial's plan stays as it was, but
         # for a full store: it is injected through an fsspec store (``faultyfile://``),
-        # which the journaling servers refuse (docs/journal.md, "Not wired yet").
+        # where a journal is spooled and shipped, and a full store then fails the ships,
+        # not the appends: not the fault it means to inject.
         journal_rng = random.Random(f"journal-{seed}")
         plans = [
             plan.model_copy(

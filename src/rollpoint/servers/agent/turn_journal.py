@@ -58,6 +58,7 @@ from rollpoint.protocol.manifest import JournalMark
 from rollpoint.servers.agent.session import Session
 from rollpoint.store.journal import Journal, Position
 from rollpoint.store.journal_format import journal_key
+from rollpoint.store.journal_shipping import Shipping, open_store_journal
 
 log = logging.getLogger(__name__)
 
@@ -103,6 +104,9 @@ class TurnJournal:
 
     def __init__(self, journal: Journal, relative: str) -> None:
         self.journal = journal
+        self.shipping: Shipping | None = None
+        """Shipping the journal to an fsspec store from this machine's spool (None: the
+        store is a local folder, the journal is in it): :mod:`rollpoint.store.journal_shipping`."""
         self.relative = relative
         self.counts = TurnJournalCounts()
         self._turns: dict[str, dict[int, tuple[int, str]]] = {}
@@ -273,20 +277,21 @@ class TurnJournal:
         return applied
 
     async def close(self) -> None:
+        if self.shipping is not None:
+            await self.shipping.aclose()  # what is left shipped, while the journal is open
         await self.journal.close()
 
 
 async def open_turn_journal(
     snapshot_root: str | None, name: str, replica: str, *, window_s: float
 ) -> TurnJournal:
-    if snapshot_root is None or "://" in snapshot_root:
-        raise ConfigError(
-            f"agent server {name}/{replica}: journal needs a local snapshot store path, "
-            f"got {snapshot_root!r} (fsspec stores are not journaled yet)"
-        )
+    if snapshot_root is None:
+        raise ConfigError(f"agent server {name}/{replica}: journal needs a snapshot store")
     relative = journal_relative(name, replica)
     folder = f"{snapshot_root.rstrip('/')}/{relative}"
-    opened = await TurnJournal.open(folder, relative, window_s=window_s)
+    journal, shipping = await open_store_journal(snapshot_root, relative, window_s=window_s)
+    opened = await asyncio.to_thread(TurnJournal, journal, relative)
+    opened.shipping = shipping
     log.info(
         "agent server %s/%s: turn journal %s holds %d records",
         name,

@@ -50,6 +50,7 @@ from rollpoint.servers.model.call_ledger import CallRecord, json_form
 from rollpoint.servers.model.generation_cut import HEADER_TOKEN_SEGMENTS
 from rollpoint.store.journal import Journal, Position
 from rollpoint.store.journal_format import journal_key
+from rollpoint.store.journal_shipping import Shipping, open_store_journal
 
 if TYPE_CHECKING:
     from rollpoint.servers.model.model_server import EpisodeTag, ModelServer
@@ -92,6 +93,9 @@ class CallJournal:
 
     def __init__(self, journal: Journal, server: ModelServer) -> None:
         self.journal = journal
+        self.shipping: Shipping | None = None
+        """Shipping the journal to an fsspec store from this machine's spool (None: the
+        store is a local folder, the journal is in it): :mod:`rollpoint.store.journal_shipping`."""
         self._server = server
         self.relative = journal_relative(server.settings.name, server.settings.replica)
         self.counts = CallJournalCounts()
@@ -209,6 +213,8 @@ class CallJournal:
         )
 
     async def close(self) -> None:
+        if self.shipping is not None:
+            await self.shipping.aclose()  # what is left shipped, while the journal is open
         await self.journal.close()
 
 
@@ -218,13 +224,18 @@ async def open_call_journal(server: ModelServer) -> CallJournal | None:
     if not settings.journal:
         return None
     root = settings.snapshot_root
-    if root is None or "://" in root:
+    if root is None:
         raise ConfigError(
-            f"model server {settings.name}/{settings.replica}: journal needs a local "
-            f"snapshot store path, got {root!r} (fsspec stores are not journaled yet)"
+            f"model server {settings.name}/{settings.replica}: journal needs a snapshot store"
         )
     folder = journal_folder(root, settings.name, settings.replica)
-    opened = await CallJournal.open(folder, server, window_s=settings.journal_window_s)
+    journal, shipping = await open_store_journal(
+        root,
+        journal_relative(settings.name, settings.replica),
+        window_s=settings.journal_window_s,
+    )
+    opened = await asyncio.to_thread(CallJournal, journal, server)
+    opened.shipping = shipping
     log.info(
         "model server %s/%s: call journal %s holds %d calls",
         settings.name,

@@ -65,6 +65,7 @@ from rollpoint.servers.resources.external_state import (
 )
 from rollpoint.store.journal import Journal, Position
 from rollpoint.store.journal_format import journal_key
+from rollpoint.store.journal_shipping import Shipping, open_store_journal
 
 if TYPE_CHECKING:
     from rollpoint.servers.resources.resources_server import ResourcesService
@@ -138,6 +139,9 @@ class ToolJournal:
 
     def __init__(self, journal: Journal, service: ResourcesService) -> None:
         self.journal = journal
+        self.shipping: Shipping | None = None
+        """Shipping the journal to an fsspec store from this machine's spool (None: the
+        store is a local folder, the journal is in it): :mod:`rollpoint.store.journal_shipping`."""
         self._service = service
         self.counts = ToolJournalCounts()
         self._keys: dict[tuple[str, int, int], str] = {}
@@ -378,6 +382,8 @@ class ToolJournal:
         self.counts.diverged += 1
 
     async def close(self) -> None:
+        if self.shipping is not None:
+            await self.shipping.aclose()  # what is left shipped, while the journal is open
         await self.journal.close()
 
 
@@ -409,8 +415,16 @@ def check_effect_store(service: ResourcesService, snapshot_root: str | None) -> 
 async def open_tool_journal(
     service: ResourcesService, snapshot_root: str | None, *, window_s: float
 ) -> ToolJournal:
-    folder = _local_folder(service, snapshot_root, "journal")
-    opened = await ToolJournal.open(folder, service, window_s=window_s)
+    if snapshot_root is None:
+        raise ConfigError(
+            f"resources server {service.name}/{service.replica}: journal needs a snapshot store"
+        )
+    folder = journal_folder(snapshot_root, service.name, service.replica)
+    journal, shipping = await open_store_journal(
+        snapshot_root, journal_relative(service.name, service.replica), window_s=window_s
+    )
+    opened = await asyncio.to_thread(ToolJournal, journal, service)
+    opened.shipping = shipping
     log.info(
         "resources server %s/%s: tool journal %s holds %d calls",
         service.name,

@@ -23,12 +23,10 @@ import yaml
 from rollpoint.app.config import load_config
 from rollpoint.app.job import load_tasks_for
 from rollpoint.testing import invariants
+from tests.support.moto_s3 import moto_s3
 from tests.support.run_process import Finished, RunProcess
 
 pytestmark = pytest.mark.chaos
-
-moto_server = pytest.importorskip("moto.server", reason="moto[server] is a dev dependency")
-s3fs = pytest.importorskip("s3fs", reason="s3fs is the s3 extra")
 
 BUCKET = "rollpoint-test"
 PREFIX = "runs/job-1"
@@ -38,30 +36,10 @@ _RESUMED_FROM = re.compile(r"resumed\s+from\s+snapshot\s+(\S+)")
 
 @pytest.fixture
 def s3(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    """A moto S3 server on 127.0.0.1 (port 0), its bucket, and an s3fs client of it.
-
-    The environment is what an operator sets for any S3-compatible store; the run's child
-    processes inherit it.
-    """
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    for name, value in {
-        "AWS_ENDPOINT_URL": f"http://{host}:{port}",
-        "AWS_ACCESS_KEY_ID": "rollpoint",
-        "AWS_SECRET_ACCESS_KEY": "rollpoint",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }.items():
-        monkeypatch.setenv(name, value)
-    fs = s3fs.S3FileSystem(skip_instance_cache=True)
-    # moto keeps its buckets in the test process, across servers: start from an empty one.
-    if fs.exists(BUCKET):
-        fs.rm(BUCKET, recursive=True)
-    fs.mkdir(BUCKET)
-    try:
+    """A moto S3 server on 127.0.0.1, its bucket, and an s3fs client of it; the run's child
+    processes inherit the settings that point at it."""
+    with moto_s3(monkeypatch, BUCKET) as fs:
         yield fs
-    finally:
-        server.stop()
 
 
 @pytest.fixture

@@ -705,3 +705,23 @@ def _processes_naming(folder: Path) -> list[str]:
         except OSError:
             continue  # gone meanwhile
     return found
+
+
+async def test_a_kill_inside_a_journal_group_commit_leaves_no_violation(tmp_path: Path) -> None:
+    """``journal_commit_kill``: the runner SIGKILLs the trial as a journal segment grows (a
+    group commit's records written, their callers not yet answered); the rerun finds them
+    whole or not at all and goes on, every row trained once (I1 to I4)."""
+    plan, outcome = await one_trial(
+        tmp_path,
+        [PlannedFault(kind=ChaosFault.JOURNAL_COMMIT_KILL, run=0, at_s=0.2, after_snapshots=2)],
+        latency_ms=100,
+        journal=True,
+    )
+
+    assert outcome.violations == [], invariants.report(outcome.violations)
+    killed = outcome.runs[0]
+    assert killed.kill is ChaosFault.JOURNAL_COMMIT_KILL and killed.killed
+    assert killed.in_commit, "no journal commit was seen before the kill"
+    assert outcome.faults_injected == {ChaosFault.JOURNAL_COMMIT_KILL: 1}
+    assert outcome.finished and any(e.event == "resumed" for e in outcome.runs[1].events)
+    assert (plan.workdir / "snapshots" / "journal").is_dir()

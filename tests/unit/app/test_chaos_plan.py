@@ -19,6 +19,7 @@ from rollpoint.app.chaos.plan import (
     SIGNALLED,
     STOP_S,
     ChaosFault,
+    PlannedFault,
     TrialPlan,
     draw_plans,
 )
@@ -188,18 +189,30 @@ def test_a_journal_is_damaged_only_before_the_rerun_of_a_whole_killed_job_that_j
     assert {f.participant for _, f in damaged} == set(ParticipantKind)
     for plan, fault in damaged:
         assert fault.run == 1 and fault is plan.faults[-1]  # drawn after every other fault
-        assert [f.kind for f in plan.faults if f.run == 0 and f.kind in KILLS] == [
-            ChaosFault.PROCESS_KILL
-        ]
+        assert [f.kind for f in plan.faults if f.run == 0 and f.kind in KILLS] in (
+            [ChaosFault.PROCESS_KILL],
+            [ChaosFault.JOURNAL_COMMIT_KILL],
+        )
         assert plan.model_copy(update={"run": 1}).before_run()[-1] == fault
     # A job that does not journal draws none, and every other fault of a seed stays.
     plain = drawn()
     assert not [f for p in plain for f in p.faults if f.kind in JOURNAL_DAMAGES]
-    # ... but a full store (an fsspec store, which the journaling servers refuse).
-    assert [[f for f in p.faults if f.kind not in JOURNAL_DAMAGES] for p in journaled] == [
-        [f for f in p.faults if f.kind is not ChaosFault.STORE_FULL] for p in plain
-    ]
+
+    # ... but a full store (through an fsspec store, where a journal is spooled), and some
+    # process kills timed into a group commit.
+    def as_plain(f: PlannedFault) -> PlannedFault:
+        if f.kind is ChaosFault.JOURNAL_COMMIT_KILL:
+            return f.model_copy(update={"kind": ChaosFault.PROCESS_KILL})
+        return f
+
+    assert [
+        [as_plain(f) for f in p.faults if f.kind not in JOURNAL_DAMAGES] for p in journaled
+    ] == [[f for f in p.faults if f.kind is not ChaosFault.STORE_FULL] for p in plain]
     assert not [f for p in journaled for f in p.faults if f.kind is ChaosFault.STORE_FULL]
+    commits = [f for p in journaled for f in p.faults if f.kind is ChaosFault.JOURNAL_COMMIT_KILL]
+    kills = [f for p in plain for f in p.faults if f.kind is ChaosFault.PROCESS_KILL]
+    assert 0 < len(commits) < len(kills)
+    assert not [f for p in plain for f in p.faults if f.kind is ChaosFault.JOURNAL_COMMIT_KILL]
 
 
 def test_a_checkpoint_kill_is_drawn_last_on_a_replica_no_proxy_stands_in_front_of() -> None:

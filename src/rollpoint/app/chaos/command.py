@@ -40,6 +40,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from rollpoint.app.chaos.engine_checks import check_engine_data
 from rollpoint.app.chaos.plan import (
+    COMMIT_WAIT_S,
     JOURNAL_DAMAGES,
     MAX_RERUNS,
     OVERSIZED_CAP,
@@ -384,9 +385,38 @@ class ChaosRunner:
         await published.wait_for(fault.after_snapshots)
         await published.wait_for(at_least, with_episodes=False)
         await asyncio.sleep(fault.at_s)
+        if fault.kind is ChaosFault.JOURNAL_COMMIT_KILL:
+            live.record.in_commit = await _journal_commit(published.store, live)
         if live.process.returncode is None:
             _kill_group(live.process.pid)
             live.record.killed_at = time.time()
+
+
+_COMMIT_POLL_S = 0.0005
+
+
+async def _journal_commit(store: Path, live: _Run) -> bool:
+    """Return True as soon as a journal segment in ``store`` grows (a group commit's
+    records are being written), or a new one appears; False after :data:`COMMIT_WAIT_S`,
+    or once the run has ended. Polled (``stat``), not awaited: the kill must land within
+    the commit's write and fsync, before its callers are answered."""
+
+    def sizes() -> dict[Path, int]:
+        found = {}
+        for path in store.glob("journal/*/*/segment-*.rpj"):
+            with contextlib.suppress(OSError):
+                found[path] = path.stat().st_size
+        return found
+
+    before = sizes()
+    deadline = time.monotonic() + COMMIT_WAIT_S
+    while live.process.returncode is None and time.monotonic() < deadline:
+        await asyncio.sleep(_COMMIT_POLL_S)
+        now = sizes()
+        if any(size > before.get(path, 0) for path, size in now.items()):
+            return True
+        before = now
+    return False
 
 
 class _Published:
@@ -395,6 +425,7 @@ class _Published:
     (``PlannedFault.after_snapshots``)."""
 
     def __init__(self, store: Path) -> None:
+        self.store = store
         self._manifests = store / "snapshots"
         self._before = {p.parent.name for p in self._manifests.glob("*/manifest.json")}
         self._seen: set[str] = set()

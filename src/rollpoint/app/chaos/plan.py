@@ -106,6 +106,13 @@ class ChaosFault(StrEnum):
     JOURNAL_CORRUPT_RECORD = "journal_corrupt_record"
     """Between a process kill and the rerun, one byte of a journal's newest record
     flipped: cut before it with a warning; its call is done again, as one in flight."""
+    JOURNAL_COMMIT_KILL = "journal_commit_kill"
+    """A process kill timed into a group commit: at its moment the runner waits until a
+    journal segment of the trial's store grows (a commit's records being written, their
+    callers not yet answered) and SIGKILLs the trial's group then (:data:`COMMIT_WAIT_S`
+    at most). The rerun finds those records or not, but never half of one, and answers
+    their calls from the journal or does them again (I1 to I4). Drawn for a job with
+    ``journal.enabled`` in place of a share of its process kills."""
     JOURNAL_LOST_SEGMENT = "journal_lost_segment"
     """Between a process kill and the rerun, the segment before a journal's newest one
     deleted: the journal is cut where the one before it ends, with a warning naming the
@@ -137,7 +144,9 @@ class ChaosFault(StrEnum):
     row re-sent, not a 400 that fails the group (I1)."""
 
 
-KILLS = frozenset({ChaosFault.PROCESS_KILL, ChaosFault.TRAINER_KILL})
+KILLS = frozenset(
+    {ChaosFault.PROCESS_KILL, ChaosFault.TRAINER_KILL, ChaosFault.JOURNAL_COMMIT_KILL}
+)
 """The runner's faults: it SIGKILLs the trial process's group (with the servers in it, or
 not when they run under ``rollpoint serve``)."""
 RUNNER_DURING = frozenset({ChaosFault.SECOND_RUN, ChaosFault.LOCK_TAMPER, ChaosFault.SECOND_JOB})
@@ -149,6 +158,11 @@ JOURNAL_DAMAGES = {
     ChaosFault.JOURNAL_LOST_SEGMENT: JournalDamage.LOST_SEGMENT,
 }
 """The journal faults, each with the damage it does (issue 35)."""
+COMMIT_KILL_SHARE = 0.3
+"""Of a journaling job's process kills, this share are timed into a group commit
+(``journal_commit_kill``)."""
+COMMIT_WAIT_S = 5.0
+"""How long a ``journal_commit_kill`` waits for a commit before it kills anyway."""
 JOURNAL_DAMAGE_SHARE = 0.5
 """Of the trials of a journaling job drawn with a process kill, this share damage a
 journal before the rerun."""
@@ -342,6 +356,8 @@ class PlannedFault(StrictModel):
             return f"{self.kind}{how} on policy call {self.call} of its kind in run {self.run}"
         if self.kind is ChaosFault.PROCESS_KILL:
             where = "trial"
+        elif self.kind is ChaosFault.JOURNAL_COMMIT_KILL:
+            where = "trial in a journal commit"
         elif self.kind is ChaosFault.STORE_FULL:
             where = "the snapshot store"
         elif self.kind is ChaosFault.TRAINER_KILL:
@@ -469,10 +485,15 @@ def draw_plans(
         # where a journal is spooled and shipped, and a full store then fails the ships,
         # not the appends: not the fault it means to inject.
         journal_rng = random.Random(f"journal-{seed}")
+        commit_rng = random.Random(f"journal-commit-{seed}")
         plans = [
             plan.model_copy(
                 update={
-                    "faults": [f for f in plan.faults if f.kind is not ChaosFault.STORE_FULL]
+                    "faults": [
+                        _in_a_commit(commit_rng, f)
+                        for f in plan.faults
+                        if f.kind is not ChaosFault.STORE_FULL
+                    ]
                     + _draw_journal_damage(journal_rng, plan.faults)
                 }
             )
@@ -504,6 +525,14 @@ def _draw_engine_data(rng: random.Random, drawn: list[PlannedFault]) -> list[Pla
             )
         )
     return faults
+
+
+def _in_a_commit(rng: random.Random, fault: PlannedFault) -> PlannedFault:
+    """``fault``, or a process kill made a ``journal_commit_kill`` (one draw per fault)."""
+    hit = rng.random() < COMMIT_KILL_SHARE
+    if fault.kind is ChaosFault.PROCESS_KILL and hit:
+        return fault.model_copy(update={"kind": ChaosFault.JOURNAL_COMMIT_KILL})
+    return fault
 
 
 def _draw_journal_damage(rng: random.Random, faults: list[PlannedFault]) -> list[PlannedFault]:

@@ -39,6 +39,9 @@ class RunRecord:
     """When the runner sent the plan's SIGKILL (it may have exited just before)."""
     kill: ChaosFault = ChaosFault.PROCESS_KILL
     """Which kill that was: the whole trial's, or the trainer's alone."""
+    in_commit: bool | None = None
+    """For a ``journal_commit_kill``: a journal segment was seen growing right before the
+    kill (False: none within its wait, and it killed anyway: not injected as planned)."""
     timed_out: bool = False
     intruders: list[str] = field(default_factory=list)
     """What went wrong with a second run started beside this one (it was not refused)."""
@@ -81,7 +84,7 @@ class RunRecord:
 
     def faults(self) -> Counter[ChaosFault]:
         found = Counter(e.kind for e in self.events if e.event == "fault" and e.kind is not None)
-        if self.killed:
+        if self.killed and self.in_commit is not False:
             found[self.kill] += 1
         return found
 
@@ -134,6 +137,8 @@ class TrialOutcome:
             return f"run {fault.run} never ran: the trial ended with run {len(self.runs) - 1}"
         record = self.runs[fault.run]
         if fault.kind in KILLS:
+            if record.killed and record.in_commit is False:
+                return "no journal commit was seen being written: killed outside one"
             if record.killed:
                 return None
             return f"the run ended ({record.ending}) before the kill at {fault.at_s:.2f}s"

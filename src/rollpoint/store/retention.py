@@ -13,6 +13,13 @@ train checkpoints moved past every kept snapshot, and the rerun found nothing to
 - train checkpoints: the ``keep_checkpoints`` newest, and for every kept snapshot the
   newest checkpoint in its span (the one a restore would use).
 
+:func:`checkpoints_to_keep` is the trainer's question when it writes a checkpoint: "newest"
+counts along its own line of steps. A run that resumed at step *n* from an older snapshot
+(the newer ones damaged) finds the checkpoints of the abandoned steps after *n* still
+there: they stay only while a kept snapshot composes with them, and never outrank the
+checkpoint just written or the ones before it (counted as the newest, they got the rerun's
+own checkpoints deleted, and with them every snapshot it published: a chaos trial's run lost).
+
 The snapshot store applies the snapshot half when it publishes, the train checkpoint store
 the checkpoint half when it saves; both ask :func:`plan` with the same inputs. A failed
 snapshot write prunes nothing (nothing is published). It does not delete anything itself.
@@ -68,3 +75,30 @@ def plan(
         if inside:
             kept_steps.add(inside[-1])
     return Plan(frozenset(kept), frozenset(kept_steps))
+
+
+def checkpoints_to_keep(
+    snapshots: Sequence[Span],
+    checkpoints: Iterable[int],
+    written: int,
+    *,
+    keep_snapshots: int,
+    keep_checkpoints: int,
+    protect: Iterable[str] = (),
+) -> frozenset[int]:
+    """The train checkpoints to keep once the one of step ``written`` is: :func:`plan` over
+    the steps up to ``written`` (the run's own line, ``written`` always among them), plus
+    each later step a kept snapshot composes with (a line the run abandoned)."""
+    protect = frozenset(protect)
+    steps = set(checkpoints)
+    own = plan(
+        snapshots,
+        {s for s in steps if s <= written} | {written},
+        keep_snapshots=keep_snapshots,
+        keep_checkpoints=keep_checkpoints,
+        protect=protect,
+    ).checkpoints
+    later = plan(
+        snapshots, steps, keep_snapshots=keep_snapshots, keep_checkpoints=0, protect=protect
+    ).checkpoints
+    return own | {written} | {s for s in later if s > written}

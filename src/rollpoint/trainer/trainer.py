@@ -998,18 +998,20 @@ class Trainer:
 
     def _steps_to_keep(self, step: int) -> frozenset[int]:
         """The train checkpoints retention keeps once ``step``'s is written: never one a
-        kept snapshot composes with, the store's fallback included (one decision with the
-        snapshots': :mod:`retention`)."""
+        kept snapshot composes with, the store's fallback included, nor this run's own
+        newest after a resume from an older snapshot (one decision with the snapshots':
+        :func:`retention.checkpoints_to_keep`)."""
         if self.coordinator is None:
             return frozenset()
         store = self.coordinator.store
-        return retention.plan(
+        return retention.checkpoints_to_keep(
             store.spans(),
-            [*self.step_record.steps(), step],
+            self.step_record.steps(),
+            step,
             keep_snapshots=store.keep,
             keep_checkpoints=self.step_record.keep,
             protect=store.pinned | store.kept_fallback,
-        ).checkpoints
+        )
 
     # --- snapshots -------------------------------------------------------------------
 

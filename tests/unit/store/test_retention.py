@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rollpoint.store.retention import Span, plan
+from rollpoint.store.retention import Span, checkpoints_to_keep, plan
 
 
 def spans(*ranges: tuple[int, int]) -> list[Span]:
@@ -45,3 +45,27 @@ def test_step_zero_needs_no_file_and_protected_snapshots_stay() -> None:
 
     assert decided.snapshots == {"s0", "s1", "s3"}
     assert decided.checkpoints == frozenset()
+
+
+def test_a_run_resumed_from_an_older_snapshot_keeps_its_own_checkpoints() -> None:
+    """Chaos (pack_damage, then the rerun killed): snapshots at steps 6 to 8 unusable (a
+    damaged file), the rerun resumed from s3 at step 4 and wrote step 5. Counted as the
+    newest, the abandoned line's checkpoints 6 to 8 got 4 and 5 deleted, and with them every
+    snapshot the rerun could resume from: the next rerun was refused."""
+    snapshots = spans((8, 8), (7, 7), (6, 6), (4, 4))
+    present = [4, 6, 7, 8]
+
+    kept = checkpoints_to_keep(snapshots, present, 5, keep_snapshots=3, keep_checkpoints=3)
+
+    assert {4, 5} <= kept  # the run's own line: what s3 and the next snapshot compose with
+    assert {6, 7, 8} <= kept  # the kept (newest) snapshots still compose with these
+    # Once no kept snapshot composes with a step of the abandoned line, it goes.
+    later = checkpoints_to_keep(
+        spans((5, 5), (4, 4)), [*present, 5], 5, keep_snapshots=2, keep_checkpoints=3
+    )
+    assert later == {4, 5}
+    # Before: plan() alone kept the newest three by number.
+    assert (
+        not {4, 5}
+        <= plan(snapshots, [*present, 5], keep_snapshots=3, keep_checkpoints=3).checkpoints
+    )

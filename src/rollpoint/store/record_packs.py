@@ -216,7 +216,7 @@ def pack_records(
     manifest naming the parts is written (``index`` itself is left as it was)."""
     previous = index if index is not None else PackIndex()
     usable, damaged = previous._usable(fs, folder) if previous._sizes else (set(), 0)
-    if previous._writes % REBASE_EVERY == REBASE_EVERY - 1:
+    if rebases(previous._writes):
         # A rebase: this write references no earlier file, so the snapshots before it share
         # none with those after, and retention keeps one of them as the fallback.
         usable = set()
@@ -310,6 +310,18 @@ writes all its records): the store then always holds, once the first rebase is p
 a snapshot sharing no records file with the newest, which retention keeps as the fallback
 one damaged file falls back to (:meth:`SnapshotStore._prune
 <rollpoint.store.snapshot_store.SnapshotStore>`; issue 33). Costs one full write in eight."""
+FIRST_REBASE = 1
+"""The index's second write is a rebase too, so the fallback is there from the second
+snapshot on, not from the eighth: a file damaged before then (found by a re-hash only
+:data:`REVERIFY_S` later) took every snapshot down with it (two chaos trials lost their
+run). A rebase of records unchanged since the write before makes the same file again."""
+
+
+def rebases(writes: int) -> bool:
+    """Whether the write after ``writes`` earlier ones with an index references no file."""
+    return writes == FIRST_REBASE or writes % REBASE_EVERY == REBASE_EVERY - 1
+
+
 REVERIFY_S = 30.0
 """A records file a new write references is re-hashed when it was last found whole this
 long ago (its size is checked every time): the cost is bounded to reading each referenced

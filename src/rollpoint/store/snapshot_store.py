@@ -700,7 +700,7 @@ class SnapshotStore:
         """The newest snapshot older than ``newest`` that names no records file
         ``newest`` names: one damaged shared file then costs no more than the snapshots
         naming it, and a restore falls back to this one (issue 33). None before the
-        first rebase (:data:`~rollpoint.store.record_packs.REBASE_EVERY`)."""
+        first rebase (the second write: :data:`~rollpoint.store.record_packs.FIRST_REBASE`)."""
         try:
             named = self._names_of(newest)
             if not named:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from rollpoint.store import record_packs
 from rollpoint.store.filesystem import Filesystem, filesystem_for
 
 
@@ -20,6 +21,14 @@ def location(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     url = f"memory://rollpoint-test-{uuid.uuid4().hex}"
     yield url
     filesystem_for(url).remove_tree(url)
+
+
+@pytest.fixture
+def no_early_rebase(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Writes incremental from the second on, as before the early rebase: for the tests of
+    what an incremental write references (``record_packs.FIRST_REBASE`` makes the second
+    write a full one; test_damaged_records tests that)."""
+    monkeypatch.setattr(record_packs, "FIRST_REBASE", -1)
 
 
 def _flip_byte(path: str, offset: int = 0) -> None:

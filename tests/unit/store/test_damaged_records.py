@@ -94,6 +94,7 @@ def test_one_damaged_shared_file_falls_back_to_a_snapshot_that_does_not_name_it(
     assert store.read_records(survivor.snapshot_id, NAME)
 
 
+@pytest.mark.usefixtures("no_early_rebase")  # s1 to s3 all name the first pack
 def test_inspect_names_the_damaged_file_and_the_snapshots_it_takes_down(tmp_path: Path) -> None:
     from rollpoint.app.snapshot_report import build_report
 
@@ -110,6 +111,33 @@ def test_inspect_names_the_damaged_file_and_the_snapshots_it_takes_down(tmp_path
     report = build_report(str(root))
 
     assert report["damaged_files"] == {str(base): ["s3", "s2", "s1"]}
+
+
+@pytest.mark.parametrize("damage", [_flip, Path.unlink])
+def test_a_fallback_is_kept_from_the_second_snapshot_on(tmp_path: Path, damage: object) -> None:
+    """The second write rebases (record_packs.FIRST_REBASE): with four snapshots, the file
+    the newest three share damaged, the first still restores. Before, every snapshot named
+    the first write's file until the eighth, and a chaos trial whose run was killed right
+    after such a damage (found by a re-hash only 30 s later) lost the run."""
+    root = tmp_path / "store"
+    store, index = SnapshotStore(str(root), keep=2), PackIndex()
+    records = _records(200)
+    for n in range(1, 5):
+        records = [*records[:-1], {"try": {"row": 199, "turn": n}}]
+        _snapshot(store, f"s{n}", records, index)
+    newest = (root / "snapshots" / "s4" / "trainer" / NAME).read_text()
+    shared = max(
+        (p for p in (root / OBJECTS_DIR).iterdir() if p.name in newest),
+        key=lambda p: p.stat().st_size,
+    )
+    assert shared.name in (root / "snapshots" / "s3" / "trainer" / NAME).read_text()
+    assert not (root / "snapshots" / "s2").exists()  # keep=2: s4, s3 and the fallback s1
+    damage(shared)  # type: ignore[operator]
+
+    survivor = store.latest()
+
+    assert survivor is not None and survivor.snapshot_id == "s1"
+    assert store.read_records("s1", NAME)[:199] == records[:199]
 
 
 def test_the_train_checkpoint_the_fallback_composes_with_is_kept_too(tmp_path: Path) -> None:

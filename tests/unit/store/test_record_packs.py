@@ -27,6 +27,8 @@ from rollpoint.store.participant_state import (
 from rollpoint.store.record_packs import OBJECTS_DIR, PackIndex
 from rollpoint.store.snapshot_store import SnapshotStore, participant_subdir
 
+pytestmark = pytest.mark.usefixtures("no_early_rebase")
+
 KIND, INSTANCE = "agent", "agent-replica-0"
 
 
@@ -263,6 +265,7 @@ def test_publication_refuses_a_snapshot_naming_a_missing_records_file(location: 
 def test_a_tampered_shared_records_file_fails_every_snapshot_naming_it(
     location: str, flip_byte: Callable[..., None]
 ) -> None:
+
     store, index = SnapshotStore(location), PackIndex()
     records = _records(10)
     first = _snapshot(store, "s1", records, index)

@@ -16,6 +16,8 @@ from rollpoint.store.record_packs import OBJECTS_DIR, PackIndex
 from rollpoint.store.snapshot_store import SnapshotStore
 from tests.unit.store.test_trainer_records import _records, _snapshot
 
+pytestmark = pytest.mark.usefixtures("no_early_rebase")
+
 
 def test_a_symlinked_objects_folder_gets_no_records_and_loses_no_file(tmp_path: Path) -> None:
     root = tmp_path / "store"

@@ -17,6 +17,8 @@ from rollpoint.store.record_packs import OBJECTS_DIR, PackIndex
 from rollpoint.store.snapshot_store import SnapshotStore
 from rollpoint.store.staging import Staging
 
+pytestmark = pytest.mark.usefixtures("no_early_rebase")
+
 NAME = "ledger.json"
 
 
@@ -128,6 +130,7 @@ def test_publication_refuses_a_trainer_file_naming_a_missing_records_file(locati
 def test_a_tampered_records_file_fails_the_read_and_the_verify(
     location: str, flip_byte: Callable[..., None]
 ) -> None:
+
     store, index = SnapshotStore(location), PackIndex()
     _snapshot(store, "s1", _records(10), index)
     fs = filesystem_for(store.root)

@@ -210,8 +210,9 @@ PACK_DAMAGE_SHARE = 0.25
 rerun."""
 PACK_DAMAGE_AFTER = REBASE_EVERY + 1
 """The kill before a ``pack_damage`` waits for this many snapshots published by its run (the
-runner sees to it): the store promises a fallback once the first rebase (the
-``REBASE_EVERY`` th write) is published, not before (docs/RELIABILITY.md)."""
+runner sees to it): the store keeps a fallback from the second on (the second write
+rebases), and past the ``REBASE_EVERY`` th the fallback is a later rebase's, whose train
+checkpoint is one retention keeps anyway (docs/RELIABILITY.md)."""
 LOCK_TAMPERING = ("deleted", "replaced")
 PACK_DAMAGES = ("flip", "truncate", "delete")
 TAMPER_SHARE = 0.3

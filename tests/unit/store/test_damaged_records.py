@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -68,22 +69,32 @@ def test_without_a_rehash_due_only_the_size_is_checked(tmp_path: Path) -> None:
     assert len(list((root / OBJECTS_DIR).iterdir())) == 1
 
 
+def _snapshots_with_one_changing_record(
+    tmp_path: Path, count: int
+) -> tuple[Path, SnapshotStore, list[dict[str, Any]], Path]:
+    """``count`` snapshots s1... (keep 2) of 200 trainer records, the last one changed in
+    each: the store's root, the store, the last records, and the biggest records file the
+    newest snapshot names (the one most snapshots share)."""
+    root = tmp_path / "store"
+    store, index = SnapshotStore(str(root), keep=2), PackIndex()
+    records = _records(200)
+    for n in range(1, count + 1):
+        records = [*records[:-1], {"try": {"row": 199, "turn": n}}]
+        _snapshot(store, f"s{n}", records, index)
+    newest = (root / "snapshots" / f"s{count}" / "trainer" / NAME).read_text()
+    biggest = max(
+        (p for p in (root / OBJECTS_DIR).iterdir() if p.name in newest),
+        key=lambda p: p.stat().st_size,
+    )
+    return root, store, records, biggest
+
+
 def test_one_damaged_shared_file_falls_back_to_a_snapshot_that_does_not_name_it(
     tmp_path: Path,
 ) -> None:
     """Every kept snapshot named the biggest records file, so damaging it lost the run;
     the store now keeps a fallback sharing no records file with the newest."""
-    root = tmp_path / "store"
-    store, index = SnapshotStore(str(root), keep=2), PackIndex()
-    records = _records(200)
-    for n in range(1, 10):
-        records = [*records[:-1], {"try": {"row": 199, "turn": n}}]
-        _snapshot(store, f"s{n}", records, index)
-    newest = (root / "snapshots" / "s9" / "trainer" / NAME).read_text()
-    biggest = max(
-        (p for p in (root / OBJECTS_DIR).iterdir() if p.name in newest),
-        key=lambda p: p.stat().st_size,
-    )
+    root, store, _, biggest = _snapshots_with_one_changing_record(tmp_path, 9)
     _flip(biggest)
 
     survivor = store.latest()
@@ -119,17 +130,7 @@ def test_a_fallback_is_kept_from_the_second_snapshot_on(tmp_path: Path, damage: 
     the newest three share damaged, the first still restores. Before, every snapshot named
     the first write's file until the eighth, and a chaos trial whose run was killed right
     after such a damage (found by a re-hash only 30 s later) lost the run."""
-    root = tmp_path / "store"
-    store, index = SnapshotStore(str(root), keep=2), PackIndex()
-    records = _records(200)
-    for n in range(1, 5):
-        records = [*records[:-1], {"try": {"row": 199, "turn": n}}]
-        _snapshot(store, f"s{n}", records, index)
-    newest = (root / "snapshots" / "s4" / "trainer" / NAME).read_text()
-    shared = max(
-        (p for p in (root / OBJECTS_DIR).iterdir() if p.name in newest),
-        key=lambda p: p.stat().st_size,
-    )
+    root, store, records, shared = _snapshots_with_one_changing_record(tmp_path, 4)
     assert shared.name in (root / "snapshots" / "s3" / "trainer" / NAME).read_text()
     assert not (root / "snapshots" / "s2").exists()  # keep=2: s4, s3 and the fallback s1
     damage(shared)  # type: ignore[operator]

@@ -116,8 +116,14 @@ async def test_snapshots_of_a_live_job_hold_what_the_servers_held(tmp_path: Path
         )
         (state,) = [r for r in res_records if r["rollout_id"] == saved.rollout_id]
         env = get_environment("workplace")
-        exported = EpisodeRecord.model_validate(state).exported_state()
-        calendar = env.restore_state(TaskRow.model_validate(state["task"]), exported)
+        record = EpisodeRecord.model_validate(state)
+        task = TaskRow.model_validate(state["task"])
+        # An episode no tool call had touched yet is saved as its fresh start (the task).
+        calendar = (
+            env.start(task)
+            if record.fresh_start
+            else env.restore_state(task, record.exported_state())
+        )
         events = orjson.loads(env.call(calendar, "calendar_search_events", {"query": ""}))
         assert len(events) == len(created)
     # The ledger saved with the snapshot holds every saved episode as in flight.

@@ -18,6 +18,7 @@ from bench import (
     episode_throughput,
     generation_cut,
     journal_append,
+    journal_job,
     ledger_scaling,
     long_episodes,
     model_overhead,
@@ -63,6 +64,11 @@ ITEMS: dict[str, Item] = {
     "snapshot_pause_100k": lambda quick: snapshot_pause.run_large(100_000, snapshots=4),
     "generation_cut": lambda quick: generation_cut.run(),
     "journal_append": lambda quick: journal_append.run(quick=quick),
+    "journal_job": lambda quick: (
+        journal_job.run(1000, settle_s=10, window_s=20, order=("off", "on"))
+        if quick
+        else journal_job.run()
+    ),
     "control_latency": lambda quick: (
         control_latency.run(seconds=15, concurrency=32) if quick else control_latency.run()
     ),
@@ -87,6 +93,7 @@ FULL_ONLY = {
     "runtime_compare",
     "snapshot_pause_100k",
     "generation_cut",
+    "journal_job",
     "snapshot_growth_100k",
     "soak",
 }

@@ -237,11 +237,17 @@ async def run(
     snapshots: int = 6,
     settle_s: float = SETTLE_S,
     gap_s: float = GAP_S,
-    variants: Sequence[str] = ("plain", "tokens"),
+    variants: Sequence[str] = ("plain", "tokens", "tokens_journal"),
 ) -> BenchResult:
+    """``variants``: ``plain``, ``tokens`` (token data), ``tokens_journal`` (token data, the
+    servers journaling and every snapshot pause-free: ``snapshot.mode: journal``)."""
     figures: dict[str, float | int | str] = {}
     for n in sessions:
-        for label, policy in (("plain", None), ("tokens", TOKENS_POLICY)):
+        for label, policy, mode in (
+            ("plain", None, None),
+            ("tokens", TOKENS_POLICY, None),
+            ("tokens_journal", TOKENS_POLICY, "journal"),
+        ):
             if label not in variants:
                 continue
             last = _Last()
@@ -256,6 +262,7 @@ async def run(
                 snapshots=snapshots,
                 warm=n < 50_000,
                 policy=policy,
+                snapshot_mode=mode,
                 store_class=GrowthStore,
                 after=after,
                 settle_s=settle_s,

@@ -380,7 +380,16 @@ def load(sessions: int) -> Load:
     return Load(16, rate, 1.25 * rate, UPSTREAM_CONNECTIONS, capped / rate, 60.0)
 
 
-def _config(workdir: Path, sessions: int, policy: dict[str, Any] | None = None) -> RunConfig:
+def _config(
+    workdir: Path,
+    sessions: int,
+    policy: dict[str, Any] | None = None,
+    *,
+    journal: bool = False,
+    snapshot_mode: str = "cut",
+) -> RunConfig:
+    """``journal``: the servers journal (``journal.enabled``); ``snapshot_mode: journal``
+    (needs it) takes pause-free snapshots."""
     offered = load(sessions)
     return parse_config(
         {
@@ -398,7 +407,8 @@ def _config(workdir: Path, sessions: int, policy: dict[str, Any] | None = None) 
                 "error_rate": 0,
                 **(policy or {}),
             },
-            "snapshot": {"deadline_seconds": 120, "keep": 2},
+            "snapshot": {"deadline_seconds": 120, "keep": 2, "mode": snapshot_mode},
+            "journal": {"enabled": journal},
         }
     )
 
@@ -451,6 +461,7 @@ async def measure(
     warm: bool = True,
     keep_logs: Path | None = None,
     policy: dict[str, Any] | None = None,
+    snapshot_mode: str | None = None,
     store_class: Callable[[str, int, StageClock], TimedStore] | None = None,
     after: Callable[[TimedStore], Awaitable[None]] | None = None,
     settle_s: float = 0.0,
@@ -461,7 +472,8 @@ async def measure(
     ``warm``: snapshots run while the sessions open (:data:`RAMP_SNAPSHOT_S`); without, the
     first cut is the cold one. ``keep_logs`` names a folder to keep the run (server logs)
     in, for a run that went wrong. ``policy``: config keys merged into the policy section
-    (token capture); ``store_class``: a :class:`TimedStore` that measures more;
+    (token capture); ``snapshot_mode``: the servers journal and snapshots take this mode
+    (``cut`` or ``journal``: pause-free); ``store_class``: a :class:`TimedStore` that measures more;
     ``after``: called with the store once the cuts are taken, servers still up;
     ``settle_s``: after the ramp, run this long (a snapshot every :data:`RAMP_SNAPSHOT_S`,
     not measured) so sessions are some turns in; ``gap_s``: between measured snapshots.
@@ -470,7 +482,13 @@ async def measure(
     # measured is the one a run has (the servers' processes install their own).
     install_tuning()
     with tempfile.TemporaryDirectory() as tmp:
-        config = _config(keep_logs or Path(tmp) / "run", sessions, policy)
+        config = _config(
+            keep_logs or Path(tmp) / "run",
+            sessions,
+            policy,
+            journal=snapshot_mode is not None,
+            snapshot_mode=snapshot_mode or "cut",
+        )
         config.workdir.mkdir(parents=True, exist_ok=True)
         group_size = load(sessions).group_size
         tasks = [long_task(i) for i in range(3 * math.ceil(sessions / group_size) + 200)]

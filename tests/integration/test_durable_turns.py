@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from contextlib import ExitStack, contextmanager
@@ -276,6 +277,90 @@ async def test_a_call_asking_something_else_goes_to_the_engine(
             reply = await http.post(model + url, json=sent, headers=headers)
             assert reply.status_code == 200
             assert len(log_lines(engine_log)) == before + 1, headers
+
+
+def stream_body(seed: int) -> dict[str, Any]:
+    return {
+        "model": "scripted",
+        "messages": [{"role": "user", "content": "Book a room for Friday."}],
+        **SAMPLING.request_fields(),
+        "return_token_ids": True,
+        "seed": seed,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+def stream_tag(attempt: int, turn: int = 0) -> dict[str, str]:
+    return {HEADER_ROLLOUT_ID: "s1", HEADER_ATTEMPT: str(attempt), HEADER_TURN: str(turn)}
+
+
+async def test_a_streamed_call_is_journaled_and_asked_again_gets_the_same_stream_not_the_engine(
+    engine: tuple[str, Path], http: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    """A streamed caller's call is journaled as its stream ends; asked again of a new
+    server on the same store (the next attempt, as a restored session asks it), it is
+    answered with the same event stream from the journal, and the engine does not see it."""
+    engine_url, engine_log = engine
+    store = tmp_path / "store"
+    url = "/v1/chat/completions"
+    with servers(engine_url, store, journal=True) as (model, _):
+        first = await http.post(model + url, json=stream_body(7), headers=stream_tag(0))
+    assert first.status_code == 200, first.text
+    assert first.headers["content-type"].startswith("text/event-stream")
+    assert first.text.rstrip().endswith("data: [DONE]")
+    assert len(log_lines(engine_log)) == 1
+    with servers(engine_url, store, journal=True) as (model, _):
+        again = await http.post(model + url, json=stream_body(7), headers=stream_tag(1))
+        assert again.status_code == 200
+        assert again.content == first.content
+        assert again.headers["content-type"].startswith("text/event-stream")
+        assert len(log_lines(engine_log)) == 1  # from the journal: the engine did not see it
+        # Another turn is a call of its own.
+        other = await http.post(model + url, json=stream_body(7), headers=stream_tag(1, 1))
+        assert other.status_code == 200 and len(log_lines(engine_log)) == 2
+    with servers(engine_url, tmp_path / "no-journal", journal=False) as (model, _):
+        await http.post(model + url, json=stream_body(7), headers=stream_tag(0))
+    with servers(engine_url, tmp_path / "no-journal", journal=False) as (model, _):
+        await http.post(model + url, json=stream_body(7), headers=stream_tag(1))
+    assert len(log_lines(engine_log)) == 4  # without it, the engine answers again
+
+
+async def test_a_streamed_call_ends_only_once_it_is_journaled(
+    http: httpx.AsyncClient, tmp_path: Path
+) -> None:
+    """The stream's last bytes wait for the record to be durable: with every append held
+    for 0.5 s, the caller gets ``[DONE]`` no sooner, while the events before it came as the
+    engine sent them (one token every 5 ms): a caller that read the whole stream read a
+    journaled call."""
+    pacing = PolicySettings(seed=3, error_rate=0.0, token_latency_ms=5)
+    durable_at: list[float] = []
+    append = Journal.append_json
+
+    async def slow_append(self: Journal, *args: Any, **kw: Any) -> Any:
+        await asyncio.sleep(0.5)
+        position = await append(self, *args, **kw)
+        durable_at.append(time.monotonic())
+        return position
+
+    with (
+        pytest.MonkeyPatch.context() as patch,
+        serve_app(create_policy_app(pacing)) as engine_url,
+    ):
+        patch.setattr(Journal, "append_json", slow_append)
+        with servers(engine_url, tmp_path / "store", journal=True) as (model, _):
+            arrived: list[tuple[float, str]] = []
+            async with http.stream(
+                "POST", model + "/v1/chat/completions", json=stream_body(5), headers=stream_tag(0)
+            ) as reply:
+                assert reply.status_code == 200
+                async for line in reply.aiter_lines():
+                    if line:
+                        arrived.append((time.monotonic(), line))
+    assert arrived[-1][1] == "data: [DONE]"
+    assert len(durable_at) == 1
+    assert arrived[-1][0] >= durable_at[0], "the stream ended before its call was durable"
+    assert arrived[0][0] < durable_at[0] - 0.3, "the whole stream waited, not its end"
 
 
 class CoinEnvironment(WorkplaceEnvironment):

@@ -199,7 +199,7 @@ class SnapshotConfig(_Section):
     ledger after them, and a restore sends every try in flight again under its own id,
     continued from the journals (docs/design.md "Pause-free snapshots"). Needs
     ``journal.enabled``; a participant that does not journal makes a save take the cut.
-    Not the default: journaling is off by default (fsspec stores, streamed calls)."""
+    Not the default: journaling is off by default (below)."""
 
     def save_settings(self) -> SaveSettings:
         """What the snapshot coordinator is told of these keys."""
@@ -272,15 +272,17 @@ class RayConfig(_Section):
 
 class JournalConfig(_Section):
     """The durable-turns journal (issue 35, ``docs/journal.md``): each model server journals
-    every finished plain policy call, each resources server every applied tool call and each
+    every finished policy call (streamed ones too), each resources server every applied tool call and each
     agent server every completed turn and finished reply, in the snapshot store before the
     work goes on; after a crash each episode resumes at its last journaled turn and a call
     made again is answered from the journal instead of being sampled or run again."""
 
     enabled: bool = False
-    """Off by default: streamed calls are not journaled (``docs/journal.md``, "Not wired
-    yet"). With an fsspec snapshot store each journal is spooled on its server's machine
-    and shipped to the store every second."""
+    """Off by default: it costs 4-10 % of CPU a turn in a job with ~1k-token turns
+    (docs/PERFORMANCE.md, measured by ``bench journal_job``), and the whole test suite has
+    not been run with it on (``docs/journal.md``, "Not wired yet"). With an fsspec snapshot
+    store each journal is spooled on its server's machine and shipped to the store every
+    second."""
     window_ms: Annotated[float, Field(ge=0, le=1000)] = 2.0
     """The group-commit window: records ready within it share one fsync."""
 

@@ -8,9 +8,9 @@ a call again from it.
 
 One call, under the journal::
 
-    tagged, not streamed ─▶ journaled call of (rollout, turn) with the same request? ─ yes ─▶ its reply
-            │                                                 │ no
-            └─────────────────────────────────────────────────┴─▶ the engine ─▶ ledger ─▶ append (durable) ─▶ reply
+    tagged ─▶ journaled call of (rollout, turn) with the same request? ─ yes ─▶ its reply
+                                      │ no
+                                      └─▶ the engine ─▶ ledger ─▶ append (durable) ─▶ reply
 
 Keys across a restore. A restored session resumes under the *next* attempt
 (``Session.from_record``: ``episode.next_attempt()``), so the call it makes again for turn
@@ -22,8 +22,13 @@ sampling): a continued attempt asks exactly what the saved session asked, so it 
 recorded reply; a call whose conversation differs (a fresh attempt whose earlier turns went
 another way) is a different call and goes to the engine. Nothing changes in the agent.
 
-Streamed callers (``"stream": true``) are relayed as the engine sends them, so their reply
-is handed on before it is whole: they are neither journaled nor answered from the journal.
+Streamed callers (``"stream": true``) are relayed as the engine sends them, all but the
+stream's last chunk: that one is held until the call is journaled (the ledger files the
+call when the engine's stream ends), so a caller that got the whole stream got a journaled
+call, and one whose stream broke before its end retries it (a transport failure) and is
+answered from the journal if the record was made. The record keeps the event stream's
+bytes as relayed; an answer from it is that stream in one body (``text/event-stream``), the
+same events a streaming client reads.
 
 Does not own: the segment format, group commit or retention (:mod:`rollpoint.store.journal`),
 proxying or token reading (the model server).
@@ -35,13 +40,13 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import orjson
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 
 from rollpoint.protocol.errors import ConfigError
 from rollpoint.protocol.ids import HEADER_POLICY_VERSION
@@ -162,7 +167,7 @@ class CallJournal:
             payload = orjson.loads(await request.body())
         except orjson.JSONDecodeError:
             return await inner(request)  # refused there, with the model server's message
-        if not isinstance(payload, dict) or payload.get("stream") is True:
+        if not isinstance(payload, dict):
             return await inner(request)
         asked = request_key(payload)
         found = self._journaled(tag, asked)
@@ -171,15 +176,45 @@ class CallJournal:
             # ledger does not change under a checkpoint's capture.
             async with self._server.gate.admit():
                 return self._answer(tag, found)
+        filed_before = self._last_call(tag)
         response = await inner(request)
         if response.status_code != 200:
             return response
+        if isinstance(response, StreamingResponse):
+            response.body_iterator = self._journaled_stream(
+                tag, asked, response, response.body_iterator, filed_before
+            )
+            return response
+        await self._append(tag, asked, response, bytes(response.body), filed_before)
+        return response
+
+    def _last_call(self, tag: EpisodeTag) -> CallRecord | None:
         calls = self._server.ledger.calls(tag.rollout_id)
-        last = calls[-1] if calls else None
-        if last is None or last.attempt != tag.attempt or last.turn != tag.turn:
-            return response  # not filed (retired while it ran): nothing to journal
+        return calls[-1] if calls else None
+
+    async def _append(
+        self,
+        tag: EpisodeTag,
+        asked: str,
+        response: Response,
+        body: bytes,
+        filed_before: CallRecord | None,
+    ) -> None:
+        """Journal the call ``response`` answered, when the ledger filed it (a record that
+        was not its last before the call: a call retired while it ran, or a stream that
+        broke, is not filed, and nothing is journaled)."""
+        last = self._last_call(tag)
+        if (
+            last is None
+            or last is filed_before
+            or (last.attempt, last.turn)
+            != (
+                tag.attempt,
+                tag.turn,
+            )
+        ):
+            return
         key = journal_key("model", tag.rollout_id, tag.attempt, tag.turn, 0)
-        body = bytes(response.body)
         value = {
             "request": asked,
             "content_type": response.media_type,
@@ -190,7 +225,27 @@ class CallJournal:
         await self.journal.append_json(key, KIND, value)
         self._index(key)
         self.counts.journaled += 1
-        return response
+
+    async def _journaled_stream(
+        self,
+        tag: EpisodeTag,
+        asked: str,
+        response: StreamingResponse,
+        chunks: AsyncIterable[str | bytes | memoryview],
+        filed_before: CallRecord | None,
+    ) -> AsyncIterator[bytes]:
+        """The stream's chunks as they come, the last one held until the call is journaled."""
+        relayed: list[bytes] = []
+        held: bytes | None = None
+        async for chunk in chunks:
+            if held is not None:
+                yield held
+            held = chunk.encode() if isinstance(chunk, str) else bytes(chunk)
+            relayed.append(held)
+        # The relay has ended: the ledger filed the call if the stream was whole.
+        await self._append(tag, asked, response, b"".join(relayed), filed_before)
+        if held is not None:
+            yield held
 
     def _answer(self, tag: EpisodeTag, found: dict[str, Any]) -> Response:
         """The recorded reply, filed in the ledger again under the caller's attempt."""

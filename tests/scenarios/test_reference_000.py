@@ -667,6 +667,11 @@ async def test_failed_restore_can_be_retried_into_the_same_servers(tmp_path: Pat
             point, step_record=WorkdirRecord(config.workdir)
         )
         async with job(servers, config, restored=restored) as again:
+            coordinator = again.trainer.coordinator
+            assert coordinator is not None
+            # Held through retention until the run publishes a snapshot of its own (it
+            # publishes none here: tests/unit/trainer/test_coordinator_in_process.py).
+            assert coordinator.store.pinned == {restored.snapshot_id}
             summary = await again.trainer.run()
 
     assert summary.failed_groups == {}

@@ -294,6 +294,8 @@ class Trainer:
             )
             # Snapshot retention never prunes the last snapshot a kept checkpoint needs.
             control.store.checkpoint_steps = self.step_record.steps
+            if restored is not None:
+                self.coordinator.hold_until_published(restored.snapshot_id)
             self.releases = ReleaseBatcher(self.roster, self.ledger, barrier=self.barrier)
             self.coordinator.before_save = self.releases.flush
             deadline_s = config.save.deadline_seconds

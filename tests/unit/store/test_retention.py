@@ -69,3 +69,20 @@ def test_a_run_resumed_from_an_older_snapshot_keeps_its_own_checkpoints() -> Non
         not {4, 5}
         <= plan(snapshots, [*present, 5], keep_snapshots=3, keep_checkpoints=3).checkpoints
     )
+
+
+def test_a_held_restored_snapshot_keeps_its_checkpoint_past_newer_damaged_ones() -> None:
+    """Trial 104 of the journal-mode chaos campaign: s0..s2 (steps 6 to 8) share a damaged
+    file, the rerun restored s3 (steps 3 to 4) and wrote 5 to 8 while its saves failed.
+    Unheld, s3 is not among the three newest and its checkpoint 4 goes; held (the
+    coordinator pins the snapshot it restored), it stays."""
+    snapshots = spans((8, 8), (7, 7), (6, 6), (3, 4))
+    present = [4, 5, 6, 7, 8]
+
+    unheld = checkpoints_to_keep(snapshots, present, 8, keep_snapshots=3, keep_checkpoints=1)
+    held = checkpoints_to_keep(
+        snapshots, present, 8, keep_snapshots=3, keep_checkpoints=1, protect={"s3"}
+    )
+
+    assert 4 not in unheld
+    assert 4 in held

@@ -193,3 +193,29 @@ async def test_the_save_history_keeps_the_newest_reports_however_many_saves_ran(
     assert latest is not None and latest.snapshot_id == ids[-1]
     assert [r.snapshot_id for r in coordinator.reports_since(18)] == ids[18:]
     assert coordinator.published_with_episodes == 20  # every save held the dispatched rows
+
+
+async def test_the_snapshot_a_run_restored_is_held_until_the_run_publishes_one(rig: Rig) -> None:
+    """Chaos (the journal-mode campaign, trial 104): a rerun restored an older snapshot
+    (the newer ones shared a damaged file), then every save failed while it trained on.
+    Retention, still counting the damaged ones as the newest, deleted the train checkpoint
+    the restored snapshot composes with, and the next rerun was refused. The coordinator
+    holds the restored snapshot (pinned: retention keeps it and that checkpoint) through
+    failed saves, and lets it go once it publishes a snapshot of its own."""
+    rig.dispatch()
+    restored = await rig.coordinator().save()
+    assert restored.published
+    coordinator = rig.coordinator()
+    store = coordinator.store  # the run's own (pins are the process's)
+
+    coordinator.hold_until_published(restored.snapshot_id)
+
+    assert store.pinned == {restored.snapshot_id}
+    await rig.client(RESOURCES).prepare("someone-else", time.time() + 30)
+    failed = await coordinator.save()
+    assert not failed.published
+    assert store.pinned == {restored.snapshot_id}  # a failed save lets nothing go
+    await rig.client(RESOURCES).resume("someone-else")
+    own = await coordinator.save()
+    assert own.published, own.blocked_by
+    assert store.pinned == frozenset()

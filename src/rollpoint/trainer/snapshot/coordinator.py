@@ -191,6 +191,7 @@ class SnapshotCoordinator:
         self._failing_since = 0.0
         self._final_asked = False
         """A final save was asked: no other save starts after it (a stop is a stop)."""
+        self._restored_from: str | None = None
         self.history: list[SaveReport] = []
         """The newest save reports, oldest first: at least :data:`HISTORY_KEEP` and at most
         twice that (older ones are dropped in blocks). :attr:`saves` counts every report."""
@@ -213,6 +214,18 @@ class SnapshotCoordinator:
         """Awaited right before the trainer's capture, once every participant checkpointed
         (journal mode) or prepared (the cut: admission is closed everywhere then). Nothing
         in rollpoint sets it: it is where a test watches what the servers do meanwhile."""
+
+    def hold_until_published(self, snapshot_id: str) -> None:
+        """Keep ``snapshot_id``, the snapshot this run restored, through retention (pinned,
+        with the train checkpoint it composes with) until this coordinator publishes a
+        snapshot of its own. Until then it is the only one this run's line composes with:
+        the newer snapshots a restore skipped as damaged still count as the newest to
+        retention, and a rerun whose saves all failed while it trained on had the
+        checkpoint of the snapshot it restored deleted, and the next rerun was refused
+        (chaos, a journal-mode campaign: ``pack_damage``, then a ``participant_restart``
+        failing every save)."""
+        self.store.pin(snapshot_id)
+        self._restored_from = snapshot_id
 
     @property
     def saving(self) -> bool:
@@ -396,6 +409,9 @@ class SnapshotCoordinator:
             )
             if report.published:
                 self._failures.clear()
+                if self._restored_from is not None:
+                    self.store.unpin(self._restored_from)
+                    self._restored_from = None
                 return report
             if not self._failures:
                 self._failing_since = time.monotonic()

@@ -229,6 +229,12 @@ def test_report_of_a_crashed_and_resumed_run_shows_the_restore(
         assert row[1:4] == [str(j["records"]), str(j["bytes"]), str(j["segments"])]
         assert all(f"{sid}: segment " in row[5] for sid in kept), (row, kept)
     at_restore = [shown[name][6] for name in shown if name.startswith("agent/")]
-    turns = [re.fullmatch(r"(\d+) turns, \d+ finished replies", cell) for cell in at_restore]
+    turns = [
+        re.fullmatch(r"(\d+) turns, \d+ finished replies; read back in \d+ ms", cell)
+        for cell in at_restore
+    ]
     assert all(turns), at_restore
     assert sum(int(m.group(1)) for m in turns if m) == int(taken.group(1))
+    # Every server read its journal back as it started, and the page says how long.
+    others = [shown[name][6] for name in shown if not name.startswith("agent/")]
+    assert all(re.fullmatch(r"read back in \d+ ms", cell) for cell in others), others

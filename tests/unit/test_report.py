@@ -253,6 +253,7 @@ def test_each_journal_shows_its_size_the_kept_marks_and_what_the_last_restore_to
     (tmp_path / "metrics.jsonl").write_bytes(_snapshot_line("snap-1-0001", 101.0))
     events = RunEvents(tmp_path / EVENTS_FILE)
     events.append(_start(100.0))
+    read = {"agent/agent-replica-0": 12, "model/model-replica-0": 3}
     for ts, turns in [(103.0, {"agent/agent-replica-0": 9}), (107.0, {"agent/agent-replica-0": 4})]:
         events.append(_start(ts - 1, resume_from="snap-1-0001"))
         events.append(
@@ -267,6 +268,7 @@ def test_each_journal_shows_its_size_the_kept_marks_and_what_the_last_restore_to
                 turns_kept=3,
                 journal_turns=turns,
                 journal_replies={"agent/agent-replica-0": 1},
+                journal_read_ms=read if ts > 105 else None,
             )
         )
     journals = [
@@ -313,7 +315,9 @@ def test_each_journal_shows_its_size_the_kept_marks_and_what_the_last_restore_to
     assert cells[1:4] == ["41", "52311", "2"]
     assert cells[4] == "reply reply|r7|a1|t5 (segment 3, offset 9000)"
     assert cells[5] == ("snap-1-0001: segment 2, offset 4100; snap-2-0002: segment 3, offset 28")
-    assert cells[6] == "4 turns, 1 finished replies"  # the last restore's, not the first's
+    # The last restore's, not the first's; and how long the agent read its journal back.
+    assert cells[6] == "4 turns, 1 finished replies; read back in 12 ms"
     cells = re.findall(r"<td[^>]*>(.*?)</td>", model)
     assert "damaged: segment-0000000001.rpj at offset 8028: &lt;checksum mismatch&gt;" in cells[4]
-    assert cells[5] == "none (no kept snapshot marks it)" and cells[6] == "&mdash;"
+    assert cells[5] == "none (no kept snapshot marks it)"
+    assert cells[6] == "read back in 3 ms"  # a model journal holds no turns

@@ -391,6 +391,7 @@ async def _locked_job(
                 if (e.rollout_id, e.attempt + 1) in continued
             )
             pending = await journal_pending(control.participants)
+            read_back = await journal_read_back(control.participants)
             journaled = (
                 None if pending is None else (sum(pending[0].values()), sum(pending[1].values()))
             )
@@ -431,6 +432,7 @@ async def _locked_job(
                     snapshot_pause_s=point.manifest.pause_seconds,
                     journal_turns=None if pending is None else pending[0],
                     journal_replies=None if pending is None else pending[1],
+                    journal_read_ms=read_back,
                 )
             )
         settings = config.trainer_settings()
@@ -500,6 +502,18 @@ async def journal_pending(
         f"{r.kind}/{r.name}-{r.replica}": r.counts.get("journal_replies", 0) for r in statuses
     }
     return turns, finished
+
+
+async def journal_read_back(participants: list[ParticipantClient]) -> dict[str, int] | None:
+    """How long each journaling server took to read its journal back when it started, by
+    journal (``<kind>/<name>-<replica>``); None when none journals."""
+    replies = await asyncio.gather(*(p.status() for p in participants), return_exceptions=True)
+    found = {
+        f"{r.kind}/{r.name}-{r.replica}": r.counts["journal_read_ms"]
+        for r in replies
+        if not isinstance(r, BaseException) and "journal_read_ms" in r.counts
+    }
+    return found or None
 
 
 async def pin_to_journals(ledger: RecoveryLedger, deployment: Deployment, http: HttpClient) -> int:

@@ -119,6 +119,9 @@ class Journal:
         fsync: Callable[[int], None],
     ) -> None:
         self.folder = folder
+        self.read_back_s = 0.0
+        """How long :meth:`open` took: reading back what earlier processes journaled (the
+        scan, every record's checksum, the index), a restart's share of a restore."""
         self.window_s = window_s
         self.batch_bytes = batch_bytes
         self.segment_bytes = segment_bytes
@@ -157,13 +160,14 @@ class Journal:
     ) -> Journal:
         """Scan ``folder`` (made if missing), set aside what follows a damaged record, and
         start a new segment. Blocking I/O: call it from a worker thread in async code."""
+        started = time.perf_counter()
         fs = fs or LocalFilesystem()
         fs.makedirs(folder)
         scanned = scan(fs, folder)
         for name in scanned.untrusted:
             path = fs.join(folder, name)
             fs.rename(path, path + UNTRUSTED)
-        return cls(
+        journal = cls(
             folder,
             scanned,
             fs=fs,
@@ -172,6 +176,13 @@ class Journal:
             segment_bytes=segment_bytes,
             fsync=fsync,
         )
+        journal.read_back_s = time.perf_counter() - started
+        return journal
+
+    @property
+    def read_back_ms(self) -> int:
+        """:attr:`read_back_s` in whole milliseconds (a status count)."""
+        return round(self.read_back_s * 1000)
 
     # --- appending -----------------------------------------------------------------------
 

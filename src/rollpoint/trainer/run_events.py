@@ -91,6 +91,9 @@ class Restore(_Event):
     through instead of playing again. None when no agent journals."""
     journal_replies: dict[str, NonNegativeInt] | None = None
     """Per agent journal: finished replies it held, to be adopted (not run again)."""
+    journal_read_ms: dict[str, NonNegativeInt] | None = None
+    """Per journal (model, resources and agent servers'): how long its server took to read
+    it back when it started (``Journal.read_back_s``). None when no server journals."""
 
 
 class TrainStep(_Event):

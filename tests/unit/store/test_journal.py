@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -16,6 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rollpoint.protocol.errors import JournalFormatError, StorageError
+from rollpoint.store import journal as journal_module
 from rollpoint.store.journal import Journal, Position
 from rollpoint.store.journal_format import HEADER, SegmentHeader, encode_header, segment_name
 
@@ -90,6 +92,27 @@ async def test_lookup_answers_the_last_record_of_a_key_before_and_after_reopenin
         assert record.value() == {"ok": True}
         assert j.lookup("rollout-1|a0|t0|c1").value() == {"tokens": [1, 2]}  # type: ignore[union-attr]
     await journal.close()
+    await reopened.close()
+
+
+async def test_opening_says_how_long_it_read_back_what_was_journaled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``read_back_s``: the scan of earlier segments (the servers report it as
+    ``journal_read_ms``, the restore records it, the report shows it)."""
+    journal = _open(tmp_path / "j")
+    await journal.append_json("rollout-1|a0|t0|c0", "policy_call", {"tokens": [1, 2]})
+    await journal.close()
+    real_scan = journal_module.scan
+
+    def slow_scan(*args: object, **kw: object) -> object:
+        time.sleep(0.2)
+        return real_scan(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(journal_module, "scan", slow_scan)
+    reopened = _open(tmp_path / "j")
+    assert reopened.read_back_s >= 0.2 and reopened.read_back_ms >= 200
+    assert reopened.lookup("rollout-1|a0|t0|c0") is not None
     await reopened.close()
 
 

@@ -254,10 +254,14 @@ def _journals(record: RunRecord) -> str:
             f"{m['snapshot']}: segment {m['segment']}, offset {m['offset']}"
             for m in j.get("marks", [])
         )
-        taken = "&mdash;"
+        parts = []
         if last is not None and last.journal_turns is not None and name in last.journal_turns:
             replies = (last.journal_replies or {}).get(name, 0)
-            taken = f"{last.journal_turns[name]} turns, {replies} finished replies"
+            parts.append(f"{last.journal_turns[name]} turns, {replies} finished replies")
+        read = None if last is None else (last.journal_read_ms or {}).get(name)
+        if read is not None:
+            parts.append(f"read back in {read} ms")
+        taken = "; ".join(parts) or "&mdash;"
         damage = j.get("damage")
         rows.append(
             (
@@ -281,7 +285,8 @@ def _journals(record: RunRecord) -> str:
         "a restore from it replays the records after its mark, and retention deletes the "
         f"segments before the oldest. At the last restore{restored}: the turns and "
         "finished replies an agent's journal held past the snapshot, resumed or adopted "
-        "instead of played again.</p>"
+        "instead of played again, and how long each server took to read its journal back "
+        "as it started.</p>"
     )
 
 

@@ -366,6 +366,7 @@ class SessionBook:
             out["journal_replies"] = replies
             out["journal_resumed_turns"] = self.journal.counts.resumed_turns
             out["journal_adopted"] = self.journal.counts.adopted
+            out["journal_read_ms"] = self.journal.journal.read_back_ms
         return out
 
     def session(self, rollout_id: str) -> Session | None:

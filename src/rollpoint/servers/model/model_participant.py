@@ -220,12 +220,15 @@ class ModelParticipant:
 
     def stats(self) -> dict[str, int]:
         server = self._server
-        return {
+        out = {
             "in_flight": server.gate.in_flight,
             "waiting": server.gate.waiting,
             "recorded_calls": server.ledger.count,
             "calls_total": server.calls_total,
         }
+        if server.journal is not None:
+            out["journal_read_ms"] = server.journal.journal.read_back_ms
+        return out
 
 
 def _call_records(

@@ -146,8 +146,11 @@ class ResourcesParticipant:
 
     def stats(self) -> dict[str, int]:
         service = self._service
-        return {
+        out = {
             "episodes": service.episode_count,
             "in_flight": service.in_flight,
             "waiting": service.waiting,
         }
+        if service.tool_journal is not None:
+            out["journal_read_ms"] = service.tool_journal.journal.read_back_ms
+        return out

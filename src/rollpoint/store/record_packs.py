@@ -162,7 +162,8 @@ class PackIndex:
 
     def _usable(self, fs: Filesystem, folder: str) -> tuple[set[str], int]:
         """The files a new write may reference: referenced enough, and whole (of the size
-        written, every time; re-hashed when last found whole :data:`REVERIFY_S` ago);
+        written, every time; re-hashed when last found whole :data:`REVERIFY_S` ago, or
+        every time when at most :data:`REHASH_BELOW_BYTES`);
         with how many were found damaged. A damaged file is never referenced again: the
         records it held are written again, from memory, into the new pack."""
         usable = set()
@@ -172,9 +173,8 @@ class PackIndex:
             if self._live.get(name, 0) < COMPACT_BELOW * size:
                 continue
             path = fs.join(folder, name)
-            why = _damage(
-                fs, path, name, size, rehash=now - self._checked.get(name, 0) >= REVERIFY_S
-            )
+            due = now - self._checked.get(name, 0) >= REVERIFY_S
+            why = _damage(fs, path, name, size, rehash=due or size <= REHASH_BELOW_BYTES)
             if why is not None:
                 damaged += 1
                 log.warning(
@@ -326,6 +326,12 @@ REVERIFY_S = 30.0
 """A records file a new write references is re-hashed when it was last found whole this
 long ago (its size is checked every time): the cost is bounded to reading each referenced
 file once per this interval, and damage at rest is found within it (issue 33)."""
+REHASH_BELOW_BYTES = 1 << 20
+"""A records file this small is re-hashed before every write that would reference it (a
+trainer's ledger pack: tens of KB). Found within :data:`REVERIFY_S` only, a byte flipped
+in the ledger pack while the run lived was named by the next snapshot 0.4 s later, which
+became the fallback; a second flip, at rest, of the file the newer snapshots shared then
+left no snapshot to restore (chaos, the journal-mode campaign's trial 249)."""
 
 
 def _damage(fs: Filesystem, path: str, name: str, size: int, *, rehash: bool) -> str | None:

@@ -59,7 +59,10 @@ def test_a_new_snapshot_never_names_a_damaged_records_file(
     assert index.damaged == 1
 
 
-def test_without_a_rehash_due_only_the_size_is_checked(tmp_path: Path) -> None:
+def test_without_a_rehash_due_only_the_size_is_checked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(record_packs, "REHASH_BELOW_BYTES", 0)  # a big file's schedule
     root = tmp_path / "store"
     store, index = SnapshotStore(str(root), keep=5), PackIndex()
     records = _records(100)
@@ -67,6 +70,32 @@ def test_without_a_rehash_due_only_the_size_is_checked(tmp_path: Path) -> None:
     _snapshot(store, "s2", records, index)
     assert index.damaged == 0  # whole files are referenced again, not rewritten
     assert len(list((root / OBJECTS_DIR).iterdir())) == 1
+
+
+def test_a_small_records_file_is_re_hashed_before_every_write(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """No re-hash due (``REVERIFY_S``: the file was just written), but the file is small
+    (a trainer's ledger pack): a byte flipped in it is found before the next snapshot
+    would name it, which writes the records again from memory."""
+    root = tmp_path / "store"
+    store, index = SnapshotStore(str(root), keep=5), PackIndex()
+    records = _records(100)
+    _snapshot(store, "s1", records, index)
+    _snapshot(store, "s2", records, index)  # the second write rebases: the same file
+    damaged = _pack(root)
+    assert damaged.stat().st_size <= record_packs.REHASH_BELOW_BYTES
+    _flip(damaged)
+
+    with caplog.at_level(logging.WARNING, logger="rollpoint.store"):
+        changed = [*records[:-1], {"try": {"row": 99, "turn": 1}}]
+        _snapshot(store, "s3", changed, index)
+
+    assert damaged.name not in (root / "snapshots" / "s3" / "trainer" / NAME).read_text()
+    store.verify("s3")
+    assert store.read_records("s3", NAME) == changed
+    assert f"records file {damaged} is damaged" in caplog.text
+    assert index.damaged == 1
 
 
 def _snapshots_with_one_changing_record(

@@ -53,22 +53,20 @@ from bench.snapshot_pause import (
     MeteredClient,
     _config,
     _ramp,
+    bench_trainer,
     load,
     long_task,
 )
 from rollpoint.app.job import journal_pending
 from rollpoint.http.client import HttpClient
-from rollpoint.loop import SimulatedTrainer
 from rollpoint.protocol.participant import ParticipantKind
 from rollpoint.runtime import embedded
 from rollpoint.runtime.embedded import EmbeddedRuntime
 from rollpoint.store.snapshot_store import SnapshotStore
-from rollpoint.trainer.control.control_plane import ControlPlane, participant_clients
+from rollpoint.trainer.control.control_plane import participant_clients
 from rollpoint.trainer.control.participant_client import ParticipantClient
-from rollpoint.trainer.metrics import TrainerMetrics
 from rollpoint.trainer.record.workdir_record import WorkdirRecord
 from rollpoint.trainer.restore.restorer import Restorer, find_resume_point
-from rollpoint.trainer.trainer import Trainer
 from rollpoint.tuning import install as install_tuning
 
 SETTLE_S = 30.0
@@ -93,7 +91,6 @@ class Leg:
     continued: int = 0
     journal_turns: int = 0
     failed_snapshots: int = 0
-    notes: list[str] = field(default_factory=list)
 
 
 @contextlib.contextmanager
@@ -198,15 +195,7 @@ async def _run_job(
         assert runtime.deployment is not None
         data_http = MeteredClient(load(sessions).rows_per_s, sessions)
         participants = participant_clients(runtime.deployment, control_http)
-        control = ControlPlane(participants, store, TrainerMetrics())
-        trainer = Trainer(
-            config.trainer_settings(),
-            runtime.deployment,
-            tasks,
-            hooks=SimulatedTrainer(config.train.step_seconds),
-            control=control,
-            client=data_http,
-        )
+        trainer = bench_trainer(config, runtime.deployment, tasks, participants, store, data_http)
         coordinator = trainer.coordinator
         assert coordinator is not None
         run = asyncio.create_task(trainer.run())

@@ -73,6 +73,7 @@ from rollpoint.protocol.control import (
     ResumeReply,
     StatusReply,
 )
+from rollpoint.protocol.deployment import Deployment
 from rollpoint.protocol.episode import TaskRow
 from rollpoint.protocol.errors import SnapshotError
 from rollpoint.protocol.manifest import FileEntry, SnapshotManifest
@@ -509,14 +510,8 @@ async def measure(
                     TimedParticipant(p.address, control_http, clock)
                     for p in participant_clients(runtime.deployment, control_http)
                 ]
-                control = ControlPlane(participants, store, TrainerMetrics())
-                trainer = Trainer(
-                    config.trainer_settings(),
-                    runtime.deployment,
-                    tasks,
-                    hooks=SimulatedTrainer(config.train.step_seconds),
-                    control=control,
-                    client=data_http,
+                trainer = bench_trainer(
+                    config, runtime.deployment, tasks, participants, store, data_http
                 )
                 replicas = [r.name for r in runtime.deployment.replicas]
                 prefill_finished(trainer.ledger, finished, replicas)
@@ -530,6 +525,26 @@ async def measure(
                 await control_http.aclose()
     phase.finished = finished
     return phase
+
+
+def bench_trainer(
+    config: RunConfig,
+    deployment: Deployment,
+    tasks: list[TaskRow],
+    participants: Sequence[ParticipantClient],
+    store: SnapshotStore,
+    data_http: HttpClient,
+) -> Trainer:
+    """The real trainer of the bench jobs: the simulated loop, its own snapshot coordinator
+    over ``participants``, rows opened through ``data_http``."""
+    return Trainer(
+        config.trainer_settings(),
+        deployment,
+        tasks,
+        hooks=SimulatedTrainer(config.train.step_seconds),
+        control=ControlPlane(list(participants), store, TrainerMetrics()),
+        client=data_http,
+    )
 
 
 async def _drive(

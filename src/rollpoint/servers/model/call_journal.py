@@ -200,19 +200,12 @@ class CallJournal:
         body: bytes,
         filed_before: CallRecord | None,
     ) -> None:
-        """Journal the call ``response`` answered, when the ledger filed it (a record that
-        was not its last before the call: a call retired while it ran, or a stream that
-        broke, is not filed, and nothing is journaled)."""
+        """Journal the call ``response`` answered, if the ledger filed it during the call
+        (``filed_before``: its last record before it)."""
         last = self._last_call(tag)
-        if (
-            last is None
-            or last is filed_before
-            or (last.attempt, last.turn)
-            != (
-                tag.attempt,
-                tag.turn,
-            )
-        ):
+        if last is None or last is filed_before:
+            return  # filed nothing: retired while it ran, or its stream broke
+        if (last.attempt, last.turn) != (tag.attempt, tag.turn):
             return
         key = journal_key("model", tag.rollout_id, tag.attempt, tag.turn, 0)
         value = {

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from rollpoint.store.filesystem import Filesystem, filesystem_for, is_url
 from rollpoint.store.journal import Journal
 from rollpoint.store.journal_format import segment_number
+from rollpoint.store.journal_retention import JOURNAL_DIR
 
 __all__ = [
     "SPOOL_ENV",
@@ -193,6 +194,18 @@ class Shipping:
         await self._task
 
 
+def journal_relative(kind: str, name: str, replica: str) -> str:
+    """A participant's journal folder relative to the store root,
+    ``journal/<kind>/<name>-<replica>``: as a snapshot's mark, retention and ``inspect``
+    name it."""
+    return f"{JOURNAL_DIR}/{kind}/{name}-{replica}"
+
+
+def journal_url(root: str, relative: str) -> str:
+    """The folder ``relative`` in the snapshot store ``root`` (a path or an fsspec URL)."""
+    return f"{root.rstrip('/')}/{relative}"
+
+
 async def open_store_journal(
     root: str, relative: str, *, window_s: float
 ) -> tuple[Journal, Shipping | None]:
@@ -200,7 +213,7 @@ async def open_store_journal(
     local store; for an fsspec store, in this machine's spool (:func:`spool_folder`), with
     what was shipped there and is not in the spool fetched first, and a :class:`Shipping`
     started (close it before the journal)."""
-    url = f"{root.rstrip('/')}/{relative}"
+    url = journal_url(root, relative)
     if not is_url(root):
         return await asyncio.to_thread(Journal.open, url, window_s=window_s), None
     spool = spool_folder(url)

@@ -17,11 +17,12 @@ from rollpoint.protocol.episode import ModelCall, RunReply, RunRow, TaskRow
 from rollpoint.protocol.ids import EpisodeId
 from rollpoint.servers.agent.episode_runner import held_calls
 from rollpoint.servers.agent.session import Session, SessionRecord
-from rollpoint.servers.agent.turn_journal import TurnJournal, journal_relative
+from rollpoint.servers.agent.turn_journal import TurnJournal
 from rollpoint.store.journal import Journal
 from rollpoint.store.journal_format import journal_key
+from rollpoint.store.journal_shipping import journal_relative
 
-FOLDER = journal_relative("agent", "replica-0")
+FOLDER = journal_relative("agent", "agent", "replica-0")
 
 
 def row(attempt: int = 0) -> RunRow:

@@ -58,17 +58,17 @@ from rollpoint.protocol.manifest import JournalMark
 from rollpoint.servers.agent.session import Session
 from rollpoint.store.journal import Journal, Position
 from rollpoint.store.journal_format import journal_key
-from rollpoint.store.journal_shipping import Shipping, open_store_journal
+from rollpoint.store.journal_shipping import (
+    Shipping,
+    journal_relative,
+    journal_url,
+    open_store_journal,
+)
 
 log = logging.getLogger(__name__)
 
 TURN = "turn"
 REPLY = "reply"
-
-
-def journal_relative(name: str, replica: str) -> str:
-    """The journal's folder relative to the store root, as a snapshot's mark names it."""
-    return f"journal/agent/{name}-{replica}"
 
 
 @dataclass(slots=True)
@@ -287,8 +287,8 @@ async def open_turn_journal(
 ) -> TurnJournal:
     if snapshot_root is None:
         raise ConfigError(f"agent server {name}/{replica}: journal needs a snapshot store")
-    relative = journal_relative(name, replica)
-    folder = f"{snapshot_root.rstrip('/')}/{relative}"
+    relative = journal_relative("agent", name, replica)
+    folder = journal_url(snapshot_root, relative)
     journal, shipping = await open_store_journal(snapshot_root, relative, window_s=window_s)
     opened = await asyncio.to_thread(TurnJournal, journal, relative)
     opened.shipping = shipping

@@ -55,7 +55,12 @@ from rollpoint.servers.model.call_ledger import CallRecord, json_form
 from rollpoint.servers.model.generation_cut import HEADER_TOKEN_SEGMENTS
 from rollpoint.store.journal import Journal, Position
 from rollpoint.store.journal_format import journal_key
-from rollpoint.store.journal_shipping import Shipping, open_store_journal
+from rollpoint.store.journal_shipping import (
+    Shipping,
+    journal_relative,
+    journal_url,
+    open_store_journal,
+)
 
 if TYPE_CHECKING:
     from rollpoint.servers.model.model_server import EpisodeTag, ModelServer
@@ -64,16 +69,6 @@ log = logging.getLogger(__name__)
 
 KIND = "policy_call"
 _KEPT_HEADERS = (HEADER_POLICY_VERSION, HEADER_TOKEN_SEGMENTS)
-
-
-def journal_folder(store_root: str, name: str, replica: str) -> str:
-    """Where a model server keeps its journal: next to the participants' state in the store."""
-    return f"{store_root.rstrip('/')}/{journal_relative(name, replica)}"
-
-
-def journal_relative(name: str, replica: str) -> str:
-    """The journal's folder relative to the store root, as a snapshot's mark names it."""
-    return f"journal/model/{name}-{replica}"
 
 
 def request_key(payload: dict[str, Any]) -> str:
@@ -102,7 +97,7 @@ class CallJournal:
         """Shipping the journal to an fsspec store from this machine's spool (None: the
         store is a local folder, the journal is in it): :mod:`rollpoint.store.journal_shipping`."""
         self._server = server
-        self.relative = journal_relative(server.settings.name, server.settings.replica)
+        self.relative = journal_relative("model", server.settings.name, server.settings.replica)
         self.counts = CallJournalCounts()
         self._by_turn: dict[tuple[str, int], dict[int, str]] = {}
         """(rollout, turn) -> {attempt: journal key} of every journaled call."""
@@ -276,12 +271,9 @@ async def open_call_journal(server: ModelServer) -> CallJournal | None:
         raise ConfigError(
             f"model server {settings.name}/{settings.replica}: journal needs a snapshot store"
         )
-    folder = journal_folder(root, settings.name, settings.replica)
-    journal, shipping = await open_store_journal(
-        root,
-        journal_relative(settings.name, settings.replica),
-        window_s=settings.journal_window_s,
-    )
+    relative = journal_relative("model", settings.name, settings.replica)
+    folder = journal_url(root, relative)
+    journal, shipping = await open_store_journal(root, relative, window_s=settings.journal_window_s)
     opened = await asyncio.to_thread(CallJournal, journal, server)
     opened.shipping = shipping
     log.info(

@@ -65,7 +65,12 @@ from rollpoint.servers.resources.external_state import (
 )
 from rollpoint.store.journal import Journal, Position
 from rollpoint.store.journal_format import journal_key
-from rollpoint.store.journal_shipping import Shipping, open_store_journal
+from rollpoint.store.journal_shipping import (
+    Shipping,
+    journal_relative,
+    journal_url,
+    open_store_journal,
+)
 
 if TYPE_CHECKING:
     from rollpoint.servers.resources.resources_server import ResourcesService
@@ -110,16 +115,6 @@ def _replay_mode(recorded: ToolResult | None) -> Iterator[None]:
         yield
     finally:
         _REPLAYING.reset(token)
-
-
-def journal_folder(store_root: str, name: str, replica: str) -> str:
-    """Where a resources server keeps its journal: next to the participants' state in the store."""
-    return f"{store_root.rstrip('/')}/{journal_relative(name, replica)}"
-
-
-def journal_relative(name: str, replica: str) -> str:
-    """The journal's folder relative to the store root, as a snapshot's mark names it."""
-    return f"journal/resources/{name}-{replica}"
 
 
 @dataclass(slots=True)
@@ -175,7 +170,7 @@ class ToolJournal:
             for rollout_id, turn, index in self._keys:
                 self._calls.setdefault(rollout_id, set()).add((turn, index))
         position = self.journal.checkpoint()
-        relative = journal_relative(self._service.name, self._service.replica)
+        relative = journal_relative("resources", self._service.name, self._service.replica)
         return JournalMark(folder=relative, segment=position.segment, offset=position.offset)
 
     def _index(self, key: str) -> None:
@@ -394,7 +389,7 @@ def _local_folder(service: ResourcesService, snapshot_root: str | None, why: str
             f"resources server {service.name}/{service.replica}: {why} needs a local "
             f"snapshot store path, got {root!r} (fsspec stores are not journaled yet)"
         )
-    return journal_folder(root, service.name, service.replica)
+    return journal_url(root, journal_relative("resources", service.name, service.replica))
 
 
 def check_effect_store(service: ResourcesService, snapshot_root: str | None) -> EffectRecords:
@@ -419,10 +414,9 @@ async def open_tool_journal(
         raise ConfigError(
             f"resources server {service.name}/{service.replica}: journal needs a snapshot store"
         )
-    folder = journal_folder(snapshot_root, service.name, service.replica)
-    journal, shipping = await open_store_journal(
-        snapshot_root, journal_relative(service.name, service.replica), window_s=window_s
-    )
+    relative = journal_relative("resources", service.name, service.replica)
+    folder = journal_url(snapshot_root, relative)
+    journal, shipping = await open_store_journal(snapshot_root, relative, window_s=window_s)
     opened = await asyncio.to_thread(ToolJournal, journal, service)
     opened.shipping = shipping
     log.info(

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
+import threading
 from collections import Counter
 from collections.abc import AsyncIterator, Iterator
 from contextlib import ExitStack, contextmanager
@@ -329,38 +329,41 @@ async def test_a_streamed_call_is_journaled_and_asked_again_gets_the_same_stream
 async def test_a_streamed_call_ends_only_once_it_is_journaled(
     http: httpx.AsyncClient, tmp_path: Path
 ) -> None:
-    """The stream's last bytes wait for the record to be durable: with every append held
-    for 0.5 s, the caller gets ``[DONE]`` no sooner, while the events before it came as the
-    engine sent them (one token every 5 ms): a caller that read the whole stream read a
-    journaled call."""
-    pacing = PolicySettings(seed=3, error_rate=0.0, token_latency_ms=5)
-    durable_at: list[float] = []
+    """The stream's last bytes wait for the record to be durable, the events before them do
+    not: the append (in the server's thread) waits until the caller has read the stream's
+    first event, and when it is durable the caller has not read ``[DONE]``. The engine sends
+    one token every 20 ms, so the stream comes in many chunks."""
+    pacing = PolicySettings(seed=3, error_rate=0.0, token_latency_ms=20)
+    first_read = threading.Event()
+    lines: list[str] = []
+    seen_when_durable: list[list[str]] = []
     append = Journal.append_json
 
-    async def slow_append(self: Journal, *args: Any, **kw: Any) -> Any:
-        await asyncio.sleep(0.5)
+    async def append_after_the_first_event(self: Journal, *args: Any, **kw: Any) -> Any:
+        # Never set if the whole stream were held: the caller would read nothing first.
+        assert await asyncio.to_thread(first_read.wait, 10), "no event before the record"
         position = await append(self, *args, **kw)
-        durable_at.append(time.monotonic())
+        seen_when_durable.append(list(lines))
         return position
 
     with (
         pytest.MonkeyPatch.context() as patch,
         serve_app(create_policy_app(pacing)) as engine_url,
     ):
-        patch.setattr(Journal, "append_json", slow_append)
+        patch.setattr(Journal, "append_json", append_after_the_first_event)
         with servers(engine_url, tmp_path / "store", journal=True) as (model, _):
-            arrived: list[tuple[float, str]] = []
             async with http.stream(
                 "POST", model + "/v1/chat/completions", json=stream_body(5), headers=stream_tag(0)
             ) as reply:
                 assert reply.status_code == 200
                 async for line in reply.aiter_lines():
                     if line:
-                        arrived.append((time.monotonic(), line))
-    assert arrived[-1][1] == "data: [DONE]"
-    assert len(durable_at) == 1
-    assert arrived[-1][0] >= durable_at[0], "the stream ended before its call was durable"
-    assert arrived[0][0] < durable_at[0] - 0.3, "the whole stream waited, not its end"
+                        lines.append(line)
+                        first_read.set()
+    assert lines[-1] == "data: [DONE]"
+    (seen,) = seen_when_durable
+    assert seen, "the caller read no event before the record was durable"
+    assert "data: [DONE]" not in seen, "the stream ended before its call was durable"
 
 
 class CoinEnvironment(WorkplaceEnvironment):

@@ -20,6 +20,7 @@ the order work is handed out: the tiers that wait longest go first, so the many 
 tests fill the workers' last minutes instead of one long chaos trial starting last. Tests
 that share an expensive module or session fixture carry ``pytest.mark.xdist_group`` (one
 worker makes the fixture once); the ray tier is one group, its cluster made once, and so is the engine tier.
+A worker refuses to run when those groups would be ignored (:func:`pytest_collection_finish`).
 """
 
 from __future__ import annotations
@@ -98,3 +99,38 @@ def _collector_left_as_found() -> Iterator[None]:
             f"the cyclic garbage collector was left off {COLLECTOR_BACK_WITHIN_S:g} s after "
             "this test (a collector pause or hold never given back)"
         )
+
+
+LOST_GROUPS = pytest.StashKey[str]()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Under ``--dist loadgroup``, notes on a worker whether xdist's grouping took.
+
+    xdist marks a grouped test by appending ``@group`` to its node id on the worker, and the
+    scheduler hands out tests by that suffix. With pytest 9.2 the mutation no longer takes
+    effect (pytest-xdist#1386): nothing fails, every group is split across the workers, and
+    each worker builds its own copy of every shared fixture (a chaos run, a Ray cluster, an
+    engine), which cost the suite minutes unseen. pyproject.toml pins pytest below 9.2 for
+    it; if a later pytest or xdist breaks it again, every grouped test fails saying so
+    (:func:`pytest_runtest_setup`: an error raised here would reach the console only as an
+    xdist crash).
+    """
+    if not getattr(session.config.option, "loadgroup", False):
+        return  # not an xdist worker under --dist loadgroup
+    lost = [
+        item.nodeid
+        for item in session.items
+        if item.get_closest_marker("xdist_group") and "@" not in item.nodeid.rpartition("]")[2]
+    ]
+    if lost:
+        session.config.stash[LOST_GROUPS] = (
+            f"--dist loadgroup ignored the xdist_group of {len(lost)} tests: this pytest and "
+            "pytest-xdist do not group (pytest-xdist#1386); pin a pair that does"
+        )
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    lost = item.config.stash.get(LOST_GROUPS, None)
+    if lost is not None and item.get_closest_marker("xdist_group"):
+        pytest.fail(lost, pytrace=False)

@@ -80,7 +80,9 @@ def lines(path: Path, upto: int | None = None, *, live: bool = False) -> list[An
 
 
 SEEDS = [3, 11]
-"""The random kill moments: each seeds the share of the job's policy calls done at the kill."""
+"""The random kill moments: each seeds the share of the job's policy calls done at the kill.
+Each variant below runs at one of them, the two moments shared out across the variants: a
+second moment for the same variant only re-ran the same code path (~25 s a run)."""
 
 NO_SNAPSHOTS: dict[str, Any] = {
     "snapshot": {"every_seconds": 600},
@@ -210,9 +212,10 @@ def effects(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return path
 
 
-@pytest.mark.parametrize("seed", SEEDS)
 @pytest.mark.parametrize(
-    "snapshots", [NO_SNAPSHOTS, FREQUENT_SNAPSHOTS], ids=["none", "every_0.5s"]
+    ("snapshots", "seed"),
+    [(NO_SNAPSHOTS, SEEDS[0]), (FREQUENT_SNAPSHOTS, SEEDS[1])],
+    ids=["none", "every_0.5s"],
 )
 def test_a_killed_job_redoes_only_the_calls_in_flight_and_no_journaled_effect_twice(
     tmp_path: Path, start: Start, effects: Path, snapshots: dict[str, Any], seed: int
@@ -243,8 +246,11 @@ def test_a_killed_job_redoes_only_the_calls_in_flight_and_no_journaled_effect_tw
         assert_journal_retention(tmp_path / "run")
 
 
-@pytest.mark.parametrize("killed", ["all", "one_model_server"])
-@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize(
+    ("killed", "seed"),
+    [("all", SEEDS[0]), ("one_model_server", SEEDS[1])],
+    ids=["all", "one_model_server"],
+)
 def test_servers_killed_alone_redo_only_the_calls_in_flight(
     tmp_path: Path, start: Start, effects: Path, seed: int, killed: str
 ) -> None:

@@ -72,7 +72,7 @@ def snapshot_events(workdir: Path) -> list[dict[str, Any]]:
     ]
 
 
-@pytest.mark.parametrize("seed", [5, 17])
+@pytest.mark.parametrize("seed", [17])  # one moment: the campaigns draw hundreds
 def test_a_job_with_journal_snapshots_killed_at_a_random_moment(
     tmp_path: Path, start: Start, effects: Path, seed: int
 ) -> None:

@@ -141,14 +141,19 @@ def _checkpoints_500_bytes_short(workdir: Path) -> None:
             path.write_bytes(orjson.dumps(doc))
 
 
-@pytest.mark.parametrize(
-    "damage",
-    [_edit_a_line, _truncate_mid_line, _checkpoints_500_bytes_short],
-    ids=["edited-line", "truncated-file", "checkpoint-500-bytes-short"],
-)
+DAMAGES: dict[str, Callable[[Path], None]] = {
+    "edited-line": _edit_a_line,
+    "truncated-file": _truncate_mid_line,
+    "checkpoint-500-bytes-short": _checkpoints_500_bytes_short,
+}
+
+
 def test_damaged_train_data_is_refused_naming_it_and_nothing_is_deleted(
-    tmp_path: Path, start: Start, damage: Callable[[Path], None]
+    tmp_path: Path, start: Start
 ) -> None:
+    """Each damage in turn on one killed workdir (a rerun refused at its start checks costs
+    a few seconds; a run to the kill, ~20): refused naming the file, nothing changed; then
+    the files put back as they were, and the run resumes."""
     config = write_config(tmp_path)
     workdir = tmp_path / "run"
     run = start(config)
@@ -157,21 +162,23 @@ def test_damaged_train_data_is_refused_naming_it_and_nothing_is_deleted(
     crash(run)
     train_data = workdir / "train_data.jsonl"
     good = progress(workdir)
-    damage(workdir)
-    kept = progress(workdir)
     snapshots = set(manifests(workdir))
 
-    refused = start(config).finish()
+    for name, damage in DAMAGES.items():
+        damage(workdir)
+        kept = progress(workdir)
 
-    assert refused.returncode != 0, refused.stderr[-2000:]
-    errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and str(train_data) in errors[0], refused.stderr[-2000:]
-    assert "Traceback" not in refused.stderr and "servers up" not in refused.stderr
-    assert progress(workdir) == kept and set(manifests(workdir)) == snapshots
+        refused = start(config).finish()
 
-    # The first way out: put the files back as they were, and the run resumes.
-    for path, data in good.items():
-        path.write_bytes(data)
+        assert refused.returncode != 0, (name, refused.stderr[-2000:])
+        errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and str(train_data) in errors[0], (name, refused.stderr[-2000:])
+        assert "Traceback" not in refused.stderr and "servers up" not in refused.stderr, name
+        assert progress(workdir) == kept and set(manifests(workdir)) == snapshots, name
+        # The first way out: put the files back as they were.
+        for path, data in good.items():
+            path.write_bytes(data)
+
     reruns = rerun_until_ok(start, config)
     assert "resumed from snapshot" in reruns[0].stderr, reruns[0].stderr[-2000:]
     assert_invariants(config, reruns[-1])

@@ -300,8 +300,10 @@ async def test_a_snapshot_damaged_between_kill_and_rerun_is_skipped_and_the_one_
 @pytest.mark.parametrize(
     ("kind", "participant", "said"),
     [
-        (ChaosFault.JOURNAL_TORN_TAIL, ParticipantKind.RESOURCES, "cut short"),
-        (ChaosFault.JOURNAL_CORRUPT_RECORD, ParticipantKind.MODEL, "checksum mismatch"),
+        # Two of the journal faults, on two servers: the three servers read their journals
+        # back with the same code (store.journal), whose cut of a torn tail, a corrupt
+        # record and a lost segment tests/unit/store/test_journal.py tests on its own; the
+        # chaos campaigns draw every kind on every server.
         # The tool call it held is lost while the agent's journal holds its result: that
         # episode starts over (EpisodeStart.held_calls), never continued without it (I2).
         (ChaosFault.JOURNAL_CORRUPT_RECORD, ParticipantKind.RESOURCES, "checksum mismatch"),
@@ -408,7 +410,8 @@ async def test_a_resources_server_restarted_empty_between_two_tool_calls_fails_n
         replica=0,
         servers=[ParticipantKind.RESOURCES],
     )
-    plan, outcome = await one_trial(tmp_path, [fault], latency_ms=5000)
+    # 4 tasks: their 8 rows are all in flight at once (concurrency 8), one wave of 5 s calls.
+    plan, outcome = await one_trial(tmp_path, [fault], latency_ms=5000, tasks=4)
 
     assert outcome.violations == [], invariants.report(outcome.violations)
     assert outcome.faults_injected == {ChaosFault.PARTICIPANT_RESTART: 1}
@@ -574,11 +577,13 @@ async def test_a_rerun_killed_before_its_first_snapshot_leaves_nothing_the_next_
 # --- issue 33's breaks, one fault kind each -------------------------------------------------
 
 
-@pytest.mark.parametrize("how", ["deleted", "replaced"])
-async def test_a_lock_file_deleted_or_replaced_under_a_run_still_refuses_a_second_run(
-    tmp_path: Path, how: str
+async def test_a_lock_file_replaced_under_a_run_still_refuses_a_second_run(
+    tmp_path: Path,
 ) -> None:
-    tamper = PlannedFault(kind=ChaosFault.LOCK_TAMPER, run=0, at_s=0.3, how=how)  # type: ignore[arg-type]
+    # The fault kind in a trial; a deleted and a replaced lock file under a run, each:
+    # tests/integration/test_workdir_lock_cli.py.
+    how = "replaced"
+    tamper = PlannedFault(kind=ChaosFault.LOCK_TAMPER, run=0, at_s=0.3, how=how)
     plan, outcome = await one_trial(tmp_path, [tamper], latency_ms=150)
 
     assert outcome.violations == [], invariants.report(outcome.violations)
@@ -606,17 +611,18 @@ async def test_a_second_job_on_the_snapshot_store_is_refused_naming_both(tmp_pat
     assert len(jobs) == 1, jobs
 
 
-@pytest.mark.parametrize("how", ["flip", "truncate", "delete"])
 async def test_a_shared_records_file_damaged_between_kill_and_rerun_falls_back(
-    tmp_path: Path, how: str
+    tmp_path: Path,
 ) -> None:
+    # A flipped byte in a trial; flipped, truncated and deleted, each in process:
+    # tests/unit/store/test_damaged_records.py.
     _, outcome = await one_trial(
         tmp_path,
         [
             # The runner kills once the store keeps a fallback: past its first rebase
             # (PACK_DAMAGE_AFTER snapshots published).
             PlannedFault(kind=ChaosFault.PROCESS_KILL, run=0, at_s=0.0, after_snapshots=1),
-            PlannedFault(kind=ChaosFault.PACK_DAMAGE, run=1, at_s=0.0, how=how),  # type: ignore[arg-type]
+            PlannedFault(kind=ChaosFault.PACK_DAMAGE, run=1, at_s=0.0, how="flip"),
         ],
         # Fast policy calls: several train steps go by while the fallback is kept, so the
         # train checkpoint it composes with is older than the ones retention keeps anyway

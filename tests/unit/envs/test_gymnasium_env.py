@@ -82,8 +82,12 @@ def test_the_tool_takes_an_action_within_the_discrete_space() -> None:
     assert state.actions == []
 
 
-def test_saved_as_seed_and_actions_a_restore_continues_as_the_original_would() -> None:
-    env = frozen()
+@pytest.mark.parametrize("reference", [FROZEN, "gymnasium:Taxi-v4"])
+def test_saved_as_seed_and_actions_a_restore_continues_as_the_original_would(
+    reference: str,
+) -> None:
+    env = get_environment(reference)
+    assert isinstance(env, GymnasiumEnvironment)
     task = env.make_tasks(2, 0)[1]
     original, interrupted = env.start(task), env.start(task)
     actions = [1, 2, 1, 2, 2, 1, 1, 3]

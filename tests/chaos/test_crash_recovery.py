@@ -140,13 +140,35 @@ def attempts(workdir: Path) -> list[int]:
     return [r.attempt for r in rollouts]
 
 
+def assert_a_changed_group_size_is_refused(tmp_path: Path, config: Path) -> None:
+    """A rerun of a killed run with another ``group_size`` is refused naming it, and touches
+    neither the trained rows nor the snapshots; the config is then put back. (On the
+    scenario's killed workdir: a kill of its own cost a run.)"""
+    workdir = tmp_path / "run"
+    trained = (workdir / "train_data.jsonl").read_bytes()
+    snapshots = published(workdir)
+    write_config(tmp_path, group_size=GROUP_SIZE + 1)
+
+    refused = RunProcess(config).finish()
+
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    assert "group_size" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    assert (workdir / "train_data.jsonl").read_bytes() == trained
+    assert published(workdir) == snapshots
+    write_config(tmp_path)
+
+
 # ---- the scenarios -------------------------------------------------------------------------
-def test_kill_between_snapshots_continues_the_saved_episodes(tmp_path: Path, start: Start) -> None:
+def test_kill_between_snapshots_refuses_a_changed_group_size_then_continues_the_saved_episodes(
+    tmp_path: Path, start: Start
+) -> None:
     config = write_config(tmp_path)
     workdir = tmp_path / "run"
     run = start(config)
     wait_for_resumable_snapshot(run, workdir)
     crash(run)
+    assert_a_changed_group_size_is_refused(tmp_path, config)
 
     reruns = rerun_until_ok(start, config)
 
@@ -236,29 +258,6 @@ def test_kill_at_a_random_moment(tmp_path: Path, start: Start, seed: int) -> Non
 
     reruns = rerun_until_ok(start, config)
 
-    assert_invariants(config, reruns[-1])
-
-
-def test_changed_group_size_is_refused_naming_it(tmp_path: Path, start: Start) -> None:
-    config = write_config(tmp_path)
-    workdir = tmp_path / "run"
-    run = start(config)
-    wait_for_resumable_snapshot(run, workdir)
-    crash(run)
-    trained = (workdir / "train_data.jsonl").read_bytes()
-    snapshots = published(workdir)
-
-    write_config(tmp_path, group_size=GROUP_SIZE + 1)
-    refused = start(config).finish()
-
-    assert refused.returncode == 2, refused.stderr[-2000:]
-    assert "group_size" in refused.stderr
-    assert "Traceback" not in refused.stderr
-    assert (workdir / "train_data.jsonl").read_bytes() == trained
-    assert published(workdir) == snapshots
-
-    write_config(tmp_path)
-    reruns = rerun_until_ok(start, config)
     assert_invariants(config, reruns[-1])
 
 

@@ -34,7 +34,9 @@ ABSENT = (*sorted({m for modules in EXTRAS.values() for m in modules}), "tenacit
 
 def _pip(python: Path, *args: str) -> None:
     done = subprocess.run(
-        [str(python), "-m", "pip", "install", "--quiet", *args],
+        # --no-compile: no bytecode for the packages installed (the test imports a few
+        # modules once; compiling them all cost most of the fixture's CPU).
+        [str(python), "-m", "pip", "install", "--quiet", "--no-compile", *args],
         capture_output=True,
         text=True,
         timeout=540,

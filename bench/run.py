@@ -23,6 +23,7 @@ from bench import (
     long_episodes,
     model_overhead,
     runtime_compare,
+    snapshot_cost,
     snapshot_growth,
     snapshot_io,
     snapshot_pause,
@@ -69,6 +70,12 @@ ITEMS: dict[str, Item] = {
         if quick
         else journal_job.run()
     ),
+    # Snapshots every 5 s against none, journal mode (issue 37); --quick at 1k, one leg a side.
+    "snapshot_cost": lambda quick: (
+        snapshot_cost.run(1000, settle_s=10, window_s=20, order=("off", "every_5s"))
+        if quick
+        else snapshot_cost.run()
+    ),
     "control_latency": lambda quick: (
         control_latency.run(seconds=15, concurrency=32) if quick else control_latency.run()
     ),
@@ -94,6 +101,7 @@ FULL_ONLY = {
     "snapshot_pause_100k",
     "generation_cut",
     "journal_job",
+    "snapshot_cost",
     "snapshot_growth_100k",
     "soak",
 }

@@ -1,5 +1,6 @@
 """``rollpoint run`` when the run directory itself is touched (issue 15): two reruns at
-once, a tampered manifest, a full snapshot disk, an edited or truncated train data file.
+once, a tampered manifest, a full snapshot disk, an edited or truncated train data file,
+snapshots moved away or unusable.
 
 Each test drives the real command as a process (``tests/support/run_process.py``), breaks
 the workdir the way an operator or a scheduler would, and checks what the rerun did from
@@ -34,35 +35,6 @@ pytestmark = pytest.mark.chaos
 __all__ = ["start"]  # the fixture, shared with the crash tests
 
 _BUSY = re.compile(r"workdir \S+ is in use by process (\d+)")
-
-
-def test_two_reruns_at_once_one_is_refused_before_touching_anything(
-    tmp_path: Path, start: Start
-) -> None:
-    config = write_config(tmp_path)
-    workdir = tmp_path / "run"
-    run = start(config)
-    wait_for_resumable_snapshot(run, workdir)
-    crash(run)
-
-    # A scheduler retrying while the old job is torn down: both reruns start together.
-    both = [RunProcess(config), RunProcess(config)]
-    try:
-        finished = [r.finish() for r in both]
-    finally:
-        for r in both:
-            if r.proc.poll() is None:
-                r.kill()
-
-    codes = sorted(f.returncode for f in finished)
-    assert codes[0] == 0 and codes[1] != 0, [f.stderr[-1500:] for f in finished]
-    loser = next(f for f in finished if f.returncode != 0)
-    winner = next(r for r, f in zip(both, finished, strict=True) if f.returncode == 0)
-    busy = _BUSY.search(loser.stderr)
-    assert busy and int(busy.group(1)) == winner.proc.pid, loser.stderr[-1500:]
-    assert "Traceback" not in loser.stderr
-    assert "servers up" not in loser.stderr and "restoring" not in loser.stderr
-    assert_invariants(config, finished[both.index(winner)])
 
 
 # ---- what the workdir holds ----------------------------------------------------------------
@@ -146,42 +118,6 @@ DAMAGES: dict[str, Callable[[Path], None]] = {
     "truncated-file": _truncate_mid_line,
     "checkpoint-500-bytes-short": _checkpoints_500_bytes_short,
 }
-
-
-def test_damaged_train_data_is_refused_naming_it_and_nothing_is_deleted(
-    tmp_path: Path, start: Start
-) -> None:
-    """Each damage in turn on one killed workdir (a rerun refused at its start checks costs
-    a few seconds; a run to the kill, ~20): refused naming the file, nothing changed; then
-    the files put back as they were, and the run resumes."""
-    config = write_config(tmp_path)
-    workdir = tmp_path / "run"
-    run = start(config)
-    run.wait_until(lambda: len(checkpoint_steps(workdir)) >= 2, "two train checkpoints")
-    wait_for_resumable_snapshot(run, workdir)
-    crash(run)
-    train_data = workdir / "train_data.jsonl"
-    good = progress(workdir)
-    snapshots = set(manifests(workdir))
-
-    for name, damage in DAMAGES.items():
-        damage(workdir)
-        kept = progress(workdir)
-
-        refused = start(config).finish()
-
-        assert refused.returncode != 0, (name, refused.stderr[-2000:])
-        errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
-        assert len(errors) == 1 and str(train_data) in errors[0], (name, refused.stderr[-2000:])
-        assert "Traceback" not in refused.stderr and "servers up" not in refused.stderr, name
-        assert progress(workdir) == kept and set(manifests(workdir)) == snapshots, name
-        # The first way out: put the files back as they were.
-        for path, data in good.items():
-            path.write_bytes(data)
-
-    reruns = rerun_until_ok(start, config)
-    assert "resumed from snapshot" in reruns[0].stderr, reruns[0].stderr[-2000:]
-    assert_invariants(config, reruns[-1])
 
 
 # ---- a full snapshot disk, and a workdir whose snapshots are gone ---------------------------
@@ -293,20 +229,46 @@ LOSSES = [(_move_the_store, "but no snapshot in"), (_corrupt_every_manifest, "is
 """Each way a workdir's snapshots can go, and what the refusal says of it."""
 
 
-def test_progress_with_no_usable_snapshot_is_refused_and_nothing_is_deleted(
+def test_a_killed_workdir_damaged_each_way_is_refused_then_two_reruns_at_once_resume_once(
     tmp_path: Path, start: Start
 ) -> None:
-    # One crashed run, its snapshots lost each way in turn (put back between): each rerun
-    # is refused, and once they are back the last one resumes.
+    """One killed run's workdir, broken each way in turn, put back between (a rerun refused
+    at its start checks costs seconds, a run to the kill ~20):
+
+    - its train data damaged (``DAMAGES``): refused in one line naming the file;
+    - its snapshots lost (``LOSSES``): refused in one line saying why and the ways out;
+
+    each time with nothing deleted or changed. Then, put back, two reruns at once (a
+    scheduler retrying while the old job is torn down): one is refused before touching
+    anything, naming the process that holds the workdir; the other resumes."""
     config = write_config(tmp_path)
     workdir = tmp_path / "run"
     run = start(config)
+    run.wait_until(lambda: len(checkpoint_steps(workdir)) >= 2, "two train checkpoints")
     wait_for_resumable_snapshot(run, workdir)
     crash(run)
-    before = progress(workdir)
+    train_data = workdir / "train_data.jsonl"
+    good = progress(workdir)
+    snapshots = set(manifests(workdir))
+
+    for name, damage in DAMAGES.items():
+        damage(workdir)
+        kept = progress(workdir)
+
+        refused = start(config).finish()
+
+        assert refused.returncode != 0, (name, refused.stderr[-2000:])
+        errors = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and str(train_data) in errors[0], (name, refused.stderr[-2000:])
+        assert "Traceback" not in refused.stderr and "servers up" not in refused.stderr, name
+        assert progress(workdir) == kept and set(manifests(workdir)) == snapshots, name
+        # The first way out: put the files back as they were.
+        for path, data in good.items():
+            path.write_bytes(data)
 
     for lose, why in LOSSES:
         put_back = lose(workdir)
+
         refused = start(config).finish()
 
         assert refused.returncode != 0, refused.stderr[-2000:]
@@ -315,9 +277,26 @@ def test_progress_with_no_usable_snapshot_is_refused_and_nothing_is_deleted(
         assert "holds progress (train_data.jsonl:" in errors[0] and why in errors[0], errors[0]
         assert "fix the snapshot store" in errors[0] and "--fresh --force" in errors[0]
         assert "Traceback" not in refused.stderr and "servers up" not in refused.stderr
-        assert progress(workdir) == before
+        assert progress(workdir) == good
         put_back()
+    assert set(manifests(workdir)) == snapshots
 
-    reruns = rerun_until_ok(start, config)
-    assert "resumed from snapshot" in reruns[0].stderr, reruns[0].stderr[-2000:]
-    assert_invariants(config, reruns[-1])
+    both = [RunProcess(config), RunProcess(config)]
+    try:
+        finished = [r.finish() for r in both]
+    finally:
+        for r in both:
+            if r.proc.poll() is None:
+                r.kill()
+
+    codes = sorted(f.returncode for f in finished)
+    assert codes[0] == 0 and codes[1] != 0, [f.stderr[-1500:] for f in finished]
+    loser = next(f for f in finished if f.returncode != 0)
+    winner = next(r for r, f in zip(both, finished, strict=True) if f.returncode == 0)
+    busy = _BUSY.search(loser.stderr)
+    assert busy and int(busy.group(1)) == winner.proc.pid, loser.stderr[-1500:]
+    assert "Traceback" not in loser.stderr
+    assert "servers up" not in loser.stderr and "restoring" not in loser.stderr
+    resumed = finished[both.index(winner)]
+    assert "resumed from snapshot" in resumed.stderr, resumed.stderr[-2000:]
+    assert_invariants(config, resumed)

@@ -21,15 +21,23 @@ tests fill the workers' last minutes instead of one long chaos trial starting la
 that share an expensive module or session fixture carry ``pytest.mark.xdist_group`` (one
 worker makes the fixture once); the ray tier is one group, its cluster made once, and so is the engine tier.
 A worker refuses to run when those groups would be ignored (:func:`pytest_collection_finish`).
+
+With ``ROLLPOINT_TEST_CPU=<file>`` each test appends a JSON line there: its node id, its wall
+seconds and the CPU seconds it cost (this process and every child it waited for: the
+servers a ``rollpoint run`` started count once that run is reaped), to find what the suite's
+CPU goes to (:func:`pytest_runtest_protocol`).
 """
 
 from __future__ import annotations
 
 import gc
+import os
+import resource
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import orjson
 import pytest
 
 TIERS = ("engine", "chaos", "ray", "process", "examples", "integration", "unit")
@@ -134,3 +142,33 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     lost = item.config.stash.get(LOST_GROUPS, None)
     if lost is not None and item.get_closest_marker("xdist_group"):
         pytest.fail(lost, pytrace=False)
+
+
+CPU_LOG = "ROLLPOINT_TEST_CPU"
+
+
+def _cpu_seconds() -> float:
+    own, children = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
+    """Under ``ROLLPOINT_TEST_CPU``, one line a test: what it cost in CPU and in time."""
+    path = os.environ.get(CPU_LOG)
+    if not path:
+        return (yield)
+    cpu, wall = _cpu_seconds(), time.monotonic()
+    try:
+        return (yield)
+    finally:
+        line = {
+            "test": item.nodeid,
+            "wall_s": round(time.monotonic() - wall, 3),
+            "cpu_s": round(_cpu_seconds() - cpu, 3),
+        }
+        with open(path, "ab") as out:  # one short append a line: workers may share the file
+            out.write(orjson.dumps(line) + b"\n")

@@ -22,6 +22,7 @@ trained), handing over where they are as ``done(state=...)``; after a restore
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -512,8 +513,12 @@ class SyncRollouts:
         tb: TracebackType | None,
     ) -> None:
         """Leaving before the run ended stops it, as :class:`Rollouts` does."""
-        if self._thread.is_alive() and self._loop is not None and self._main is not None:
-            self._loop.call_soon_threadsafe(self._main.cancel)
+        loop, main = self._loop, self._main
+        if self._thread.is_alive() and loop is not None and main is not None:
+            # The run may end and its thread close the loop at any moment: a loop closed
+            # before or during this call has nothing left to stop.
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(main.cancel)
         self._thread.join()
 
     @property

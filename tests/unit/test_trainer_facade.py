@@ -3,9 +3,11 @@ the façade that need no servers (the served deployment line, the attached runti
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import subprocess
 import sys
+import threading
 import typing
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +19,7 @@ from rollpoint.app.config import parse_config
 from rollpoint.protocol.deployment import ServedDeployment
 from rollpoint.protocol.errors import ConfigError, LaunchError
 from rollpoint.runtime.attached import AttachedRuntime
+from tests.support.job_config import job_config
 
 SERVED = (
     '{"replicas":[{"name":"replica-0","model_url":"http://127.0.0.1:1","agent_url":'
@@ -170,3 +173,27 @@ def test_the_trainer_library_and_the_loop_export_pinned_names_that_each_resolve(
     for package in (rollpoint.trainer, rollpoint.loop):
         for name in package.__all__:
             assert getattr(package, name).__name__ == name
+
+
+def test_leaving_sync_rollouts_as_its_run_ends_on_its_own_does_not_raise(tmp_path: Path) -> None:
+    """The run's thread closes its loop as the run ends; ``with`` may be left in that moment,
+    its thread still alive and its loop already closed (CI once failed a test on it:
+    "Event loop is closed" from ``__exit__``). That state, made on purpose."""
+    run = rollpoint.SyncRollouts(job_config(tmp_path))
+    loop = asyncio.new_event_loop()
+
+    async def ended() -> None:
+        return None
+
+    run._main = loop.create_task(ended())
+    loop.run_until_complete(run._main)
+    loop.close()
+    run._loop = loop
+    ends = threading.Event()
+    run._thread = threading.Thread(target=ends.wait, daemon=True)  # between close and its end
+    run._thread.start()
+    threading.Timer(0.05, ends.set).start()
+
+    run.__exit__(None, None, None)
+
+    assert not run._thread.is_alive()

@@ -40,7 +40,7 @@ import secrets
 import signal
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,6 +67,7 @@ from rollpoint.trainer.control.control_plane import participant_clients
 from rollpoint.trainer.control.participant_client import ParticipantClient
 from rollpoint.trainer.record.workdir_record import WorkdirRecord
 from rollpoint.trainer.restore.restorer import Restorer, find_resume_point
+from rollpoint.trainer.trainer import Trainer
 from rollpoint.tuning import install as install_tuning
 
 SETTLE_S = 30.0
@@ -177,16 +178,18 @@ async def run_leg(sessions: int, *, journal: bool, settle_s: float, window_s: fl
     return leg
 
 
-async def _run_job(
-    leg: Leg,
+@contextlib.asynccontextmanager
+async def settled_job(
     config: Any,
     tasks: list[Any],
     token: str,
     root: str,
     control_http: HttpClient,
     settle_s: float,
-    window_s: float,
-) -> None:
+) -> AsyncIterator[tuple[Trainer, list[ParticipantClient], asyncio.Task[Any]]]:
+    """The job up, its sessions opened and ``settle_s`` run (a snapshot every
+    :data:`RAMP_SNAPSHOT_S` meanwhile): its trainer, its participants and the trainer's run
+    task, cancelled on the way out. ``snapshot_cost`` runs the same job."""
     sessions = config.concurrency
     store = await asyncio.to_thread(SnapshotStore, root, config.snapshot.keep)
     async with EmbeddedRuntime(
@@ -206,31 +209,48 @@ async def _run_job(
                 await asyncio.sleep(min(RAMP_SNAPSHOT_S, max(settled_at - time.monotonic(), 0)))
                 with contextlib.suppress(Exception):
                     await coordinator.save()
-            seen = coordinator.saves
-            await coordinator.save()
-            leg.failed_snapshots = sum(not r.published for r in coordinator.reports_since(seen))
-            pids = [os.getpid(), *descendants(os.getpid())]
-            calls0, cpu0 = await _model_calls(participants), cpu_seconds(pids)
-            bytes0 = await asyncio.to_thread(journal_bytes, root)
-            t0 = time.monotonic()
-            await asyncio.sleep(window_s)
-            if run.done():
-                run.result()
-                raise RuntimeError("the trainer stopped during the measured window")
-            calls1, cpu1 = await _model_calls(participants), cpu_seconds(pids)
-            leg.seconds = time.monotonic() - t0
-            leg.turns = calls1 - calls0
-            leg.cpu_s = sum(cpu1[p] - cpu0[p] for p in cpu1 if p in cpu0)
-            bytes1 = await asyncio.to_thread(journal_bytes, root)
-            leg.journal_bytes = {k: bytes1[k] - bytes0.get(k, 0) for k in bytes1}
-            # The crash: every process of the job at once, the trainer's task with them.
-            for pid in descendants(os.getpid()):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+            yield trainer, list(participants), run
         finally:
             run.cancel()
             await asyncio.gather(run, return_exceptions=True)
             await data_http.aclose()
+
+
+async def _run_job(
+    leg: Leg,
+    config: Any,
+    tasks: list[Any],
+    token: str,
+    root: str,
+    control_http: HttpClient,
+    settle_s: float,
+    window_s: float,
+) -> None:
+    async with settled_job(config, tasks, token, root, control_http, settle_s) as job:
+        trainer, participants, run = job
+        coordinator = trainer.coordinator
+        assert coordinator is not None
+        seen = coordinator.saves
+        await coordinator.save()
+        leg.failed_snapshots = sum(not r.published for r in coordinator.reports_since(seen))
+        pids = [os.getpid(), *descendants(os.getpid())]
+        calls0, cpu0 = await _model_calls(participants), cpu_seconds(pids)
+        bytes0 = await asyncio.to_thread(journal_bytes, root)
+        t0 = time.monotonic()
+        await asyncio.sleep(window_s)
+        if run.done():
+            run.result()
+            raise RuntimeError("the trainer stopped during the measured window")
+        calls1, cpu1 = await _model_calls(participants), cpu_seconds(pids)
+        leg.seconds = time.monotonic() - t0
+        leg.turns = calls1 - calls0
+        leg.cpu_s = sum(cpu1[p] - cpu0[p] for p in cpu1 if p in cpu0)
+        bytes1 = await asyncio.to_thread(journal_bytes, root)
+        leg.journal_bytes = {k: bytes1[k] - bytes0.get(k, 0) for k in bytes1}
+        # The crash: every process of the job at once, the trainer's task with them.
+        for pid in descendants(os.getpid()):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
 
 async def _restore(leg: Leg, config: Any, token: str, root: str, control_http: HttpClient) -> None:

@@ -36,24 +36,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.journal_job import _model_calls, cpu_seconds, descendants
+from bench.journal_job import _model_calls, cpu_seconds, descendants, settled_job
 from bench.latency import percentile
 from bench.report import BenchResult
 from bench.snapshot_growth import TOKENS_POLICY
 from bench.snapshot_pause import (
-    RAMP_SNAPSHOT_S,
-    MeteredClient,
     _config,
-    _ramp,
-    bench_trainer,
     load,
     long_task,
 )
 from rollpoint.http.client import HttpClient
 from rollpoint.protocol.errors import SnapshotError
-from rollpoint.runtime.embedded import EmbeddedRuntime
-from rollpoint.store.snapshot_store import SnapshotStore
-from rollpoint.trainer.control.control_plane import participant_clients
 from rollpoint.tuning import install as install_tuning
 
 SETTLE_S = 30.0
@@ -106,54 +99,35 @@ async def _run_job(
     settle_s: float,
     window_s: float,
 ) -> None:
-    sessions = config.concurrency
-    store = await asyncio.to_thread(SnapshotStore, root, config.snapshot.keep)
-    async with EmbeddedRuntime(
-        config.runtime_settings(), control_token=token, snapshot_root=root
-    ) as runtime:
-        assert runtime.deployment is not None
-        data_http = MeteredClient(load(sessions).rows_per_s, sessions)
-        participants = participant_clients(runtime.deployment, control_http)
-        trainer = bench_trainer(config, runtime.deployment, tasks, participants, store, data_http)
+    async with settled_job(config, tasks, token, root, control_http, settle_s) as job:
+        trainer, participants, run = job
         coordinator = trainer.coordinator
         assert coordinator is not None
-        run = asyncio.create_task(trainer.run())
-        try:
-            await _ramp(trainer, participants, sessions, warm=True)
-            settled_at = time.monotonic() + settle_s
-            while time.monotonic() < settled_at and not run.done():
-                await asyncio.sleep(min(RAMP_SNAPSHOT_S, max(settled_at - time.monotonic(), 0)))
-                with contextlib.suppress(SnapshotError):
-                    await coordinator.save()
-            seen = coordinator.saves
-            pids = [os.getpid(), *descendants(os.getpid())]
-            calls0, cpu0 = await _model_calls(participants), cpu_seconds(pids)
-            t0 = time.monotonic()
-            ends = t0 + window_s
-            while leg.snapshots_on and time.monotonic() + EVERY_S <= ends:
-                started = time.monotonic()
-                with contextlib.suppress(SnapshotError):
-                    await coordinator.save()
-                leg.save_ms.append((time.monotonic() - started) * 1e3)
-                await asyncio.sleep(max(started + EVERY_S - time.monotonic(), 0))
-            await asyncio.sleep(max(ends - time.monotonic(), 0))
-            if run.done():
-                run.result()
-                raise RuntimeError("the trainer stopped during the measured window")
-            calls1, cpu1 = await _model_calls(participants), cpu_seconds(pids)
-            leg.seconds = time.monotonic() - t0
-            leg.turns = calls1 - calls0
-            leg.cpu_s = sum(cpu1[p] - cpu0[p] for p in cpu1 if p in cpu0)
-            for report in coordinator.reports_since(seen):
-                if report.published:
-                    leg.published += 1
-                    leg.closed_ms.append(report.pause_s * 1e3)
-                else:
-                    leg.failed += 1
-        finally:
-            run.cancel()
-            await asyncio.gather(run, return_exceptions=True)
-            await data_http.aclose()
+        seen = coordinator.saves
+        pids = [os.getpid(), *descendants(os.getpid())]
+        calls0, cpu0 = await _model_calls(participants), cpu_seconds(pids)
+        t0 = time.monotonic()
+        ends = t0 + window_s
+        while leg.snapshots_on and time.monotonic() + EVERY_S <= ends:
+            started = time.monotonic()
+            with contextlib.suppress(SnapshotError):
+                await coordinator.save()
+            leg.save_ms.append((time.monotonic() - started) * 1e3)
+            await asyncio.sleep(max(started + EVERY_S - time.monotonic(), 0))
+        await asyncio.sleep(max(ends - time.monotonic(), 0))
+        if run.done():
+            run.result()
+            raise RuntimeError("the trainer stopped during the measured window")
+        calls1, cpu1 = await _model_calls(participants), cpu_seconds(pids)
+        leg.seconds = time.monotonic() - t0
+        leg.turns = calls1 - calls0
+        leg.cpu_s = sum(cpu1[p] - cpu0[p] for p in cpu1 if p in cpu0)
+        for report in coordinator.reports_since(seen):
+            if report.published:
+                leg.published += 1
+                leg.closed_ms.append(report.pause_s * 1e3)
+            else:
+                leg.failed += 1
 
 
 def _figures(legs: list[Leg], tag: str) -> dict[str, float | int | str]:

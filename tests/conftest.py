@@ -22,10 +22,11 @@ that share an expensive module or session fixture carry ``pytest.mark.xdist_grou
 worker makes the fixture once); the ray tier is one group, its cluster made once, and so is the engine tier.
 A worker refuses to run when those groups would be ignored (:func:`pytest_collection_finish`).
 
-With ``ROLLPOINT_TEST_CPU=<file>`` each test appends a JSON line there: its node id, its wall
-seconds and the CPU seconds it cost (this process and every child it waited for: the
-servers a ``rollpoint run`` started count once that run is reaped), to find what the suite's
-CPU goes to (:func:`pytest_runtest_protocol`).
+With ``ROLLPOINT_TEST_CPU=<file>`` each test appends a JSON line there: its node id, its
+worker, when it started (Unix time), its wall seconds and the CPU seconds it cost (this
+process and every child it waited for: the servers a ``rollpoint run`` started count once
+that run is reaped), to find what the suite's CPU goes to and whether a worker idles at the
+end (:func:`pytest_runtest_protocol`).
 """
 
 from __future__ import annotations
@@ -167,6 +168,8 @@ def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
     finally:
         line = {
             "test": item.nodeid,
+            "worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
+            "start": round(time.time() - (time.monotonic() - wall), 3),
             "wall_s": round(time.monotonic() - wall, 3),
             "cpu_s": round(_cpu_seconds() - cpu, 3),
         }

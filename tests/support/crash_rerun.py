@@ -13,7 +13,9 @@ environment's own state or log.
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,14 +84,15 @@ class CrashedRun:
 
     def wait_for_depth(
         self, run: RunProcess, depth: int, *, most: int, checkpoint_timeout_s: float = 60
-    ) -> None:
+    ) -> set[str]:
         """Wait until a snapshot published after the run's first train checkpoint holds an
         episode ``depth`` turns in with at most ``most`` done (one with work left): the
         newest snapshot, which a rerun restores from.
 
         Waiting for the depth, not for any snapshot, is what makes the kill a crash test: on
         a loaded machine the first snapshot after the checkpoint may catch only episodes that
-        had not completed a turn, and a continued episode then keeps nothing."""
+        had not completed a turn, and a continued episode then keeps nothing. Returns the
+        snapshots published before the checkpoint."""
         run.wait_until(
             lambda: has_checkpoint(self.workdir),
             "a train checkpoint",
@@ -100,6 +103,34 @@ class CrashedRun:
             lambda: newest_holds_depth(self.store, before, depth, most=most),
             f"a snapshot after it holding an episode {depth} turn(s) in",
         )
+        return before
+
+    def kill_at_depth(
+        self, run: RunProcess, depth: int, *, most: int, checkpoint_timeout_s: float = 60
+    ) -> None:
+        """SIGKILL the run at a moment its newest snapshot holds an episode ``depth`` turns
+        in with at most ``most`` done (:meth:`wait_for_depth`).
+
+        Seeing that snapshot and killing the run are two moments: a snapshot published
+        between them can hold only younger episodes (the one seen may have ended since), and
+        the rerun restores the newest, so a test that needs an episode continued from its
+        turn failed now and then on a loaded machine. So the run's whole process group is
+        stopped first (SIGSTOP: nothing publishes while stopped) and the newest snapshot read
+        again: the kill comes only if it still holds such an episode; otherwise the run
+        goes on (SIGCONT) and the wait starts over."""
+        before = self.wait_for_depth(
+            run, depth, most=most, checkpoint_timeout_s=checkpoint_timeout_s
+        )
+        while True:
+            os.killpg(run.proc.pid, signal.SIGSTOP)
+            if newest_holds_depth(self.store, before, depth, most=most):
+                self.kill(run)
+                return
+            os.killpg(run.proc.pid, signal.SIGCONT)
+            run.wait_until(
+                lambda: newest_holds_depth(self.store, before, depth, most=most),
+                f"a snapshot holding an episode {depth} turn(s) in",
+            )
 
     def kill(self, run: RunProcess) -> None:
         """SIGKILL the run (alive until now) and every process it started."""
@@ -126,13 +157,12 @@ def crash_and_rerun(
     checkpoint_timeout_s: float = 60,
     rerun_timeout_s: float = 240,
 ) -> list[Finished]:
-    """Start the run, SIGKILL it once the newest snapshot holds an episode ``depth`` turns
-    in (:meth:`CrashedRun.wait_for_depth`), rerun it to the end; the reruns, of which the
+    """Start the run, SIGKILL it while the newest snapshot holds an episode ``depth`` turns
+    in (:meth:`CrashedRun.kill_at_depth`), rerun it to the end; the reruns, of which the
     first continued some episodes (checked)."""
     with CrashedRun(config, workdir) as crash:
         run = crash.start()
-        crash.wait_for_depth(run, depth, most=most, checkpoint_timeout_s=checkpoint_timeout_s)
-        crash.kill(run)
+        crash.kill_at_depth(run, depth, most=most, checkpoint_timeout_s=checkpoint_timeout_s)
         reruns = crash.rerun_until_ok(timeout_s=rerun_timeout_s)
     assert_episodes_continued(reruns[0])
     return reruns

@@ -33,6 +33,7 @@ from pydantic import JsonValue
 
 from rollpoint.participant.episode_scope import EpisodeScope
 from rollpoint.participant.participant import CapturingParticipant, Participant, await_hook
+from rollpoint.participant.ready_queue import FrontTask
 from rollpoint.protocol.control import CommitReply, Phase
 from rollpoint.protocol.errors import DeadlineExceededError, SnapshotError
 from rollpoint.protocol.manifest import JournalMark, ParticipantManifest
@@ -63,7 +64,9 @@ class CheckpointWrite:
     directory: str
     """The participant's own folder, resolved inside the snapshot root."""
     scope: EpisodeScope
-    capture: asyncio.Task[CommitReply] | None = None
+    capture: FrontTask[CommitReply] | None = None
+    """Its first step, and a commit's wake-up once it is done, run ahead of the data plane
+    (:mod:`rollpoint.participant.ready_queue`): the capture is inside the pause."""
     store: asyncio.Task[ParticipantManifest] | None = None
     records: list[dict[str, JsonValue]] | None = None
     """Kept from the export until a write succeeds, so a failed write is tried again
@@ -89,7 +92,7 @@ class CheckpointWrite:
     @property
     def capturing(self) -> bool:
         """A capture is running or has succeeded (a failed one may be started again)."""
-        return self.capture is not None and not failed(self.capture)
+        return self.capture is not None and not failed(self.capture.task)
 
 
 class CheckpointWrites:
@@ -123,14 +126,16 @@ class CheckpointWrites:
         self._writes[write.checkpoint_id] = write
         while len(self._writes) > REMEMBERED_WRITES:
             self._writes.popitem(last=False)
-        write.capture = asyncio.create_task(self._capture(write))
-        write.capture.add_done_callback(_log_failure)
+        write.capture = FrontTask(self._capture(write))
+        write.capture.task.add_done_callback(_log_failure)
 
     async def captured(self, write: CheckpointWrite, deadline_ts: float, what: str) -> CommitReply:
         """The capture's reply (``manifest`` None), by the deadline."""
         assert write.capture is not None, "a write is captured only once started"
-        late = f"{what}: the capture outlived the deadline"
-        return await self._by_deadline(write.capture, deadline_ts, late)
+        try:
+            return await write.capture.result(max(deadline_ts - self._clock(), 0.0))
+        except TimeoutError:
+            raise DeadlineExceededError(f"{what}: the capture outlived the deadline") from None
 
     async def stored(
         self, write: CheckpointWrite, deadline_ts: float, what: str

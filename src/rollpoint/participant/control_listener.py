@@ -30,11 +30,14 @@ journals):
   The hand-over is the short critical section, and it does not queue: it is put at the
   front of the data loop's ready queue, and so is the task's first step, so a verb whose
   fence work does not suspend (the model server's prepare and resume) runs right after
-  the callback the data loop is in, not after the thousands it has ready. This reads
-  asyncio's private ready queue (a ``deque``) and self-pipe, defensively; on any other
-  loop (uvloop) the hand-over is the public ``call_soon_threadsafe``, behind what is
-  ready. A wait inside a verb (a commit's capture task, a prepare waiting for in-flight
-  work to quiesce, as it must) is an ordinary data-loop wait.
+  the callback the data loop is in, not after the thousands it has ready; the task's
+  last step hands the reply back itself (a done callback would queue behind them again).
+  A commit's capture runs the same way (:class:`~rollpoint.participant.ready_queue.FrontTask`):
+  its first step and the commit's wake-up once it is done run next. The queue is
+  asyncio's private one, read defensively (:mod:`rollpoint.participant.ready_queue`); on
+  any other loop (uvloop) the hand-over is the public ``call_soon_threadsafe``, behind
+  what is ready. A wait inside a verb (a prepare waiting for in-flight work to quiesce,
+  as it must; a capture that yields between slices) is an ordinary data-loop wait.
 - **status** does not touch the data loop at all (after the first one, below): the fence's
   phase, checkpoint id, lease and retire count are attributes read as they stand, and the
   participant's ``stats()`` is called on this thread (the Participant contract says so:
@@ -68,9 +71,7 @@ import logging
 import socket
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Coroutine
-from functools import partial
+from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 import uvicorn
@@ -80,6 +81,7 @@ from rollpoint.http.app import create_app
 from rollpoint.participant.control_routes import mount_control_routes
 from rollpoint.participant.fence import ControlSettings, Fence
 from rollpoint.participant.fence_verbs import VerbHandler, fence_handlers
+from rollpoint.participant.ready_queue import ready_queue, step_next
 from rollpoint.protocol.control import StatusReply, Verb
 from rollpoint.protocol.errors import ConfigError
 
@@ -170,22 +172,22 @@ def hand_over(
     """Run ``coro`` on ``loop`` (another thread's) as a task, its result in the future
     returned: :func:`asyncio.run_coroutine_threadsafe`, with the hand-over and the task's
     first step put at the front of the loop's ready queue, not behind everything the loop
-    has ready (see the module docstring). On a loop without that queue (uvloop), the same
-    through the public API: behind what is ready."""
+    has ready (see the module docstring), and the future settled by the task's last step
+    (a done callback would wait behind the ready queue once more). On a loop without that
+    queue (uvloop), the same through the public API: behind what is ready."""
     out: concurrent.futures.Future[T] = concurrent.futures.Future()
 
     def start() -> None:
         if not out.set_running_or_notify_cancel():
             coro.close()
             return
-        task = loop.create_task(coro)
-        _step_next(loop)
-        task.add_done_callback(partial(_settle, out))
+        loop.create_task(_settling(coro, out))
+        step_next(loop)
 
     if loop.is_closed():
         coro.close()
         raise RuntimeError("the data loop is closed")
-    ready, wake = _ready_queue(loop)
+    ready, wake = ready_queue(loop)
     if ready is None or wake is None:
         loop.call_soon_threadsafe(start)
     else:
@@ -194,36 +196,19 @@ def hand_over(
     return out
 
 
-def _ready_queue(
-    loop: asyncio.AbstractEventLoop,
-) -> tuple[deque[asyncio.Handle] | None, Callable[[], None] | None]:
-    """The ready queue and self-pipe wake-up of an asyncio (selector or proactor) loop;
-    (None, None) on any other loop. Private to asyncio, hence read defensively: the
-    one place this module relies on asyncio's insides, and only for the order."""
-    if not isinstance(loop, asyncio.BaseEventLoop):
-        return None, None
-    ready = getattr(loop, "_ready", None)
-    wake = getattr(loop, "_write_to_self", None)
-    if not isinstance(ready, deque) or not callable(wake):
-        return None, None
-    return ready, wake
-
-
-def _step_next(loop: asyncio.AbstractEventLoop) -> None:
-    """On ``loop``'s own thread, right after ``create_task``: the task's first step (the
-    handle just appended) runs next rather than after the rest of the ready queue."""
-    ready, _ = _ready_queue(loop)
-    if ready:
-        ready.appendleft(ready.pop())
-
-
-def _settle(out: concurrent.futures.Future[T], task: asyncio.Task[T]) -> None:
-    if task.cancelled():
+async def _settling(coro: Coroutine[Any, Any, T], out: concurrent.futures.Future[T]) -> None:
+    """``coro``, its outcome handed to ``out`` (a thread-safe future) as its last step."""
+    try:
+        result = await coro
+    except asyncio.CancelledError:
         out.set_exception(asyncio.CancelledError())  # a running future cannot be cancelled
-    elif (exc := task.exception()) is not None:
+        raise
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # delivered through ``out``: the task ends quietly
         out.set_exception(exc)
     else:
-        out.set_result(task.result())
+        out.set_result(result)
 
 
 def _coroutine(handler: VerbHandler, body: Any) -> Coroutine[Any, Any, BaseModel]:

@@ -32,6 +32,7 @@ SDK_MODULES = {
     "in_process_control",
     "participant",
     "phase_table",
+    "ready_queue",
     "retire_marks",
     "record_memo",
     "state_image",

@@ -22,6 +22,7 @@ trained), handing over where they are as ``done(state=...)``; after a restore
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import queue
@@ -51,6 +52,10 @@ from rollpoint.trainer.trainer import RunSummary, Trainer
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+_CALL_POLL_S = 0.1
+"""How often a :class:`SyncRollouts` call waiting on the run's loop checks that the run's
+thread still lives (a loop that stopped does not run what was handed to it)."""
 
 __all__ = [
     "ReplicaEndpoints",
@@ -609,7 +614,24 @@ class SyncRollouts:
         if self._loop is None:
             call.close()
             raise InvalidPhaseError("rollouts: the run is not open (use with)")
-        return asyncio.run_coroutine_threadsafe(call, self._loop).result()
+        # The run may end, and its thread stop and close the loop, at any moment: a call
+        # made then is refused in one line, never an asyncio RuntimeError or a wait for a
+        # loop that will not run it.
+        try:
+            future = asyncio.run_coroutine_threadsafe(call, self._loop)
+        except RuntimeError:  # the loop is closed
+            call.close()
+            raise InvalidPhaseError("rollouts: the run has ended") from None
+        while True:
+            try:
+                return future.result(timeout=_CALL_POLL_S)
+            except concurrent.futures.TimeoutError:
+                if not self._thread.is_alive() and not future.done():
+                    future.cancel()
+                    call.close()  # never started, and nothing will start it now
+                    raise InvalidPhaseError(
+                        "rollouts: the run ended before this call ran"
+                    ) from None
 
     def summary(self) -> RunSummary:
         """The run's end: every batch pulled and done; its figures."""

@@ -17,7 +17,7 @@ import pytest
 import rollpoint
 from rollpoint.app.config import parse_config
 from rollpoint.protocol.deployment import ServedDeployment
-from rollpoint.protocol.errors import ConfigError, LaunchError
+from rollpoint.protocol.errors import ConfigError, InvalidPhaseError, LaunchError
 from rollpoint.runtime.attached import AttachedRuntime
 from tests.support.job_config import job_config
 
@@ -197,3 +197,27 @@ def test_leaving_sync_rollouts_as_its_run_ends_on_its_own_does_not_raise(tmp_pat
     run.__exit__(None, None, None)
 
     assert not run._thread.is_alive()
+
+
+def test_a_sync_call_after_the_run_ended_is_refused_in_one_line(tmp_path: Path) -> None:
+    """A call made once the run's thread closed its loop, or while the thread ends with
+    the loop stopped (what is handed to it then never runs): a rollpoint error naming it,
+    not asyncio's RuntimeError nor a wait that never ends."""
+    run = rollpoint.SyncRollouts(job_config(tmp_path))
+    closed = asyncio.new_event_loop()
+    closed.close()
+    run._loop = closed
+    with pytest.raises(InvalidPhaseError, match="the run has ended"):
+        run.progress()
+
+    stopped = asyncio.new_event_loop()  # open, never run again: the thread is ending
+    run._loop = stopped
+    ends = threading.Event()
+    run._thread = threading.Thread(target=ends.wait, daemon=True)
+    run._thread.start()
+    threading.Timer(0.2, ends.set).start()
+    try:
+        with pytest.raises(InvalidPhaseError, match="the run ended before this call ran"):
+            run.progress()
+    finally:
+        stopped.close()

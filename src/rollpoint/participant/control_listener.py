@@ -72,6 +72,7 @@ import socket
 import threading
 import time
 from collections.abc import Coroutine
+from functools import partial
 from typing import Any, TypeVar
 
 import uvicorn
@@ -181,8 +182,11 @@ def hand_over(
         if not out.set_running_or_notify_cancel():
             coro.close()
             return
-        loop.create_task(_settling(coro, out))
+        task = loop.create_task(_settling(coro, out))
         step_next(loop)
+        # Only for a task cancelled before its first step (the loop shutting down): its
+        # coroutine never ran to settle ``out``. Otherwise ``out`` is settled already.
+        task.add_done_callback(partial(_cancelled_unsettled, out))
 
     if loop.is_closed():
         coro.close()
@@ -194,6 +198,11 @@ def hand_over(
         ready.appendleft(asyncio.Handle(start, (), loop))  # deque ops are atomic
         wake()  # the loop may be waiting in select(): wake it, as call_soon_threadsafe does
     return out
+
+
+def _cancelled_unsettled(out: concurrent.futures.Future[T], task: asyncio.Task[None]) -> None:
+    if not out.done():
+        out.set_exception(asyncio.CancelledError())
 
 
 async def _settling(coro: Coroutine[Any, Any, T], out: concurrent.futures.Future[T]) -> None:

@@ -89,8 +89,9 @@ ITEMS: dict[str, Item] = {
     ),
     # Without token data only: with ~1k-token turns the servers hold 7.4 GB at 10k in
     # flight (docs/log/performance-2026.md, session 13), and 100k would need far more than 24 GiB.
+    # The cut, then pause-free snapshots (journal mode, issue 37).
     "snapshot_growth_100k": lambda quick: snapshot_growth.run(
-        (100_000,), snapshots=4, settle_s=60.0, variants=("plain",)
+        (100_000,), snapshots=4, settle_s=60.0, variants=("plain", "journal")
     ),
     # 21 minutes (--quick: 3; ROLLPOINT_SOAK_SECONDS sets it): by name only, with --only.
     "soak": lambda quick: soak.run(soak.duration(quick)),

@@ -27,17 +27,24 @@ participant writes what it captured and confirms it, and the trainer writes and 
 the time this item spends measuring, inside the publication, is taken off) and the pause, as ``snapshot_pause``
 measures them; ``bytes_per_token`` divides the model servers' held bytes by the token ids
 their calls store (completion ids, with a logprob each, and prompt suffixes); ``restore_read_s``
-reads and verifies every participant state of the last snapshot, as a restore's participants
-do (one after the other here; in a restore each server reads its own in parallel).
+reads and verifies every participant state of the last snapshot as a restore's participants
+do: each in a process of its own, all at once (processes started beforehand, as a restore's
+servers are up before they read), timed from the first read's start to the last one's end,
+while the job still runs; ``restore_read_serial_s`` is the same reads one after the other in
+one process (what this item measured before 2026-12-06), ``restore_read_slowest_s`` the
+slowest participant's own read.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
+import multiprocessing
 import time
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -143,6 +150,8 @@ class _Last:
 
     store: GrowthStore | None = None
     restore_read_s = 0.0
+    restore_read_serial_s = 0.0
+    restore_read_slowest_s = 0.0
     tokens = 0
     model_bytes = 0
 
@@ -157,30 +166,69 @@ def _read_paused(
         )
 
 
+def _read_counted(
+    directory: str, *, kind: str, instance: str, checkpoint_id: str, root: str
+) -> tuple[float, float, float, int, int]:
+    """One participant's read in a process of its own: ``(start, end, seconds, bytes,
+    token ids)`` (the records stay in that process; ``start``/``end`` on the shared
+    monotonic clock)."""
+    start = time.monotonic()
+    state, records = _read_paused(
+        directory, kind=kind, instance=instance, checkpoint_id=checkpoint_id, root=root
+    )
+    end = time.monotonic()
+    tokens = 0
+    if kind == "model":
+        for record in records:
+            call = record.get("call", {}) if record["kind"] == "model_call" else {}
+            if call.get("tokens"):
+                tokens += call["tokens"]["completion_count"] + call["tokens"]["prompt_count"]
+    return start, end, end - start, state.bytes, tokens
+
+
+def _ready() -> None:
+    """Run once in each reader process before the clock starts: its imports done."""
+
+
 async def _after(store: GrowthStore, last: _Last) -> None:
     manifest = await asyncio.to_thread(store.latest)
     if manifest is None:
         return
     folder = Path(store.snapshot_dir(manifest.snapshot_id))
-    t0 = time.perf_counter()
-    for entry in manifest.participants:
-        state, records = await asyncio.to_thread(
-            _read_paused,
+    reads = [
+        (
             str((folder / entry.manifest_path).parent),
-            kind=entry.kind.value,
-            instance=entry.instance,
-            checkpoint_id=manifest.checkpoint_id,
-            root=store.root,
+            {
+                "kind": entry.kind.value,
+                "instance": entry.instance,
+                "checkpoint_id": manifest.checkpoint_id,
+                "root": store.root,
+            },
         )
-        if entry.kind.value == "model":
-            last.model_bytes += state.bytes
-            for record in records:
-                tokens = (
-                    record.get("call", {}).get("tokens") if record["kind"] == "model_call" else None
-                )
-                if tokens:
-                    last.tokens += tokens["completion_count"] + tokens["prompt_count"]
-    last.restore_read_s = time.perf_counter() - t0
+        for entry in manifest.participants
+    ]
+    # As a restore: every participant reads its own state in its own process, at once.
+    spawn = multiprocessing.get_context("spawn")
+    loop = asyncio.get_running_loop()
+    with ProcessPoolExecutor(len(reads), mp_context=spawn) as pool:
+        await asyncio.gather(*(loop.run_in_executor(pool, _ready) for _ in reads))
+        t0 = time.monotonic()
+        done = await asyncio.gather(
+            *(
+                loop.run_in_executor(pool, functools.partial(_read_counted, d, **kw))
+                for d, kw in reads
+            )
+        )
+    last.restore_read_s = max(end for _, end, _, _, _ in done) - t0
+    last.restore_read_slowest_s = max(seconds for _, _, seconds, _, _ in done)
+    for (_, kw), (_, _, _, size, tokens) in zip(reads, done, strict=True):
+        if kw["kind"] == "model":
+            last.model_bytes += size
+            last.tokens += tokens
+    t0 = time.perf_counter()
+    for directory, kw in reads:
+        await asyncio.to_thread(_read_paused, directory, **kw)
+    last.restore_read_serial_s = time.perf_counter() - t0
     assert (folder / MANIFEST_NAME).exists()
 
 
@@ -218,6 +266,8 @@ def _figures(
     out[f"{tag}_snapshots"] = len(phase.cuts)
     out[f"{tag}_failed_snapshots"] = len(phase.failed)
     out[f"{tag}_restore_read_s"] = last.restore_read_s
+    out[f"{tag}_restore_read_slowest_s"] = last.restore_read_slowest_s
+    out[f"{tag}_restore_read_serial_s"] = last.restore_read_serial_s
     if last.tokens:
         out[f"{tag}_tokens_stored"] = last.tokens
         out[f"{tag}_model_bytes_per_token"] = last.model_bytes / last.tokens
@@ -240,13 +290,15 @@ async def run(
     variants: Sequence[str] = ("plain", "tokens", "tokens_journal"),
 ) -> BenchResult:
     """``variants``: ``plain``, ``tokens`` (token data), ``tokens_journal`` (token data, the
-    servers journaling and every snapshot pause-free: ``snapshot.mode: journal``)."""
+    servers journaling and every snapshot pause-free: ``snapshot.mode: journal``),
+    ``journal`` (no token data, journaling and pause-free)."""
     figures: dict[str, float | int | str] = {}
     for n in sessions:
         for label, policy, mode in (
             ("plain", None, None),
             ("tokens", TOKENS_POLICY, None),
             ("tokens_journal", TOKENS_POLICY, "journal"),
+            ("journal", None, "journal"),
         ):
             if label not in variants:
                 continue

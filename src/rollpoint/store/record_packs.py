@@ -487,6 +487,11 @@ class ValueMadeOnWrite:
         raise NotImplementedError
 
 
+def encode_record(record: Mapping[str, Any]) -> bytes:
+    """``record``'s line (without its newline) as a write encodes it."""
+    return _encode(record, 0)
+
+
 def _encode(record: Mapping[str, Any], number: int) -> bytes:
     try:
         return orjson.dumps(record, default=_encode_other)

@@ -11,6 +11,7 @@ import pytest
 
 from rollpoint.protocol.episode import TaskRow
 from rollpoint.protocol.errors import InvalidCheckpointStateError
+from rollpoint.store.record_packs import encode_record
 from rollpoint.trainer.state.append_log import AppendLog
 from rollpoint.trainer.state.ledger import RecoveryLedger, RolloutState
 from rollpoint.trainer.state.ledger_document import LEDGER_SCHEMA_VERSION, document_from_records
@@ -152,7 +153,7 @@ def test_the_version_2_golden_ledger_migrates_to_version_3() -> None:
 
 def _as_lines(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Records as a snapshot reads them back: each encoded as its line, then decoded."""
-    return [orjson.loads(orjson.dumps(r)) for r in records]
+    return [orjson.loads(encode_record(r)) for r in records]
 
 
 def test_the_ledger_as_records_joins_into_its_document_and_round_trips() -> None:

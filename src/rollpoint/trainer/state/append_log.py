@@ -48,13 +48,13 @@ class LogChunk(Generic[T]):
             self._encoded = encode(self.items)
         return self._encoded
 
-    def record(self, make: Callable[[tuple[T, ...]], dict[str, Any]]) -> dict[str, Any]:
-        """``make(items)``, made the first time only and the same object afterwards.
+    def record(self, make: Callable[[Any], dict[str, Any]]) -> dict[str, Any]:
+        """``make(self)``, made the first time only and the same object afterwards.
 
         Two threads racing here both make an equal record; either one is kept.
         """
         if self._record is None:
-            self._record = make(self.items)
+            self._record = make(self)
         return self._record
 
 

@@ -10,11 +10,13 @@ participants (the snapshot coordinator does, and drives :meth:`RecoveryLedger.re
 Scale: a snapshot's scope is :meth:`RecoveryLedger.in_flight`, kept as a per-replica
 index, so it costs O(in flight) and never looks at finished work. Sealed and retired
 tries are final: they leave the live store for a compact archive (one tuple each) that
-only :meth:`RecoveryLedger.get`, :meth:`RecoveryLedger.current` and the document read.
-What grows with the run (tasks, groups, failures, final tries) is also kept in append-only
-logs of immutable chunks (:mod:`.append_log`), and first tries nothing has happened to
-are implied by their group, so :meth:`RecoveryLedger.capture` costs O(live tries that
-moved + chunks) however many rollouts finished or wait queued.
+only :meth:`RecoveryLedger.get`, :meth:`RecoveryLedger.current` and the document read, and
+that is kept on disk but for its newest chunk (:mod:`.final_tries`), so the ledger's memory
+does not grow with rows trained. What else grows with the run (tasks, groups, failures:
+what the run was given to train) is kept in append-only logs of immutable chunks
+(:mod:`.append_log`), and first tries nothing has happened to are implied by their group,
+so :meth:`RecoveryLedger.capture` costs O(live tries that moved + chunks) however many
+rollouts finished or wait queued.
 
 The saved document's schema, its versions and migrations live in :mod:`.ledger_document`.
 """
@@ -37,6 +39,7 @@ from rollpoint.protocol.errors import (
 from rollpoint.protocol.ids import EpisodeId, new_rollout_id
 from rollpoint.protocol.manifest import load_versioned
 from rollpoint.trainer.state.append_log import AppendLog
+from rollpoint.trainer.state.final_tries import FinalTries
 from rollpoint.trainer.state.ledger_document import (
     LEDGER_MIGRATIONS,
     LEDGER_SCHEMA_VERSION,
@@ -191,13 +194,13 @@ class RecoveryLedger:
         self._live: dict[str, LedgerRecord] = {}
         self._touched: dict[str, LedgerRecord] = {}
         """Live tries except untouched first tries: what a capture copies one by one."""
-        self._archive: dict[str, _Archived] = {}
+        self._final = FinalTries()
+        """Sealed and retired tries: their look-ups and their chunks, on disk but the newest."""
         # What grows with the run again, in append-only chunked logs that a capture shares
         # instead of copying (the dicts above are the lookup indices over the same data).
         self._task_log: AppendLog[TaskEntry] = AppendLog()
         self._group_log: AppendLog[GroupEntry] = AppendLog()
         self._failure_log: AppendLog[FailureEntry] = AppendLog()
-        self._archive_log: AppendLog[_Archived] = AppendLog()
         # (group_id, row) -> (rollout_id, tries) of the row's newest try.
         self._current: dict[tuple[str, int], tuple[str, int]] = {}
         self._in_flight: dict[str, dict[str, LedgerRecord]] = {}
@@ -360,13 +363,13 @@ class RecoveryLedger:
         record = self._live.get(rollout_id)
         if record is not None:
             return record
-        archived = self._archive.get(rollout_id)
+        archived = self._final.get(rollout_id)
         if archived is None:
             raise NotFoundError(f"ledger: no rollout {rollout_id}")
         return self._unarchive(archived)
 
     def __contains__(self, rollout_id: object) -> bool:
-        return rollout_id in self._live or rollout_id in self._archive
+        return rollout_id in self._live or rollout_id in self._final
 
     def current(self, group_id: str, row: int) -> LedgerRecord:
         """The row's current try: the newest one (an abandoned try is never current
@@ -401,7 +404,7 @@ class RecoveryLedger:
 
     @property
     def archived_count(self) -> int:
-        return len(self._archive)
+        return len(self._final)
 
     # --- the one place a move happens -------------------------------------------------
 
@@ -409,8 +412,9 @@ class RecoveryLedger:
         record = self._live.get(rollout_id)
         if record is not None:
             return record
-        if rollout_id in self._archive:
-            final = self._unarchive(self._archive[rollout_id])
+        archived = self._final.get(rollout_id)
+        if archived is not None:
+            final = self._unarchive(archived)
             raise InvalidPhaseError(f"ledger: {final.describe()} is final; no move is legal")
         raise NotFoundError(f"ledger: no rollout {rollout_id}")
 
@@ -424,10 +428,11 @@ class RecoveryLedger:
             )
         new = replace(old, state=new_state, **changes)
         self._remove(old)
-        self._insert(new)
+        self._insert(new, new_id=True)  # it was live a moment ago: no final try's id
         return new
 
-    def _insert(self, record: LedgerRecord) -> None:
+    def _insert(self, record: LedgerRecord, *, new_id: bool = False) -> None:
+        """``new_id``: the caller knows the rollout id is used by no final try."""
         rid = record.rollout_id
         if record.state in ARCHIVED_STATES:
             self._insert_final(
@@ -439,10 +444,11 @@ class RecoveryLedger:
                     record.attempt,
                     record.replica,
                     record.tries,
-                )
+                ),
+                new_id=new_id,
             )
             return
-        self._claim(rid, record.state, record.group_id, record.row, record.tries)
+        self._claim(rid, record.state, record.group_id, record.row, record.tries, new_id=new_id)
         self._live[rid] = record
         if not record.untouched:
             self._touched[rid] = record
@@ -453,16 +459,20 @@ class RecoveryLedger:
         elif record.state is RolloutState.ABANDONED:
             self._abandoned[rid] = record
 
-    def _insert_final(self, archived: _Archived) -> None:
+    def _insert_final(self, archived: _Archived, *, new_id: bool = False) -> None:
         """Archive a final try given as its tuple (a loader has it in that form already)."""
         state, group_id, row, rid, _, _, tries = archived
-        self._claim(rid, _STATES[state], group_id, row, tries)
-        self._archive[rid] = archived
-        self._archive_log.append(archived)
+        self._claim(rid, _STATES[state], group_id, row, tries, new_id=new_id)
+        self._final.add(archived)
 
-    def _claim(self, rid: str, state: RolloutState, group_id: str, row: int, tries: int) -> None:
-        """Count a new try and make it its row's current one if it is the newest."""
-        if rid in self._live or rid in self._archive:
+    def _claim(
+        self, rid: str, state: RolloutState, group_id: str, row: int, tries: int, *, new_id: bool
+    ) -> None:
+        """Count a new try and make it its row's current one if it is the newest.
+
+        ``new_id``: the id is known not to be a final try's, so the look-up on disk is
+        skipped (a restore checks a million saved ids at once, not one query each)."""
+        if rid in self._live or (not new_id and rid in self._final):
             raise BadRequestError(f"ledger: rollout id {rid} is already used")
         self._counts[state] += 1
         key = (group_id, row)
@@ -507,7 +517,7 @@ class RecoveryLedger:
             groups=self._group_log.capture(),
             failed=self._failure_log.capture(),
             records=tuple(self._touched.values()),
-            archived=self._archive_log.capture(),
+            archived=self._final.capture(),
         )
 
     def to_document(self) -> dict[str, Any]:
@@ -543,8 +553,14 @@ def _build(doc: LedgerDocument, what: str) -> RecoveryLedger:
         ledger._groups[gid] = replace(group, failed=reason)
         ledger._failure_log.append((gid, reason))
     live = list(_saved_live(doc))
-    named = {record.rollout_id for record in live}
-    named.update(final[3] for chunk in doc.archived for final in chunk)
+    named: set[str] = set()
+    for rid in (
+        *(record.rollout_id for record in live),
+        *(final[3] for chunk in doc.archived for final in chunk),
+    ):
+        if rid in named:
+            raise InvalidCheckpointStateError(f"{what}: rollout id {rid} appears twice")
+        named.add(rid)
     # A first try left out of the document is one nothing had happened to yet.
     untouched = [
         LedgerRecord(g.task_id, gid, row, rid, 0, RolloutState.QUEUED, None, 1)
@@ -559,11 +575,11 @@ def _build(doc: LedgerDocument, what: str) -> RecoveryLedger:
             for final in chunk:
                 rid = final[3]
                 _check_final(ledger, final, seen, what)
-                ledger._insert_final(final)
+                ledger._insert_final(final, new_id=True)  # every id was checked above
         for record in (*live, *untouched):
             rid = record.rollout_id
             _check_record(ledger, record, seen, what)
-            ledger._insert(record)
+            ledger._insert(record, new_id=True)
     except BadRequestError:
         raise InvalidCheckpointStateError(f"{what}: rollout id {rid} appears twice") from None
     for gid, built in ledger._groups.items():

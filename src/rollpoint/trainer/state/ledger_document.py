@@ -40,7 +40,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Protocol
 
 import orjson
 from pydantic import Field, model_validator
@@ -50,6 +50,7 @@ from rollpoint.protocol.errors import InvalidCheckpointStateError
 from rollpoint.protocol.ids import Identifier
 from rollpoint.protocol.manifest import Migration
 from rollpoint.protocol.model_base import StrictModel
+from rollpoint.store.record_packs import ValueMadeOnWrite
 from rollpoint.trainer.state.append_log import LogChunk
 
 if TYPE_CHECKING:
@@ -124,6 +125,20 @@ ArchivedEntry = tuple[str, str, int, str, int, str | None, int]
 """``(state, group_id, row, rollout_id, attempt, replica, tries)``."""
 
 
+class ArchivedChunk(Protocol):
+    """A chunk of final tries: in memory (:class:`LogChunk`) or stored
+    (:class:`~rollpoint.trainer.state.final_tries.StoredChunk`)."""
+
+    def __len__(self) -> int: ...
+
+    @property
+    def items(self) -> tuple[ArchivedEntry, ...]: ...
+
+    def encoded(self, encode: Callable[[tuple[ArchivedEntry, ...]], bytes]) -> bytes: ...
+
+    def record(self, make: Callable[[Any], dict[str, Any]]) -> dict[str, Any]: ...
+
+
 @dataclass(frozen=True, slots=True)
 class LedgerCapture:
     """The ledger at one instant, as shared immutable chunks plus its touched live tries.
@@ -137,7 +152,7 @@ class LedgerCapture:
     groups: tuple[LogChunk[GroupEntry], ...]
     failed: tuple[LogChunk[FailureEntry], ...]
     records: tuple[LedgerRecord, ...]
-    archived: tuple[LogChunk[ArchivedEntry], ...]
+    archived: tuple[ArchivedChunk, ...]
 
     def to_document(self) -> dict[str, Any]:
         """The document as plain JSON-ready values at the current schema version."""
@@ -189,7 +204,7 @@ class LedgerCapture:
         yield b"]}"
 
 
-def _items(chunks: Iterable[LogChunk[Any]]) -> Iterable[Any]:
+def _items(chunks: Iterable[LogChunk[Any] | ArchivedChunk]) -> Iterable[Any]:
     for chunk in chunks:
         yield from chunk.items
 
@@ -237,20 +252,34 @@ def _encode_groups(items: tuple[GroupEntry, ...]) -> bytes:
     return orjson.dumps({entry[0]: _group_doc(entry) for entry in items})[1:-1]
 
 
-def _tasks_record(items: tuple[TaskEntry, ...]) -> dict[str, Any]:
-    return {"tasks": orjson.Fragment(b"{" + _encode_tasks(items) + b"}")}
+def _tasks_record(chunk: LogChunk[TaskEntry]) -> dict[str, Any]:
+    return {"tasks": orjson.Fragment(b"{" + _encode_tasks(chunk.items) + b"}")}
 
 
-def _groups_record(items: tuple[GroupEntry, ...]) -> dict[str, Any]:
-    return {"groups": orjson.Fragment(b"{" + _encode_groups(items) + b"}")}
+def _groups_record(chunk: LogChunk[GroupEntry]) -> dict[str, Any]:
+    return {"groups": orjson.Fragment(b"{" + _encode_groups(chunk.items) + b"}")}
 
 
-def _failed_record(items: tuple[FailureEntry, ...]) -> dict[str, Any]:
-    return {"failed": dict(items)}
+def _failed_record(chunk: LogChunk[FailureEntry]) -> dict[str, Any]:
+    return {"failed": dict(chunk.items)}
 
 
-def _archived_record(items: tuple[ArchivedEntry, ...]) -> dict[str, Any]:
-    return {"archived": orjson.Fragment(orjson.dumps(items))}
+def _archived_record(chunk: ArchivedChunk) -> dict[str, Any]:
+    # Made when written, not now: a stored chunk's record is kept by the store's index for
+    # as long as a snapshot names it, and must not hold its bytes (final_tries).
+    return {"archived": _ChunkJson(chunk)}
+
+
+class _ChunkJson(ValueMadeOnWrite):
+    """A chunk of final tries' JSON, made (or read from where it is stored) by the writer."""
+
+    __slots__ = ("_chunk",)
+
+    def __init__(self, chunk: ArchivedChunk) -> None:
+        self._chunk = chunk
+
+    def value(self) -> object:
+        return orjson.Fragment(self._chunk.encoded(orjson.dumps))
 
 
 _JOINED = {"tasks": "task", "groups": "group", "failed": "failed group"}

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import threading
+import time
+from pathlib import Path
 
 import orjson
 import pytest
 
 from rollpoint.protocol.episode import TaskRow
 from rollpoint.protocol.errors import InvalidCheckpointStateError, InvalidPhaseError
-from rollpoint.store.record_packs import encode_record
+from rollpoint.protocol.manifest import FileEntry, SnapshotManifest, topology_fingerprint
+from rollpoint.store.record_packs import OBJECTS_DIR, PackIndex, encode_record
+from rollpoint.store.snapshot_store import SnapshotStore
 from rollpoint.trainer.state.append_log import CHUNK
 from rollpoint.trainer.state.final_tries import FinalTries, StoredChunk
 from rollpoint.trainer.state.ledger import RecoveryLedger, RolloutState
@@ -25,7 +29,7 @@ def test_full_chunks_leave_memory_and_are_found_by_rollout_id() -> None:
     for i in range(10):
         tries.add(entry(i))
     assert (len(tries), tries.stored_chunks, tries.held) == (10, 2, 2)
-    for i in range(10):  # stored (0–7) and open (8, 9) alike
+    for i in range(10):  # stored (0 to 7) and open (8, 9) alike
         assert tries.get(f"r{i:04d}") == entry(i)
         assert f"r{i:04d}" in tries
     assert tries.get("r9999") is None and "r9999" not in tries and 7 not in tries
@@ -127,3 +131,53 @@ def test_a_writer_thread_reads_stored_chunks_while_the_ledger_seals_more() -> No
     sealed(ledger, CHUNK // 4, start=CHUNK // 8)  # two more chunks stored meanwhile
     writer.join()
     assert results == [expected] * 20 and ledger._final.stored_chunks == 3
+
+
+def test_snapshots_of_stored_chunks_reference_them_rebase_them_and_restore(
+    tmp_path: Path,
+) -> None:
+    # Through the real store: the first write writes each chunk, the second rebases (every
+    # stored chunk's JSON read back from the database), the third references them unchanged.
+    store, index = SnapshotStore(str(tmp_path / "store")), PackIndex()
+    objects = tmp_path / "store" / OBJECTS_DIR
+    ledger = RecoveryLedger()
+    sealed(ledger, CHUNK // 8 * 2 + 5)
+    written: list[int] = []
+    docs = []
+    for number in range(3):
+        if number == 1:
+            sealed(ledger, CHUNK // 8, start=10_000)  # one more chunk stored
+        before = sum(p.stat().st_size for p in objects.iterdir()) if objects.is_dir() else 0
+        capture = ledger.capture()
+        staging = store.begin(f"s{number}")
+        entry = store.write_records(staging, "ledger.json", capture.as_records(), index)
+        store.publish(staging, _manifest(f"s{number}", {"ledger.json": entry}))
+        written.append(sum(p.stat().st_size for p in objects.iterdir()) - before)
+        docs.append(orjson.loads(capture.to_bytes()))
+    assert ledger._final.stored_chunks == 3
+    chunk_json = len(orjson.dumps(ledger.capture().archived[0].items))
+    assert written[0] > 2 * chunk_json and written[1] > 3 * chunk_json  # written, rebased
+    assert written[2] < chunk_json / 4  # the header and the open chunk only
+    for number, doc in enumerate(docs):
+        lines = store.read_records(f"s{number}", "ledger.json")
+        joined = document_from_records(lines, "ledger")
+        assert joined == doc
+        assert orjson.loads(RecoveryLedger.from_document(joined).capture().to_bytes()) == doc
+
+
+def _manifest(snapshot_id: str, files: dict[str, FileEntry]) -> SnapshotManifest:
+    return SnapshotManifest(
+        snapshot_id=snapshot_id,
+        checkpoint_id=f"ckpt-{snapshot_id}",
+        created_at=time.time(),
+        train_step=0,
+        policy_version=0,
+        pause_seconds=0.01,
+        topology_fingerprint=topology_fingerprint([]),
+        participants=[],
+        episodes=[],
+        restarts=[],
+        finished=[],
+        files=files,
+        config_fingerprint={},
+    )

@@ -406,8 +406,8 @@ async def test_pause_does_not_grow_with_finished_rollouts(tmp_path: Path) -> Non
     # The ledger capture's live part is the same; the finished ones sit in the archive...
     assert many.live_records == none.live_records == ROWS_IN_FLIGHT * len(BOTH)
     assert (none.archived_records, many.archived_records) == (0, SEALED)
-    # ... whose full chunks a capture shares instead of copying (RecoveryLedger.to_document).
-    one, two = ledger.to_document()["archived"], ledger.to_document()["archived"]
+    # ... whose full chunks a capture shares instead of copying (RecoveryLedger.capture).
+    one, two = ledger.capture().archived, ledger.capture().archived
     assert len(one) > 1 and all(a is b for a, b in zip(one[:-1], two[:-1], strict=True))
 
 

@@ -76,6 +76,10 @@ ITEMS: dict[str, Item] = {
         if quick
         else snapshot_cost.run()
     ),
+    # The same at 100k without token data, one leg a side (two 100k ramps: ~15 minutes).
+    "snapshot_cost_100k": lambda quick: snapshot_cost.run(
+        100_000, order=("off", "every_5s"), tokens=False
+    ),
     "control_latency": lambda quick: (
         control_latency.run(seconds=15, concurrency=32) if quick else control_latency.run()
     ),
@@ -103,6 +107,7 @@ FULL_ONLY = {
     "generation_cut",
     "journal_job",
     "snapshot_cost",
+    "snapshot_cost_100k",
     "snapshot_growth_100k",
     "soak",
 }

@@ -68,13 +68,23 @@ class Leg:
 
 
 async def run_leg(
-    sessions: int, *, mode: str, snapshots_on: bool, settle_s: float, window_s: float
+    sessions: int,
+    *,
+    mode: str,
+    snapshots_on: bool,
+    settle_s: float,
+    window_s: float,
+    tokens: bool = True,
 ) -> Leg:
     install_tuning()
     leg = Leg(snapshots_on=snapshots_on)
     with tempfile.TemporaryDirectory() as tmp:
         config = _config(
-            Path(tmp) / "run", sessions, TOKENS_POLICY, journal=True, snapshot_mode=mode
+            Path(tmp) / "run",
+            sessions,
+            TOKENS_POLICY if tokens else None,
+            journal=True,
+            snapshot_mode=mode,
         )
         config.workdir.mkdir(parents=True, exist_ok=True)
         group_size = load(sessions).group_size
@@ -163,7 +173,10 @@ async def run(
     settle_s: float = SETTLE_S,
     window_s: float = WINDOW_S,
     order: Sequence[str] = ORDER,
+    tokens: bool = True,
 ) -> BenchResult:
+    """``tokens``: ~1k-token turns with their ids and logprobs captured (off at 100k:
+    the servers would need far more memory than the machine has)."""
     legs = []
     for side in order:
         legs.append(
@@ -173,6 +186,7 @@ async def run(
                 snapshots_on=side != "off",
                 settle_s=settle_s,
                 window_s=window_s,
+                tokens=tokens,
             )
         )
     offered = load(sessions)
@@ -189,6 +203,8 @@ async def run(
             "every_s": EVERY_S,
             "policy": f"scripted, {offered.policy_latency_s:g} s a call, "
             f"{offered.calls_per_s:g} calls/s offered",
-            "tokens": "capture_tokens, 1,000 reasoning tokens a tool call (vLLM shape)",
+            "tokens": "capture_tokens, 1,000 reasoning tokens a tool call (vLLM shape)"
+            if tokens
+            else "none",
         },
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from pathlib import Path
@@ -14,7 +15,7 @@ from rollpoint.protocol.errors import InvalidCheckpointStateError, InvalidPhaseE
 from rollpoint.protocol.manifest import FileEntry, SnapshotManifest, topology_fingerprint
 from rollpoint.store.record_packs import OBJECTS_DIR, PackIndex, encode_record
 from rollpoint.store.snapshot_store import SnapshotStore
-from rollpoint.trainer.state.append_log import CHUNK
+from rollpoint.trainer.state.append_log import CHUNK, LogChunk
 from rollpoint.trainer.state.final_tries import FinalTries, StoredChunk
 from rollpoint.trainer.state.ledger import RecoveryLedger, RolloutState
 from rollpoint.trainer.state.ledger_document import ArchivedEntry, document_from_records
@@ -181,3 +182,26 @@ def _manifest(snapshot_id: str, files: dict[str, FileEntry]) -> SnapshotManifest
         files=files,
         config_fingerprint={},
     )
+
+
+def test_snapshot_records_free_the_open_chunk_copies_without_a_collection() -> None:
+    # A record that referred to its own chunk made a cycle: every open chunk's copy (and
+    # its JSON) stayed until a full collection, which the trainer runs rarely (13 KiB a row
+    # in the soak). With the collector off, what a snapshot made must go with it.
+    ledger = RecoveryLedger()
+    sealed(ledger, CHUNK // 8 + 100)  # a stored chunk and an open one of 800 tries
+
+    def chunks() -> int:
+        return sum(isinstance(o, LogChunk | StoredChunk) for o in gc.get_objects())
+
+    gc.collect()
+    gc.disable()
+    try:
+        before = chunks()
+        for start in range(5):
+            sealed(ledger, 1, start=20_000 + start)  # the open chunk changes each time
+            for record in ledger.capture().as_records():
+                encode_record(record)  # as the writer does: stored JSON read back
+        assert chunks() - before <= 4  # each of the four logs keeps its newest capture only
+    finally:
+        gc.enable()

@@ -36,6 +36,7 @@ from typing import Any
 
 import orjson
 
+from rollpoint.store.record_packs import ValueMadeOnWrite
 from rollpoint.trainer.state.append_log import CHUNK, LogChunk
 from rollpoint.trainer.state.ledger_document import ArchivedEntry
 
@@ -138,6 +139,22 @@ class StoredChunk:
         if self._record is None:
             self._record = make(self)
         return self._record
+
+    def json_value(self) -> _StoredJson:
+        """A record value the writer writes as this chunk's JSON, read from the database
+        then; it refers to the database, not to this chunk (whose record holds it)."""
+        return _StoredJson(self._db, self._number)
+
+
+class _StoredJson(ValueMadeOnWrite):
+    __slots__ = ("_db", "_number")
+
+    def __init__(self, db: _Database, number: int) -> None:
+        self._db = db
+        self._number = number
+
+    def value(self) -> object:
+        return orjson.Fragment(self._db.json(self._number))
 
 
 class FinalTries:

@@ -49,7 +49,7 @@ SNAPSHOT_EVERY_S = 2.0
 GROUP_SIZE = 4
 ROWS_PER_S_CEILING = 160
 """The dataset holds this many rows a second of the run: more than it trains here (60 until
-2026-12-06, when the machine to itself trained 130–140 rows a second and the 21-minute
+2026-12-06, when the machine to itself trained 130 to 140 rows a second and the 21-minute
 run ran out of rows after ten)."""
 TRAINER = "trainer"
 HELD_COUNTS = ("recorded_calls", "episodes", "live", "finished_unacked")

@@ -16,8 +16,9 @@ import random
 import re
 import shutil
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Protocol
 
 import orjson
 import pytest
@@ -52,7 +53,10 @@ def write_config(tmp_path: Path, **overrides: object) -> Path:
     )
 
 
-Start = Callable[[Path], RunProcess]
+class Start(Protocol):
+    """Start ``rollpoint run`` on a config (``launcher``: what runs the CLI)."""
+
+    def __call__(self, config: Path, launcher: tuple[str, ...] = ...) -> RunProcess: ...
 
 
 @pytest.fixture
@@ -60,8 +64,8 @@ def start() -> Iterator[Start]:
     """Start ``rollpoint run``; whatever a failed test leaves running is killed after it."""
     started: list[RunProcess] = []
 
-    def _start(config: Path) -> RunProcess:
-        started.append(RunProcess(config))
+    def _start(config: Path, launcher: tuple[str, ...] = ("-m", "rollpoint")) -> RunProcess:
+        started.append(RunProcess(config, launcher=launcher))
         return started[-1]
 
     yield _start
@@ -228,14 +232,12 @@ def test_kill_during_a_restore_then_rerun(tmp_path: Path, start: Start) -> None:
     crash(first)
     snapshots = published(workdir)
 
-    restoring = start(config)
-    # The restore starts right after this line; rich's "restoring" spinner is not drawn
-    # without a terminal (and would come 80 ms late on one).
-    restoring.wait_until(
-        lambda: "servers up" in restoring.stderr, "the servers", poll_s=FAST_POLL_S
-    )
+    # Every participant has installed the snapshot; the trainer has not resumed.
+    installed = tmp_path / "installed"
+    restoring = start(config, launcher=("-m", "tests.support.held_restore", str(installed)))
+    restoring.wait_until(installed.exists, "the participants' install")
     crash(restoring)
-    assert "resumed from" not in restoring.stderr, "the kill landed after the restore"
+    assert "resumed from" not in restoring.stderr, restoring.stderr[-2000:]
     assert published(workdir) == snapshots
 
     reruns = rerun_until_ok(start, config)

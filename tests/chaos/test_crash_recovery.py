@@ -27,8 +27,9 @@ from rollpoint.app.config import load_config
 from rollpoint.app.job import load_tasks_for
 from rollpoint.protocol.episode import TaskRow
 from rollpoint.testing import invariants
+from tests.support.held_run import arm
 from tests.support.job_config import write_job_config
-from tests.support.run_process import FAST_POLL_S, Finished, RunProcess
+from tests.support.run_process import Finished, RunProcess
 
 pytestmark = pytest.mark.chaos
 
@@ -99,6 +100,11 @@ def wait_for_resumable_snapshot(run: RunProcess, workdir: Path) -> None:
     run.wait_until(lambda: has_checkpoint(workdir), "a train checkpoint")
     before = published(workdir)
     run.wait_until(lambda: bool(published(workdir) - before), "a snapshot after the checkpoint")
+
+
+def held_at(point: str, marker: Path) -> tuple[str, ...]:
+    """The launcher that holds the run at ``point`` (``tests/support/held_run.py``)."""
+    return ("-m", "tests.support.held_run", point, str(marker))
 
 
 def crash(run: RunProcess) -> None:
@@ -203,15 +209,14 @@ def test_kill_during_a_save_resumes_from_the_previous_snapshot(
 ) -> None:
     config = write_config(tmp_path)
     workdir = tmp_path / "run"
-    run = start(config)
+    held = tmp_path / "held-publish"
+    run = start(config, launcher=held_at("publish", held))
     wait_for_resumable_snapshot(run, workdir)
-    saving: set[str] = set()
-
-    def a_save_is_writing() -> bool:
-        saving.update(staging(workdir) - published(workdir))
-        return bool(saving)
-
-    run.wait_until(a_save_is_writing, "a snapshot being written", poll_s=FAST_POLL_S)
+    arm(held).touch()
+    # The next save is written to its staging folder and held before it is published.
+    run.wait_until(held.exists, "a snapshot written and not yet published")
+    saving = staging(workdir) - published(workdir)
+    assert saving, f"no staging folder while a save was held: {staging(workdir)}"
     crash(run)
     assert not saving & published(workdir), f"{saving} was published before the kill landed"
 
@@ -234,7 +239,7 @@ def test_kill_during_a_restore_then_rerun(tmp_path: Path, start: Start) -> None:
 
     # Every participant has installed the snapshot; the trainer has not resumed.
     installed = tmp_path / "installed"
-    restoring = start(config, launcher=("-m", "tests.support.held_restore", str(installed)))
+    restoring = start(config, launcher=held_at("restore", installed))
     restoring.wait_until(installed.exists, "the participants' install")
     crash(restoring)
     assert "resumed from" not in restoring.stderr, restoring.stderr[-2000:]

@@ -24,8 +24,6 @@ from pathlib import Path
 from tests.support.processes import children_of, group_members, wait_gone
 
 POLL_S = 0.01
-FAST_POLL_S = 0.002
-"""For moments that last tens of milliseconds (a snapshot being written, a restore)."""
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 
 # Without a terminal rich wraps at 80 columns, which would split the messages we match.

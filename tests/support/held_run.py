@@ -1,0 +1,75 @@
+"""``rollpoint run`` that stops at a named point, for a test that kills a run exactly there.
+
+Owns the launcher ``python -m tests.support.held_run POINT MARKER run CONFIG``: the trainer
+process runs the CLI as usual until it reaches ``POINT``, touches ``MARKER`` and waits
+forever (until the test kills the run). A test that polled for a printed line or a
+folder raced steps of a few milliseconds on a loaded machine; a test that waits for
+``MARKER`` knows where its kill lands. Points:
+
+- ``restore``: every participant has installed the snapshot
+  (:class:`~rollpoint.trainer.restore.restorer.Restorer`), the trainer has not resumed its
+  ledger nor said "resumed from";
+- ``publish``: a snapshot is written to its staging folder and about to be published
+  (:meth:`~rollpoint.store.snapshot_store.SnapshotStore.publish`), held only once
+  ``MARKER.arm`` exists, so the snapshots before it publish as usual.
+
+The participants run unchanged: only the trainer process is started through this module.
+It does not judge the run (the test does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+
+def arm(marker: Path) -> Path:
+    """The file whose existence lets a ``publish`` hold begin."""
+    return marker.with_name(marker.name + ".arm")
+
+
+def _hold_restore(marker: Path) -> None:
+    from rollpoint.trainer.restore.restorer import Restorer
+
+    install = Restorer._install
+
+    async def held(self: Restorer, *args: Any, **kwargs: Any) -> Any:
+        await install(self, *args, **kwargs)
+        await asyncio.to_thread(marker.touch)
+        await asyncio.Event().wait()
+
+    Restorer._install = held  # type: ignore[method-assign]
+
+
+def _hold_publish(marker: Path) -> None:
+    from rollpoint.store.snapshot_store import SnapshotStore
+
+    publish = SnapshotStore.publish
+    armed = arm(marker)
+
+    def held(self: SnapshotStore, *args: Any, **kwargs: Any) -> Any:
+        if armed.exists():
+            marker.touch()
+            threading.Event().wait()
+        return publish(self, *args, **kwargs)
+
+    SnapshotStore.publish = held  # type: ignore[method-assign]
+
+
+HOLDS = {"restore": _hold_restore, "publish": _hold_publish}
+
+
+def main(argv: list[str]) -> None:
+    point, marker = argv[0], Path(argv[1])
+    HOLDS[point](marker)
+    from rollpoint.app.cli import main as cli
+
+    sys.argv = ["rollpoint", *argv[2:]]
+    cli()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -502,9 +502,9 @@ def parse_config(data: object, *, source: str = "config") -> RunConfig:
         resolve_environment(config.environment)
     except ConfigError as exc:
         raise ConfigError(f"{source}: key 'environment': {exc}") from None
-    from rollpoint.envs.mcp_env import is_mcp_reference
+    from rollpoint.envs.registry import adapter_prefix
 
-    if is_mcp_reference(config.environment) and not config.journal.enabled:
+    if adapter_prefix(config.environment) == "mcp:" and not config.journal.enabled:
         # The MCP server's state is outside every snapshot: only the journal keeps a
         # restored episode from sending a completed call again (docs/environments.md).
         raise ConfigError(

@@ -29,12 +29,11 @@ file (:data:`MIGRATIONS` is where a reader of version *n + 1* says how to read *
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
-
-from crc32c import crc32c
 
 from rollpoint.protocol.errors import BadRequestError, JournalFormatError
 from rollpoint.protocol.ids import is_identifier
@@ -59,6 +58,24 @@ __all__ = [
 
 MAGIC = b"RPJRNL\x00\x01"
 FORMAT_VERSION = 1
+Checksum = Callable[[bytes | memoryview, int], int]
+
+
+@functools.cache
+def _crc32c() -> Checksum:
+    """The ``crc32c`` package's function, imported on first use: the package's own import
+    loads its command line (argparse) and reads its metadata, ~25 ms of CPU in every
+    process that imports the store, which most never append to a journal."""
+    from crc32c import crc32c
+
+    return crc32c
+
+
+def crc32c(data: bytes | memoryview, value: int = 0) -> int:
+    """CRC-32C of ``data``, continuing ``value``."""
+    return _crc32c()(data, value)
+
+
 _HEADER = struct.Struct("<8sHHIQ")
 _CRC = struct.Struct("<I")
 HEADER = _HEADER.size + _CRC.size
@@ -161,7 +178,8 @@ def encode_record(key: str, kind: str, payload: bytes, *, json: bool = False) ->
     if size > MAX_RECORD_BYTES:
         raise JournalFormatError(f"journal record {key!r}: {size} bytes, over the maximum")
     length = _CRC.pack(size)
-    crc = crc32c(payload, crc32c(fields, crc32c(length)))
+    crc32c = _crc32c()
+    crc = crc32c(payload, crc32c(fields, crc32c(length, 0)))
     return b"".join((length, _CRC.pack(crc), fields, payload))
 
 
@@ -189,6 +207,7 @@ def scan_frames(data: bytes, start: int, limit: int) -> Iterator[Frame | Damage]
     at the first frame that is cut short or fails its checksum, one :class:`Damage` and
     nothing after it (a later frame that looks whole is not trusted either)."""
     view = memoryview(data)
+    crc32c = _crc32c()
     offset = start
     while offset < limit:
         if limit - offset < _FRAME.size:
@@ -203,7 +222,7 @@ def scan_frames(data: bytes, start: int, limit: int) -> Iterator[Frame | Damage]
         if end > limit:
             yield Damage(offset, f"record of {length} bytes cut short at {limit}")
             return
-        if crc != crc32c(view[body_at:end], crc32c(view[offset : offset + 4])):
+        if crc != crc32c(view[body_at:end], crc32c(view[offset : offset + 4], 0)):
             yield Damage(offset, "record checksum mismatch")
             return
         flags, kind_len, key_len = _BODY.unpack_from(data, body_at)

@@ -153,25 +153,12 @@ def state_of(opened: Opened) -> str:
 
 
 @pytest.mark.timeout(300)
-def test_report_of_a_finished_run_renders_in_chromium(browser: Any, tmp_path: Path) -> None:
-    config = write_config(tmp_path)
-    result = rollpoint("run", str(config))
-    assert result.returncode == 0, result.stderr
-    workdir = tmp_path / "run"
-    ids = snapshot_ids(workdir)
-    assert ids, "the run took no snapshot"
-    opened = open_page(browser, report_of(workdir), tmp_path / "report.png")
-    assert_plots_rendered(opened, ids)
-    assert state_of(opened) == "finished"
-    assert (tmp_path / "report.png").stat().st_size > 20_000
-
-
-@pytest.mark.timeout(300)
 def test_report_of_a_crashed_and_resumed_run_shows_the_restore(
     browser: Any, tmp_path: Path
 ) -> None:
     """With the journal on: the page also lists each server's journal, the marks the kept
-    snapshots hold for it and the turns the restore took from the agents' journals."""
+    snapshots hold for it and the turns the restore took from the agents' journals. The
+    rerun's page is a finished run's: every plot drawn, the state "finished"."""
     config = write_config(tmp_path, journal={"enabled": True})
     workdir = tmp_path / "run"
     first = RunProcess(config)
@@ -198,6 +185,8 @@ def test_report_of_a_crashed_and_resumed_run_shows_the_restore(
     assert "resumed from snapshot" in again.stderr
     opened = open_page(browser, report_of(workdir), tmp_path / "report.png")
     assert_plots_rendered(opened, snapshot_ids(workdir))
+    assert state_of(opened) == "finished"
+    assert (tmp_path / "report.png").stat().st_size > 20_000
     page = opened.page
     restores = page.locator("h2:text('Restores') + table tbody tr")
     assert restores.count() == 1

@@ -1,7 +1,10 @@
 """The scripted policy: a deterministic, seeded OpenAI-compatible server for runs without a GPU.
 
-``create_policy_app(PolicySettings(...))`` builds the FastAPI app; :class:`Playbook` is the
-decision logic on its own (what the server answers for a given request).
+:class:`Playbook` is the decision logic on its own (what the server answers for a given
+request); the server is :mod:`rollpoint.policy.scripted_policy`
+(``create_policy_app(PolicySettings(...))`` builds its FastAPI app). The package does not
+import the server: the trainer imports :mod:`rollpoint.policy.engine_adapters` (what each
+engine's replies carry), and FastAPI is ~0.12 s of CPU in a process that serves nothing.
 """
 
 from rollpoint.policy.playbook import (
@@ -12,7 +15,6 @@ from rollpoint.policy.playbook import (
     Playbook,
     ToolCallDecision,
 )
-from rollpoint.policy.scripted_policy import PolicySettings, create_policy_app
 
 __all__ = [
     "Decision",
@@ -20,7 +22,5 @@ __all__ = [
     "FinalDecision",
     "Mistake",
     "Playbook",
-    "PolicySettings",
     "ToolCallDecision",
-    "create_policy_app",
 ]

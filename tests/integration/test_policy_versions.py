@@ -84,6 +84,18 @@ def logs(weights: Path, calls: Path) -> tuple[dict[str, Any], dict[str, Any]]:
     return spans, planned
 
 
+def _prefix_runs(generation: dict[str, Any], length: int) -> list[list[int]]:
+    """The (version, tokens) runs of a generation's first ``length`` tokens."""
+    runs: list[list[int]] = []
+    left = length
+    for version, n in generation["spans"]:
+        take = min(n, left)
+        if take:
+            runs.append([version, take])
+        left -= take
+    return runs
+
+
 def engine_spans(turn: Any, spans: dict[str, Any], planned: dict[str, Any]) -> list[list[int]]:
     """Which weights sampled each run of the turn's tokens, from the engine's logs alone.
     A call continued after the restore: the prefix's runs from the generation that sampled
@@ -94,20 +106,28 @@ def engine_spans(turn: Any, spans: dict[str, Any], planned: dict[str, Any]) -> l
     prefix_ids = planned[turn.completion_id].get("prefix_token_ids")
     if not prefix_ids:
         return own["spans"]
-    (cut,) = [
-        spans[i]
+    sampled = {
+        i: spans[i]
         for i, line in planned.items()
         if i != turn.completion_id
         and line["choices"][0]["token_ids"][: len(prefix_ids)] == prefix_ids
         and i in spans
-    ]
-    runs: list[list[int]] = []
-    left = len(prefix_ids)
-    for version, n in cut["spans"]:
-        take = min(n, left)
-        if take:
-            runs.append([version, take])
-        left -= take
+    }
+    assert sampled, f"no generation of the engine sampled {turn.completion_id}'s prefix"
+    if len(sampled) > 1:
+        # Two rows of a group may plan the same tokens: the prefix is the generation the
+        # cut stopped before its end, not a sibling that sampled all it planned.
+        stopped = {
+            i: line
+            for i, line in sampled.items()
+            if sum(n for _, n in line["spans"]) < len(planned[i]["choices"][0]["token_ids"])
+        }
+        sampled = stopped or sampled
+    # Where the logs cannot tell the generations apart, they must agree on the prefix.
+    (runs,) = {
+        str(r): r for r in (_prefix_runs(c, len(prefix_ids)) for c in sampled.values())
+    }.values()
+    left = len(prefix_ids) - sum(n for _, n in runs)
     assert (
         left == 0 and [*prefix_ids, *planned[turn.completion_id]["choices"][0]["token_ids"]] == ids
     )

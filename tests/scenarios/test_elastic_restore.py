@@ -87,7 +87,9 @@ def check_invariants(config: RunConfig, cluster: ScenarioCluster, since: float) 
 
 
 async def test_a_two_replica_snapshot_restores_onto_one_replica(tmp_path: Path) -> None:
-    two, one = configs(tmp_path, 2, 1)
+    # 24 tasks (48 rows, 12 waves of 4): a loaded run of 6 finished before any save caught
+    # an episode mid-conversation on both replicas.
+    two, one = configs(tmp_path, 2, 1, tasks=24)
     root = two.workdir / "snapshots"
     async with ScenarioCluster(root, replicas=2) as first, job(first, two) as j:
         run = await j.start(in_flight=3)

@@ -416,7 +416,8 @@ async def test_pause_does_not_grow_with_finished_rollouts(tmp_path: Path) -> Non
 
 async def test_more_than_one_replica_in_one_cut(tmp_path: Path) -> None:
     root, workdir = tmp_path / "snapshots", tmp_path / "run"
-    config = job_config(workdir, tasks=8)
+    # Enough rows that a loaded machine's slow saves still meet both replicas mid-episode.
+    config = job_config(workdir, tasks=24)
     async with ScenarioCluster(root) as first, job(first, config) as j:
         run = await j.start(in_flight=4)
         report = await save_with_episodes(j, set(BOTH))

@@ -517,16 +517,20 @@ def test_objects_an_application_froze_stay_frozen(location: str) -> None:
 def test_concurrent_paused_reads_all_decode_and_leave_the_collector_on(
     location: str,
 ) -> None:
-    # As the fence's restore reads each replica's folder: in worker threads, each paused.
-    _write(location, [{"i": i, "text": "x" * 50} for i in range(20_000)])
+    # As the fence's restore reads each replica's folder: in worker threads, each paused,
+    # each its own folder. (Not one file read by every thread: fsspec's memory filesystem
+    # hands every reader of a file the same file object, so its readers share one position.)
+    folders = [f"{location}/copy-{n}" for n in range(8)]
+    for folder in folders:
+        _write(folder, [{"i": i, "text": "x" * 50} for i in range(20_000)])
     complete: list[bool] = []
 
-    def read() -> None:
+    def read(folder: str) -> None:
         with collector_paused():
-            _, records = read_participant_state(_folder(location), **IDENTITY)
+            _, records = read_participant_state(_folder(folder), **IDENTITY)
         complete.append(len(records) == 20_000)
 
     with ThreadPoolExecutor(max_workers=4) as pool:
-        list(pool.map(lambda _: read(), range(8)))
+        list(pool.map(read, folders))
     assert complete == [True] * 8
     assert gc.isenabled()

@@ -71,10 +71,6 @@ ACTION_NAMES: dict[str, tuple[str, ...]] = {
 """What each integer action means, by the env id's name (before ``-v``), said in the prompt."""
 
 
-def is_gymnasium_reference(ref: str) -> bool:
-    return ref.startswith(PREFIX)
-
-
 def _load_function(path: str, ref: str) -> Render:
     module_name, _, attr = path.partition(":")
     try:

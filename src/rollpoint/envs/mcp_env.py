@@ -79,10 +79,6 @@ _INVALID_PARAMS = -32602  # JSON-RPC: the server says the arguments are wrong
 _CONNECTION_CLOSED = -32000  # the SDK's code for a request whose connection went away
 
 
-def is_mcp_reference(ref: str) -> bool:
-    return ref.startswith(PREFIX)
-
-
 # ---- the spec file ----------------------------------------------------------------------
 class McpServerSpec(StrictModel):
     """Where the server is: a command to start (stdio) or a URL (streamable HTTP)."""

@@ -75,10 +75,6 @@ SESSION_ROUTES = frozenset({"seed_session", "verify", "close_session", "aggregat
 log = logging.getLogger(__name__)
 
 
-def is_nemo_gym_reference(ref: str) -> bool:
-    return ref.startswith(PREFIX)
-
-
 def read_rows(path: Path, ref: str) -> list[dict[str, Any]]:
     try:
         lines = path.read_text().splitlines()

@@ -104,10 +104,6 @@ T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 
-def is_openenv_reference(ref: str) -> bool:
-    return ref.startswith(PREFIX)
-
-
 # ---- the loop every session of this process lives on -----------------------------------
 _LOOP: asyncio.AbstractEventLoop | None = None
 _LOOP_LOCK = threading.Lock()

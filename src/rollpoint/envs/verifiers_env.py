@@ -87,10 +87,6 @@ _TIMEOUT_S = 300.0
 T = TypeVar("T")
 
 
-def is_verifiers_reference(ref: str) -> bool:
-    return ref.startswith(PREFIX)
-
-
 _LOOP: asyncio.AbstractEventLoop | None = None
 _LOOP_LOCK = threading.Lock()
 

@@ -13,7 +13,12 @@ falls on both sides.
 
 Over the window:
 
-- ``turns_per_s``: policy calls the model servers answered (their ``calls_total``);
+- ``turns_per_s``: policy calls the model servers answered (their ``calls_total``), each
+  leg's too (``legs_turns_per_s``), and ``spread``, how far the legs of one side lie apart
+  (max - min over their mean): the job offers more calls than two cores answer (the
+  scripted engine alone takes ~0.8 of one), so its rate is the machine's capacity and
+  moves with whatever else the shared machine runs — one leg in six ran 14 % slow in the
+  profile of 2026-12-07 (docs/log/journal-snapshots-2026-12.md);
 - ``cpu_ms_per_turn``: CPU time of every process of the job per turn, from ``/proc``. The
   offered load is fixed, so a snapshot's cost shows as CPU a turn (and as fewer turns only
   where it stalls calls: the cut's pause does);
@@ -148,6 +153,12 @@ def _figures(legs: list[Leg], tag: str) -> dict[str, float | int | str]:
             continue
         turns = sum(g.turns for g in mine)
         out[f"{tag}_{side}_turns_per_s"] = turns / sum(g.seconds for g in mine)
+        rates = [g.turns / g.seconds for g in mine]
+        out[f"{tag}_{side}_legs_turns_per_s"] = ", ".join(f"{r:.1f}" for r in rates)
+        if len(rates) > 1:
+            # Two legs of one side differ by what the shared machine did meanwhile: the
+            # noise floor the ratio below is read against.
+            out[f"{tag}_{side}_spread"] = (max(rates) - min(rates)) / (sum(rates) / len(rates))
         out[f"{tag}_{side}_cpu_ms_per_turn"] = sum(g.cpu_s for g in mine) / turns * 1e3
         out[f"{tag}_{side}_snapshots"] = sum(g.published for g in mine)
         out[f"{tag}_{side}_failed"] = sum(g.failed for g in mine)

@@ -19,7 +19,7 @@ import pytest
 
 from rollpoint.envs.math import MathEnvironment
 from tests.integration.test_cli_run import rollpoint, train_lines, write_config
-from tests.support.processes import children_of, kill_all
+from tests.support.processes import descendants_of, kill_all
 
 pytestmark = pytest.mark.integration
 
@@ -145,7 +145,7 @@ def test_a_dataset_edited_in_place_after_a_sigkill_is_refused_and_put_back_resum
             assert proc.poll() is None, proc.stderr.read() if proc.stderr else ""
             assert time.monotonic() < deadline, "no snapshot published within 60 s"
             time.sleep(0.05)
-        servers = children_of(proc.pid)
+        servers = descendants_of(proc.pid)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
     finally:

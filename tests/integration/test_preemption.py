@@ -23,7 +23,7 @@ import yaml
 
 from rollpoint.store.snapshot_store import SnapshotStore
 from tests.support.counting_policy import PolicyCalls, counting_policy
-from tests.support.processes import children_of, wait_gone
+from tests.support.processes import descendants_of, servers_of, wait_gone
 from tests.support.run_process import RICH_ENV, RunProcess
 
 pytestmark = pytest.mark.process
@@ -81,8 +81,8 @@ def _stop_mid_job(
         "a train step with calls in flight",
         timeout_s=120,
     )
-    servers = children_of(run.proc.pid)
-    assert len(servers) == 3 * 2  # the policy is the test's
+    assert len(servers_of(run.proc.pid)) == 3 * 2  # the policy is the test's
+    servers = descendants_of(run.proc.pid)  # and the zygote they were forked from
     _, in_flight = calls.snapshot()
     signalled_at = time.time()
     if group:
@@ -190,7 +190,7 @@ def test_a_final_snapshot_out_of_time_keeps_the_previous_one(tmp_path: Path) -> 
 def test_a_second_signal_stops_at_once_without_a_traceback(tmp_path: Path) -> None:
     with counting_policy(latency_ms=300) as (url, calls):
         run = _started_mid_job(tmp_path, url, calls)
-        servers = children_of(run.proc.pid)
+        servers = descendants_of(run.proc.pid)
         os.kill(run.proc.pid, signal.SIGTERM)
         # The second signal only once the first was taken: sent back to back, both can be
         # pending together, and the kernel then delivers the lower-numbered SIGINT first.
@@ -249,8 +249,8 @@ def test_serve_stops_cleanly_on_a_signal_to_its_group(tmp_path: Path, signum: in
     )
     assert proc.stdout is not None
     assert proc.stdout.readline(), proc.communicate(timeout=30)[1]
-    servers = children_of(proc.pid)
-    assert len(servers) == 1 + 3 * 2
+    assert len(servers_of(proc.pid)) == 1 + 3 * 2
+    servers = descendants_of(proc.pid)
     os.killpg(proc.pid, signum)
     _, stderr = proc.communicate(timeout=30)
     assert proc.returncode == 0, stderr

@@ -9,7 +9,7 @@ import pytest
 import yaml
 
 from tests.support.counting_policy import counting_policy
-from tests.support.processes import children_of
+from tests.support.processes import children_of, servers_of
 from tests.support.run_process import RunProcess
 
 pytestmark = pytest.mark.process
@@ -45,16 +45,18 @@ def test_no_token_nor_api_key_is_on_any_command_line_of_a_running_job(tmp_path: 
         run = RunProcess(config)
         try:
             run.wait_until(lambda: calls.snapshot()[0] > 0, "a policy call", timeout_s=120)
-            servers = children_of(run.proc.pid)
+            servers = servers_of(run.proc.pid)
             assert len(servers) == 3 * 2
             secrets = {API_KEY}
-            for pid in servers:
+            # A forked server's environment is set in its memory, not where /proc reads it
+            # (rollpoint.runtime.warm_start): the zygote's is read, which the launcher set.
+            for pid in children_of(run.proc.pid):
                 env = _environ(pid)
                 secrets |= {
                     env[k] for k in ("ROLLPOINT_CONTROL_TOKEN", "ROLLPOINT_DATA_TOKEN") if k in env
                 }
             assert len(secrets) == 3, "the servers did not get both tokens by environment"
-            for pid in [run.proc.pid, *servers]:
+            for pid in [run.proc.pid, *children_of(run.proc.pid), *servers]:
                 line = _cmdline(pid)
                 leaked = [s for s in secrets if s in line]
                 assert not leaked, f"a secret is on the command line of {pid}: {line[:200]}"

@@ -32,6 +32,31 @@ def children_of(pid: int) -> list[int]:
     return found
 
 
+def descendants_of(pid: int) -> list[int]:
+    """Every process below ``pid``: a launcher's server zygote and the servers it forked
+    (:mod:`rollpoint.runtime.warm_start`), or the servers it exec'd."""
+    parents: dict[int, int] = {}
+    for child, raw in _processes("stat"):
+        stat = raw.decode(errors="replace")
+        parents[child] = int(stat[stat.rfind(")") + 2 :].split()[1])
+    found: list[int] = []
+    frontier = [pid]
+    while frontier:
+        parent = frontier.pop()
+        below = [child for child, ppid in parents.items() if ppid == parent]
+        found.extend(below)
+        frontier.extend(below)
+    return found
+
+
+def servers_of(pid: int) -> list[int]:
+    """The server processes below ``pid`` (their command line names the server entry
+    point, forked or exec'd), without the zygote."""
+    wanted = b"rollpoint.runtime.server_process"
+    below = set(descendants_of(pid))
+    return [p for p, cmdline in _processes("cmdline") if p in below and wanted in cmdline]
+
+
 def replica_servers(root: Path, replica: str) -> list[int]:
     """The server processes of ``replica`` serving from ``root`` (its workdir, in their
     command lines), whoever started them."""

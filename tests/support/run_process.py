@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.support.processes import children_of, group_members, wait_gone
+from tests.support.processes import descendants_of, group_members, wait_gone
 
 POLL_S = 0.01
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
@@ -100,11 +100,12 @@ class RunProcess:
             time.sleep(poll_s)
 
     def _note_servers(self) -> None:
-        """Remember the run's children now and then: once it is killed they are orphans
-        nobody can list by parent, and one that left the process group would escape."""
+        """Remember what runs below the run now and then (its servers, and the zygote they
+        were forked from): once it is killed they are orphans nobody can list by parent,
+        and one that left the process group would escape."""
         now = time.monotonic()
         if now - self._servers_seen_at >= SERVERS_EVERY_S:
-            self._servers.update(children_of(self.proc.pid))
+            self._servers.update(descendants_of(self.proc.pid))
             self._servers_seen_at = now
 
     def kill(self) -> list[int]:

@@ -23,7 +23,9 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from rollpoint.protocol.errors import LaunchError
+from rollpoint.runtime import warm_start
 from rollpoint.runtime.server_spec import ReadyLine, ServerSpec
+from rollpoint.runtime.warm_start import ForkedProcess, WarmStarter
 
 log = logging.getLogger(__name__)
 
@@ -31,7 +33,8 @@ log = logging.getLogger(__name__)
 @dataclass
 class ChildServer:
     spec: ServerSpec
-    process: asyncio.subprocess.Process
+    process: asyncio.subprocess.Process | ForkedProcess
+    """Exec'd, or forked from the group's zygote (:mod:`rollpoint.runtime.warm_start`)."""
     log_path: Path
     url: str = ""
     stderr_tail: deque[str] = field(default_factory=lambda: deque(maxlen=20))
@@ -52,6 +55,9 @@ class ProcessGroup:
         self._start_timeout_s = start_timeout_s
         self.children: list[ChildServer] = []
         self._pumps: list[asyncio.Task[None]] = []
+        self._warm = (
+            WarmStarter(log_dir / "server-zygote.log", self._env) if warm_start.enabled() else None
+        )
 
     @property
     def env(self) -> dict[str, str]:
@@ -69,16 +75,20 @@ class ProcessGroup:
         log_path = self._log_dir / f"{spec.name}.log"
         # Secrets (the control token) travel by environment, never on the command line.
         env = dict(os.environ, PYTHONUNBUFFERED="1", **self._env)
-        process = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "rollpoint.runtime.server_process",
-            spec.model_dump_json(),
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            env=env,
-        )
+        process: asyncio.subprocess.Process | ForkedProcess
+        if self._warm is not None:
+            process = await self._warm.spawn(spec.model_dump_json(), env)
+        else:
+            process = await asyncio.create_subprocess_exec(
+                sys.executable,
+                "-m",
+                "rollpoint.runtime.server_process",
+                spec.model_dump_json(),
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+                env=env,
+            )
         child = ChildServer(spec=spec, process=process, log_path=log_path)
         self.children.append(child)
         self._pumps.append(asyncio.create_task(self._pump_stderr(child)))
@@ -165,6 +175,8 @@ class ProcessGroup:
             pump.cancel()
         await asyncio.gather(*self._pumps, return_exceptions=True)
         self._pumps.clear()
+        if self._warm is not None:
+            await self._warm.aclose()
 
 
 def _last_error_line(tail: deque[str]) -> str:

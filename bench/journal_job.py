@@ -69,6 +69,7 @@ from rollpoint.trainer.record.workdir_record import WorkdirRecord
 from rollpoint.trainer.restore.restorer import Restorer, find_resume_point
 from rollpoint.trainer.trainer import Trainer
 from rollpoint.tuning import install as install_tuning
+from tests.support.processes import descendants_of as descendants
 
 SETTLE_S = 30.0
 """After the sessions opened: they are some turns in, as in a steady job."""
@@ -112,24 +113,6 @@ def engine_check_timed() -> Iterator[list[float]]:
         yield spent
     finally:
         embedded.check_engine = check
-
-
-def descendants(root: int) -> list[int]:
-    """Every live process under ``root`` (scans /proc; Linux only)."""
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError, IndexError, ValueError):
-                stat = entry.joinpath("stat").read_text()
-                parents[int(entry.name)] = int(stat[stat.rfind(")") + 2 :].split()[1])
-    found: list[int] = []
-    frontier = [root]
-    while frontier:
-        parent = frontier.pop()
-        children = [pid for pid, ppid in parents.items() if ppid == parent]
-        found.extend(children)
-        frontier.extend(children)
-    return found
 
 
 def cpu_seconds(pids: Sequence[int]) -> dict[int, float]:

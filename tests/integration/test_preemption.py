@@ -144,8 +144,19 @@ def test_a_signal_mid_job_saves_a_final_snapshot_and_the_rerun_redoes_only_calls
         _check_rerun(tmp_path, _config(tmp_path, url), calls, in_flight)
 
 
-def _started_mid_job(tmp_path: Path, url: str, calls: PolicyCalls, **more: object) -> RunProcess:
-    run = RunProcess(_config(tmp_path, url, **more))
+def held_at_stop(marker: Path) -> tuple[str, ...]:
+    """The launcher that holds the run as it is about to stop its servers."""
+    return ("-m", "tests.support.held_run", "stop", str(marker))
+
+
+def _started_mid_job(
+    tmp_path: Path,
+    url: str,
+    calls: PolicyCalls,
+    launcher: tuple[str, ...] = ("-m", "rollpoint"),
+    **more: object,
+) -> RunProcess:
+    run = RunProcess(_config(tmp_path, url, **more), launcher=launcher)
     run.wait_until(
         lambda: len(_rows(tmp_path / "run")) >= 4 and calls.snapshot()[1] > 0,
         "a train step with calls in flight",
@@ -213,16 +224,14 @@ def test_a_second_signal_after_the_final_snapshot_says_the_one_line_naming_it(
 ) -> None:
     # The second signal comes while the servers stop, after the final snapshot published:
     # the console said "no final snapshot" although the log said which one held the run.
+    # The run is held there (tests/support/held_run.py): polling the log for the final
+    # line raced the servers' stop, a few hundred milliseconds.
+    stopping = tmp_path / "stopping"
     with counting_policy(latency_ms=300) as (url, calls):
-        run = _started_mid_job(tmp_path, url, calls)
-        log = tmp_path / "run" / "rollpoint.log"
+        run = _started_mid_job(tmp_path, url, calls, launcher=held_at_stop(stopping))
         os.kill(run.proc.pid, signal.SIGTERM)
-        run.wait_until(
-            lambda: "holds the run" in log.read_text(),
-            "the final snapshot over",
-            timeout_s=GRACE_S,
-            poll_s=0.002,
-        )
+        run.wait_until(stopping.exists, "the servers' stop", timeout_s=GRACE_S + 10)
+        assert "holds the run" in (tmp_path / "run" / "rollpoint.log").read_text()
         os.kill(run.proc.pid, signal.SIGINT)
         finished = run.finish(timeout_s=30)
         assert "SIGINT received again" in finished.stderr, "the second signal came too late"

@@ -11,7 +11,11 @@ folder raced steps of a few milliseconds on a loaded machine; a test that waits 
   ledger nor said "resumed from";
 - ``publish``: a snapshot is written to its staging folder and about to be published
   (:meth:`~rollpoint.store.snapshot_store.SnapshotStore.publish`), held only once
-  ``MARKER.arm`` exists, so the snapshots before it publish as usual.
+  ``MARKER.arm`` exists, so the snapshots before it publish as usual;
+- ``stop``: the run is on its way out and about to stop its servers
+  (:meth:`~rollpoint.runtime.process_group.ProcessGroup.stop`, the first call), after
+  everything before it (a final snapshot included). Held until the task is cancelled (a
+  second signal), then the servers are stopped as they would have been.
 
 The participants run unchanged: only the trainer process is started through this module.
 It does not judge the run (the test does).
@@ -59,7 +63,27 @@ def _hold_publish(marker: Path) -> None:
     SnapshotStore.publish = held  # type: ignore[method-assign]
 
 
-HOLDS = {"restore": _hold_restore, "publish": _hold_publish}
+def _hold_stop(marker: Path) -> None:
+    from rollpoint.runtime.process_group import ProcessGroup
+
+    stop = ProcessGroup.stop
+    calls = 0
+
+    async def held(self: ProcessGroup, *args: Any, **kwargs: Any) -> None:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            await asyncio.to_thread(marker.touch)
+            try:
+                await asyncio.Event().wait()
+            finally:
+                await stop(self, *args, **kwargs)
+        await stop(self, *args, **kwargs)
+
+    ProcessGroup.stop = held  # type: ignore[method-assign]
+
+
+HOLDS = {"restore": _hold_restore, "publish": _hold_publish, "stop": _hold_stop}
 
 
 def main(argv: list[str]) -> None:

@@ -63,13 +63,13 @@ reruns at most) have ended or hit ``RUN_TIMEOUT_S``, however loaded the machine 
 
 
 def write_config(
-    folder: Path, *, latency_ms: int = 50, tasks: int = 8, journal: bool = False
+    folder: Path, *, latency_ms: int = 50, tasks: int = 8, journal: bool = False, keep: int = 3
 ) -> Path:
     return write_job_config(
         folder,
         tasks=tasks,
         policy={"latency_ms": latency_ms, "error_rate": 0},
-        snapshot={"every_seconds": 0.3},
+        snapshot={"every_seconds": 0.3, "keep": keep},
         journal={"enabled": journal},
     )
 
@@ -81,9 +81,12 @@ async def one_trial(
     latency_ms: int = 50,
     tasks: int = 8,
     journal: bool = False,
+    keep: int = 3,
 ) -> tuple[TrialPlan, TrialOutcome]:
     """One trial of the small job under ``faults``, run as ``rollpoint chaos`` runs it."""
-    config_path = write_config(tmp_path, latency_ms=latency_ms, tasks=tasks, journal=journal)
+    config_path = write_config(
+        tmp_path, latency_ms=latency_ms, tasks=tasks, journal=journal, keep=keep
+    )
     runner = ChaosRunner(config_path, load_config(config_path), run_timeout_s=120)
     plan = TrialPlan(trial=0, config=config_path, workdir=tmp_path / "trial-0", faults=faults)
     return plan, await runner.trial(plan)
@@ -329,10 +332,16 @@ async def test_a_journal_damaged_between_kill_and_rerun_is_cut_with_a_warning_an
         ],
         latency_ms=100,
         journal=True,
+        # Every snapshot kept, so journal retention deletes no segment: with the default 3
+        # it once left the newest agent journal fewer than three segments (four cuts within
+        # 1.05 s, the last two 68 ms apart), none between two others to lose, and the
+        # fault was not injected.
+        keep=10,
     )
 
     assert outcome.violations == [], invariants.report(outcome.violations)
-    assert outcome.faults_injected == {ChaosFault.PROCESS_KILL: 1, kind: 1}
+    missed = [e.reason for run in outcome.runs for e in run.events if e.event == "missed"]
+    assert outcome.faults_injected == {ChaosFault.PROCESS_KILL: 1, kind: 1}, missed
     (struck,) = [e for e in outcome.runs[1].events if e.event == "fault"]
     damaged = struck.reason.split()[1].rstrip(":")
     assert f"/journal/{participant}/" in damaged, struck.reason

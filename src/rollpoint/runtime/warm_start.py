@@ -6,8 +6,10 @@ forks a server for each request — and, on the launcher's side, :class:`WarmSta
 starts the zygote and asks it for servers, and :class:`ForkedProcess`, one such server's
 handle: the part of :class:`asyncio.subprocess.Process` a group uses.
 
-Why: each server process used to import all of that itself, ~0.45 of the ~0.6 CPU-seconds
-its start costs (docs/log/suite-2026-12.md). A ``rollpoint run`` of two replicas starts
+Why: each server process used to import all of that itself, most of the 0.59-0.70
+CPU-seconds its start and stop cost; forked, they cost 0.10-0.12 (the scripted policy,
+which spends its start building its app, 0.32), plus the zygote's imports once a group
+(docs/log/suite-2026-12.md). A ``rollpoint run`` of two replicas starts
 seven, a chaos trial fourteen, the test suite thousands. Forked, a server starts with the
 modules imported, their pages shared copy-on-write and kept out of its collector's way
 (:func:`gc.freeze`, as the :mod:`gc` documentation advises for a fork without exec).
@@ -127,9 +129,6 @@ class ForkedProcess:
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
 
     def exited(self, code: int) -> None:
         """The zygote reaped it (or, without a zygote, it is gone: ``code`` 255)."""

@@ -46,9 +46,9 @@ import orjson
 
 from bench.report import BenchResult
 from rollpoint.app.config import RunConfig, parse_config
-from rollpoint.app.job import drive_quietly, run_job
 from rollpoint.envs.workplace import ExpectedEmail, ExpectedEvent, WorkplaceParams, workplace_prompt
 from rollpoint.http.client import HttpClient
+from rollpoint.job.run import drive_quietly, run_job
 from rollpoint.loop import SimulatedTrainer
 from rollpoint.preemption import StopRequest
 from rollpoint.protocol.episode import TaskRow

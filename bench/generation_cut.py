@@ -37,7 +37,7 @@ from bench.crash_rework import DATA_TOKEN, Killed, _say
 from bench.latency import percentile
 from bench.report import BenchResult
 from rollpoint.app.config import RunConfig, parse_config
-from rollpoint.app.job import drive_quietly, run_job
+from rollpoint.job.run import drive_quietly, run_job
 from rollpoint.loop import SimulatedTrainer
 from rollpoint.runtime.contract import Runtime
 from rollpoint.runtime.embedded import EmbeddedRuntime

@@ -57,8 +57,8 @@ from bench.snapshot_pause import (
     load,
     long_task,
 )
-from rollpoint.app.job import journal_pending
 from rollpoint.http.client import HttpClient
+from rollpoint.job.journal_status import journal_pending
 from rollpoint.protocol.participant import ParticipantKind
 from rollpoint.runtime import embedded
 from rollpoint.runtime.embedded import EmbeddedRuntime

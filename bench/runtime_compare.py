@@ -20,7 +20,7 @@ from typing import Any
 
 from bench.report import BenchResult
 from rollpoint.app.config import RunConfig, parse_config
-from rollpoint.app.job import drive_quietly, run_job
+from rollpoint.job.run import drive_quietly, run_job
 from rollpoint.loop import SimulatedTrainer
 from rollpoint.runtime.contract import Runtime
 from rollpoint.trainer.metrics import TrainerMetrics

@@ -31,7 +31,7 @@ import orjson
 
 from bench.report import RESULTS, BenchResult
 from rollpoint.app.config import parse_config
-from rollpoint.app.job import drive_quietly, run_job
+from rollpoint.job.run import drive_quietly, run_job
 from rollpoint.loop import SimulatedTrainer
 from rollpoint.protocol.control import StatusReply
 from rollpoint.runtime.contract import Runtime

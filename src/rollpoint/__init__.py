@@ -18,12 +18,14 @@ says why, with the rules between the parts):
 - ``trainer/``   RL side: the trainer library (the trainer, train hooks, step record) with
   its machinery in sub-packages by role (state, control, dispatch, snapshot, restore, record)
 - ``rollouts.py`` the trainer's façade (with ``preemption.py``, its signals)
+- ``job/``       one run assembled (lock, resume point, servers, restore, trainer): what
+  the façade and ``rollpoint run`` drive
 - ``loop/``      the built-in training loop ``rollpoint run`` trains with, on the façade only
 - ``store/``     snapshot store (the only place that knows about files)
 - ``runtime/``   process launchers (the only place that knows about processes)
 - ``testing/``   the test kit: fault proxy and transport, conformance kit, local cluster
 - ``schemas/``   the JSON Schema of ``train_data.jsonl``, shipped with the package
-- ``app/``       the ``rollpoint`` command: CLI, job, run config, report, chaos runner
+- ``app/``       the ``rollpoint`` command: CLI, run config, report, chaos runner
 
 The top level exports the trainer's façade (:class:`~rollpoint.rollouts.Rollouts`, see
 docs/trainers.md), the config it takes and every type its signatures take or return (the

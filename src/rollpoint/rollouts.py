@@ -8,7 +8,7 @@ is live on the engines (pausing them around a weight update) — and
 :class:`TrainBatch`, one batch handed out. Everything else (the recovery ledger, the
 dispatcher, the finished-rollout queue, snapshots, ``train_data.jsonl`` and its
 checkpoints, the restore) runs underneath as it does for ``rollpoint run``: the façade
-drives :func:`rollpoint.app.job.run_job` with train hooks that hand each batch to the caller
+drives :func:`rollpoint.job.run.run_job` with train hooks that hand each batch to the caller
 and wait for it to come back. So an RL loop keeps its own structure, and a run killed
 anywhere resumes at its last snapshot with nothing trained twice.
 
@@ -37,7 +37,7 @@ from typing import Any, Self, TypeVar
 from pydantic import JsonValue, ValidationError
 
 from rollpoint.app.config import RunConfig
-from rollpoint.app.job import Drive, check_environment, drive_quietly, run_job
+from rollpoint.job.run import Drive, check_environment, drive_quietly, run_job
 from rollpoint.policy.engine_adapters import PauseMode
 from rollpoint.preemption import StopRequest
 from rollpoint.protocol.deployment import ReplicaEndpoints, ServedDeployment

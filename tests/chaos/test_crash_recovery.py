@@ -24,7 +24,7 @@ import orjson
 import pytest
 
 from rollpoint.app.config import load_config
-from rollpoint.app.job import load_tasks_for
+from rollpoint.job.run import load_tasks_for
 from rollpoint.protocol.episode import TaskRow
 from rollpoint.testing import invariants
 from tests.support.held_run import arm

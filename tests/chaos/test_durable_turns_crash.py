@@ -42,8 +42,8 @@ import orjson
 import pytest
 
 from rollpoint.app.config import load_config
-from rollpoint.app.job import load_tasks_for
 from rollpoint.app.snapshot_report import build_report
+from rollpoint.job.run import load_tasks_for
 from rollpoint.protocol.token_data import as_float32
 from rollpoint.servers.agent.episode_runner import turn_seed
 from rollpoint.store.journal_format import HEADER, Damage, scan_frames

@@ -32,7 +32,7 @@ import pytest
 from rollpoint.app.chaos.command import ChaosRunner
 from rollpoint.app.chaos.plan import ChaosFault, PlannedFault, TrialPlan
 from rollpoint.app.config import load_config
-from rollpoint.app.job import load_tasks_for
+from rollpoint.job.run import load_tasks_for
 from rollpoint.protocol.participant import ParticipantKind
 from rollpoint.testing import invariants
 from tests.chaos.test_crash_recovery import Start, rerun_until_ok, start

@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from rollpoint.app.config import load_config
-from rollpoint.app.job import load_tasks_for
+from rollpoint.job.run import load_tasks_for
 from rollpoint.testing import invariants
 from tests.support.moto_s3 import moto_s3
 from tests.support.run_process import Finished, RunProcess

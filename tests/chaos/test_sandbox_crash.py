@@ -37,7 +37,7 @@ import orjson
 import pytest
 
 from rollpoint.app.config import load_config
-from rollpoint.app.job import load_tasks_for
+from rollpoint.job.run import load_tasks_for
 from rollpoint.testing import invariants
 from tests.chaos.test_crash_recovery import Start, crash, rerun_until_ok, start, write_config
 from tests.support.processes import replica_servers, wait_gone

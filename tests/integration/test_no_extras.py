@@ -95,7 +95,7 @@ def test_the_library_imports_without_extras(venv: Path) -> None:
     code = (
         "import sys\n"
         "import rollpoint, rollpoint.trainer, rollpoint.participant, rollpoint.envs\n"
-        "import rollpoint.protocol, rollpoint.app.job, rollpoint.testing.conformance\n"
+        "import rollpoint.protocol, rollpoint.job.run, rollpoint.testing.conformance\n"
         "import rollpoint.servers.model.model_server, rollpoint.servers.agent.agent_server\n"
         "import rollpoint.servers.resources.resources_server\n"
         "from rollpoint.trainer import Trainer\n"

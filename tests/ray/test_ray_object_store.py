@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from rollpoint.app.config import load_config
-from rollpoint.app.job import load_tasks_for
+from rollpoint.job.run import load_tasks_for
 from rollpoint.testing import invariants
 from tests.chaos.test_object_store import published, runs, s3, write_config
 from tests.ray.conftest import RayCluster

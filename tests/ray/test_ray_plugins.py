@@ -15,8 +15,8 @@ import pytest
 import sandbox_env  # installed by make (pip install -e examples/sandbox_env)
 
 from rollpoint.app.config import parse_config
-from rollpoint.app.job import load_tasks_for, run_job
 from rollpoint.http.client import HttpClient
+from rollpoint.job.run import load_tasks_for, run_job
 from rollpoint.loop import SimulatedTrainer
 from rollpoint.runtime.ray_runtime import RayRuntime
 from rollpoint.testing import invariants

@@ -23,8 +23,8 @@ import pytest
 import ray
 
 from rollpoint.app.config import RunConfig
-from rollpoint.app.job import drive_quietly, load_tasks_for, run_job
 from rollpoint.http.client import HttpClient
+from rollpoint.job.run import drive_quietly, load_tasks_for, run_job
 from rollpoint.loop import SimulatedTrainer
 from rollpoint.protocol.deployment import ReplicaEndpoints
 from rollpoint.runtime.contract import Runtime

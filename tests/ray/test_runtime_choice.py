@@ -58,7 +58,7 @@ def test_the_config_picks_the_runtime(tmp_path: Path) -> None:
 
 def test_the_embedded_path_never_imports_ray() -> None:
     code = (
-        "import sys, rollpoint.app.cli, rollpoint.app.job, rollpoint.runtime.contract; "
+        "import sys, rollpoint.app.cli, rollpoint.job.run, rollpoint.runtime.contract; "
         "from rollpoint.app.config import parse_config; "
         "rollpoint.runtime.contract.runtime_for(parse_config({}).runtime_settings()); "
         "print('ray' in sys.modules)"

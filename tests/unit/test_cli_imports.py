@@ -12,7 +12,7 @@ import sys
 # What a run needs and ``--help`` does not: the trainer, the HTTP stacks, Ray, the servers.
 HEAVY = (
     "rollpoint.trainer",
-    "rollpoint.app.job",
+    "rollpoint.job.run",
     "rollpoint.participant",
     "rollpoint.servers",
     "aiohttp",

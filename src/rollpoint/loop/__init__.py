@@ -5,7 +5,7 @@ opens :class:`rollpoint.Rollouts`, pulls each batch and applies
 :class:`SimulatedTrainer` to it. It reads the run config (as the app does); the trainer
 library (``rollpoint.trainer``) never imports it, and it imports only public names (the
 façade, the trainer library's ``__all__``, the protocol): a test enforces both. The job
-(:func:`rollpoint.app.job.run_job`) takes its hooks from its caller and imports nothing of
+(:func:`rollpoint.job.run.run_job`) takes its hooks from its caller and imports nothing of
 it, so its names are plain imports.
 """
 

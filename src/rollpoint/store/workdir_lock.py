@@ -131,7 +131,7 @@ def _lock_file(workdir: Path, path: Path) -> int:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         except OSError as exc:
             # The lock file is the first thing a run writes: the same words as the
-            # start check's (rollpoint.app.start_checks) for a workdir that cannot be written.
+            # start check's (rollpoint.job.start_checks) for a workdir that cannot be written.
             raise ConfigError(
                 f"workdir {workdir} is not writable: {exc.strerror} (creating {LOCK_NAME})"
             ) from None

@@ -13,7 +13,6 @@ import pytest
 import rollpoint.envs
 import rollpoint.envs.registry as registry
 from rollpoint.app.config import parse_config
-from rollpoint.app.job import load_tasks_for
 from rollpoint.envs import (
     ConfigError,
     environment_matches,
@@ -23,6 +22,7 @@ from rollpoint.envs import (
     write_tasks,
 )
 from rollpoint.envs.workplace import WorkplaceEnvironment
+from rollpoint.job.run import load_tasks_for
 
 COUNTER_ENV = """
 from typing import Any, ClassVar

@@ -56,7 +56,7 @@ from rollpoint.app.chaos.plan import (
 )
 from rollpoint.app.chaos.tally import ChaosTally, RunRecord, TrialOutcome
 from rollpoint.app.config import RunConfig, load_config
-from rollpoint.app.job import load_tasks_for
+from rollpoint.job.run import load_tasks_for
 from rollpoint.protocol.episode import TaskRow
 from rollpoint.protocol.errors import ConfigError, LaunchError, RollpointError
 from rollpoint.store.snapshot_store import SnapshotStore

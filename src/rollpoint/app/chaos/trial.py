@@ -50,7 +50,7 @@ from rollpoint.app.chaos.plan import (
     trial_store_folder,
 )
 from rollpoint.app.config import RunConfig, load_config
-from rollpoint.app.job import drive_quietly, run_job
+from rollpoint.job.run import drive_quietly, run_job
 from rollpoint.loop import SimulatedTrainer
 from rollpoint.protocol.control import CONTROL_PREFIX, Verb
 from rollpoint.protocol.deployment import Deployment, ServedDeployment
@@ -71,7 +71,7 @@ from rollpoint.trainer.trainer import RunSummary, Trainer
 
 log = logging.getLogger(__name__)
 
-# What rollpoint.app.job says after a restore; the numbers are the trial's episode tally.
+# What rollpoint.job.run says after a restore; the numbers are the trial's episode tally.
 _RESUMED = re.compile(
     r"resumed from snapshot (?P<snapshot>\S+) at train step \d+: "
     r"(?P<continued>\d+) episodes continued, (?P<restarted>\d+) restarted"

@@ -27,10 +27,11 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from rollpoint.app.config import RunConfig
-from rollpoint.app.deployment_check import check_deployment
-from rollpoint.app.finished_run import finished_summary
-from rollpoint.app.start_checks import check_store_writable, check_workdir_writable, unreadable
 from rollpoint.http.client import HttpClient
+from rollpoint.job.deployment_check import check_deployment
+from rollpoint.job.finished_run import finished_summary
+from rollpoint.job.journal_status import journal_pending, journal_read_back, pin_to_journals
+from rollpoint.job.start_checks import check_store_writable, check_workdir_writable, unreadable
 from rollpoint.preemption import StopRequest, drive_until_stopped
 from rollpoint.protocol.deployment import Deployment, ServedDeployment
 from rollpoint.protocol.episode import TaskRow
@@ -40,7 +41,6 @@ from rollpoint.protocol.errors import (
     RestoreError,
     RollpointError,
 )
-from rollpoint.protocol.participant import ParticipantKind
 from rollpoint.runtime.attached import AttachedRuntime
 from rollpoint.runtime.contract import Runtime, runtime_for
 from rollpoint.runtime.replica_plan import SpecHook
@@ -55,7 +55,6 @@ from rollpoint.store.lock_watch import while_locked
 from rollpoint.store.snapshot_store import SnapshotStore
 from rollpoint.store.workdir_lock import LOCK_NAME, check_lock, lock_workdir
 from rollpoint.trainer.control.control_plane import ControlPlane, participant_clients
-from rollpoint.trainer.control.participant_client import ParticipantClient
 from rollpoint.trainer.metrics import TrainerMetrics
 from rollpoint.trainer.record.workdir_record import WorkdirRecord
 from rollpoint.trainer.restore.restorer import Restorer, Skipped, check_config, find_resume_point
@@ -66,7 +65,6 @@ from rollpoint.trainer.run_events import (
     RunStart,
     without_secrets,
 )
-from rollpoint.trainer.state.ledger import RecoveryLedger, RolloutState
 from rollpoint.trainer.step_record import StepRecord
 from rollpoint.trainer.train_hooks import TrainHooks
 from rollpoint.trainer.trainer import RunSummary, Trainer
@@ -482,61 +480,3 @@ async def _locked_job(
         await data_http.aclose()
         metrics.close()
         await runtime.stop()
-
-
-async def journal_pending(
-    participants: list[ParticipantClient],
-) -> tuple[dict[str, int], dict[str, int]] | None:
-    """(turns, finished replies) each agent's journal holds past the restored snapshot, to
-    be resumed or adopted as their rows come, by journal (``agent/<name>-<replica>``, as
-    ``inspect`` and ``report`` name it); None: no agent journals."""
-    agents = [p for p in participants if p.address.kind is ParticipantKind.AGENT]
-    replies = await asyncio.gather(*(p.status() for p in agents), return_exceptions=True)
-    statuses = [
-        r for r in replies if not isinstance(r, BaseException) and "journal_turns" in r.counts
-    ]
-    if not statuses:
-        return None
-    turns = {f"{r.kind}/{r.name}-{r.replica}": r.counts["journal_turns"] for r in statuses}
-    finished = {
-        f"{r.kind}/{r.name}-{r.replica}": r.counts.get("journal_replies", 0) for r in statuses
-    }
-    return turns, finished
-
-
-async def journal_read_back(participants: list[ParticipantClient]) -> dict[str, int] | None:
-    """How long each journaling server took to read its journal back when it started, by
-    journal (``<kind>/<name>-<replica>``); None when none journals."""
-    replies = await asyncio.gather(*(p.status() for p in participants), return_exceptions=True)
-    found = {
-        f"{r.kind}/{r.name}-{r.replica}": r.counts["journal_read_ms"]
-        for r in replies
-        if not isinstance(r, BaseException) and "journal_read_ms" in r.counts
-    }
-    return found or None
-
-
-async def pin_to_journals(ledger: RecoveryLedger, deployment: Deployment, http: HttpClient) -> int:
-    """Pin each row the restored ledger holds queued (it will be sent again under its own
-    rollout id) to the replica whose agent journaled its turns: only there do the servers'
-    journals let it go on from its last journaled turn. Returns how many were pinned."""
-    replies = await asyncio.gather(
-        *(
-            http.get_json(f"{r.agent_url}/rollpoint/v1/journal", timeout_s=30)
-            for r in deployment.replicas
-        ),
-        return_exceptions=True,
-    )
-    pinned = 0
-    for replica, reply in zip(deployment.replicas, replies, strict=True):
-        if isinstance(reply, BaseException) or not isinstance(reply, dict):
-            log.warning("%s: its agent's journal could not be read: %s", replica.name, reply)
-            continue
-        for rollout_id in reply.get("rollouts", []):
-            if rollout_id not in ledger:
-                continue
-            record = ledger.get(rollout_id)
-            if record.state is RolloutState.QUEUED and record.replica is None:
-                ledger.pin(rollout_id, replica.name)
-                pinned += 1
-    return pinned

@@ -59,7 +59,7 @@ async def _one(
         return summary
 
     summary = await run_job(
-        config,
+        config.job_settings(),
         fresh=False,
         hooks=SimulatedTrainer(config.train.step_seconds),
         say=lambda _: None,

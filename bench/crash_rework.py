@@ -179,7 +179,7 @@ async def _full_run(config: RunConfig, leg: Leg) -> RunSummary:
         return summary
 
     return await run_job(
-        config,
+        config.job_settings(),
         fresh=False,
         hooks=SimulatedTrainer(config.train.step_seconds),
         say=_say,
@@ -217,7 +217,7 @@ async def _killed_run(config: RunConfig, leg: Leg, stop_calls: int) -> None:
 
     with contextlib.suppress(Killed):
         await run_job(
-            config,
+            config.job_settings(),
             fresh=False,
             hooks=SimulatedTrainer(config.train.step_seconds),
             say=_say,
@@ -256,7 +256,7 @@ async def _preempted_run(config: RunConfig, leg: Leg, stop_calls: int) -> str:
 
     try:
         await run_job(
-            config,
+            config.job_settings(),
             fresh=False,
             hooks=SimulatedTrainer(config.train.step_seconds),
             say=_say,

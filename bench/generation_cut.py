@@ -104,7 +104,7 @@ async def _killed_run(config: RunConfig, after_s: float, into_s: float) -> float
 
     with contextlib.suppress(Killed):
         await run_job(
-            config,
+            config.job_settings(),
             fresh=False,
             hooks=SimulatedTrainer(config.train.step_seconds),
             say=_say,
@@ -119,7 +119,7 @@ async def _finish(config: RunConfig) -> None:
         return await drive_quietly(trainer, runtime, metrics)
 
     await run_job(
-        config,
+        config.job_settings(),
         fresh=False,
         hooks=SimulatedTrainer(config.train.step_seconds),
         say=_say,

@@ -69,7 +69,7 @@ async def _throughput(config: RunConfig) -> dict[str, float]:
         return summary
 
     summary = await run_job(
-        config,
+        config.job_settings(),
         fresh=True,
         hooks=SimulatedTrainer(config.train.step_seconds),
         say=lambda _: None,
@@ -109,7 +109,7 @@ async def _kill_one(config: RunConfig) -> dict[str, float]:
         return await job
 
     await run_job(
-        config,
+        config.job_settings(),
         fresh=True,
         hooks=SimulatedTrainer(config.train.step_seconds),
         say=lambda _: None,

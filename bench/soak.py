@@ -235,7 +235,7 @@ async def run(duration_s: float = FULL_S, sample_every_s: float = SAMPLE_EVERY_S
 
         with contextlib.suppress(SoakDone):
             timeline.summary = await run_job(
-                config,
+                config.job_settings(),
                 fresh=True,
                 hooks=SimulatedTrainer(config.train.step_seconds),
                 say=lambda _: None,

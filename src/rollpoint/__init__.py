@@ -28,9 +28,11 @@ says why, with the rules between the parts):
 - ``app/``       the ``rollpoint`` command: CLI, run config, report, chaos runner
 
 The top level exports the trainer's façade (:class:`~rollpoint.rollouts.Rollouts`, see
-docs/trainers.md), the config it takes and every type its signatures take or return (the
-run's summary, a save's report, the train hooks and the step record with theirs), imported on first use (PEP 562), so that
-``import rollpoint.protocol`` or the participant SDK does not load the trainer side.
+docs/trainers.md), what it takes (the run config ``rollpoint run`` reads, or the job
+settings it stands for) and every type its signatures take or return (the run's summary, a
+save's report, the train hooks and the step record with theirs), imported on first use
+(PEP 562), so that ``import rollpoint.protocol`` or the participant SDK does not load the
+trainer side.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from rollpoint.app.config import RunConfig, load_config, parse_config
+    from rollpoint.job.settings import JobConfig, JobSettings
     from rollpoint.preemption import StopRequest
     from rollpoint.protocol.deployment import ReplicaEndpoints, ServedDeployment
     from rollpoint.protocol.episode import TaskRow
@@ -63,6 +66,8 @@ __version__ = "0.1.0"
 __all__ = [
     "Blocker",
     "Coverage",
+    "JobConfig",
+    "JobSettings",
     "ReplicaEndpoints",
     "Rollouts",
     "RollpointError",
@@ -102,6 +107,8 @@ _HOMES = {
     "RunPreemptedError": "rollpoint.protocol.errors",
     "TaskRow": "rollpoint.protocol.episode",
     "RunConfig": "rollpoint.app.config",
+    "JobSettings": "rollpoint.job.settings",
+    "JobConfig": "rollpoint.job.settings",
     "load_config": "rollpoint.app.config",
     "parse_config": "rollpoint.app.config",
     "TrainSample": "rollpoint.trainer.train_hooks",

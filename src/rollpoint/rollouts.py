@@ -8,7 +8,7 @@ is live on the engines (pausing them around a weight update) — and
 :class:`TrainBatch`, one batch handed out. Everything else (the recovery ledger, the
 dispatcher, the finished-rollout queue, snapshots, ``train_data.jsonl`` and its
 checkpoints, the restore) runs underneath as it does for ``rollpoint run``: the façade
-drives :func:`rollpoint.job.run.run_job` with train hooks that hand each batch to the caller
+drives the job (:func:`rollpoint.job.run.run_job`) with train hooks that hand each batch to the caller
 and wait for it to come back. So an RL loop keeps its own structure, and a run killed
 anywhere resumes at its last snapshot with nothing trained twice.
 
@@ -36,8 +36,9 @@ from typing import Any, Self, TypeVar
 
 from pydantic import JsonValue, ValidationError
 
-from rollpoint.app.config import RunConfig
-from rollpoint.job.run import Drive, check_environment, drive_quietly, run_job
+from rollpoint.job.run import Drive, drive_quietly, run_job
+from rollpoint.job.settings import JobConfig, JobSettings, settings_of
+from rollpoint.job.tasks import check_environment
 from rollpoint.policy.engine_adapters import PauseMode
 from rollpoint.preemption import StopRequest
 from rollpoint.protocol.deployment import ReplicaEndpoints, ServedDeployment
@@ -144,13 +145,10 @@ class RunProgress:
 _END = object()
 
 
-def attached_config(config: RunConfig, served: ServedDeployment) -> RunConfig:
-    """``config`` for a run on ``served``: its snapshot store is where those servers write
-    their part of every snapshot, unless the config names one (then they must agree)."""
-    if not served.snapshot_store or config.snapshot.store:
-        return config
-    snapshot = config.snapshot.model_copy(update={"store": served.snapshot_store})
-    return config.model_copy(update={"snapshot": snapshot})
+def attached_settings(settings: JobSettings, served: ServedDeployment) -> JobSettings:
+    """``settings`` for a run on ``served``: its snapshot store is where those servers write
+    their part of every snapshot, unless the settings name one (then they must agree)."""
+    return settings if not served.snapshot_store else settings.on_store(served.snapshot_store)
 
 
 def load_served(path: Path) -> ServedDeployment:
@@ -171,6 +169,9 @@ def load_served(path: Path) -> ServedDeployment:
 class Rollouts:
     """A run whose batches your loop pulls: ``async with Rollouts(config) as run``.
 
+    ``config``: the run's :class:`~rollpoint.RunConfig` (``rollpoint.load_config(path)``), or
+    its :class:`~rollpoint.JobSettings` (``config.job_settings()``, changed or built in
+    code); the façade reads the settings, taken once here.
     ``deployment``: the servers to run on, as ``rollpoint serve --json`` printed them (read
     the line with :func:`load_served`); they are left running when the
     run ends. Without it, the servers ``config.runtime`` names are started and stopped here.
@@ -196,7 +197,7 @@ class Rollouts:
 
     def __init__(
         self,
-        config: RunConfig,
+        config: JobSettings | JobConfig,
         *,
         deployment: ServedDeployment | None = None,
         fresh: bool = False,
@@ -206,9 +207,11 @@ class Rollouts:
         say: Callable[[str], None] = log.info,
         retry_failed: bool = False,
     ) -> None:
+        settings = settings_of(config, "Rollouts")
         if deployment is not None:
-            config = attached_config(config, deployment)
-        self.config = config
+            settings = attached_settings(settings, deployment)
+        self.settings = settings
+        """What this run was told (its snapshot store the attached servers' when they have one)."""
         self._deployment = deployment
         self._fresh = fresh
         self._more_groups = more_groups
@@ -346,7 +349,7 @@ class Rollouts:
         another environment, repeated task ids, or a known task id with other contents
         are refused whole, in one line (``BadRequestError``)."""
         rows = list(tasks)
-        check_environment(self.config, rows, "rollouts.add_groups", BadRequestError)
+        check_environment(self.settings.environment, rows, "rollouts.add_groups", BadRequestError)
         return self._started().add_groups(rows)
 
     async def end_groups(self) -> None:
@@ -426,7 +429,7 @@ class Rollouts:
     async def _run(self, drive: Drive) -> RunSummary:
         try:
             return await run_job(
-                self.config,
+                self.settings,
                 fresh=self._fresh,
                 say=self._say,
                 drive=drive,
@@ -476,7 +479,7 @@ class SyncRollouts:
 
     def __init__(
         self,
-        config: RunConfig,
+        config: JobSettings | JobConfig,
         *,
         deployment: ServedDeployment | None = None,
         fresh: bool = False,

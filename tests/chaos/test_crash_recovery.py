@@ -24,7 +24,7 @@ import orjson
 import pytest
 
 from rollpoint.app.config import load_config
-from rollpoint.job.run import load_tasks_for
+from rollpoint.job.tasks import load_tasks_for
 from rollpoint.protocol.episode import TaskRow
 from rollpoint.testing import invariants
 from tests.support.held_run import arm
@@ -129,7 +129,7 @@ def assert_invariants(config_path: Path, final: Finished) -> None:
     config = load_config(config_path)
     found = invariants.check_workdir(
         config.workdir,
-        load_tasks_for(config),
+        load_tasks_for(config.job_settings()),
         config.group_size,
         resumed_since=final.started_at,
         full_reward="all",  # error_rate 0: every rollout must reach full reward

@@ -43,7 +43,7 @@ import pytest
 
 from rollpoint.app.config import load_config
 from rollpoint.app.snapshot_report import build_report
-from rollpoint.job.run import load_tasks_for
+from rollpoint.job.tasks import load_tasks_for
 from rollpoint.protocol.token_data import as_float32
 from rollpoint.servers.agent.episode_runner import turn_seed
 from rollpoint.store.journal_format import HEADER, Damage, scan_frames
@@ -425,7 +425,7 @@ def check_after_the_kill(
     # as for policy calls: at most one repeated effect per call in flight (CONCURRENCY),
     # each among the last effects before the kill, and never a third time.
     loaded = load_config(config)
-    tasks = load_tasks_for(loaded)
+    tasks = load_tasks_for(loaded.job_settings())
     env = EffectLogEnvironment()
     expected = Counter((t.task_id, e) for t in tasks for e in env.expected_side_effects(t))
     seen = Counter((line["task"], line["effect"]) for line in lines(effects))

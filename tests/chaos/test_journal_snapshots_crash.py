@@ -32,7 +32,7 @@ import pytest
 from rollpoint.app.chaos.command import ChaosRunner
 from rollpoint.app.chaos.plan import ChaosFault, PlannedFault, TrialPlan
 from rollpoint.app.config import load_config
-from rollpoint.job.run import load_tasks_for
+from rollpoint.job.tasks import load_tasks_for
 from rollpoint.protocol.participant import ParticipantKind
 from rollpoint.testing import invariants
 from tests.chaos.test_crash_recovery import Start, rerun_until_ok, start
@@ -151,7 +151,7 @@ async def test_a_participant_killed_between_its_checkpoint_and_the_publication(
 
     twice, before = redone(log, killed["log_at"])
     assert len(twice) <= CONCURRENCY, f"{len(twice)} policy calls done again: {twice}"
-    tasks = load_tasks_for(config)
+    tasks = load_tasks_for(config.job_settings())
     env = EffectLogEnvironment()
     expected = Counter((t.task_id, e) for t in tasks for e in env.expected_side_effects(t))
     seen = Counter((line["task"], line["effect"]) for line in lines(effects))

@@ -21,7 +21,7 @@ import pytest
 import yaml
 
 from rollpoint.app.config import load_config
-from rollpoint.job.run import load_tasks_for
+from rollpoint.job.tasks import load_tasks_for
 from rollpoint.testing import invariants
 from tests.support.moto_s3 import moto_s3
 from tests.support.run_process import Finished, RunProcess
@@ -136,7 +136,7 @@ def test_a_run_on_an_object_store_killed_and_rerun_trains_every_row_once(
     assert match.group(1) == usable, (match.group(1), usable, missing, tampered)
     loaded = load_config(config)
     rollouts, unreadable = invariants.read_train_data(workdir)
-    tasks = load_tasks_for(loaded)
+    tasks = load_tasks_for(loaded.job_settings())
     found = [
         *unreadable,
         *invariants.check_exactly_once(rollouts, invariants.expected_rows(tasks, 2)),

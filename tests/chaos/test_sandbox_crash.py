@@ -37,7 +37,7 @@ import orjson
 import pytest
 
 from rollpoint.app.config import load_config
-from rollpoint.job.run import load_tasks_for
+from rollpoint.job.tasks import load_tasks_for
 from rollpoint.testing import invariants
 from tests.chaos.test_crash_recovery import Start, crash, rerun_until_ok, start, write_config
 from tests.support.processes import replica_servers, wait_gone
@@ -114,7 +114,7 @@ def check(config: Path, log: Path, finished_at: float) -> dict[str, int]:
         )
     found = invariants.check_workdir(
         loaded.workdir,
-        load_tasks_for(loaded),
+        load_tasks_for(loaded.job_settings()),
         loaded.group_size,
         resumed_since=finished_at,
         full_reward="none",

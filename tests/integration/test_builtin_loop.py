@@ -39,7 +39,7 @@ async def test_the_built_in_loop_trains_every_row_once_and_shows_the_runs_progre
         finally:
             seen.append(run.progress())  # the run's end, as a display draws it last
 
-    summary = await run_builtin(config, watch=watch)
+    summary = await run_builtin(config, step_seconds=config.train.step_seconds, watch=watch)
 
     assert summary.episodes == 12 and summary.train_steps == 3
     trained = [

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from rollpoint.app.config import load_config
-from rollpoint.job.run import load_tasks_for
+from rollpoint.job.tasks import load_tasks_for
 from rollpoint.testing import invariants
 from tests.chaos.test_object_store import published, runs, s3, write_config
 from tests.ray.conftest import RayCluster
@@ -66,7 +66,7 @@ def test_a_ray_run_on_an_object_store_killed_and_rerun_trains_every_row_once(
     assert match, rerun.stderr[-3000:]
     assert match.group(1) >= newest  # the newest at the kill, or one published just after
     loaded = load_config(config)
-    tasks = load_tasks_for(loaded)
+    tasks = load_tasks_for(loaded.job_settings())
     rollouts, unreadable = invariants.read_train_data(workdir)
     found = [
         *unreadable,

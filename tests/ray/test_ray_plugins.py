@@ -16,7 +16,8 @@ import sandbox_env  # installed by make (pip install -e examples/sandbox_env)
 
 from rollpoint.app.config import parse_config
 from rollpoint.http.client import HttpClient
-from rollpoint.job.run import load_tasks_for, run_job
+from rollpoint.job.run import run_job
+from rollpoint.job.tasks import load_tasks_for
 from rollpoint.loop import SimulatedTrainer
 from rollpoint.runtime.ray_runtime import RayRuntime
 from rollpoint.testing import invariants
@@ -60,11 +61,14 @@ async def test_an_environment_by_import_path_runs_on_every_replica_actor(
             assert "fs_append" in {t["function"]["name"] for t in tools["tools"]}
 
     summary = await run_job(
-        config, fresh=True, hooks=SimulatedTrainer(config.train.step_seconds), say=lambda _: None
+        config.job_settings(),
+        fresh=True,
+        hooks=SimulatedTrainer(config.train.step_seconds),
+        say=lambda _: None,
     )
 
     assert not summary.failed_groups
     rollouts, unreadable = invariants.read_train_data(config.workdir)
-    expected = invariants.expected_rows(load_tasks_for(config), config.group_size)
+    expected = invariants.expected_rows(load_tasks_for(config.job_settings()), config.group_size)
     found = [*unreadable, *invariants.check_exactly_once(rollouts, expected)]
     assert found == [], invariants.report(found)

@@ -24,7 +24,8 @@ import ray
 
 from rollpoint.app.config import RunConfig
 from rollpoint.http.client import HttpClient
-from rollpoint.job.run import drive_quietly, load_tasks_for, run_job
+from rollpoint.job.run import drive_quietly, run_job
+from rollpoint.job.tasks import load_tasks_for
 from rollpoint.loop import SimulatedTrainer
 from rollpoint.protocol.deployment import ReplicaEndpoints
 from rollpoint.runtime.contract import Runtime
@@ -166,7 +167,7 @@ async def test_a_killed_replica_actor_is_replaced_alone_and_the_job_keeps_the_in
         return await job
 
     summary = await run_job(
-        config,
+        config.job_settings(),
         fresh=True,
         hooks=SimulatedTrainer(config.train.step_seconds),
         say=lambda _: None,
@@ -180,7 +181,7 @@ async def test_a_killed_replica_actor_is_replaced_alone_and_the_job_keeps_the_in
     assert wait_gone(seen["old_pids"], timeout_s=10) == [], "the killed actor's servers live on"
     found = invariants.check_workdir(
         config.workdir,
-        load_tasks_for(config),
+        load_tasks_for(config.job_settings()),
         config.group_size,
         resumed_since=seen["killed_at"],
         full_reward="all",
@@ -221,7 +222,7 @@ async def test_a_two_replica_snapshot_restores_onto_one_replica_actor(
 
     with pytest.raises(Crash):
         await run_job(
-            two,
+            two.job_settings(),
             fresh=True,
             hooks=SimulatedTrainer(two.train.step_seconds),
             say=lambda _: None,
@@ -232,7 +233,10 @@ async def test_a_two_replica_snapshot_restores_onto_one_replica_actor(
     said: list[str] = []
     since = time.time()
     summary = await run_job(
-        one, fresh=False, hooks=SimulatedTrainer(one.train.step_seconds), say=said.append
+        one.job_settings(),
+        fresh=False,
+        hooks=SimulatedTrainer(one.train.step_seconds),
+        say=said.append,
     )
 
     assert not summary.failed_groups
@@ -250,6 +254,10 @@ async def test_a_two_replica_snapshot_restores_onto_one_replica_actor(
         assert rollout_id in trained, f"{rollout_id} of {LOST} was not continued"
         assert trained[rollout_id].attempt >= 1
     found = invariants.check_workdir(
-        one.workdir, load_tasks_for(one), one.group_size, resumed_since=since, full_reward="all"
+        one.workdir,
+        load_tasks_for(one.job_settings()),
+        one.group_size,
+        resumed_since=since,
+        full_reward="all",
     )
     assert found == [], invariants.report(found)

@@ -1,11 +1,14 @@
 """The import rules of the layout (docs/design.md#layout), read from each module's imports
 with ``ast``.
 
-- the app (``rollpoint.app``: the CLI, the job, the run config, the start checks, the
-  snapshot listing, the report, the chaos runner) stands on top: no layer imports it but the
-  package's faces (``rollpoint``, ``rollpoint.__main__``) and the one that still takes the
-  whole run config (:data:`STILL_TAKE_THE_RUN_CONFIG`: the façade); the runtimes, like the
-  trainer, are told what they need (``RuntimeSettings``);
+- the app (``rollpoint.app``: the CLI, the run config, the snapshot listing, the report,
+  the chaos runner) stands on top: no layer imports it but the package's faces
+  (``rollpoint``, ``rollpoint.__main__``), and none below it names the run config through
+  those faces; the job and the façade, like the trainer and the runtimes, are told what they
+  need (``JobSettings``, ``TrainerSettings``, ``RuntimeSettings``);
+- the job (``rollpoint.job``: one run assembled) is driven from above: only the app, the
+  façade and the package's faces import it, and it imports neither the app, nor the façade
+  (``rollpoint.rollouts``), nor the built-in loop;
 - ``rollpoint.common`` (what every layer may use) imports nothing of rollpoint but the
   protocol;
 - the test kit (``rollpoint.testing``) is a kit, not the app: it imports neither the app
@@ -19,15 +22,15 @@ with ``ast``.
 - the built-in loop (``rollpoint.loop``, what ``rollpoint run`` trains with) imports public
   names only: the façade's (``rollpoint.__all__``), the trainer library's, the protocol;
 - the trainer library (``rollpoint.trainer``) imports neither the servers nor the
-  participant SDK nor the app (the CLI, the job, the run config, the façade over the job)
-  nor the built-in loop:
+  participant SDK nor the job nor the app (the CLI, the run config), nor the façade over the
+  job, nor the built-in loop:
   what it needs of a run it is told (``TrainerSettings``, ``SaveSettings``);
 - the trainer's machinery is layered by role: ``state`` (ledger, finished queue) <
   ``control`` (participant clients, roster) < ``dispatch`` < ``snapshot`` < ``restore``; a
   sub-package imports none above it, ``record`` (rollpoint's own step record) none of them,
   and in the library nothing but the trainer loop imports ``restore``;
 - ``rollpoint.store`` knows files: it imports no performance trick (``rollpoint.tuning``),
-  neither side, nor the app;
+  neither side, nor the job, nor the app;
 - the SDK, the built-in servers and the trainer reach the tricks only through the
   checkpoint seam (``rollpoint.tuning.seam``: the events they emit, the record values they
   hand the writer) and the decode pause they wrap around their own reads
@@ -55,14 +58,11 @@ import rollpoint.trainer
 SRC = Path(rollpoint.__file__).parent
 APP = ("rollpoint.app",)
 """The CLI, the job, the run config and what only the ``rollpoint`` command does."""
-STILL_TAKE_THE_RUN_CONFIG = {
-    "rollpoint.rollouts",
-    "rollpoint.job.run",
-    "rollpoint.job.deployment_check",
-}
-"""Below the app, the modules that still import it: the façade (it runs the app's job,
-``run_job``, on the ``RunConfig`` a user hands it). The runtimes take settings of their own
-(``rollpoint.runtime.settings``), as the trainer does. The list may only shrink."""
+RUN_CONFIG_FACES = ("rollpoint.RunConfig", "rollpoint.load_config", "rollpoint.parse_config")
+"""The run config as the package's face exports it (for a user's script, not for a layer)."""
+JOB = ("rollpoint.job",)
+"""One run assembled: what the app and the façade drive."""
+FACADE = ("rollpoint.rollouts",)
 FACES = {"rollpoint", "rollpoint.__main__"}
 """The package's faces: ``rollpoint.RunConfig`` (lazily) and the ``rollpoint`` script."""
 COMMON = ("rollpoint.common",)
@@ -145,7 +145,25 @@ def _importers(targets: tuple[str, ...]) -> set[str]:
 
 def test_no_layer_imports_the_app() -> None:
     assert _modules("app"), "no modules under rollpoint/app"
-    assert _importers(APP) - FACES == STILL_TAKE_THE_RUN_CONFIG
+    assert _importers(APP) - FACES == set()
+
+
+def test_no_layer_below_the_app_names_the_run_config_through_the_faces() -> None:
+    found = [
+        f"{path.relative_to(SRC)}:{line} imports {module}"
+        for path in _all_modules()
+        if not _under(_name(path), APP) and _name(path) not in FACES
+        for line, module in _imports(path)
+        if module in RUN_CONFIG_FACES
+    ]
+    assert found == []
+
+
+def test_the_job_is_driven_from_above_and_imports_nothing_above_it() -> None:
+    assert _modules("job"), "no modules under rollpoint/job"
+    assert _violations("job", APP + FACADE + LOOP) == []
+    drivers = {m for m in _importers(JOB) if not _under(m, APP)}
+    assert drivers == {"rollpoint", *FACADE}
 
 
 def test_the_common_modules_import_nothing_of_rollpoint_but_the_protocol() -> None:
@@ -199,7 +217,7 @@ def test_the_protocol_imports_neither_side_nor_the_app() -> None:
 
 def test_the_trainer_library_imports_no_server_nor_sdk_nor_app() -> None:
     assert _modules("trainer"), "no modules under rollpoint/trainer"
-    assert _violations("trainer", ENVIRONMENT_SIDE + APP + FACADE_OVER_THE_JOB + LOOP) == []
+    assert _violations("trainer", ENVIRONMENT_SIDE + APP + JOB + FACADE_OVER_THE_JOB + LOOP) == []
 
 
 TRAINER_LAYERS = ("state", "control", "dispatch", "snapshot", "restore")
@@ -263,7 +281,7 @@ def test_the_built_in_loop_is_built_on_public_names_only() -> None:
 
 def test_the_store_imports_no_trick_neither_side_nor_the_app() -> None:
     assert _modules("store"), "no modules under rollpoint/store"
-    assert _violations("store", TUNING + ENVIRONMENT_SIDE + TRAINER + APP) == []
+    assert _violations("store", TUNING + ENVIRONMENT_SIDE + TRAINER + JOB + APP) == []
 
 
 @pytest.mark.parametrize("package", ["participant", "servers", "trainer"])

@@ -33,6 +33,8 @@ def test_the_top_level_exports_are_pinned_and_each_resolves() -> None:
     assert rollpoint.__all__ == [
         "Blocker",
         "Coverage",
+        "JobConfig",
+        "JobSettings",
         "ReplicaEndpoints",
         "Rollouts",
         "RollpointError",

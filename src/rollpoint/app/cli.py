@@ -230,19 +230,19 @@ def run(
     from rollpoint.app.full_table import print_full
     from rollpoint.job.run import prepare_workdir
     from rollpoint.loop import run_builtin
-    from rollpoint.rollouts import attached_config, load_served
+    from rollpoint.rollouts import load_served
     from rollpoint.trainer.dispatch.failed_groups import digest
 
     try:
         config = load_config(config_path)
         served = None if attach is None else load_served(attach)
-        if served is not None:
-            config = attached_config(config, served)
-        prepare_workdir(config.workdir, fresh=fresh, force=force)
-        _setup_logging(config.workdir)
+        settings = config.job_settings()
+        prepare_workdir(settings.workdir, fresh=fresh, force=force)
+        _setup_logging(settings.workdir)
         summary = _run_async(
             lambda stop: run_builtin(
-                config,
+                settings,
+                step_seconds=config.train.step_seconds,
                 fresh=fresh,
                 deployment=served,
                 stop=stop,

@@ -28,6 +28,7 @@ from rollpoint.protocol.errors import ConfigError
 from rollpoint.runtime.settings import DEFAULT_FORWARD_ENV
 
 if TYPE_CHECKING:  # imported when used: loading a config need not load the trainer
+    from rollpoint.job.settings import JobSettings
     from rollpoint.runtime.settings import RuntimeSettings
     from rollpoint.trainer.settings import SaveSettings, TrainerSettings
 
@@ -445,6 +446,25 @@ class RunConfig(_Section):
                 num_cpus_per_replica=self.ray.num_cpus_per_replica,
                 forward_env=tuple(self.ray.forward_env),
             ),
+        )
+
+    def job_settings(self) -> JobSettings:
+        """What the job (and the façade over it) is told of this config: the runtime's
+        settings, the trainer's, and the job's own keys (the job reads no config)."""
+        from rollpoint.job.settings import JobSettings
+
+        return JobSettings(
+            runtime=self.runtime_settings(),
+            trainer=self.trainer_settings(),
+            tasks=self.tasks,
+            dataset=self.dataset,
+            snapshot_store=self.snapshot.store,
+            snapshot_keep=self.snapshot.keep,
+            continue_episodes=self.recovery == "turn",
+            grace_seconds=self.preemption.grace_seconds,
+            metrics_host=self.metrics_host,
+            metrics_port=self.metrics.port,
+            record=self.model_dump(mode="json"),
         )
 
     def trainer_settings(self) -> TrainerSettings:

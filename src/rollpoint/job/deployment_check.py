@@ -1,4 +1,4 @@
-"""Opening a run checks the deployment it runs on against its config, before any row.
+"""Opening a run checks the deployment it runs on against its settings, before any row.
 
 Owns :func:`check_deployment`: every replica's resources server is asked which environment
 it serves (``GET /tools``); one serving another environment than the config names refuses
@@ -14,10 +14,10 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from rollpoint.app.config import RunConfig
 from rollpoint.http.client import HttpClient
 from rollpoint.protocol.deployment import Deployment
 from rollpoint.protocol.errors import ConfigError, RollpointError
+from rollpoint.runtime.settings import RuntimeSettings
 
 log = logging.getLogger(__name__)
 
@@ -25,13 +25,13 @@ ASK_TIMEOUT_S = 10.0
 
 
 async def check_deployment(
-    config: RunConfig, deployment: Deployment, http: HttpClient, *, attached: bool
+    runtime: RuntimeSettings, deployment: Deployment, http: HttpClient, *, attached: bool
 ) -> None:
     """Refuse a deployment serving another environment; for servers started apart
     (``attached``), warn of another replica count or policy URL."""
     from rollpoint.envs.registry import resolve_environment
 
-    wanted = resolve_environment(config.environment).name
+    wanted = resolve_environment(runtime.environment).name
 
     async def served(url: str) -> str | None:
         try:
@@ -48,21 +48,21 @@ async def check_deployment(
     ):
         if name is not None and name != wanted:
             raise ConfigError(
-                f"environment: this config names {config.environment!r} but {replica.name}'s "
+                f"environment: this config names {runtime.environment!r} but {replica.name}'s "
                 f"resources server at {replica.resources_url} serves {name!r}; run on servers "
                 f"of {wanted!r}, or set environment to the one they serve"
             )
     if not attached:
         return  # started from this config: the same count and engine by construction
     names = [r.name for r in deployment.replicas]
-    if len(names) != config.replicas:
+    if len(names) != runtime.replicas:
         log.warning(
             "replicas: this config names %d, the deployment has %d (%s); the run uses those it has",
-            config.replicas,
+            runtime.replicas,
             len(names),
             ", ".join(names),
         )
-    base = config.policy.base_url
+    base = runtime.policy.base_url
     if base is not None and base.rstrip("/") != deployment.policy_url.rstrip("/"):
         log.warning(
             "policy.base_url is %s but the servers call %s (the engine they were started with)",

@@ -1,17 +1,20 @@
-"""One job, start to finish: what ``rollpoint run`` does, on the runtime the config names.
+"""One job, start to finish: what ``rollpoint run`` does, on the runtime its settings name.
 
 Owns the order of a run: lock the workdir (one writer), pick the snapshot to resume from
 (starting over only on a workdir that holds no progress: train data or checkpoints with no
-usable snapshot are refused with one line, never deleted), check the config and the train
-data against it, start the servers, restore, run the trainer with the replica supervisor beside
-it, and stop everything on every exit path. It owns no display: callers pass ``say`` for
-messages and ``drive`` to watch the trainer (the CLI draws progress; chaos trials do not),
-and may reroute the deployment and change each server's spec before it starts (chaos
-trials put fault proxies in those paths and skew clocks).
+usable snapshot are refused with one line, never deleted), check the snapshot's config keys
+and the train data against this run's, start the servers, restore, run the trainer with the
+replica supervisor beside it, and stop everything on every exit path. It reads no run
+config: it is told what it needs (:class:`~rollpoint.job.settings.JobSettings`). It owns no
+display: callers pass ``say`` for messages and ``drive`` to watch the trainer (the CLI
+draws progress; chaos trials do not), and may reroute the deployment and change each
+server's spec before it starts (chaos trials put fault proxies in those paths and skew
+clocks).
 
-It is the trainer process's entry point (``rollpoint run``, the :class:`~rollpoint.rollouts.Rollouts`
-façade, chaos trials): it installs the performance tricks on the checkpoint seam
-(:func:`rollpoint.tuning.install`) once, so the coordinator's pauses are heard.
+It is the trainer process's entry point (``rollpoint run``, the
+:class:`~rollpoint.rollouts.Rollouts` façade, chaos trials): it installs the performance
+tricks on the checkpoint seam (:func:`rollpoint.tuning.install`) once, so the coordinator's
+pauses are heard.
 """
 
 from __future__ import annotations
@@ -26,20 +29,19 @@ import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from rollpoint.app.config import RunConfig
 from rollpoint.http.client import HttpClient
 from rollpoint.job.deployment_check import check_deployment
 from rollpoint.job.finished_run import finished_summary
 from rollpoint.job.journal_status import journal_pending, journal_read_back, pin_to_journals
+from rollpoint.job.settings import JobSettings
 from rollpoint.job.start_checks import check_store_writable, check_workdir_writable, unreadable
+from rollpoint.job.tasks import load_tasks_for
 from rollpoint.preemption import StopRequest, drive_until_stopped
 from rollpoint.protocol.deployment import Deployment, ServedDeployment
-from rollpoint.protocol.episode import TaskRow
 from rollpoint.protocol.errors import (
     BadRequestError,
     ConfigError,
     RestoreError,
-    RollpointError,
 )
 from rollpoint.runtime.attached import AttachedRuntime
 from rollpoint.runtime.contract import Runtime, runtime_for
@@ -74,32 +76,6 @@ log = logging.getLogger(__name__)
 
 Drive = Callable[[Trainer, Runtime, TrainerMetrics], Awaitable[RunSummary]]
 Route = Callable[[Deployment], Awaitable[Deployment]]
-
-
-def load_tasks_for(config: RunConfig) -> list[TaskRow]:
-    from rollpoint.envs import get_environment
-    from rollpoint.envs.dataset_formats import dataset_name, load_dataset_tasks
-
-    if config.dataset is not None:
-        tasks = load_dataset_tasks(config.dataset, config.environment)
-        check_environment(config, tasks, dataset_name(config.dataset))
-        return tasks
-    assert config.tasks is not None
-    return get_environment(config.environment).make_tasks(config.tasks, config.seed)
-
-
-def check_environment(
-    config: RunConfig, tasks: list[TaskRow], where: str, error: type[RollpointError] = ConfigError
-) -> None:
-    """Every task is for the run's environment, or one line names the first that is not."""
-    from rollpoint.envs.registry import environment_matches, resolve_environment
-
-    cls = resolve_environment(config.environment)
-    wrong = [t.task_id for t in tasks if not environment_matches(t.environment, cls, resolve=True)]
-    if wrong:
-        raise error(
-            f"{where}: task {wrong[0]} is for another environment than '{config.environment}'"
-        )
 
 
 def prepare_workdir(workdir: Path, *, fresh: bool, force: bool) -> None:
@@ -188,7 +164,7 @@ async def drive_quietly(trainer: Trainer, runtime: Runtime, metrics: TrainerMetr
 
 
 async def run_job(
-    config: RunConfig,
+    settings: JobSettings,
     *,
     fresh: bool,
     hooks: TrainHooks,
@@ -210,21 +186,21 @@ async def run_job(
     simulated update a chaos trial or a benchmark passes; the job has no default). With ``attach`` the job
     starts no servers: it runs on those ``rollpoint serve`` printed, with their tokens, and
     leaves them running when it ends. ``more_groups``: the trainer takes groups added while
-    it runs (:meth:`Trainer.add_groups`), and the config's tasks may be none. ``step_record``:
+    it runs (:meth:`Trainer.add_groups`), and the settings' tasks may be none. ``step_record``:
     the trainer's record of its steps, where a resume looks for durable steps (default:
     rollpoint's, ``train_data.jsonl`` and ``checkpoints/`` in the workdir). ``retry_failed``:
     the resumed run's failed groups are sent again under new group ids (nothing trained is
     trained again)."""
     if retry_failed and fresh:
         raise ConfigError("--retry-failed resumes a run's failed groups; it cannot go with --fresh")
-    lock_workdir(config.workdir)  # held already when the CLI prepared the workdir
-    check_lock(config.workdir)  # and its lock file is still the file it locked
+    lock_workdir(settings.workdir)  # held already when the CLI prepared the workdir
+    check_lock(settings.workdir)  # and its lock file is still the file it locked
     # From here to the end the lock is checked as the job goes: a lock file deleted by hand
     # is taken again, or the job stops (rollpoint.store.lock_watch).
     return await while_locked(
-        config.workdir,
+        settings.workdir,
         _locked_job(
-            config,
+            settings,
             fresh=fresh,
             say=say,
             drive=drive,
@@ -242,7 +218,7 @@ async def run_job(
 
 
 async def _locked_job(
-    config: RunConfig,
+    settings: JobSettings,
     *,
     fresh: bool,
     say: Callable[[str], None],
@@ -258,13 +234,13 @@ async def _locked_job(
     retry_failed: bool,
 ) -> RunSummary:
     install_tuning()  # the trainer's entry point (idempotent: a second job adds nothing)
-    tasks = load_tasks_for(config)
+    tasks = load_tasks_for(settings)
     if not tasks and not more_groups:
         raise ConfigError(
             "tasks: 0 gives the run nothing to train (a run that is handed its groups "
             "while it runs opens them with Rollouts(..., more_groups=True))"
         )
-    root = config.snapshot_root()
+    root = settings.snapshot_root()
     if attach is None:
         token: str | None = secrets.token_urlsafe(32)
         # The data plane has a token of its own: whoever can call /run cannot snapshot or restore.
@@ -273,17 +249,17 @@ async def _locked_job(
         if attach.snapshot_store is not None and attach.snapshot_store != root:
             raise ConfigError(
                 f"snapshot.store: the servers write snapshots to {attach.snapshot_store}, "
-                f"this config to {root}; set snapshot.store to {attach.snapshot_store}"
+                f"this run to {root}; set snapshot.store to {attach.snapshot_store}"
             )
         token = _read_token(attach.control_token_file)
         data_token = None if attach.data_token_file is None else _read_token(attach.data_token_file)
     await asyncio.to_thread(check_store_writable, root)  # before any server starts
-    record = step_record or WorkdirRecord(config.workdir)
+    record = step_record or WorkdirRecord(settings.workdir)
     try:
         # Before the store is opened (that cleans a crash's leftovers): one job per store.
-        job = await asyncio.to_thread(claim_job, config.workdir, root)
+        job = await asyncio.to_thread(claim_job, settings.workdir, root)
         store = await asyncio.to_thread(
-            SnapshotStore, root, config.snapshot.keep, clean_leftovers=False
+            SnapshotStore, root, settings.snapshot_keep, clean_leftovers=False
         )
         store.job_id = job.job_id
         others = await asyncio.to_thread(store.other_jobs)
@@ -297,7 +273,7 @@ async def _locked_job(
     except BadRequestError as exc:
         # The contained filesystem's refusal: a symlink inside the store is never followed.
         raise ConfigError(f"cannot read the snapshot store {root}: {exc.message}") from None
-    fingerprint = {**config.fingerprint(), FINGERPRINT_KEY: job.job_id}
+    fingerprint = {**settings.trainer.fingerprint, FINGERPRINT_KEY: job.job_id}
     for item in skipped:
         # A warning reaches the console as well as rollpoint.log (the CLI's warning handler):
         # a skipped snapshot is progress given up.
@@ -305,10 +281,10 @@ async def _locked_job(
     if point is None and fresh:
         if record.progress():
             raise ConfigError(
-                f"workdir {config.workdir} holds progress; starting over needs --fresh --force"
+                f"workdir {settings.workdir} holds progress; starting over needs --fresh --force"
             )
     elif point is None:
-        refuse_unresumable_run(config.workdir, record, root, skipped)
+        refuse_unresumable_run(settings.workdir, record, root, skipped)
     else:
         check_config(point.manifest, fingerprint)
         # Before any server starts: a record that does not hold what its checkpoint
@@ -316,12 +292,12 @@ async def _locked_job(
         # left as it is. The restorer checks it again: the same record, read once.
         await asyncio.to_thread(record.check, point.checkpoint)
         if not retry_failed and not more_groups:
-            events_path = config.workdir / EVENTS_FILE
+            events_path = settings.workdir / EVENTS_FILE
             ended = await asyncio.to_thread(finished_summary, events_path, point)
             if ended is not None:
                 failed = len(ended.failed_groups)
                 say(
-                    f"the run in {config.workdir} has finished already, at train step "
+                    f"the run in {settings.workdir} has finished already, at train step "
                     f"{ended.train_steps}"
                     + (
                         f" with {failed} failed groups (--retry-failed sends them again)"
@@ -332,20 +308,20 @@ async def _locked_job(
                 )
                 return ended
     await asyncio.to_thread(stamp_store, root, job)  # the snapshots found are this job's
-    metrics = TrainerMetrics(config.workdir / "metrics.jsonl", config.workdir / EVENTS_FILE)
+    metrics = TrainerMetrics(settings.workdir / "metrics.jsonl", settings.workdir / EVENTS_FILE)
     events = metrics.run_events
     if attach is not None and spec_hook is not None:
         raise ConfigError("an attached run starts no servers: it has no specs to hook")
     runtime: Runtime = (
         runtime_for(
-            config.runtime_settings(),
+            settings.runtime,
             control_token=token,
             data_token=data_token,
             snapshot_root=root,
             spec_hook=spec_hook,
         )
         if attach is None
-        else AttachedRuntime(config.runtime_settings(), attach.deployment())
+        else AttachedRuntime(settings.runtime, attach.deployment())
     )
     control_http = HttpClient(token=token, timeout_s=60)
     data_http = HttpClient(token=data_token)
@@ -353,22 +329,23 @@ async def _locked_job(
         deployment = await runtime.start()
         if route is not None:
             deployment = await route(deployment)
-        await check_deployment(config, deployment, data_http, attached=attach is not None)
-        port = metrics.serve(config.metrics_host, config.metrics.port)
+        await check_deployment(settings.runtime, deployment, data_http, attached=attach is not None)
+        port = metrics.serve(settings.metrics_host, settings.metrics_port)
         say(
-            f"servers up: {config.replicas} replica(s) on the {config.runtime} runtime, "
+            f"servers up: {settings.runtime.replicas} replica(s) on the {settings.runtime.runtime} "
+            "runtime, "
             f"policy at {deployment.policy_url}; "
-            f"metrics at http://{config.metrics_host}:{port}/metrics"
+            f"metrics at http://{settings.metrics_host}:{port}/metrics"
         )
         control = ControlPlane(participant_clients(deployment, control_http), store, metrics)
         events.append(
             RunStart(
                 ts=time.time(),
                 pid=os.getpid(),
-                runtime=config.runtime,
+                runtime=settings.runtime.runtime,
                 replicas=[r.name for r in deployment.replicas],
                 resume_from=None if point is None else point.manifest.snapshot_id,
-                config=without_secrets(config.model_dump(mode="json")),
+                config=without_secrets(settings.recorded()),
             )
         )
         restored = None
@@ -378,7 +355,7 @@ async def _locked_job(
                 restored = await Restorer(control.participants).restore(
                     point,
                     step_record=record,
-                    continue_episodes=config.recovery == "turn",
+                    continue_episodes=settings.continue_episodes,
                 )
             except OSError as exc:
                 raise unreadable(exc, f"restoring snapshot {point.manifest.snapshot_id}") from None
@@ -393,7 +370,7 @@ async def _locked_job(
             journaled = (
                 None if pending is None else (sum(pending[0].values()), sum(pending[1].values()))
             )
-            if config.journal.enabled:
+            if settings.trainer.journaled:
                 pinned = await pin_to_journals(restored.ledger, deployment, data_http)
                 if pinned:
                     log.info("%d queued rows go back to the replica holding their journal", pinned)
@@ -433,11 +410,11 @@ async def _locked_job(
                     journal_read_ms=read_back,
                 )
             )
-        settings = config.trainer_settings()
+        told = dataclasses.replace(settings.trainer, fingerprint=fingerprint)
         if retry_failed:
-            settings = dataclasses.replace(settings, retry_failed=True)
+            told = dataclasses.replace(told, retry_failed=True)
         trainer = Trainer(
-            dataclasses.replace(settings, fingerprint=fingerprint),
+            told,
             deployment,
             tasks,
             hooks=hooks,
@@ -462,7 +439,7 @@ async def _locked_job(
                 drive(trainer, runtime, metrics),
                 trainer,
                 stop,
-                grace_s=config.preemption.grace_seconds,
+                grace_s=settings.grace_seconds,
                 previous=None if point is None else point.manifest.snapshot_id,
             )
         events.append(

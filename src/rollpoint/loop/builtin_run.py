@@ -1,6 +1,6 @@
 """The built-in run: what ``rollpoint run`` trains, on the façade's calls only.
 
-Owns :func:`run_builtin`: open :class:`rollpoint.Rollouts` on the run config, pull each
+Owns :func:`run_builtin`: open :class:`rollpoint.Rollouts` on the run's settings, pull each
 batch, apply the simulated update (:class:`~rollpoint.loop.SimulatedTrainer`), say the batch
 is done — the calls ``examples/own_trainer.py`` makes with its own update. Everything a
 run needs besides (resume, snapshots, replicas lost and back, a signal's final snapshot)
@@ -15,7 +15,14 @@ import logging
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from rollpoint import Rollouts, RunConfig, RunSummary, ServedDeployment, StopRequest
+from rollpoint import (
+    JobConfig,
+    JobSettings,
+    Rollouts,
+    RunSummary,
+    ServedDeployment,
+    StopRequest,
+)
 from rollpoint.loop.simulated_trainer import SimulatedTrainer
 
 log = logging.getLogger(__name__)
@@ -24,8 +31,9 @@ Watch = Callable[[Rollouts], Coroutine[Any, Any, None]]
 
 
 async def run_builtin(
-    config: RunConfig,
+    config: JobSettings | JobConfig,
     *,
+    step_seconds: float = 0.0,
     fresh: bool = False,
     deployment: ServedDeployment | None = None,
     stop: StopRequest | None = None,
@@ -33,10 +41,11 @@ async def run_builtin(
     watch: Watch | None = None,
     retry_failed: bool = False,
 ) -> RunSummary:
-    """Run the config's job to its end with the simulated update; the arguments are the
-    façade's (:class:`rollpoint.Rollouts`). A stop request's first signal ends it with
+    """Run the config's job to its end with the simulated update, each step taking
+    ``step_seconds`` (``train.step_seconds``); the other arguments are the façade's
+    (:class:`rollpoint.Rollouts`). A stop request's first signal ends it with
     :class:`~rollpoint.protocol.errors.RunPreemptedError` after the final snapshot."""
-    update = SimulatedTrainer(config.train.step_seconds)
+    update = SimulatedTrainer(step_seconds)
     async with Rollouts(
         config,
         deployment=deployment,

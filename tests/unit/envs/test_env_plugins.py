@@ -22,7 +22,7 @@ from rollpoint.envs import (
     write_tasks,
 )
 from rollpoint.envs.workplace import WorkplaceEnvironment
-from rollpoint.job.run import load_tasks_for
+from rollpoint.job.tasks import load_tasks_for
 
 COUNTER_ENV = """
 from typing import Any, ClassVar
@@ -110,7 +110,7 @@ def test_an_import_path_loads_the_class(tmp_path: Path) -> None:
     assert type(env).__name__ == "CounterEnvironment"
     assert env.name == "counter"
     config = parse_config({"environment": "plug_counter:CounterEnvironment", "tasks": 3})
-    assert [t.task_id for t in load_tasks_for(config)] == [
+    assert [t.task_id for t in load_tasks_for(config.job_settings())] == [
         "counter-0000",
         "counter-0001",
         "counter-0002",
@@ -125,7 +125,7 @@ def test_a_dataset_row_may_name_the_environment_by_its_name_or_its_path(tmp_path
     tasks[1] = tasks[1].model_copy(update={"environment": ref})
     write_tasks(tmp_path / "rows.jsonl", tasks)
     config = parse_config({"environment": ref, "dataset": str(tmp_path / "rows.jsonl")})
-    assert load_tasks_for(config) == tasks
+    assert load_tasks_for(config.job_settings()) == tasks
     assert environment_matches("counter", env) and environment_matches(ref, env)
     assert not environment_matches("workplace", env)
     assert load_tasks(tmp_path / "rows.jsonl", environment=ref) == tasks
@@ -287,7 +287,7 @@ def test_a_config_naming_an_environment_with_a_tool_that_fits_no_convention_is_r
     ref = "plug_badtool:BadToolEnvironment"
     config = parse_config({"environment": ref, "tasks": 2})
     with pytest.raises(ConfigError) as caught:
-        load_tasks_for(config)
+        load_tasks_for(config.job_settings())
     assert str(caught.value) == (
         "environment 'badtool': tool 'bump': run must take (state, args) or"
         " (state, args, ctx), not _bump(state)"

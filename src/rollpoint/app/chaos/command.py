@@ -56,7 +56,7 @@ from rollpoint.app.chaos.plan import (
 )
 from rollpoint.app.chaos.tally import ChaosTally, RunRecord, TrialOutcome
 from rollpoint.app.config import RunConfig, load_config
-from rollpoint.job.run import load_tasks_for
+from rollpoint.job.tasks import load_tasks_for
 from rollpoint.protocol.episode import TaskRow
 from rollpoint.protocol.errors import ConfigError, LaunchError, RollpointError
 from rollpoint.store.snapshot_store import SnapshotStore
@@ -103,7 +103,7 @@ class ChaosRunner:
         self.config = config
         self.root = config.workdir.resolve() / "chaos"
         self.run_timeout_s = run_timeout_s
-        self.tasks: list[TaskRow] = load_tasks_for(config)
+        self.tasks: list[TaskRow] = load_tasks_for(config.job_settings())
 
     async def trial(self, plan: TrialPlan) -> TrialOutcome:
         started = time.monotonic()

@@ -565,7 +565,7 @@ async def run_trial(plan: TrialPlan, config: RunConfig) -> RunSummary:
             else ServedDeployment.model_validate_json(plan.served.read_bytes())
         )
         return await run_job(
-            config,
+            config.job_settings(),
             fresh=plan.run == 0,
             hooks=SimulatedTrainer(config.train.step_seconds),
             say=say,

@@ -530,6 +530,11 @@ class SyncRollouts:
         self._thread.join()
 
     @property
+    def settings(self) -> JobSettings:
+        """What this run was told (as :attr:`Rollouts.settings`)."""
+        return self._rollouts.settings
+
+    @property
     def resumed_from(self) -> str | None:
         return self._rollouts.resumed_from
 

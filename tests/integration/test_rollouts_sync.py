@@ -7,6 +7,7 @@ from the caller's thread, and each row is trained once.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import orjson
@@ -14,7 +15,8 @@ import pytest
 
 from rollpoint import SyncRollouts
 from rollpoint.app.config import RunConfig
-from rollpoint.protocol.errors import BadRequestError
+from rollpoint.protocol.errors import BadRequestError, ConfigError
+from rollpoint.store.snapshot_store import SnapshotStore
 from tests.support.small_job import small_job
 
 pytestmark = pytest.mark.integration
@@ -117,3 +119,32 @@ def test_steps_never_made_durable_are_trained_again_after_a_rerun(tmp_path: Path
         orjson.loads(x) for x in (config.workdir / "train_data.jsonl").read_bytes().splitlines()
     ]
     assert len({(r["group_id"], r["row"]) for r in trained}) == len(trained) == 12
+
+
+def test_settings_changed_in_code_are_what_the_run_does_and_what_a_rerun_is_checked_by(
+    tmp_path: Path,
+) -> None:
+    config = job(tmp_path)
+    store = tmp_path / "elsewhere"
+    settings = dataclasses.replace(config.job_settings(), snapshot_store=str(store))
+    with SyncRollouts(settings) as run:
+        assert run.settings is settings
+        for batch in run.batches():
+            batch.done()
+        summary = run.summary()
+    assert summary.episodes == 12
+    listed = SnapshotStore(str(store), clean_leftovers=False).list_snapshots()
+    assert listed and all(s.valid for s in listed)
+    assert not (config.workdir / "snapshots").exists()
+    # The snapshot's keys come from the settings: a rerun told another task count is
+    # refused by the restore, naming the key, before any server starts.
+    assert settings.tasks is not None
+    more = settings.tasks + 1
+    with (
+        pytest.raises(
+            ConfigError,
+            match=rf"config key 'tasks' is {more} but snapshot \S+ was taken with {settings.tasks}",
+        ),
+        SyncRollouts(dataclasses.replace(settings, tasks=more)),
+    ):
+        pass

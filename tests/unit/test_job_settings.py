@@ -37,7 +37,7 @@ def test_a_run_config_tells_the_job_each_of_its_keys(tmp_path: Path) -> None:
     settings = config.job_settings()
     assert settings == JobSettings(
         runtime=config.runtime_settings(),
-        trainer=config.trainer_settings(),
+        trainer=dataclasses.replace(config.trainer_settings(), fingerprint={}),
         tasks=5,
         dataset=None,
         snapshot_store=str(tmp_path / "store"),
@@ -51,7 +51,7 @@ def test_a_run_config_tells_the_job_each_of_its_keys(tmp_path: Path) -> None:
     assert settings.workdir == tmp_path / "run"
     assert settings.environment == "math"
     assert settings.snapshot_root() == str(tmp_path / "store")
-    assert settings.trainer.fingerprint == config.fingerprint()
+    assert settings.fingerprint() == config.fingerprint()
 
 
 def test_the_tasks_come_from_the_settings_environment_and_seed(tmp_path: Path) -> None:
@@ -61,6 +61,28 @@ def test_the_tasks_come_from_the_settings_environment_and_seed(tmp_path: Path) -
     assert tasks == load_tasks_for(config.job_settings())  # the seed makes the same rows
     other = load_tasks_for(job_config(tmp_path / "b", environment="math", tasks=3).job_settings())
     assert [t.params for t in tasks] != [t.params for t in other]
+
+
+def test_the_fingerprint_follows_the_settings_not_what_the_trainer_was_told(
+    tmp_path: Path,
+) -> None:
+    settings = JobSettings(
+        runtime=RuntimeSettings(workdir=tmp_path, environment="blackjack", seed=4),
+        trainer=TrainerSettings(workdir=tmp_path, group_size=3, fingerprint={"stale": 1}),
+        tasks=2,
+    )
+    assert settings.fingerprint() == {
+        "environment": "blackjack",
+        "group_size": 3,
+        "max_turns": 8,
+        "replicas": 2,
+        "tasks": 2,
+        "dataset": None,
+        "dataset_content_sha256": None,
+        "seed": 4,
+    }
+    more = dataclasses.replace(settings, tasks=7)
+    assert more.fingerprint()["tasks"] == 7
 
 
 def test_settings_whose_parts_name_two_workdirs_are_refused_in_one_line(tmp_path: Path) -> None:

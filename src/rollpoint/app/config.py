@@ -388,21 +388,17 @@ class RunConfig(_Section):
 
     def fingerprint(self) -> dict[str, JsonValue]:
         """The keys a snapshot's saved state depends on; a restore must match them."""
-        from rollpoint.envs.dataset_formats import content_sha256, fingerprint_value
+        from rollpoint.job.settings import run_fingerprint
 
-        return {
-            "environment": self.environment,
-            "group_size": self.group_size,
-            "max_turns": self.max_turns,
-            "replicas": self.replicas,
-            "tasks": self.tasks if self.dataset is None else None,
-            "dataset": fingerprint_value(self.dataset) if self.dataset is not None else None,
-            # The rows themselves: a dataset edited in place is not the one the snapshot saw.
-            "dataset_content_sha256": (
-                content_sha256(self.dataset) if self.dataset is not None else None
-            ),
-            "seed": self.seed,
-        }
+        return run_fingerprint(
+            environment=self.environment,
+            group_size=self.group_size,
+            max_turns=self.max_turns,
+            replicas=self.replicas,
+            tasks=self.tasks,
+            dataset=self.dataset,
+            seed=self.seed,
+        )
 
     def runtime_settings(self) -> RuntimeSettings:
         """What a runtime is told of this config (the runtimes read no config)."""
@@ -455,7 +451,8 @@ class RunConfig(_Section):
 
         return JobSettings(
             runtime=self.runtime_settings(),
-            trainer=self.trainer_settings(),
+            # The job computes the fingerprint as the run starts (a dataset is read once).
+            trainer=self._trainer_settings(fingerprint={}),
             tasks=self.tasks,
             dataset=self.dataset,
             snapshot_store=self.snapshot.store,
@@ -469,6 +466,9 @@ class RunConfig(_Section):
 
     def trainer_settings(self) -> TrainerSettings:
         """What the trainer loop is told of this config (the library reads no config)."""
+        return self._trainer_settings(fingerprint=self.fingerprint())
+
+    def _trainer_settings(self, *, fingerprint: dict[str, JsonValue]) -> TrainerSettings:
         from rollpoint.trainer.settings import TrainerSettings
 
         return TrainerSettings(
@@ -485,7 +485,7 @@ class RunConfig(_Section):
             max_reply_bytes=self.max_reply_bytes,
             snapshot_every_seconds=self.snapshot.every_seconds,
             save=self.snapshot.save_settings(),
-            fingerprint=self.fingerprint(),
+            fingerprint=fingerprint,
             max_failed_fraction=self.failure.max_failed_fraction,
             failure_min_groups=self.failure.min_groups,
             stuck_warn_seconds=self.watchdog.warn_seconds,

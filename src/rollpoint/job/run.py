@@ -273,7 +273,7 @@ async def _locked_job(
     except BadRequestError as exc:
         # The contained filesystem's refusal: a symlink inside the store is never followed.
         raise ConfigError(f"cannot read the snapshot store {root}: {exc.message}") from None
-    fingerprint = {**settings.trainer.fingerprint, FINGERPRINT_KEY: job.job_id}
+    fingerprint = {**settings.fingerprint(), FINGERPRINT_KEY: job.job_id}
     for item in skipped:
         # A warning reaches the console as well as rollpoint.log (the CLI's warning handler):
         # a skipped snapshot is progress given up.

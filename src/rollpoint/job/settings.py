@@ -30,7 +30,34 @@ from rollpoint.protocol.errors import ConfigError
 from rollpoint.runtime.settings import RuntimeSettings
 from rollpoint.trainer.settings import TrainerSettings
 
-__all__ = ["JobConfig", "JobSettings", "settings_of"]
+__all__ = ["JobConfig", "JobSettings", "run_fingerprint", "settings_of"]
+
+
+def run_fingerprint(
+    *,
+    environment: str,
+    group_size: int,
+    max_turns: int,
+    replicas: int,
+    tasks: int | None,
+    dataset: Path | DatasetSpec | None,
+    seed: int,
+) -> dict[str, JsonValue]:
+    """The keys a snapshot's saved state depends on; a restore must match them (but
+    ``replicas``: an elastic restore changes it). A dataset's files are hashed: one edited in
+    place is not the one the snapshot saw."""
+    from rollpoint.envs.dataset_formats import content_sha256, fingerprint_value
+
+    return {
+        "environment": environment,
+        "group_size": group_size,
+        "max_turns": max_turns,
+        "replicas": replicas,
+        "tasks": tasks if dataset is None else None,
+        "dataset": fingerprint_value(dataset) if dataset is not None else None,
+        "dataset_content_sha256": content_sha256(dataset) if dataset is not None else None,
+        "seed": seed,
+    }
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +67,7 @@ class JobSettings:
 
     runtime: RuntimeSettings
     trainer: TrainerSettings
+    """Its ``fingerprint`` is the job's to set: :meth:`fingerprint`, as the run starts."""
     tasks: int | None = 32
     """Synthetic tasks the environment makes (``make_tasks(tasks, runtime.seed)``); ignored
     when ``dataset`` is given. 0 only for a run handed its groups while it runs."""
@@ -81,6 +109,20 @@ class JobSettings:
     def snapshot_root(self) -> str:
         """Where snapshots go: ``snapshot_store``, or ``<workdir>/snapshots`` made absolute."""
         return self.snapshot_store or str((self.workdir / "snapshots").resolve())
+
+    def fingerprint(self) -> dict[str, JsonValue]:
+        """The keys a snapshot of this run depends on, from these settings (whatever
+        ``trainer.fingerprint`` holds): what the job saves with every snapshot and checks a
+        restore against. Reads the dataset's files."""
+        return run_fingerprint(
+            environment=self.environment,
+            group_size=self.trainer.group_size,
+            max_turns=self.trainer.max_turns,
+            replicas=self.runtime.replicas,
+            tasks=self.tasks,
+            dataset=self.dataset,
+            seed=self.runtime.seed,
+        )
 
     def recorded(self) -> dict[str, JsonValue]:
         """What the run's event log records as its config (secrets not yet redacted)."""

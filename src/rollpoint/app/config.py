@@ -388,17 +388,7 @@ class RunConfig(_Section):
 
     def fingerprint(self) -> dict[str, JsonValue]:
         """The keys a snapshot's saved state depends on; a restore must match them."""
-        from rollpoint.job.settings import run_fingerprint
-
-        return run_fingerprint(
-            environment=self.environment,
-            group_size=self.group_size,
-            max_turns=self.max_turns,
-            replicas=self.replicas,
-            tasks=self.tasks,
-            dataset=self.dataset,
-            seed=self.seed,
-        )
+        return self.job_settings().fingerprint()
 
     def runtime_settings(self) -> RuntimeSettings:
         """What a runtime is told of this config (the runtimes read no config)."""

@@ -30,34 +30,7 @@ from rollpoint.protocol.errors import ConfigError
 from rollpoint.runtime.settings import RuntimeSettings
 from rollpoint.trainer.settings import TrainerSettings
 
-__all__ = ["JobConfig", "JobSettings", "run_fingerprint", "settings_of"]
-
-
-def run_fingerprint(
-    *,
-    environment: str,
-    group_size: int,
-    max_turns: int,
-    replicas: int,
-    tasks: int | None,
-    dataset: Path | DatasetSpec | None,
-    seed: int,
-) -> dict[str, JsonValue]:
-    """The keys a snapshot's saved state depends on; a restore must match them (but
-    ``replicas``: an elastic restore changes it). A dataset's files are hashed: one edited in
-    place is not the one the snapshot saw."""
-    from rollpoint.envs.dataset_formats import content_sha256, fingerprint_value
-
-    return {
-        "environment": environment,
-        "group_size": group_size,
-        "max_turns": max_turns,
-        "replicas": replicas,
-        "tasks": tasks if dataset is None else None,
-        "dataset": fingerprint_value(dataset) if dataset is not None else None,
-        "dataset_content_sha256": content_sha256(dataset) if dataset is not None else None,
-        "seed": seed,
-    }
+__all__ = ["JobConfig", "JobSettings", "settings_of"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,16 +86,21 @@ class JobSettings:
     def fingerprint(self) -> dict[str, JsonValue]:
         """The keys a snapshot of this run depends on, from these settings (whatever
         ``trainer.fingerprint`` holds): what the job saves with every snapshot and checks a
-        restore against. Reads the dataset's files."""
-        return run_fingerprint(
-            environment=self.environment,
-            group_size=self.trainer.group_size,
-            max_turns=self.trainer.max_turns,
-            replicas=self.runtime.replicas,
-            tasks=self.tasks,
-            dataset=self.dataset,
-            seed=self.runtime.seed,
-        )
+        restore against (but ``replicas``: an elastic restore changes it). A dataset's files
+        are hashed: one edited in place is not the one the snapshot saw."""
+        from rollpoint.envs.dataset_formats import content_sha256, fingerprint_value
+
+        dataset = self.dataset
+        return {
+            "environment": self.environment,
+            "group_size": self.trainer.group_size,
+            "max_turns": self.trainer.max_turns,
+            "replicas": self.runtime.replicas,
+            "tasks": self.tasks if dataset is None else None,
+            "dataset": None if dataset is None else fingerprint_value(dataset),
+            "dataset_content_sha256": None if dataset is None else content_sha256(dataset),
+            "seed": self.runtime.seed,
+        }
 
     def recorded(self) -> dict[str, JsonValue]:
         """What the run's event log records as its config (secrets not yet redacted)."""

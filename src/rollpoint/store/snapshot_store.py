@@ -26,14 +26,15 @@ the field. ``latest`` is moved after the manifest and is advisory: readers choos
 newest snapshot that verifies, so a crash between the two loses nothing.
 
 Records files in ``objects/`` are named by the participant manifests and trainer file
-manifests of the snapshots that reference them: publication refuses a snapshot naming one that is not there, and retention
-deletes one once no snapshot folder left (published or being written) names it. That
-holds because the store has one writer at a time (the workdir lock) and the coordinator
-takes one snapshot at a time: no write is running while a publication prunes.
+manifests of the snapshots that reference them: publication refuses a snapshot naming one
+that is not there (:mod:`.snapshot_checks`, with the digest checks of every read), and
+retention deletes one once no snapshot folder left, published or being written, names it
+(:mod:`.shared_records`). That holds because the store has one writer at a time (the
+workdir lock) and the coordinator takes one snapshot at a time.
 
 It does not know what the trainer's files or the participants' records mean, nor when a
-snapshot is taken (the coordinator does). Every method does blocking I/O: call it from
-a worker thread in async code.
+snapshot is taken (the coordinator does). Every method does blocking I/O: call it from a
+worker thread in async code.
 """
 
 from __future__ import annotations
@@ -57,49 +58,51 @@ from rollpoint.protocol.errors import (
 )
 from rollpoint.protocol.ids import is_identifier
 from rollpoint.protocol.manifest import (
-    SNAPSHOT_MANIFEST_VERSION,
     FileEntry,
     LatestPointer,
-    ParticipantEntry,
     SnapshotManifest,
     decode_document,
     encode_document,
-    load_participant_manifest,
     load_snapshot_manifest,
     sealed_document,
 )
-from rollpoint.protocol.model_base import StrictModel
 from rollpoint.protocol.participant import ParticipantKind
 from rollpoint.store import retention
 from rollpoint.store.contained_filesystem import filesystem_within
-from rollpoint.store.digest import digest_bytes, digest_file
 from rollpoint.store.filesystem import (
     normalize_location,
-    normalize_relative,
     resolve_inside,
 )
 from rollpoint.store.job_identity import FINGERPRINT_KEY as JOB_KEY
 from rollpoint.store.journal_retention import JournalRetention
-from rollpoint.store.participant_state import MANIFEST_NAME, verify_participant_state
+from rollpoint.store.participant_state import MANIFEST_NAME
 from rollpoint.store.record_packs import (
-    OBJECTS_DIR,
     PackIndex,
-    is_records_name,
-    is_records_temp_name,
 )
 from rollpoint.store.retention import Span
+from rollpoint.store.shared_records import SharedRecords
+from rollpoint.store.snapshot_checks import (
+    SnapshotSummary,
+    check_publishable,
+    inside,
+    read_checked,
+    summary_of,
+    verify_contents,
+)
 from rollpoint.store.staging import (
     PARTICIPANTS_DIR,
+    SNAPSHOTS_DIR,
+    STAGING_DIR,
+    TRAINER_DIR,
     Staging,
     StagingAction,
     StagingRegistry,
-    participant_manifests,
     participant_subdir,
+    remove_leftovers,
+    trainer_file_path,
 )
 from rollpoint.store.trainer_records import (
     read_trainer_records,
-    trainer_shared_files,
-    verify_trainer_records,
     write_trainer_records,
 )
 
@@ -117,32 +120,7 @@ __all__ = [
 
 log = logging.getLogger("rollpoint.store")
 
-STAGING_DIR = "staging"
-SNAPSHOTS_DIR = "snapshots"
-TRAINER_DIR = "trainer"
-"""A snapshot folder's trainer files kept as records."""
 LATEST_NAME = "latest"
-
-_PROCESS_STARTED_AT = time.time()
-"""Folders last touched before this were left by an earlier process (a crash)."""
-_TEMP_RECORDS_AGE_S = 600.0
-"""A records file still under its temp name this long after its last write was left by a
-write that died; younger ones may belong to a write still running (one that timed out)."""
-
-
-class SnapshotSummary(StrictModel):
-    """One folder under ``snapshots/``: what it holds, or why it cannot be used."""
-
-    snapshot_id: str
-    path: str
-    valid: bool
-    reason: str | None = None
-    """Why the snapshot cannot be used (None when valid)."""
-    checkpoint_id: str | None = None
-    published_at: float | None = None
-    train_step: int | None = None
-    episodes: int | None = None
-    restarts: int | None = None
 
 
 @dataclass(frozen=True)
@@ -178,8 +156,8 @@ class SnapshotStore:
         retention (a manifest never changes once published; a manifest of 100k episodes
         is tens of MB of objects, so only these are kept; :meth:`verify` and :meth:`load`
         always read afresh)."""
-        self._references: dict[str, frozenset[str]] = {}
-        """Shared records files named by each published snapshot (never changes)."""
+        self._shared = SharedRecords(self._fs, self.root)
+        """Which shared records files each snapshot names (:mod:`.shared_records`)."""
         self._journals = JournalRetention(self._fs, self.root)
         """The journal segments the published snapshots need (:mod:`.journal_retention`)."""
         self.job_id: str | None = None
@@ -192,7 +170,7 @@ class SnapshotStore:
         """The durable train checkpoint steps present, when the trainer keeps any: retention
         then never prunes the last snapshot that composes with one (:mod:`.retention`)."""
         if clean_leftovers:
-            self._clean_leftovers()
+            remove_leftovers(self._fs, self.root)
 
     # --- retention pins ----------------------------------------------------------------
 
@@ -249,7 +227,7 @@ class SnapshotStore:
         so a large file need not exist as one buffer.
         """
         self._stagings.advance(staging, StagingAction.WRITE)
-        relative = _trainer_file_path(name)
+        relative = trainer_file_path(name)
         path = resolve_inside(staging.path, relative)
         hasher = hashlib.sha256()
         size = 0
@@ -271,7 +249,7 @@ class SnapshotStore:
         shared records files); return its entry. Only what ``index`` (the file's, kept
         between snapshots) does not hold is written; ``index`` becomes this write's."""
         self._stagings.advance(staging, StagingAction.WRITE)
-        relative = f"{TRAINER_DIR}/{_trainer_file_path(name)}"
+        relative = f"{TRAINER_DIR}/{trainer_file_path(name)}"
         return write_trainer_records(
             self._fs,
             self.root,
@@ -290,7 +268,7 @@ class SnapshotStore:
         """
         self._stagings.advance(staging, StagingAction.BEGIN_PUBLISH)
         try:
-            participants, references = self._check_publishable(staging, manifest)
+            participants, references = check_publishable(self._fs, self.root, staging, manifest)
         except BaseException:
             self._stagings.advance(staging, StagingAction.REFUSE)
             raise
@@ -326,7 +304,7 @@ class SnapshotStore:
         self._jobs[published.snapshot_id] = job if isinstance(job, str) else None
         # And the records files it names were just read for the checks: the sweep need
         # not read its manifests again (snapshot_growth_100k, session 14).
-        self._references[published.snapshot_id] = references
+        self._shared.remember(published.snapshot_id, references)
         log.info("published snapshot %s at %s", published.snapshot_id, final)
         self._write_latest(published)
         self._prune(protect=published.snapshot_id)
@@ -343,7 +321,8 @@ class SnapshotStore:
     # --- reading -----------------------------------------------------------------------
 
     def snapshot_dir(self, snapshot_id: str) -> str:
-        _check_snapshot_id(snapshot_id)
+        if not is_identifier(snapshot_id):
+            raise BadRequestError(f"snapshot id {snapshot_id!r} is not a valid identifier")
         return self._fs.join(self.root, SNAPSHOTS_DIR, snapshot_id)
 
     def load(self, snapshot_id: str) -> SnapshotManifest:
@@ -368,14 +347,14 @@ class SnapshotStore:
     def verify(self, snapshot_id: str) -> SnapshotManifest:
         """The manifest, once every file and participant state it names checks out."""
         manifest = self.load(snapshot_id)
-        self._verify_contents(manifest)
+        verify_contents(self._fs, self.root, self.snapshot_dir(manifest.snapshot_id), manifest)
         return manifest
 
     def read_file(self, snapshot_id: str, name: str) -> bytes:
         """The bytes of one trainer file of a snapshot, checked against its digest."""
         manifest = self.load(snapshot_id)
         entry = self._file_entry(manifest, name)
-        return self._read_checked(self.snapshot_dir(snapshot_id), entry)
+        return read_checked(self._fs, self.snapshot_dir(snapshot_id), entry)
 
     def file_format(self, snapshot_id: str, name: str) -> str:
         """How trainer file ``name`` of a snapshot is kept: ``document`` or ``records``."""
@@ -390,11 +369,11 @@ class SnapshotStore:
                 f"snapshot {snapshot_id}: file {name!r} is a {entry.format}, not records"
             )
         folder = self.snapshot_dir(snapshot_id)
-        data = self._read_checked(folder, entry)
+        data = read_checked(self._fs, folder, entry)
         return read_trainer_records(
             self._fs,
             self.root,
-            self._inside(folder, entry.path),
+            inside(folder, entry.path),
             data,
             name=name,
             snapshot_id=manifest.snapshot_id,
@@ -409,23 +388,12 @@ class SnapshotStore:
             )
         return entry
 
-    def _read_checked(self, folder: str, entry: FileEntry) -> bytes:
-        path = self._inside(folder, entry.path)
-        try:
-            data = self._fs.read_bytes(path)
-        except FileNotFoundError:
-            raise InvalidCheckpointStateError(f"snapshot file {path} is missing") from None
-        except OSError as exc:
-            raise InvalidCheckpointStateError(f"cannot read {path}: {exc}") from None
-        _check_digest(path, digest_bytes(data).sha256, len(data), entry)
-        return data
-
     def participant_dir(self, snapshot_id: str, kind: ParticipantKind | str, instance: str) -> str:
         """The state folder of one participant of a published snapshot."""
         manifest = self.load(snapshot_id)
         for participant in manifest.participants:
             if participant.kind == kind and participant.instance == instance:
-                path = self._inside(self.snapshot_dir(snapshot_id), participant.manifest_path)
+                path = inside(self.snapshot_dir(snapshot_id), participant.manifest_path)
                 return path.rpartition("/")[0]
         known = ", ".join(f"{p.kind}/{p.instance}" for p in manifest.participants) or "none"
         raise NotFoundError(
@@ -479,137 +447,15 @@ class SnapshotStore:
     def _snapshots_root(self) -> str:
         return self._fs.join(self.root, SNAPSHOTS_DIR)
 
-    def _inside(self, folder: str, relative: str) -> str:
-        try:
-            return resolve_inside(folder, relative)
-        except BadRequestError as exc:
-            raise InvalidCheckpointStateError(f"snapshot manifest: {exc.message}") from None
-
-    def _check_publishable(
-        self, staging: Staging, manifest: SnapshotManifest
-    ) -> tuple[list[ParticipantEntry], frozenset[str]]:
-        """Refuse a manifest its staging folder does not match; return its participant
-        entries stamped with the digest of each participant's manifest file, and the
-        shared records files the snapshot names (its trainer files' and participants')."""
-        if manifest.snapshot_id != staging.snapshot_id:
-            raise BadRequestError(
-                f"manifest is for snapshot {manifest.snapshot_id}, staging is {staging.snapshot_id}"
-            )
-        if manifest.schema_version != SNAPSHOT_MANIFEST_VERSION:
-            raise BadRequestError(
-                f"a new manifest must have schema_version {SNAPSHOT_MANIFEST_VERSION}, "
-                f"got {manifest.schema_version}"
-            )
-        wanted = [entry.path for entry in manifest.files.values()]
-        wanted += [participant.manifest_path for participant in manifest.participants]
-        missing = [
-            relative
-            for relative in wanted
-            if not self._fs.exists(resolve_inside(staging.path, relative))
-        ]
-        if missing:
-            raise SnapshotError(
-                f"snapshot {staging.snapshot_id} names files its staging folder lacks: "
-                + ", ".join(missing)
-            )
-        references: set[str] = set()
-        for name, entry in manifest.files.items():
-            if entry.format == "records":
-                path = resolve_inside(staging.path, entry.path)
-                try:
-                    data = self._fs.read_bytes(path)
-                except OSError as exc:
-                    raise SnapshotError(f"cannot read {path}: {exc}") from None
-                names = trainer_shared_files(data, path)
-                self._check_objects(staging, f"trainer file {name}", names)
-                references |= names
-        entries = []
-        for participant in manifest.participants:
-            path = resolve_inside(staging.path, participant.manifest_path)
-            try:
-                data = self._fs.read_bytes(path)
-            except OSError as exc:
-                raise SnapshotError(f"cannot read {path}: {exc}") from None
-            digest = digest_bytes(data)
-            names = _shared_files(data, path)
-            self._check_objects(staging, f"participant {participant.instance}", names)
-            references |= names
-            entries.append(
-                participant.model_copy(update={"sha256": digest.sha256, "bytes": digest.bytes})
-            )
-        return entries, frozenset(references)
-
-    def _check_objects(self, staging: Staging, who: str, names: set[str]) -> None:
-        lacking = [
-            name
-            for name in sorted(names)
-            if not self._fs.exists(self._fs.join(self.root, OBJECTS_DIR, name))
-        ]
-        if lacking:
-            raise SnapshotError(
-                f"snapshot {staging.snapshot_id}: {who} names records files missing from "
-                f"{OBJECTS_DIR}/: " + ", ".join(lacking)
-            )
-
-    def _verify_contents(self, manifest: SnapshotManifest) -> None:
-        folder = self.snapshot_dir(manifest.snapshot_id)
-        for name, entry in manifest.files.items():
-            if entry.format == "records":
-                verify_trainer_records(
-                    self._fs,
-                    self.root,
-                    self._inside(folder, entry.path),
-                    self._read_checked(folder, entry),
-                    name=name,
-                    snapshot_id=manifest.snapshot_id,
-                )
-            else:
-                self._verify_file(folder, name, entry)
-        for participant in manifest.participants:
-            manifest_path = self._inside(folder, participant.manifest_path)
-            directory, _, file_name = manifest_path.rpartition("/")
-            if file_name != MANIFEST_NAME:
-                raise InvalidCheckpointStateError(
-                    f"snapshot {manifest.snapshot_id}: participant {participant.instance} "
-                    f"manifest path {participant.manifest_path!r} does not end in {MANIFEST_NAME}"
-                )
-            verify_participant_state(
-                directory,
-                kind=participant.kind.value,
-                instance=participant.instance,
-                checkpoint_id=manifest.checkpoint_id,
-                root=self.root,
-            )
-            if participant.sha256 is not None and participant.bytes is not None:
-                # Its records are digest-checked above; this covers the manifest's own fields.
-                entry = FileEntry(
-                    path=participant.manifest_path,
-                    sha256=participant.sha256,
-                    bytes=participant.bytes,
-                )
-                self._verify_file(folder, f"{participant.instance} manifest", entry)
-
-    def _verify_file(self, folder: str, name: str, entry: FileEntry) -> None:
-        path = self._inside(folder, entry.path)
-        try:
-            digest = digest_file(self._fs, path)
-        except FileNotFoundError:
-            raise InvalidCheckpointStateError(
-                f"snapshot file {name!r} ({path}) is missing"
-            ) from None
-        except OSError as exc:
-            raise InvalidCheckpointStateError(f"cannot read snapshot file {path}: {exc}") from None
-        _check_digest(path, digest.sha256, digest.bytes, entry)
-
     def _summarize(self, name: str) -> SnapshotSummary:
         path = self._fs.join(self._snapshots_root(), name)
         manifest: SnapshotManifest | None = None
         try:
             manifest = self.load(name)
-            self._verify_contents(manifest)
+            verify_contents(self._fs, self.root, self.snapshot_dir(manifest.snapshot_id), manifest)
         except RollpointError as exc:
-            return _summary(name, path, manifest, exc.message)
-        return _summary(name, path, manifest, None)
+            return summary_of(name, path, manifest, exc.message)
+        return summary_of(name, path, manifest, None)
 
     def _candidates(self) -> list[_Candidate]:
         """Folders holding a manifest file, newest first (published_at, else the file's time)."""
@@ -682,7 +528,7 @@ class SnapshotStore:
             try:
                 self._fs.remove_tree(path)
                 self._loaded.pop(candidate.snapshot_id, None)
-                self._references.pop(candidate.snapshot_id, None)
+                self._shared.forget(candidate.snapshot_id)
                 self._journals.forget(candidate.snapshot_id)
                 pruned.add(candidate.snapshot_id)
                 # Every per-snapshot memo goes with the folder: kept, one entry a snapshot
@@ -691,7 +537,7 @@ class SnapshotStore:
                 log.info("pruned snapshot %s", candidate.snapshot_id)
             except OSError as exc:
                 log.warning("could not prune snapshot %s (skipped): %s", path, exc)
-        self._sweep_objects()
+        self._shared.sweep()
         # Every snapshot left counts, another job's too: its marks keep their segments.
         left = [c.snapshot_id for c in every if c.snapshot_id not in pruned]
         self._journals.sweep(self._snapshots_root(), left)
@@ -702,24 +548,17 @@ class SnapshotStore:
         naming it, and a restore falls back to this one (issue 33). None before the
         first rebase (the second write: :data:`~rollpoint.store.record_packs.FIRST_REBASE`)."""
         try:
-            named = self._names_of(newest)
+            named = self._shared.named_by(newest)
             if not named:
                 return None  # it shares nothing: no file of it can take another down
             for candidate in loadable:
                 if candidate.snapshot_id == newest:
                     continue
-                if not named & self._names_of(candidate.snapshot_id):
+                if not named & self._shared.named_by(candidate.snapshot_id):
                     return candidate.snapshot_id
         except (OSError, RollpointError) as exc:
             log.warning("no fallback snapshot chosen in %s: %s", self.root, exc)
         return None
-
-    def _names_of(self, snapshot_id: str) -> frozenset[str]:
-        known = self._references.get(snapshot_id)
-        if known is None:
-            folder = self._fs.join(self._snapshots_root(), snapshot_id)
-            known = self._references[snapshot_id] = frozenset(self._names_in(folder))
-        return known
 
     def other_jobs(self) -> dict[str, str]:
         """Snapshot id → the other job that took it, for every loadable snapshot here that
@@ -748,146 +587,12 @@ class SnapshotStore:
             return True
         return False
 
-    def _sweep_objects(self) -> None:
-        """Delete the shared records files no snapshot folder names any more."""
-        objects = self._fs.join(self.root, OBJECTS_DIR)
-        try:
-            names = self._fs.listdir(objects)
-        except OSError:
-            return  # no shared records files (yet)
-        if not names:
-            return
-        try:
-            referenced = self._referenced()
-        except (OSError, RollpointError) as exc:
-            # A folder whose references cannot be read might name any file: keep them all.
-            log.warning("kept every records file in %s: %s", objects, exc)
-            return
-        now = time.time()
-        for name in names:
-            path = self._fs.join(objects, name)
-            try:
-                if name.startswith("."):
-                    if not is_records_temp_name(name):
-                        continue
-                    modified = self._fs.modified(path)
-                    if modified is None or now - modified < _TEMP_RECORDS_AGE_S:
-                        continue
-                elif name in referenced or not is_records_name(name):
-                    continue  # named by a snapshot, or not a file this store writes
-                self._fs.remove_file(path)
-                log.info("removed records file %s: no kept snapshot names it", name)
-            except OSError as exc:
-                log.warning("could not remove records file %s (skipped): %s", path, exc)
-
-    def _referenced(self) -> set[str]:
-        """The shared records files named in every snapshot and staging folder."""
-        referenced: set[str] = set()
-        folders: list[tuple[str | None, str]] = [
-            (name, self._fs.join(self._snapshots_root(), name))
-            for name in self._fs.listdir(self._snapshots_root())
-        ]
-        staging = self._fs.join(self.root, STAGING_DIR)
-        if self._fs.local and self._fs.isdir(staging):
-            folders += [(None, self._fs.join(staging, name)) for name in self._fs.listdir(staging)]
-        for snapshot_id, folder in folders:
-            published = snapshot_id is not None and self._fs.exists(
-                self._fs.join(folder, MANIFEST_NAME)
-            )
-            known = self._references.get(snapshot_id) if snapshot_id is not None else None
-            if known is None:
-                known = frozenset(self._names_in(folder))
-                if published and snapshot_id is not None:
-                    self._references[snapshot_id] = known
-            referenced |= known
-        return referenced
-
-    def _names_in(self, folder: str) -> set[str]:
-        names: set[str] = set()
-        trainer = self._fs.join(folder, TRAINER_DIR)
-        if self._fs.isdir(trainer):
-            for name in self._fs.listdir(trainer):
-                if name.startswith("."):
-                    continue  # a temp file of a write that did not finish
-                path = self._fs.join(trainer, name)
-                names |= trainer_shared_files(self._fs.read_bytes(path), path)
-        for _, _, path, data in participant_manifests(self._fs, folder):
-            names |= _shared_files(data, path)
-        return names
-
     def clean_leftovers(self) -> None:
         """Remove unpublished folders an earlier process left behind when it crashed (done
         at opening unless ``clean_leftovers=False``: then once the store is known to be
         this job's, see :mod:`~rollpoint.store.job_identity`)."""
-        self._clean_leftovers()
-
-    def _clean_leftovers(self) -> None:
-        """Remove unpublished folders an earlier process left behind when it crashed."""
-        folders = [
-            self._fs.join(self.root, STAGING_DIR, name)
-            for name in self._fs.listdir(self._fs.join(self.root, STAGING_DIR))
-        ]
-        folders += [
-            self._fs.join(self._snapshots_root(), name)
-            for name in self._fs.listdir(self._snapshots_root())
-            if not self._fs.exists(self._fs.join(self._snapshots_root(), name, MANIFEST_NAME))
-        ]
-        for folder in folders:
-            try:
-                modified = self._fs.modified(folder)
-                if modified is None or modified >= _PROCESS_STARTED_AT:
-                    continue
-                self._fs.remove_tree(folder)
-                log.warning("removed unpublished folder %s left by an earlier process", folder)
-            except OSError as exc:
-                log.warning("could not remove leftover folder %s (skipped): %s", folder, exc)
-
-
-def _shared_files(data: bytes, path: str) -> set[str]:
-    """The shared records files a participant manifest names."""
-    manifest = load_participant_manifest(decode_document(data, path), path)
-    return {part.file for part in manifest.parts if part.shared}
-
-
-def _trainer_file_path(name: str) -> str:
-    relative = normalize_relative(name)
-    reserved = (f"{PARTICIPANTS_DIR}/", f"{TRAINER_DIR}/")
-    if relative == MANIFEST_NAME or relative.startswith(reserved):
-        raise BadRequestError(f"file name {name!r} is reserved by the snapshot layout")
-    return relative
+        remove_leftovers(self._fs, self.root)
 
 
 def _span(manifest: SnapshotManifest) -> Span:
     return Span(manifest.snapshot_id, manifest.committed_step or 0, manifest.train_step)
-
-
-def _check_snapshot_id(snapshot_id: str) -> None:
-    if not is_identifier(snapshot_id):
-        raise BadRequestError(f"snapshot id {snapshot_id!r} is not a valid identifier")
-
-
-def _check_digest(path: str, sha256: str, size: int, entry: FileEntry) -> None:
-    if size != entry.bytes or sha256 != entry.sha256:
-        raise InvalidCheckpointStateError(
-            f"snapshot file {path} does not match the manifest (tampered or corrupt): "
-            f"{size} bytes sha256 {sha256[:16]}…, expected {entry.bytes} bytes "
-            f"sha256 {entry.sha256[:16]}…"
-        )
-
-
-def _summary(
-    name: str, path: str, manifest: SnapshotManifest | None, reason: str | None
-) -> SnapshotSummary:
-    if manifest is None:
-        return SnapshotSummary(snapshot_id=name, path=path, valid=False, reason=reason)
-    return SnapshotSummary(
-        snapshot_id=name,
-        path=path,
-        valid=reason is None,
-        reason=reason,
-        checkpoint_id=manifest.checkpoint_id,
-        published_at=manifest.published_at,
-        train_step=manifest.train_step,
-        episodes=len(manifest.episodes),
-        restarts=len(manifest.restarts),
-    )

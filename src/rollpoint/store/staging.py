@@ -11,13 +11,16 @@ and the one transition table of a staging's life::
     open ──abort──▶ aborted ──abort──▶ aborted
 
 Also reads what that layout holds once written: the participants' manifests of a snapshot
-folder (:func:`participant_manifests`, for retention's and the fallback's walks). It writes
+folder (:func:`participant_manifests`, for retention's and the fallback's walks), and
+removes the unpublished folders a crashed process left (:func:`remove_leftovers`). It writes
 no file: :mod:`rollpoint.store.snapshot_store` does, asking :class:`StagingRegistry` first.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import StrEnum
@@ -25,10 +28,21 @@ from enum import StrEnum
 from rollpoint.protocol.errors import BadRequestError, CheckpointConflictError, InvalidPhaseError
 from rollpoint.protocol.ids import is_identifier
 from rollpoint.protocol.participant import ParticipantKind
-from rollpoint.store.filesystem import Filesystem
+from rollpoint.store.filesystem import Filesystem, normalize_relative
 from rollpoint.store.participant_state import MANIFEST_NAME
 
+STAGING_DIR = "staging"
+"""Where a snapshot is written before it is published (local roots only)."""
+SNAPSHOTS_DIR = "snapshots"
+"""Where published snapshots live, one folder each."""
+TRAINER_DIR = "trainer"
+"""A snapshot folder's trainer files kept as records."""
 PARTICIPANTS_DIR = "participants"
+
+log = logging.getLogger("rollpoint.store")
+
+_PROCESS_STARTED_AT = time.time()
+"""Folders last touched before this were left by an earlier process (a crash)."""
 
 
 def participant_manifests(fs: Filesystem, folder: str) -> Iterator[tuple[str, str, str, bytes]]:
@@ -142,3 +156,33 @@ class StagingRegistry:
                 )
             self._states[staging.snapshot_id] = new
             return new
+
+
+def remove_leftovers(fs: Filesystem, root: str) -> None:
+    """Remove unpublished folders an earlier process left behind when it crashed."""
+    snapshots = fs.join(root, SNAPSHOTS_DIR)
+    folders = [fs.join(root, STAGING_DIR, name) for name in fs.listdir(fs.join(root, STAGING_DIR))]
+    folders += [
+        fs.join(snapshots, name)
+        for name in fs.listdir(snapshots)
+        if not fs.exists(fs.join(snapshots, name, MANIFEST_NAME))
+    ]
+    for folder in folders:
+        try:
+            modified = fs.modified(folder)
+            if modified is None or modified >= _PROCESS_STARTED_AT:
+                continue
+            fs.remove_tree(folder)
+            log.warning("removed unpublished folder %s left by an earlier process", folder)
+        except OSError as exc:
+            log.warning("could not remove leftover folder %s (skipped): %s", folder, exc)
+
+
+def trainer_file_path(name: str) -> str:
+    """Where trainer file ``name`` goes in a snapshot folder; a name the layout reserves
+    for itself (the manifest, the participants' and the records folders) is refused."""
+    relative = normalize_relative(name)
+    reserved = (f"{PARTICIPANTS_DIR}/", f"{TRAINER_DIR}/")
+    if relative == MANIFEST_NAME or relative.startswith(reserved):
+        raise BadRequestError(f"file name {name!r} is reserved by the snapshot layout")
+    return relative

@@ -17,7 +17,7 @@ from rollpoint.protocol.manifest import (
     SnapshotManifest,
     topology_fingerprint,
 )
-from rollpoint.store import snapshot_store
+from rollpoint.store import shared_records, snapshot_checks
 from rollpoint.store.filesystem import filesystem_for
 from rollpoint.store.participant_state import (
     read_participant_state,
@@ -230,13 +230,15 @@ def test_a_publication_reads_each_participant_manifest_once(
     records = _records(40)
     _snapshot(store, "s0", records, index)
     read: list[str] = []
-    real = snapshot_store._shared_files
+    real = shared_records.participant_shared_files
 
     def counting(data: bytes, path: str) -> set[str]:
         read.append(path)
         return real(data, path)
 
-    monkeypatch.setattr(snapshot_store, "_shared_files", counting)
+    # The check before publishing and the sweep after it each read the names this way.
+    monkeypatch.setattr(snapshot_checks, "participant_shared_files", counting)
+    monkeypatch.setattr(shared_records, "participant_shared_files", counting)
     names = {p.file for p in _snapshot(store, "s1", [*records[1:], {"new": 1}], index).parts}
     assert len(read) == 1  # the check; the sweep did not read it again
     assert names <= set(_objects(store))

@@ -628,5 +628,5 @@ def test_pruned_snapshots_leave_no_entry_in_the_stores_memos(location: str) -> N
         _publish(store, f"s{number:02d}")
     kept = {s.snapshot_id for s in store.list_snapshots(include_invalid=True)}
     assert kept == {"s29", "s28"}
-    for memo in (store._loaded, store._references, store._jobs):
+    for memo in (store._loaded, store._shared._named, store._jobs):
         assert set(memo) <= kept, sorted(memo)

@@ -17,7 +17,8 @@ says why, with the rules between the parts):
 - ``tuning/``    performance tricks, reached through the checkpoint seam
 - ``trainer/``   RL side: the trainer library (the trainer, train hooks, step record) with
   its machinery in sub-packages by role (state, control, dispatch, snapshot, restore, record)
-- ``rollouts.py`` the trainer's façade (with ``preemption.py``, its signals)
+- ``rollouts.py`` the trainer's façade (``sync_rollouts.py`` for a synchronous loop;
+  ``preemption.py``, its signals)
 - ``job/``       one run assembled (lock, resume point, servers, restore, trainer): what
   the façade and ``rollpoint run`` drive
 - ``loop/``      the built-in training loop ``rollpoint run`` trains with, on the façade only
@@ -47,7 +48,8 @@ if TYPE_CHECKING:
     from rollpoint.protocol.deployment import ReplicaEndpoints, ServedDeployment
     from rollpoint.protocol.episode import TaskRow
     from rollpoint.protocol.errors import RollpointError, RunPreemptedError
-    from rollpoint.rollouts import Rollouts, RunProgress, SyncRollouts, TrainBatch, load_served
+    from rollpoint.rollouts import Rollouts, RunProgress, TrainBatch, load_served
+    from rollpoint.sync_rollouts import SyncRollouts
     from rollpoint.trainer.record.train_checkpoint import TrainCheckpoint
     from rollpoint.trainer.record.train_data import Coverage
     from rollpoint.trainer.snapshot.cut import Blocker, SavePhase, SaveReport
@@ -97,7 +99,7 @@ __all__ = [
 _HOMES = {
     "Rollouts": "rollpoint.rollouts",
     "TrainBatch": "rollpoint.rollouts",
-    "SyncRollouts": "rollpoint.rollouts",
+    "SyncRollouts": "rollpoint.sync_rollouts",
     "RunProgress": "rollpoint.rollouts",
     "StopRequest": "rollpoint.preemption",
     "load_served": "rollpoint.rollouts",

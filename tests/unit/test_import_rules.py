@@ -8,7 +8,7 @@ with ``ast``.
   need (``JobSettings``, ``TrainerSettings``, ``RuntimeSettings``);
 - the job (``rollpoint.job``: one run assembled) is driven from above: only the app, the
   façade and the package's faces import it, and it imports neither the app, nor the façade
-  (``rollpoint.rollouts``), nor the built-in loop;
+  (``rollpoint.rollouts``, ``rollpoint.sync_rollouts``), nor the built-in loop;
 - ``rollpoint.common`` (what every layer may use) imports nothing of rollpoint but the
   protocol;
 - the test kit (``rollpoint.testing``) is a kit, not the app: it imports neither the app
@@ -62,13 +62,13 @@ RUN_CONFIG_FACES = ("rollpoint.RunConfig", "rollpoint.load_config", "rollpoint.p
 """The run config as the package's face exports it (for a user's script, not for a layer)."""
 JOB = ("rollpoint.job",)
 """One run assembled: what the app and the façade drive."""
-FACADE = ("rollpoint.rollouts",)
+FACADE = ("rollpoint.rollouts", "rollpoint.sync_rollouts")
 FACES = {"rollpoint", "rollpoint.__main__"}
 """The package's faces: ``rollpoint.RunConfig`` (lazily) and the ``rollpoint`` script."""
 COMMON = ("rollpoint.common",)
 LOOP = ("rollpoint.loop",)
 """The built-in loop ``rollpoint run`` trains with, built on the façade."""
-FACADE_OVER_THE_JOB = ("rollpoint.rollouts", "rollpoint.preemption")
+FACADE_OVER_THE_JOB = ("rollpoint.rollouts", "rollpoint.sync_rollouts", "rollpoint.preemption")
 TRAINER = ("rollpoint.trainer",)
 ENVIRONMENT_SIDE = ("rollpoint.participant", "rollpoint.servers")
 SDK_PUBLIC = set(rollpoint.participant.__all__)

@@ -46,14 +46,12 @@ from rollpoint.protocol.manifest import (
 from rollpoint.protocol.participant import ParticipantKind
 from rollpoint.store.contained_filesystem import filesystem_within
 from rollpoint.store.filesystem import Filesystem, filesystem_for
+from rollpoint.store.pack_reads import check_identity, check_totals, read_parts
 from rollpoint.store.record_packs import (
     OBJECTS_DIR,
     PackIndex,
-    check_identity,
-    check_totals,
     hash_records,
     pack_records,
-    read_parts,
     records_file_name,
     records_manifest,
 )

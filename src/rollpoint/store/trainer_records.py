@@ -34,13 +34,11 @@ from rollpoint.protocol.manifest import (
     load_trainer_file_manifest,
 )
 from rollpoint.store.filesystem import Filesystem
+from rollpoint.store.pack_reads import check_identity, check_totals, read_parts
 from rollpoint.store.record_packs import (
     OBJECTS_DIR,
     PackIndex,
-    check_identity,
-    check_totals,
     pack_records,
-    read_parts,
     records_manifest,
 )
 

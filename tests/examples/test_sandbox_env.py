@@ -25,7 +25,7 @@ from rollpoint.envs import (
 from rollpoint.protocol.episode import EpisodeStart, ToolCall
 from rollpoint.protocol.ids import EpisodeId
 from rollpoint.servers.resources.episode_record import pack_state
-from rollpoint.servers.resources.resources_server import ResourcesService
+from rollpoint.servers.resources.episode_service import ResourcesService
 
 REF = "sandbox_env:SandboxEnvironment"
 

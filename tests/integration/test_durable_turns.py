@@ -37,10 +37,8 @@ from rollpoint.protocol.ids import HEADER_ATTEMPT, HEADER_ROLLOUT_ID, HEADER_TUR
 from rollpoint.protocol.token_data import TokenTrace, as_float32
 from rollpoint.servers.agent.agent_server import AgentSettings, create_agent_app
 from rollpoint.servers.model.model_server import ModelServerSettings, create_model_app
-from rollpoint.servers.resources.resources_server import (
-    ResourcesService,
-    create_resources_app,
-)
+from rollpoint.servers.resources.episode_service import ResourcesService
+from rollpoint.servers.resources.resources_server import create_resources_app
 from rollpoint.servers.resources.tool_journal import ToolJournal
 from rollpoint.store.journal import Journal
 from rollpoint.store.journal_shipping import SPOOL_ENV

@@ -25,8 +25,8 @@ from rollpoint.protocol.episode import EpisodeStart, ToolCall
 from rollpoint.protocol.errors import EpisodeError
 from rollpoint.protocol.ids import EpisodeId
 from rollpoint.servers.resources.effect_records import EffectRecords
+from rollpoint.servers.resources.episode_service import ResourcesService
 from rollpoint.servers.resources.resources_participant import ResourcesParticipant
-from rollpoint.servers.resources.resources_server import ResourcesService
 from rollpoint.servers.resources.tool_journal import ToolJournal
 from rollpoint.store.journal import Journal
 

@@ -29,7 +29,7 @@ from rollpoint.protocol.episode import EpisodeStart, ToolCall, ToolResult, Verif
 from rollpoint.protocol.errors import ConfigError, EnvironmentRaisedError, ToolArgumentError
 from rollpoint.protocol.ids import EpisodeId
 from rollpoint.servers.resources import tool_journal
-from rollpoint.servers.resources.resources_server import ResourcesService
+from rollpoint.servers.resources.episode_service import ResourcesService
 from rollpoint.servers.resources.tool_journal import ToolJournal
 from rollpoint.store.journal import Journal
 

@@ -27,12 +27,9 @@ from rollpoint.protocol.errors import (
     NotFoundError,
 )
 from rollpoint.protocol.ids import EpisodeId
+from rollpoint.servers.resources.episode_service import ResourcesService
 from rollpoint.servers.resources.final_state_log import read_final_states
-from rollpoint.servers.resources.resources_server import (
-    ResourcesService,
-    create_resources_app,
-    resources_service,
-)
+from rollpoint.servers.resources.resources_server import create_resources_app, resources_service
 from tests.support.live_server import serve_app
 
 pytestmark = pytest.mark.integration

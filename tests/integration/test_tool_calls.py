@@ -23,11 +23,8 @@ from rollpoint.http.auth import CONTROL_TOKEN_ENV
 from rollpoint.protocol.control import CONTROL_PREFIX
 from rollpoint.protocol.ids import EpisodeId
 from rollpoint.servers.resources.episode_record import EpisodeRecord
-from rollpoint.servers.resources.resources_server import (
-    ResourcesService,
-    create_resources_app,
-    resources_service,
-)
+from rollpoint.servers.resources.episode_service import ResourcesService
+from rollpoint.servers.resources.resources_server import create_resources_app, resources_service
 from rollpoint.store.participant_state import read_participant_state
 from rollpoint.testing.local_cluster import ThreadServer
 from tests.support.polling import eventually

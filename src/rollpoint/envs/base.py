@@ -2,7 +2,7 @@
 
 An :class:`Environment` is stateless itself: everything an episode owns lives in the state
 object returned by :meth:`Environment.start`, so one environment instance serves every
-episode of a resources server. The resources server (``rollpoint.servers.resources.resources_server``)
+episode of a resources server. The resources server (``rollpoint.servers.resources``)
 owns the episodes, the idempotency table and HTTP; this module owns none of that.
 
 Tools are declared as :class:`Tool` entries whose arguments are a strict pydantic model:

@@ -13,7 +13,7 @@ import pytest
 
 from rollpoint.envs import ConfigError, NoArguments, Tool, ToolContext, slow_tool
 from rollpoint.envs.tool_call import ToolRunner, tool_context
-from rollpoint.servers.resources.resources_server import ResourcesService
+from rollpoint.servers.resources.episode_service import ResourcesService
 from tests.support.waiting_env import Notes, OffloadingEnvironment, WaitingEnvironment
 
 

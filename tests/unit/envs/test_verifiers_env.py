@@ -269,8 +269,8 @@ def test_a_malformed_save_is_refused() -> None:
 async def test_the_refusal_fails_that_snapshot_naming_the_rollout(tmp_path: Path) -> None:
     from rollpoint.protocol.episode import EpisodeStart, ToolCall
     from rollpoint.protocol.ids import EpisodeId
+    from rollpoint.servers.resources.episode_service import ResourcesService
     from rollpoint.servers.resources.resources_participant import ResourcesParticipant
-    from rollpoint.servers.resources.resources_server import ResourcesService
     from rollpoint.store.participant_state import write_participant_state
 
     env = make("verifiers:tests.unit.envs.test_verifiers_env:frozen_lake_gym_env")

@@ -21,10 +21,10 @@ from rollpoint.protocol.errors import IdempotencyConflictError, InvalidCheckpoin
 from rollpoint.protocol.ids import EpisodeId
 from rollpoint.protocol.manifest import ParticipantManifest
 from rollpoint.protocol.participant import CheckpointMode
-from rollpoint.servers.resources import resources_server
+from rollpoint.servers.resources import live_episode
 from rollpoint.servers.resources.episode_record import EpisodeRecord, call_fingerprint, pack_state
+from rollpoint.servers.resources.episode_service import ResourcesService
 from rollpoint.servers.resources.resources_participant import ResourcesParticipant
-from rollpoint.servers.resources.resources_server import ResourcesService
 from rollpoint.store.participant_state import read_participant_state, write_participant_state
 from rollpoint.tuning.deferred_value import DeferredValue
 
@@ -85,7 +85,7 @@ class _CountedPack:
 @pytest.fixture
 def packs(monkeypatch: pytest.MonkeyPatch) -> _CountedPack:
     counted = _CountedPack()
-    monkeypatch.setattr(resources_server, "pack_state", counted)
+    monkeypatch.setattr(live_episode, "pack_state", counted)
     return counted
 
 
@@ -324,7 +324,7 @@ async def test_a_failing_pack_is_named_by_the_writer_and_by_install(
     def broken(state: Mapping[str, Any]) -> str:
         raise ValueError("state is not JSON")
 
-    monkeypatch.setattr(resources_server, "pack_state", broken)
+    monkeypatch.setattr(live_episode, "pack_state", broken)
     service = await _service("workplace", "r1", "r2")
     records = await ResourcesParticipant(service).export([_ep("r1"), _ep("r2")])
 

@@ -7,7 +7,7 @@ form of an export (:func:`pack_state`: JSON, zlib, base64) and the records of a 
 scope from a captured state image (:func:`episode_records`).
 
 Does not own the episodes themselves nor when they are saved
-(:mod:`rollpoint.servers.resources.resources_server`).
+(:mod:`rollpoint.servers.resources.episode_service`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The resources server as a checkpoint participant: per-episode tool state behind the fence hooks.
 
 Owns the mapping from the :class:`~rollpoint.participant.participant.Participant` hooks to the
-:class:`~rollpoint.servers.resources.resources_server.ResourcesService`:
+:class:`~rollpoint.servers.resources.episode_service.ResourcesService`:
 
 - close / open admission → freeze / thaw (tool calls wait at the gate, none is failed);
 - readiness → ready iff no tool call is in flight;
@@ -10,7 +10,7 @@ Owns the mapping from the :class:`~rollpoint.participant.participant.Participant
   capture(scope) → the same in two steps (a copy of the service's state image in the
   pause, the records out of it after); a state not packed yet is packed by the
   snapshot's writer, after the pause (a ``DeferredValue``, see
-  :meth:`~rollpoint.servers.resources.resources_server.ResourcesService.capture`);
+  :meth:`~rollpoint.servers.resources.episode_service.ResourcesService.capture`);
   install → those records back (from a file or straight from an export), all or nothing;
 - retire → ``unknown`` for every rollout: this server runs no episodes, it only answers
   calls, and the fence refuses calls of retired attempts; forget → drop the rollouts'
@@ -42,7 +42,7 @@ from rollpoint.protocol.manifest import JournalMark
 from rollpoint.protocol.participant import CheckpointMode, ParticipantKind
 
 if TYPE_CHECKING:
-    from rollpoint.servers.resources.resources_server import ResourcesService
+    from rollpoint.servers.resources.episode_service import ResourcesService
 
 
 class ResourcesParticipant:

@@ -73,7 +73,7 @@ from rollpoint.store.journal_shipping import (
 )
 
 if TYPE_CHECKING:
-    from rollpoint.servers.resources.resources_server import ResourcesService
+    from rollpoint.servers.resources.episode_service import ResourcesService
 
 log = logging.getLogger(__name__)
 

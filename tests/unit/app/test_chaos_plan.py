@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from rollpoint.app.chaos import plan as chaos_plan
+from rollpoint.app.chaos import draw as chaos_draw
+from rollpoint.app.chaos.draw import draw_plans
 from rollpoint.app.chaos.plan import (
     ENGINE_CALLS,
     ENGINE_DATA,
@@ -21,7 +22,6 @@ from rollpoint.app.chaos.plan import (
     ChaosFault,
     PlannedFault,
     TrialPlan,
-    draw_plans,
 )
 from rollpoint.protocol.control import Verb
 from rollpoint.protocol.engine_faults import TOKEN_DATA_HOWS
@@ -155,7 +155,7 @@ def test_the_engine_data_breaks_leave_every_fault_drawn_before_them_as_it_was(
     # drawn, no random number taken for them) gives every trial the same other faults
     # (not only the first trial: one shared generator would shift every later one's).
     with_them = drawn()
-    monkeypatch.setattr(chaos_plan, "_draw_engine_data", lambda rng, faults: [])
+    monkeypatch.setattr(chaos_draw, "_draw_engine_data", lambda rng, faults: [])
     without = drawn()
 
     assert [[f for f in p.faults if f.kind not in ENGINE_DATA] for p in with_them] == [

@@ -38,6 +38,7 @@ from pydantic import ValidationError
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from rollpoint.app.chaos.draw import draw_plans
 from rollpoint.app.chaos.engine_checks import check_engine_data
 from rollpoint.app.chaos.plan import (
     COMMIT_WAIT_S,
@@ -49,7 +50,6 @@ from rollpoint.app.chaos.plan import (
     PlannedFault,
     TrialEvent,
     TrialPlan,
-    draw_plans,
     final_states_dir,
     trial_store,
     trial_store_folder,

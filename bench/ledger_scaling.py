@@ -9,7 +9,7 @@ prompt group per task, as the trainer builds them.
 Measured in CPU time of the measuring thread, each as the best of a few repeats:
 
 - look-ups: ``get`` (a finished rollout, an in-flight one), ``current(group, row)``;
-- what :meth:`SnapshotCoordinator._commit_all` does on the trainer while the barrier is
+- what :meth:`CutCalls.commit_all` does on the trainer while the barrier is
   closed (``capture``): ``in_flight`` of every replica, ``ledger.capture()``,
   ``finished_queue.capture()`` — references to immutable chunks and the live tries that moved;
 - what the publish does after it reopens, from a worker thread (it holds the GIL, so the

@@ -32,7 +32,7 @@ from rollpoint.trainer.dispatch.dispatch_barrier import DispatchBarrier
 from rollpoint.trainer.dispatch.dispatcher import Dispatcher
 from rollpoint.trainer.record.workdir_record import TRAIN_DATA_FILE, WorkdirRecord
 from rollpoint.trainer.restore.restorer import Restorer, ResumePoint, read_trainer_document
-from rollpoint.trainer.snapshot.coordinator import FINISHED_QUEUE_FILE, LEDGER_FILE, TRAINER_FILE
+from rollpoint.trainer.snapshot.publication import FINISHED_QUEUE_FILE, LEDGER_FILE, TRAINER_FILE
 from rollpoint.trainer.state.ledger import RecoveryLedger, RolloutState
 from rollpoint.trainer.trainer import Trainer
 from tests.support.embedded_job import EmbeddedJob, embedded_job, embedded_servers

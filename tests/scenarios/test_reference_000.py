@@ -29,7 +29,7 @@ from rollpoint.store.snapshot_store import SnapshotStore
 from rollpoint.testing import Fault, invariants
 from rollpoint.trainer.record.workdir_record import TRAIN_DATA_FILE, WorkdirRecord
 from rollpoint.trainer.restore.restorer import Restorer, choose_resume_point, read_trainer_document
-from rollpoint.trainer.snapshot.coordinator import LEDGER_FILE
+from rollpoint.trainer.snapshot.publication import LEDGER_FILE
 from rollpoint.trainer.state.ledger import RecoveryLedger, RolloutState
 from rollpoint.trainer.train_hooks import TrainSample
 from rollpoint.tuning import seam

@@ -35,7 +35,8 @@ from rollpoint.trainer.restore.restorer import (
     read_trainer_document,
 )
 from rollpoint.trainer.settings import SaveSettings
-from rollpoint.trainer.snapshot.coordinator import LEDGER_FILE, SnapshotCoordinator
+from rollpoint.trainer.snapshot.coordinator import SnapshotCoordinator
+from rollpoint.trainer.snapshot.publication import LEDGER_FILE
 from rollpoint.trainer.state.finished_queue import FinishedQueue
 from rollpoint.trainer.state.ledger import RecoveryLedger, RolloutState
 from tests.scenarios.scenario_kit import (

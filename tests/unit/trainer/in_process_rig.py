@@ -32,12 +32,8 @@ from rollpoint.trainer.metrics import TrainerMetrics
 from rollpoint.trainer.record.train_checkpoint import TrainCheckpoint
 from rollpoint.trainer.restore.restorer import ResumePoint, read_trainer_document
 from rollpoint.trainer.settings import SaveSettings
-from rollpoint.trainer.snapshot.coordinator import (
-    FINISHED_QUEUE_FILE,
-    LEDGER_FILE,
-    TRAINER_FILE,
-    SnapshotCoordinator,
-)
+from rollpoint.trainer.snapshot.coordinator import SnapshotCoordinator
+from rollpoint.trainer.snapshot.publication import FINISHED_QUEUE_FILE, LEDGER_FILE, TRAINER_FILE
 from rollpoint.trainer.state.finished_queue import FinishedQueue
 from rollpoint.trainer.state.ledger import RecoveryLedger
 from tests.unit.participant.fake_participant import FakeParticipant

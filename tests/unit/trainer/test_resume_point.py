@@ -14,7 +14,7 @@ from rollpoint.protocol.manifest import SnapshotManifest
 from rollpoint.store.snapshot_store import SnapshotStore
 from rollpoint.trainer.record.workdir_record import WorkdirRecord
 from rollpoint.trainer.restore.restorer import find_resume_point, read_trainer_document
-from rollpoint.trainer.snapshot.coordinator import FINISHED_QUEUE_FILE, LEDGER_FILE, TRAINER_FILE
+from rollpoint.trainer.snapshot.publication import FINISHED_QUEUE_FILE, LEDGER_FILE, TRAINER_FILE
 
 
 def publish(store: SnapshotStore, sid: str, *, train_step: int, in_trainer_json: int) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import errno
 import os
 
-from rollpoint.trainer.snapshot.coordinator import stop_message, storage_fault
+from rollpoint.trainer.snapshot.failure_budget import stop_message, storage_fault
 
 FULL = (
     "publish: trainer files: cannot write /runs/a/snapshots/staging/s1/ledger.json: "

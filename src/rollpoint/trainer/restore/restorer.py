@@ -68,7 +68,7 @@ from rollpoint.store.job_identity import check_snapshot_job
 from rollpoint.store.snapshot_store import SNAPSHOTS_DIR, SnapshotStore
 from rollpoint.trainer.control.participant_client import ParticipantClient
 from rollpoint.trainer.record.train_checkpoint import TrainCheckpoint
-from rollpoint.trainer.snapshot.coordinator import (
+from rollpoint.trainer.snapshot.publication import (
     FINISHED_QUEUE_FILE,
     LEDGER_FILE,
     TRAINER_FILE,

@@ -1,6 +1,6 @@
 """Taking a snapshot: the coordinator's consistent cut across the trainer and every replica,
-the control calls it makes, what a save captured, and the resumer that reopens every
-participant a save closed.
+the control calls it makes, what a save captured, the pause-free save, the publication, the
+failure budget, and the resumer that reopens every participant a save closed.
 
 Built on the state, the control plane and dispatch; it imports nothing of restore.
 """

@@ -10,8 +10,10 @@ goes through them, and, for a failed one, its :class:`Blocker` s (who, in which 
 which error code, and whether trying again can help).
 
 It does not call participants, write files or publish (the
-:class:`~rollpoint.trainer.snapshot.coordinator.SnapshotCoordinator` does), nor encode the captures
-(:mod:`rollpoint.trainer.state.ledger_document`, :mod:`rollpoint.trainer.state.finished_queue`).
+:class:`~rollpoint.trainer.snapshot.coordinator.SnapshotCoordinator` does, through
+:mod:`rollpoint.trainer.snapshot.cut_calls` and :mod:`rollpoint.trainer.snapshot.publication`),
+nor encode the captures (:mod:`rollpoint.trainer.state.ledger_document`,
+:mod:`rollpoint.trainer.state.finished_queue`).
 """
 
 from __future__ import annotations
@@ -146,7 +148,7 @@ class Cut:
     journaled: list[RestartEpisode] = field(default_factory=list)
     ledger: LedgerCapture | None = None
     """Frozen references, O(live tries): encoded by
-    :meth:`~rollpoint.trainer.snapshot.coordinator.SnapshotCoordinator._write_trainer_files`."""
+    :meth:`~rollpoint.trainer.snapshot.publication.Publication._write_trainer_files`."""
     finished_queue: FinishedQueueCapture | None = None
     trainer_doc: dict[str, Any] = field(default_factory=dict)
     in_flight: dict[str, list[LedgerRecord]] = field(default_factory=dict)

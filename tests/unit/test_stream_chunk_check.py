@@ -11,7 +11,7 @@ import pytest
 
 from rollpoint.protocol.errors import TransportError
 from rollpoint.servers.model.generation_cut import PartialCall
-from rollpoint.servers.model.model_server import StreamAssembler
+from rollpoint.servers.model.stream_assembler import StreamAssembler
 
 
 def _sse(event: dict[str, Any]) -> bytes:

@@ -1,7 +1,7 @@
 """Engine data checked where it arrives: one streamed chunk at a time.
 
 Owns :func:`check_chunk`, which the model server's stream reader
-(:class:`~rollpoint.servers.model.model_server.StreamAssembler`) calls on every parsed SSE
+(:class:`~rollpoint.servers.model.stream_assembler.StreamAssembler`) calls on every parsed SSE
 event before anything reads it (the engine adapter's token reader, the generation cut's
 partial output): each choice's ``token_ids`` are ints in ``[0, 2**31)``, its
 ``logprobs.content`` entries carry float logprobs <= 0, and a tool call's first delta (the

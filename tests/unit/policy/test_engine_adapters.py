@@ -156,7 +156,7 @@ def test_malformed_token_strings_are_refused_naming_the_field() -> None:
 
 
 def test_a_llama_cpp_stream_assembles_to_its_plain_reply() -> None:
-    from rollpoint.servers.model.model_server import StreamAssembler
+    from rollpoint.servers.model.stream_assembler import StreamAssembler
 
     stream = adapter_for("vllm").stream()
     assembler = StreamAssembler(stream)
@@ -171,7 +171,7 @@ def test_a_llama_cpp_stream_assembles_to_its_plain_reply() -> None:
 
 def test_an_empty_string_streamed_is_content_and_nothing_is_no_reply() -> None:
     from rollpoint.policy.engine_adapters import check_said
-    from rollpoint.servers.model.model_server import StreamAssembler
+    from rollpoint.servers.model.stream_assembler import StreamAssembler
 
     said_empty, said_nothing = StreamAssembler(), StreamAssembler()
     head = {"id": "c", "choices": [{"index": 0, "delta": {"role": "assistant"}}]}

@@ -13,8 +13,9 @@ from rollpoint.protocol.control import RetireOutcomeKind
 from rollpoint.protocol.errors import InvalidCheckpointStateError
 from rollpoint.protocol.ids import EpisodeId
 from rollpoint.servers.model.call_ledger import CallRecord
+from rollpoint.servers.model.episode_tag import EpisodeTag
 from rollpoint.servers.model.model_participant import ModelParticipant
-from rollpoint.servers.model.model_server import EpisodeTag, ModelServer, ModelServerSettings
+from rollpoint.servers.model.model_server import ModelServer, ModelServerSettings
 
 
 def _rec(rollout_id: str, turn: int, attempt: int = 0) -> CallRecord:

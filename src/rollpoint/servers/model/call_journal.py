@@ -52,6 +52,7 @@ from rollpoint.protocol.errors import ConfigError
 from rollpoint.protocol.ids import HEADER_POLICY_VERSION
 from rollpoint.protocol.manifest import JournalMark
 from rollpoint.servers.model.call_ledger import CallRecord, json_form
+from rollpoint.servers.model.episode_tag import EpisodeTag
 from rollpoint.servers.model.generation_cut import HEADER_TOKEN_SEGMENTS
 from rollpoint.store.journal import Journal, Position
 from rollpoint.store.journal_format import journal_key
@@ -63,7 +64,7 @@ from rollpoint.store.journal_shipping import (
 )
 
 if TYPE_CHECKING:
-    from rollpoint.servers.model.model_server import EpisodeTag, ModelServer
+    from rollpoint.servers.model.model_server import ModelServer
 
 log = logging.getLogger(__name__)
 
@@ -153,8 +154,6 @@ class CallJournal:
     ) -> Response:
         """One ``/v1/chat/completions`` call: from the journal when it holds it, else from
         ``inner`` (the model server), journaled before the reply is returned."""
-        from rollpoint.servers.model.model_server import EpisodeTag
-
         tag = EpisodeTag.from_headers(request.headers)
         if tag is None:
             return await inner(request)
@@ -237,7 +236,7 @@ class CallJournal:
 
     def _answer(self, tag: EpisodeTag, found: dict[str, Any]) -> Response:
         """The recorded reply, filed in the ledger again under the caller's attempt."""
-        self._server._guard(tag)
+        self._server.guard(tag)
         started = time.perf_counter()
         record = CallRecord.model_validate(
             {**found["record"], "attempt": tag.attempt, "turn": tag.turn, "latency_s": 0.0}

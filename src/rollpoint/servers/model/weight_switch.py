@@ -181,11 +181,11 @@ class WeightSwitch:
         root = server.settings.upstream_url.rstrip("/").removesuffix("/v1")
         url = root + call.path
         try:
-            async with server.session.post(
+            async with server.upstream.session.post(
                 url,
                 params=call.params or None,
                 json=call.body,
-                headers=server.upstream_control_headers,
+                headers=server.upstream.control_headers,
             ) as resp:
                 status = resp.status
                 text = (await resp.read())[:200].decode(errors="replace")

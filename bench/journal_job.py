@@ -66,7 +66,8 @@ from rollpoint.store.snapshot_store import SnapshotStore
 from rollpoint.trainer.control.control_plane import participant_clients
 from rollpoint.trainer.control.participant_client import ParticipantClient
 from rollpoint.trainer.record.workdir_record import WorkdirRecord
-from rollpoint.trainer.restore.restorer import Restorer, find_resume_point
+from rollpoint.trainer.restore.restorer import Restorer
+from rollpoint.trainer.restore.resume_point import find_resume_point
 from rollpoint.trainer.trainer import Trainer
 from rollpoint.tuning import install as install_tuning
 from tests.support.processes import descendants_of as descendants

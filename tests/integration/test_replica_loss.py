@@ -31,7 +31,8 @@ from rollpoint.trainer.control.replica_roster import ReplicaRoster
 from rollpoint.trainer.dispatch.dispatch_barrier import DispatchBarrier
 from rollpoint.trainer.dispatch.dispatcher import Dispatcher
 from rollpoint.trainer.record.workdir_record import TRAIN_DATA_FILE, WorkdirRecord
-from rollpoint.trainer.restore.restorer import Restorer, ResumePoint, read_trainer_document
+from rollpoint.trainer.restore.restorer import Restorer
+from rollpoint.trainer.restore.resume_point import ResumePoint, read_trainer_document
 from rollpoint.trainer.snapshot.publication import FINISHED_QUEUE_FILE, LEDGER_FILE, TRAINER_FILE
 from rollpoint.trainer.state.ledger import RecoveryLedger, RolloutState
 from rollpoint.trainer.trainer import Trainer

@@ -22,7 +22,7 @@ from rollpoint.protocol.errors import ConfigError
 from rollpoint.servers.agent.session_parts import join_parts
 from rollpoint.servers.resources.episode_record import EpisodeRecord
 from rollpoint.store.participant_state import read_participant_state
-from rollpoint.trainer.restore.restorer import read_trainer_document
+from rollpoint.trainer.restore.resume_point import read_trainer_document
 from rollpoint.trainer.snapshot.publication import LEDGER_FILE
 from rollpoint.trainer.train_hooks import TrainSample
 from rollpoint.trainer.trainer import Trainer

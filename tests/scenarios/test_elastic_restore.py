@@ -23,14 +23,10 @@ from rollpoint.protocol.participant import CheckpointMode, ParticipantKind
 from rollpoint.store.snapshot_store import SNAPSHOTS_DIR, SnapshotStore
 from rollpoint.testing import invariants
 from rollpoint.trainer.record.workdir_record import WorkdirRecord
-from rollpoint.trainer.restore.restorer import (
-    PARTICIPANTS_SUBDIR,
-    Restorer,
-    ResumePoint,
-    check_config,
-    choose_resume_point,
-    place,
-)
+from rollpoint.trainer.restore.installer import PARTICIPANTS_SUBDIR
+from rollpoint.trainer.restore.restore_checks import check_config, place
+from rollpoint.trainer.restore.restorer import Restorer
+from rollpoint.trainer.restore.resume_point import ResumePoint, choose_resume_point
 from rollpoint.trainer.state.ledger import RolloutState
 from tests.scenarios.scenario_kit import (
     ControlCall,

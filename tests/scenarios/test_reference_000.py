@@ -28,7 +28,8 @@ from rollpoint.store.digest import digest_bytes
 from rollpoint.store.snapshot_store import SnapshotStore
 from rollpoint.testing import Fault, invariants
 from rollpoint.trainer.record.workdir_record import TRAIN_DATA_FILE, WorkdirRecord
-from rollpoint.trainer.restore.restorer import Restorer, choose_resume_point, read_trainer_document
+from rollpoint.trainer.restore.restorer import Restorer
+from rollpoint.trainer.restore.resume_point import choose_resume_point, read_trainer_document
 from rollpoint.trainer.snapshot.publication import LEDGER_FILE
 from rollpoint.trainer.state.ledger import RecoveryLedger, RolloutState
 from rollpoint.trainer.train_hooks import TrainSample
@@ -542,7 +543,7 @@ async def test_ledger_manifest_mismatch_names_the_episodes(tmp_path: Path) -> No
             after = await statuses(clients)
 
     message = refused.value.message
-    # Breaks if restorer._check_cut named counts instead of the episodes and their replicas.
+    # Breaks if restore_checks.check_cut named counts instead of the episodes and their replicas.
     assert (
         f"{moved.rollout_id}#{moved.attempt} (ledger {other}, manifest {moved.replica})" in message
     )
@@ -610,7 +611,7 @@ async def test_failed_restore_resumes_each_participant_exactly_once(tmp_path: Pa
     assert "resources@replica-1" in failed.value.message and "injected" in failed.value.message
     (restore_id,) = {c.checkpoint_id for c in calls if c.verb == "restore"}
     resumes = [(c.participant, c.checkpoint_id) for c in calls if c.verb == "resume"]
-    # Breaks if the cleanup is written in two places again (Restorer._install's failure
+    # Breaks if the cleanup is written in two places again (Installer.install's failure
     # path and _clean_up both resuming).
     assert sorted(resumes) == sorted((c.label, restore_id) for c in clients)
     assert resumed_through_proxy == 1

@@ -28,8 +28,8 @@ from rollpoint.testing import Fault, FaultProxy
 from rollpoint.trainer.dispatch.dispatch_barrier import DispatchBarrier
 from rollpoint.trainer.metrics import TrainerMetrics
 from rollpoint.trainer.record.workdir_record import WorkdirRecord
-from rollpoint.trainer.restore.restorer import (
-    Restorer,
+from rollpoint.trainer.restore.restorer import Restorer
+from rollpoint.trainer.restore.resume_point import (
     ResumePoint,
     choose_resume_point,
     read_trainer_document,
@@ -463,7 +463,7 @@ async def test_more_than_one_replica_in_one_cut(tmp_path: Path) -> None:
 
     assert sorted((x["group_id"], x["row"]) for x in rows) == sorted(every_row)
     for saved in manifest.episodes:
-        # Breaks if RecoveryLedger.continue_attempt or Restorer._install lost the replica:
+        # Breaks if RecoveryLedger.continue_attempt or Installer.install lost the replica:
         # the next attempt is pinned to the replica that saved it, and only that replica's
         # agent holds the restored session ...
         pin = pinned[saved.rollout_id]

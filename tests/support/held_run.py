@@ -7,7 +7,7 @@ folder raced steps of a few milliseconds on a loaded machine; a test that waits 
 ``MARKER`` knows where its kill lands. Points:
 
 - ``restore``: every participant has installed the snapshot
-  (:class:`~rollpoint.trainer.restore.restorer.Restorer`), the trainer has not resumed its
+  (:class:`~rollpoint.trainer.restore.installer.Installer`), the trainer has not resumed its
   ledger nor said "resumed from";
 - ``publish``: a snapshot is written to its staging folder and about to be published
   (:meth:`~rollpoint.store.snapshot_store.SnapshotStore.publish`), held only once
@@ -36,16 +36,16 @@ def arm(marker: Path) -> Path:
 
 
 def _hold_restore(marker: Path) -> None:
-    from rollpoint.trainer.restore.restorer import Restorer
+    from rollpoint.trainer.restore.installer import Installer
 
-    install = Restorer._install
+    install = Installer.install
 
-    async def held(self: Restorer, *args: Any, **kwargs: Any) -> Any:
+    async def held(self: Installer, *args: Any, **kwargs: Any) -> Any:
         await install(self, *args, **kwargs)
         await asyncio.to_thread(marker.touch)
         await asyncio.Event().wait()
 
-    Restorer._install = held  # type: ignore[method-assign]
+    Installer.install = held  # type: ignore[method-assign]
 
 
 def _hold_publish(marker: Path) -> None:

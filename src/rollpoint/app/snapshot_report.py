@@ -22,7 +22,7 @@ from rollpoint.store.journal_retention import JOURNAL_DIR
 from rollpoint.store.journal_scan import summarize
 from rollpoint.store.snapshot_store import SnapshotStore
 from rollpoint.trainer.dispatch.failed_groups import superseded
-from rollpoint.trainer.restore.restorer import read_trainer_document
+from rollpoint.trainer.restore.resume_point import read_trainer_document
 from rollpoint.trainer.snapshot.publication import FINISHED_QUEUE_FILE, LEDGER_FILE
 from rollpoint.trainer.state.ledger import RecoveryLedger
 

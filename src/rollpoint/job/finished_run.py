@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from rollpoint.trainer.dispatch.failed_groups import superseded
-from rollpoint.trainer.restore.restorer import ResumePoint
+from rollpoint.trainer.restore.resume_point import ResumePoint
 from rollpoint.trainer.run_events import RunEnd, RunStart, read_events
 from rollpoint.trainer.state.ledger import RecoveryLedger
 from rollpoint.trainer.trainer import RunSummary

@@ -59,7 +59,9 @@ from rollpoint.store.workdir_lock import LOCK_NAME, check_lock, lock_workdir
 from rollpoint.trainer.control.control_plane import ControlPlane, participant_clients
 from rollpoint.trainer.metrics import TrainerMetrics
 from rollpoint.trainer.record.workdir_record import WorkdirRecord
-from rollpoint.trainer.restore.restorer import Restorer, Skipped, check_config, find_resume_point
+from rollpoint.trainer.restore.restore_checks import check_config
+from rollpoint.trainer.restore.restorer import Restorer
+from rollpoint.trainer.restore.resume_point import Skipped, find_resume_point
 from rollpoint.trainer.run_events import (
     EVENTS_FILE,
     Restore,

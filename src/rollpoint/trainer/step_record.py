@@ -6,7 +6,7 @@ updates its policy, the record writes what the step trained (:meth:`StepRecord.w
 and once the trainer's weights of the step are saved for good the record makes the step
 durable (:meth:`StepRecord.save`, with the :class:`~.train_checkpoint.TrainCheckpoint`
 the loop stamped). The finished queue lets go of the rows a durable step consumed only after that, so any
-snapshot taken at a step at or after it composes with it (see :mod:`.restore.restorer`).
+snapshot taken at a step at or after it composes with it (see :mod:`.restore.resume_point`).
 
 On a rerun the restorer asks the record which steps are durable
 (:meth:`StepRecord.available`), checks the one it resumes at before installing anything

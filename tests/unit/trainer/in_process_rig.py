@@ -30,7 +30,7 @@ from rollpoint.trainer.control.participant_client import ParticipantClient
 from rollpoint.trainer.dispatch.dispatch_barrier import DispatchBarrier
 from rollpoint.trainer.metrics import TrainerMetrics
 from rollpoint.trainer.record.train_checkpoint import TrainCheckpoint
-from rollpoint.trainer.restore.restorer import ResumePoint, read_trainer_document
+from rollpoint.trainer.restore.resume_point import ResumePoint, read_trainer_document
 from rollpoint.trainer.settings import SaveSettings
 from rollpoint.trainer.snapshot.coordinator import SnapshotCoordinator
 from rollpoint.trainer.snapshot.publication import FINISHED_QUEUE_FILE, LEDGER_FILE, TRAINER_FILE

@@ -13,7 +13,8 @@ from rollpoint.protocol.errors import RestoreError
 from rollpoint.testing import Fault
 from rollpoint.trainer.dispatch.release_batcher import ReleaseBatcher
 from rollpoint.trainer.record.workdir_record import WorkdirRecord
-from rollpoint.trainer.restore.restorer import Restorer, ResumePoint
+from rollpoint.trainer.restore.restorer import Restorer
+from rollpoint.trainer.restore.resume_point import ResumePoint
 from rollpoint.trainer.state.ledger import RolloutState
 from tests.unit.trainer.in_process_rig import Rig, build_rig
 

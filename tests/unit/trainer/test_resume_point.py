@@ -13,7 +13,7 @@ from rollpoint.protocol.errors import RestoreError
 from rollpoint.protocol.manifest import SnapshotManifest
 from rollpoint.store.snapshot_store import SnapshotStore
 from rollpoint.trainer.record.workdir_record import WorkdirRecord
-from rollpoint.trainer.restore.restorer import find_resume_point, read_trainer_document
+from rollpoint.trainer.restore.resume_point import find_resume_point, read_trainer_document
 from rollpoint.trainer.snapshot.publication import FINISHED_QUEUE_FILE, LEDGER_FILE, TRAINER_FILE
 
 

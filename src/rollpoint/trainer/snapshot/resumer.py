@@ -2,7 +2,7 @@
 
 Owns the resume that ends every save (the abort before a publish and the reopen after a
 good cut are one path) and every restore (installed, or cleaned up after a failure: the
-:class:`~rollpoint.trainer.restore.restorer.Restorer` resumes through it), in reverse prepare stages so callees reopen last, with one retry per
+:class:`~rollpoint.trainer.restore.installer.Installer` resumes through it), in reverse prepare stages so callees reopen last, with one retry per
 participant; and the participants whose resume was lost (:attr:`Resumer.unresumed`), resumed
 again before the next save so its prepare does not find them still closed.
 

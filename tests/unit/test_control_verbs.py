@@ -6,7 +6,7 @@ from pathlib import Path
 
 from rollpoint.http.app import create_app
 from rollpoint.participant import Fence, mount_participant
-from rollpoint.participant.fence import ControlSettings
+from rollpoint.participant.control_settings import ControlSettings
 from rollpoint.participant.fence_verbs import fence_handlers
 from rollpoint.protocol.control import CONTROL_PREFIX, Verb
 from rollpoint.protocol.control_verbs import VERBS

@@ -36,8 +36,9 @@ from rollpoint.participant.control_mount import (
     control_fence,
     mount_participant,
 )
+from rollpoint.participant.control_settings import ControlSettings
 from rollpoint.participant.episode_scope import EpisodeScope, episode_pairs, latest_attempts
-from rollpoint.participant.fence import ControlSettings, Fence
+from rollpoint.participant.fence import Fence
 from rollpoint.participant.participant import (
     CapturingParticipant,
     JournalingParticipant,

@@ -23,7 +23,7 @@ by its own HTTP timeout).
 
 Every operation is O(1); the change signal allocates nothing while nobody watches. Waits
 use :func:`asyncio.timeout`, never :func:`asyncio.wait_for` (on 3.11 ``wait_for`` can
-swallow a cancel that lands as the awaited event fires; see :mod:`rollpoint.participant.fence`).
+swallow a cancel that lands as the awaited event fires; see :mod:`rollpoint.participant.fence_lease`).
 The gate lives in one event loop and is not thread-safe.
 """
 

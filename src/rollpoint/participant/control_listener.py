@@ -80,7 +80,8 @@ from pydantic import BaseModel
 
 from rollpoint.http.app import create_app
 from rollpoint.participant.control_routes import mount_control_routes
-from rollpoint.participant.fence import ControlSettings, Fence
+from rollpoint.participant.control_settings import ControlSettings
+from rollpoint.participant.fence import Fence
 from rollpoint.participant.fence_verbs import VerbHandler, fence_handlers
 from rollpoint.participant.ready_queue import ready_queue, step_next
 from rollpoint.protocol.control import StatusReply, Verb

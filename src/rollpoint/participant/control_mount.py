@@ -32,7 +32,8 @@ from fastapi import FastAPI
 
 from rollpoint.participant.control_listener import ControlListener
 from rollpoint.participant.control_routes import mount_control_routes
-from rollpoint.participant.fence import ControlSettings, Fence
+from rollpoint.participant.control_settings import ControlSettings
+from rollpoint.participant.fence import Fence
 from rollpoint.participant.participant import Participant
 from rollpoint.protocol.errors import ConfigError
 

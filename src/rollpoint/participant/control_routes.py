@@ -31,7 +31,8 @@ from pydantic import BaseModel
 
 from rollpoint.http.app import error_response, strict_json_body
 from rollpoint.http.auth import BearerAuth
-from rollpoint.participant.fence import ControlSettings, Fence
+from rollpoint.participant.control_settings import ControlSettings
+from rollpoint.participant.fence import Fence
 from rollpoint.participant.fence_verbs import VerbHandler, fence_handlers
 from rollpoint.protocol.control import MAX_CONTROL_BODY_BYTES, StatusReply, Verb
 from rollpoint.protocol.control_verbs import VERBS, ControlVerb

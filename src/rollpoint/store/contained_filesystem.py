@@ -16,7 +16,7 @@ renamed or removed: such a path is refused with :class:`BadRequestError` naming 
 nothing is written outside. rollpoint never makes symlinks inside a store; the root itself
 may be reached through one (an operator's choice).
 
-It does not decide where a participant's folder is (:mod:`rollpoint.participant.fence`) nor the
+It does not decide where a participant's folder is (:mod:`rollpoint.participant.state_folders`) nor the
 file format (:mod:`rollpoint.store.participant_state`).
 """
 

@@ -14,7 +14,8 @@ from fastapi.routing import APIRoute
 
 from rollpoint.http.app import create_app
 from rollpoint.participant.control_routes import mount_control_routes
-from rollpoint.participant.fence import ControlSettings, Fence
+from rollpoint.participant.control_settings import ControlSettings
+from rollpoint.participant.fence import Fence
 from rollpoint.protocol.control import CONTROL_PREFIX, MAX_CONTROL_BODY_BYTES, Phase, Verb
 from rollpoint.protocol.errors import error_class_for
 from tests.unit.participant.fake_participant import FakeParticipant

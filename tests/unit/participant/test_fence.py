@@ -14,8 +14,9 @@ from typing import Any
 import pytest
 
 from rollpoint.participant import checkpoint_write as checkpoint_write_module
-from rollpoint.participant import fence as fence_module
-from rollpoint.participant.fence import ControlSettings, Fence
+from rollpoint.participant import state_folders as state_folders_module
+from rollpoint.participant.control_settings import ControlSettings
+from rollpoint.participant.fence import Fence
 from rollpoint.participant.phase_table import TRANSITIONS, next_phase
 from rollpoint.protocol.control import (
     MAX_REPORTED_BLOCKERS,
@@ -875,13 +876,13 @@ async def test_a_restore_decodes_its_state_with_the_collector_paused(
 ) -> None:
     await committed_snapshot(root)
     seen: list[bool] = []
-    real_read = fence_module.read_participant_state
+    real_read = state_folders_module.read_participant_state
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         seen.append(gc.isenabled())
         return real_read(*args, **kwargs)
 
-    monkeypatch.setattr(fence_module, "read_participant_state", spy)
+    monkeypatch.setattr(state_folders_module, "read_participant_state", spy)
     # Nothing on the seam: the decode pause is the reader's own, not a listener's.
     with seam.listening(seam.CheckpointListener()):
         fence = Fence(participant, ControlSettings("t", str(root)))

@@ -17,7 +17,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from rollpoint.participant.fence import ControlSettings, Fence
+from rollpoint.participant.control_settings import ControlSettings
+from rollpoint.participant.fence import Fence
 from rollpoint.protocol.control import (
     AckRequest,
     CommitReply,

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 import rollpoint.tuning
-from rollpoint.participant.fence import ControlSettings, Fence
+from rollpoint.participant.control_settings import ControlSettings
+from rollpoint.participant.fence import Fence
 from rollpoint.protocol.control import PrepareRequest, ResumeRequest
 from rollpoint.tuning import seam
 from rollpoint.tuning.collector_listener import CollectorListener, installed

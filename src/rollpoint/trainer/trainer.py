@@ -35,7 +35,6 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterable
 from contextlib import AsyncExitStack, asynccontextmanager
-from dataclasses import dataclass
 from typing import Any
 
 from pydantic import JsonValue
@@ -50,19 +49,18 @@ from rollpoint.protocol.errors import (
     GroupsFailedError,
     InvalidPhaseError,
     RollpointError,
-    RunStalledError,
     RunStuckError,
 )
-from rollpoint.protocol.model_base import StrictModel
-from rollpoint.protocol.participant import ParticipantKind
 from rollpoint.store import retention
 from rollpoint.trainer.control.control_plane import ControlPlane
+from rollpoint.trainer.control.in_flight_sampler import sample_in_flight
 from rollpoint.trainer.control.replica_roster import ReplicaRoster
 from rollpoint.trainer.control.stuck_watch import StuckWatch
 from rollpoint.trainer.dispatch.dispatch_barrier import DispatchBarrier
 from rollpoint.trainer.dispatch.dispatcher import Dispatcher, GroupOutcome
 from rollpoint.trainer.dispatch.failed_groups import FailureLimit, digest, retry_failed, superseded
 from rollpoint.trainer.dispatch.release_batcher import ReleaseBatcher
+from rollpoint.trainer.dispatch.stall_watch import watch_stall
 from rollpoint.trainer.grpo import advantages_by_episode
 from rollpoint.trainer.metrics import RunCounts
 from rollpoint.trainer.policy_lag import PolicyLag, sample_lag
@@ -70,17 +68,13 @@ from rollpoint.trainer.record.train_checkpoint import TrainCheckpoint, stamp
 from rollpoint.trainer.record.workdir_record import WorkdirRecord
 from rollpoint.trainer.restore.replica_recovery import ReplicaRecovery
 from rollpoint.trainer.restore.restorer import RestoredRun
-from rollpoint.trainer.run_events import (
-    SAMPLE_EVERY_S,
-    InFlight,
-    ReplicaDown,
-    ReplicaUp,
-    RunEvents,
-    TrainStep,
-)
+from rollpoint.trainer.run_events import ReplicaDown, ReplicaUp, RunEvents, TrainStep
+from rollpoint.trainer.run_summary import RunSummary as RunSummary
+from rollpoint.trainer.run_summary import TrainerStats as TrainerStats
 from rollpoint.trainer.settings import TrainerSettings
 from rollpoint.trainer.snapshot.coordinator import SnapshotCoordinator
 from rollpoint.trainer.snapshot.early_stop import stop_snapshot
+from rollpoint.trainer.snapshot.run_snapshots import first_snapshot, last_snapshot, snapshot_loop
 from rollpoint.trainer.state.finished_queue import FinishedQueue, GroupBatch
 from rollpoint.trainer.state.ledger import RecoveryLedger, RolloutState
 from rollpoint.trainer.step_record import StepRecord
@@ -94,43 +88,9 @@ REPLICA_DOWN_GRACE_S = 1.0
 replica down before it is re-sent fresh: a dying replica's saved tries are then held for
 its restart (restored from the snapshot) instead of starting over. The runtimes notice a
 death within 0.25 s (embedded: process poll) or milliseconds (Ray: actor death)."""
-SNAPSHOT_RETRY_S = 0.2
-"""The wait between tries of the snapshot a run takes before its first row, and of the one
-it takes after its last step when the step's own snapshot failed."""
-
-STALL_REPORT_ROWS = 10
 STOP_SNAPSHOT_SLACK_S = 5.0
 """A stop from inside (too many failed groups, a stuck peer) gives its final snapshot the
 snapshot deadline and this much more."""
-
-
-@dataclass(frozen=True, slots=True)
-class TrainerStats:
-    """A point-in-time view of a run, for progress displays."""
-
-    episodes_finished: int
-    turns: int
-    reward_sum: float
-    train_steps: int
-    in_flight: int
-    failed_groups: int
-    groups_total: int
-    groups_trained: int
-    policy_version: int
-
-    @property
-    def reward_mean(self) -> float:
-        return self.reward_sum / self.episodes_finished if self.episodes_finished else 0.0
-
-
-class RunSummary(StrictModel):
-    episodes: int
-    turns: int
-    train_steps: int
-    failed_groups: dict[str, str]
-    """Group id → why it failed."""
-    mean_reward: float
-    elapsed_s: float
 
 
 def group_id_for(task_id: str) -> str:
@@ -403,22 +363,25 @@ class Trainer:
                 # A snapshot before the first row is sent: whatever this run trains is then
                 # resumable (it composes with step 0), so a rerun never finds train data
                 # with no snapshot to go with it (it refuses that rather than delete it).
-                await self._first_snapshot(self.coordinator)
+                await first_snapshot(self.coordinator)
             side: list[Any] = [
-                self._watch_stall(self.dispatcher),
+                watch_stall(
+                    self.dispatcher, self.barrier, self.ledger, self.roster, self._stall_timeout_s
+                ),
                 self._stop_on_failures(),
                 self._stop_when_stuck(),
             ]
             if self.events.path is not None:
-                side.append(self._sample_in_flight())
+                side.append(sample_in_flight(self.roster, self.ledger, self.events))
             if self.coordinator is not None and self.releases is not None:
-                side += [self._snapshot_loop(self.coordinator), self.releases.run()]
+                every = self.config.snapshot_every_seconds
+                side += [snapshot_loop(self.coordinator, every), self.releases.run()]
             async with self.dispatcher:
                 await _supervise(main=[self._feed(self.dispatcher), self._train(client)], side=side)
             if self.releases is not None:
                 await self.releases.flush()
             if self.coordinator is not None and self._snapshots_on:
-                await self._last_snapshot(self.coordinator)
+                await last_snapshot(self.coordinator)
             if self._not_durable:
                 log.warning(
                     "the run ended with train steps %s never made durable (mark_durable): "
@@ -1013,100 +976,6 @@ class Trainer:
             keep_snapshots=store.keep,
             keep_checkpoints=self.step_record.keep,
             protect=store.pinned | store.kept_fallback,
-        )
-
-    # --- snapshots -------------------------------------------------------------------
-
-    async def _first_snapshot(self, coordinator: SnapshotCoordinator) -> None:
-        """Save until one snapshot is published, before anything is trained. A save that
-        failed (a store full for a moment) is tried again: training on without one left,
-        after a crash, train data no snapshot composes with, which the rerun refuses (chaos:
-        a snapshot disk full as the run began, then a kill, stranded every row). Failures
-        in a row past ``retry_after_seconds`` stop the run, as for any save."""
-        while True:
-            if (await coordinator.save()).published:
-                return
-            await asyncio.sleep(SNAPSHOT_RETRY_S)
-
-    async def _last_snapshot(self, coordinator: SnapshotCoordinator) -> None:
-        """Save until the run's last save is a published one, after its last step. The
-        snapshot that went with the last train checkpoint may have failed (a server
-        stopped for a moment as the run ended): the run would end with its newest
-        snapshot older than what it trained, and a rerun would go back to it and redo those
-        steps (chaos run, trials 85 and 473). Failures in a row past
-        ``retry_after_seconds`` stop the run, as for any save."""
-        while not (coordinator.history and coordinator.history[-1].published):
-            if (await coordinator.save()).published:
-                return
-            await asyncio.sleep(SNAPSHOT_RETRY_S)
-
-    async def _snapshot_loop(self, coordinator: SnapshotCoordinator) -> None:
-        every = self.config.snapshot_every_seconds
-        if every is None:
-            await asyncio.Event().wait()  # snapshots only at train checkpoints
-        assert every is not None
-        while True:
-            await asyncio.sleep(every)
-            await coordinator.save()
-
-    async def _sample_in_flight(self) -> None:
-        """Episodes in flight per replica (and each model server's call counter) every
-        :data:`SAMPLE_EVERY_S`, for ``rollpoint report``. A status that does not answer
-        within the period is left out of that sample; sampling never fails the run."""
-
-        async def calls(name: str) -> tuple[str, int | None]:
-            for client in self.roster.participants(name):
-                if client.address.kind is ParticipantKind.MODEL:
-                    try:
-                        status = await asyncio.wait_for(client.status(), SAMPLE_EVERY_S)
-                    except (RollpointError, TimeoutError):
-                        return name, None
-                    return name, status.counts.get("calls_total")
-            return name, None
-
-        while True:
-            up = list(self.roster.up)
-            episodes = {name: self.ledger.in_flight_count(name) for name in up}
-            answered = await asyncio.gather(*(calls(name) for name in up))
-            self.events.append(
-                InFlight(
-                    ts=time.time(),
-                    episodes=episodes,
-                    policy_calls={name: n for name, n in answered if n is not None},
-                )
-            )
-            await asyncio.sleep(SAMPLE_EVERY_S)
-
-    # --- stall watchdog --------------------------------------------------------------
-
-    async def _watch_stall(self, dispatcher: Dispatcher) -> None:
-        tick = min(1.0, self._stall_timeout_s / 10)
-        pulse = dispatcher.results_total
-        last_progress = self.barrier.pause_clock()
-        while True:
-            await asyncio.sleep(tick)
-            now = self.barrier.pause_clock()
-            # Rows waiting with none in flight are stuck (no replica up) unless the barrier
-            # holds them, and then the pause clock stands still.
-            if dispatcher.results_total != pulse or dispatcher.idle:
-                pulse = dispatcher.results_total
-                last_progress = now
-            elif now - last_progress >= self._stall_timeout_s:
-                raise RunStalledError(self._stall_message(now - last_progress))
-
-    def _stall_message(self, quiet_s: float) -> str:
-        rows = self.ledger.in_flight()
-        shown = ", ".join(r.describe() for r in rows[:STALL_REPORT_ROWS])
-        more = f" and {len(rows) - STALL_REPORT_ROWS} more" if len(rows) > STALL_REPORT_ROWS else ""
-        down = self.roster.down
-        replicas = (
-            f"; replicas down: {', '.join(down)}" + ("" if self.roster.any_up else " (none up)")
-            if down
-            else ""
-        )
-        return (
-            f"no row result for {quiet_s:.0f}s (snapshot pauses not counted); "
-            f"{len(rows)} rows in flight: {shown}{more}{replicas}"
         )
 
 

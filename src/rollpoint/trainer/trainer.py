@@ -33,8 +33,8 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Iterable
-from contextlib import AsyncExitStack, asynccontextmanager
+from collections.abc import Iterable
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 from pydantic import JsonValue
@@ -64,6 +64,7 @@ from rollpoint.trainer.dispatch.stall_watch import watch_stall
 from rollpoint.trainer.grpo import advantages_by_episode
 from rollpoint.trainer.metrics import RunCounts
 from rollpoint.trainer.policy_lag import PolicyLag, sample_lag
+from rollpoint.trainer.policy_versions import PolicyVersions
 from rollpoint.trainer.record.train_checkpoint import TrainCheckpoint, stamp
 from rollpoint.trainer.record.workdir_record import WorkdirRecord
 from rollpoint.trainer.restore.replica_recovery import ReplicaRecovery
@@ -177,16 +178,9 @@ class Trainer:
         self._train_steps = 0
         self._groups_trained = 0
         self._episodes_trained = 0
-        self._policy_version = 0
         self._running = asyncio.Event()
         """Set while :meth:`run` runs (weight updates wait for it)."""
         self._ended = False
-        self._update: AsyncExitStack | None = None
-        """Held from :meth:`pause_for_update` to :meth:`end_update` (keeps saves out)."""
-        self._update_replicas: list[ReplicaEndpoints] = []
-        self._trainer_versions = False
-        """True once the trainer said which version is live (:meth:`weights_live`): train
-        steps no longer count versions of their own."""
         self._trainer_state: JsonValue = None
         """The state the train hooks last handed over (kept in each train checkpoint)."""
         self._not_durable: dict[int, TrainCheckpoint] = {}
@@ -195,11 +189,12 @@ class Trainer:
         self._step_in_hand: int | None = None
         """The step handed to the train hooks and not yet recorded."""
         self._step_recorded = asyncio.Condition()
+        live, trainer_versions = 0, False
         if restored is not None:
             ckpt, doc = restored.checkpoint, restored.trainer_doc
             self._train_steps = ckpt.step
-            self._policy_version = ckpt.policy_version
-            self._trainer_versions = bool(doc.get("trainer_versions", False))
+            live = ckpt.policy_version
+            trainer_versions = bool(doc.get("trainer_versions", False))
             self._trainer_state = ckpt.trainer_state
             self._groups_trained = ckpt.groups_trained
             self._episodes_trained = ckpt.episodes_trained
@@ -208,10 +203,10 @@ class Trainer:
             self._reward_sum = float(doc.get("reward_sum", 0.0))
         self.lag = PolicyLag(
             config.max_policy_lag,
-            live=lambda: self._policy_version,
+            live=lambda: self.versions.live,  # built below, once the coordinator is
             busy=self._lag_busy,
             # The versions were the trainer's: none is stamped until it says one again.
-            awaiting_trainer=self._trainer_versions,
+            awaiting_trainer=trainer_versions,
         )
         """Each untrained row's oldest policy version; holds dispatch (``max_policy_lag``)."""
         if restored is not None:
@@ -267,13 +262,22 @@ class Trainer:
                 restore_deadline_s=deadline_s,
                 journaled=config.journaled,
             )
+        self.versions = PolicyVersions(
+            self.roster,
+            self.lag,
+            self.coordinator,
+            require_http=self._require_http,
+            live=live,
+            trainer_versions=trainer_versions,
+        )
+        """The live policy version: rollpoint's count per step, or the trainer's own."""
 
     def state(self) -> dict[str, Any]:
         """The trainer's own state at a cut (saved with every snapshot)."""
         return {
             "train_step": self._train_steps,
-            "policy_version": self._policy_version,
-            "trainer_versions": self._trainer_versions,
+            "policy_version": self.versions.live,
+            "trainer_versions": self.versions.trainer_versions,
             "policy_lag": self.lag.to_doc(),
             "episodes": self._episodes,
             "turns": self._turns,
@@ -292,7 +296,7 @@ class Trainer:
             failed_groups=len(self._failed),
             groups_total=len(self.ledger.group_ids()),
             groups_trained=self._groups_trained,
-            policy_version=self._policy_version,
+            policy_version=self.versions.live,
         )
 
     def _lag_busy(self) -> bool:
@@ -357,8 +361,8 @@ class Trainer:
                 # installed, the trainer's full collections follow its pauses, not into the
                 # next one (a 0.35-0.78 s trainer collection preceded 10k pause outliers).
                 seam.in_use(self.coordinator)
-            if self._policy_version:
-                await self._publish_policy_version(client, self._policy_version)
+            if self.versions.live:
+                await self.versions.publish(client, self.versions.live)
             if self.coordinator is not None and not self._restored and self._snapshots_on:
                 # A snapshot before the first row is sent: whatever this run trains is then
                 # resumable (it composes with step 0), so a rerun never finds train data
@@ -444,8 +448,8 @@ class Trainer:
         if self.dispatcher is not None:
             self.dispatcher.replica_back(name)
         log.info("replica %s is up again at %s", name, endpoints.agent_url)
-        if self._policy_version and self._http is not None:
-            await self._publish_policy_version(self._http, self._policy_version, [endpoints])
+        if self.versions.live and self._http is not None:
+            await self.versions.publish(self._http, self.versions.live, [endpoints])
         if self.dispatcher is not None and self.recovery is not None:
             restored = await self.recovery.restore(name, self.dispatcher)
             self.events.append(ReplicaUp(ts=time.time(), replica=name, restored=restored))
@@ -672,7 +676,7 @@ class Trainer:
             self._groups_added.set()  # the feed looks again: a group may have been re-sent
             return  # every group was sent again: the step trains the next batch instead
         advantages = advantages_by_episode(batch.replies for batch in groups)
-        live, bound = self._policy_version, self.config.max_policy_lag
+        live, bound = self.versions.live, self.config.max_policy_lag
         samples = [
             TrainSample.from_reply(
                 reply,
@@ -685,7 +689,7 @@ class Trainer:
             for reply in batch.replies
         ]
         self.stale_marked += sum(s.stale for s in samples)
-        generated_by = self._policy_version
+        generated_by = self.versions.live
         self._step_in_hand = step
         try:
             await self._record_step(client, step, groups, samples, generated_by)
@@ -712,7 +716,7 @@ class Trainer:
         bound = self.config.max_policy_lag
         if bound is None or self.config.stale_samples != "resend":
             return groups
-        live = self._policy_version
+        live = self.versions.live
         kept = []
         for batch in groups:
             if batch.group_id in self._superseded:
@@ -762,11 +766,7 @@ class Trainer:
                 self._trainer_state = result.state
         else:
             self.last_metrics = result
-        if not self._trainer_versions:
-            # rollpoint's own count: one version per train step, live once it is done.
-            self._policy_version += 1
-            await self._publish_policy_version(client, self._policy_version)
-            self.lag.changed()
+        await self.versions.count_step(client)
         coverage = await asyncio.to_thread(self.step_record.write_step, step, samples, generated_by)
         self._train_steps = step
         self._groups_trained += len(groups)
@@ -779,7 +779,7 @@ class Trainer:
         # in the background marks the step durable later (mark_durable).
         checkpoint = stamp(
             step,
-            self._policy_version,
+            self.versions.live,
             coverage,
             self._episodes_trained,
             self._groups_trained,
@@ -796,81 +796,31 @@ class Trainer:
     @property
     def policy_version(self) -> int:
         """The version live on the engines (the trainer's own once it reported one)."""
-        return self._policy_version
+        return self.versions.live
 
     async def weights_live(self, version: int) -> None:
         """Version ``version`` is live on the engines from now on (see :meth:`weight_update`
         for an update rollpoint pauses the engines around). Held out of snapshots."""
-        async with self._holding_saves():
-            await self._make_live(version)
+        await self.versions.weights_live(version)
 
-    @asynccontextmanager
-    async def weight_update(self, version: int, mode: PauseMode = "keep") -> AsyncIterator[None]:
+    def weight_update(
+        self, version: int, mode: PauseMode = "keep"
+    ) -> AbstractAsyncContextManager[None]:
         """The engines paused in ``mode`` while the block pushes the weights; on leaving
         it, ``version`` is live and they resume. No snapshot runs inside (one in progress
         finishes first), so a snapshot is before the update or after it. A block that
         raises resumes the engines under the version they had."""
-        self._check_version(version)
-        await self.pause_for_update(mode)
-        try:
-            yield
-        except BaseException:
-            await self.end_update(None)
-            raise
-        await self.end_update(version)
+        return self.versions.weight_update(version, mode)
 
     async def pause_for_update(self, mode: PauseMode) -> None:
         """Step one of :meth:`weight_update`: hold snapshots, pause every up replica's
         engine (through its model server) in ``mode``."""
-        http = await self._require_http()
-        if self._update is not None:
-            raise InvalidPhaseError("trainer: a weight update is already in progress")
-        stack = AsyncExitStack()
-        await stack.enter_async_context(self._holding_saves())
-        self._update = stack
-        self._update_replicas = []
-        try:
-            for name in list(self.roster.up):
-                r = self.roster.endpoints(name)
-                await http.post_json(f"{r.model_url}/rollpoint/v1/weights/pause", {"mode": mode})
-                self._update_replicas.append(r)
-        except BaseException:
-            await self.end_update(None)
-            raise
+        await self.versions.pause_for_update(mode)
 
     async def end_update(self, version: int | None) -> None:
         """Step two: ``version`` live (None: the one before, for an update given up), the
         engines resumed, snapshots let go."""
-        stack, self._update = self._update, None
-        if stack is None:
-            raise InvalidPhaseError("trainer: no weight update is in progress")
-        try:
-            http = await self._require_http()
-            if version is None or version < self._policy_version:
-                await self._post_live(http, self._policy_version, self._update_replicas)
-                if version is not None:
-                    self._check_version(version)  # raises: the engines run on, unchanged
-                return
-            self._policy_version = version
-            self._trainer_versions = True
-            replicas = [self.roster.endpoints(name) for name in self.roster.up]
-            await self._post_live(http, version, replicas)
-            self.lag.trainer_reported()
-            log.info("weights of version %d are live", version)
-        finally:
-            await stack.aclose()
-
-    def _holding_saves(self) -> Any:
-        if self.coordinator is None:
-            return AsyncExitStack()
-        return self.coordinator.holding_saves()
-
-    def _check_version(self, version: int) -> None:
-        if version < self._policy_version:
-            raise BadRequestError(
-                f"trainer: policy version {version} is older than the live one "
-                f"({self._policy_version}); versions only go up"
-            )
+        await self.versions.end_update(version)
 
     async def _require_http(self) -> HttpClient:
         """The run's client; a call made before :meth:`run` got going waits for it."""
@@ -879,44 +829,6 @@ class Trainer:
         if self._http is None:
             raise InvalidPhaseError("trainer: the run is not running (no weights to update)")
         return self._http
-
-    async def _make_live(self, version: int) -> None:
-        self._check_version(version)
-        http = await self._require_http()
-        self._policy_version = version
-        self._trainer_versions = True
-        replicas = [self.roster.endpoints(name) for name in self.roster.up]
-        await self._post_live(http, version, replicas)
-        self.lag.trainer_reported()
-
-    async def _post_live(
-        self, client: HttpClient, version: int, replicas: list[ReplicaEndpoints]
-    ) -> None:
-        """``version`` live on these replicas' model servers (resuming their engines)."""
-
-        async def live(r: ReplicaEndpoints) -> None:
-            await client.post_json(f"{r.model_url}/rollpoint/v1/weights/live", {"version": version})
-
-        await asyncio.gather(*(live(r) for r in replicas))
-
-    async def _publish_policy_version(
-        self, client: HttpClient, version: int, replicas: list[ReplicaEndpoints] | None = None
-    ) -> None:
-        """Tell the model servers (of ``replicas``, default every up one) the policy version."""
-        if replicas is None:
-            replicas = [self.roster.endpoints(name) for name in self.roster.up]
-
-        async def publish(name: str, model_url: str) -> None:
-            try:
-                await client.post_json(
-                    f"{model_url}/rollpoint/v1/policy_version", {"version": version}
-                )
-            except RollpointError as exc:
-                # The version only labels recorded calls; a replica that missed it must
-                # not stop training (the dispatcher copes with a replica that is down).
-                log.warning("could not set policy version %d on %s: %s", version, name, exc)
-
-        await asyncio.gather(*(publish(r.name, r.model_url) for r in replicas))
 
     async def mark_durable(self, step: int) -> None:
         """The trainer's own checkpoint of ``step`` (a step it trained without saying it

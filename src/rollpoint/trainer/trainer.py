@@ -30,9 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
-from collections import Counter
 from collections.abc import Iterable
 from contextlib import AbstractAsyncContextManager
 from typing import Any
@@ -48,7 +46,6 @@ from rollpoint.protocol.errors import (
     ConfigError,
     GroupsFailedError,
     InvalidPhaseError,
-    RollpointError,
     RunStuckError,
 )
 from rollpoint.store import retention
@@ -58,12 +55,14 @@ from rollpoint.trainer.control.replica_roster import ReplicaRoster
 from rollpoint.trainer.control.stuck_watch import StuckWatch
 from rollpoint.trainer.dispatch.dispatch_barrier import DispatchBarrier
 from rollpoint.trainer.dispatch.dispatcher import Dispatcher, GroupOutcome
-from rollpoint.trainer.dispatch.failed_groups import FailureLimit, digest, retry_failed, superseded
+from rollpoint.trainer.dispatch.failed_groups import FailureLimit, digest, retry_failed
 from rollpoint.trainer.dispatch.release_batcher import ReleaseBatcher
 from rollpoint.trainer.dispatch.stall_watch import watch_stall
+from rollpoint.trainer.group_feed import GroupFeed, check_task_ids
+from rollpoint.trainer.group_feed import group_id_for as group_id_for
 from rollpoint.trainer.grpo import advantages_by_episode
 from rollpoint.trainer.metrics import RunCounts
-from rollpoint.trainer.policy_lag import PolicyLag, sample_lag
+from rollpoint.trainer.policy_lag import PolicyLag
 from rollpoint.trainer.policy_versions import PolicyVersions
 from rollpoint.trainer.record.train_checkpoint import TrainCheckpoint, stamp
 from rollpoint.trainer.record.workdir_record import WorkdirRecord
@@ -92,10 +91,6 @@ death within 0.25 s (embedded: process poll) or milliseconds (Ray: actor death).
 STOP_SNAPSHOT_SLACK_S = 5.0
 """A stop from inside (too many failed groups, a stuck peer) gives its final snapshot the
 snapshot deadline and this much more."""
-
-
-def group_id_for(task_id: str) -> str:
-    return f"{task_id}-g0"
 
 
 class Trainer:
@@ -149,14 +144,8 @@ class Trainer:
         """Failed groups of the restored run sent again (``retry_failed``): old id → new."""
         if config.retry_failed:
             self.retried = retry_failed(self.ledger, self.finished_queue, config.group_size)
-        self._superseded = superseded(self.ledger)
-        """Failed groups sent again as newer groups: not failures of this run any more."""
         self._failure_limit = FailureLimit(config.max_failed_fraction, config.failure_min_groups)
         self._too_many_failed = asyncio.Event()
-        self._feed_order = self.ledger.group_ids()
-        """The groups to send, in order: the ledger's, then those added while running."""
-        self._more_groups = more_groups
-        self._groups_added = asyncio.Event()
         self._client = client
         self._http: HttpClient | None = None
         """The data-plane client while :meth:`run` runs."""
@@ -166,11 +155,6 @@ class Trainer:
         self._lost_before_run: set[str] = set()
         self._stall_timeout_s = stall_timeout_s
         self._started = False
-        self._tq_changed = asyncio.Event()
-        self._tq_drained = asyncio.Event()
-        """Set whenever rollouts leave the finished queue's ready groups (taken for
-        training, or a failed group dropped): the feed may have room again."""
-        self._dispatch_done = False
         self._failed: dict[str, str] = {}
         self._episodes = 0
         self._turns = 0
@@ -211,11 +195,16 @@ class Trainer:
         """Each untrained row's oldest policy version; holds dispatch (``max_policy_lag``)."""
         if restored is not None:
             self.lag.load(restored.trainer_doc.get("policy_lag"))
-        self._feed_idle = False
-        """The feed sent every group and none runs, but may still get one (a stale group
-        sent again): the trainer may train a last, partial batch."""
-        self.stale_resent = 0
-        """Groups sent again because a sample was beyond ``max_policy_lag``."""
+        self.feed = GroupFeed(
+            config,
+            self.ledger,
+            self.finished_queue,
+            self.lag,
+            more_groups=more_groups,
+            group_done=self._group_done,
+            training=lambda: self._step_in_hand is not None,
+        )
+        """The groups to send, the task that sends them, and the batches it hands over."""
         self.stale_marked = 0
         """Samples handed over marked ``stale``."""
         self.events = control.metrics.run_events if control is not None else RunEvents(None)
@@ -299,6 +288,11 @@ class Trainer:
             policy_version=self.versions.live,
         )
 
+    @property
+    def stale_resent(self) -> int:
+        """Groups sent again because a sample was beyond ``max_policy_lag``."""
+        return self.feed.stale_resent
+
     def _lag_busy(self) -> bool:
         """Whether the run makes progress without new episodes: rows in flight, or a batch
         ready to train (so a dispatch held for the lag bound is not a deadlock)."""
@@ -381,7 +375,9 @@ class Trainer:
                 every = self.config.snapshot_every_seconds
                 side += [snapshot_loop(self.coordinator, every), self.releases.run()]
             async with self.dispatcher:
-                await _supervise(main=[self._feed(self.dispatcher), self._train(client)], side=side)
+                await _supervise(
+                    main=[self.feed.run(self.dispatcher), self._train(client)], side=side
+                )
             if self.releases is not None:
                 await self.releases.flush()
             if self.coordinator is not None and self._snapshots_on:
@@ -467,100 +463,7 @@ class Trainer:
         self._episodes += 1
         self._turns += reply.turns
         self._reward_sum += reply.reward
-        self._tq_changed.set()
-
-    async def _feed(self, dispatcher: Dispatcher) -> None:
-        """Keep just enough groups running to saturate the dispatcher's row slots."""
-        window = math.ceil(self.config.concurrency / self.config.group_size) + 1
-        tickets = asyncio.Semaphore(window)
-        running: set[asyncio.Task[GroupOutcome]] = set()
-        errors: list[BaseException] = []
-        try:
-            sent = 0
-            while True:
-                sent = await self._feed_some(dispatcher, tickets, running, errors, sent)
-                if sent < len(self._feed_order):
-                    continue  # sent again while the last ones ran
-                if not self._may_resend():
-                    break
-                # Every group sent and settled; a batch still to train may send one again.
-                self._feed_idle = True
-                self._tq_changed.set()
-                self._groups_added.clear()
-                await self._groups_added.wait()
-                self._feed_idle = False
-        finally:
-            leftover = list(running)
-            for task in leftover:
-                task.cancel()
-            await asyncio.gather(*leftover, return_exceptions=True)
-        self._dispatch_done = True
-        self._tq_changed.set()
-
-    def _may_resend(self) -> bool:
-        """Whether a group may still be sent again for staleness: batches left to train."""
-        if self.config.max_policy_lag is None or self.config.stale_samples != "resend":
-            return False
-        return self.finished_queue.ready_groups > 0 or self._step_in_hand is not None
-
-    async def _feed_some(
-        self,
-        dispatcher: Dispatcher,
-        tickets: asyncio.Semaphore,
-        running: set[asyncio.Task[GroupOutcome]],
-        errors: list[BaseException],
-        sent: int,
-    ) -> int:
-        """Send the groups of the feed order from ``sent`` on (and those added meanwhile),
-        then wait for every one running; returns how many of the order are sent."""
-
-        def finished(task: asyncio.Task[GroupOutcome]) -> None:
-            running.discard(task)
-            tickets.release()
-            if task.cancelled():
-                return
-            error = task.exception()
-            if error is not None:
-                errors.append(error)
-            else:
-                self._group_done(task.result())
-
-        while sent < len(self._feed_order) or self._more_groups:
-            if sent == len(self._feed_order):
-                self._groups_added.clear()
-                await self._groups_added.wait()  # add_groups or end_groups
-                continue
-            gid = self._feed_order[sent]
-            sent += 1
-            await tickets.acquire()
-            await self._room_to_train()
-            if errors:
-                raise errors[0]
-            task = asyncio.create_task(dispatcher.run_group(gid), name=f"group-{gid}")
-            running.add(task)
-            task.add_done_callback(finished)
-        while running and not errors:
-            await asyncio.wait(set(running), return_when=asyncio.FIRST_EXCEPTION)
-        if errors:
-            raise errors[0]
-        return sent
-
-    async def _room_to_train(self) -> None:
-        """Wait while ``max_ready_batches`` batches of finished rollouts wait for training.
-
-        Training slower than rollouts otherwise piles finished replies up in the finished
-        queue without end: the trainer's memory (and every snapshot's finished queue) grew
-        with the run (issue 33, the soak: 41 KiB per trained row). The bound is at least
-        one batch, so the train loop, which takes a batch as soon as one is ready, always
-        makes the room waited for here; while the feed waits the dispatcher goes idle, which
-        the stall watch does not count as a stall."""
-        batches = self.config.max_ready_batches
-        if batches is None:
-            return
-        limit = batches * self.config.batch_size
-        while self.finished_queue.ready_rollouts >= limit:
-            self._tq_drained.clear()
-            await self._tq_drained.wait()
+        self.feed.rollout_finished()
 
     # --- groups added while running -------------------------------------------------
 
@@ -570,44 +473,22 @@ class Trainer:
         already has (added before, or restored from a snapshot) is skipped, so a trainer
         resumed from a snapshot may add its stream again from a cursor of its own. Returns
         the ids of the groups added. Bad input is refused whole, in one line."""
-        if not self._more_groups:
-            raise InvalidPhaseError(
-                "trainer: this run takes no more groups (open it with more_groups=True, "
-                "and add before end_groups)"
-            )
-        rows = list(tasks)
-        _check_task_ids(rows, BadRequestError)
-        new = [t for t in rows if not self.ledger.has_group(group_id_for(t.task_id))]
-        for task in rows:
-            if task not in new and self.ledger.task(task.task_id) != task:
-                raise BadRequestError(f"trainer: task {task.task_id} was added with other contents")
-        added = []
-        for task in new:
-            gid = group_id_for(task.task_id)
-            self.ledger.add_group(task, gid, self.config.group_size)
-            self.finished_queue.expect_group(gid, self.config.group_size)
-            self._feed_order.append(gid)
-            added.append(gid)
-        if added:
-            self._groups_added.set()
-        return added
+        return self.feed.add_groups(tasks)
 
     def end_groups(self) -> None:
         """No more groups will be added: the run ends once those it has are trained."""
-        self._more_groups = False
-        self._groups_added.set()
+        self.feed.end_groups()
 
     def _group_done(self, outcome: GroupOutcome) -> None:
-        if outcome.group_id in self._superseded:
+        if outcome.group_id in self.feed.superseded:
             return  # failed before, and sent again as a newer group (retry_failed)
         self._failure_limit.settle(failed=outcome.failed is not None)
         if outcome.failed is not None:
             self._failed[outcome.group_id] = outcome.failed
             self.finished_queue.drop_group(outcome.group_id)
             self.lag.settled(outcome.group_id, self.ledger.group(outcome.group_id).group_size)
-            self._tq_changed.set()
-            self._tq_drained.set()
-        groups = len(self.ledger.group_ids()) - len(self._superseded)
+            self.feed.group_dropped()
+        groups = len(self.ledger.group_ids()) - len(self.feed.superseded)
         if self._failure_limit.exceeded(groups):
             self._too_many_failed.set()
 
@@ -650,30 +531,15 @@ class Trainer:
 
     async def _train(self, client: HttpClient) -> None:
         while True:
-            groups = await self._next_batch(self._train_steps + 1)
+            groups = await self.feed.next_batch(self._train_steps + 1)
             if not groups:
                 return
             await self._train_step(client, self._train_steps + 1, groups)
 
-    async def _next_batch(self, step: int) -> list[GroupBatch]:
-        """Whole groups for ``step`` once a batch is ready (or the last, partial one)."""
-        batch_size = self.config.batch_size
-        while True:
-            if self.finished_queue.ready_rollouts >= batch_size or (
-                (self._dispatch_done or self._feed_idle) and self.finished_queue.ready_groups
-            ):
-                taken = self.finished_queue.take_groups(batch_size, train_step=step)
-                self._tq_drained.set()
-                return taken
-            if self._dispatch_done:
-                return []
-            self._tq_changed.clear()
-            await self._tq_changed.wait()
-
     async def _train_step(self, client: HttpClient, step: int, groups: list[GroupBatch]) -> None:
-        groups = self._fresh_enough(groups)
+        groups = self.feed.fresh_enough(groups, self.versions.live)
         if not groups:
-            self._groups_added.set()  # the feed looks again: a group may have been re-sent
+            self.feed.look_again()  # the feed looks again: a group may have been re-sent
             return  # every group was sent again: the step trains the next batch instead
         advantages = advantages_by_episode(batch.replies for batch in groups)
         live, bound = self.versions.live, self.config.max_policy_lag
@@ -700,53 +566,13 @@ class Trainer:
                 self._step_recorded.notify_all()
             for batch in groups:
                 self.lag.settled(batch.group_id, batch.size)
-            self._groups_added.set()  # the feed looks again (it may wait for this step)
+            self.feed.look_again()  # the feed looks again (it may wait for this step)
         log.info(
             "train step %d: %d rollouts from %d groups; %s",
             step,
             len(samples),
             len(groups),
             ", ".join(f"{k}={v:.4g}" for k, v in self.last_metrics.items()),
-        )
-
-    def _fresh_enough(self, groups: list[GroupBatch]) -> list[GroupBatch]:
-        """The groups to train: with ``stale_samples: resend``, a group with a sample beyond
-        ``max_policy_lag`` is left out and sent again as a new group of its task (one the
-        ledger already replaced, after a restore, is just left out)."""
-        bound = self.config.max_policy_lag
-        if bound is None or self.config.stale_samples != "resend":
-            return groups
-        live = self.versions.live
-        kept = []
-        for batch in groups:
-            if batch.group_id in self._superseded:
-                continue
-            lag = max((sample_lag(r.model_calls, live) for r in batch.replies), default=0)
-            if lag <= bound:
-                kept.append(batch)
-                continue
-            self._send_again(batch, lag, bound)
-        return kept
-
-    def _send_again(self, batch: GroupBatch, lag: int, bound: int) -> None:
-        gid = batch.group_id
-        task_id = self.ledger.group(gid).task_id
-        self.ledger.fail_group(
-            gid, f"stale: a sample {lag} policy versions behind (train.max_policy_lag {bound})"
-        )
-        self._superseded.add(gid)
-        taken = {g for g in self.ledger.group_ids() if self.ledger.group(g).task_id == task_id}
-        n = len(taken)
-        while f"{task_id}-g{n}" in taken:
-            n += 1
-        new = f"{task_id}-g{n}"
-        self.ledger.add_group(self.ledger.task(task_id), new, batch.size)
-        self.finished_queue.expect_group(new, batch.size)
-        self._feed_order.append(new)
-        self.lag.settled(gid, batch.size)
-        self.stale_resent += 1
-        log.info(
-            "group %s: a sample %d versions behind the live policy; sent again as %s", gid, lag, new
         )
 
     async def _record_step(
@@ -896,7 +722,7 @@ def _check_inputs(
 ) -> None:
     if not tasks and not more_groups:
         raise ConfigError("trainer: no tasks to run")
-    _check_task_ids(tasks)
+    check_task_ids(tasks)
     if config.group_size > config.concurrency:
         raise ConfigError(
             f"trainer: group_size {config.group_size} is larger than concurrency "
@@ -904,17 +730,6 @@ def _check_inputs(
         )
     if stall_timeout_s <= 0:
         raise ConfigError(f"trainer: stall_timeout_s must be > 0, got {stall_timeout_s}")
-
-
-def _check_task_ids(tasks: list[TaskRow], error: type[RollpointError] = ConfigError) -> None:
-    """Config tasks are refused as a ConfigError, tasks handed to add_groups as a 400."""
-    ids = [t.task_id for t in tasks]
-    duplicates = sorted(tid for tid, n in Counter(ids).items() if n > 1)
-    if duplicates:
-        raise error(f"trainer: task ids appear more than once: {duplicates[:5]}")
-    too_long = [tid for tid in ids if len(group_id_for(tid)) > 128]
-    if too_long:
-        raise error(f"trainer: task id too long for a group id: {too_long[0][:40]}...")
 
 
 async def _supervise(main: list[Any], side: list[Any]) -> None:

@@ -10,11 +10,13 @@ Owns :class:`GroupFeed`, which the trainer loop holds, and how a task's group is
 - the feed task (:meth:`~GroupFeed.run`): just enough groups running to saturate the
   dispatcher's row slots, and none while ``max_ready_batches`` batches wait for training
   (what the trainer holds stays bounded however slow training is);
+- the groups that failed, and the share of them that stops the run
+  (``failure.max_failed_fraction``: :meth:`~GroupFeed.too_many_failed`); a failed group
+  leaves the finished queue, and one sent again as a newer group no longer counts;
 - the hand-over to the train loop (:meth:`~GroupFeed.next_batch`): whole groups once a
   batch is ready, or the last, partial one once the feed has nothing more to send.
 
-Does not own what a group's outcome means for the run (the trainer loop counts failures,
-told of each outcome through ``group_done``), nor training.
+Does not own training, nor the stop itself (the trainer loop's, with a final snapshot).
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from rollpoint.protocol.errors import (
     RollpointError,
 )
 from rollpoint.trainer.dispatch.dispatcher import Dispatcher, GroupOutcome
-from rollpoint.trainer.dispatch.failed_groups import superseded
+from rollpoint.trainer.dispatch.failed_groups import FailureLimit, superseded
 from rollpoint.trainer.policy_lag import PolicyLag, sample_lag
 from rollpoint.trainer.settings import TrainerSettings
 from rollpoint.trainer.state.finished_queue import FinishedQueue, GroupBatch
@@ -69,19 +71,21 @@ class GroupFeed:
         lag: PolicyLag,
         *,
         more_groups: bool,
-        group_done: Callable[[GroupOutcome], None],
         training: Callable[[], bool],
     ) -> None:
-        """``group_done``: told each group's outcome as it settles. ``training``: whether a
-        train step is in hand (its groups may still be sent again)."""
+        """``training``: whether a train step is in hand (its groups may still be sent
+        again)."""
         self.config = config
         self.ledger = ledger
         self.finished_queue = finished_queue
         self.lag = lag
-        self._group_done = group_done
         self._training = training
         self.superseded = superseded(ledger)
         """Failed groups sent again as newer groups: not failures of this run any more."""
+        self.failed: dict[str, str] = {}
+        """Group id → why it failed."""
+        self._failure_limit = FailureLimit(config.max_failed_fraction, config.failure_min_groups)
+        self._too_many_failed = asyncio.Event()
         self._feed_order = ledger.group_ids()
         """The groups to send, in order: the ledger's, then those added while running."""
         self._more_groups = more_groups
@@ -102,12 +106,6 @@ class GroupFeed:
     def rollout_finished(self) -> None:
         """A rollout joined the finished queue: the train loop looks again."""
         self._tq_changed.set()
-
-    def group_dropped(self) -> None:
-        """A failed group left the finished queue: the train loop looks again, and the
-        feed may have room."""
-        self._tq_changed.set()
-        self._tq_drained.set()
 
     def look_again(self) -> None:
         """A train step ended (or trained nothing): a group may have been sent again."""
@@ -190,6 +188,25 @@ class GroupFeed:
         if errors:
             raise errors[0]
         return sent
+
+    def _group_done(self, outcome: GroupOutcome) -> None:
+        if outcome.group_id in self.superseded:
+            return  # failed before, and sent again as a newer group (retry_failed)
+        self._failure_limit.settle(failed=outcome.failed is not None)
+        if outcome.failed is not None:
+            self.failed[outcome.group_id] = outcome.failed
+            self.finished_queue.drop_group(outcome.group_id)
+            self.lag.settled(outcome.group_id, self.ledger.group(outcome.group_id).group_size)
+            self._tq_changed.set()
+            self._tq_drained.set()
+        groups = len(self.ledger.group_ids()) - len(self.superseded)
+        if self._failure_limit.exceeded(groups):
+            self._too_many_failed.set()
+
+    async def too_many_failed(self) -> str:
+        """Wait until too many groups failed (``max_failed_fraction``); returns why."""
+        await self._too_many_failed.wait()
+        return self._failure_limit.line()
 
     async def _room_to_train(self) -> None:
         """Wait while ``max_ready_batches`` batches of finished rollouts wait for training.

@@ -10,6 +10,14 @@ policy version on every model server, writes the consumed rollouts to the traine
 :class:`StepRecord` (by default :class:`WorkdirRecord`: ``<workdir>/train_data.jsonl``,
 fsync'd per step) and, once the step is durable there, commits the finished queue.
 
+The parts it holds, each in its own module: the feed (:class:`GroupFeed`: the groups to
+send, added while running or sent again when stale, the failed ones and the batches handed
+over), the train loop (:class:`TrainLoop`: each step, and when it is durable), the live
+policy version and the trainer's weight updates (:class:`PolicyVersions`), the stops from
+inside (:class:`RunStops`: too many failed groups, a stuck peer); the stall watchdog, the
+in-flight sampler and the run's own snapshots are functions it runs alongside. The names
+that moved out with them stay importable from here.
+
 Given a :class:`ControlPlane`, it also takes snapshots (every ``snapshot.every_seconds``
 and at every train checkpoint) through a :class:`SnapshotCoordinator`, and releases what it
 no longer needs on the environment side (acks, retires, forgets) through a
@@ -35,50 +43,42 @@ from collections.abc import Iterable
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
-from pydantic import JsonValue
-
 from rollpoint.http.client import HttpClient
 from rollpoint.policy.engine_adapters import PauseMode
 from rollpoint.protocol.deployment import Deployment, ReplicaEndpoints
 from rollpoint.protocol.episode import RunReply, TaskRow
-from rollpoint.protocol.errors import (
-    BadRequestError,
-    ConfigError,
-    GroupsFailedError,
-    InvalidPhaseError,
-    RunStuckError,
-)
-from rollpoint.store import retention
+from rollpoint.protocol.errors import ConfigError, InvalidPhaseError
 from rollpoint.trainer.control.control_plane import ControlPlane
 from rollpoint.trainer.control.in_flight_sampler import sample_in_flight
 from rollpoint.trainer.control.replica_roster import ReplicaRoster
-from rollpoint.trainer.control.stuck_watch import StuckWatch
 from rollpoint.trainer.dispatch.dispatch_barrier import DispatchBarrier
-from rollpoint.trainer.dispatch.dispatcher import Dispatcher, GroupOutcome
-from rollpoint.trainer.dispatch.failed_groups import FailureLimit, digest, retry_failed
+from rollpoint.trainer.dispatch.dispatcher import Dispatcher
+from rollpoint.trainer.dispatch.failed_groups import retry_failed
 from rollpoint.trainer.dispatch.release_batcher import ReleaseBatcher
+from rollpoint.trainer.dispatch.stall_watch import STALL_REPORT_ROWS as STALL_REPORT_ROWS
 from rollpoint.trainer.dispatch.stall_watch import watch_stall
 from rollpoint.trainer.group_feed import GroupFeed, check_task_ids
 from rollpoint.trainer.group_feed import group_id_for as group_id_for
-from rollpoint.trainer.grpo import advantages_by_episode
 from rollpoint.trainer.metrics import RunCounts
 from rollpoint.trainer.policy_lag import PolicyLag
 from rollpoint.trainer.policy_versions import PolicyVersions
-from rollpoint.trainer.record.train_checkpoint import TrainCheckpoint, stamp
 from rollpoint.trainer.record.workdir_record import WorkdirRecord
 from rollpoint.trainer.restore.replica_recovery import ReplicaRecovery
 from rollpoint.trainer.restore.restorer import RestoredRun
-from rollpoint.trainer.run_events import ReplicaDown, ReplicaUp, RunEvents, TrainStep
+from rollpoint.trainer.run_events import ReplicaDown, ReplicaUp, RunEvents
+from rollpoint.trainer.run_stops import STOP_SNAPSHOT_SLACK_S as STOP_SNAPSHOT_SLACK_S
+from rollpoint.trainer.run_stops import RunStops
 from rollpoint.trainer.run_summary import RunSummary as RunSummary
 from rollpoint.trainer.run_summary import TrainerStats as TrainerStats
 from rollpoint.trainer.settings import TrainerSettings
 from rollpoint.trainer.snapshot.coordinator import SnapshotCoordinator
-from rollpoint.trainer.snapshot.early_stop import stop_snapshot
+from rollpoint.trainer.snapshot.run_snapshots import SNAPSHOT_RETRY_S as SNAPSHOT_RETRY_S
 from rollpoint.trainer.snapshot.run_snapshots import first_snapshot, last_snapshot, snapshot_loop
-from rollpoint.trainer.state.finished_queue import FinishedQueue, GroupBatch
+from rollpoint.trainer.state.finished_queue import FinishedQueue
 from rollpoint.trainer.state.ledger import RecoveryLedger, RolloutState
 from rollpoint.trainer.step_record import StepRecord
-from rollpoint.trainer.train_hooks import StepResult, TrainHooks, TrainSample
+from rollpoint.trainer.train_hooks import TrainHooks
+from rollpoint.trainer.train_loop import TrainLoop
 from rollpoint.tuning import seam
 
 log = logging.getLogger(__name__)
@@ -88,9 +88,6 @@ REPLICA_DOWN_GRACE_S = 1.0
 replica down before it is re-sent fresh: a dying replica's saved tries are then held for
 its restart (restored from the snapshot) instead of starting over. The runtimes notice a
 death within 0.25 s (embedded: process poll) or milliseconds (Ray: actor death)."""
-STOP_SNAPSHOT_SLACK_S = 5.0
-"""A stop from inside (too many failed groups, a stuck peer) gives its final snapshot the
-snapshot deadline and this much more."""
 
 
 class Trainer:
@@ -134,7 +131,6 @@ class Trainer:
         """Built by :meth:`run` (it needs the running loop's HTTP client)."""
         self.step_record: StepRecord = step_record or WorkdirRecord(config.workdir)
         """Writes each step's rows and keeps its checkpoints (what a restore resumes at)."""
-        self.last_metrics: dict[str, float] = {}
         if restored is None:
             for task in tasks:
                 gid = group_id_for(task.task_id)
@@ -144,8 +140,6 @@ class Trainer:
         """Failed groups of the restored run sent again (``retry_failed``): old id → new."""
         if config.retry_failed:
             self.retried = retry_failed(self.ledger, self.finished_queue, config.group_size)
-        self._failure_limit = FailureLimit(config.max_failed_fraction, config.failure_min_groups)
-        self._too_many_failed = asyncio.Event()
         self._client = client
         self._http: HttpClient | None = None
         """The data-plane client while :meth:`run` runs."""
@@ -155,33 +149,17 @@ class Trainer:
         self._lost_before_run: set[str] = set()
         self._stall_timeout_s = stall_timeout_s
         self._started = False
-        self._failed: dict[str, str] = {}
         self._episodes = 0
         self._turns = 0
         self._reward_sum = 0.0
-        self._train_steps = 0
-        self._groups_trained = 0
-        self._episodes_trained = 0
         self._running = asyncio.Event()
         """Set while :meth:`run` runs (weight updates wait for it)."""
         self._ended = False
-        self._trainer_state: JsonValue = None
-        """The state the train hooks last handed over (kept in each train checkpoint)."""
-        self._not_durable: dict[int, TrainCheckpoint] = {}
-        """Steps trained but not durable yet: their checkpoints as they stood, by step."""
-        self._checkpointing = asyncio.Lock()
-        self._step_in_hand: int | None = None
-        """The step handed to the train hooks and not yet recorded."""
-        self._step_recorded = asyncio.Condition()
         live, trainer_versions = 0, False
         if restored is not None:
-            ckpt, doc = restored.checkpoint, restored.trainer_doc
-            self._train_steps = ckpt.step
-            live = ckpt.policy_version
+            doc = restored.trainer_doc
+            live = restored.checkpoint.policy_version
             trainer_versions = bool(doc.get("trainer_versions", False))
-            self._trainer_state = ckpt.trainer_state
-            self._groups_trained = ckpt.groups_trained
-            self._episodes_trained = ckpt.episodes_trained
             self._episodes = self.ledger.counts()[RolloutState.SEALED]
             self._turns = int(doc.get("turns", 0))
             self._reward_sum = float(doc.get("reward_sum", 0.0))
@@ -201,12 +179,9 @@ class Trainer:
             self.finished_queue,
             self.lag,
             more_groups=more_groups,
-            group_done=self._group_done,
-            training=lambda: self._step_in_hand is not None,
+            training=lambda: self.train_loop.step_in_hand is not None,  # built below
         )
         """The groups to send, the task that sends them, and the batches it hands over."""
-        self.stale_marked = 0
-        """Samples handed over marked ``stale``."""
         self.events = control.metrics.run_events if control is not None else RunEvents(None)
         """The run's event log (``run_events.jsonl``; records nothing without a control plane)."""
         self._metrics = control.metrics if control is not None else None
@@ -260,18 +235,31 @@ class Trainer:
             trainer_versions=trainer_versions,
         )
         """The live policy version: rollpoint's count per step, or the trainer's own."""
+        self.train_loop = TrainLoop(
+            config,
+            hooks,
+            self.step_record,
+            self.finished_queue,
+            feed=self.feed,
+            versions=self.versions,
+            lag=self.lag,
+            events=self.events,
+            coordinator=self.coordinator,
+            restored=restored.checkpoint if restored is not None else None,
+        )
+        """Trains the batches the feed hands over; makes each step durable."""
 
     def state(self) -> dict[str, Any]:
         """The trainer's own state at a cut (saved with every snapshot)."""
         return {
-            "train_step": self._train_steps,
+            "train_step": self.train_loop.train_steps,
             "policy_version": self.versions.live,
             "trainer_versions": self.versions.trainer_versions,
             "policy_lag": self.lag.to_doc(),
             "episodes": self._episodes,
             "turns": self._turns,
             "reward_sum": self._reward_sum,
-            "groups_trained": self._groups_trained,
+            "groups_trained": self.train_loop.groups_trained,
         }
 
     @property
@@ -280,13 +268,23 @@ class Trainer:
             episodes_finished=self._episodes,
             turns=self._turns,
             reward_sum=self._reward_sum,
-            train_steps=self._train_steps,
+            train_steps=self.train_loop.train_steps,
             in_flight=self.ledger.in_flight_count(),
-            failed_groups=len(self._failed),
+            failed_groups=len(self.feed.failed),
             groups_total=len(self.ledger.group_ids()),
-            groups_trained=self._groups_trained,
+            groups_trained=self.train_loop.groups_trained,
             policy_version=self.versions.live,
         )
+
+    @property
+    def last_metrics(self) -> dict[str, float]:
+        """The metrics the train hooks returned for the last step."""
+        return self.train_loop.last_metrics
+
+    @property
+    def stale_marked(self) -> int:
+        """Samples handed over marked ``stale``."""
+        return self.train_loop.stale_marked
 
     @property
     def stale_resent(self) -> int:
@@ -306,11 +304,11 @@ class Trainer:
         d = self.dispatcher
         return RunCounts(
             episodes_finished=self._episodes,
-            episodes_trained=self._episodes_trained,
-            train_steps=self._train_steps,
+            episodes_trained=self.train_loop.episodes_trained,
+            train_steps=self.train_loop.train_steps,
             in_flight=self.ledger.in_flight_count(),
             waiting=0 if d is None else d.waiting_rows,
-            failed_groups=len(self._failed),
+            failed_groups=len(self.feed.failed),
             replicas_up=len(self.roster.up),
             resent={} if d is None else {"given_up": d.resent_fresh, "refused": d.resent_refused},
             adopted_replies=0 if d is None else d.adopted,
@@ -362,12 +360,21 @@ class Trainer:
                 # resumable (it composes with step 0), so a rerun never finds train data
                 # with no snapshot to go with it (it refuses that rather than delete it).
                 await first_snapshot(self.coordinator)
+            stops = RunStops(
+                self.config,
+                self.coordinator,
+                self.barrier,
+                self.roster,
+                self.ledger,
+                policy_url=lambda: self.deployment.policy_url,
+                previous=None if self.restored is None else self.restored.snapshot_id,
+            )
             side: list[Any] = [
                 watch_stall(
                     self.dispatcher, self.barrier, self.ledger, self.roster, self._stall_timeout_s
                 ),
-                self._stop_on_failures(),
-                self._stop_when_stuck(),
+                stops.on_failures(self.feed),
+                stops.when_stuck(),
             ]
             if self.events.path is not None:
                 side.append(sample_in_flight(self.roster, self.ledger, self.events))
@@ -376,17 +383,17 @@ class Trainer:
                 side += [snapshot_loop(self.coordinator, every), self.releases.run()]
             async with self.dispatcher:
                 await _supervise(
-                    main=[self.feed.run(self.dispatcher), self._train(client)], side=side
+                    main=[self.feed.run(self.dispatcher), self.train_loop.run(client)], side=side
                 )
             if self.releases is not None:
                 await self.releases.flush()
             if self.coordinator is not None and self._snapshots_on:
                 await last_snapshot(self.coordinator)
-            if self._not_durable:
+            if self.train_loop.not_durable:
                 log.warning(
                     "the run ended with train steps %s never made durable (mark_durable): "
                     "a rerun resumes before them and trains their rows again",
-                    ", ".join(map(str, sorted(self._not_durable))),
+                    ", ".join(map(str, sorted(self.train_loop.not_durable))),
                 )
         finally:
             if self.coordinator is not None:
@@ -399,8 +406,8 @@ class Trainer:
         return RunSummary(
             episodes=self._episodes,
             turns=self._turns,
-            train_steps=self._train_steps,
-            failed_groups=dict(self._failed),
+            train_steps=self.train_loop.train_steps,
+            failed_groups=dict(self.feed.failed),
             mean_reward=self.stats.reward_mean,
             elapsed_s=time.monotonic() - started,
         )
@@ -479,146 +486,6 @@ class Trainer:
         """No more groups will be added: the run ends once those it has are trained."""
         self.feed.end_groups()
 
-    def _group_done(self, outcome: GroupOutcome) -> None:
-        if outcome.group_id in self.feed.superseded:
-            return  # failed before, and sent again as a newer group (retry_failed)
-        self._failure_limit.settle(failed=outcome.failed is not None)
-        if outcome.failed is not None:
-            self._failed[outcome.group_id] = outcome.failed
-            self.finished_queue.drop_group(outcome.group_id)
-            self.lag.settled(outcome.group_id, self.ledger.group(outcome.group_id).group_size)
-            self.feed.group_dropped()
-        groups = len(self.ledger.group_ids()) - len(self.feed.superseded)
-        if self._failure_limit.exceeded(groups):
-            self._too_many_failed.set()
-
-    async def _stop_on_failures(self) -> None:
-        """Too many groups failed (``max_failed_fraction``): a snapshot, then stop."""
-        await self._too_many_failed.wait()
-        why = self._failure_limit.line()
-        log.warning("%s: taking a snapshot, then stopping", why)
-        holds = await self._stop_snapshot()
-        raise GroupsFailedError(
-            f"stopped early: {why}; {holds}. {digest(self._failed)}", self._failed
-        )
-
-    async def _stop_when_stuck(self) -> None:
-        """A peer takes calls and answers none (:mod:`.stuck_watch`): a snapshot, then stop."""
-        if self.coordinator is None:
-            return  # no control plane: no status to read
-        watch = StuckWatch(
-            self.roster,
-            self.ledger,
-            policy_url=lambda: self.deployment.policy_url,
-            clock=self.barrier.pause_clock,
-            warn_s=self.config.stuck_warn_seconds,
-            stop_s=self.config.stuck_stop_seconds,
-        )
-        why = await watch.run()
-        holds = await self._stop_snapshot()
-        raise RunStuckError(f"{why}; {holds}")
-
-    async def _stop_snapshot(self) -> str:
-        previous = None if self.restored is None else self.restored.snapshot_id
-        return await stop_snapshot(
-            self.coordinator,
-            self.barrier,
-            budget_s=self.config.save.deadline_seconds + STOP_SNAPSHOT_SLACK_S,
-            previous=previous,
-        )
-
-    # --- training --------------------------------------------------------------------
-
-    async def _train(self, client: HttpClient) -> None:
-        while True:
-            groups = await self.feed.next_batch(self._train_steps + 1)
-            if not groups:
-                return
-            await self._train_step(client, self._train_steps + 1, groups)
-
-    async def _train_step(self, client: HttpClient, step: int, groups: list[GroupBatch]) -> None:
-        groups = self.feed.fresh_enough(groups, self.versions.live)
-        if not groups:
-            self.feed.look_again()  # the feed looks again: a group may have been re-sent
-            return  # every group was sent again: the step trains the next batch instead
-        advantages = advantages_by_episode(batch.replies for batch in groups)
-        live, bound = self.versions.live, self.config.max_policy_lag
-        samples = [
-            TrainSample.from_reply(
-                reply,
-                advantage=advantages[reply.episode.key],
-                group_size=batch.size,
-                live=live,
-                max_lag=bound,
-            )
-            for batch in groups
-            for reply in batch.replies
-        ]
-        self.stale_marked += sum(s.stale for s in samples)
-        generated_by = self.versions.live
-        self._step_in_hand = step
-        try:
-            await self._record_step(client, step, groups, samples, generated_by)
-        finally:
-            # Waiters in mark_durable go on whether the step was recorded or failed.
-            async with self._step_recorded:
-                self._step_in_hand = None
-                self._step_recorded.notify_all()
-            for batch in groups:
-                self.lag.settled(batch.group_id, batch.size)
-            self.feed.look_again()  # the feed looks again (it may wait for this step)
-        log.info(
-            "train step %d: %d rollouts from %d groups; %s",
-            step,
-            len(samples),
-            len(groups),
-            ", ".join(f"{k}={v:.4g}" for k, v in self.last_metrics.items()),
-        )
-
-    async def _record_step(
-        self,
-        client: HttpClient,
-        step: int,
-        groups: list[GroupBatch],
-        samples: list[TrainSample],
-        generated_by: int,
-    ) -> None:
-        """The hooks' update of ``step``, then its train data, event and checkpoint."""
-        result = await self.hooks.train_step(step, samples)
-        durable: bool | None = None
-        if isinstance(result, StepResult):
-            self.last_metrics, durable = result.metrics, result.durable
-            if result.state is not None:
-                self._trainer_state = result.state
-        else:
-            self.last_metrics = result
-        await self.versions.count_step(client)
-        coverage = await asyncio.to_thread(self.step_record.write_step, step, samples, generated_by)
-        self._train_steps = step
-        self._groups_trained += len(groups)
-        self._episodes_trained += len(samples)
-        # Before the checkpoint's snapshot: a kill during it must not hide the step.
-        self.events.append(
-            TrainStep(ts=time.time(), step=step, rollouts=len(samples), groups=len(groups))
-        )
-        # What the step's checkpoint records, as of now: a trainer that saves its weights
-        # in the background marks the step durable later (mark_durable).
-        checkpoint = stamp(
-            step,
-            self.versions.live,
-            coverage,
-            self._episodes_trained,
-            self._groups_trained,
-            self._trainer_state,
-        )
-        if durable is None:
-            every = self.config.checkpoint_every_steps
-            durable = every is not None and step % every == 0
-        if durable:
-            await self._checkpoint(checkpoint)
-        else:
-            self._not_durable[step] = checkpoint
-
     @property
     def policy_version(self) -> int:
         """The version live on the engines (the trainer's own once it reported one)."""
@@ -661,35 +528,7 @@ class Trainer:
         was durable) is durable now: rollpoint writes its train checkpoint of that step as
         it stood then, the finished queue lets go of what it consumed, and a snapshot follows. Steps before
         it that were never marked are passed over; a step already durable is a no-op."""
-        if step == self._step_in_hand:
-            # Marked as soon as it was done, before the loop recorded it: wait for that.
-            async with self._step_recorded:
-                await self._step_recorded.wait_for(lambda: self._step_in_hand != step)
-        if step <= self.finished_queue.committed_step:
-            return
-        checkpoint = self._not_durable.get(step)
-        if checkpoint is None:
-            waiting = ", ".join(map(str, sorted(self._not_durable))) or "none"
-            raise BadRequestError(
-                f"trainer: step {step} is not a trained step waiting to be durable "
-                f"(trained up to {self._train_steps}; waiting: {waiting})"
-            )
-        await self._checkpoint(checkpoint)
-
-    async def _checkpoint(self, checkpoint: TrainCheckpoint) -> None:
-        """A durable train checkpoint, then the finished queue lets go of what it consumed, then a snapshot
-        that composes with it (taken at a step >= the checkpoint's)."""
-        step = checkpoint.step
-        async with self._checkpointing:  # the train loop and mark_durable, one at a time
-            if step <= self.finished_queue.committed_step:
-                return  # a later step was made durable meanwhile
-            protect = await asyncio.to_thread(self._steps_to_keep, step)
-            await asyncio.to_thread(self.step_record.save, checkpoint, protect=protect)
-            self.finished_queue.commit(step)
-            for older in [s for s in self._not_durable if s <= step]:
-                del self._not_durable[older]
-        if self.coordinator is not None:
-            await self.coordinator.save()
+        await self.train_loop.mark_durable(step)
 
     @property
     def _snapshots_on(self) -> bool:
@@ -697,23 +536,6 @@ class Trainer:
         return (
             self.config.checkpoint_every_steps is not None
             or self.config.snapshot_every_seconds is not None
-        )
-
-    def _steps_to_keep(self, step: int) -> frozenset[int]:
-        """The train checkpoints retention keeps once ``step``'s is written: never one a
-        kept snapshot composes with, the store's fallback included, nor this run's own
-        newest after a resume from an older snapshot (one decision with the snapshots':
-        :func:`retention.checkpoints_to_keep`)."""
-        if self.coordinator is None:
-            return frozenset()
-        store = self.coordinator.store
-        return retention.checkpoints_to_keep(
-            store.spans(),
-            self.step_record.steps(),
-            step,
-            keep_snapshots=store.keep,
-            keep_checkpoints=self.step_record.keep,
-            protect=store.pinned | store.kept_fallback,
         )
 
 

@@ -177,7 +177,7 @@ def test_the_train_checkpoint_the_fallback_composes_with_is_kept_too(tmp_path: P
     was refused."""
     from types import SimpleNamespace
 
-    from rollpoint.trainer.trainer import Trainer
+    from rollpoint.trainer.train_loop import TrainLoop
     from tests.unit.store.test_trainer_records import _manifest, _write
 
     store, index = SnapshotStore(str(tmp_path / "store"), keep=2), PackIndex()
@@ -196,6 +196,6 @@ def test_the_train_checkpoint_the_fallback_composes_with_is_kept_too(tmp_path: P
         step_record=SimpleNamespace(steps=lambda: steps, keep=2),
     )
 
-    kept = Trainer._steps_to_keep(trainer, 12)  # type: ignore[arg-type]
+    kept = TrainLoop._steps_to_keep(trainer, 12)  # type: ignore[arg-type]
 
     assert any(span.composes_with(step) for step in kept), (fallback, sorted(kept))

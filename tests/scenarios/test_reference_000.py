@@ -286,7 +286,7 @@ async def test_stall_watchdog_does_not_count_a_park(tmp_path: Path) -> None:
         # the closed model gate meanwhile, so no row result arrives.
         fronts[A0].add(Fault.delay(LONG_PREPARE_S, path=PREPARE))
         report = await j.coordinator.save()
-        # Breaks (RunStalledError raised here) if Trainer._watch_stall read a wall clock
+        # Breaks (RunStalledError raised here) if the stall watch (watch_stall) read a wall clock
         # instead of the barrier's pause clock.
         await run
 

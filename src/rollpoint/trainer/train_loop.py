@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 from pydantic import JsonValue
 
@@ -53,11 +54,13 @@ class TrainLoop:
         feed: GroupFeed,
         versions: PolicyVersions,
         lag: PolicyLag,
-        events: RunEvents,
+        events: Callable[[], RunEvents],
         coordinator: SnapshotCoordinator | None,
         restored: TrainCheckpoint | None,
     ) -> None:
-        """``restored``: the checkpoint a restored run continues from (its counts)."""
+        """``events``: the run's event log, as the trainer holds it when a step ends (it
+        may be swapped after the trainer is built). ``restored``: the checkpoint a restored
+        run continues from (its counts)."""
         self.config = config
         self.hooks = hooks
         self.step_record = step_record
@@ -65,7 +68,7 @@ class TrainLoop:
         self.feed = feed
         self.versions = versions
         self.lag = lag
-        self.events = events
+        self._events = events
         self.coordinator = coordinator
         self.train_steps = 0
         self.groups_trained = 0
@@ -157,7 +160,7 @@ class TrainLoop:
         self.groups_trained += len(groups)
         self.episodes_trained += len(samples)
         # Before the checkpoint's snapshot: a kill during it must not hide the step.
-        self.events.append(
+        self._events().append(
             TrainStep(ts=time.time(), step=step, rollouts=len(samples), groups=len(groups))
         )
         # What the step's checkpoint records, as of now: a trainer that saves its weights

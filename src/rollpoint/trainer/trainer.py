@@ -243,7 +243,7 @@ class Trainer:
             feed=self.feed,
             versions=self.versions,
             lag=self.lag,
-            events=self.events,
+            events=lambda: self.events,
             coordinator=self.coordinator,
             restored=restored.checkpoint if restored is not None else None,
         )
@@ -377,7 +377,7 @@ class Trainer:
                 stops.when_stuck(),
             ]
             if self.events.path is not None:
-                side.append(sample_in_flight(self.roster, self.ledger, self.events))
+                side.append(sample_in_flight(self.roster, self.ledger, lambda: self.events))
             if self.coordinator is not None and self.releases is not None:
                 every = self.config.snapshot_every_seconds
                 side += [snapshot_loop(self.coordinator, every), self.releases.run()]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 from rollpoint.protocol.errors import RollpointError
 from rollpoint.protocol.participant import ParticipantKind
@@ -19,10 +20,11 @@ from rollpoint.trainer.state.ledger import RecoveryLedger
 
 
 async def sample_in_flight(
-    roster: ReplicaRoster, ledger: RecoveryLedger, events: RunEvents
+    roster: ReplicaRoster, ledger: RecoveryLedger, events: Callable[[], RunEvents]
 ) -> None:
     """Episodes in flight per replica (and each model server's call counter) every
-    :data:`SAMPLE_EVERY_S`, for ``rollpoint report``. A status that does not answer
+    :data:`SAMPLE_EVERY_S`, for ``rollpoint report``, appended to ``events()`` (the run's
+    event log as the trainer holds it at each sample). A status that does not answer
     within the period is left out of that sample; sampling never fails the run."""
 
     async def calls(name: str) -> tuple[str, int | None]:
@@ -39,7 +41,7 @@ async def sample_in_flight(
         up = list(roster.up)
         episodes = {name: ledger.in_flight_count(name) for name in up}
         answered = await asyncio.gather(*(calls(name) for name in up))
-        events.append(
+        events().append(
             InFlight(
                 ts=time.time(),
                 episodes=episodes,

@@ -3,10 +3,11 @@
 Owns :class:`GroupFeed`, which the trainer loop holds, and how a task's group is named
 (:func:`group_id_for`, checked by :func:`check_task_ids`):
 
-- the order: the ledger's groups, then those added while the run runs (:meth:`~GroupFeed.add_groups`,
-  for a run opened with ``more_groups``, until :meth:`~GroupFeed.end_groups`), then those
-  sent again because a sample was beyond ``max_policy_lag`` (:meth:`~GroupFeed.fresh_enough`,
-  with ``stale_samples: resend``: the stale group fails and its task goes again as a new group);
+- the order: the ledger's groups, then those added while the run runs
+  (:meth:`~GroupFeed.add_groups`, for a run opened with ``more_groups``, until
+  :meth:`~GroupFeed.end_groups`), then those sent again because a sample was beyond
+  ``max_policy_lag`` (:meth:`~GroupFeed.fresh_enough`, with ``stale_samples: resend``: the
+  stale group fails and its task goes again as a new group);
 - the feed task (:meth:`~GroupFeed.run`): just enough groups running to saturate the
   dispatcher's row slots, and none while ``max_ready_batches`` batches wait for training
   (what the trainer holds stays bounded however slow training is);
@@ -16,7 +17,8 @@ Owns :class:`GroupFeed`, which the trainer loop holds, and how a task's group is
 - the hand-over to the train loop (:meth:`~GroupFeed.next_batch`): whole groups once a
   batch is ready, or the last, partial one once the feed has nothing more to send.
 
-Does not own training, nor the stop itself (the trainer loop's, with a final snapshot).
+Does not own training, nor the stop itself (:class:`~rollpoint.trainer.run_stops.RunStops`,
+with a final snapshot).
 """
 
 from __future__ import annotations

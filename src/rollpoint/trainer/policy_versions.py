@@ -2,9 +2,10 @@
 updates that change it.
 
 Owns :class:`PolicyVersions`, which the trainer loop holds. Until the trainer says which
-version is live, rollpoint counts one version per train step (:meth:`~PolicyVersions.count_step`)
-and tells every up model server; once the trainer has said one (:meth:`~PolicyVersions.weights_live`,
-or a weight update), train steps count none of their own. A weight update pauses every up
+version is live, rollpoint counts one version per train step
+(:meth:`~PolicyVersions.count_step`) and tells every up model server; once the trainer has
+said one (:meth:`~PolicyVersions.weights_live`, or a weight update), train steps count none
+of their own. A weight update pauses every up
 replica's engine through its model server while the weights are pushed, with snapshots held
 off, so a snapshot is before the update or after it. The policy lag is measured against the
 live version (:class:`PolicyLag` is told when it moves).

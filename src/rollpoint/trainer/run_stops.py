@@ -67,7 +67,8 @@ class RunStops:
         )
 
     async def when_stuck(self) -> None:
-        """A peer takes calls and answers none (:mod:`~rollpoint.trainer.control.stuck_watch`): a snapshot, then stop."""
+        """A peer takes calls and answers none
+        (:mod:`~rollpoint.trainer.control.stuck_watch`): a snapshot, then stop."""
         if self.coordinator is None:
             return  # no control plane: no status to read
         watch = StuckWatch(

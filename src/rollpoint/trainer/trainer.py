@@ -555,18 +555,22 @@ def _check_inputs(
 
 
 async def _supervise(main: list[Any], side: list[Any]) -> None:
-    """Run ``main`` to completion with ``side`` alongside; the first error stops all."""
+    """Run ``main`` to completion with ``side`` alongside; the first error stops all. A side
+    task that ends without an error (a watch with nothing to watch) is done with: waiting on
+    it again would return at once, every time, and spin the loop for the whole run."""
     main_tasks = {asyncio.create_task(c) for c in main}
     side_tasks = {asyncio.create_task(c) for c in side}
     try:
         waiting = set(main_tasks)
+        watching = set(side_tasks)
         while waiting:
-            done, _ = await asyncio.wait(waiting | side_tasks, return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(waiting | watching, return_when=asyncio.FIRST_COMPLETED)
             for task in done:
                 error = task.exception()
                 if error is not None:
                     raise error
                 waiting.discard(task)
+                watching.discard(task)
     finally:
         everything = main_tasks | side_tasks
         for task in everything:

@@ -23,9 +23,9 @@ files themselves, not from what the writers report:
 ``written_vs_changed`` divides the records files written by the bytes changed (goal at most
 2); ``total_written_vs_changed`` adds what the snapshot's own folder holds (the manifests,
 ``trainer.json``). Then ``write`` (after the barrier reopened: every
-participant writes what it captured and confirms it, and the trainer writes and publishes;
-the time this item spends measuring, inside the publication, is taken off) and the pause, as ``snapshot_pause``
-measures them; ``bytes_per_token`` divides the model servers' held bytes by the token ids
+participant writes what it captured and confirms it, and the trainer writes its files; the
+publication, inside which this item measures, comes after and is not reported) and the
+pause, as ``snapshot_pause`` measures them; ``bytes_per_token`` divides the model servers' held bytes by the token ids
 their calls store (completion ids, with a logprob each, and prompt suffixes); ``restore_read_s``
 reads and verifies every participant state of the last snapshot as a restore's participants
 do: each in a process of its own, all at once (processes started beforehand, as a restore's
@@ -85,8 +85,9 @@ class GrowthStore(TimedStore):
     def publish(self, staging: Staging, manifest: SnapshotManifest) -> SnapshotManifest:
         t0 = time.perf_counter()
         self.growth[staging.snapshot_id] = self._measure(staging, manifest)
-        # The measuring reads every line the snapshot holds, inside the coordinator's
-        # write span: its time is taken off the write (see _figures).
+        # The measuring reads every line the snapshot holds inside the publish, after the
+        # coordinator's write span ends (report.write_s): the publish figures are left out
+        # (see main), and the write's are as the coordinator measured them.
         self.measuring_s[staging.snapshot_id] = time.perf_counter() - t0
         return super().publish(staging, manifest)
 
@@ -255,10 +256,7 @@ def _figures(
         p50("written") / p50("held") if p50("held") else float("nan")
     )
     for part in ("write", "pause"):
-        values = [
-            c.seconds[part] - (store.measuring_s.get(c.snapshot_id, 0.0) if part == "write" else 0)
-            for c in phase.cuts
-        ]
+        values = [c.seconds[part] for c in phase.cuts]
         out[f"{tag}_{part}_p50_ms"] = percentile(values, 50) * 1e3
         out[f"{tag}_{part}_p99_ms"] = percentile(values, 99) * 1e3
     out[f"{tag}_in_flight_at_cut"] = round(percentile([c.in_flight for c in phase.cuts], 50))

@@ -5,7 +5,9 @@ reference (docs/protocol.md), never against rollpoint's own implementation. A ca
 async function of a :class:`~rollpoint.testing.conformance_probe.Trial` that returns a
 one-line detail, or raises :class:`~rollpoint.testing.conformance_probe.CaseFailed` with
 one; :func:`case` registers it in :data:`CASES` under a name that also goes into its
-checkpoint ids (so: letters, digits and ``-``).
+checkpoint ids (so: letters, digits and ``-``). The bad requests the wire cases send are
+in :mod:`~rollpoint.testing.conformance_requests`, the look at what a commit wrote on disk in
+:mod:`~rollpoint.testing.conformance_on_disk`.
 
 It does not run, time or clean up after the cases (:mod:`rollpoint.testing.conformance`
 does). A case may leave the participant held: every id it took from ``Trial.cid`` is
@@ -17,11 +19,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import orjson
-from pydantic import ValidationError
 
 from rollpoint.protocol.control import (
     DETACHED_WRITE,
@@ -40,9 +40,7 @@ from rollpoint.protocol.control import (
     StatusReply,
     Verb,
 )
-from rollpoint.protocol.errors import RollpointError
-from rollpoint.protocol.manifest import ParticipantManifest
-from rollpoint.store.participant_state import verify_participant_state
+from rollpoint.testing.conformance_on_disk import manifest_on_disk, written
 from rollpoint.testing.conformance_probe import (
     DEADLINE_S,
     CaseFailed,
@@ -50,7 +48,14 @@ from rollpoint.testing.conformance_probe import (
     check,
     deadline,
     expect_ok,
-    expect_refused,
+)
+from rollpoint.testing.conformance_requests import (
+    COERCED,
+    ESCAPES,
+    MALFORMED,
+    UNDECODABLE,
+    all_unauthorized,
+    fill,
 )
 
 LEASE_DEADLINE_S = 1.0
@@ -152,41 +157,6 @@ async def _deadline(t: Trial) -> str:
     return "a passed deadline is refused (prepare, renew) and changes nothing"
 
 
-def _written(reply: CommitReply, verb: str) -> ParticipantManifest:
-    check(reply.manifest is not None, f"{verb}: a commit that waits for its write has no manifest")
-    assert reply.manifest is not None
-    return reply.manifest
-
-
-async def _manifest_on_disk(root: Path, reply: CommitReply, manifest: ParticipantManifest) -> str:
-    folder = root / reply.checkpoint_dir / reply.state_dir
-
-    def read() -> tuple[bytes, ParticipantManifest]:
-        raw = (folder / "manifest.json").read_bytes()
-        verified = verify_participant_state(
-            str(folder),
-            kind=manifest.kind.value,
-            instance=manifest.instance,
-            checkpoint_id=manifest.checkpoint_id,
-            root=str(root),
-        )
-        return raw, verified
-
-    try:
-        manifest_raw, _ = await asyncio.to_thread(read)
-    except OSError as exc:
-        raise CaseFailed(f"commit: {exc.filename} not readable: {exc.strerror}") from None
-    except RollpointError as exc:
-        raise CaseFailed(f"commit: the state on disk does not verify: {exc.message}") from None
-    try:
-        on_disk = ParticipantManifest.model_validate(orjson.loads(manifest_raw))
-    except (orjson.JSONDecodeError, ValidationError) as exc:
-        reason = str(exc).splitlines()[0]
-        raise CaseFailed(f"commit: {folder}/manifest.json is not a manifest: {reason}") from None
-    check(on_disk == manifest, f"commit: {folder}/manifest.json differs from the reply's")
-    return " (manifest and records checked on disk)"
-
-
 @case("commit")
 async def _commit(t: Trial) -> str:
     cid, folder = t.cid(), t.folder()
@@ -194,7 +164,7 @@ async def _commit(t: Trial) -> str:
     await t.prepare(cid)
     reply = expect_ok(await t.commit(cid, folder, []), CommitReply)
     instance = f"{status.name}-{status.replica}"
-    m = _written(reply, "commit")
+    m = written(reply, "commit")
     expected: list[tuple[str, object, object]] = [
         ("phase", reply.phase, Phase.COMMITTED),
         ("checkpoint_id", reply.checkpoint_id, cid),
@@ -209,7 +179,7 @@ async def _commit(t: Trial) -> str:
     wrong = [f"{name} {got!r} (expected {want!r})" for name, got, want in expected if got != want]
     check(not wrong, f"commit reply: {'; '.join(wrong)}")
     await t.phase_is(Phase.COMMITTED, cid)
-    on_disk = await _manifest_on_disk(t.local_root, reply, m) if t.local_root else ""
+    on_disk = await manifest_on_disk(t.local_root, reply, m) if t.local_root else ""
     return f"committed {len(m.parts)} part(s), {m.count} record(s){on_disk}"
 
 
@@ -234,7 +204,7 @@ async def _detached_write(t: Trial) -> str:
     again = expect_ok(await t.probe.send(Verb.CONFIRM, _ids(cid)), ConfirmReply)
     check(again == confirmed, "a second confirm got another manifest")
     await t.refused(Verb.CONFIRM, _ids(t.cid("never")), 404, "not_found")
-    on_disk = await _manifest_on_disk(t.local_root, reply, m) if t.local_root else ""
+    on_disk = await manifest_on_disk(t.local_root, reply, m) if t.local_root else ""
     return f"replied before the write; confirm after resume returned {m.count} record(s){on_disk}"
 
 
@@ -357,33 +327,6 @@ async def _conflict(t: Trial) -> str:
     return "prepare, renew, commit and resume of another id while prepared: checkpoint_conflict"
 
 
-_BAD_AUTH = {
-    "no header": None,
-    "a wrong token": "Bearer {token}-wrong",
-    "another scheme": "Basic {token}",
-}
-
-
-async def _all_unauthorized(t: Trial, requests: list[tuple[Verb, Any]]) -> None:
-    """Each request, sent with each bad authorization: 401, no echo of the token, no change."""
-    probe = t.probe
-    # A short token may occur in any message by chance ("tok" in "token"): only a long
-    # one, and the wrong one the kit made up, tell an echo apart.
-    secrets = [f"{probe.token}-wrong"] + ([probe.token] if len(probe.token) >= 12 else [])
-    before = await probe.status()
-    for label, template in _BAD_AUTH.items():
-        authorization = None if template is None else template.format(token=probe.token)
-        for verb, body in requests:
-            reply = await probe.send(verb, body, authorization=authorization)
-            try:
-                expect_refused(reply, 401, "unauthorized")
-            except CaseFailed as exc:
-                raise CaseFailed(f"with {label}: {exc}") from None
-            echoed = any(secret in reply.text for secret in secrets)
-            check(not echoed, f"{verb} with {label}: the 401 echoes the token")
-    await t.unchanged(before, "requests with a bad token")
-
-
 @case("auth")
 async def _auth(t: Trial) -> str:
     cid = t.cid()
@@ -392,7 +335,7 @@ async def _auth(t: Trial) -> str:
         (Verb.PREPARE, _ids(cid)),
         (Verb.RESUME, {"surprise": True}),
     ]
-    await _all_unauthorized(t, requests)
+    await all_unauthorized(t, requests)
     lowercase = await t.probe.send(Verb.STATUS, authorization=f"bearer {t.probe.token}")
     expect_ok(lowercase, StatusReply)
     await t.prepare(cid)
@@ -401,100 +344,16 @@ async def _auth(t: Trial) -> str:
 
 @case("auth-before-parse")
 async def _auth_before_parse(t: Trial) -> str:
-    await _all_unauthorized(t, [(Verb.PREPARE, b"{not json"), (Verb.RESUME, None)])
+    await all_unauthorized(t, [(Verb.PREPARE, b"{not json"), (Verb.RESUME, None)])
     return "a body that is not JSON (or null) with a bad token: 401, not 400"
-
-
-_ANY_PREPARE = {"checkpoint_id": "@", "deadline_ts": 4e9}
-_NEGATIVE_ATTEMPT = {"rollout_id": "@", "attempt": -1}
-_MALFORMED: list[tuple[str, Verb, Any, str | None]] = [
-    # (what, verb, body, the field the 400 must name); "@" stands for a checkpoint id.
-    ("a missing field", Verb.PREPARE, {"deadline_ts": 4e9}, "checkpoint_id"),
-    ("a wrong type", Verb.PREPARE, {"checkpoint_id": "@", "deadline_ts": "soon"}, "deadline_ts"),
-    ("an unknown field", Verb.PREPARE, {**_ANY_PREPARE, "surprise": 1}, "surprise"),
-    ("a bad identifier", Verb.PREPARE, {**_ANY_PREPARE, "checkpoint_id": "a b"}, "checkpoint_id"),
-    ("a zero deadline", Verb.PREPARE, {**_ANY_PREPARE, "deadline_ts": 0}, "deadline_ts"),
-    ("a negative attempt", Verb.ACK, {"episode_ids": [_NEGATIVE_ATTEMPT]}, "episode_ids"),
-    ("an empty list", Verb.FORGET, {"rollout_ids": []}, "rollout_ids"),
-    ("a body that is not an object", Verb.RESUME, ["@"], None),
-]
-_EPISODE = {"rollout_id": "r", "attempt": 0}
-_ANY_COMMIT = {**_ANY_PREPARE, "checkpoint_dir": "strict", "episode_ids": []}
-_COERCED: list[tuple[str, Verb, Any, str]] = [
-    # (what, verb, body, the field the 400 must name): the strict wire coerces nothing.
-    (
-        "a number as a string",
-        Verb.PREPARE,
-        {**_ANY_PREPARE, "deadline_ts": "4000000000"},
-        "deadline_ts",
-    ),
-    ("a bool for a number", Verb.PREPARE, {**_ANY_PREPARE, "deadline_ts": True}, "deadline_ts"),
-    ("an int as a string", Verb.ACK, {"episode_ids": [{**_EPISODE, "attempt": "1"}]}, "attempt"),
-    ("a bool for an int", Verb.ACK, {"episode_ids": [{**_EPISODE, "attempt": True}]}, "attempt"),
-    ("a float for an int", Verb.ACK, {"episode_ids": [{**_EPISODE, "attempt": 1.0}]}, "attempt"),
-    ("a number for a string", Verb.PREPARE, {**_ANY_PREPARE, "checkpoint_id": 7}, "checkpoint_id"),
-    (
-        "a string for a bool",
-        Verb.COMMIT,
-        {**_ANY_COMMIT, "wait_for_write": "yes"},
-        "wait_for_write",
-    ),
-    ("a number for a bool", Verb.COMMIT, {**_ANY_COMMIT, "wait_for_write": 1}, "wait_for_write"),
-]
-_UNDECODABLE: list[tuple[str, bytes | None, str | None, int, str, str]] = [
-    # (what, body (None: a valid prepare), content type, status, code, what the message says)
-    (
-        "a body that is not JSON",
-        b"{not json",
-        "application/json",
-        400,
-        "bad_request",
-        "not valid JSON",
-    ),
-    (
-        "a truncated body",
-        b'{"checkpoint_id": "x", "dead',
-        "application/json",
-        400,
-        "bad_request",
-        "truncated",
-    ),
-    (
-        "UTF-16 JSON",
-        '{"checkpoint_id": "x"}'.encode("utf-16"),
-        "application/json",
-        400,
-        "bad_request",
-        "UTF-8",
-    ),
-    ("no content type", None, None, 415, "unsupported_media_type", "Content-Type"),
-    ("a text/plain body", None, "text/plain", 415, "unsupported_media_type", "text/plain"),
-    (
-        "a latin-1 charset",
-        None,
-        "application/json; charset=latin-1",
-        415,
-        "unsupported_media_type",
-        "UTF-8",
-    ),
-]
-
-
-def _fill(body: Any, cid: str) -> Any:
-    """``body`` with every ``"@"`` placeholder replaced by ``cid``."""
-    if isinstance(body, dict):
-        return {k: _fill(v, cid) for k, v in body.items()}
-    if isinstance(body, list):
-        return [_fill(v, cid) for v in body]
-    return cid if body == "@" else body
 
 
 @case("malformed")
 async def _malformed(t: Trial) -> str:
     cid = t.cid()
-    for what, verb, body, name in _MALFORMED:
+    for what, verb, body, name in MALFORMED:
         try:
-            message = await t.refused(verb, _fill(body, cid), 400, "bad_request")
+            message = await t.refused(verb, fill(body, cid), 400, "bad_request")
         except CaseFailed as exc:
             raise CaseFailed(f"{what}: {exc}") from None
         check(name is None or name in message, f"{what}: the 400 does not name {name!r}: {message}")
@@ -505,20 +364,20 @@ async def _malformed(t: Trial) -> str:
         "deadline_ts" in message,
         f"a malformed renew: the 400 does not name 'deadline_ts': {message}",
     )
-    return f"{len(_MALFORMED) + 1} malformed bodies: 400 naming the field, nothing changed"
+    return f"{len(MALFORMED) + 1} malformed bodies: 400 naming the field, nothing changed"
 
 
 @case("strict-wire")
 async def _strict_wire(t: Trial) -> str:
     cid = t.cid()
-    for what, verb, body, name in _COERCED:
+    for what, verb, body, name in COERCED:
         try:
-            message = await t.refused(verb, _fill(body, cid), 400, "bad_request")
+            message = await t.refused(verb, fill(body, cid), 400, "bad_request")
         except CaseFailed as exc:
             raise CaseFailed(f"{what}: {exc}") from None
         check(name in message, f"{what}: the 400 does not name {name!r}: {message}")
     valid = orjson.dumps({"checkpoint_id": cid, "deadline_ts": deadline()})
-    for what, raw, content_type, status, code, says in _UNDECODABLE:
+    for what, raw, content_type, status, code, says in UNDECODABLE:
         body = valid if raw is None else raw
         try:
             message = await t.refused(Verb.PREPARE, body, status, code, content_type=content_type)
@@ -532,12 +391,9 @@ async def _strict_wire(t: Trial) -> str:
     whole = {"checkpoint_id": cid, "deadline_ts": int(deadline())}
     expect_ok(await t.probe.send(Verb.PREPARE, whole), PrepareReply)
     return (
-        f"{len(_COERCED)} coerced fields: 400; {len(_UNDECODABLE)} undecodable bodies: 400/415 "
+        f"{len(COERCED)} coerced fields: 400; {len(UNDECODABLE)} undecodable bodies: 400/415 "
         "saying why; a deadline past the horizon: 400; an integer deadline accepted"
     )
-
-
-_ESCAPES = ["../x", "/abs", "a/../../x", "a/../b", "a\\b", "file:///tmp/x", "a/\x00b", "./"]
 
 
 @case("path")
@@ -547,14 +403,14 @@ async def _path(t: Trial) -> str:
         body = {**_ids(cid), "checkpoint_dir": "../x", "episode_ids": []}
         await t.refused(verb, body, 400, "bad_request")
     await t.prepare(cid)
-    for escape in _ESCAPES:
+    for escape in ESCAPES:
         body = {**_ids(cid), "checkpoint_dir": escape, "episode_ids": []}
         try:
             await t.refused(Verb.COMMIT, body, 400, "bad_request")
         except CaseFailed as exc:
             raise CaseFailed(f"checkpoint_dir {escape!r}: {exc}") from None
     expect_ok(await t.commit(cid, t.folder(), []), CommitReply)
-    return f"{len(_ESCAPES)} escaping dirs: 400, even before the phase check; nothing spent"
+    return f"{len(ESCAPES)} escaping dirs: 400, even before the phase check; nothing spent"
 
 
 @case("lease")

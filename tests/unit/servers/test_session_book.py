@@ -36,8 +36,9 @@ from rollpoint.protocol.errors import (
 from rollpoint.protocol.ids import EpisodeId
 from rollpoint.protocol.participant import CheckpointMode
 from rollpoint.servers.agent.agent_server import AgentSettings, agent_server_of, create_agent_app
+from rollpoint.servers.agent.play_contract import TurnBoundary
 from rollpoint.servers.agent.session import Session, SessionState
-from rollpoint.servers.agent.session_book import SessionBook, TurnBoundary
+from rollpoint.servers.agent.session_book import SessionBook
 from rollpoint.servers.agent.session_parts import join_parts
 from tests.support.records import read_back
 

@@ -44,8 +44,9 @@ from rollpoint.protocol.model_base import StrictModel
 from rollpoint.protocol.participant import CheckpointMode
 from rollpoint.servers.agent.agent_participant import AgentParticipant
 from rollpoint.servers.agent.episode_runner import EpisodeRunner
+from rollpoint.servers.agent.play_contract import TurnBoundary
 from rollpoint.servers.agent.session import LIVE_STATES, Session, SessionState
-from rollpoint.servers.agent.session_book import SessionBook, TurnBoundary
+from rollpoint.servers.agent.session_book import SessionBook
 from rollpoint.servers.agent.turn_journal import open_turn_journal
 from rollpoint.servers.server_app import control_plane, create_server_app
 

@@ -61,8 +61,8 @@ from rollpoint.protocol.ids import (
     HEADER_TURN,
 )
 from rollpoint.protocol.token_data import TokenTexts, TokenTrace, context_after
+from rollpoint.servers.agent.play_contract import TurnBoundary
 from rollpoint.servers.agent.session import Session, SessionState
-from rollpoint.servers.agent.session_book import TurnBoundary
 from rollpoint.servers.model.generation_cut import HEADER_TOKEN_SEGMENTS, parse_segments_header
 
 _TOOL_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")

@@ -14,7 +14,9 @@ it), so a checkpoint's capture copies records instead of exporting 50k sessions 
 
 Does not own: how an episode is played (the ``play`` function, normally
 :meth:`rollpoint.servers.agent.episode_runner.EpisodeRunner.play`), HTTP, or checkpoint phases (the
-fence calls :meth:`close_boundaries`, :meth:`readiness`, :meth:`export`, ...).
+fence calls :meth:`close_boundaries`, :meth:`readiness`, :meth:`export`, ...). What a play
+function is handed is in :mod:`.play_contract`; the saved form a capture reads, in
+:mod:`.book_records`.
 
 Row admission, in order: a held finished reply is returned as is; an attempt at or under its
 rollout's retire mark (:attr:`SessionBook.marks`) is refused (``stale_attempt``); a row for another environment is a data
@@ -32,20 +34,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from itertools import islice
-from typing import Any, Protocol
+from typing import Any
 
 from pydantic import JsonValue, TypeAdapter, ValidationError
 
-from rollpoint.participant import AdmissionGate, RetireMarks, StateImage, episode_pairs
+from rollpoint.participant import AdmissionGate, RetireMarks, StateImage
 from rollpoint.protocol.control import (
     MAX_REPORTED_BLOCKERS,
     Readiness,
     RetireOutcome,
     RetireOutcomeKind,
 )
-from rollpoint.protocol.episode import RowFailure, RowRefused, RowResult, RunReply, RunRow
+from rollpoint.protocol.episode import RowRefused, RowResult, RunReply, RunRow
 from rollpoint.protocol.errors import (
     AttemptCancelledError,
     AttemptConflictError,
@@ -54,10 +56,11 @@ from rollpoint.protocol.errors import (
     InvalidPhaseError,
     RollpointError,
     StaleAttemptError,
-    TransportError,
 )
 from rollpoint.protocol.ids import EpisodeId
 from rollpoint.protocol.participant import CheckpointMode
+from rollpoint.servers.agent.book_records import SessionEntry, select_records
+from rollpoint.servers.agent.play_contract import PlayFn, TurnBoundary, row_failure
 from rollpoint.servers.agent.session import (
     BUSY_STATES,
     LIVE_STATES,
@@ -71,64 +74,12 @@ from rollpoint.servers.agent.session_parts import join_parts
 from rollpoint.servers.agent.turn_journal import TurnJournal
 from rollpoint.tuning.seam import encoded
 
+__all__ = ["PlayFn", "SessionBook", "SessionEntry", "TurnBoundary", "row_failure", "select_records"]
+
 log = logging.getLogger(__name__)
 
 _RECORDS = TypeAdapter(list[BookRecord])
 EVICTION_LOG_EVERY = 1000
-
-SessionEntry = tuple[int, tuple[dict[str, Any], ...] | str]
-"""A session's entry in the book's state image: (attempt, its record), or, while the
-session is away from a turn boundary (it cannot be saved then), (attempt, what it is doing)."""
-
-
-class Boundary(Protocol):
-    """What a play function awaits at each turn boundary (``boundary(session)``)."""
-
-    async def __call__(self, session: Session) -> None: ...
-
-
-class TurnBoundary:
-    """The book's boundaries as a play function sees them: park between turns, and hold a
-    policy reply that arrives while a checkpoint is cut.
-
-    Holding the reply is what lets the model server's prepare skip waiting for running
-    policy calls (the generation cut): the session stays ``awaiting_model`` with the reply
-    unapplied, so a checkpoint saves it as *before* that call; after the resume the reply
-    is applied, after a restore the call is made again by the next attempt.
-    """
-
-    __slots__ = ("_book",)
-
-    def __init__(self, book: SessionBook) -> None:
-        self._book = book
-
-    async def __call__(self, session: Session) -> None:
-        await self._book.boundary(session)
-
-    async def hold_reply(self, session: Session) -> None:
-        await self._book.hold_reply(session)
-
-
-PlayFn = Callable[[Session, TurnBoundary], Awaitable[RunReply]]
-"""Plays a session to its end, awaiting ``boundary(session)`` at every turn boundary and
-``boundary.hold_reply(session)`` when a policy reply arrives, before applying it."""
-
-
-def row_failure(row: RunRow, err: BaseException, episode: EpisodeId | None = None) -> RowFailure:
-    """The failure line of a row (of ``episode``, if not the row's own), its code the
-    error's own, from the one tree; transport failures (retryable errors) are worth a fresh
-    re-send."""
-    if not isinstance(err, RollpointError):
-        # Not raised on purpose: a bug, reported under the tree's code for that (internal).
-        err = RollpointError(f"{type(err).__name__}: {err}")
-    return RowFailure(
-        episode=row.episode if episode is None else episode,
-        group_id=row.group_id,
-        row=row.row,
-        code=err.code,
-        message=err.message,
-        transport=isinstance(err, TransportError) or err.retryable,
-    )
 
 
 def _done(result: RowResult) -> asyncio.Future[RowResult]:
@@ -583,23 +534,3 @@ class SessionBook:
             self._cancel(session)
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
-
-
-def select_records(
-    image: Mapping[str, SessionEntry],
-    scope: Iterable[EpisodeId],
-    finished: list[dict[str, JsonValue]],
-) -> list[dict[str, JsonValue]]:
-    """The records of the scoped sessions in ``image`` (a copy taken by a capture), then
-    ``finished``. Runs in the writer's thread: it reads only the copy. A scoped session
-    away from a boundary raises :class:`InvalidPhaseError` (readiness rules that out)."""
-    records: list[dict[str, JsonValue]] = []
-    for rollout_id, attempt in episode_pairs(scope):
-        entry = image.get(rollout_id)
-        if entry is None or entry[0] != attempt:
-            continue
-        saved = entry[1]
-        if isinstance(saved, str):
-            raise InvalidPhaseError(f"{saved}, not at a turn boundary")
-        records.extend(saved)
-    return [*records, *finished]

@@ -20,7 +20,8 @@ from rollpoint.testing import LocalCluster
 from rollpoint.testing.fault_proxy import FaultProxy
 from rollpoint.trainer.dispatch.dispatch_barrier import DispatchBarrier
 from rollpoint.trainer.dispatch.dispatcher import Dispatcher
-from rollpoint.trainer.state.ledger import RecoveryLedger, RolloutState
+from rollpoint.trainer.state.ledger import RecoveryLedger
+from rollpoint.trainer.state.ledger_record import RolloutState
 from tests.support.direct_play import play_directly
 from tests.support.polling import eventually
 

@@ -38,7 +38,8 @@ from rollpoint.trainer.control.replica_roster import ReplicaRoster
 from rollpoint.trainer.dispatch.dispatch_barrier import DispatchBarrier
 from rollpoint.trainer.dispatch.dispatcher import Dispatcher
 from rollpoint.trainer.dispatch.release_batcher import ReleaseBatcher
-from rollpoint.trainer.state.ledger import RecoveryLedger, RolloutState
+from rollpoint.trainer.state.ledger import RecoveryLedger
+from rollpoint.trainer.state.ledger_record import RolloutState
 from rollpoint.trainer.train_hooks import TrainSample
 from rollpoint.trainer.trainer import Trainer
 from tests.support.direct_play import play, play_directly

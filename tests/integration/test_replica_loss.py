@@ -34,7 +34,8 @@ from rollpoint.trainer.record.workdir_record import TRAIN_DATA_FILE, WorkdirReco
 from rollpoint.trainer.restore.restorer import Restorer
 from rollpoint.trainer.restore.resume_point import ResumePoint, read_trainer_document
 from rollpoint.trainer.snapshot.publication import FINISHED_QUEUE_FILE, LEDGER_FILE, TRAINER_FILE
-from rollpoint.trainer.state.ledger import RecoveryLedger, RolloutState
+from rollpoint.trainer.state.ledger import RecoveryLedger
+from rollpoint.trainer.state.ledger_record import RolloutState
 from rollpoint.trainer.trainer import Trainer
 from tests.support.embedded_job import EmbeddedJob, embedded_job, embedded_servers
 from tests.support.job_config import job_config

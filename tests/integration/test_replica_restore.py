@@ -35,7 +35,8 @@ from rollpoint.trainer.restore.replica_recovery import ReplicaRecovery
 from rollpoint.trainer.settings import SaveSettings
 from rollpoint.trainer.snapshot.coordinator import SaveReport, SnapshotCoordinator
 from rollpoint.trainer.state.finished_queue import FinishedQueue
-from rollpoint.trainer.state.ledger import LedgerRecord, RecoveryLedger, RolloutState
+from rollpoint.trainer.state.ledger import RecoveryLedger
+from rollpoint.trainer.state.ledger_record import LedgerRecord, RolloutState
 from rollpoint.trainer.trainer import Trainer
 from tests.integration.test_replica_loss import LOST, assert_every_row_trained_once, job, kill
 from tests.support.embedded_job import embedded_job

@@ -18,7 +18,7 @@ from rollpoint.loop import SimulatedTrainer
 from rollpoint.protocol.errors import RunStalledError
 from rollpoint.testing import LocalCluster
 from rollpoint.trainer.settings import TrainerSettings
-from rollpoint.trainer.state.ledger import RolloutState
+from rollpoint.trainer.state.ledger_record import RolloutState
 from rollpoint.trainer.train_hooks import TrainSample
 from rollpoint.trainer.trainer import Trainer
 from tests.support.polling import eventually

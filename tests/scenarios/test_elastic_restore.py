@@ -27,7 +27,7 @@ from rollpoint.trainer.restore.installer import PARTICIPANTS_SUBDIR
 from rollpoint.trainer.restore.restore_checks import check_config, place
 from rollpoint.trainer.restore.restorer import Restorer
 from rollpoint.trainer.restore.resume_point import ResumePoint, choose_resume_point
-from rollpoint.trainer.state.ledger import RolloutState
+from rollpoint.trainer.state.ledger_record import RolloutState
 from tests.scenarios.scenario_kit import (
     ControlCall,
     ScenarioCluster,

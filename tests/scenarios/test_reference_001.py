@@ -15,7 +15,7 @@ import pytest
 
 from rollpoint.protocol.participant import ParticipantKind
 from rollpoint.testing import Fault, ProxiedRequest
-from rollpoint.trainer.state.ledger import RolloutState
+from rollpoint.trainer.state.ledger_record import RolloutState
 from tests.scenarios.scenario_kit import (
     RETIRE,
     RecordingHooks,

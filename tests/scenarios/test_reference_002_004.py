@@ -38,7 +38,8 @@ from rollpoint.trainer.settings import SaveSettings
 from rollpoint.trainer.snapshot.coordinator import SnapshotCoordinator
 from rollpoint.trainer.snapshot.publication import LEDGER_FILE
 from rollpoint.trainer.state.finished_queue import FinishedQueue
-from rollpoint.trainer.state.ledger import RecoveryLedger, RolloutState
+from rollpoint.trainer.state.ledger import RecoveryLedger
+from rollpoint.trainer.state.ledger_record import RolloutState
 from tests.scenarios.scenario_kit import (
     KINDS,
     PREPARE,

@@ -16,7 +16,8 @@ from rollpoint.http.client import HttpClient
 from rollpoint.protocol.deployment import Deployment
 from rollpoint.protocol.participant import ParticipantKind
 from rollpoint.trainer.control.participant_client import ParticipantClient
-from rollpoint.trainer.state.ledger import RecoveryLedger, RolloutState
+from rollpoint.trainer.state.ledger import RecoveryLedger
+from rollpoint.trainer.state.ledger_record import RolloutState
 
 log = logging.getLogger(__name__)
 

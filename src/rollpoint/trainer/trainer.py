@@ -75,7 +75,8 @@ from rollpoint.trainer.snapshot.coordinator import SnapshotCoordinator
 from rollpoint.trainer.snapshot.run_snapshots import SNAPSHOT_RETRY_S as SNAPSHOT_RETRY_S
 from rollpoint.trainer.snapshot.run_snapshots import first_snapshot, last_snapshot, snapshot_loop
 from rollpoint.trainer.state.finished_queue import FinishedQueue
-from rollpoint.trainer.state.ledger import RecoveryLedger, RolloutState
+from rollpoint.trainer.state.ledger import RecoveryLedger
+from rollpoint.trainer.state.ledger_record import RolloutState
 from rollpoint.trainer.step_record import StepRecord
 from rollpoint.trainer.train_hooks import TrainHooks
 from rollpoint.trainer.train_loop import TrainLoop

@@ -17,8 +17,9 @@ from rollpoint.store.record_packs import OBJECTS_DIR, PackIndex, encode_record
 from rollpoint.store.snapshot_store import SnapshotStore
 from rollpoint.trainer.state.append_log import CHUNK, LogChunk
 from rollpoint.trainer.state.final_tries import FinalTries, StoredChunk
-from rollpoint.trainer.state.ledger import RecoveryLedger, RolloutState
+from rollpoint.trainer.state.ledger import RecoveryLedger
 from rollpoint.trainer.state.ledger_document import ArchivedEntry, document_from_records
+from rollpoint.trainer.state.ledger_record import RolloutState
 
 
 def entry(i: int) -> ArchivedEntry:

@@ -25,7 +25,8 @@ from rollpoint.trainer.record.workdir_record import WorkdirRecord
 from rollpoint.trainer.restore.restorer import Restorer
 from rollpoint.trainer.snapshot.coordinator import SnapshotCoordinator
 from rollpoint.trainer.snapshot.journal_floors import JournalFloors
-from rollpoint.trainer.state.ledger import RecoveryLedger, RolloutState
+from rollpoint.trainer.state.ledger import RecoveryLedger
+from rollpoint.trainer.state.ledger_record import RolloutState
 from tests.unit.trainer.in_process_rig import TASK, Rig, SessionParticipant, build_rig
 
 

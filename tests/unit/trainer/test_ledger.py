@@ -16,14 +16,14 @@ from rollpoint.protocol.errors import (
     InvalidPhaseError,
     NotFoundError,
 )
-from rollpoint.trainer.state.ledger import (
+from rollpoint.trainer.state.ledger import RecoveryLedger
+from rollpoint.trainer.state.ledger_document import LEDGER_SCHEMA_VERSION
+from rollpoint.trainer.state.ledger_record import (
     TRANSITIONS,
     LedgerMove,
     LedgerRecord,
-    RecoveryLedger,
     RolloutState,
 )
-from rollpoint.trainer.state.ledger_document import LEDGER_SCHEMA_VERSION
 
 GOLDEN = Path(__file__).parents[2] / "golden"
 S, M = RolloutState, LedgerMove

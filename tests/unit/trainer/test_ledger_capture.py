@@ -13,8 +13,9 @@ from rollpoint.protocol.episode import TaskRow
 from rollpoint.protocol.errors import InvalidCheckpointStateError
 from rollpoint.store.record_packs import encode_record
 from rollpoint.trainer.state.append_log import AppendLog
-from rollpoint.trainer.state.ledger import RecoveryLedger, RolloutState
+from rollpoint.trainer.state.ledger import RecoveryLedger
 from rollpoint.trainer.state.ledger_document import LEDGER_SCHEMA_VERSION, document_from_records
+from rollpoint.trainer.state.ledger_record import RolloutState
 
 GOLDEN = Path(__file__).parents[2] / "golden"
 S = RolloutState

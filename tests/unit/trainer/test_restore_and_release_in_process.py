@@ -15,7 +15,7 @@ from rollpoint.trainer.dispatch.release_batcher import ReleaseBatcher
 from rollpoint.trainer.record.workdir_record import WorkdirRecord
 from rollpoint.trainer.restore.restorer import Restorer
 from rollpoint.trainer.restore.resume_point import ResumePoint
-from rollpoint.trainer.state.ledger import RolloutState
+from rollpoint.trainer.state.ledger_record import RolloutState
 from tests.unit.trainer.in_process_rig import Rig, build_rig
 
 MODEL, AGENT, RESOURCES = "model@replica-0", "agent@replica-0", "resources@replica-0"

@@ -87,7 +87,8 @@ from rollpoint.trainer.dispatch.row_deadlines import RowDeadlines
 from rollpoint.trainer.dispatch.row_slots import RowSlots
 from rollpoint.trainer.dispatch.run_stream import RunStream, parse_row_result
 from rollpoint.trainer.policy_lag import PolicyLag
-from rollpoint.trainer.state.ledger import LedgerRecord, RecoveryLedger, RolloutState
+from rollpoint.trainer.state.ledger import RecoveryLedger
+from rollpoint.trainer.state.ledger_record import LedgerRecord, RolloutState
 
 __all__ = ["Dispatcher", "GroupOutcome"]
 

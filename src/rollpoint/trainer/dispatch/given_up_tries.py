@@ -38,7 +38,8 @@ from rollpoint.trainer.dispatch.dispatch_barrier import DispatchBarrier
 from rollpoint.trainer.dispatch.group_run import GroupRun
 from rollpoint.trainer.dispatch.release_batcher import ReleaseBatcher, RetireAnswer
 from rollpoint.trainer.dispatch.replica_picker import ReplicaPicker
-from rollpoint.trainer.state.ledger import LedgerRecord, RecoveryLedger, RolloutState
+from rollpoint.trainer.state.ledger import RecoveryLedger
+from rollpoint.trainer.state.ledger_record import LedgerRecord, RolloutState
 
 log = logging.getLogger(__name__)
 

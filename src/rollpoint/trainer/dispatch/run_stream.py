@@ -17,7 +17,8 @@ from pydantic import TypeAdapter, ValidationError
 from rollpoint.protocol.episode import RowResult, RunRequest, RunRow
 from rollpoint.protocol.errors import TransportError
 from rollpoint.trainer.dispatch.group_run import GroupRun
-from rollpoint.trainer.state.ledger import LedgerRecord, RecoveryLedger
+from rollpoint.trainer.state.ledger import RecoveryLedger
+from rollpoint.trainer.state.ledger_record import LedgerRecord
 
 _ROW_RESULT: TypeAdapter[RowResult] = TypeAdapter(RowResult)
 

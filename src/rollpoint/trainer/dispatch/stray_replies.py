@@ -18,7 +18,8 @@ import logging
 from rollpoint.protocol.errors import RollpointError
 from rollpoint.protocol.ids import EpisodeId
 from rollpoint.trainer.control.participant_client import ParticipantClient
-from rollpoint.trainer.state.ledger import RecoveryLedger, RolloutState
+from rollpoint.trainer.state.ledger import RecoveryLedger
+from rollpoint.trainer.state.ledger_record import RolloutState
 
 log = logging.getLogger(__name__)
 

@@ -45,7 +45,8 @@ from rollpoint.trainer.control.replica_roster import ReplicaRoster
 from rollpoint.trainer.dispatch.dispatcher import Dispatcher
 from rollpoint.trainer.restore.restorer import Restorer
 from rollpoint.trainer.snapshot.coordinator import SnapshotCoordinator
-from rollpoint.trainer.state.ledger import RecoveryLedger, RolloutState
+from rollpoint.trainer.state.ledger import RecoveryLedger
+from rollpoint.trainer.state.ledger_record import RolloutState
 
 log = logging.getLogger(__name__)
 

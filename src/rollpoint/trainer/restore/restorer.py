@@ -64,7 +64,8 @@ from rollpoint.trainer.restore.resume_point import (
     read_trainer_document,
 )
 from rollpoint.trainer.state.finished_queue import FinishedQueue
-from rollpoint.trainer.state.ledger import RecoveryLedger, RolloutState
+from rollpoint.trainer.state.ledger import RecoveryLedger
+from rollpoint.trainer.state.ledger_record import RolloutState
 from rollpoint.trainer.step_record import StepRecord
 
 # The resume point moved to resume_point, the checks and the placement to restore_checks,

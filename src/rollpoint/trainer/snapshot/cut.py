@@ -28,8 +28,8 @@ from rollpoint.protocol.manifest import RestartEpisode, SavedEpisode, SnapshotMa
 from rollpoint.store.staging import Staging
 from rollpoint.trainer.control.participant_client import ParticipantClient
 from rollpoint.trainer.state.finished_queue import FinishedQueueCapture
-from rollpoint.trainer.state.ledger import LedgerRecord
 from rollpoint.trainer.state.ledger_document import LedgerCapture
+from rollpoint.trainer.state.ledger_record import LedgerRecord
 
 log = logging.getLogger(__name__)
 

@@ -35,7 +35,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 
 from rollpoint.protocol.manifest import JournalMark
-from rollpoint.trainer.state.ledger import LedgerRecord
+from rollpoint.trainer.state.ledger_record import LedgerRecord
 
 __all__ = ["JournalFloors"]
 

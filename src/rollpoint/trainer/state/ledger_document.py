@@ -53,7 +53,7 @@ from rollpoint.protocol.model_base import StrictModel
 from rollpoint.trainer.state.append_log import LogChunk
 
 if TYPE_CHECKING:
-    from rollpoint.trainer.state.ledger import LedgerRecord
+    from rollpoint.trainer.state.ledger_record import LedgerRecord
 
 LEDGER_SCHEMA_VERSION = 3
 _ARCHIVED = frozenset({"sealed", "retired"})

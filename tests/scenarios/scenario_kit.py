@@ -63,8 +63,7 @@ from rollpoint.trainer.restore.restorer import RestoredRun
 from rollpoint.trainer.settings import SaveSettings
 from rollpoint.trainer.snapshot.coordinator import SaveReport, SnapshotCoordinator
 from rollpoint.trainer.state.finished_queue import FinishedQueue
-from rollpoint.trainer.state.ledger import RecoveryLedger
-from rollpoint.trainer.state.ledger_record import LedgerRecord
+from rollpoint.trainer.state.ledger import LedgerRecord, RecoveryLedger
 from rollpoint.trainer.train_hooks import TrainHooks, TrainSample
 from rollpoint.trainer.trainer import RunSummary, Trainer
 from tests.support.job_config import job_config as small_job_config

@@ -31,8 +31,7 @@ from rollpoint.trainer.record.workdir_record import TRAIN_DATA_FILE, WorkdirReco
 from rollpoint.trainer.restore.restorer import Restorer
 from rollpoint.trainer.restore.resume_point import choose_resume_point, read_trainer_document
 from rollpoint.trainer.snapshot.publication import LEDGER_FILE
-from rollpoint.trainer.state.ledger import RecoveryLedger
-from rollpoint.trainer.state.ledger_record import RolloutState
+from rollpoint.trainer.state.ledger import RecoveryLedger, RolloutState
 from rollpoint.trainer.train_hooks import TrainSample
 from rollpoint.tuning import seam
 from rollpoint.tuning.collector_listener import CollectorListener

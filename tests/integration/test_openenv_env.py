@@ -22,7 +22,8 @@ import orjson
 import pytest
 
 from rollpoint.envs import get_environment
-from rollpoint.envs.openenv_env import STEP_TOOL, OpenEnvEnvironment, OpenEnvEpisode, _wait
+from rollpoint.envs.openenv_env import STEP_TOOL, OpenEnvEnvironment, OpenEnvEpisode
+from rollpoint.envs.openenv_session import _wait
 from rollpoint.protocol.errors import (
     ConfigError,
     EpisodeError,
@@ -216,7 +217,7 @@ def _state_of(pid: int) -> str | None:
 def test_the_server_a_process_started_ends_when_that_process_is_killed(echo_dir: Path) -> None:
     code = (
         "import sys, time\n"
-        "from rollpoint.envs.openenv_env import _SERVERS, server_url\n"
+        "from rollpoint.envs.openenv_server import _SERVERS, server_url\n"
         f"print(server_url({APP!r}, 'test'), _SERVERS[{APP!r}].proc.pid, flush=True)\n"
         "time.sleep(600)\n"
     )
@@ -258,7 +259,7 @@ def test_the_server_child_imports_its_app_without_gradio_unless_something_needs_
     (echo_dir / "app_with_ui.py").write_text("import gradio\nfrom echo_env.server.app import app\n")
     code = (
         "import sys\n"
-        "from rollpoint.envs.openenv_env import import_app\n"
+        "from rollpoint.envs.openenv_server import import_app\n"
         "app = import_app(sys.argv[1])\n"
         "print(type(app).__name__, sys.modules.get('gradio') is not None)\n"
     )

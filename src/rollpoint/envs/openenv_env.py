@@ -1,9 +1,11 @@
 """The ``openenv:<target>`` environments: an OpenEnv environment server behind one tool.
 
-Owns the reference, the OpenEnv server a reference names (one this process starts, or one
-at a URL), one OpenEnv session per episode over OpenEnv's WebSocket protocol (the messages
-OpenEnv's own ``EnvClient`` sends, :class:`Session`), the ``openenv_step`` tool, and the
-saved form of an episode.
+Owns the reference, the class made for each one, the ``openenv_step`` tool, and the saved
+form of an episode. The OpenEnv server a reference names (one this process starts, or one at
+a URL) is :mod:`~rollpoint.envs.openenv_server`'s; the one OpenEnv session per episode over
+OpenEnv's WebSocket protocol (the messages OpenEnv's own ``EnvClient`` sends,
+:class:`~rollpoint.envs.openenv_session.Session`) and the loop it lives on are
+:mod:`~rollpoint.envs.openenv_session`'s.
 
 - **Reference**: ``openenv:<module>:<attr>`` names an OpenEnv server app (what
   ``openenv.core.env_server.create_app`` returns; ``server.app:app`` in an environment made by
@@ -11,8 +13,8 @@ saved form of an episode.
   loopback port, and the child ends when that process ends (even by SIGKILL: it watches a
   pipe from its parent). The child imports the app without gradio, which OpenEnv's server
   package imports for its web interface, unless ``ENABLE_WEB_INTERFACE`` is set or the app
-  imports gradio itself (:func:`import_app`). ``openenv:http://host:port`` plays a server
-  already running there.
+  imports gradio itself (:func:`~rollpoint.envs.openenv_server.import_app`).
+  ``openenv:http://host:port`` plays a server already running there.
   A suffix says how episodes survive a crash: ``@replay`` (the default) or ``@restart``.
 - **Episodes**: one WebSocket session each (``/ws``: the server's per-connection environment),
   ``reset(seed, episode_id)`` at the start with the seed from the task. The server must allow
@@ -43,35 +45,25 @@ outlived the crash, through ``Environment.attach``): an OpenEnv WebSocket sessio
 its connection, so none outlives the process that held it; such environments use
 ``@restart``.
 
-Why not OpenEnv's ``GenericEnvClient`` itself: it reconnects on its own when its socket
-closed, to a new environment never reset (a step there would land in another episode), and
-importing it imports gradio (seconds per process). :class:`Session` speaks the same messages.
 Sessions are async; the interface is not: every session lives on one event loop per process,
 in a daemon thread; the tool awaits its call from the server's loop, the other methods wait
-for theirs. OpenEnv (and websockets) come with the ``openenv`` extra.
+for theirs (why not OpenEnv's own client: :mod:`~rollpoint.envs.openenv_session`). OpenEnv
+(and websockets) come with the ``openenv`` extra.
 """
 
 from __future__ import annotations
 
-import asyncio
 import functools
-import importlib
 import logging
-import os
 import random
 import re
-import select
-import subprocess
-import sys
-import threading
-import time
 import urllib.error
 import urllib.request
 import uuid
 from collections import Counter
-from collections.abc import Callable, Coroutine, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Annotated, Any, ClassVar, TypeVar
+from typing import Annotated, Any, ClassVar
 
 import orjson
 from pydantic import ConfigDict, Field, JsonValue, ValidationError
@@ -79,13 +71,27 @@ from pydantic import ConfigDict, Field, JsonValue, ValidationError
 from rollpoint.common.extras import need
 from rollpoint.envs.action_replay import Replay, check_seeded, read_saved, restart_notice
 from rollpoint.envs.base import Environment, Tool, ToolArgumentError, ToolArguments
+from rollpoint.envs.openenv_server import import_app, serve, server_url
+from rollpoint.envs.openenv_session import Session, SessionError, SessionLost, _await, _wait
 from rollpoint.protocol.episode import TaskRow, VerifyReply
 from rollpoint.protocol.errors import ConfigError, EpisodeError
 from rollpoint.protocol.model_base import StrictModel
 from rollpoint.protocol.participant import CheckpointMode
 
-if TYPE_CHECKING:
-    from websockets.asyncio.client import ClientConnection
+__all__ = [
+    "PREFIX",
+    "STEP_TOOL",
+    "OpenEnvEnvironment",
+    "OpenEnvEpisode",
+    "OpenEnvParams",
+    "Session",
+    "SessionError",
+    "SessionLost",
+    "import_app",
+    "openenv_environment",
+    "serve",
+    "server_url",
+]
 
 PREFIX = "openenv:"
 STEP_TOOL = "openenv_step"
@@ -97,231 +103,8 @@ _ACTION_REFUSED = frozenset({"VALIDATION_ERROR", "EXECUTION_ERROR", "UNKNOWN_TYP
 """Server error codes that answer the action itself: the model's mistake, not a step. (An
 environment whose ``step`` raised after changing its state is caught at the next restore:
 its ``step_count`` no longer matches the actions replayed.)"""
-_CALL_TIMEOUT_S = 60.0
-_START_TIMEOUT_S = 60.0
-T = TypeVar("T")
 
 log = logging.getLogger(__name__)
-
-
-# ---- the loop every session of this process lives on -----------------------------------
-_LOOP: asyncio.AbstractEventLoop | None = None
-_LOOP_LOCK = threading.Lock()
-
-
-def _loop() -> asyncio.AbstractEventLoop:
-    """One event loop per process, in a daemon thread: a WebSocket belongs to the loop that
-    opened it, and the interface's synchronous methods are called from the server's loop."""
-    global _LOOP
-    with _LOOP_LOCK:
-        if _LOOP is None:
-            loop = asyncio.new_event_loop()
-            threading.Thread(target=loop.run_forever, name="openenv loop", daemon=True).start()
-            _LOOP = loop
-        return _LOOP
-
-
-def _wait(coroutine: Coroutine[Any, Any, T]) -> T:
-    return asyncio.run_coroutine_threadsafe(coroutine, _loop()).result(_CALL_TIMEOUT_S)
-
-
-async def _await(coroutine: Coroutine[Any, Any, T]) -> T:
-    """Await ``coroutine`` on the sessions' loop from another running loop."""
-    future = asyncio.run_coroutine_threadsafe(coroutine, _loop())
-    return await asyncio.wait_for(asyncio.wrap_future(future), _CALL_TIMEOUT_S)
-
-
-# ---- the server a reference names ------------------------------------------------------
-class _LocalServer:
-    """An OpenEnv app served by a child process of this one on a free loopback port."""
-
-    def __init__(self, app: str, ref: str) -> None:
-        # The child reads the pipe's other end: end of file (this process gone, however it
-        # ended) makes it exit, so no environment server outlives the process that played it.
-        read_end, self._lifeline = os.pipe()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", _CHILD, app, str(read_end)],
-            stdout=subprocess.PIPE,
-            stderr=None,
-            pass_fds=(read_end,),
-            env={**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), *sys.path])},
-        )
-        os.close(read_end)
-        assert self.proc.stdout is not None
-        ready, _, _ = select.select([self.proc.stdout], [], [], _START_TIMEOUT_S)
-        line = self.proc.stdout.readline().decode().strip() if ready else ""
-        if not line.startswith("port "):
-            self.proc.kill()
-            self.proc.wait(10)
-            why = f"exit {self.proc.returncode}" if ready else f"not up in {_START_TIMEOUT_S:.0f}s"
-            raise ConfigError(
-                f"environment {ref!r}: the OpenEnv server {app} did not start"
-                f" ({why}; its error is in the log above)"
-            )
-        self.url = f"http://127.0.0.1:{int(line.removeprefix('port '))}"
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(10)
-        os.close(self._lifeline)
-
-
-_SERVERS: dict[str, _LocalServer] = {}
-_SERVERS_LOCK = threading.Lock()
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=2) as reply:
-            return bool(reply.status == 200)
-    except (urllib.error.URLError, OSError):
-        return False
-
-
-def server_url(target: str, ref: str) -> str:
-    """The base URL of the server ``target`` names, started here first if it is an app."""
-    if target.startswith(("http://", "https://")):
-        return target.rstrip("/")
-    with _SERVERS_LOCK:
-        server = _SERVERS.get(target)
-        if server is None:
-            server = _SERVERS[target] = _LocalServer(target, ref)
-    deadline = time.monotonic() + _START_TIMEOUT_S
-    while not _healthy(server.url):
-        if server.proc.poll() is not None or time.monotonic() > deadline:
-            raise ConfigError(f"environment {ref!r}: the OpenEnv server {target} is not healthy")
-        time.sleep(0.05)
-    return server.url
-
-
-_CHILD = (
-    "import sys; from rollpoint.envs.openenv_env import serve; serve(sys.argv[1], int(sys.argv[2]))"
-)
-
-
-def import_app(app_path: str) -> Any:
-    """The app ``module:attr`` names, imported without gradio unless something needs it.
-
-    ``openenv.core.env_server`` imports its web interface, and gradio with it, whenever it is
-    imported (8 of the 15 s the echo server took to import on a loaded machine; over a minute
-    at load 40), and does without it when gradio is not installed. The server only uses it
-    with ``ENABLE_WEB_INTERFACE`` set. So, unless that is set, gradio reads as not installed
-    while the app is imported; an app that imports gradio itself is imported again with it."""
-    module_name, _, attr = app_path.partition(":")
-    web = os.environ.get("ENABLE_WEB_INTERFACE", "false").lower() in ("true", "1", "yes")
-    if web or "gradio" in sys.modules:
-        return getattr(importlib.import_module(module_name), attr)
-    sys.modules["gradio"] = None  # type: ignore[assignment]  # "import gradio" fails: not installed
-    try:
-        module = importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        if exc.name != "gradio":
-            raise
-        module = None
-    finally:
-        del sys.modules["gradio"]
-    if module is None:
-        module = importlib.import_module(module_name)
-    return getattr(module, attr)
-
-
-def serve(app_path: str, lifeline: int) -> None:
-    """The child: import the app, bind a free loopback port, say it, serve until the parent
-    is gone."""
-    import socket
-
-    import uvicorn
-
-    app = import_app(app_path)
-
-    def watch() -> None:
-        os.read(lifeline, 1)  # returns at end of file: the parent is gone
-        os._exit(0)
-
-    threading.Thread(target=watch, daemon=True).start()
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    print(f"port {sock.getsockname()[1]}", flush=True)
-    config = uvicorn.Config(app, log_level="warning", lifespan="on")
-    uvicorn.Server(config).run(sockets=[sock])
-
-
-# ---- one OpenEnv session ---------------------------------------------------------------
-class SessionError(Exception):
-    """The server answered a message with an error frame (``{"type": "error", "data":
-    {"message", "code"}}``): nothing was applied."""
-
-    def __init__(self, message: str, code: str) -> None:
-        super().__init__(f"{message} (code {code})")
-        self.message, self.code = message, code
-
-
-class SessionLost(Exception):
-    """The connection broke or timed out around a message: whether it was applied is unknown."""
-
-
-class Session:
-    """One OpenEnv WebSocket session (``/ws``): one environment instance on the server, alive
-    as long as this connection. Speaks the messages OpenEnv's own client sends (``reset`` with
-    ``seed`` and ``episode_id``, ``step`` with the action, ``state``, ``close``) and reads its
-    replies (``observation``, ``state``, ``error``). Unlike OpenEnv's client, it never
-    reconnects on its own: a new connection is a new, never reset environment, and a step
-    sent there would be applied to another episode."""
-
-    def __init__(self, ws: ClientConnection) -> None:
-        self._ws = ws
-        self._broken = False
-        """A message went unanswered (a timeout, a cancel): a reply may still come and would
-        be read as the next message's, so nothing more is sent on this connection."""
-
-    @classmethod
-    async def open(cls, url: str) -> Session:
-        """A new session; OSError or a ``websockets`` error when the server refuses it."""
-        from websockets.asyncio.client import connect
-
-        ws = await connect(
-            "ws" + url.removeprefix("http") + "/ws",
-            open_timeout=_CALL_TIMEOUT_S,
-            max_size=100 * 2**20,
-            proxy=None,
-        )
-        return cls(ws)
-
-    async def ask(self, kind: str, data: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        from websockets.exceptions import ConnectionClosed
-
-        message: dict[str, Any] = {"type": kind} if data is None else {"type": kind, "data": data}
-        if self._broken:
-            raise SessionLost("the OpenEnv session was lost (a message went unanswered)")
-        self._broken = True
-        try:
-            await self._ws.send(orjson.dumps(message).decode())
-            raw = await asyncio.wait_for(self._ws.recv(), _CALL_TIMEOUT_S)
-        except (ConnectionClosed, TimeoutError, OSError) as exc:
-            await self.close()
-            raise SessionLost(
-                f"the OpenEnv session was lost ({type(exc).__name__}: {exc})"
-            ) from None
-        self._broken = False
-        reply = orjson.loads(raw)
-        body = reply.get("data") if isinstance(reply, dict) else None
-        if not isinstance(body, dict):
-            raise SessionLost(f"the OpenEnv session answered {str(raw)[:200]!r}")
-        if reply.get("type") == "error":
-            raise SessionError(str(body.get("message", "error")), str(body.get("code", "UNKNOWN")))
-        return body
-
-    async def close(self) -> None:
-        from websockets.exceptions import ConnectionClosed
-        from websockets.protocol import State
-
-        try:
-            if self._ws.state is State.OPEN:
-                await self._ws.send(orjson.dumps({"type": "close"}).decode())
-            await self._ws.close()
-        except (ConnectionClosed, OSError) as exc:  # gone either way; the server reaps it
-            log.debug("closing an OpenEnv session: %s", exc)
 
 
 # ---- the environment class a reference names -------------------------------------------

@@ -1,10 +1,13 @@
 """The ``mcp:<spec file>`` environments: the tools of any MCP server as a resources server's tools.
 
 Owns the reference (``mcp:examples/mcp_sqlite.yaml``, a path relative to the working
-directory), the spec file's model (:class:`McpSpec`: the server to start or reach, which of
-its tools the policy sees and the arguments the environment fills in, the tasks), the class
-made for each spec, the one client connection per process (:class:`McpConnection`, through
-the official ``mcp`` SDK), and the episode's saved form: the log of its calls.
+directory), the class made for each spec, the server's tools as the policy sees them, and the
+episode's saved form: the log of its calls. The spec file's model
+(:class:`~rollpoint.envs.mcp_spec.McpSpec`: the server to start or reach, which of its tools
+the policy sees and the arguments the environment fills in, the tasks) is
+:mod:`~rollpoint.envs.mcp_spec`'s; the one client connection per process
+(:class:`~rollpoint.envs.mcp_connection.McpConnection`, through the official ``mcp`` SDK) is
+:mod:`~rollpoint.envs.mcp_connection`'s.
 
 - **Server**: stdio (``server.command``: a command the resources server starts as its
   child, one per resources server process; looked up on PATH, then beside the Python
@@ -45,23 +48,31 @@ import asyncio
 import functools
 import importlib
 import json
-import os
 import re
-import shutil
-import sys
-import threading
 from collections.abc import Callable, Mapping
-from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
-from datetime import timedelta
-from pathlib import Path
-from typing import Annotated, Any, ClassVar
+from typing import Any, ClassVar
 
-import yaml
-from pydantic import ConfigDict, Field, JsonValue, ValidationError, model_validator
+from pydantic import ConfigDict, JsonValue, ValidationError
 
 from rollpoint.common.extras import need
 from rollpoint.envs.base import Environment, Tool, ToolArgumentError, ToolArguments
+from rollpoint.envs.mcp_connection import (
+    McpConnection,
+    _describe,
+    find_command,
+    list_server_tools,
+)
+from rollpoint.envs.mcp_spec import (
+    META_KEY,
+    PREFIX,
+    McpServerSpec,
+    McpSetupCall,
+    McpSpec,
+    McpTasksSpec,
+    McpToolSpec,
+    load_spec,
+)
 from rollpoint.envs.tool_call import ToolContext
 from rollpoint.protocol.episode import TaskRow, VerifyReply
 from rollpoint.protocol.errors import (
@@ -72,245 +83,30 @@ from rollpoint.protocol.errors import (
 from rollpoint.protocol.model_base import StrictModel
 from rollpoint.protocol.participant import CheckpointMode
 
-PREFIX = "mcp:"
-META_KEY = "rollpoint/idempotency_key"
+__all__ = [
+    "META_KEY",
+    "PREFIX",
+    "McpArguments",
+    "McpCall",
+    "McpConnection",
+    "McpEnvironment",
+    "McpEpisode",
+    "McpServerSpec",
+    "McpSetupCall",
+    "McpSpec",
+    "McpTasksSpec",
+    "McpTool",
+    "McpToolSpec",
+    "find_command",
+    "list_server_tools",
+    "load_spec",
+    "mcp_environment",
+    "result_text",
+]
+
 _TEMPLATE = re.compile(r"\{(task_id|rollout_id|turn|call_index|idempotency_key)\}")
 _INVALID_PARAMS = -32602  # JSON-RPC: the server says the arguments are wrong
 _CONNECTION_CLOSED = -32000  # the SDK's code for a request whose connection went away
-
-
-# ---- the spec file ----------------------------------------------------------------------
-class McpServerSpec(StrictModel):
-    """Where the server is: a command to start (stdio) or a URL (streamable HTTP)."""
-
-    command: list[str] | None = None
-    """The stdio server's command and arguments, e.g. ``[mcp-server-sqlite, --db-path, x.db]``."""
-    env: dict[str, str] = Field(default_factory=dict)
-    """Added to the environment the stdio server is started with."""
-    cwd: str | None = None
-    url: str | None = None
-    """A streamable HTTP server's endpoint, e.g. ``http://127.0.0.1:8000/mcp``."""
-    headers: dict[str, str] = Field(default_factory=dict)
-
-    @model_validator(mode="after")
-    def _one_transport(self) -> McpServerSpec:
-        if (self.command is None) == (self.url is None):
-            raise ValueError("give exactly one of 'command' (stdio) or 'url' (streamable HTTP)")
-        if self.command is not None and not self.command:
-            raise ValueError("'command' is empty")
-        return self
-
-
-class McpToolSpec(StrictModel):
-    bind: dict[str, JsonValue] = Field(default_factory=dict)
-    """Arguments the environment sets on every call of this tool (hidden from the policy)."""
-
-
-class McpTasksSpec(StrictModel):
-    prompt: str
-    """The opening user message of task ``i``; ``{index}`` and ``{task_id}`` are replaced."""
-    params: dict[str, JsonValue] = Field(default_factory=dict)
-
-
-class McpSetupCall(StrictModel):
-    tool: str
-    arguments: dict[str, JsonValue] = Field(default_factory=dict)
-
-
-class McpSpec(StrictModel):
-    """The spec file ``mcp:<path>`` names (YAML)."""
-
-    name: Annotated[str, Field(pattern=r"^[A-Za-z_][\w-]*$")] | None = None
-    """What task ids start with; the file's stem by default."""
-    server: McpServerSpec
-    tools: dict[str, McpToolSpec] | None = None
-    """The server's tools the policy sees (all of them when absent), with bound arguments."""
-    setup: list[McpSetupCall] = Field(default_factory=list)
-    """Calls made once per connection before any episode's (idempotent: every process runs them)."""
-    tasks: McpTasksSpec
-    verify: Annotated[str, Field(pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")] | None = None
-    meta_key: str = META_KEY
-    timeout_s: Annotated[float, Field(gt=0, le=3600)] = 30.0
-    """Bound on starting the server and on each call."""
-
-
-def load_spec(ref: str) -> tuple[McpSpec, Path]:
-    path = Path(ref.removeprefix(PREFIX))
-    where = f"environment {ref!r}"
-    try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise ConfigError(f"{where}: cannot read {path} ({exc.strerror or exc})") from None
-    except yaml.YAMLError as exc:
-        raise ConfigError(f"{where}: {path} is not YAML ({' '.join(str(exc).split())})") from None
-    try:
-        return McpSpec.model_validate(data), path
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        loc = ".".join(str(p) for p in err["loc"]) or "top level"
-        raise ConfigError(f"{where}: {path}: key '{loc}': {err['msg']}") from None
-
-
-# ---- the connection ---------------------------------------------------------------------
-def _describe(exc: BaseException) -> str:
-    """One line for an exception, looking inside the exception groups anyio raises."""
-    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
-        exc = exc.exceptions[0]
-    if type(exc) is ConnectionError:  # ours: already says what happened
-        return " ".join(str(exc).split())[:300]
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    return f"{type(exc).__name__}: {text}"[:300]
-
-
-class McpConnection:
-    """One client session to the server, held open by a task on the loop that opened it
-    (the SDK's transports are context managers entered and left in one task)."""
-
-    def __init__(self, spec: McpSpec, where: str) -> None:
-        self.spec = spec
-        self.where = where
-        self._session: Any = None
-        self._current: Any = None
-        """The session last opened (kept after it ends: :meth:`drop` compares with it)."""
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._opening: asyncio.Future[None] | None = None
-        self._closing: asyncio.Event | None = None
-        self._task: asyncio.Task[None] | None = None
-        self.broken: str | None = None
-
-    async def _transport(self, stack: AsyncExitStack) -> tuple[Any, Any]:
-        """The read and write streams to the server, closed with ``stack``."""
-        from mcp.client.stdio import StdioServerParameters, stdio_client
-
-        server = self.spec.server
-        if server.command is not None:
-            params = StdioServerParameters(
-                command=find_command(server.command[0]),
-                args=server.command[1:],
-                env={**_default_env(), **server.env},
-                cwd=server.cwd,
-            )
-            read, write = await stack.enter_async_context(stdio_client(params))
-            return read, write
-        import httpx
-        from mcp.client.streamable_http import streamable_http_client
-
-        assert server.url is not None
-        client = await stack.enter_async_context(
-            httpx.AsyncClient(
-                headers=server.headers,
-                timeout=httpx.Timeout(self.spec.timeout_s),
-                follow_redirects=True,
-            )
-        )
-        streams = await stack.enter_async_context(
-            streamable_http_client(server.url, http_client=client)
-        )
-        return streams[0], streams[1]
-
-    async def _hold(self, opened: asyncio.Future[None], closing: asyncio.Event) -> None:
-        from mcp import ClientSession
-
-        try:
-            async with AsyncExitStack() as stack:
-                read, write = await self._transport(stack)
-                timeout = timedelta(seconds=self.spec.timeout_s)
-                async with ClientSession(read, write, read_timeout_seconds=timeout) as session:
-                    await session.initialize()
-                    self._session = self._current = session
-                    opened.set_result(None)
-                    await closing.wait()
-        except BaseException as exc:  # reported to the waiting caller, then raised again
-            self.broken = _describe(exc)
-            if not opened.done():
-                opened.set_exception(ConnectionError(self.broken))
-            if not isinstance(exc, Exception):
-                raise
-        finally:
-            self._session = None
-
-    async def session(self) -> Any:
-        """The open session (opened now if need be); ConnectionError saying why not."""
-        loop = asyncio.get_running_loop()
-        # First use, a new loop (a test's asyncio.run), or the last connection ended (the
-        # server exited or hung up: the calls it had fail, later ones start it again).
-        if self._loop is not loop or (self._task is not None and self._task.done()):
-            self._loop, self._session, self.broken = loop, None, None
-            self._opening = loop.create_future()
-            self._closing = asyncio.Event()
-            self._task = loop.create_task(self._hold(self._opening, self._closing))
-        assert self._opening is not None
-        try:
-            await asyncio.wait_for(asyncio.shield(self._opening), self.spec.timeout_s)
-        except TimeoutError:
-            raise ConnectionError(f"no answer within {self.spec.timeout_s:g} s") from None
-        if self._session is None:
-            raise ConnectionError(self.broken or "the connection closed")
-        return self._session
-
-    async def drop(self, session: Any) -> None:
-        """Close ``session`` if it is still the current one (a call found it broken; the
-        other calls that failed with it must not close the one opened since)."""
-        if session is self._current:
-            await self.close()
-
-    async def close(self) -> None:
-        """End the session (a stdio server gets its end of input and exits); the next
-        :meth:`session` opens a new one."""
-        task, self._task = self._task, None
-        if self._closing is not None and task is not None:
-            self._closing.set()
-            await asyncio.wait([task], timeout=self.spec.timeout_s)
-        self._loop = self._session = None
-
-
-def find_command(command: str) -> str:
-    """``command`` as found on PATH, else beside the Python running rollpoint (a script
-    installed in its virtual environment, not activated); ConnectionError when neither."""
-    if os.sep in command or shutil.which(command) is not None:
-        return command
-    beside = Path(sys.executable).parent / command
-    if beside.is_file() and os.access(beside, os.X_OK):
-        return str(beside)
-    raise ConnectionError(f"command {command!r} not found on PATH nor in {beside.parent}")
-
-
-def _default_env() -> dict[str, str]:
-    from mcp.client.stdio import get_default_environment
-
-    env: dict[str, str] = get_default_environment()
-    return env
-
-
-def list_server_tools(spec: McpSpec, where: str) -> list[Any]:
-    """The server's tools (``mcp.types.Tool``), asked once on a loop of our own in a thread
-    (a caller may be inside a running loop); ConfigError in one line when that fails."""
-    found: list[Any] = []
-    failed: list[str] = []
-
-    async def ask() -> None:
-        connection = McpConnection(spec, where)
-        try:
-            session = await connection.session()
-            cursor = None
-            while True:
-                page = await session.list_tools(cursor=cursor)
-                found.extend(page.tools)
-                cursor = page.nextCursor
-                if not cursor:
-                    break
-        except Exception as exc:
-            failed.append(_describe(exc))
-        finally:
-            await connection.close()
-
-    thread = threading.Thread(target=lambda: asyncio.run(ask()), name="rollpoint-mcp-probe")
-    thread.start()
-    thread.join()
-    if failed:
-        server = spec.server.url or " ".join(spec.server.command or ())
-        raise ConfigError(f"{where}: MCP server '{server}' cannot be used: {failed[0]}")
-    return found
 
 
 # ---- the environment --------------------------------------------------------------------

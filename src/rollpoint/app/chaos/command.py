@@ -11,9 +11,12 @@ and what its workdir holds (snapshots published and failed). :class:`ChaosTally`
 trials into one table and one JSON object.
 
 Between two runs it damages the trial's newest snapshot when the plan says so
-(:mod:`rollpoint.testing.snapshot_damage`). After a trial whose policy corrupted calls it
-adds the engine-data checks (:mod:`rollpoint.app.chaos.engine_checks`). It does not apply the in-process faults (the
-trial process does) and draws no plan itself.
+(:mod:`rollpoint.app.chaos.between_runs`, with :mod:`rollpoint.testing.snapshot_damage`).
+After a trial whose policy corrupted calls it adds the engine-data checks
+(:mod:`rollpoint.app.chaos.engine_checks`). It does not apply the in-process faults (the
+trial process does) and draws no plan itself. A trial process seen from outside (its
+start, its event lines, its process group) is :mod:`rollpoint.app.chaos.launch`'s; its
+store watched while a run goes, :mod:`rollpoint.app.chaos.store_watch`'s.
 Trials run one after another, or ``--jobs`` of them at once: each is a whole job with its
 servers, in its own folder, on free ports.
 """
@@ -28,21 +31,26 @@ import signal
 import sys
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
 import orjson
 import yaml
-from pydantic import ValidationError
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from rollpoint.app.chaos.between_runs import damage_between
 from rollpoint.app.chaos.draw import draw_plans
 from rollpoint.app.chaos.engine_checks import check_engine_data
+from rollpoint.app.chaos.launch import (
+    GONE_WAIT_S,
+    LiveRun,
+    kill_group,
+    read_events,
+    start_trial,
+    wait_group_gone,
+)
 from rollpoint.app.chaos.plan import (
-    COMMIT_WAIT_S,
-    JOURNAL_DAMAGES,
     MAX_RERUNS,
     OVERSIZED_CAP,
     PACK_DAMAGE_AFTER,
@@ -54,6 +62,7 @@ from rollpoint.app.chaos.plan import (
     trial_store,
     trial_store_folder,
 )
+from rollpoint.app.chaos.store_watch import Published, journal_commit
 from rollpoint.app.chaos.tally import ChaosTally, RunRecord, TrialOutcome
 from rollpoint.app.config import RunConfig, load_config
 from rollpoint.job.tasks import load_tasks_for
@@ -62,19 +71,8 @@ from rollpoint.protocol.errors import ConfigError, LaunchError, RollpointError
 from rollpoint.store.snapshot_store import SnapshotStore
 from rollpoint.store.workdir_lock import LOCK_NAME
 from rollpoint.testing import invariants
-from rollpoint.testing.faulty_store import heal
 from rollpoint.testing.invariants import Invariant, RewardScope, Violation
-from rollpoint.testing.journal_damage import NothingToDamage as NoJournalToDamage
-from rollpoint.testing.journal_damage import damage_journal
-from rollpoint.testing.snapshot_damage import (
-    Damage,
-    NothingToDamage,
-    damage_newest,
-    damage_shared_pack,
-)
 
-_GONE_WAIT_S = 5.0
-_PUBLISHED_POLL_S = 0.05
 _SECOND_RUN_WAIT_S = 60.0
 """A second run on a locked workdir is refused within seconds (its imports, its lock)."""
 _BUSY = "is in use by"
@@ -82,15 +80,6 @@ _BUSY = "is in use by"
 _OTHER_JOB = "give each job its own snapshot.store"
 """What the refusal of another job on a snapshot store says (rollpoint.store.job_identity)."""
 _SERVE_START_S = 120.0
-
-
-@dataclass
-class _Run:
-    """A trial process while it runs."""
-
-    process: asyncio.subprocess.Process
-    record: RunRecord
-    up: asyncio.Event = field(default_factory=asyncio.Event)
 
 
 class ChaosRunner:
@@ -116,7 +105,7 @@ class ChaosRunner:
                 async with self._servers_apart(plan, stderr) as plan:
                     for run in range(MAX_RERUNS + 1):
                         this = plan.model_copy(update={"run": run})
-                        runs.append(await self._run(this, stderr, before=self._between(this)))
+                        runs.append(await self._run(this, stderr, before=damage_between(this)))
                         if runs[-1].returncode == 0:
                             break
             except LaunchError as exc:
@@ -227,55 +216,25 @@ class ChaosRunner:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(process.pid, signal.SIGTERM)
             try:
-                async with asyncio.timeout(_GONE_WAIT_S):
+                async with asyncio.timeout(GONE_WAIT_S):
                     await process.wait()
             except TimeoutError:
-                _kill_group(process.pid)
+                kill_group(process.pid)
                 await process.wait()
-            _kill_group(process.pid)  # a server that outlived serve itself
-            await asyncio.to_thread(_wait_group_gone, process.pid)
-
-    def _between(self, plan: TrialPlan) -> list[TrialEvent]:
-        """Apply the faults on the trial's folder planned before this run: what happened,
-        as the events the run's record starts with."""
-        # A trial process killed while the disk was full left it full: it has room again.
-        heal(trial_store_folder(plan))
-        events = []
-        for fault in plan.before_run():
-            now = time.time()
-            try:
-                if fault.kind is ChaosFault.PACK_DAMAGE:
-                    done = damage_shared_pack(trial_store_folder(plan), fault.how or "flip")
-                elif fault.kind in JOURNAL_DAMAGES:
-                    done = damage_journal(
-                        trial_store_folder(plan), JOURNAL_DAMAGES[fault.kind], fault.participant
-                    )
-                else:
-                    done = damage_newest(trial_store_folder(plan), fault.damage or Damage.FILE)
-            except (NothingToDamage, NoJournalToDamage) as exc:
-                events.append(
-                    TrialEvent(event="missed", ts=now, detail=fault.describe(), reason=str(exc))
-                )
-                continue
-            for event in ("fault", "over"):
-                events.append(
-                    TrialEvent(
-                        event=event, ts=now, kind=fault.kind, detail=fault.describe(), reason=done
-                    )
-                )
-        return events
+            kill_group(process.pid)  # a server that outlived serve itself
+            await asyncio.to_thread(wait_group_gone, process.pid)
 
     async def _run(
         self, plan: TrialPlan, stderr: IO[bytes], *, before: list[TrialEvent]
     ) -> RunRecord:
-        process = await _start_trial(plan, stdout=asyncio.subprocess.PIPE, stderr=stderr)
+        process = await start_trial(plan, stdout=asyncio.subprocess.PIPE, stderr=stderr)
         kills = plan.kills()
         record = RunRecord(run=plan.run, started_at=time.time(), events=list(before))
         if kills:
             record.kill = kills[0].kind
-        live = _Run(process, record)
-        helpers = [asyncio.create_task(self._read(live, plan.workdir / "events.jsonl"))]
-        published = _Published(trial_store_folder(plan))
+        live = LiveRun(process, record)
+        helpers = [asyncio.create_task(read_events(live, plan.workdir / "events.jsonl"))]
+        published = Published(trial_store_folder(plan))
         # A shared records file damaged before the next run: once the store keeps a fallback.
         damaged_next = any(
             f.kind is ChaosFault.PACK_DAMAGE and f.run == plan.run + 1 for f in plan.faults
@@ -293,33 +252,16 @@ class ChaosRunner:
         finally:
             # Whatever is left of the group goes: servers of a killed or hung run, or of
             # this one when the chaos run itself is interrupted.
-            _kill_group(process.pid)
+            kill_group(process.pid)
             await process.wait()
             for task in helpers[1:]:
                 task.cancel()
             await asyncio.gather(*helpers, return_exceptions=True)
-            await asyncio.to_thread(_wait_group_gone, process.pid)
+            await asyncio.to_thread(wait_group_gone, process.pid)
         live.record.returncode = process.returncode
         return live.record
 
-    async def _read(self, live: _Run, events_file: Path) -> None:
-        """Collect the trial's event lines (and keep them beside its workdir)."""
-        assert live.process.stdout is not None
-        with events_file.open("ab") as keep:
-            while raw := await live.process.stdout.readline():
-                try:
-                    event = TrialEvent.model_validate_json(raw)
-                except ValidationError:
-                    continue  # a line torn by the kill
-                line = {"run": live.record.run} | event.model_dump(
-                    mode="json", exclude_defaults=True
-                )
-                keep.write(orjson.dumps(line) + b"\n")
-                live.record.events.append(event)
-                if event.event == "up":
-                    live.up.set()
-
-    async def _second_run_at(self, live: _Run, plan: TrialPlan, fault: PlannedFault) -> None:
+    async def _second_run_at(self, live: LiveRun, plan: TrialPlan, fault: PlannedFault) -> None:
         """Start the same run again on the trial's workdir while the first one runs (for a
         ``lock_tamper``, once its lock file was deleted or replaced), or another job on
         its snapshot store (``second_job``); it must be refused at once, naming the
@@ -341,7 +283,7 @@ class ChaosRunner:
                 store_of=plan.workdir,
             )
             second_plan.workdir.mkdir(exist_ok=True)
-        second = await _start_trial(
+        second = await start_trial(
             second_plan, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.PIPE
         )
         struck = time.time()
@@ -351,7 +293,7 @@ class ChaosRunner:
         except TimeoutError:
             err = b""
         finally:
-            _kill_group(second.pid)
+            kill_group(second.pid)
             await second.wait()
         said = err.decode(errors="replace").strip().splitlines()
         refused = second.returncode not in (0, None, -signal.SIGKILL) and any(
@@ -377,7 +319,7 @@ class ChaosRunner:
             )
 
     async def _kill_at(
-        self, live: _Run, fault: PlannedFault, published: _Published, at_least: int
+        self, live: LiveRun, fault: PlannedFault, published: Published, at_least: int
     ) -> None:
         """The plan's kill, at its moment; not before ``at_least`` snapshots of any kind
         were published by this run."""
@@ -386,91 +328,10 @@ class ChaosRunner:
         await published.wait_for(at_least, with_episodes=False)
         await asyncio.sleep(fault.at_s)
         if fault.kind is ChaosFault.JOURNAL_COMMIT_KILL:
-            live.record.in_commit = await _journal_commit(published.store, live)
+            live.record.in_commit = await journal_commit(published.store, live)
         if live.process.returncode is None:
-            _kill_group(live.process.pid)
+            kill_group(live.process.pid)
             live.record.killed_at = time.time()
-
-
-_COMMIT_POLL_S = 0.0005
-
-
-async def _journal_commit(store: Path, live: _Run) -> bool:
-    """Return True as soon as a journal segment in ``store`` grows (a group commit's
-    records are being written), or a new one appears; False after :data:`COMMIT_WAIT_S`,
-    or once the run has ended. Polled (``stat``), not awaited: the kill must land within
-    the commit's write and fsync, before its callers are answered."""
-
-    def sizes() -> dict[Path, int]:
-        found = {}
-        for path in store.glob("journal/*/*/segment-*.rpj"):
-            with contextlib.suppress(OSError):
-                found[path] = path.stat().st_size
-        return found
-
-    before = sizes()
-    deadline = time.monotonic() + COMMIT_WAIT_S
-    while live.process.returncode is None and time.monotonic() < deadline:
-        await asyncio.sleep(_COMMIT_POLL_S)
-        now = sizes()
-        if any(size > before.get(path, 0) for path, size in now.items()):
-            return True
-        before = now
-    return False
-
-
-class _Published:
-    """The snapshots with saved episodes (or, in journal mode, journaled tries) a run
-    publishes in a trial's store, seen from outside its process
-    (``PlannedFault.after_snapshots``)."""
-
-    def __init__(self, store: Path) -> None:
-        self.store = store
-        self._manifests = store / "snapshots"
-        self._before = {p.parent.name for p in self._manifests.glob("*/manifest.json")}
-        self._seen: set[str] = set()
-        self._any: set[str] = set()
-
-    def _look(self) -> None:
-        for path in self._manifests.glob("*/manifest.json"):
-            name = path.parent.name
-            if name in self._before or name in self._seen:
-                continue
-            self._any.add(name)
-            try:
-                doc = orjson.loads(path.read_bytes())
-                # A journal-mode snapshot saves no episode: it lists its tries in flight
-                # as journaled (snapshot.mode: journal), the state a fault acts on then.
-                if doc["episodes"] or doc.get("journaled"):
-                    self._seen.add(name)
-            except (OSError, ValueError, KeyError):
-                continue  # pruned meanwhile, or not ours to judge: looked at again
-
-    async def wait_for(self, count: int, *, with_episodes: bool = True) -> None:
-        """Until this run has published ``count`` snapshots with saved episodes (or of
-        any kind; retention may have pruned some since: each is counted once seen)."""
-        seen = self._seen if with_episodes else self._any
-        while len(seen) < count:
-            self._look()
-            if len(seen) < count:
-                await asyncio.sleep(_PUBLISHED_POLL_S)
-
-
-async def _start_trial(
-    plan: TrialPlan, *, stdout: int, stderr: int | IO[bytes]
-) -> asyncio.subprocess.Process:
-    """One trial process for ``plan``, in a session of its own (its servers join its group)."""
-    return await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "rollpoint.app.chaos.trial",
-        plan.model_dump_json(),
-        stdin=asyncio.subprocess.DEVNULL,
-        stdout=stdout,
-        stderr=stderr,
-        start_new_session=True,
-        env={**os.environ, "NO_COLOR": "1"},
-    )
 
 
 def _damaged_pack_named(plan: TrialPlan, runs: list[RunRecord]) -> list[Violation]:
@@ -513,33 +374,6 @@ def _tamper_lock(workdir: Path, how: str) -> None:
     other = workdir / f"{LOCK_NAME}.chaos"
     other.write_text("0\n")
     other.replace(lock)
-
-
-def _kill_group(pgid: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(pgid, signal.SIGKILL)
-
-
-def _wait_group_gone(pgid: int) -> None:
-    """Until no process of group ``pgid`` is left (Linux: /proc), so the next run never
-    meets the last one's servers still writing."""
-    deadline = time.monotonic() + _GONE_WAIT_S
-    while _group_members(pgid) and time.monotonic() < deadline:
-        time.sleep(0.02)
-
-
-def _group_members(pgid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").glob("[0-9]*"):
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # The command name may hold spaces or parentheses: fields start after the last ')'.
-        fields = stat[stat.rfind(")") + 2 :].split()
-        if fields[0] != "Z" and int(fields[2]) == pgid:
-            found.append(int(entry.name))
-    return found
 
 
 # --- the command ---------------------------------------------------------------------------

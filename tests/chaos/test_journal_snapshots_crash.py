@@ -127,7 +127,7 @@ async def test_a_participant_killed_between_its_checkpoint_and_the_publication(
         assert coordinator is not None
         run = asyncio.create_task(h.trainer.run())
         # As ``rollpoint run`` does: a replica whose processes die is restarted and the
-        # trainer told (the job's own wiring, app/job.py).
+        # trainer told (the job's own wiring, rollpoint/job/run.py).
         watch = asyncio.create_task(
             h.runtime.supervise(h.trainer.replica_down, h.trainer.replica_up)
         )
